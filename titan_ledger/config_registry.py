@@ -1,0 +1,91 @@
+"""titan_ledger's config functions (``--module titan_ledger --config NAME``).
+
+Design decision: derive from torchtitan's llama3 registry rather than restating
+models and optimizers. Each function takes torchtitan's config and re-homes it in
+``LedgerTrainer.Config`` (same fields plus ``ledger``), then changes only what
+titan_ledger needs: the bundled corpus/tokenizer for the debug configs, and the
+CPU-rehearsal defaults (fp32, no activation checkpointing, no validator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from titan_ledger import backend
+
+backend.ensure_installed()
+
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
+from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from titan_ledger.trainer import LedgerTrainer  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+CORPUS_DIR = ASSETS / "corpus"
+TOKENIZER_DIR = ASSETS / "tokenizer"
+
+
+def as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
+    """Re-home a torchtitan ``Trainer.Config`` in ``LedgerTrainer.Config``."""
+    return LedgerTrainer.Config(
+        **{f.name: getattr(base, f.name) for f in fields(Trainer.Config) if f.init}
+    )
+
+
+def _use_bundled_data(config: LedgerTrainer.Config) -> None:
+    # torchtitan's "c4_test" loader is `load_dataset(<folder>, split="train")`
+    # reading sample["text"]: exactly the bundled JSONL corpus.
+    config.hf_assets_path = str(TOKENIZER_DIR)
+    config.dataloader = HuggingFaceTextDataLoader.Config(
+        dataset="c4_test", dataset_path=str(CORPUS_DIR)
+    )
+
+
+def debug_cpu() -> LedgerTrainer.Config:
+    """llama3 debug model (6 layers, dim 256, vocab 2048) on the bundled corpus.
+
+    Sized for the CPU rehearsal backend: fp32 everywhere (signals compare exactly
+    with an unsharded model), seq_len 256, 4 rows per DP rank, no activation
+    checkpointing, no validation, checkpoints only when enabled.
+    """
+    config = as_ledger_config(llama3.llama3_debugmodel())
+    _use_bundled_data(config)
+    config.dump_folder = "./outputs/debug_cpu"
+    config.training.seq_len = 256
+    config.training.local_batch_size = 4
+    config.training.steps = 20
+    config.training.mixed_precision_param = "float32"
+    config.training.disable_cuda_graphs = True
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    config.parallelism.pipeline_parallel_microbatch_size = 2
+    config.activation_checkpoint = None  # the `activation-checkpoint:none` choice
+    config.validator.enable = False
+    config.checkpoint.enable = False
+    config.checkpoint.interval = 10
+    config.metrics.log_freq = 1
+    config.debug.seed = 0
+    return config
+
+
+def llama3_debugmodel() -> LedgerTrainer.Config:
+    """torchtitan's llama3 debug model, bundled corpus/tokenizer, GPU defaults."""
+    config = as_ledger_config(llama3.llama3_debugmodel())
+    _use_bundled_data(config)
+    return config
+
+
+def llama3_8b() -> LedgerTrainer.Config:
+    """torchtitan's Llama 3.1 8B recipe (FSDP, C4) under LedgerTrainer."""
+    return as_ledger_config(llama3.llama3_8b())
+
+
+def llama3_70b() -> LedgerTrainer.Config:
+    """torchtitan's Llama 3.1 70B recipe (FSDP + TP 8) under LedgerTrainer."""
+    return as_ledger_config(llama3.llama3_70b())
+
+
+def llama3_405b() -> LedgerTrainer.Config:
+    """torchtitan's Llama 3.1 405B recipe (FSDP + TP 8, float8, compile)."""
+    return as_ledger_config(llama3.llama3_405b())
