@@ -9,7 +9,7 @@ CPU-rehearsal defaults (fp32, no activation checkpointing, no validator).
 
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
 from pathlib import Path
 
 from titan_ledger import backend
@@ -27,10 +27,10 @@ CORPUS_DIR = ASSETS / "corpus"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 
-def as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
+def _as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
     """Re-home a torchtitan ``Trainer.Config`` in ``LedgerTrainer.Config``."""
     return LedgerTrainer.Config(
-        **{f.name: getattr(base, f.name) for f in fields(Trainer.Config) if f.init}
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
     )
 
 
@@ -50,7 +50,7 @@ def debug_cpu() -> LedgerTrainer.Config:
     with an unsharded model), seq_len 256, 4 rows per DP rank, no activation
     checkpointing, no validation, checkpoints only when enabled.
     """
-    config = as_ledger_config(llama3.llama3_debugmodel())
+    config = _as_ledger_config(llama3.llama3_debugmodel())
     _use_bundled_data(config)
     config.dump_folder = "./outputs/debug_cpu"
     config.training.seq_len = 256
@@ -71,21 +71,21 @@ def debug_cpu() -> LedgerTrainer.Config:
 
 def llama3_debugmodel() -> LedgerTrainer.Config:
     """torchtitan's llama3 debug model, bundled corpus/tokenizer, GPU defaults."""
-    config = as_ledger_config(llama3.llama3_debugmodel())
+    config = _as_ledger_config(llama3.llama3_debugmodel())
     _use_bundled_data(config)
     return config
 
 
 def llama3_8b() -> LedgerTrainer.Config:
     """torchtitan's Llama 3.1 8B recipe (FSDP, C4) under LedgerTrainer."""
-    return as_ledger_config(llama3.llama3_8b())
+    return _as_ledger_config(llama3.llama3_8b())
 
 
 def llama3_70b() -> LedgerTrainer.Config:
     """torchtitan's Llama 3.1 70B recipe (FSDP + TP 8) under LedgerTrainer."""
-    return as_ledger_config(llama3.llama3_70b())
+    return _as_ledger_config(llama3.llama3_70b())
 
 
 def llama3_405b() -> LedgerTrainer.Config:
     """torchtitan's Llama 3.1 405B recipe (FSDP + TP 8, float8, compile)."""
-    return as_ledger_config(llama3.llama3_405b())
+    return _as_ledger_config(llama3.llama3_405b())

@@ -26,8 +26,9 @@ from torchtitan.protocols.module import Module
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` positions -> ``[B, 1, L, L]`` bool mask, True where q may attend k.
 
-    A document starts wherever ``positions == 0``; a row that starts mid-document
-    (positions[0] > 0) treats its leading tokens as one document, as Flex does.
+    A document starts wherever ``positions == 0``. torchtitan's dataloaders start
+    every row at 0 (a row that begins mid-document is renormalised), which is the
+    input Flex's packed-document mask is defined for.
     """
     if positions.dim() != 2:
         raise ValueError(f"positions must be [batch, seq], got shape {tuple(positions.shape)}")

@@ -232,16 +232,24 @@ def _check_type(value: Any, ann: Any, where: str) -> None:
         if value not in choices:
             raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(map(repr, choices))}")
         return
-    ok = _SIMPLE.get(ann)
-    if ok is None:
-        return  # unions, containers: tyro decides
-    if isinstance(value, bool) and ann is not bool:
+    members = [a for a in typing.get_args(ann) if a is not type(None)] if _is_union(ann) else [ann]
+    if not members or not all(m in _SIMPLE for m in members):
+        return  # containers, nested unions: tyro decides
+    ok = tuple(t for m in members for t in _SIMPLE[m])
+    if isinstance(value, bool) and bool not in members:
         ok = ()
     if not isinstance(value, ok):
+        expected = " or ".join(m.__name__ for m in members)
         raise ConfigError(
-            f"{where} = {value!r}: expected {ann.__name__}, got {type(value).__name__}"
-            + (" (quote strings, e.g. key = \"value\")" if ann is str else "")
+            f"{where} = {value!r}: expected {expected}, got {type(value).__name__}"
+            + (" (quote strings, e.g. key = \"value\")" if str in members else "")
         )
+
+
+def _is_union(ann: Any) -> bool:
+    import types as _types
+
+    return typing.get_origin(ann) in (typing.Union, _types.UnionType)
 
 
 def _flag_tokens(path: str, value: Any, ann: Any) -> list[str]:
@@ -401,7 +409,8 @@ def parse(job: Job) -> Any:
     manager = ConfigManager()
     where = job.where("job", "config") if job.config_file else "command line: --config"
     try:
-        base, _ = manager._load_config(["--module", job.module, "--config", job.config])
+        with _quiet_default_warning():
+            base, _ = manager._load_config(["--module", job.module, "--config", job.config])
     except (ImportError, ValueError) as e:
         raise ConfigError(f"{where}: cannot load base config {job.module}.{job.config}: {e}") from None
 
@@ -412,12 +421,34 @@ def parse(job: Job) -> Any:
         return manager.parse_args(argv)  # tyro prints help (TOML values as defaults) and exits
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), _narrow_terminal():
+        with contextlib.redirect_stderr(err), _narrow_terminal(), _quiet_default_warning():
             return manager.parse_args(argv)
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ConfigError(_explain_tyro(err.getvalue(), tr.origins)) from None
+        # A flag given on the command line too is the command line's doing.
+        cli = {a.split("=")[0].lstrip("-").replace("-", "_") for a in job.cli_args if a.startswith("--")}
+        origins = {k: v for k, v in tr.origins.items() if k.replace("-", "_") not in cli}
+        raise ConfigError(_explain_tyro(err.getvalue(), origins)) from None
+
+
+@contextlib.contextmanager
+def _quiet_default_warning():
+    # torchtitan's CheckpointManager.Config warns about its own default
+    # (initial_load_model_only=True) every time a config is built: noise, not news.
+    import logging
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("initial_load_model_only=True has no effect")
+
+    loggers = [logging.getLogger(), logging.getLogger("torchtitan")]
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
 
 
 @contextlib.contextmanager
@@ -441,24 +472,25 @@ def _explain_tyro(text: str, origins: dict[str, str]) -> str:
     """Condense tyro's boxed error into one line naming the TOML key or CLI flag."""
     lines = [_BOX.sub("", ln) for ln in text.splitlines()]
     lines = [ln for ln in lines if ln and not ln.startswith(("For full helptext", "Argument helptext"))]
+    lines = lines[1:]  # the box title only repeats the kind of error
     body = next((ln for ln in lines if ln.startswith(("Error parsing", "Unrecognized", "invalid choice",
                                                        "Missing", "Expected"))), None)
     if body is None:
         body = lines[1] if len(lines) > 1 else (lines[0] if lines else "invalid arguments")
+    hint = ""
     if body.startswith("Unrecognized"):
         idx = lines.index(body)
-        detail = lines[idx + 1] if idx + 1 < len(lines) and not body.rstrip().endswith(("options:", "options")) else ""
-        body = f"{body} {detail}".strip()
-        hint = next((lines[i + 1] for i, ln in enumerate(lines[:-1]) if ln.startswith("Perhaps you meant")), None)
-        if hint:
-            body += f" (did you mean {hint.split()[0].rstrip(',')}?)"
-    flags = re.findall(r"--([A-Za-z0-9_.\-]+)", body)
-    for flag in flags:
+        if body.rstrip().endswith(":") and idx + 1 < len(lines):
+            body = f"{body} {lines[idx + 1]}"
+        close = next((lines[i + 1] for i, ln in enumerate(lines[:-1]) if ln.startswith("Perhaps you meant")), None)
+        if close:
+            hint = f" (did you mean {close.split()[0].rstrip(',')}?)"
+    for flag in re.findall(r"--([A-Za-z0-9_.\-]+)", body):
         key = flag.split("=")[0]
         origin = origins.get(key) or origins.get(key.replace("-", "_"))
         if origin:
-            return f"{origin}: {body}"
-    return f"command line: {body}"
+            return f"{origin}: {body}{hint}"
+    return f"command line: {body}{hint}"
 
 
 def check_world_size(config: Any, world_size: int) -> None:
