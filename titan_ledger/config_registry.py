@@ -16,7 +16,12 @@ from titan_ledger import backend
 
 backend.ensure_installed()
 
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.quantization import Float8LinearConverter  # noqa: E402
+from torchtitan.config import CompileConfig, TrainingConfig  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
+from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -87,5 +92,33 @@ def llama3_70b() -> LedgerTrainer.Config:
 
 
 def llama3_405b() -> LedgerTrainer.Config:
-    """torchtitan's Llama 3.1 405B recipe (FSDP + TP 8, float8, compile)."""
-    return _as_ledger_config(llama3.llama3_405b())
+    """torchtitan's Llama 3.1 405B recipe (FSDP + TP 8, float8 linears, compile).
+
+    On the CPU backend (dry runs) float8 is emulated: torchao's real float8 kernels
+    need SM89+, and torchtitan's converter refuses to build without them.
+    """
+    if backend.installed() != "cpu":
+        return _as_ledger_config(llama3.llama3_405b())
+    # Copied from torchtitan.models.llama3.config_registry.llama3_405b.
+    compile_config = CompileConfig(enable=False)  # CHANGED from torchtitan: no compile on CPU
+    model_spec = llama3.model_registry(
+        "405B",
+        converters=[
+            Float8LinearConverter.Config(
+                filter_fqns=["lm_head"],
+                model_compile_enabled=False,
+                emulate=True,  # CHANGED from torchtitan: CPU has no float8 kernels
+            ),
+        ],
+    )
+    config = _as_ledger_config(llama3.llama3_70b())  # CHANGED: same recipe fields as 405B below
+    config.model_spec = model_spec
+    config.loss = ChunkedLossWrapper.Config(
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
+    )
+    config.hf_assets_path = "./assets/hf/Llama-3.1-405B"
+    config.optimizer = default_adamw(lr=8e-5)
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=600)
+    config.training = TrainingConfig(local_batch_size=2, seq_len=8192, steps=3000)
+    config.compile = compile_config
+    return config

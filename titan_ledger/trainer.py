@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import contextlib
+
 import torch
 
 from titan_ledger import backend
@@ -41,7 +43,12 @@ class LedgerTrainer(Trainer):
         backend.adapt_config(config)
         self._dense_masks = backend.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
-        super().__init__(config)
+        dry_run = config.comm.mode == "fake_backend"
+        if dry_run and config.debug.seed is None:
+            # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
+            config.debug.seed = 0
+        with _meta_materialization() if dry_run else contextlib.nullcontext():
+            super().__init__(config)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
@@ -55,3 +62,23 @@ class LedgerTrainer(Trainer):
                 )
             extra_kwargs["attention_masks"] = document_causal_mask(positions)
         return inputs, labels, extra_kwargs
+
+
+@contextlib.contextmanager
+def _meta_materialization():
+    """Dry run: build every shard on the meta device instead of allocating it.
+
+    torchtitan's fake backend moves no data, so real weights would only cost time
+    (initialising 70B / 64 ranks of fp32 takes many minutes on a CPU). Trainer
+    reads ``utils.device_type`` when it picks the init device; pointing it at
+    "meta" for the duration of ``__init__`` keeps every other step real: meshes,
+    TP/FSDP/PP wrapping, init functions, optimizer, dataloader, checkpointer.
+    """
+    import torchtitan.tools.utils as tt_utils
+
+    saved = tt_utils.device_type
+    tt_utils.device_type = "meta"
+    try:
+        yield
+    finally:
+        tt_utils.device_type = saved

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Single node: launch/run.sh [NPROC] --job.config_file train_configs/X.toml [--section.key value ...]
+#
+# NPROC defaults to the number of visible GPUs, or 2 on a machine without one
+# (the CPU rehearsal backend). Extra arguments go to titan_ledger.train.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$1; shift; else
+  NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+# One intra-op thread per rank on CPU: ranks share the cores.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+exec torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" \
+  -m titan_ledger.train "$@"

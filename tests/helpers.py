@@ -1,0 +1,114 @@
+"""Shared helpers for the multi-process and end-to-end tests: real torchrun, real files."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "train_configs"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        TITAN_LEDGER_DEVICE="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        WANDB_MODE="offline",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(nproc),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+        "-m", "titan_ledger.train", *args,
+    ]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N -m titan_ledger.train ARGS`` on localhost."""
+    return subprocess.run(_torchrun_cmd(args, nproc), cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun_popen(args: list[str], nproc: int = 2, **env) -> subprocess.Popen:
+    """Start torchrun in its own process group (so a test can SIGKILL every rank)."""
+    return subprocess.Popen(_torchrun_cmd(args, nproc), cwd=ROOT, env=child_env(**env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill9_tree(pid: int) -> list[int]:
+    """SIGKILL a process and all its descendants at once (torchrun starts each rank
+    in a session of its own, so killing torchrun's process group is not enough)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def train_cli(args: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    """``python -m titan_ledger.train ARGS`` without torchrun (config errors, dry runs)."""
+    return subprocess.run([sys.executable, "-m", "titan_ledger.train", *args], cwd=ROOT,
+                          env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\n--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-6000:]}"
+
+
+def read_tb(folder: Path, tag: str = "loss_metrics/global_avg_loss") -> dict[int, float]:
+    """All values of one TensorBoard scalar under ``folder`` (float32, as logged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    for events in sorted(Path(folder).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def logged_losses(text: str) -> dict[int, float]:
+    """Console ``step: N loss: X`` lines (any rank printing a real loss)."""
+    out = {}
+    for m in re.finditer(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+)", _ANSI.sub("", text)):
+        step, loss = int(m.group(1)), float(m.group(2))
+        if loss != -1.0:  # PP stages without the loss print -1
+            out[step] = loss
+    return out

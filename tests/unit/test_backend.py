@@ -1,0 +1,57 @@
+"""The CPU rehearsal backend: device patch, config adaptation (no processes)."""
+
+import pytest
+
+from titan_ledger import backend, config_registry
+from titan_ledger.cpu_attention import CpuAttention
+
+
+def test_torchtitan_sees_cpu_everywhere():
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tt_utils
+
+    assert backend.installed() == "cpu"
+    for mod in (tt_utils, dist_utils, parallel_dims, metrics):
+        assert mod.device_type == "cpu", mod.__name__
+    assert dist_utils.device_module.device_count() == 1
+    assert dist_utils.device_module.get_device_properties(0).total_memory > 0
+
+
+def test_cannot_switch_backend_after_install():
+    with pytest.raises(RuntimeError, match="already installed as 'cpu'"):
+        backend.install("cuda")
+    assert backend.install("cpu") == "cpu"
+
+
+def test_check_names_the_flag():
+    backend.check("auto")
+    backend.check("cpu")
+    with pytest.raises(ValueError, match="--ledger.device cuda"):
+        backend.check("cuda")
+
+
+def test_adapt_config_swaps_attention_and_reduction():
+    config = config_registry.llama3_8b()
+    backend.adapt_config(config)
+    inner = [c for _, c, _, _ in config.model_spec.model.traverse(CpuAttention.Config)]
+    assert len(inner) == 32  # one per layer of the 8B model
+    fn = config.model_spec.parallelize_fn
+    assert fn._titan_ledger_sum_reduction
+    backend.adapt_config(config)  # idempotent: no double wrapping
+    assert config.model_spec.parallelize_fn is fn
+    assert config.training.disable_cuda_graphs and not config.compile.enable
+    assert backend.uses_cpu_attention(config.model_spec.model)
+
+
+def test_config_build_makes_a_ledger_trainer():
+    from titan_ledger.trainer import LedgerTrainer
+
+    config = config_registry.debug_cpu()
+    assert type(config) is LedgerTrainer.Config
+    assert LedgerTrainer.Config._owner is LedgerTrainer
+    assert config.ledger.device == "auto"
+    # every Trainer field survives the re-homing, with the same values
+    base = config_registry.llama3.llama3_debugmodel()
+    assert config.optimizer == base.optimizer and config.lr_scheduler == base.lr_scheduler
