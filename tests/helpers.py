@@ -24,6 +24,8 @@ def child_env(**extra: str) -> dict[str, str]:
         HF_DATASETS_OFFLINE="1",
         HF_HUB_OFFLINE="1",
     )
+    # the venv's torchrun/python first, as for a user who activated it
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(extra)
     return env
 

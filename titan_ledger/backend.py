@@ -11,7 +11,7 @@ The other two CPU gaps are handled where torchtitan has a seam:
 
 * attention: :mod:`titan_ledger.cpu_attention` replaces FlexAttention (no CPU
   backward) in the model config, see :func:`adapt_config`;
-* FSDP reductions: gloo has no ``ReduceOp.PREMUL_SUM``/``AVG``, so the model's
+* FSDP reductions: torchtitan sets FSDP's divide factor to 1, which FSDP2 runs as ``ReduceOp.PREMUL_SUM``; gloo has none, so the model's
   ``parallelize_fn`` is wrapped to switch every FSDP module to sum reduction with
   a post-division (numerically the same average), see :func:`_sum_reduction`.
 

@@ -58,7 +58,7 @@ def test_bad_input_under_torchrun_prints_once(tmp_path):
     assert proc.returncode != 0
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "titan_ledger: error:" in ln]
     assert len(errors) == 1, explain(proc)
-    assert "tensor_parallel=4" in errors[0] and "world size 2" in errors[0]
+    assert "tensor_parallel=4" in errors[0] and "the world size is 2" in errors[0]
 
 
 # --------------------------------------------------------------------------- GPU configs, dry run

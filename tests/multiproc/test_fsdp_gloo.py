@@ -1,6 +1,7 @@
 """FSDP2 over gloo with the rehearsal's SUM reduction equals unsharded gradients.
 
-gloo has no PREMUL_SUM/AVG, which FSDP2 uses by default; ``backend._sum_reduction``
+gloo has no PREMUL_SUM, which FSDP2 uses once torchtitan sets the divide factor to
+1 (the loss is already normalised by global tokens); ``backend._sum_reduction``
 switches every FSDP module to SUM + post-divide. Two real gloo processes each take
 half of a batch; the unsharded reference takes the whole batch in one process.
 """
@@ -38,18 +39,25 @@ def _worker(rank, world, port, out, force_sum):
     mesh = init_device_mesh("cpu", (world,))
 
     def parallelize(model):
+        # as torchtitan does: shard, then no FSDP division (the loss is already
+        # normalised by the global token count), i.e. PREMUL_SUM(1.0)
+        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        disable_fsdp_gradient_division(model)
         return model
 
     model = (_sum_reduction(parallelize) if force_sum else parallelize)(_model())
     x, y = _batch()
     part = slice(rank * 3, rank * 3 + 3)
     try:
-        torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        # local sum / global count, torchtitan's normalisation
+        (torch.nn.functional.mse_loss(model(x[part]), y[part], reduction="sum") / y.numel()).backward()
+        # plain lists: a tensor in a Queue is shared by fd and dies with this process
+        grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
         if rank == 0:
             out.put(("ok", grads))
     except Exception as e:  # noqa: BLE001 - reported to the test
@@ -78,10 +86,10 @@ def test_sum_reduction_matches_unsharded_average():
     x, y = _batch()
     torch.nn.functional.mse_loss(model(x), y).backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(grads[name]), p.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_default_reduction_is_what_gloo_lacks():
-    """Without the wrapper FSDP2 asks gloo for AVG: the reason the wrapper exists."""
+    """Without the wrapper FSDP2 asks gloo for PREMUL_SUM: why the wrapper exists."""
     status, detail = _run(force_sum=False)
-    assert status == "error" and ("AVG" in detail or "PREMUL" in detail or "gloo" in detail.lower()), detail
+    assert status == "error" and "PREMUL_SUM" in detail, detail
