@@ -9,7 +9,7 @@ titan_ledger entry point calls it before importing torchtitan.
 
 The other two CPU gaps are handled where torchtitan has a seam:
 
-* attention: :mod:`titan_ledger.cpu_attention` replaces FlexAttention (no CPU
+* attention: :mod:`titan_ledger.attention` replaces FlexAttention (no CPU
   backward) in the model config, see :func:`adapt_config`;
 * FSDP reductions: torchtitan sets FSDP's divide factor to 1, which FSDP2 runs as ``ReduceOp.PREMUL_SUM``; gloo has none, so the model's
   ``parallelize_fn`` is wrapped to switch every FSDP module to sum reduction with
@@ -163,7 +163,7 @@ def adapt_config(config) -> None:
         return
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-    from titan_ledger.cpu_attention import CpuAttention
+    from titan_ledger.attention import CpuAttention
 
     spec = config.model_spec
     if spec is None:
@@ -200,7 +200,24 @@ def _sum_reduction(parallelize_fn):
     return wrapped
 
 
+def use_max_logit_attention(config) -> None:
+    """GPU: swap FlexAttention for ``LedgerFlexAttention`` (Flex ``max_scores``)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    from titan_ledger.attention import LedgerFlexAttention
+
+    model_cfg = config.model_spec.model
+    for _fqn, cfg, parent, attr in list(model_cfg.traverse(FlexAttention.Config)):
+        if parent is None or isinstance(cfg, LedgerFlexAttention.Config):
+            continue
+        new = LedgerFlexAttention.Config(block_size=cfg.block_size, kernel_options=cfg.kernel_options)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+
+
 def uses_cpu_attention(model_config) -> bool:
-    from titan_ledger.cpu_attention import CpuAttention
+    from titan_ledger.attention import CpuAttention
 
     return any(True for _ in model_config.traverse(CpuAttention.Config))

@@ -1,22 +1,47 @@
-"""The ``[ledger]`` config section: everything titan_ledger adds to a torchtitan run.
+"""The ``[ledger]`` section and the per-step signal ledger.
 
 Design decision: one Configurable component, ``Ledger``, owns the ``ledger``
-section, following torchtitan's pattern (a nested ``@dataclass(kw_only=True,
-slots=True) Config`` whose attribute docstrings become ``--help``). The trainer
-builds it once; the signal, data and spike features hang their settings and
-state here, so ``LedgerTrainer`` stays a thin seam over torchtitan's ``Trainer``.
+config section and all run-time ledger state, following torchtitan's pattern
+(nested ``@dataclass(kw_only=True, slots=True) Config``, attribute docstrings as
+``--help``). ``LedgerTrainer`` calls it at three points of a step: ``begin``,
+``record`` (after the clip, before ``optimizers.step``) and ``drain``.
+
+Cost discipline: per step the ledger adds exactly two collectives over the world
+-- one SUM of a packed fp64 vector (loss sums, token counts, zero counts, param
+and per-layer grad sums of squares) and one MAX of a packed fp32 vector (max
+attention logit) -- and no blocking device->host copy: the results are copied
+``non_blocking`` into pinned memory behind a CUDA event and written when the
+event has completed (usually at the next step). On torchtitan's logging steps,
+which synchronise anyway (``.item()``), pending rows are drained first, so
+loggers always see steps in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import hashlib
+import json
+import math
+import re
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
 
 from torchtitan.config import Configurable
+from torchtitan.tools.logging import logger
+
+from titan_ledger import records
+from titan_ledger.attention import MaxLogitRecorder
+from titan_ledger.signals import ParamPlan, clipped_norm, local_sums, natural_key
 
 
 class Ledger(Configurable):
-    """Run-level ledger settings and state (filled by the signals/data features)."""
+    """Per-step signals: computed on device, reduced packed, written a step late."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
@@ -30,5 +55,280 @@ class Ledger(Configurable):
         (or with the ``TITAN_LEDGER_DEVICE`` environment variable).
         """
 
+        signals: bool = True
+        """Record the signals ledger (<dump_folder>/ledger/signals.jsonl) every step."""
+
+        max_logit: bool = True
+        """Record the max pre-softmax attention logit (Flex max_scores on GPU)."""
+
+        per_layer: bool = False
+        """Also record the pre-clip grad norm of each layer (``grad_norm_per_layer``)."""
+
+        folder: str = "ledger"
+        """Ledger folder, relative to ``dump_folder``."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.enabled = False  # until setup() binds a trainer
+        # consumed counters: checkpointed with the trainer state
+        self.consumed_samples = 0
+        self._consumed_tokens = torch.zeros((), dtype=torch.float64)  # on device after setup
+        self._pending: deque[_Pending] = deque()
+        self._writer: records.RecordWriter | None = None
+        self._rank_writer: records.RecordWriter | None = None
+        self._attn: list[MaxLogitRecorder] = []
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer) -> None:
+        """Bind to a built trainer (after model, optimizer and dataloader exist)."""
+        cfg = self.config
+        self.enabled = cfg.signals
+        if not self.enabled:
+            return
+        pd = trainer.parallel_dims
+        self.device = trainer.device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.max_norm = float(trainer.config.training.max_norm)
+        self.pp = pd.pp if pd.pp_enabled else 1
+        if pd.dp_enabled:
+            bm = pd.get_mesh("batch")
+            self.dp_size, self.dp_rank = bm.size(), bm.get_local_rank()
+        else:
+            self.dp_size, self.dp_rank = 1, 0
+        tp_mesh = pd.get_optional_mesh("tp")
+        tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
+        last_stage = trainer.pp_has_last_stage if pd.pp_enabled else True
+        self.owns_loss = last_stage and tp_rank == 0
+        self.global_batch = (trainer.config.training.local_batch_size * self.dp_size
+                             * trainer.gradient_accumulation_steps)
+
+        named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
+        groups = None
+        if cfg.per_layer:
+            local_groups = ParamPlan.build(named, self.world, self.pp).groups
+            gathered: list[list[str]] = [None] * self.world  # type: ignore[list-item]
+            if dist.is_initialized():
+                dist.all_gather_object(gathered, local_groups)  # once, at setup
+            else:
+                gathered = [local_groups]
+            groups = sorted({g for gs in gathered for g in gs}, key=natural_key)
+        self.plan = ParamPlan.build(named, self.world, self.pp, groups)
+        self._attn = [m for part in trainer.model_parts for m in part.modules()
+                      if isinstance(m, MaxLogitRecorder)]
+        for m in self._attn:
+            m.record_max_logit = cfg.max_logit
+        if pd.pp_enabled:
+            _forget_pp_metadata_inference(trainer.pp_schedule, self._attn)
+
+        folder = Path(trainer.config.dump_folder) / cfg.folder
+        self.folder = folder
+        # one run id for all ranks (rank 0's), agreed once at setup
+        ids = [uuid.uuid4().hex[:12]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(ids, src=0)
+        self.run_id = ids[0]
+        self.config_digest = _digest(trainer.config)
+        self._cuda = self.device.type == "cuda"
+        self._consumed_tokens = self._consumed_tokens.to(self.device)
+
+    def open(self, resumed_from: int) -> None:
+        """Start this run's segment in the ledger files (after checkpoint load)."""
+        if not self.enabled:
+            return
+        header = {"run_id": self.run_id, "config_digest": self.config_digest,
+                  "resumed_from": resumed_from, "world_size": self.world,
+                  "dp_size": self.dp_size, "time": time.time()}
+        if self.rank == 0:
+            self._writer = records.RecordWriter(
+                self.folder / "signals.jsonl",
+                {"schema": records.SIGNALS_SCHEMA, **header,
+                 "keys": list(records.SIGNAL_KEYS),
+                 "per_layer": self.plan.groups if self.config.per_layer else None})
+        if self.owns_loss:
+            self._rank_writer = records.RecordWriter(
+                self.folder / f"rank{self.rank}.jsonl",
+                {"schema": records.RANK_SCHEMA, **header, "rank": self.rank, "dp_rank": self.dp_rank})
+
+    # ------------------------------------------------------------------ per step
+    def record(
+        self,
+        *,
+        step: int,
+        local_loss_sum: torch.Tensor | None,
+        local_tokens: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        step_start: float,
+        data_loading_s: float,
+        skipped: bool = False,
+    ) -> None:
+        """Reduce this step's signals (2 collectives) and queue the row.
+
+        Call after ``clip_grad_norm_`` and before ``optimizers.step()``: zeros and
+        norms are read from the gradients about to be applied.
+        """
+        if not self.enabled:
+            return
+        dev = self.device
+        sums = local_sums(self.plan, self.config.per_layer, dev)
+        # SUM vector: [loss_sum, tokens, loss_sum_by_dp (dp), tokens_by_dp (dp), zeros,
+        #              param_sq, grad_sq (per layer)] in fp64 (exact token/zero counts)
+        dp = self.dp_size
+        loss_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev)
+        tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev)
+        if self.owns_loss and local_loss_sum is not None:
+            loss_by_dp[self.dp_rank] = local_loss_sum.detach().double()
+            tok_by_dp[self.dp_rank] = local_tokens.double()
+        parts = [loss_by_dp, tok_by_dp, sums["num_zeros"].double().reshape(1),
+                 sums["param_sq"].double().reshape(1)]
+        if self.config.per_layer:
+            parts.append(sums["grad_sq"].double())
+        packed_sum = torch.cat(parts)
+        logits = [m.take_max_logit(dev) for m in self._attn]
+        packed_max = (torch.stack(logits).amax() if logits else
+                      torch.tensor(float("-inf"), device=dev)).float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(packed_sum, op=dist.ReduceOp.SUM)
+            dist.all_reduce(packed_max, op=dist.ReduceOp.MAX)
+        # counters advance on device and on the host without waiting for the row
+        self.consumed_samples += self.global_batch
+        self._consumed_tokens = self._consumed_tokens + packed_sum[dp:2 * dp].sum()
+        extra = torch.stack([grad_norm.detach().double(),
+                             clipped_norm(grad_norm.detach(), self.max_norm).double(),
+                             self._consumed_tokens])
+        host = [packed_sum, packed_max, extra]
+        event = None
+        if self._cuda:
+            host = [t.to("cpu", non_blocking=True) for t in host]
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append(_Pending(step, host, event, lr, skipped, time.perf_counter() - step_start,
+                                      data_loading_s, self.consumed_samples))
+
+    def drain(self, block: bool, metrics_logger=None) -> None:
+        """Write every pending row whose device->host copy is done (in step order)."""
+        while self._pending:
+            p = self._pending[0]
+            if p.event is not None and not block and not p.event.query():
+                return
+            if p.event is not None:
+                p.event.synchronize()
+            self._pending.popleft()
+            self._write(p, metrics_logger)
+
+    def _write(self, p: "_Pending", metrics_logger) -> None:
+        dp = self.dp_size
+        s, mx, ex = (t.tolist() for t in p.host)
+        loss_by_dp, tok_by_dp = s[:dp], s[dp:2 * dp]
+        zeros, param_sq = s[2 * dp], s[2 * dp + 1]
+        tokens = sum(tok_by_dp)
+        loss = sum(loss_by_dp) / tokens if tokens else float("nan")
+        local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
+        max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
+                                                 else float("inf")))
+        row = {
+            "step": p.step,
+            "consumed_samples": p.consumed_samples,
+            "consumed_tokens": int(ex[2]),
+            "loss": loss,
+            "loss_max": local_avg[max_rank],
+            "loss_max_rank": max_rank,
+            "grad_norm": ex[0],
+            "grad_norm_clipped": ex[1],
+            "num_zeros": int(zeros),
+            "param_norm": math.sqrt(param_sq),
+            "max_logit": mx[0] if self.config.max_logit else None,
+            "lr": p.lr,
+            "skipped": p.skipped,
+            "step_time_s": p.step_time_s,
+            "data_loading_s": p.data_loading_s,
+        }
+        if self.config.per_layer:
+            row[records.PER_LAYER_KEY] = {
+                g: math.sqrt(v) for g, v in zip(self.plan.groups, s[2 * dp + 2:])}
+        if self._writer is not None:
+            self._writer.write(row)
+        if self._rank_writer is not None:
+            lt = tok_by_dp[self.dp_rank]
+            self._rank_writer.write({"step": p.step, "loss": loss_by_dp[self.dp_rank] / lt if lt else None,
+                                     "tokens": int(lt)})
+        if metrics_logger is not None:
+            metrics_logger.log(_dashboard(row), p.step)
+        if not math.isfinite(loss):
+            self.close()
+            raise RuntimeError(
+                f"titan_ledger: loss is not finite ({loss}) at step {p.step}; the row is in "
+                f"{self.folder / 'signals.jsonl'}. Stopping training."
+            )
+
+    def close(self) -> None:
+        for w in (self._writer, self._rank_writer):
+            if w is not None:
+                w.close()
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        # read at checkpoint time only (a checkpoint save synchronises anyway)
+        return {"consumed_samples": self.consumed_samples,
+                "consumed_tokens": int(self._consumed_tokens.item())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed_samples = int(state.get("consumed_samples", 0))
+        self._consumed_tokens = torch.tensor(float(state.get("consumed_tokens", 0)),
+                                             dtype=torch.float64, device=self._consumed_tokens.device)
+
+
+@dataclass
+class _Pending:
+    step: int
+    host: list[torch.Tensor]
+    event: Any
+    lr: float
+    skipped: bool
+    step_time_s: float
+    data_loading_s: float
+    consumed_samples: int
+
+
+def _forget_pp_metadata_inference(schedule, recorders: list[MaxLogitRecorder]) -> None:
+    """Drop logits seen during PP metadata inference (synthetic activations).
+
+    torch 2.14's pipeline schedules run one real forward/backward on made-up
+    inputs to infer stage shapes, inside the first ``schedule.step()``; the stage
+    then calls ``_post_metadata_inference_cleanup``. We extend that cleanup to
+    forget what the attention recorders saw. Private torch API: if it moves, the
+    PP exactness test fails rather than a wrong max_logit going unnoticed.
+    """
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+        if cleanup is None:
+            continue
+
+        def wrapped(*args, _cleanup=cleanup, **kwargs):
+            try:
+                return _cleanup(*args, **kwargs)
+            finally:
+                for r in recorders:
+                    r.max_logit = None
+
+        stage._post_metadata_inference_cleanup = wrapped
+
+
+def _dashboard(row: dict[str, Any]) -> dict[str, float]:
+    """Row -> ``ledger/<key>`` scalars for torchtitan's TensorBoard / W&B loggers."""
+    out = {}
+    for k, v in row.items():
+        if k == records.PER_LAYER_KEY:
+            out.update({f"ledger/grad_norm_per_layer/{g}": x for g, x in v.items()})
+        elif k != "step" and v is not None:
+            out[f"ledger/{k}"] = float(v)
+    return out
+
+
+def _digest(config) -> str:
+    """SHA-256 of the config, stable across processes (no object addresses)."""
+    blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -2,18 +2,23 @@
 
 Design decision: subclass, do not fork. The subclass redeclares the nested
 ``Config`` (otherwise ``config.build()`` would silently build a plain ``Trainer``),
-adds the ``ledger`` section, and overrides only the hooks torchtitan exposes:
-``__init__`` (adapt the config to the CPU backend before the model is built) and
-``post_dataloading_process`` (dense document mask for the CPU attention). Any
-torchtitan code copied here is marked ``# CHANGED from torchtitan``.
+adds the ``ledger`` section, and overrides the hooks torchtitan exposes:
+``__init__`` (adapt the config to the backend before the model is built),
+``post_dataloading_process`` (dense document mask for the CPU attention),
+``state_dict``/``load_state_dict`` (ledger counters in the checkpoint) and
+``train`` (close the ledger). ``train_step`` has no hook between the clip and
+``optimizers.step()``, which is exactly where the signals must be read, so it is
+copied from torchtitan 0.3.0; every changed spot is marked ``# CHANGED``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import contextlib
 
 import torch
 
@@ -21,9 +26,12 @@ from titan_ledger import backend
 
 backend.ensure_installed()
 
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.cpu_attention import document_causal_mask  # noqa: E402
+from titan_ledger.attention import document_causal_mask  # noqa: E402
 from titan_ledger.ledger import Ledger  # noqa: E402
 
 
@@ -41,14 +49,19 @@ class LedgerTrainer(Trainer):
     def __init__(self, config: Config):
         backend.check(config.ledger.device)
         backend.adapt_config(config)
+        if config.ledger.signals and config.ledger.max_logit:
+            backend.use_max_logit_attention(config)
         self._dense_masks = backend.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
+        self._ledger_open = False
         dry_run = config.comm.mode == "fake_backend"
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
             config.debug.seed = 0
         with _meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
+        if not dry_run:
+            self.ledger.setup(self)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
@@ -62,6 +75,172 @@ class LedgerTrainer(Trainer):
                 )
             extra_kwargs["attention_masks"] = document_causal_mask(positions)
         return inputs, labels, extra_kwargs
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update({f"ledger_{k}": v for k, v in self.ledger.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]):
+        super().load_state_dict(state_dict)
+        self.ledger.load_state_dict(
+            {k.removeprefix("ledger_"): v for k, v in state_dict.items() if k.startswith("ledger_")}
+        )
+
+    def train(self):
+        try:
+            super().train()
+        finally:
+            self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+            self.ledger.close()
+
+    # ------------------------------------------------------------------ the step
+    def train_step(
+        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ):
+        # Copied from torchtitan 0.3.0 Trainer.train_step; changed spots marked.
+        ledger = self.ledger
+        if not self._ledger_open:  # CHANGED: first step of this process, after checkpoint load
+            ledger.open(resumed_from=self.step - 1)
+            self._ledger_open = True
+        step_start = time.perf_counter()  # CHANGED
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        # Save per-optimizer-group learning rates for logging
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = self.metrics_processor.should_log(self.step)
+        # CHANGED: the ledger needs the loss every step, not only on logging steps
+        need_loss = should_log or ledger.enabled
+
+        parallel_dims = self.parallel_dims
+        microbatch_groups: list[list[tuple[dict[str, torch.Tensor], torch.Tensor]]] = []
+        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        data_loading_s = 0.0  # CHANGED
+        for _ in range(self.gradient_accumulation_steps):
+            microbatches = []
+            for _ in range(self.num_pipeline_parallel_microbatches):
+                with sl.log_trace_span("fetching_batch"):
+                    t0 = time.perf_counter()  # CHANGED
+                    input_dict, labels = next(data_iterator)
+                    data_loading_s += time.perf_counter() - t0  # CHANGED
+                local_valid_tokens += (labels != IGNORE_INDEX).sum()
+                microbatches.append((input_dict, labels))
+            microbatch_groups.append(microbatches)
+        sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
+
+        if parallel_dims.dp_enabled:
+            batch_mesh = parallel_dims.get_mesh("batch")
+            global_valid_tokens = dist_utils.dist_sum_tensor(
+                local_valid_tokens.to(self.device), batch_mesh
+            )
+        else:
+            global_valid_tokens = local_valid_tokens.to(self.device)
+
+        accumulated_loss: torch.Tensor | None = None
+        for microbatches in microbatch_groups:
+            input_dict_mbs = []
+            label_mbs = []
+            for input_dict, labels in microbatches:
+                for key, value in input_dict.items():
+                    if isinstance(value, torch.Tensor):
+                        input_dict[key] = value.to(self.device)
+                input_dict_mbs.append(input_dict)
+                label_mbs.append(labels.to(self.device))
+
+            if parallel_dims.pp_enabled:
+                fwd_bwd_input_dict = input_dict_mbs
+                fwd_bwd_labels = label_mbs
+            else:
+                assert len(input_dict_mbs) == len(label_mbs) == 1
+                fwd_bwd_input_dict = input_dict_mbs[0]
+                fwd_bwd_labels = label_mbs[0]
+
+            loss = self.forward_backward_step(
+                input_dict=fwd_bwd_input_dict,
+                labels=fwd_bwd_labels,
+                global_valid_tokens=global_valid_tokens,
+            )
+            if need_loss:  # CHANGED (was: if should_log)
+                loss = loss.detach()
+                if accumulated_loss is None:
+                    accumulated_loss = loss.clone()
+                else:
+                    accumulated_loss.add_(loss)
+
+        with sl.log_trace_span("optim"):
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in self.model_parts for p in m.parameters()],
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=parallel_dims.get_optional_mesh("pp"),
+                ep_enabled=parallel_dims.ep_enabled,
+            )
+            # CHANGED: the ledger reads gradients and norms before they are applied
+            ledger.record(
+                step=self.step,
+                local_loss_sum=(
+                    (accumulated_loss * global_valid_tokens).sum()
+                    if accumulated_loss is not None else None
+                ),
+                local_tokens=local_valid_tokens.to(self.device),
+                grad_norm=grad_norm,
+                lr=next(iter(lr_metrics.values()), float("nan")),
+                step_start=step_start,
+                data_loading_s=data_loading_s,
+            )
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+
+        if not should_log:
+            # CHANGED: write ledger rows whose copies are done; never wait here
+            ledger.drain(block=False, metrics_logger=self.metrics_processor.logger)
+            return
+
+        assert accumulated_loss is not None
+
+        with sl.log_trace_span("collect_dist_metrics"):
+            sl.log_trace_scalar({"global_valid_tokens": int(global_valid_tokens)})
+            if parallel_dims.dp_cp_enabled:
+                loss_mesh = parallel_dims.get_optional_mesh("loss")
+                local_avg_loss = (
+                    accumulated_loss * global_valid_tokens / local_valid_tokens
+                )
+                global_avg_loss, global_max_loss, global_ntokens_seen = (
+                    dist_utils.dist_sum(accumulated_loss, loss_mesh),
+                    dist_utils.dist_max(local_avg_loss, loss_mesh),
+                    dist_utils.dist_sum(
+                        torch.tensor(
+                            self.ntokens_seen, dtype=torch.int64, device=self.device
+                        ),
+                        loss_mesh,
+                    ),
+                )
+            else:
+                global_avg_loss = global_max_loss = float(accumulated_loss.item())
+                global_ntokens_seen = self.ntokens_seen
+
+        # CHANGED: this logging step has synchronised already; write the ledger's
+        # pending rows first so every logger sees steps in order.
+        ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(
+                f"Loss is not finite (global_avg_loss={global_avg_loss}) at "
+                f"step {self.step}. Stopping training."
+            )
+
+        extra_metrics = {
+            "n_tokens_seen": global_ntokens_seen,
+            **lr_metrics,
+        }
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            float(grad_norm.item()),
+            extra_metrics=extra_metrics,
+        )
 
 
 @contextlib.contextmanager

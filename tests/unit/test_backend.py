@@ -3,7 +3,7 @@
 import pytest
 
 from titan_ledger import backend, config_registry
-from titan_ledger.cpu_attention import CpuAttention
+from titan_ledger.attention import CpuAttention
 
 
 def test_torchtitan_sees_cpu_everywhere():

@@ -1,0 +1,130 @@
+"""Every signal under FSDP2 / TP / PP / FSDP2xTP equals an unsharded single-process model.
+
+Both sides start from one seed checkpoint (DCP, resharded on load) and see the same
+rows: the reference rebuilds each DP rank's first batch with torchtitan's own
+dataloader. The reference computes its signals with plain tensor math on the
+unsharded model -- no titan_ledger reduction code -- so placement, ownership
+(TP-replicated norms), PP-stage and DP-rank bugs all show up as a mismatch.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from helpers import CONFIGS, explain, torchrun
+from titan_ledger import backend
+from titan_ledger.attention import CpuAttention, document_causal_mask
+from titan_ledger.records import SIGNAL_KEYS, read_ledger
+from titan_ledger.signals import layer_group
+from titan_ledger.toml_frontend import parse, read_job
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "FSDP2": ("debug_cpu.toml", 2, 2),  # toml, processes, DP size
+    "TP": ("debug_cpu_tp.toml", 2, 1),
+    "PP": ("debug_cpu_pp.toml", 2, 1),
+    "FSDP2xTP": ("debug_cpu_fsdp_tp.toml", 4, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed")
+    proc = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu.toml"),
+                     "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+                     "--checkpoint.create_seed_checkpoint", "--dump_folder", str(out)], nproc=1)
+    assert proc.returncode == 0, explain(proc)
+    return out / "checkpoint" / "step-0"
+
+
+def reference(toml: str, seed_path, dp: int) -> dict:
+    """Signals of step 1 computed on one unsharded model over the global batch."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    config = parse(read_job(["--job.config_file", str(CONFIGS / toml)]))
+    backend.adapt_config(config)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=str(seed_path))
+    model.load_state_dict(sd)
+    model.train()
+    attn = [m for m in model.modules() if isinstance(m, CpuAttention)]
+    for m in attn:
+        m.record_max_logit = True
+
+    tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+    pp = config.parallelism.pipeline_parallel_degree > 1
+    batch = config.parallelism.pipeline_parallel_microbatch_size if pp else config.training.local_batch_size
+    n_batches = config.training.local_batch_size // batch
+    rows = []  # per DP rank: (input, labels, positions)
+    for r in range(dp):
+        loader = config.dataloader.build(dp_world_size=dp, dp_rank=r, tokenizer=tokenizer,
+                                         seq_len=config.training.seq_len, local_batch_size=batch)
+        it = iter(loader)
+        got = [next(it) for _ in range(n_batches)]
+        rows.append((torch.cat([g[0]["input"] for g in got]), torch.cat([g[1] for g in got]),
+                     torch.cat([g[0]["positions"] for g in got])))
+    inputs = torch.cat([r[0] for r in rows])
+    labels = torch.cat([r[1] for r in rows])
+    positions = torch.cat([r[2] for r in rows])
+    logits = model(inputs, positions=positions, attention_masks=document_causal_mask(positions))
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                           reduction="none", ignore_index=IGNORE_INDEX).view(labels.shape)
+    valid = (labels != IGNORE_INDEX)
+    per_rank = ce.split([r[1].shape[0] for r in rows])
+    per_rank_tok = valid.split([r[1].shape[0] for r in rows])
+    local_avg = [(c.sum() / t.sum()).item() for c, t in zip(per_rank, per_rank_tok)]
+    tokens = int(valid.sum())
+    (ce.sum() / tokens).backward()
+
+    params = dict(model.named_parameters())
+    grad_sq = sum(p.grad.double().square().sum() for p in params.values())
+    per_layer: dict[str, float] = {}
+    for n, p in params.items():
+        per_layer[layer_group(n)] = per_layer.get(layer_group(n), 0.0) + p.grad.double().square().sum().item()
+    gn = math.sqrt(grad_sq)
+    max_norm = config.training.max_norm
+    return {
+        "consumed_samples": inputs.shape[0],
+        "consumed_tokens": tokens,
+        "loss": (ce.sum() / tokens).item(),
+        "loss_max": max(local_avg),
+        "loss_max_rank": max(range(dp), key=lambda i: local_avg[i]),
+        "grad_norm": gn,
+        "grad_norm_clipped": gn * min(1.0, max_norm / (gn + 1e-6)),
+        "num_zeros": int(sum((p.grad == 0).sum() for p in params.values())),
+        "param_norm": math.sqrt(sum(p.detach().double().square().sum() for p in params.values())),
+        "max_logit": max(m.take_max_logit(torch.device("cpu")).item() for m in attn),
+        "grad_norm_per_layer": {k: math.sqrt(v) for k, v in per_layer.items()},
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_signals_equal_unsharded_reference(tmp_path, seed, case):
+    toml, nproc, dp = CASES[case]
+    proc = torchrun(["--job.config_file", str(CONFIGS / toml), "--training.steps", "1",
+                     "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+                     "--checkpoint.interval", "1000", "--ledger.per_layer", "--dump_folder", str(tmp_path)],
+                    nproc=nproc)
+    assert proc.returncode == 0, explain(proc)
+    ledger = read_ledger(tmp_path / "ledger" / "signals.jsonl")
+    assert ledger.torn_lines == 0 and len(ledger.history) == 1
+    row = ledger.history[0]
+    assert set(row) == set(SIGNAL_KEYS) | {"grad_norm_per_layer"}
+    ref = reference(toml, seed, dp)
+    for key in ("consumed_samples", "consumed_tokens", "loss_max_rank", "num_zeros"):
+        assert row[key] == ref[key], (key, row[key], ref[key])
+    for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit"):
+        assert row[key] == pytest.approx(ref[key], rel=1e-4), (key, row[key], ref[key])
+    assert row["grad_norm_per_layer"] == pytest.approx(ref["grad_norm_per_layer"], rel=1e-4)
+    assert row["skipped"] is False and row["step"] == 1
+    # the per-rank files hold each DP rank's local loss
+    rank_losses = sorted(read_ledger(p).history[0]["loss"] for p in (tmp_path / "ledger").glob("rank*.jsonl"))
+    assert max(rank_losses) == pytest.approx(ref["loss_max"], rel=1e-4)

@@ -1,0 +1,164 @@
+"""Inner attentions that also record the step's max attention logit.
+
+Design decision (CPU): FlexAttention has no CPU backward and torchtitan 0.3.0
+refuses SDPA for language models (SDPA cannot take per-document masks). On CPU we
+materialise the mask Flex uses -- causal, no attention across packed documents,
+``positions == 0`` starts a document -- as a dense boolean tensor once per batch
+and run ``scaled_dot_product_attention`` with it (it has a CPU backward). The
+mask is O(B * L^2) booleans: fine at CPU-rehearsal sequence lengths, never on GPU.
+
+Design decision (GPU): the max logit comes from FlexAttention's own
+``AuxRequest(max_scores=True)`` (per-row max of the scaled pre-softmax scores,
+masked positions excluded): no extra kernel. ``LedgerFlexAttention`` is
+torchtitan's ``FlexAttention`` with that one request added.
+
+Both keep a running max over the step's calls (microbatches, PP, activation
+recompute) in ``max_logit``; the ledger reads and resets it each step. The value
+stays on device: reading it is the ledger's business, once, packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+
+from torchtitan.distributed.compile import maybe_regional_inductor
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.protocols.module import Module
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` positions -> ``[B, 1, L, L]`` bool mask, True where q may attend k.
+
+    A document starts wherever ``positions == 0``. torchtitan's dataloaders start
+    every row at 0 (a row that begins mid-document is renormalised), which is the
+    input Flex's packed-document mask is defined for.
+    """
+    if positions.dim() != 2:
+        raise ValueError(f"positions must be [batch, seq], got shape {tuple(positions.shape)}")
+    doc = torch.cumsum((positions == 0).to(torch.int32), dim=1)
+    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)
+    seq = positions.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril_()
+    return (same_doc & causal).unsqueeze(1)
+
+
+class MaxLogitRecorder:
+    """Mixin: a running max of the attention logits seen since the last reset."""
+
+    record_max_logit: bool = False
+    max_logit: torch.Tensor | None = None
+
+    def _record(self, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.max_logit = value if self.max_logit is None else torch.maximum(self.max_logit, value)
+
+    def take_max_logit(self, device: torch.device) -> torch.Tensor:
+        """The max since the last call (``-inf`` if none), and reset."""
+        v = self.max_logit
+        self.max_logit = None
+        return v if v is not None else torch.tensor(float("-inf"), device=device)
+
+
+class CpuAttention(MaxLogitRecorder, Module):
+    """Inner attention with a dense document-causal mask; drop-in for FlexAttention.
+
+    Takes and returns ``(batch, seq, heads, head_dim)`` like torchtitan's inner
+    attentions. ``attention_masks`` is the ``[B, 1, L, L]`` bool tensor from
+    :func:`document_causal_mask`.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: torch.Tensor | None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if not isinstance(attention_masks, torch.Tensor):
+            raise TypeError(
+                "CpuAttention needs a dense bool mask built from positions "
+                f"(got {type(attention_masks).__name__}); batches must carry 'positions'"
+            )
+        if out_transform is not None:
+            raise NotImplementedError("CpuAttention does not return the log-sum-exp")
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
+        )
+        if self.record_max_logit:
+            self._record(_max_scaled_score(q, k, attention_masks, scale))
+        return out.transpose(1, 2)
+
+
+@torch.no_grad()
+def _max_scaled_score(q, k, mask, scale) -> torch.Tensor:
+    """max over unmasked (b, h, i, j) of q_i . k_j * scale; q, k are (B, N, L, H)."""
+    if k.shape[1] != q.shape[1]:  # GQA: each kv head serves n_heads / n_kv_heads q heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    return scores.masked_fill_(~mask, float("-inf")).amax()
+
+
+class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
+    """torchtitan's FlexAttention that also asks Flex for the per-row max score."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: BlockMask,
+        score_mod=None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        # Copied from torchtitan.models.common.attention.FlexAttention.forward.
+        assert isinstance(attention_masks, BlockMask), type(attention_masks)
+        q_BNLH = q_BLNH.transpose(1, 2)
+        k_BNLH = k_BLNH.transpose(1, 2)
+        v_BNLH = v_BLNH.transpose(1, 2)
+        with maybe_regional_inductor(FlexAttention.inductor_configs):
+            out_BNLH, aux = FlexAttention.compiled_flex_attn(
+                q_BNLH,
+                k_BNLH,
+                v_BNLH,
+                score_mod=score_mod,
+                block_mask=attention_masks,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                # CHANGED from torchtitan: also return the per-row max score
+                return_aux=AuxRequest(lse=out_transform is not None,
+                                      max_scores=self.record_max_logit),
+                kernel_options=self.kernel_options,
+            )
+        if self.record_max_logit:  # CHANGED from torchtitan
+            self._record(aux.max_scores.amax())
+        out_BLNH = out_BNLH.transpose(1, 2)
+        if out_transform is None:
+            return out_BLNH
+        lse_BLN = aux.lse.transpose(1, 2)
+        return out_transform(out_BLNH, lse_BLN)
