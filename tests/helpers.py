@@ -114,3 +114,42 @@ def logged_losses(text: str) -> dict[int, float]:
         if loss != -1.0:  # PP stages without the loss print -1
             out[step] = loss
     return out
+
+
+def read_wandb_history(folder: Path) -> list[dict]:
+    """History rows of the W&B offline run(s) under ``folder``, read from the .wandb file.
+
+    wandb 0.31 ships no reader, so this decodes its LevelDB-style log directly: a
+    7-byte file header, 32 KiB blocks of records (crc32 4, length 2, type 1:
+    1 full, 2 first, 3 middle, 4 last), each payload a ``wandb_internal_pb2.Record``.
+    """
+    import json as _json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(Path(folder).rglob("*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        pos, block, chunks = 7, 32768, []
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:
+                pos += left
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            payload = data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind == 0 and length == 0:
+                pos += block - pos % block if pos % block else 0
+                continue
+            chunks.append(payload)
+            if kind in (1, 4):
+                rec = wandb_internal_pb2.Record()
+                rec.ParseFromString(b"".join(chunks))
+                chunks = []
+                if rec.WhichOneof("record_type") == "history":
+                    rows.append({(i.key or "/".join(i.nested_key)): _json.loads(i.value_json)
+                                 for i in rec.history.item})
+    return rows

@@ -210,6 +210,12 @@ def use_max_logit_attention(config) -> None:
     for _fqn, cfg, parent, attr in list(model_cfg.traverse(FlexAttention.Config)):
         if parent is None or isinstance(cfg, LedgerFlexAttention.Config):
             continue
+        if cfg.kernel_options.get("BACKEND") == "FLASH":
+            raise ValueError(
+                "--ledger.max_logit needs FlexAttention's Triton backend: torch 2.14 cannot "
+                "return max scores with BACKEND='FLASH' (attn_backend 'flex_flash'). Use "
+                "attn_backend 'flex' or set --ledger.no_max_logit."
+            )
         new = LedgerFlexAttention.Config(block_size=cfg.block_size, kernel_options=cfg.kernel_options)
         if isinstance(parent, list):
             parent[attr] = new

@@ -388,8 +388,19 @@ def _translate_ac(out: Translation, job: Job, table: dict, ac_configs: dict[str,
         out.origins[tokens[0].lstrip("-")] = kwhere
 
 
+def alias_cli(args: list[str]) -> list[str]:
+    """Rewrite old torchtitan flags (``--optimizer.lr``) to their 0.3.0 paths."""
+    flat = {f"--{sec}.{key}": "--" + target for (sec, key), target in ALIASES.items()}
+    out = []
+    for a in args:
+        name, eq, value = a.partition("=")
+        out.append(flat.get(name, name) + eq + value if name in flat else a)
+    return out
+
+
 def assemble(tr: Translation, cli_args: list[str]) -> list[str]:
     """TOML flags, then CLI flags (CLI wins), then the AC subcommand (tyro wants it last)."""
+    cli_args = alias_cli(cli_args)
     cut = next((i for i, a in enumerate(cli_args) if a.startswith(AC_SUBCOMMAND_PREFIX)), None)
     if cut is None:
         return tr.args + cli_args + tr.ac_subcommand

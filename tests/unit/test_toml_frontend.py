@@ -91,6 +91,13 @@ def test_precedence_cli_over_toml_over_base(tmp_path):
     assert type(config.activation_checkpoint).__qualname__ == "FullAC.Config"
 
 
+def test_old_flags_work_on_the_command_line_too(tmp_path):
+    job = _job(tmp_path, "[optimizer]\nlr = 1e-3\n", "--optimizer.lr=2e-3", "--training.dataset_path", "/d")
+    config = parse(job)
+    assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == 2e-3
+    assert config.dataloader.dataset_path == "/d"
+
+
 def test_cli_subcommand_overrides_toml_mode(tmp_path):
     job = _job(tmp_path, '[activation_checkpoint]\nmode = "full"\n', "activation-checkpoint:none")
     assert parse(job).activation_checkpoint is None
