@@ -60,7 +60,7 @@ class MaxLogitRecorder:
         """The max since the last call (``-inf`` if none), and reset."""
         v = self.max_logit
         self.max_logit = None
-        return v if v is not None else torch.tensor(float("-inf"), device=device)
+        return v if v is not None else torch.full((), float("-inf"), device=device)
 
 
 class CpuAttention(MaxLogitRecorder, Module):
@@ -108,12 +108,17 @@ class CpuAttention(MaxLogitRecorder, Module):
 
 @torch.no_grad()
 def _max_scaled_score(q, k, mask, scale) -> torch.Tensor:
-    """max over unmasked (b, h, i, j) of q_i . k_j * scale; q, k are (B, N, L, H)."""
+    """max over unmasked (b, h, i, j) of q_i . k_j * scale; q, k are (B, N, L, H).
+
+    The mask does not depend on the head, so the max over heads is taken first
+    (one pass over the scores) and the mask is applied to the [B, L, L] result;
+    ``scale > 0`` is applied to the single maximum.
+    """
     if k.shape[1] != q.shape[1]:  # GQA: each kv head serves n_heads / n_kv_heads q heads
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
-    return scores.masked_fill_(~mask, float("-inf")).amax()
+    pair_max = torch.matmul(q.float(), k.float().transpose(-1, -2)).amax(dim=1)
+    return pair_max.masked_fill_(~mask[:, 0], float("-inf")).amax() * scale
 
 
 class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):

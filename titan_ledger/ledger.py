@@ -114,6 +114,7 @@ class Ledger(Configurable):
                 gathered = [local_groups]
             groups = sorted({g for gs in gathered for g in gs}, key=natural_key)
         self.plan = ParamPlan.build(named, self.world, self.pp, groups)
+        self.plan.group_index = self.plan.group_index.to(self.device)  # no H2D copy per step
         self._attn = [m for part in trainer.model_parts for m in part.modules()
                       if isinstance(m, MaxLogitRecorder)]
         for m in self._attn:
@@ -187,7 +188,7 @@ class Ledger(Configurable):
         packed_sum = torch.cat(parts)
         logits = [m.take_max_logit(dev) for m in self._attn]
         packed_max = (torch.stack(logits).amax() if logits else
-                      torch.tensor(float("-inf"), device=dev)).float().reshape(1)
+                      torch.full((), float("-inf"), device=dev)).float().reshape(1)
         if self.world > 1:
             dist.all_reduce(packed_sum, op=dist.ReduceOp.SUM)
             dist.all_reduce(packed_max, op=dist.ReduceOp.MAX)

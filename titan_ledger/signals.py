@@ -113,7 +113,8 @@ def local_sums(plan: ParamPlan, per_layer: bool, device: torch.device) -> dict[s
         sq = torch.zeros(len(plan.groups), device=device)
         if have:
             gn = torch._foreach_norm([grads[i].float() for i in have])
-            sq.index_add_(0, plan.group_index[have].to(device), torch.stack(gn).square())
+            idx = plan.group_index if len(have) == len(grads) else plan.group_index[have]
+            sq.index_add_(0, idx.to(device), torch.stack(gn).square())
         out["grad_sq"] = sq
     return out
 

@@ -128,13 +128,12 @@ class LedgerTrainer(Trainer):
             microbatch_groups.append(microbatches)
         sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
 
+        local_valid_tokens_dev = local_valid_tokens.to(self.device)  # CHANGED: one copy, reused
         if parallel_dims.dp_enabled:
             batch_mesh = parallel_dims.get_mesh("batch")
-            global_valid_tokens = dist_utils.dist_sum_tensor(
-                local_valid_tokens.to(self.device), batch_mesh
-            )
+            global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens_dev, batch_mesh)
         else:
-            global_valid_tokens = local_valid_tokens.to(self.device)
+            global_valid_tokens = local_valid_tokens_dev.clone()
 
         accumulated_loss: torch.Tensor | None = None
         for microbatches in microbatch_groups:
@@ -182,7 +181,7 @@ class LedgerTrainer(Trainer):
                     (accumulated_loss * global_valid_tokens).sum()
                     if accumulated_loss is not None else None
                 ),
-                local_tokens=local_valid_tokens.to(self.device),
+                local_tokens=local_valid_tokens_dev,
                 grad_norm=grad_norm,
                 lr=next(iter(lr_metrics.values()), float("nan")),
                 step_start=step_start,
