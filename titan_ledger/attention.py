@@ -12,8 +12,9 @@ Design decision (GPU): the max logit comes from FlexAttention's own
 masked positions excluded): no extra kernel. ``LedgerFlexAttention`` is
 torchtitan's ``FlexAttention`` with that one request added.
 
-Both keep a running max over the step's calls (microbatches, PP, activation
-recompute) in ``max_logit``; the ledger reads and resets it each step. The value
+Both keep a running max over the step's training-mode calls (microbatches, PP,
+activation recompute; not validation, which runs in eval mode) in ``max_logit``;
+the ledger reads and resets it each step. The value
 stays on device: reading it is the ledger's business, once, packed.
 """
 
@@ -101,7 +102,7 @@ class CpuAttention(MaxLogitRecorder, Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
         )
-        if self.record_max_logit:
+        if self.record_max_logit and self.training:  # validation (eval mode) is not a train signal
             self._record(_max_scaled_score(q, k, attention_masks, scale))
         return out.transpose(1, 2)
 
@@ -157,10 +158,10 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
                 enable_gqa=enable_gqa,
                 # CHANGED from torchtitan: also return the per-row max score
                 return_aux=AuxRequest(lse=out_transform is not None,
-                                      max_scores=self.record_max_logit),
+                                      max_scores=self.record_max_logit and self.training),
                 kernel_options=self.kernel_options,
             )
-        if self.record_max_logit:  # CHANGED from torchtitan
+        if self.record_max_logit and self.training:  # CHANGED from torchtitan
             self._record(aux.max_scores.amax())
         out_BLNH = out_BNLH.transpose(1, 2)
         if out_transform is None:

@@ -25,7 +25,7 @@ import re
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config import Configurable
-from torchtitan.tools.logging import logger
 
 from titan_ledger import records
 from titan_ledger.attention import MaxLogitRecorder

@@ -73,3 +73,17 @@ def test_cpu_max_logit_is_the_max_allowed_score():
                         best = max(best, float(q[b, i, h] @ k[b, j, h // (N // Nkv)]) / H**0.5)
     assert math.isclose(ours, best, rel_tol=1e-5)
     assert attn.take_max_logit(torch.device("cpu")).item() == float("-inf")  # reset
+
+
+def test_eval_mode_calls_are_not_recorded():
+    """Validation runs the model in eval mode between steps; it is not a train signal."""
+    x = torch.randn(1, 8, 2, 4)
+    mask = document_causal_mask(torch.arange(8).unsqueeze(0))
+    attn = CpuAttention(CpuAttention.Config())
+    attn.record_max_logit = True
+    attn.eval()
+    attn(x, x, x, attention_masks=mask)
+    assert attn.take_max_logit(torch.device("cpu")).item() == float("-inf")
+    attn.train()
+    attn(x, x, x, attention_masks=mask)
+    assert attn.take_max_logit(torch.device("cpu")).item() > float("-inf")
