@@ -97,8 +97,12 @@ class Ledger(Configurable):
             self.dp_size, self.dp_rank = 1, 0
         tp_mesh = pd.get_optional_mesh("tp")
         tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
+        cp_mesh = pd.get_optional_mesh("cp")
         last_stage = trainer.pp_has_last_stage if pd.pp_enabled else True
+        # Loss sums: every CP rank holds a piece of the sequence, so all of them add
+        # theirs; token counts: every CP rank sees the whole batch's labels, so one.
         self.owns_loss = last_stage and tp_rank == 0
+        self.owns_tokens = self.owns_loss and (cp_mesh is None or cp_mesh.get_local_rank() == 0)
         self.global_batch = (trainer.config.training.local_batch_size * self.dp_size
                              * trainer.gradient_accumulation_steps)
 
@@ -145,7 +149,7 @@ class Ledger(Configurable):
                 {"schema": records.SIGNALS_SCHEMA, **header,
                  "keys": list(records.SIGNAL_KEYS),
                  "per_layer": self.plan.groups if self.config.per_layer else None})
-        if self.owns_loss:
+        if self.owns_tokens:
             self._rank_writer = records.RecordWriter(
                 self.folder / f"rank{self.rank}.jsonl",
                 {"schema": records.RANK_SCHEMA, **header, "rank": self.rank, "dp_rank": self.dp_rank})
@@ -179,6 +183,7 @@ class Ledger(Configurable):
         tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev)
         if self.owns_loss and local_loss_sum is not None:
             loss_by_dp[self.dp_rank] = local_loss_sum.detach().double()
+        if self.owns_tokens:
             tok_by_dp[self.dp_rank] = local_tokens.double()
         parts = [loss_by_dp, tok_by_dp, sums["num_zeros"].double().reshape(1),
                  sums["param_sq"].double().reshape(1)]

@@ -86,7 +86,7 @@ def main() -> int:
     model(torch.randn(32, 256, device=dev)).sum().backward()
     led = Ledger(Ledger.Config())
     led.enabled, led.device, led.world, led.rank, led.dp_size, led.dp_rank = True, dev, 1, 0, 1, 0
-    led.max_norm, led.owns_loss, led.global_batch, led._cuda = 1.0, True, 32, True
+    led.max_norm, led.owns_loss, led.owns_tokens, led.global_batch, led._cuda = 1.0, True, True, 32, True
     led.plan = ParamPlan.build(model.named_parameters(), 1, 1)
     led.plan.group_index = led.plan.group_index.to(dev)
     led._attn, led._consumed_tokens = [attn], torch.zeros((), dtype=torch.float64, device=dev)

@@ -45,6 +45,7 @@ def _worker(rank, world, port, out):
     led = Ledger(Ledger.Config(per_layer=True))
     led.enabled, led.device, led.world, led.rank = True, torch.device("cpu"), world, rank
     led.dp_size, led.dp_rank, led.max_norm, led.owns_loss, led.global_batch = world, rank, 1.0, True, 8
+    led.owns_tokens = True
     led._cuda, led._attn = False, []
     led.plan = ParamPlan.build(model.named_parameters(), world, 1)
     led._consumed_tokens = torch.zeros((), dtype=torch.float64)
