@@ -46,6 +46,9 @@ def _use_bundled_data(config: LedgerTrainer.Config) -> None:
     config.dataloader = HuggingFaceTextDataLoader.Config(
         dataset="c4_test", dataset_path=str(CORPUS_DIR)
     )
+    # no held-out split is bundled: validation (when enabled) reads the same corpus
+    config.validator.dataloader.dataset = "c4_test"
+    config.validator.dataloader.dataset_path = str(CORPUS_DIR)
 
 
 def debug_cpu() -> LedgerTrainer.Config:

@@ -60,6 +60,8 @@ class LedgerTrainer(Trainer):
             config.debug.seed = 0
         with _meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
+        if self._dense_masks and config.validator.enable:
+            self._give_validator_dense_masks()
         if not dry_run:
             self.ledger.setup(self)
 
@@ -75,6 +77,18 @@ class LedgerTrainer(Trainer):
                 )
             extra_kwargs["attention_masks"] = document_causal_mask(positions)
         return inputs, labels, extra_kwargs
+
+    def _give_validator_dense_masks(self) -> None:
+        """The Validator builds its own inputs (masks only for Flex/Varlen configs):
+        extend its ``post_dataloading_process`` the way ours is extended."""
+        build = self.validator.post_dataloading_process
+
+        def with_dense_mask(input_dict, labels, model_parts, _build=build):
+            inputs, labels, extra_kwargs = _build(input_dict, labels, model_parts)
+            extra_kwargs["attention_masks"] = document_causal_mask(extra_kwargs["positions"])
+            return inputs, labels, extra_kwargs
+
+        self.validator.post_dataloading_process = with_dense_mask
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
