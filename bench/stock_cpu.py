@@ -15,6 +15,7 @@ from titan_ledger import backend
 
 backend.ensure_installed()
 
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger import config_registry  # noqa: E402
@@ -37,8 +38,12 @@ class StockCpuTrainer(Trainer):
 
 
 def debug_cpu_stock() -> StockCpuTrainer.Config:
-    """titan_ledger's ``debug_cpu`` with the stock trainer and no ledger section."""
+    """titan_ledger's ``debug_cpu`` with the stock trainer, torchtitan's own text
+    dataloader (same documents and rows) and no ledger section."""
     base = config_registry.debug_cpu()
-    return StockCpuTrainer.Config(
+    config = StockCpuTrainer.Config(
         **{f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
     )
+    config.dataloader = HuggingFaceTextDataLoader.Config(
+        dataset=base.dataloader.dataset, dataset_path=base.dataloader.dataset_path)
+    return config

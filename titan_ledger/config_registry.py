@@ -20,11 +20,11 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # n
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.components.quantization import Float8LinearConverter  # noqa: E402
 from torchtitan.config import CompileConfig, TrainingConfig  # noqa: E402
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -43,9 +43,7 @@ def _use_bundled_data(config: LedgerTrainer.Config) -> None:
     # torchtitan's "c4_test" loader is `load_dataset(<folder>, split="train")`
     # reading sample["text"]: exactly the bundled JSONL corpus.
     config.hf_assets_path = str(TOKENIZER_DIR)
-    config.dataloader = HuggingFaceTextDataLoader.Config(
-        dataset="c4_test", dataset_path=str(CORPUS_DIR)
-    )
+    config.dataloader = LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(CORPUS_DIR))
     # no held-out split is bundled: validation (when enabled) reads the same corpus
     config.validator.dataloader.dataset = "c4_test"
     config.validator.dataloader.dataset_path = str(CORPUS_DIR)

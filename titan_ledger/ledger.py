@@ -25,7 +25,7 @@ import re
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from torchtitan.config import Configurable
 
 from titan_ledger import records
 from titan_ledger.attention import MaxLogitRecorder
+from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
 from titan_ledger.signals import ParamPlan, clipped_norm, local_sums, natural_key
 
 
@@ -66,6 +67,19 @@ class Ledger(Configurable):
         folder: str = "ledger"
         """Ledger folder, relative to ``dump_folder``."""
 
+        skip_steps: list[str] = field(default_factory=list)
+        """Steps whose data is consumed without forward/backward or update: absolute,
+        1-indexed, inclusive ranges or single steps, e.g. ``["137000-137300", "140001"]``
+        (on the command line also comma-separated). Needs LedgerDataLoader."""
+
+        skip_lr: Literal["freeze", "advance"] = "freeze"
+        """LR schedule over skipped steps: ``freeze`` (Megatron: the schedule does not
+        advance) or ``advance`` (as if the steps had trained)."""
+
+        allow_data_change: bool = False
+        """Resume even if the checkpoint's data fingerprint (source, tokenizer,
+        seq_len, seed) differs from this run's."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.enabled = False  # until setup() binds a trainer
@@ -76,14 +90,19 @@ class Ledger(Configurable):
         self._writer: records.RecordWriter | None = None
         self._rank_writer: records.RecordWriter | None = None
         self._attn: list[MaxLogitRecorder] = []
+        self.skipped_samples = 0
+        self._data_writer: records.RecordWriter | None = None
+        self.loader = None  # a LedgerDataLoader, when the run uses one
+        # parsed here so a bad entry fails before any process group exists
+        self.skip_windows = parse_skip_steps(config.skip_steps)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
         """Bind to a built trainer (after model, optimizer and dataloader exist)."""
+        from titan_ledger.dataloader import LedgerDataLoader
+
         cfg = self.config
         self.enabled = cfg.signals
-        if not self.enabled:
-            return
         pd = trainer.parallel_dims
         self.device = trainer.device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -105,6 +124,28 @@ class Ledger(Configurable):
         self.owns_tokens = self.owns_loss and (cp_mesh is None or cp_mesh.get_local_rank() == 0)
         self.global_batch = (trainer.config.training.local_batch_size * self.dp_size
                              * trainer.gradient_accumulation_steps)
+        self.seq_len = trainer.config.training.seq_len
+        self.tokenizer_path = str(Path(trainer.config.hf_assets_path).resolve())
+        pp_mesh = pd.get_optional_mesh("pp")
+        first_stage = pp_mesh is None or pp_mesh.get_local_rank() == 0
+        loader = trainer.dataloader
+        self.loader = loader if isinstance(loader, LedgerDataLoader) else None
+        if self.skip_windows and self.loader is None:
+            raise ValueError("--ledger.skip_steps needs LedgerDataLoader (a titan_ledger config "
+                             "function such as debug_cpu); this run's dataloader is "
+                             f"{type(loader).__name__}")
+        # one writer per DP rank: the rank of that DP group with tp = cp = pp = 0
+        self.writes_data = (self.loader is not None and self.loader.tagging and tp_rank == 0
+                            and (cp_mesh is None or cp_mesh.get_local_rank() == 0) and first_stage)
+        self.folder = Path(trainer.config.dump_folder) / cfg.folder
+        # one run id for all ranks (rank 0's), agreed once at setup
+        ids = [uuid.uuid4().hex[:12]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(ids, src=0)
+        self.run_id = ids[0]
+        self.config_digest = _digest(trainer.config)
+        if not self.enabled:
+            return
 
         named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
         groups = None
@@ -125,24 +166,23 @@ class Ledger(Configurable):
         if pd.pp_enabled:
             _forget_pp_metadata_inference(trainer.pp_schedule, self._attn)
 
-        folder = Path(trainer.config.dump_folder) / cfg.folder
-        self.folder = folder
-        # one run id for all ranks (rank 0's), agreed once at setup
-        ids = [uuid.uuid4().hex[:12]]
-        if dist.is_initialized():
-            dist.broadcast_object_list(ids, src=0)
-        self.run_id = ids[0]
-        self.config_digest = _digest(trainer.config)
         self._cuda = self.device.type == "cuda"
         self._consumed_tokens = self._consumed_tokens.to(self.device)
 
     def open(self, resumed_from: int) -> None:
         """Start this run's segment in the ledger files (after checkpoint load)."""
-        if not self.enabled:
-            return
         header = {"run_id": self.run_id, "config_digest": self.config_digest,
                   "resumed_from": resumed_from, "world_size": self.world,
                   "dp_size": self.dp_size, "time": time.time()}
+        if self.writes_data:
+            self._data_writer = records.RecordWriter(
+                self.folder / f"data_dp{self.dp_rank}.jsonl",
+                {"schema": records.DATA_SCHEMA, **header, **self.loader.header(),
+                 "global_batch": self.global_batch, "skip_lr": self.config.skip_lr,
+                 "tokenizer": self.tokenizer_path,
+                 "skip_steps": [list(w) for w in self.skip_windows]})
+        if not self.enabled:
+            return
         if self.rank == 0:
             self._writer = records.RecordWriter(
                 self.folder / "signals.jsonl",
@@ -211,6 +251,51 @@ class Ledger(Configurable):
         self._pending.append(_Pending(step, host, event, lr, skipped, time.perf_counter() - step_start,
                                       data_loading_s, self.consumed_samples))
 
+    # ------------------------------------------------------------------ data ledger
+    def skip_window_at(self, step: int) -> tuple[int, int] | None:
+        return window_at(self.skip_windows, step)
+
+    def record_data(self, step: int, tags: list[RowTag]) -> None:
+        """This DP rank's rows of ``step`` -> ``data_dp<r>.jsonl`` (host-only, no sync)."""
+        if self._data_writer is not None:
+            self._data_writer.write({"step": step, "skipped": False,
+                                     "rows": [t.to_json() for t in tags]})
+
+    def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
+                    metrics_logger=None) -> None:
+        """A skipped window: data consumed, no forward/backward, no update.
+
+        One data-ledger row per DP rank (the sample range; explicit rows for text
+        streams, whose content is not a function of the id) and one signals row for
+        the whole window, so a skip of 10^6 steps costs two lines.
+        """
+        n = info.position_after - info.position_before
+        self.consumed_samples += n
+        self.skipped_samples += n
+        self._consumed_tokens = self._consumed_tokens + n * self.seq_len
+        if self._data_writer is not None:
+            row = {"step": first, "last_step": last, "skipped": True,
+                   "samples": [info.position_before, info.position_after],
+                   "layout": {"mbs": self.loader.mbs, "dp_size": self.dp_size,
+                              "global_batch": self.global_batch}}
+            if info.tags is not None:
+                row["rows"] = [t.to_json() for t in info.tags]
+            self._data_writer.write(row)
+        if not self.enabled:
+            return
+        self.drain(block=True, metrics_logger=metrics_logger)  # keep rows in step order
+        row = {k: None for k in records.SIGNAL_KEYS}
+        row.update({"step": first, "last_step": last, "consumed_samples": self.consumed_samples,
+                    "consumed_tokens": int(self._consumed_tokens.item()), "lr": lr,
+                    "skipped": True, "skipped_samples": self.skipped_samples,
+                    "skip_lr": self.config.skip_lr,
+                    "step_time_s": time.perf_counter() - step_start, "data_loading_s": 0.0})
+        if self._writer is not None:
+            self._writer.write(row)
+        if metrics_logger is not None:
+            metrics_logger.log({"ledger/skipped": 1.0, "ledger/skipped_samples": float(self.skipped_samples),
+                                "ledger/consumed_samples": float(self.consumed_samples)}, first)
+
     def drain(self, block: bool, metrics_logger=None) -> None:
         """Write every pending row whose device->host copy is done (in step order)."""
         while self._pending:
@@ -246,6 +331,7 @@ class Ledger(Configurable):
             "max_logit": mx[0] if self.config.max_logit else None,
             "lr": p.lr,
             "skipped": p.skipped,
+            "skipped_samples": self.skipped_samples,
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
@@ -268,7 +354,7 @@ class Ledger(Configurable):
             )
 
     def close(self) -> None:
-        for w in (self._writer, self._rank_writer):
+        for w in (self._writer, self._rank_writer, self._data_writer):
             if w is not None:
                 w.close()
 
@@ -276,10 +362,12 @@ class Ledger(Configurable):
     def state_dict(self) -> dict[str, Any]:
         # read at checkpoint time only (a checkpoint save synchronises anyway)
         return {"consumed_samples": self.consumed_samples,
-                "consumed_tokens": int(self._consumed_tokens.item())}
+                "consumed_tokens": int(self._consumed_tokens.item()),
+                "skipped_samples": self.skipped_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.skipped_samples = int(state.get("skipped_samples", 0))
         self._consumed_tokens = torch.tensor(float(state.get("consumed_tokens", 0)),
                                              dtype=torch.float64, device=self._consumed_tokens.device)
 

@@ -10,7 +10,13 @@ segments are *superseded*: kept in the file as history of the lost run, never
 mixed into the current history.
 
 Signal rows have exactly the keys in :data:`SIGNAL_KEYS` (plus
-``grad_norm_per_layer`` when per-layer norms are on).
+``grad_norm_per_layer`` when per-layer norms are on). A skipped window is ONE
+row, ``step`` = its first step, with ``last_step`` and ``skip_lr`` added and the
+model signals null, so a skip of 10^6 steps costs one line; ``LedgerFile.at``
+finds the row covering any step. The data ledger (``DATA_SCHEMA``, one file per
+DP rank) follows the same rules: ``{"step", "skipped", "rows": [[sample_id,
+source, [[doc, start, end], ...]], ...]}`` per step, and a window row with
+``last_step`` and ``samples: [first, end)`` for skips.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Iterator
 
 SIGNALS_SCHEMA = "titan_ledger.signals/1"
 RANK_SCHEMA = "titan_ledger.rank/1"
+DATA_SCHEMA = "titan_ledger.data/1"
 
 SIGNAL_KEYS = (
     "step",
@@ -39,6 +46,7 @@ SIGNAL_KEYS = (
     "max_logit",
     "lr",
     "skipped",
+    "skipped_samples",
     "step_time_s",
     "data_loading_s",
 )
@@ -118,6 +126,13 @@ class LedgerFile:
 
     def by_step(self) -> dict[int, dict[str, Any]]:
         return {r["step"]: r for r in self.history}
+
+    def at(self, step: int) -> dict[str, Any] | None:
+        """The current row covering ``step`` (a step row or a skipped window)."""
+        for r in reversed(self.history):
+            if r["step"] <= step <= r.get("last_step", r["step"]):
+                return r
+        return None
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | None]]:

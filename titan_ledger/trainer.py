@@ -29,9 +29,11 @@ backend.ensure_installed()
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.observability import structured_logger as sl  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger.attention import document_causal_mask  # noqa: E402
+from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
 from titan_ledger.ledger import Ledger  # noqa: E402
 
 
@@ -62,6 +64,8 @@ class LedgerTrainer(Trainer):
             super().__init__(config)
         if self._dense_masks and config.validator.enable:
             self._give_validator_dense_masks()
+        if isinstance(self.dataloader, LedgerDataLoader):
+            self.dataloader.allow_data_change = config.ledger.allow_data_change
         if not dry_run:
             self.ledger.setup(self)
 
@@ -118,6 +122,10 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # CHANGED: first step of this process, after checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
+        window = ledger.skip_window_at(self.step)  # CHANGED: skipped steps train nothing
+        if window is not None:
+            self._skip_window(window)
+            return
         step_start = time.perf_counter()  # CHANGED
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         # Save per-optimizer-group learning rates for logging
@@ -141,6 +149,8 @@ class LedgerTrainer(Trainer):
                 microbatches.append((input_dict, labels))
             microbatch_groups.append(microbatches)
         sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
+        if ledger.loader is not None:  # CHANGED: provenance of the rows this step trains on
+            ledger.record_data(self.step, ledger.loader.take_tags())
 
         local_valid_tokens_dev = local_valid_tokens.to(self.device)  # CHANGED: one copy, reused
         if parallel_dims.dp_enabled:
@@ -254,6 +264,30 @@ class LedgerTrainer(Trainer):
             float(grad_norm.item()),
             extra_metrics=extra_metrics,
         )
+
+
+    def _skip_window(self, window: tuple[int, int]) -> None:
+        """Consume the data of steps ``self.step..window end`` at once: no forward,
+        backward or optimizer step; the LR schedule frozen or advanced per
+        ``--ledger.skip_lr``. torchtitan's loop then continues from the last
+        skipped step (its checkpoint/validation checks see that step)."""
+        step_start = time.perf_counter()
+        first = self.step
+        last = min(window[1], self.config.training.steps)
+        n = last - first + 1
+        info = self.ledger.loader.skip(
+            n * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        if self.config.ledger.skip_lr == "advance":
+            for sched in self.lr_schedulers.schedulers:
+                sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
+                sched.step()
+        lr = next(iter(self.lr_schedulers.get_metrics().values()), float("nan"))
+        self.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
+                                metrics_logger=self.metrics_processor.logger)
+        logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
+                    f"[{info.position_before}, {info.position_after}) consumed without training, "
+                    f"LR schedule {self.config.ledger.skip_lr}")
+        self.step = last
 
 
 @contextlib.contextmanager

@@ -1,0 +1,157 @@
+"""Where every sample goes: global sample ids, skip windows, row provenance.
+
+Design decision: a data position is ONE integer, the number of samples consumed
+by training (Megatron's ``consumed_train_samples``), and a sample id is the
+position at which the sample is consumed. A "round" is one dataloader batch on
+every DP rank (``mbs`` rows each); in the round that starts at position ``P``,
+row ``j`` of DP rank ``r`` is sample ``P + r*mbs + j`` (Megatron's layout:
+consumed + m*mbs*dp + r*mbs + j). So sample ids are unique, ordered, the same on
+every rank, and skipping is an addition. Whether an id's *content* is fixed by
+the id alone depends on the source: the indexed corpus maps ids to tokens
+globally (so the DP size may change on resume); a text stream reads documents
+per DP rank (so it may not).
+
+Pure Python: no torch, no processes; unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+# --------------------------------------------------------------------------- ids
+def sample_id(position: int, dp_rank: int, mbs: int, row: int) -> int:
+    """Id of ``row`` of DP rank ``dp_rank``'s batch in the round starting at ``position``."""
+    return position + dp_rank * mbs + row
+
+
+def round_size(mbs: int, dp_size: int) -> int:
+    """Samples one dataloader batch on every DP rank consumes."""
+    return mbs * dp_size
+
+
+def dp_rank_of(sample: int, round_start: int, mbs: int) -> int:
+    """DP rank that trained ``sample`` in the round starting at ``round_start``."""
+    return (sample - round_start) // mbs
+
+
+# --------------------------------------------------------------------------- provenance
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Tokens ``[start, end)`` of document ``doc`` (offsets into the document's
+    input tokens, i.e. its tokens without the last one) fill part of a row."""
+
+    doc: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class RowTag:
+    """Provenance of one training row: its sample id, source and document spans."""
+
+    sample_id: int
+    source: str
+    segments: tuple[Segment, ...]
+
+    def to_json(self) -> list:
+        """Compact form stored in the data ledger: ``[id, source, [[doc, s, e], ...]]``."""
+        return [self.sample_id, self.source, [[s.doc, s.start, s.end] for s in self.segments]]
+
+    @staticmethod
+    def from_json(obj: list) -> "RowTag":
+        sid, src, segs = obj
+        return RowTag(int(sid), str(src), tuple(Segment(int(d), int(s), int(e)) for d, s, e in segs))
+
+    def as_dict(self) -> dict:
+        return {"sample_id": self.sample_id, "source": self.source,
+                "segments": [{"doc": s.doc, "start": s.start, "end": s.end} for s in self.segments]}
+
+
+def positions_of(segments: tuple[Segment, ...] | list[Segment]) -> list[int]:
+    """Per-document positions of a packed row: every segment restarts at 0.
+
+    Matches torchtitan 0.3.0's HuggingFaceTextDataset (positions reset at document
+    starts and a row's first segment is renormalised to 0), so block-causal masks
+    and the CPU attention see the same documents.
+    """
+    out: list[int] = []
+    for s in segments:
+        out.extend(range(len(s)))
+    return out
+
+
+# --------------------------------------------------------------------------- packing
+def pack_span(cum, start: int, length: int) -> list[tuple[int, int, int]]:
+    """Split the stream interval ``[start, start+length)`` into per-document pieces.
+
+    ``cum[i]`` is the stream offset where the i-th document (in stream order)
+    starts (``len(cum) == n_docs + 1``; a list or a numpy array). Returns
+    ``[(i, doc_offset_start, doc_offset_end), ...]`` in stream order.
+    """
+    out = []
+    i = bisect.bisect_right(cum, start) - 1  # works on lists and numpy arrays
+    pos, end = start, start + length
+    n = len(cum) - 1
+    while pos < end:
+        while i < n and cum[i + 1] <= pos:  # skip empty documents
+            i += 1
+        if i >= n:
+            raise IndexError(f"stream interval [{start}, {end}) runs past the last document")
+        take = min(int(cum[i + 1]), end) - pos
+        off = pos - int(cum[i])
+        out.append((i, off, off + take))
+        pos += take
+        i += 1
+    return out
+
+
+# --------------------------------------------------------------------------- skip windows
+class SkipError(ValueError):
+    """A malformed ``skip_steps`` entry; the message names it and the fix."""
+
+
+def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[int, int]]:
+    """``["137000-137300", "140001"]`` (or the comma-separated CLI form) -> sorted,
+    merged, inclusive ``(first, last)`` windows of absolute 1-indexed steps."""
+    if isinstance(entries, str):
+        entries = [entries]
+    windows: list[tuple[int, int]] = []
+    for entry in entries:
+        for part in str(entry).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            try:
+                a = int(lo)
+                b = int(hi) if sep else a
+            except ValueError:
+                raise SkipError(
+                    f"--ledger.skip_steps: {part!r} is not a step or an inclusive range; "
+                    f'write e.g. "137000-137300" or "140001"') from None
+            if a < 1 or b < a:
+                raise SkipError(
+                    f"--ledger.skip_steps: {part!r} must be absolute 1-indexed steps with "
+                    f"first <= last")
+            windows.append((a, b))
+    windows.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in windows:
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def window_at(windows: list[tuple[int, int]], step: int) -> tuple[int, int] | None:
+    """The skip window containing ``step``, if any."""
+    i = bisect.bisect_right(windows, (step, float("inf"))) - 1
+    if i >= 0 and windows[i][0] <= step <= windows[i][1]:
+        return windows[i]
+    return None

@@ -1,0 +1,145 @@
+"""Text stream source: HF ``datasets`` documents tokenized on the fly, per DP rank.
+
+Design decision: the state of a stream is a *cursor* -- (epoch, index into the
+epoch's document order, token offset into that document) -- at the start of the
+next row, i.e. three integers instead of torchtitan's pickled token buffers. The
+rows are exactly those of torchtitan 0.3.0's ``HuggingFaceTextDataset`` in the first
+epoch (same documents per DP rank, same BOS/EOS, same next-token shift inside a
+document, same per-document positions; a test compares them), but every row also
+knows which documents and token spans it holds.
+
+A stream has no random access to row ``k`` without tokenizing what precedes it,
+so (unlike the indexed corpus) its position is per DP rank and the DP size cannot
+change on resume, and skipping walks the documents (tokenizer only: no model,
+no batch tensors). Documents are identified by their row index in the dataset,
+which needs a map-style dataset; streaming datasets are refused with a pointer
+to ``titan_ledger.prepare``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from titan_ledger.data.layout import Segment
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    epoch: int = 0
+    index: int = 0  # position in the epoch's document order
+    offset: int = 0  # input tokens of that document already used
+
+    def to_json(self) -> list[int]:
+        return [self.epoch, self.index, self.offset]
+
+    @staticmethod
+    def from_json(v) -> "Cursor":
+        return Cursor(*(int(x) for x in v))
+
+
+def contiguous_shard(n: int, shards: int, index: int) -> tuple[int, int]:
+    """``datasets.Dataset.shard(contiguous=True)``'s bounds (what torchtitan's
+    ``split_dataset_by_node`` gives a map-style dataset)."""
+    div, mod = divmod(n, shards)
+    start = div * index + min(index, mod)
+    return start, start + div + (1 if index < mod else 0)
+
+
+class TextStream:
+    """The documents of one DP rank as a stream of packed rows."""
+
+    def __init__(self, dataset_name: str, dataset_path: str | None, tokenizer, seq_len: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        from datasets import Dataset
+        from torchtitan.hf_datasets.text_datasets import _validate_dataset
+
+        try:
+            path, loader, processor = _validate_dataset(dataset_name.lower(), dataset_path)
+        except ValueError as e:
+            raise ValueError(f"--dataloader.dataset: {e}") from None
+        ds = loader(path)
+        if not isinstance(ds, Dataset):
+            raise ValueError(
+                f"--dataloader.dataset {dataset_name!r} is a streaming dataset: its documents have "
+                f"no stable ids, so rows cannot be tagged or skipped exactly. Tokenize it once with "
+                f"`python -m titan_ledger.prepare` and set --dataloader.source indexed")
+        self.name = dataset_name
+        self.ds = ds
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.lo, self.hi = contiguous_shard(len(ds), dp_size, dp_rank)
+        if self.hi <= self.lo:
+            raise ValueError(f"dataset {dataset_name!r} has {len(ds)} documents, fewer than "
+                             f"the {dp_size} DP ranks")
+        self._orders: dict[int, np.ndarray] = {}
+        self._cache: tuple[int, list[int]] | None = None
+        self.n_rows_docs = len(ds)
+
+    def describe(self) -> str:
+        h = hashlib.sha256(f"{self.name}:{len(self.ds)}:{self.ds._fingerprint}".encode())
+        return f"text:{self.name}:{h.hexdigest()[:16]}"
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Document ids of this rank in epoch order (epoch 0: dataset order, like torchtitan)."""
+        got = self._orders.get(epoch)
+        if got is None:
+            got = np.arange(self.lo, self.hi, dtype=np.int64)
+            if epoch > 0:
+                got = got[np.random.default_rng([self.seed, epoch]).permutation(len(got))]
+            self._orders = {epoch: got}  # one epoch at a time is enough
+        return got
+
+    def doc_tokens(self, doc: int) -> list[int]:
+        if self._cache is not None and self._cache[0] == doc:
+            return self._cache[1]
+        text = self.processor(self.ds[int(doc)])
+        toks = self.tokenizer.encode(text, add_bos=True, add_eos=True)
+        self._cache = (doc, toks)
+        return toks
+
+    def rows(self, cursor: Cursor, build=True) -> Iterator[tuple]:
+        """Yield ``(segments, cursor_after, inputs, labels)`` from ``cursor`` on.
+
+        ``build`` is a bool or a function of the row count since ``cursor``; where
+        it is false the token lists are not assembled (``inputs`` and ``labels``
+        are None): what a skip, or a worker passing another worker's rows, needs.
+        """
+        epoch, index, offset = cursor.epoch, cursor.index, cursor.offset
+        L = self.seq_len
+        wants = build if callable(build) else (lambda k, _b=bool(build): _b)
+        k = -1
+        while True:
+            k += 1
+            build = wants(k)
+            segs: list[Segment] = []
+            inputs: list[int] = []
+            labels: list[int] = []
+            need = L
+            while need:
+                order = self.order(epoch)
+                if index >= len(order):
+                    epoch, index, offset = epoch + 1, 0, 0
+                    continue
+                doc = int(order[index])
+                toks = self.doc_tokens(doc)
+                avail = len(toks) - 1 - offset
+                if avail <= 0:
+                    index, offset = index + 1, 0
+                    continue
+                take = min(avail, need)
+                segs.append(Segment(doc, offset, offset + take))
+                if build:
+                    inputs.extend(toks[offset:offset + take])
+                    labels.extend(toks[offset + 1:offset + take + 1])
+                offset += take
+                need -= take
+                if offset >= len(toks) - 1:
+                    index, offset = index + 1, 0
+            yield (tuple(segs), Cursor(epoch, index, offset),
+                   inputs if build else None, labels if build else None)

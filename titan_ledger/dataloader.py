@@ -1,0 +1,332 @@
+"""``LedgerDataLoader``: torchtitan's ``ParallelAwareDataloader`` with a data ledger.
+
+Design decision: the loader's position is the number of samples *training* has
+consumed (see ``titan_ledger.data.layout``), counted where the trainer takes a
+batch (this class's ``__iter__``), never in the workers. Workers, prefetching and
+torchdata's ``StatefulDataLoader`` snapshots therefore do not enter the state:
+on resume (or after a skip) the iterator is rebuilt at the position, and what
+workers had prefetched is simply dropped. Worker ``w`` of ``n`` builds the
+batches ``q`` with ``q % n == w`` (the order torch's DataLoader returns them in),
+so ``num_workers`` 0 and 2 give the same sequence and no document is read twice.
+
+Each batch carries its rows' provenance (``RowTag``: sample id, source, document
+spans); ``__iter__`` strips it before torchtitan sees the batch (torchtitan hands
+every extra ``input_dict`` key to ``model.forward``) and keeps it for the
+trainer, which writes it to the data ledger. Sources (pure, unit-tested):
+``text`` (``titan_ledger.data.text``) and ``indexed`` (``titan_ledger.data.indexed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.tools.logging import logger
+
+from titan_ledger.data.indexed import Blend, IndexedCorpus
+from titan_ledger.data.layout import RowTag, round_size
+from titan_ledger.data.text import Cursor, TextStream
+
+STATE_KEY = "titan_ledger_data"
+
+
+class DataStateError(ValueError):
+    """The checkpoint's data state does not fit this run; the message says why and the fix."""
+
+
+@dataclass
+class SkipInfo:
+    position_before: int
+    position_after: int
+    tags: list[RowTag] | None  # this DP rank's skipped rows (text streams); None if derivable
+
+
+class _Rows(IterableDataset):
+    """Batches of ``mbs`` packed rows for one DP rank, from ``start_position``."""
+
+    def __init__(self, kind: str, source, mbs: int, dp_rank: int, dp_size: int, tagging: bool):
+        self.kind, self.source = kind, source
+        self.mbs, self.dp_rank, self.dp_size, self.tagging = mbs, dp_rank, dp_size, tagging
+        self.start_position = 0
+        self.start_cursor = Cursor()
+
+    def ids(self, position: int) -> range:
+        base = position + self.dp_rank * self.mbs
+        return range(base, base + self.mbs)
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        R = round_size(self.mbs, self.dp_size)
+        if self.kind == "indexed":
+            q = wid
+            while True:
+                rows = [self.source.row(i) for i in self.ids(self.start_position + q * R)]
+                yield self._collate([r[:3] for r in rows], [r[3] for r in rows], None)
+                q += nw
+        else:
+            mbs = self.mbs
+            # every worker walks the stream; only the owner of a batch builds it
+            stream = self.source.rows(self.start_cursor, build=lambda k: (k // mbs) % nw == wid)
+            q = 0
+            while True:
+                got = [next(stream) for _ in range(mbs)]
+                if q % nw == wid:
+                    ids = self.ids(self.start_position + q * R)
+                    tags = [RowTag(i, self.source.name, g[0]) for i, g in zip(ids, got)]
+                    yield self._collate([(g[2], g[3], None) for g in got], tags, got[-1][1])
+                q += 1
+
+    def _collate(self, rows, tags, cursor: Cursor | None):
+        inputs = torch.as_tensor(np.asarray([r[0] for r in rows], dtype=np.int64))
+        labels = torch.as_tensor(np.asarray([r[1] for r in rows], dtype=np.int64))
+        if rows[0][2] is not None:
+            positions = torch.as_tensor(np.asarray([r[2] for r in rows], dtype=np.int64))
+        else:
+            positions = torch.as_tensor(np.asarray(
+                [[p for s in t.segments for p in range(len(s))] for t in tags], dtype=np.int64))
+        meta = {"tags": tags if self.tagging else None,
+                "cursor": cursor.to_json() if cursor is not None else None}
+        return {"input": inputs, "positions": positions}, labels, meta
+
+
+class LedgerDataLoader(ParallelAwareDataloader):
+    """Tagged, skippable, exactly resumable packed-text dataloader."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        dataset: str = "c4_test"
+        """``source = "text"``: a dataset of torchtitan's registry (``c4_test`` reads a
+        local folder of JSONL given by ``dataset_path``)."""
+
+        source: Literal["text", "indexed"] = "text"
+        """``text``: tokenize documents on the fly, per DP rank (DP size fixed on
+        resume). ``indexed``: Megatron .bin/.idx corpora from ``paths`` with a global
+        sample order (O(1) skip; DP size may change on resume)."""
+
+        paths: list[str] = field(default_factory=list)
+        """``source = "indexed"``: corpus prefixes (``PREFIX.bin`` + ``PREFIX.idx``)."""
+
+        weights: list[float] = field(default_factory=list)
+        """``source = "indexed"``: mixture weights, one per path (default: equal)."""
+
+        prepare_from: str = ""
+        """``source = "indexed"`` with one path: if its .bin/.idx are missing, tokenize
+        this JSONL file or folder into it first (global rank 0; the others wait)."""
+
+        seed: int = 1234
+        """Shuffle seed: document and row order of the indexed corpus, document order
+        of text epochs after the first."""
+
+        shuffle: bool = True
+        """``source = "indexed"``: shuffle documents and rows per epoch (off: the
+        corpus order, identical to the text stream for one DP rank)."""
+
+        cache_dir: str = ""
+        """``source = "indexed"``: where index arrays are cached (default
+        ``PREFIX.cache/`` beside each corpus)."""
+
+        tagging: bool = True
+        """Tag rows with sample id and document spans and write the data ledger
+        (``<dump_folder>/ledger/data_dp<r>.jsonl``)."""
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer,
+                 seq_len: int, local_batch_size: int, snapshot_every_n_steps: int | None = None,
+                 **kwargs):
+        self.kind = config.source
+        self.mbs = int(local_batch_size)
+        self.seq_len = int(seq_len)
+        if config.source == "indexed":
+            source = self._build_blend(config, tokenizer, seq_len)
+            described = f"indexed:{source.fingerprint()}"
+        else:
+            if config.paths:
+                raise ValueError("--dataloader.paths is only read with --dataloader.source indexed")
+            source = TextStream(config.dataset, config.dataset_path, tokenizer, seq_len,
+                                dp_rank, dp_world_size, config.seed)
+            described = source.describe()
+        self.source = source
+        self.spec = {"dataset": config.dataset,
+                     "dataset_path": (str(Path(config.dataset_path).resolve())
+                                      if config.dataset_path else None),
+                     "paths": [str(Path(p).resolve()) for p in config.paths],
+                     "weights": list(config.weights) or [1.0] * len(config.paths),
+                     "seed": config.seed, "shuffle": config.shuffle,
+                     "cache_dir": config.cache_dir}
+        self.fingerprint = _fingerprint(described, tokenizer, seq_len, config.seed)
+        self.description = described
+        self.tagging = config.tagging
+        self.allow_data_change = False  # set by LedgerTrainer from --ledger.allow_data_change
+        self._position = 0
+        self._cursor = Cursor()
+        self._tags: list[RowTag] = []
+        self._restart = False
+        rows = _Rows(config.source, source, self.mbs, dp_rank, dp_world_size, config.tagging)
+        super().__init__(
+            rows, dp_rank=dp_rank, dp_world_size=dp_world_size,
+            batch_size=None,  # _Rows yields whole batches (a worker owns a batch)
+            num_workers=config.num_workers,
+            persistent_workers=False,  # a restart must see the new start position
+            pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor,
+            # torchdata's snapshots are never read (our state is the position): take none
+            snapshot_every_n_steps=1 << 40,
+        )
+        if config.persistent_workers:
+            logger.warning("titan_ledger: --dataloader.persistent_workers is ignored (workers "
+                           "restart at the consumed position after a skip or resume)")
+
+    @staticmethod
+    def _build_blend(config: "LedgerDataLoader.Config", tokenizer, seq_len: int) -> Blend:
+        if not config.paths:
+            raise ValueError("--dataloader.source indexed needs --dataloader.paths (corpus prefixes)")
+        weights = list(config.weights) or [1.0] * len(config.paths)
+        if len(weights) != len(config.paths):
+            raise ValueError(f"--dataloader.weights has {len(weights)} entries for "
+                             f"{len(config.paths)} --dataloader.paths")
+        if config.prepare_from:
+            if len(config.paths) != 1:
+                raise ValueError("--dataloader.prepare_from needs exactly one --dataloader.paths")
+            _prepare_once(config.prepare_from, config.paths[0], tokenizer)
+        corpora = [IndexedCorpus(p, seq_len, config.seed, config.cache_dir or None,
+                                 shuffle=config.shuffle) for p in config.paths]
+        return Blend(corpora, weights)
+
+    # ------------------------------------------------------------------ iteration
+    @property
+    def position(self) -> int:
+        """Samples consumed by training (all DP ranks), including skipped ones."""
+        return self._position
+
+    @property
+    def round(self) -> int:
+        return round_size(self.mbs, self.dp_world_size)
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            self.dataset.start_position = self._position
+            self.dataset.start_cursor = self._cursor
+            self._restart = False
+            it = super().__iter__()
+            for input_dict, labels, meta in it:
+                # consumed now: the trainer asked for this batch
+                self._position += self.round
+                if meta["cursor"] is not None:
+                    self._cursor = Cursor.from_json(meta["cursor"])
+                if meta["tags"] is not None:
+                    self._tags.extend(meta["tags"])
+                yield input_dict, labels
+                if self._restart:
+                    break
+            else:
+                return
+            del it  # shuts its workers down; their prefetched batches were never consumed
+
+    def take_tags(self) -> list[RowTag]:
+        """Provenance of the rows consumed since the last call (this DP rank)."""
+        tags, self._tags = self._tags, []
+        return tags
+
+    def skip(self, n_batches: int) -> SkipInfo:
+        """Consume ``n_batches`` batches per DP rank without building them.
+
+        Indexed corpus: an addition. Text stream: the tokenizer walks the
+        documents (no batch tensors). The next batch comes from a fresh iterator.
+        """
+        before = self._position
+        tags = None
+        if self.kind == "text":
+            stream = self.source.rows(self._cursor, build=False)
+            n_rows = n_batches * self.mbs
+            tags = [] if self.tagging else None
+            for k in range(n_rows):
+                segs, cursor, _, _ = next(stream)
+                if tags is not None:
+                    q, j = divmod(k, self.mbs)
+                    sid = before + q * self.round + self.dp_rank * self.mbs + j
+                    tags.append(RowTag(sid, self.source.name, segs))
+                self._cursor = cursor
+        self._position = before + n_batches * self.round
+        self._restart = True
+        return SkipInfo(before, self._position, tags)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        cursors = {str(self.dp_rank): self._cursor.to_json()}
+        if self.kind == "text" and dist.is_initialized() and dist.get_world_size() > 1:
+            # One global value for all ranks (DCP keeps one copy of a shared key), so a
+            # resume with another DP size can be told apart from a missing key.
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, cursors)
+            cursors = {k: v for c in gathered for k, v in c.items()}
+        state = {"position": self._position, "dp_size": self.dp_world_size, "kind": self.kind,
+                 "mbs": self.mbs, "fingerprint": self.fingerprint, "source": self.description,
+                 "cursors": cursors if self.kind == "text" else {}}
+        return {STATE_KEY: json.dumps(state, sort_keys=True)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        blob = state_dict.get(STATE_KEY)
+        if blob is None:
+            raise DataStateError(
+                "the checkpoint's dataloader state was not written by LedgerDataLoader; to start "
+                "its data from the beginning, add 'dataloader' to --checkpoint.exclude_from_loading")
+        state = json.loads(blob)
+        if state["fingerprint"] != self.fingerprint and not self.allow_data_change:
+            raise DataStateError(
+                f"the data changed since the checkpoint (source, tokenizer, seq_len or seed): "
+                f"checkpoint {state['source']} fingerprint {state['fingerprint']}, this run "
+                f"{self.description} fingerprint {self.fingerprint}; pass "
+                f"--ledger.allow_data_change to continue at sample {state['position']} anyway")
+        if self.kind == "text" and state["dp_size"] != self.dp_world_size:
+            raise DataStateError(
+                f"the checkpoint was written with {state['dp_size']} DP ranks, this run has "
+                f"{self.dp_world_size}: a text stream's position is per DP rank. Keep the DP "
+                f"size, or train from an indexed corpus (--dataloader.source indexed, see "
+                f"`python -m titan_ledger.prepare`), whose position is global")
+        self._position = int(state["position"])
+        if self.kind == "text" and state.get("kind") == "text":
+            self._cursor = Cursor.from_json(state["cursors"][str(self.dp_rank)])
+        else:
+            self._cursor = Cursor()
+        self._restart = True
+
+    def header(self) -> dict[str, Any]:
+        """What the data ledger's header records about this loader."""
+        return {"source_kind": self.kind, "source": self.description,
+                "fingerprint": self.fingerprint, "mbs": self.mbs, "seq_len": self.seq_len,
+                "dp_size": self.dp_world_size, "dp_rank": self.dp_rank, "spec": self.spec}
+
+
+def _fingerprint(described: str, tokenizer, seq_len: int, seed: int) -> str:
+    tok = getattr(tokenizer, "tokenizer", None)
+    tok_blob = tok.to_str() if hasattr(tok, "to_str") else repr(type(tokenizer))
+    h = hashlib.sha256()
+    for part in (described, hashlib.sha256(tok_blob.encode()).hexdigest(), f"L{seq_len}",
+                 f"seed{seed}"):
+        h.update(part.encode() + b"|")
+    return h.hexdigest()[:16]
+
+
+def _prepare_once(src: str, prefix: str, tokenizer) -> None:
+    """Tokenize ``src`` into ``prefix`` on global rank 0 if missing; others wait."""
+    from titan_ledger import prepare
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    missing = not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
+    if missing and rank == 0:
+        logger.info(f"titan_ledger: preparing {prefix}.bin/.idx from {src} (first use)")
+        prepare.prepare([src], prefix, tokenizer=tokenizer, workers=0, progress=False)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,135 @@
+"""``python -m titan_ledger.lookup``: what did each DP rank train on at step T?
+
+Design decision: read only the data ledger (``data_dp<r>.jsonl``) and, for text or
+derived rows, the data source named in its header; never start a trainer or a
+process group. ``--json`` prints the machine form::
+
+    {"step": T, "skipped": bool,
+     "ranks": {"0": [{"sample_id": .., "source": .., "segments": [{"doc": .., "start": .., "end": ..}]}]}}
+
+(with ``--text`` every segment also has ``"text"``). Offsets are into the
+document's tokens as stored (BOS first), over its input tokens.
+
+Examples::
+
+    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5
+    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5 --rank 1 --text
+    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5 --json
+    python -m titan_ledger.lookup --dump-folder outputs/indexed --sample 123456 --text
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from titan_ledger.data.layout import RowTag
+from titan_ledger.data.provenance import DataLedger, LedgerError
+
+
+class TextSource:
+    """Decode segments back to text with the run's tokenizer and data source."""
+
+    def __init__(self, ledger: DataLedger):
+        self.ledger = ledger
+        self.hdr = ledger.header()
+        self._tok = None
+        self._ds = None
+
+    def tokenizer(self):
+        if self._tok is None:
+            from titan_ledger.prepare import load_tokenizer
+
+            self._tok = load_tokenizer(self.hdr["tokenizer"])
+        return self._tok
+
+    def doc_tokens(self, source: str, doc: int):
+        if self.hdr["source_kind"] == "indexed":
+            blend = self.ledger.blend(self.hdr)
+            corpus = next(c for c in blend.corpora if c.name == source)
+            return corpus.doc_tokens(doc).tolist()
+        if self._ds is None:
+            from titan_ledger import backend
+
+            backend.ensure_installed()
+            from torchtitan.hf_datasets.text_datasets import _validate_dataset
+
+            spec = self.hdr["spec"]
+            path, loader, processor = _validate_dataset(spec["dataset"].lower(), spec["dataset_path"])
+            self._ds, self._proc = loader(path), processor
+        text = self._proc(self._ds[int(doc)])
+        return self.tokenizer().encode(text, add_bos=True, add_eos=True)
+
+    def text(self, source: str, doc: int, start: int, end: int) -> str:
+        return self.tokenizer().decode(self.doc_tokens(source, doc)[start:end])
+
+
+def describe(tags: list[RowTag], text: TextSource | None) -> list[dict]:
+    out = []
+    for t in tags:
+        d = t.as_dict()
+        if text is not None:
+            for seg in d["segments"]:
+                seg["text"] = text.text(t.source, seg["doc"], seg["start"], seg["end"])
+        out.append(d)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m titan_ledger.lookup", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="Examples:" + __doc__.split("Examples::", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump-folder", required=True, help="the run's dump folder")
+    ap.add_argument("--step", type=int, help="training step (1-indexed)")
+    ap.add_argument("--sample", type=int, help="a sample id instead of a step (indexed corpora)")
+    ap.add_argument("--rank", type=int, help="only this DP rank")
+    ap.add_argument("--text", action="store_true", help="decode each segment's text")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--ledger-folder", default="ledger", help="ledger folder inside the dump folder")
+    a = ap.parse_args(argv)
+    if (a.step is None) == (a.sample is None):
+        ap.error("give exactly one of --step or --sample")
+    try:
+        ledger = DataLedger(Path(a.dump_folder) / a.ledger_folder)
+        text = TextSource(ledger) if a.text else None
+        if a.sample is not None:
+            tag = ledger.blend().tag(a.sample)
+            out = describe([tag], text)[0]
+            print(json.dumps(out, indent=None if a.json else 1))
+            return 0
+        ranks = [a.rank] if a.rank is not None else ledger.ranks_at(a.step)
+        got = {r: ledger.at(a.step, r) for r in ranks}
+        missing = [r for r, g in got.items() if g is None]
+        if not got or missing:
+            last = ledger.last_step
+            raise LedgerError(f"{ledger.folder}: no data for step {a.step}"
+                              + (f" on DP rank(s) {missing}" if missing else "")
+                              + f" (the ledger covers steps 1-{last})")
+    except (LedgerError, FileNotFoundError, ValueError) as e:
+        print(f"titan_ledger.lookup: error: {e}", file=sys.stderr)
+        return 2
+    skipped = any(g.skipped for g in got.values())
+    result = {"step": a.step, "skipped": skipped,
+              "ranks": {str(r): describe(g.tags, text) for r, g in got.items()}}
+    if a.json:
+        print(json.dumps(result))
+        return 0
+    window = next((g.window for g in got.values() if g.window), None)
+    state = "SKIPPED" + (f" (window {window[0]}-{window[1]})" if window else "") if skipped else "trained"
+    print(f"step {a.step}: {state}")
+    for r, rows in result["ranks"].items():
+        print(f"DP rank {r}")
+        for row in rows:
+            spans = "  ".join(f"doc {s['doc']} [{s['start']}:{s['end']})" for s in row["segments"])
+            print(f"  sample {row['sample_id']:>8}  {row['source']}  {spans}")
+            if a.text:
+                for s in row["segments"]:
+                    print(f"    doc {s['doc']}: {s['text']!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

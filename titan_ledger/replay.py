@@ -1,0 +1,311 @@
+"""``python -m titan_ledger.replay``: prove that a resumed run saw exactly the same samples.
+
+Design decision: the data ledger of an ordinary run *is* the record (no second id
+format): ``check`` compares the per-step sample ids of two dump folders,
+``resume`` produces the interrupted run to compare, with a real SIGKILL of every
+process (torchrun and all ranks, so prefetched batches die with the workers)
+at a step the user picks, then a plain relaunch that resumes from the latest
+checkpoint. ``inject`` corrupts one rank's batch at one step (to rehearse spike
+forensics) and ``drill`` runs the PaLM procedure end to end.
+
+Examples::
+
+    # 2 ranks, checkpoint every 4 steps, kill -9 during step 6, resume, finish
+    python -m titan_ledger.replay resume --nproc 2 --kill-at 6 --dump-folder /tmp/b -- \\
+        --job.config_file train_configs/debug_cpu.toml --training.steps 10 --checkpoint.interval 4
+    python -m titan_ledger.replay check /tmp/a /tmp/b            # exit 0: identical samples
+    python -m titan_ledger.replay check /tmp/a /tmp/b --json
+    python -m titan_ledger.replay inject --step 5 --rank 1 --kind repeat --nproc 2 \\
+        --dump-folder /tmp/c -- --job.config_file train_configs/debug_cpu.toml --training.steps 8
+    python -m titan_ledger.replay drill --nproc 2 --dump-folder /tmp/d -- \\
+        --job.config_file train_configs/debug_cpu.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titan_ledger.data.provenance import DataLedger, LedgerError
+
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- check
+@dataclass
+class CheckResult:
+    equal: bool
+    steps: int = 0
+    ranks: list[int] = field(default_factory=list)
+    divergence: dict | None = None
+    overlaps: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"equal": self.equal, "steps_compared": self.steps, "ranks": self.ranks,
+                "first_divergence": self.divergence, "overlaps": self.overlaps, "notes": self.notes}
+
+
+EXPAND_LIMIT = 100_000  # steps of a skipped window expanded step by step when comparing
+
+
+def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
+    """{step: {dp_rank: sample ids}}; a skipped window longer than ``EXPAND_LIMIT``
+    steps stays one ``("window", last_step, samples)`` key."""
+    out: dict[int, dict[int, tuple]] = {}
+    for r, history in ledger.history.items():
+        for row in history:
+            step, last = row["step"], row.get("last_step", row["step"])
+            if last - step + 1 > EXPAND_LIMIT:
+                out.setdefault(step, {})[r] = ("window", last, tuple(row["samples"]))
+                continue
+            for s in range(step, last + 1):
+                out.setdefault(s, {})[r] = ledger.ids_at(s, r)
+    return out
+
+
+def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -> CheckResult:
+    la = DataLedger(Path(dir_a) / ledger_folder)
+    lb = DataLedger(Path(dir_b) / ledger_folder)
+    ha, hb = la.header(), lb.header()
+    for key in ("fingerprint", "global_batch", "seq_len"):
+        if ha.get(key) != hb.get(key):
+            raise LedgerError(f"the runs differ in {key}: {dir_a} has {ha.get(key)!r}, {dir_b} has "
+                              f"{hb.get(key)!r}; compare runs of the same config")
+    a, b = step_ids(la), step_ids(lb)
+    res = CheckResult(True, ranks=sorted(set(la.history) | set(lb.history)))
+    for name, lg, ids in (("A", la, a), ("B", lb, b)):
+        if lg.torn:
+            res.notes.append(f"{name}: torn lines skipped (a kill -9 mid-write): {lg.torn}")
+        for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
+            seen: dict[int, int] = {}
+            for r, key in per_rank.items():
+                if key and key[0] == "window":
+                    continue
+                for i in key:
+                    if i in seen:
+                        res.overlaps.append({"run": name, "step": s, "sample_id": i,
+                                             "ranks": [seen[i], r]})
+                    seen[i] = r
+    steps = sorted(set(a) | set(b))
+    for s in steps:
+        ra, rb = a.get(s), b.get(s)
+        if ra is None or rb is None:
+            res.equal = False
+            res.divergence = {"step": s, "rank": None, "expected": _show(ra), "got": _show(rb),
+                              "reason": f"step {s} is missing from {'A' if ra is None else 'B'}"}
+            break
+        if set(ra) == set(rb):
+            bad = next((r for r in sorted(ra) if ra[r] != rb[r]), None)
+            if bad is not None:
+                res.equal = False
+                res.divergence = {"step": s, "rank": bad, "expected": _show(ra[bad]),
+                                  "got": _show(rb[bad])}
+                break
+        else:  # another DP size on resume: the step's global sample set must match
+            ga = sorted(i for k in ra.values() for i in k)
+            gb = sorted(i for k in rb.values() for i in k)
+            if ga != gb:
+                res.equal = False
+                res.divergence = {"step": s, "rank": "all", "expected": ga, "got": gb}
+                break
+        res.steps += 1
+    if res.overlaps:
+        res.equal = False
+    return res
+
+
+def _show(v):
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        return {str(r): list(k) for r, k in v.items()}
+    return list(v)
+
+
+def print_check(res: CheckResult, a: str, b: str) -> None:
+    print(f"A = {a}\nB = {b}")
+    print(f"{'steps compared':<18}{res.steps}\n{'DP ranks':<18}{res.ranks}")
+    for n in res.notes:
+        print(f"{'note':<18}{n}")
+    if res.overlaps:
+        o = res.overlaps[0]
+        print(f"{'OVERLAP':<18}run {o['run']} step {o['step']}: sample {o['sample_id']} on ranks "
+              f"{o['ranks']} ({len(res.overlaps)} in all)")
+    if res.divergence:
+        d = res.divergence
+        print(f"{'FIRST DIVERGENCE':<18}step {d['step']}, rank {d['rank']}"
+              + (f": {d['reason']}" if "reason" in d else ""))
+        print(f"{'  expected (A)':<18}{d['expected']}\n{'  got (B)':<18}{d['got']}")
+    print(f"{'result':<18}{'EQUAL' if res.equal else 'DIFFERENT'}")
+
+
+# --------------------------------------------------------------------------- running training
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(nproc: int, dump: Path, train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+            "-m", "titan_ledger.train", *train_args, "--job.dump_folder", str(dump)]
+
+
+def kill9_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every descendant at once (torchrun puts ranks in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def _ledger_reached(path: Path, start: int, step: int) -> bool:
+    """Has a row for ``step`` been appended to ``path`` after byte ``start``?"""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if "schema" not in row and row.get("step", 0) <= step <= row.get("last_step", row.get("step", 0)):
+                    return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def run_training(nproc: int, dump: Path, train_args: list[str], log: Path, env=None,
+                 kill_at: int | None = None, timeout: float = 3600) -> dict:
+    """One torchrun launch; with ``kill_at`` SIGKILL the whole tree when step ``kill_at`` starts."""
+    dump.mkdir(parents=True, exist_ok=True)
+    watch = dump / "ledger" / "data_dp0.jsonl"
+    start = watch.stat().st_size if watch.exists() else 0
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(train_cmd(nproc, dump, train_args), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+        killed = False
+        while proc.poll() is None:
+            if kill_at is not None and _ledger_reached(watch, start, kill_at):
+                kill9_tree(proc.pid)
+                killed = True
+                break
+            if time.monotonic() - t0 > timeout:
+                kill9_tree(proc.pid)
+                raise RuntimeError(f"training did not finish in {timeout} s; log: {log}")
+            time.sleep(0.02)
+        rc = proc.wait()
+    return {"returncode": rc, "killed": killed, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _checkpoints(dump: Path) -> list[int]:
+    folder = dump / "checkpoint"
+    steps = []
+    for p in folder.glob("step-*"):
+        if (p / ".metadata").exists():
+            steps.append(int(p.name.split("-", 1)[1]))
+    return sorted(steps)
+
+
+def resume(nproc: int, kill_at: int, dump: Path, train_args: list[str]) -> dict:
+    args = ["--checkpoint.enable", *train_args]
+    log = dump / "replay_resume.log"
+    dump.mkdir(parents=True, exist_ok=True)
+    first = run_training(nproc, dump, args, log, kill_at=kill_at)
+    if not first["killed"]:
+        raise RuntimeError(f"the run ended (exit {first['returncode']}) before step {kill_at}; "
+                           f"log: {log}")
+    ckpts = _checkpoints(dump)
+    second = run_training(nproc, dump, args, log)
+    if second["returncode"] != 0:
+        raise RuntimeError(f"the resumed run failed (exit {second['returncode']}); log: {log}")
+    return {"dump_folder": str(dump), "killed_at_step": kill_at,
+            "resumed_from_checkpoint": ckpts[-1] if ckpts else None,
+            "checkpoints_before_kill": ckpts, "first_run_s": first["seconds"],
+            "resumed_run_s": second["seconds"], "log": str(log)}
+
+
+# --------------------------------------------------------------------------- CLI
+def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, train_args = _split_train_args(argv)
+    ap = argparse.ArgumentParser(prog="python -m titan_ledger.replay", description=__doc__.split("\n\n")[0],
+                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("check", help="compare the samples of two runs",
+                       description="Per DP rank, the step-by-step sample ids of two runs must be "
+                       "equal, and within each step the ranks disjoint. Exit 0 equal, 1 different, "
+                       "2 error.", epilog="example: python -m titan_ledger.replay check /tmp/a /tmp/b --json")
+    p.add_argument("dump_a")
+    p.add_argument("dump_b")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--ledger-folder", default="ledger")
+    p = sub.add_parser("resume", help="train, kill -9 every rank at a step, resume, finish",
+                       description="Training arguments follow `--`. Checkpointing is switched on; "
+                       "pick --kill-at between checkpoint steps.",
+                       epilog="example: python -m titan_ledger.replay resume --nproc 2 --kill-at 6 "
+                       "--dump-folder /tmp/b -- --job.config_file train_configs/debug_cpu.toml "
+                       "--training.steps 10 --checkpoint.interval 4")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--kill-at", type=int, required=True)
+    p.add_argument("--dump-folder", type=Path, required=True)
+    p.add_argument("--json", action="store_true")
+    a = ap.parse_args(own)
+    try:
+        if a.cmd == "check":
+            res = check(a.dump_a, a.dump_b, a.ledger_folder)
+            if a.json:
+                print(json.dumps(res.to_json()))
+            else:
+                print_check(res, a.dump_a, a.dump_b)
+            return EXIT_EQUAL if res.equal else EXIT_DIFFERENT
+        if a.cmd == "resume":
+            out = resume(a.nproc, a.kill_at, a.dump_folder, train_args)
+            if a.json:
+                print(json.dumps(out))
+            else:
+                for k, v in out.items():
+                    print(f"{k:<26}{v}")
+            return 0
+    except (LedgerError, FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"titan_ledger.replay: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
