@@ -68,7 +68,9 @@ def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
                 out.setdefault(step, {})[r] = ("window", last, tuple(row["samples"]))
                 continue
             for s in range(step, last + 1):
-                out.setdefault(s, {})[r] = ledger.ids_at(s, r)
+                ids = ledger.ids_at(s, r)
+                # a skipped step consumed its samples but trained none: not the same history
+                out.setdefault(s, {})[r] = ("skipped", *ids) if row.get("skipped") else ids
     return out
 
 
@@ -88,8 +90,8 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
         for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
             seen: dict[int, int] = {}
             for r, key in per_rank.items():
-                if key and key[0] == "window":
-                    continue
+                if key and isinstance(key[0], str):
+                    key = key[1:] if key[0] == "skipped" else ()
                 for i in key:
                     if i in seen:
                         res.overlaps.append({"run": name, "step": s, "sample_id": i,
@@ -111,8 +113,8 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
                                   "got": _show(rb[bad])}
                 break
         else:  # another DP size on resume: the step's global sample set must match
-            ga = sorted(i for k in ra.values() for i in k)
-            gb = sorted(i for k in rb.values() for i in k)
+            ga = sorted(map(str, (i for k in ra.values() for i in k)))
+            gb = sorted(map(str, (i for k in rb.values() for i in k)))
             if ga != gb:
                 res.equal = False
                 res.divergence = {"step": s, "rank": "all", "expected": ga, "got": gb}

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
 
+    from titan_ledger.data.indexed import CorpusError
+    from titan_ledger.data.layout import SkipError
+    from titan_ledger.dataloader import DataStateError
     from titan_ledger.trainer import LedgerTrainer
 
     # ---- body of torchtitan.train.main ----
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+    except (DataStateError, CorpusError, SkipError) as e:  # CHANGED from torchtitan: bad input
+        if trainer:
+            trainer.close()
+        fail(str(e))
     except Exception:
         if trainer:
             trainer.close()

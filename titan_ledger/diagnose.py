@@ -1,0 +1,219 @@
+"""``python -m titan_ledger.diagnose``: name the likely cause of each loss spike.
+
+Design decision: the design article's decision tree (§2.7), walked in its order
+-- the cause whose fingerprint is most distinctive and earliest visible first --
+over the signals ledger alone, printing the numbers that decided each question
+so a human can overrule it. Pure functions over ledger rows (``classify``); the
+CLI only reads files. Thresholds are the article's where it gives one (grad
+norm 3x, logit ~100) and stated constants otherwise (``Thresholds``).
+
+The questions, in order:
+
+  Q0 divergence      loss non-finite, or it stays above the pre-spike level afterwards
+  Q1 logit_growth    max attention logit rose steadily before the spike and is >= ~100
+  Q2 lr              param norm growth accelerated and grad norm crept up before the spike
+  Q3 bad_data        one DP rank's loss far above the average at the spike (names the rank)
+  Q4 optimizer_state a grad-norm plateau below normal just before the spike
+  Q5 bf16            a one-step jump that falls right back, with num_zeros off its norm
+  else transient
+
+Examples::
+
+    python -m titan_ledger.diagnose outputs/debug_cpu
+    python -m titan_ledger.diagnose outputs/debug_cpu --step 137000 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from titan_ledger import records
+from titan_ledger.spikes import SpikeDetector, detect_offline
+
+CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "transient")
+
+
+@dataclass
+class Thresholds:
+    pre: int = 50  # steps before the spike that describe "normal"
+    post: int = 10  # steps after it that say whether it recovered
+    loss_jump: float = 0.10  # "recovered" = back within 10% of the pre-spike median loss
+    logit_level: float = 100.0  # §2.4: bf16 danger from ~100
+    logit_rising: float = 0.7  # fraction of pre-spike steps where max_logit rose
+    param_accel: float = 1.5  # late/early param-norm growth-rate ratio
+    grad_trend: float = 0.10  # grad norm rose >= 10% across the pre window
+    rank_gap: float = 3.0  # (loss_max - loss) at the spike vs its pre-spike median
+    rank_gap_rel: float = 0.05  # ... and at least 5% of the loss
+    plateau: float = 0.7  # last 10 pre steps' grad norm < 0.7 x the earlier median
+    fallback: float = 1.5  # next step's grad norm back under 1.5 x pre median
+    zeros: float = 3.0  # num_zeros off its pre median by > 3 MADs (or x2)
+
+
+def _finite(xs):
+    return [x for x in xs if x is not None and isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def _slope(ys):
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx = (n - 1) / 2
+    my = sum(ys) / n
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den
+
+
+def classify(rows: list[dict], step: int, th: Thresholds | None = None) -> dict:
+    """Walk the decision tree for the spike at ``step`` over signals ``rows``."""
+    th = th or Thresholds()
+    trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
+    at = next((r for r in trained if r["step"] == step), None)
+    if at is None:
+        raise ValueError(f"step {step} is not a trained step of this ledger")
+    pre = [r for r in trained if step - th.pre <= r["step"] < step]
+    post = [r for r in trained if step < r["step"] <= step + th.post]
+    col = lambda rs, k: _finite([r.get(k) for r in rs])  # noqa: E731
+    pre_loss, pre_gn = col(pre, "loss"), col(pre, "grad_norm")
+    med_loss = statistics.median(pre_loss) if pre_loss else float("nan")
+    med_gn = statistics.median(pre_gn) if pre_gn else float("nan")
+    checks = []
+
+    def ask(q, answer, **numbers):
+        checks.append({"question": q, "answer": bool(answer), **{k: _round(v) for k, v in numbers.items()}})
+        return bool(answer)
+
+    loss = at["loss"]
+    post_loss = col(post, "loss")
+    diverged = (not math.isfinite(loss)) or (len(post_loss) >= 3 and math.isfinite(med_loss)
+                                             and min(post_loss) > med_loss * (1 + th.loss_jump))
+    d0 = ask("Q0 divergence: loss non-finite or not back after the spike", diverged, loss=loss,
+             pre_median_loss=med_loss, post_min_loss=min(post_loss) if post_loss else None,
+             post_steps=len(post_loss))
+
+    logits = col(pre + [at], "max_logit")
+    rises = sum(1 for a, b in zip(logits, logits[1:]) if b > a) / max(1, len(logits) - 1)
+    last_logit = logits[-1] if logits else None
+    q1 = ask("Q1 logit_growth: max logit rising before the spike and >= level",
+             len(logits) >= 5 and rises >= th.logit_rising and last_logit >= th.logit_level,
+             max_logit=last_logit, rising_fraction=rises, max_logit_slope=_slope(logits))
+
+    pn = col(pre, "param_norm")
+    half = len(pn) // 2
+    early, late = _slope(pn[:half]), _slope(pn[half:])
+    accel = late / early if early > 0 else (math.inf if late > 0 else 0.0)
+    gn_trend = (statistics.mean(pre_gn[-5:]) / statistics.mean(pre_gn[:5]) - 1) if len(pre_gn) >= 10 else 0.0
+    q2 = ask("Q2 lr: param-norm growth accelerating and grad norm creeping up",
+             len(pn) >= 10 and accel >= th.param_accel and gn_trend >= th.grad_trend,
+             param_norm_growth_early=early, param_norm_growth_late=late, accel=accel,
+             grad_norm_trend=gn_trend)
+
+    gaps = _finite([r.get("loss_max", math.nan) - r["loss"] for r in pre])
+    gap = (at.get("loss_max") or math.nan) - loss
+    med_gap = statistics.median(gaps) if gaps else 0.0
+    q3 = ask("Q3 bad_data: one DP rank's loss far above the average",
+             math.isfinite(gap) and gap > th.rank_gap * max(med_gap, 1e-12)
+             and gap > th.rank_gap_rel * abs(loss),
+             loss_max_rank=at.get("loss_max_rank"), rank_loss=at.get("loss_max"), avg_loss=loss,
+             gap=gap, pre_median_gap=med_gap)
+
+    recent, earlier = pre_gn[-10:], pre_gn[:-10]
+    plateau = (statistics.mean(recent) / statistics.median(earlier)) if len(earlier) >= 5 else math.nan
+    q4 = ask("Q4 optimizer_state: grad-norm plateau below normal before the spike",
+             math.isfinite(plateau) and plateau < th.plateau, plateau_ratio=plateau,
+             earlier_median_grad_norm=statistics.median(earlier) if earlier else None)
+
+    nxt = post[0]["grad_norm"] if post else None
+    zeros = col(pre, "num_zeros")
+    z_at = at.get("num_zeros")
+    z_med = statistics.median(zeros) if zeros else None
+    mad = statistics.median([abs(z - z_med) for z in zeros]) if zeros else None
+    z_off = (z_at is not None and z_med is not None
+             and (abs(z_at - z_med) > th.zeros * max(mad, 1.0)
+                  or (z_med > 0 and not 0.5 <= z_at / z_med <= 2)))
+    falls = nxt is not None and math.isfinite(med_gn) and nxt < th.fallback * med_gn
+    q5 = ask("Q5 bf16: one-step jump that falls back, num_zeros off its norm", falls and z_off,
+             grad_norm=at["grad_norm"], next_grad_norm=nxt, pre_median_grad_norm=med_gn,
+             num_zeros=z_at, pre_median_num_zeros=z_med)
+
+    if d0:
+        cause = "divergence"
+    elif q1:
+        cause = "logit_growth"
+    elif q2:
+        cause = "lr"
+    elif q3:
+        cause = "bad_data"
+    elif q4:
+        cause = "optimizer_state"
+    elif q5:
+        cause = "bf16"
+    else:
+        cause = "transient"
+    # divergence is the emergency; the tree still names what drove it
+    underlying = next((c for c, hit in (("logit_growth", q1), ("lr", q2), ("bad_data", q3),
+                                        ("optimizer_state", q4), ("bf16", q5)) if hit), None)
+    out = {"step": step, "cause": cause, "checks": checks,
+           "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None}
+    if cause == "divergence":
+        out["underlying"] = underlying
+    if cause == "bad_data":
+        out["rank"] = at.get("loss_max_rank")
+    return out
+
+
+def _round(v):
+    return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
+
+
+def spike_steps(folder: Path, rows: list[dict]) -> list[int]:
+    """Spikes the trainer flagged (spikes.jsonl), else the default rules run offline."""
+    path = folder / "spikes.jsonl"
+    if path.exists():
+        led = records.read_ledger(path)
+        steps = sorted({r["step"] for r in led.history})
+        if steps:
+            return steps
+    return [e["step"] for e in detect_offline(rows, SpikeDetector.Config())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_ledger.diagnose",
+                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dump_folder")
+    ap.add_argument("--step", type=int, help="diagnose this step (default: every detected spike)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ledger-folder", default="ledger")
+    a = ap.parse_args(argv)
+    folder = Path(a.dump_folder) / a.ledger_folder
+    try:
+        rows = records.read_ledger(folder / "signals.jsonl", schema=records.SIGNALS_SCHEMA).history
+        steps = [a.step] if a.step is not None else spike_steps(folder, rows)
+        results = [classify(rows, s) for s in steps]
+    except (FileNotFoundError, ValueError) as e:
+        print(f"titan_ledger.diagnose: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
+        return 0
+    if not results:
+        print("no spikes detected")
+    for r in results:
+        extra = f" (DP rank {r['rank']})" if "rank" in r else ""
+        extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
+        print(f"step {r['step']}: {r['cause']}{extra}   grad norm {r['grad_norm_ratio']}x pre-spike median")
+        for c in r["checks"]:
+            nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
+            print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
