@@ -18,6 +18,7 @@ loggers always see steps in order.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config import Configurable
+from torchtitan.tools.logging import logger
 
 from titan_ledger import records
 from titan_ledger.attention import MaxLogitRecorder
 from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
 from titan_ledger.signals import ParamPlan, clipped_norm, local_sums, natural_key
+from titan_ledger.spikes import RULES, SpikeDetector, describe
 
 
 class Ledger(Configurable):
@@ -80,6 +83,35 @@ class Ledger(Configurable):
         """Resume even if the checkpoint's data fingerprint (source, tokenizer,
         seq_len, seed) differs from this run's."""
 
+        spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)
+        """Spike rules on loss and grad norm (on device, every step)."""
+
+        on_spike: Literal["none", "skip_update", "rollback"] = "none"
+        """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
+        its optimizer update; Adam's step count does not advance; costs one
+        device->host read of the flag per step), ``rollback`` (reload the last
+        checkpoint at or before step - rollback_back, skip rollback_skip steps from
+        there and continue in the same process)."""
+
+        rollback_back: int = 100
+        """``on_spike = "rollback"``: go back to a checkpoint at or before spike - this many steps."""
+
+        rollback_skip: int = 200
+        """``on_spike = "rollback"``: steps skipped from the checkpoint on (the window
+        is widened to reach the spike step)."""
+
+        max_rollbacks: int = 3
+        """``on_spike = "rollback"``: stop with an error after this many rewinds in one run."""
+
+        auto_skip: bool = False
+        """Add the steps listed in ``<dump_folder>/ledger/rejected_steps.jsonl`` (every
+        flagged step of earlier launches) to ``skip_steps`` (Megatron's tracker-file flow)."""
+
+        inject: str = ""
+        """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
+        by a single repeated token (``repeat``) or uniform random tokens (``random``);
+        see ``python -m titan_ledger.replay inject``."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.enabled = False  # until setup() binds a trainer
@@ -95,6 +127,13 @@ class Ledger(Configurable):
         self.loader = None  # a LedgerDataLoader, when the run uses one
         # parsed here so a bad entry fails before any process group exists
         self.skip_windows = parse_skip_steps(config.skip_steps)
+        self.inject = parse_inject(config.inject)
+        self.detector: SpikeDetector | None = None
+        self._detector_state = None
+        self._spike_writer: records.RecordWriter | None = None
+        self._rejected_writer: records.RecordWriter | None = None
+        self.last_flag: torch.Tensor | None = None  # this step's spike flag (device)
+        self.rewinds = 0
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -130,6 +169,16 @@ class Ledger(Configurable):
         first_stage = pp_mesh is None or pp_mesh.get_local_rank() == 0
         loader = trainer.dataloader
         self.loader = loader if isinstance(loader, LedgerDataLoader) else None
+        self.folder = Path(trainer.config.dump_folder) / cfg.folder
+        if cfg.auto_skip:
+            rejected = read_rejected(self.folder)
+            self.skip_windows = parse_skip_steps(
+                [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
+        if cfg.on_spike != "none" and not (cfg.signals and cfg.spike.enable):
+            raise ValueError(f"--ledger.on_spike {cfg.on_spike} needs --ledger.signals and "
+                             f"--ledger.spike.enable")
+        if cfg.on_spike == "rollback" and not trainer.config.checkpoint.enable:
+            raise ValueError("--ledger.on_spike rollback reloads checkpoints: set --checkpoint.enable")
         if self.skip_windows and self.loader is None:
             raise ValueError("--ledger.skip_steps needs LedgerDataLoader (a titan_ledger config "
                              "function such as debug_cpu); this run's dataloader is "
@@ -137,7 +186,6 @@ class Ledger(Configurable):
         # one writer per DP rank: the rank of that DP group with tp = cp = pp = 0
         self.writes_data = (self.loader is not None and self.loader.tagging and tp_rank == 0
                             and (cp_mesh is None or cp_mesh.get_local_rank() == 0) and first_stage)
-        self.folder = Path(trainer.config.dump_folder) / cfg.folder
         # one run id for all ranks (rank 0's), agreed once at setup
         ids = [uuid.uuid4().hex[:12]]
         if dist.is_initialized():
@@ -168,12 +216,20 @@ class Ledger(Configurable):
 
         self._cuda = self.device.type == "cuda"
         self._consumed_tokens = self._consumed_tokens.to(self.device)
+        if cfg.spike.enable:
+            self.detector = SpikeDetector(cfg.spike, self.device)
+            if self._detector_state is not None:
+                self.detector.load_state_dict(self._detector_state)
 
-    def open(self, resumed_from: int) -> None:
+    def open(self, resumed_from: int, rewind_from: int | None = None) -> None:
         """Start this run's segment in the ledger files (after checkpoint load)."""
         header = {"run_id": self.run_id, "config_digest": self.config_digest,
                   "resumed_from": resumed_from, "world_size": self.world,
                   "dp_size": self.dp_size, "time": time.time()}
+        if rewind_from is not None:
+            # a rewind is a new segment of the same process: its own id, so the
+            # readers' cross-file supersession sees it as a later run
+            header.update(run_id=f"{self.run_id}.r{self.rewinds}", rewind_from=rewind_from)
         if self.writes_data:
             self._data_writer = records.RecordWriter(
                 self.folder / f"data_dp{self.dp_rank}.jsonl",
@@ -189,6 +245,17 @@ class Ledger(Configurable):
                 {"schema": records.SIGNALS_SCHEMA, **header,
                  "keys": list(records.SIGNAL_KEYS),
                  "per_layer": self.plan.groups if self.config.per_layer else None})
+        if self.rank == 0 and self.detector is not None:
+            # event logs, not step histories: no resumed_from, so no event is ever
+            # superseded (a spike that caused a rewind stays on record)
+            events = {k: v for k, v in header.items() if k != "resumed_from"}
+            events["started_after_step"] = resumed_from
+            self._spike_writer = records.RecordWriter(
+                self.folder / "spikes.jsonl", {"schema": records.SPIKES_SCHEMA, **events,
+                                               "rules": _asdict(self.config.spike),
+                                               "on_spike": self.config.on_spike})
+            self._rejected_writer = records.RecordWriter(
+                self.folder / "rejected_steps.jsonl", {"schema": records.REJECTED_SCHEMA, **events})
         if self.owns_tokens:
             self._rank_writer = records.RecordWriter(
                 self.folder / f"rank{self.rank}.jsonl",
@@ -243,6 +310,12 @@ class Ledger(Configurable):
                              clipped_norm(grad_norm.detach(), self.max_norm).double(),
                              self._consumed_tokens])
         host = [packed_sum, packed_max, extra]
+        if self.detector is not None:
+            # reduced values only: every rank reaches the same flag, no collective, no sync
+            loss_dev = packed_sum[:dp].sum() / packed_sum[dp:2 * dp].sum()
+            stats = self.detector.step(loss_dev, grad_norm.detach())
+            self.last_flag = stats[0] > 0
+            host.append(stats)
         event = None
         if self._cuda:
             host = [t.to("cpu", non_blocking=True) for t in host]
@@ -251,15 +324,21 @@ class Ledger(Configurable):
         self._pending.append(_Pending(step, host, event, lr, skipped, time.perf_counter() - step_start,
                                       data_loading_s, self.consumed_samples))
 
+    def mark_update_skipped(self) -> None:
+        """The update guard did not apply the last recorded step's update."""
+        self._pending[-1].update_skipped = True
+
     # ------------------------------------------------------------------ data ledger
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         return window_at(self.skip_windows, step)
 
-    def record_data(self, step: int, tags: list[RowTag]) -> None:
+    def record_data(self, step: int, tags: list[RowTag], injected: str | None = None) -> None:
         """This DP rank's rows of ``step`` -> ``data_dp<r>.jsonl`` (host-only, no sync)."""
         if self._data_writer is not None:
-            self._data_writer.write({"step": step, "skipped": False,
-                                     "rows": [t.to_json() for t in tags]})
+            row = {"step": step, "skipped": False, "rows": [t.to_json() for t in tags]}
+            if injected:
+                row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
+            self._data_writer.write(row)
 
     def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
                     metrics_logger=None) -> None:
@@ -309,7 +388,9 @@ class Ledger(Configurable):
 
     def _write(self, p: "_Pending", metrics_logger) -> None:
         dp = self.dp_size
-        s, mx, ex = (t.tolist() for t in p.host)
+        s, mx, ex = (t.tolist() for t in p.host[:3])
+        stats = p.host[3].tolist() if len(p.host) > 3 else None
+        spike = bool(stats[0]) if stats is not None else None
         loss_by_dp, tok_by_dp = s[:dp], s[dp:2 * dp]
         zeros, param_sq = s[2 * dp], s[2 * dp + 1]
         tokens = sum(tok_by_dp)
@@ -332,6 +413,8 @@ class Ledger(Configurable):
             "lr": p.lr,
             "skipped": p.skipped,
             "skipped_samples": self.skipped_samples,
+            "spike": spike,
+            "update_skipped": p.update_skipped,
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
@@ -346,6 +429,8 @@ class Ledger(Configurable):
                                      "tokens": int(lt)})
         if metrics_logger is not None:
             metrics_logger.log(_dashboard(row), p.step)
+        if spike:
+            self._spike_event(row, stats, metrics_logger)
         if not math.isfinite(loss):
             self.close()
             raise RuntimeError(
@@ -353,8 +438,46 @@ class Ledger(Configurable):
                 f"{self.folder / 'signals.jsonl'}. Stopping training."
             )
 
+    def _spike_event(self, row: dict, stats: list[float], metrics_logger) -> None:
+        ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
+              "loss_max": row["loss_max"], "loss_max_rank": row["loss_max_rank"],
+              "max_logit": row["max_logit"], **describe(stats),
+              "action": self.config.on_spike}
+        if self._spike_writer is not None:
+            self._spike_writer.write(ev)
+            self._rejected_writer.write({"step": row["step"], "rules": ev["rules"]})
+        if self.rank == 0:
+            logger.warning(
+                f"titan_ledger: SPIKE at step {row['step']}: loss {row['loss']:.4f} (window mean "
+                f"{ev['loss_mean']:.4f}, std {ev['loss_std']:.4f}), grad norm {row['grad_norm']:.4f} "
+                f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; worst DP "
+                f"rank {row['loss_max_rank']}; action: {self.config.on_spike}")
+        if metrics_logger is not None:
+            metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
+                                "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"])},
+                               row["step"])
+
+    def spike_flag_now(self) -> bool:
+        """Read this step's flag on the host (the update guard and rollback need it
+        before ``optimizers.step()``: one device->host read)."""
+        return bool(self.last_flag.item()) if self.last_flag is not None else False
+
+    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger=None) -> None:
+        """In-process rollback: close this segment, open one that supersedes rows after
+        ``to_step`` (readers treat it like a relaunch that resumed there)."""
+        self.drain(block=True, metrics_logger=metrics_logger)
+        if self._spike_writer is not None:
+            self._spike_writer.write({"step": from_step, "rewind_to": to_step,
+                                      "skip_window": list(window), "action": "rollback"})
+        self.close()
+        self.rewinds += 1
+        self.skip_windows = parse_skip_steps(
+            [f"{a}-{b}" for a, b in self.skip_windows] + [f"{window[0]}-{window[1]}"])
+        self.open(resumed_from=to_step, rewind_from=from_step)
+
     def close(self) -> None:
-        for w in (self._writer, self._rank_writer, self._data_writer):
+        for w in (self._writer, self._rank_writer, self._data_writer, self._spike_writer,
+                  self._rejected_writer):
             if w is not None:
                 w.close()
 
@@ -363,11 +486,16 @@ class Ledger(Configurable):
         # read at checkpoint time only (a checkpoint save synchronises anyway)
         return {"consumed_samples": self.consumed_samples,
                 "consumed_tokens": int(self._consumed_tokens.item()),
-                "skipped_samples": self.skipped_samples}
+                "skipped_samples": self.skipped_samples,
+                "spike_detector": json.dumps(self.detector.state_dict()) if self.detector else ""}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed_samples = int(state.get("consumed_samples", 0))
         self.skipped_samples = int(state.get("skipped_samples", 0))
+        det = state.get("spike_detector")
+        self._detector_state = json.loads(det) if det else None
+        if self.detector is not None and self._detector_state is not None:
+            self.detector.load_state_dict(self._detector_state)
         self._consumed_tokens = torch.tensor(float(state.get("consumed_tokens", 0)),
                                              dtype=torch.float64, device=self._consumed_tokens.device)
 
@@ -382,6 +510,7 @@ class _Pending:
     step_time_s: float
     data_loading_s: float
     consumed_samples: int
+    update_skipped: bool = False
 
 
 def _forget_pp_metadata_inference(schedule, recorders: list[MaxLogitRecorder]) -> None:
@@ -425,3 +554,29 @@ def _digest(config) -> str:
     blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
     blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def parse_inject(spec: str) -> tuple[int, int, str] | None:
+    """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind)."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    try:
+        step, rank, kind = int(parts[0]), int(parts[1]), parts[2]
+    except (IndexError, ValueError):
+        raise ValueError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
+    if kind not in ("repeat", "random") or step < 1 or rank < 0:
+        raise ValueError(f"--ledger.inject {spec!r}: KIND is repeat or random; STEP >= 1; DP_RANK >= 0")
+    return step, rank, kind
+
+
+def read_rejected(folder: Path) -> list[int]:
+    """Steps flagged by earlier launches (``rejected_steps.jsonl``, current history)."""
+    path = folder / "rejected_steps.jsonl"
+    if not path.exists():
+        return []
+    return sorted({int(r["step"]) for r in records.read_ledger(path).history if "rules" in r})
+
+
+def _asdict(cfg) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

@@ -31,6 +31,8 @@ from typing import Any, Iterator
 SIGNALS_SCHEMA = "titan_ledger.signals/1"
 RANK_SCHEMA = "titan_ledger.rank/1"
 DATA_SCHEMA = "titan_ledger.data/1"
+SPIKES_SCHEMA = "titan_ledger.spikes/1"
+REJECTED_SCHEMA = "titan_ledger.rejected/1"
 
 SIGNAL_KEYS = (
     "step",
@@ -47,6 +49,8 @@ SIGNAL_KEYS = (
     "lr",
     "skipped",
     "skipped_samples",
+    "spike",
+    "update_skipped",
     "step_time_s",
     "data_loading_s",
 )

@@ -56,6 +56,7 @@ class LedgerTrainer(Trainer):
         self._dense_masks = backend.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
         self._ledger_open = False
+        self._pending_rollback: int | None = None
         dry_run = config.comm.mode == "fake_backend"
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
@@ -122,6 +123,8 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # CHANGED: first step of this process, after checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
+        if self._pending_rollback is not None:  # CHANGED: in-process rollback (on_spike)
+            self._rollback(self._pending_rollback)
         window = ledger.skip_window_at(self.step)  # CHANGED: skipped steps train nothing
         if window is not None:
             self._skip_window(window)
@@ -138,19 +141,25 @@ class LedgerTrainer(Trainer):
         microbatch_groups: list[list[tuple[dict[str, torch.Tensor], torch.Tensor]]] = []
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         data_loading_s = 0.0  # CHANGED
+        inject = ledger.inject  # CHANGED: rehearsal of a bad batch (replay inject)
+        inject_now = inject is not None and inject[0] == self.step and inject[1] == ledger.dp_rank
         for _ in range(self.gradient_accumulation_steps):
             microbatches = []
             for _ in range(self.num_pipeline_parallel_microbatches):
                 with sl.log_trace_span("fetching_batch"):
                     t0 = time.perf_counter()  # CHANGED
                     input_dict, labels = next(data_iterator)
+                    if inject_now:  # CHANGED
+                        labels = _inject(input_dict, labels, inject[2], self.tokenizer.get_vocab_size(),
+                                         seed=self.step)
                     data_loading_s += time.perf_counter() - t0  # CHANGED
                 local_valid_tokens += (labels != IGNORE_INDEX).sum()
                 microbatches.append((input_dict, labels))
             microbatch_groups.append(microbatches)
         sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
         if ledger.loader is not None:  # CHANGED: provenance of the rows this step trains on
-            ledger.record_data(self.step, ledger.loader.take_tags())
+            ledger.record_data(self.step, ledger.loader.take_tags(),
+                               injected=inject[2] if inject_now else None)
 
         local_valid_tokens_dev = local_valid_tokens.to(self.device)  # CHANGED: one copy, reused
         if parallel_dims.dp_enabled:
@@ -212,7 +221,16 @@ class LedgerTrainer(Trainer):
                 data_loading_s=data_loading_s,
             )
             self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
+            # CHANGED: a flagged step's update is not applied when the guard is on. Not
+            # calling optimizers.step() leaves params, moments and Adam's step count as
+            # they were (OLMo-core PR 309/317: the count must not advance).
+            guard = self.config.ledger.on_spike
+            if guard != "none" and ledger.spike_flag_now():
+                ledger.mark_update_skipped()
+                if guard == "rollback":
+                    self._pending_rollback = self.step
+            else:
+                self.optimizers.step()
             self.lr_schedulers.step()
 
         if not should_log:
@@ -288,6 +306,62 @@ class LedgerTrainer(Trainer):
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
                     f"LR schedule {self.config.ledger.skip_lr}")
         self.step = last
+
+
+    def _rollback(self, spike_step: int) -> None:
+        """Reload the last checkpoint at or before ``spike - rollback_back`` in this
+        process and skip from there past the spike (PaLM's fix, no relaunch).
+
+        What makes this safe on torchtitan 0.3.0: the checkpoint load is the same
+        DCP in-place load a relaunch does (model, optimizer, LR schedulers,
+        dataloader position, train state, ledger counters); the spiked step's update
+        was not applied; the data iterator restarts at the restored position; the
+        ledgers open a new segment that supersedes the rewound steps.
+        """
+        import torch.distributed as dist
+
+        from titan_ledger.rollback import checkpoints
+
+        cfg = self.config.ledger
+        self._pending_rollback = None
+        if self.ledger.rewinds >= cfg.max_rollbacks:
+            raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {self.ledger.rewinds} "
+                               f"rollbacks (--ledger.max_rollbacks); stopping. See "
+                               f"{self.ledger.folder / 'spikes.jsonl'}")
+        self.checkpointer.maybe_wait_for_staging()
+        decision = [None]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            steps = [c for c in checkpoints(self.config.dump_folder, self.config.checkpoint.folder)
+                     if c <= spike_step - cfg.rollback_back]
+            decision = [steps[-1] if steps else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+        load = decision[0]
+        if load is None:
+            raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
+                               f"step {spike_step - cfg.rollback_back} to roll back to "
+                               f"(--ledger.rollback_back, --checkpoint.interval)")
+        window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
+        logger.warning(f"titan_ledger: rolling back from step {spike_step} to checkpoint step-{load}; "
+                       f"skipping steps {window[0]}-{window[1]}")
+        self.checkpointer.load(step=load)  # sets self.step = load via the train state
+        self.ledger.rewind(from_step=spike_step, to_step=load, window=window,
+                           metrics_logger=self.metrics_processor.logger)
+        self.step = load + 1
+
+    # (inject helper below the class)
+
+
+def _inject(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
+            seed: int) -> torch.Tensor:
+    """Rehearsal: this batch becomes one repeated (rare) token or uniform random tokens."""
+    inputs = input_dict["input"]
+    if kind == "repeat":
+        inputs.fill_(vocab - 1)
+        return torch.full_like(labels, vocab - 1)
+    g = torch.Generator().manual_seed(seed)
+    inputs.copy_(torch.randint(3, vocab, inputs.shape, generator=g))
+    return torch.randint(3, vocab, labels.shape, generator=g)
 
 
 @contextlib.contextmanager
