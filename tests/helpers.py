@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +28,8 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from titan_ledger.replay import _free_port as free_port  # noqa: E402
+from titan_ledger.replay import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
 
 
 def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
@@ -55,29 +51,6 @@ def torchrun_popen(args: list[str], nproc: int = 2, **env) -> subprocess.Popen:
     """Start torchrun in its own process group (so a test can SIGKILL every rank)."""
     return subprocess.Popen(_torchrun_cmd(args, nproc), cwd=ROOT, env=child_env(**env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def kill9_tree(pid: int) -> list[int]:
-    """SIGKILL a process and all its descendants at once (torchrun starts each rank
-    in a session of its own, so killing torchrun's process group is not enough)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return tree
 
 
 def train_cli(args: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:

@@ -171,12 +171,29 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
 
 
+def rows_for(led: "records.LedgerFile", step: int) -> list[dict] | None:
+    """The signals history as it stood when ``step`` ran: the current history, or --
+    for a step a rollback later superseded -- the history of the run that saw it."""
+    if any(r["step"] == step and not r.get("skipped") for r in led.history):
+        return led.history
+    hist: list[dict] = []
+    found = None
+    for seg in led.segments:
+        resumed = seg.header.get("resumed_from")
+        if resumed is not None:
+            hist = [r for r in hist if r["step"] <= resumed]
+        hist = hist + seg.rows
+        if any(r["step"] == step for r in seg.rows):
+            found = list(hist)
+    return found
+
+
 def spike_steps(folder: Path, rows: list[dict]) -> list[int]:
     """Spikes the trainer flagged (spikes.jsonl), else the default rules run offline."""
     path = folder / "spikes.jsonl"
     if path.exists():
         led = records.read_ledger(path)
-        steps = sorted({r["step"] for r in led.history})
+        steps = sorted({r["step"] for r in led.history if "rules" in r})
         if steps:
             return steps
     return [e["step"] for e in detect_offline(rows, SpikeDetector.Config())]
@@ -194,9 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     folder = Path(a.dump_folder) / a.ledger_folder
     try:
-        rows = records.read_ledger(folder / "signals.jsonl", schema=records.SIGNALS_SCHEMA).history
-        steps = [a.step] if a.step is not None else spike_steps(folder, rows)
-        results = [classify(rows, s) for s in steps]
+        led = records.read_ledger(folder / "signals.jsonl", schema=records.SIGNALS_SCHEMA)
+        steps = [a.step] if a.step is not None else spike_steps(folder, led.history)
+        results = []
+        for s in steps:
+            rows = rows_for(led, s)
+            if rows is None:
+                raise ValueError(f"step {s} is in no segment of {folder / 'signals.jsonl'}")
+            res = classify(rows, s)
+            if rows is not led.history:
+                res["rewound"] = True  # a later rollback superseded this step
+            results.append(res)
     except (FileNotFoundError, ValueError) as e:
         print(f"titan_ledger.diagnose: error: {e}", file=sys.stderr)
         return 2

@@ -110,7 +110,10 @@ def _num(v) -> float:
 def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
     """Min/max per bucket, interleaved, so peaks survive decimation."""
     if len(x) <= 2 * buckets:
-        return x, y
+        # break the line where steps are missing (skipped windows, rewinds)
+        gaps = np.flatnonzero(np.diff(x) > 1) + 1
+        return (np.insert(x.astype(np.float64), gaps, np.nan),
+                np.insert(y.astype(np.float64), gaps, np.nan))
     edges = np.linspace(0, len(x), buckets + 1).astype(np.int64)
     yy = np.where(np.isfinite(y), y, np.nan)
     starts = edges[:-1]

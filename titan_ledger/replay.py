@@ -253,6 +253,101 @@ def resume(nproc: int, kill_at: int, dump: Path, train_args: list[str]) -> dict:
             "resumed_run_s": second["seconds"], "log": str(log)}
 
 
+# --------------------------------------------------------------------------- inject
+def _signals(dump: Path) -> list[dict]:
+    from titan_ledger import records
+
+    return records.read_ledger(dump / "ledger" / "signals.jsonl", schema=records.SIGNALS_SCHEMA).history
+
+
+def judge_injection(rows: list[dict], step: int, rank: int, min_ratio: float = 3.0) -> dict:
+    """Did the signals show the injected batch? grad-norm jump and loss_max_rank == rank."""
+    import statistics
+
+    trained = [r for r in rows if not r.get("skipped") and r.get("grad_norm") is not None]
+    at = next((r for r in trained if r["step"] == step), None)
+    if at is None:
+        raise RuntimeError(f"step {step} is not a trained step of the run")
+    pre = [r["grad_norm"] for r in trained if step - 50 <= r["step"] < step]
+    med = statistics.median(pre) if pre else float("nan")
+    ratio = at["grad_norm"] / med if med else float("nan")
+    shown = at["loss_max_rank"] == rank and ratio >= min_ratio
+    return {"step": step, "rank": rank, "shown": bool(shown), "grad_norm": at["grad_norm"],
+            "pre_median_grad_norm": med, "grad_norm_ratio": ratio, "loss": at["loss"],
+            "loss_max": at["loss_max"], "loss_max_rank": at["loss_max_rank"],
+            "spike_flagged": at.get("spike"), "min_ratio": min_ratio}
+
+
+def inject(nproc: int, dump: Path, step: int, rank: int, kind: str, train_args: list[str],
+           min_ratio: float) -> dict:
+    log = dump / "replay_inject.log"
+    run = run_training(nproc, dump, [*train_args, "--ledger.inject", f"{step}:{rank}:{kind}"], log)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"training failed (exit {run['returncode']}); log: {log}")
+    return {"kind": kind, **judge_injection(_signals(dump), step, rank, min_ratio), "log": str(log)}
+
+
+# --------------------------------------------------------------------------- drill
+def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, before: int,
+          after: int, train_args: list[str]) -> dict:
+    """PaLM's procedure end to end on a rehearsal spike; see the module docstring."""
+    from titan_ledger import records
+    from titan_ledger.rollback import checkpoints
+
+    ref, run = dump / "uninterrupted", dump / "drill"
+    args = ["--checkpoint.enable", *train_args]
+    log = dump / "replay_drill.log"
+    dump.mkdir(parents=True, exist_ok=True)
+    out: dict = {"injected": {"step": step, "rank": rank, "kind": kind}}
+    for folder, extra in ((ref, []), (run, ["--ledger.inject", f"{step}:{rank}:{kind}"])):
+        r = run_training(nproc, folder, args + extra, log)
+        if r["returncode"] != 0:
+            raise RuntimeError(f"training in {folder} failed (exit {r['returncode']}); log: {log}")
+    # 1. locate the spike from the ledger (what the trainer flagged)
+    spikes_file = run / "ledger" / "spikes.jsonl"
+    events = [e for e in records.read_ledger(spikes_file).history if "rules" in e] \
+        if spikes_file.exists() else []
+    if not events:
+        out.update(passed=False, reason="the trainer flagged no spike (spikes.jsonl is empty)")
+        return out
+    spike = events[0]["step"]
+    out["located"] = {"step": spike, "rules": events[0]["rules"], "loss_max_rank": events[0]["loss_max_rank"]}
+    # 2. roll back to the last checkpoint before it, skip the window around it
+    usable = [c for c in checkpoints(run) if c <= spike - back]
+    if not usable:
+        raise RuntimeError(f"no checkpoint at or before step {spike - back} in {run}")
+    load = usable[-1]
+    window = (max(load + 1, spike - before), spike + after)
+    out["rollback"] = {"load_step": load, "skip_window": list(window)}
+    r = run_training(nproc, run, args + ["--ledger.inject", f"{step}:{rank}:{kind}",
+                                         "--checkpoint.load_step", str(load),
+                                         "--ledger.skip_steps", f"{window[0]}-{window[1]}"], log)
+    if r["returncode"] != 0:
+        raise RuntimeError(f"the rolled-back run failed (exit {r['returncode']}); log: {log}")
+    # 3. pass: no spike after the rollback point, and the samples equal the
+    #    uninterrupted run's except exactly the skipped window
+    after_rows = [x for x in _signals(run) if x["step"] > load]
+    late_spikes = [x["step"] for x in after_rows if x.get("spike")]
+    a, b = step_ids(DataLedger(ref / "ledger")), step_ids(DataLedger(run / "ledger"))
+    mismatch = None
+    for s_ in sorted(set(a) | set(b)):
+        ka, kb = a.get(s_), b.get(s_)
+        if ka is None or kb is None:
+            mismatch = {"step": s_, "reason": "missing"}
+            break
+        in_window = window[0] <= s_ <= window[1]
+        for r_ in sorted(ka):
+            want = ("skipped", *ka[r_]) if in_window else ka[r_]
+            if kb.get(r_) != want:
+                mismatch = {"step": s_, "rank": r_, "expected": list(want), "got": list(kb.get(r_) or [])}
+                break
+        if mismatch:
+            break
+    out.update(spikes_after_rollback=late_spikes, first_mismatch=mismatch,
+               steps_compared=len(a), passed=not late_spikes and mismatch is None)
+    return out
+
+
 # --------------------------------------------------------------------------- CLI
 def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
@@ -286,6 +381,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, required=True)
     p.add_argument("--dump-folder", type=Path, required=True)
     p.add_argument("--json", action="store_true")
+    for name, helptext, desc in (
+            ("inject", "corrupt one DP rank's batch at one step; did the signals show it?",
+             "Trains with rank R's batch at step T replaced by one repeated token or uniform random "
+             "tokens. Exit 0 when the signals ledger shows it (grad norm >= --min-ratio x the "
+             "pre-step median and loss_max_rank == R), 1 when not, 2 on error."),
+            ("drill", "rehearse PaLM's rollback + skip on an injected spike",
+             "Trains an uninterrupted reference and a run with an injected bad batch, locates the "
+             "spike from the trainer's spikes.jsonl, rolls back to the last checkpoint at or before "
+             "spike - --back, skips [spike - --skip-before, spike + --skip-after], runs on. Exit 0 "
+             "when no spike remains and the samples equal the reference's except the skipped window.")):
+        p = sub.add_parser(name, help=helptext, description=desc,
+                           epilog=f"example: python -m titan_ledger.replay {name} --step 24 --rank 1 "
+                           f"--nproc 2 --dump-folder /tmp/{name} -- --job.config_file "
+                           f"train_configs/debug_cpu.toml --training.steps 26 --checkpoint.interval 8 "
+                           f"--ledger.spike.window 16")
+        p.add_argument("--step", type=int, required=True, help="step T of the injected batch")
+        p.add_argument("--rank", type=int, default=0, help="DP rank R whose batch is replaced")
+        p.add_argument("--kind", choices=["repeat", "random"], default="repeat")
+        p.add_argument("--nproc", type=int, default=2)
+        p.add_argument("--dump-folder", type=Path, required=True)
+        p.add_argument("--json", action="store_true")
+        if name == "inject":
+            p.add_argument("--min-ratio", type=float, default=3.0, help="grad-norm jump that counts")
+        else:
+            p.add_argument("--back", type=int, default=1, help="checkpoint at or before spike - back")
+            p.add_argument("--skip-before", type=int, default=1)
+            p.add_argument("--skip-after", type=int, default=1)
     a = ap.parse_args(own)
     try:
         if a.cmd == "check":
@@ -295,6 +417,21 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print_check(res, a.dump_a, a.dump_b)
             return EXIT_EQUAL if res.equal else EXIT_DIFFERENT
+        if a.cmd in ("inject", "drill"):
+            if a.cmd == "inject":
+                out = inject(a.nproc, a.dump_folder, a.step, a.rank, a.kind, train_args, a.min_ratio)
+                ok = out["shown"]
+            else:
+                out = drill(a.nproc, a.dump_folder, a.step, a.rank, a.kind, a.back, a.skip_before,
+                            a.skip_after, train_args)
+                ok = out["passed"]
+            if a.json:
+                print(json.dumps(out))
+            else:
+                for k, v in out.items():
+                    print(f"{k:<24}{v}")
+                print(f"{'result':<24}{'PASS' if ok else 'FAIL'}")
+            return 0 if ok else 1
         if a.cmd == "resume":
             out = resume(a.nproc, a.kill_at, a.dump_folder, train_args)
             if a.json:

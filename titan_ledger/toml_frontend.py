@@ -85,10 +85,13 @@ class Job:
     cli_args: list[str] = field(default_factory=list)
     device: str | None = None
     device_origin: str = ""
+    overlays: list[str] = field(default_factory=list)
+    #: (section, key) -> the overlay file that set it (errors name the right file)
+    key_files: dict[tuple[str | None, str], str] = field(default_factory=dict)
 
     def where(self, section: str | None, key: str) -> str:
         sec = f"[{section}] " if section else ""
-        return f"{self.config_file}: {sec}{key}"
+        return f"{self.key_files.get((section, key), self.config_file)}: {sec}{key}"
 
 
 # --------------------------------------------------------------------------- #
@@ -98,21 +101,8 @@ class Job:
 
 def _take_flag(args: list[str], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
     """Remove ``--name V`` / ``--name=V`` (last one wins) from args."""
-    value, rest, i = None, [], 0
-    while i < len(args):
-        a = args[i]
-        hit = next((n for n in names if a == n or a.startswith(n + "=")), None)
-        if hit is None:
-            rest.append(a)
-        elif a == hit:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"command line: {hit} needs a value")
-            value = args[i + 1]
-            i += 1
-        else:
-            value = a.split("=", 1)[1]
-        i += 1
-    return value, rest
+    values, rest = _take_all(args, names)
+    return (values[-1] if values else None), rest
 
 
 def _peek_flag(args: list[str], name: str) -> str | None:
@@ -123,6 +113,34 @@ def _peek_flag(args: list[str], name: str) -> str | None:
         elif a.startswith(name + "="):
             value = a.split("=", 1)[1]
     return value
+
+
+def _take_all(args: list[str], names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Remove every ``--name V`` / ``--name=V`` (a repeatable flag); values in order."""
+    values, rest, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        hit = next((n for n in names if a == n or a.startswith(n + "=")), None)
+        if hit is None:
+            rest.append(a)
+        elif a == hit:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"command line: {hit} needs a value")
+            values.append(args[i + 1])
+            i += 1
+        else:
+            values.append(a.split("=", 1)[1])
+        i += 1
+    return values, rest
+
+
+def _merge(base: dict, over: dict, origins: dict, path: str, section: str | None) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value, origins, path, f"{section}.{key}" if section else key)
+        else:
+            base[key] = value
+            origins[(section, key)] = path
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -145,6 +163,7 @@ def read_job(argv: list[str]) -> Job:
     module_cli, args = _take_flag(args, ("--module", "--job.module"))
     config_cli, args = _take_flag(args, ("--config", "--job.config"))
     dump_cli, args = _take_flag(args, ("--job.dump_folder", "--job.dump-folder"))
+    overlays, args = _take_all(args, ("--job.overlay",))
     if dump_cli is not None:
         args = ["--dump_folder", dump_cli] + args
     job.cli_args = args
@@ -166,6 +185,14 @@ def read_job(argv: list[str]) -> Job:
         job.module = jsec.get("module", job.module)
         job.config = jsec.get("config", job.config)
         job.description = jsec.get("description")
+    for path in overlays:  # e.g. titan_ledger.rollback --write: later files win
+        over = load_toml(path)
+        if "job" in over:
+            raise ConfigError(f"{path}: an overlay cannot set [job]; it only overrides config sections")
+        _merge(job.doc, over, job.key_files, path, None)
+        job.overlays.append(path)
+        if job.config_file is None:
+            job.config_file = path
     job.module = module_cli or job.module
     job.config = config_cli or job.config
 

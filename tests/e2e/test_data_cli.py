@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from tests.helpers import CONFIGS, ROOT, child_env, explain, torchrun
+from titan_ledger.data.provenance import DataLedger
 from titan_ledger.records import read_ledger
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,16 @@ def test_kill9_resume_trains_exactly_the_same_samples(tmp_path, corpus, toml, so
         assert (sa[s]["loss"], sa[s]["grad_norm"]) == (sb[s]["loss"], sb[s]["grad_norm"]), s
         gb = 8 if toml == "debug_cpu.toml" else 4  # TP and PP over 2 ranks: one DP rank
         assert sa[s]["consumed_samples"] == sb[s]["consumed_samples"] == gb * s
+    # no document token trained twice (workers included), across ranks and steps
+    led = DataLedger(b / "ledger")
+    seen = set()
+    for step in range(1, 9):
+        for r in led.ranks_at(step):
+            for tag in led.at(step, r).tags:
+                for seg in tag.segments:
+                    span = (tag.source, seg.doc, seg.start, seg.end)
+                    assert span not in seen, (step, r, span)
+                    seen.add(span)
 
 
 def test_check_reports_first_divergence_and_errors(tmp_path):
@@ -159,6 +170,15 @@ def test_indexed_resume_with_another_dp_size(tmp_path, corpus):
     c = py("-m", "titan_ledger.replay", "check", str(a), str(b), "--json")
     res = json.loads(c.stdout)
     assert c.returncode == 0 and res["equal"] and res["steps_compared"] == 6, c.stdout + c.stderr
+    # 1 -> 2 ranks: start alone (8 rows), continue on two (4 + 4)
+    one = tmp_path / "one"
+    solo = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
+    p = torchrun(args + ["--job.dump_folder", str(one), "--training.steps", "3"] + solo, nproc=1)
+    assert p.returncode == 0, explain(p)
+    p = torchrun(args + ["--job.dump_folder", str(one)])
+    assert p.returncode == 0 and "Training starts at step 4" in p.stdout + p.stderr, explain(p)
+    c = py("-m", "titan_ledger.replay", "check", str(a), str(one), "--json")
+    assert c.returncode == 0 and json.loads(c.stdout)["steps_compared"] == 6, c.stdout + c.stderr
     # a text stream refuses the same change, naming the fix
     t = tmp_path / "t"
     text = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--checkpoint.enable",
@@ -167,3 +187,23 @@ def test_indexed_resume_with_another_dp_size(tmp_path, corpus):
     p = torchrun(text + ["--training.steps", "3", "--parallelism.data_parallel_shard_degree", "1",
                          "--training.local_batch_size", "8"], nproc=1)
     assert p.returncode != 0 and "--dataloader.source indexed" in p.stdout + p.stderr, explain(p)
+
+
+def test_indexed_toml_prepares_its_corpus_on_first_use(tmp_path):
+    prefix = tmp_path / "corpora" / "bundled"
+    p = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu_indexed.toml"), "--training.steps", "2",
+                  "--dataloader.paths", str(prefix), "--job.dump_folder", str(tmp_path / "run")])
+    assert p.returncode == 0, explain(p)
+    assert prefix.with_suffix(".bin").exists() and prefix.with_suffix(".idx").exists()
+    meta = json.loads(prefix.with_suffix(".json").read_text())
+    assert meta["documents"] == 457
+    out = json.loads(py("-m", "titan_ledger.lookup", "--dump-folder", str(tmp_path / "run"), "--step", "2",
+                        "--json").stdout)
+    ids = [row["sample_id"] for r in ("0", "1") for row in out["ranks"][r]]
+    assert ids == list(range(8, 16))
+    one = json.loads(py("-m", "titan_ledger.lookup", "--dump-folder", str(tmp_path / "run"), "--sample",
+                        "9", "--text", "--json").stdout)
+    assert one["sample_id"] == 9 and one["source"] == out["ranks"]["0"][1]["source"]
+    assert [{k: v for k, v in seg.items() if k != "text"} for seg in one["segments"]] == \
+        out["ranks"]["0"][1]["segments"]
+    assert all(seg["text"] for seg in one["segments"])

@@ -15,6 +15,7 @@ WORLD = {
     "debug_cpu_tp.toml": 2,
     "debug_cpu_pp.toml": 2,
     "debug_cpu_fsdp_tp.toml": 4,
+    "debug_cpu_indexed.toml": 2,
     "llama3_8b.toml": 8,
     "llama3_70b.toml": 64,
     "llama3_405b.toml": 512,
