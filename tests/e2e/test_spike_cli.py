@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.e2e.test_data_cli import py
-from tests.helpers import CONFIGS, explain, torchrun
+from tests.helpers import CONFIGS, explain, read_tb, torchrun
 from titan_ledger import records
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,11 @@ def signals(dump):
 def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
     guard, skip = tmp_path / "guard", tmp_path / "skip"
     p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.inject", "10:1:repeat",
-                          "--ledger.on_spike", "skip_update"])
+                          "--ledger.on_spike", "skip_update", "--metrics.enable_tensorboard"])
     assert p.returncode == 0, explain(p)
     assert "SPIKE at step 10" in p.stdout + p.stderr
+    assert read_tb(guard, "spike/flag") == {10: 1.0}
+    assert read_tb(guard, "spike/zscore_grad_norm") == {10: 1.0}
     g = signals(guard)
     assert g[10]["spike"] and g[10]["update_skipped"] and g[10]["loss_max_rank"] == 1
     assert not any(g[s]["spike"] or g[s]["update_skipped"] for s in g if s != 10)
