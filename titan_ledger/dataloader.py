@@ -34,7 +34,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from titan_ledger.data.indexed import Blend, IndexedCorpus
-from titan_ledger.data.layout import RowTag, round_size
+from titan_ledger.data.layout import RowTag, positions_of, round_size, sample_id
 from titan_ledger.data.text import Cursor, TextStream
 
 STATE_KEY = "titan_ledger_data"
@@ -60,9 +60,8 @@ class _Rows(IterableDataset):
         self.start_position = 0
         self.start_cursor = Cursor()
 
-    def ids(self, position: int) -> range:
-        base = position + self.dp_rank * self.mbs
-        return range(base, base + self.mbs)
+    def ids(self, position: int) -> list[int]:
+        return [sample_id(position, self.dp_rank, self.mbs, j) for j in range(self.mbs)]
 
     def __iter__(self):
         info = get_worker_info()
@@ -93,8 +92,8 @@ class _Rows(IterableDataset):
         if rows[0][2] is not None:
             positions = torch.as_tensor(np.asarray([r[2] for r in rows], dtype=np.int64))
         else:
-            positions = torch.as_tensor(np.asarray(
-                [[p for s in t.segments for p in range(len(s))] for t in tags], dtype=np.int64))
+            positions = torch.as_tensor(np.asarray([positions_of(t.segments) for t in tags],
+                                                   dtype=np.int64))
         meta = {"tags": tags if self.tagging else None,
                 "cursor": cursor.to_json() if cursor is not None else None}
         return {"input": inputs, "positions": positions}, labels, meta
@@ -253,7 +252,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 segs, cursor, _, _ = next(stream)
                 if tags is not None:
                     q, j = divmod(k, self.mbs)
-                    sid = before + q * self.round + self.dp_rank * self.mbs + j
+                    sid = sample_id(before + q * self.round, self.dp_rank, self.mbs, j)
                     tags.append(RowTag(sid, self.source.name, segs))
                 self._cursor = cursor
         self._position = before + n_batches * self.round

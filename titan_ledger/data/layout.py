@@ -31,11 +31,6 @@ def round_size(mbs: int, dp_size: int) -> int:
     return mbs * dp_size
 
 
-def dp_rank_of(sample: int, round_start: int, mbs: int) -> int:
-    """DP rank that trained ``sample`` in the round starting at ``round_start``."""
-    return (sample - round_start) // mbs
-
-
 # --------------------------------------------------------------------------- provenance
 @dataclass(frozen=True, slots=True)
 class Segment:

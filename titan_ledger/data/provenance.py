@@ -146,16 +146,3 @@ class DataLedger:
                                      shuffle=spec.get("shuffle", True)) for p in spec["paths"]]
             self._blend = Blend(corpora, spec["weights"])
         return self._blend
-
-    def sequence(self, dp_rank: int) -> list[tuple[int, int, bool, tuple]]:
-        """``(step, last_step, skipped, key)`` per row of ``dp_rank``'s history: key is the
-        tuple of sample ids, or ``("range", first, end)`` for a window without rows."""
-        out = []
-        for row in self.history[dp_rank]:
-            last = row.get("last_step", row["step"])
-            if "rows" in row:
-                key = tuple(t[0] for t in row["rows"])
-            else:
-                key = ("range", *row["samples"])
-            out.append((row["step"], last, bool(row.get("skipped")), key))
-        return out
