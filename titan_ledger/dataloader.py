@@ -40,8 +40,7 @@ from titan_ledger.data.text import Cursor, TextStream
 STATE_KEY = "titan_ledger_data"
 
 
-class DataStateError(ValueError):
-    """The checkpoint's data state does not fit this run; the message says why and the fix."""
+from titan_ledger.errors import DataStateError  # noqa: E402,F401  (one error hierarchy)
 
 
 @dataclass

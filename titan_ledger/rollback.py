@@ -27,8 +27,7 @@ from pathlib import Path
 from titan_ledger.data.layout import parse_skip_steps
 
 
-class PlanError(ValueError):
-    pass
+from titan_ledger.errors import PlanError  # noqa: E402,F401  (one error hierarchy)
 
 
 def checkpoints(dump_folder: Path, folder: str = "checkpoint") -> list[int]:

@@ -69,8 +69,7 @@ AC_MODES = {"selective": "selective", "full": "full", "memory_budget": "memory-b
 AC_SUBCOMMAND_PREFIX = "activation-checkpoint:"
 
 
-class ConfigError(Exception):
-    """A bad config input; the message is one line naming file/key/flag and the fix."""
+from titan_ledger.errors import ConfigError  # noqa: E402,F401  (one error hierarchy)
 
 
 @dataclass

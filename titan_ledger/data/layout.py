@@ -106,8 +106,7 @@ def pack_span(cum, start: int, length: int) -> list[tuple[int, int, int]]:
 
 
 # --------------------------------------------------------------------------- skip windows
-class SkipError(ValueError):
-    """A malformed ``skip_steps`` entry; the message names it and the fix."""
+from titan_ledger.errors import SkipError  # noqa: E402,F401  (one error hierarchy)
 
 
 def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[int, int]]:

@@ -23,8 +23,7 @@ from titan_ledger.data.layout import RowTag
 FILE_RE = re.compile(r"data_dp(\d+)\.jsonl$")
 
 
-class LedgerError(ValueError):
-    """Missing, torn or inconsistent ledgers; the message names the file and the fix."""
+from titan_ledger.errors import LedgerError  # noqa: E402,F401  (one error hierarchy)
 
 
 @dataclass
