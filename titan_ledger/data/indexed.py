@@ -19,6 +19,17 @@ epochs is available without precomputing them.
 Index arrays (document order, stream offsets, row order) are built once per
 epoch, saved as ``.npy`` under a name that encodes every input they depend on
 (corpus fingerprint, seed, seq_len, epoch) and memory-mapped on reopen.
+
+Integrity: opening a corpus (training, ``lookup``, ``prepare``'s readers all open
+through ``IndexedCorpus``) checks in constant time that the .idx holds its header
+and the arrays it announces, that the dtype code is Megatron's, and that the .bin
+is non-empty, a whole number of items and exactly as long as the last pointer
+plus the last length say (``check_bin``); a negative length elsewhere is found by
+the index build (one pass over the lengths) or when its document is read. Each
+failure is a one-line ``CorpusError`` naming the file.
+
+Blends: ``Blend`` reproduces Megatron-Core's ``build_blending_indices`` within a
+repeating block of 4096 samples (see its docstring for what matches exactly).
 """
 
 from __future__ import annotations
@@ -58,37 +69,91 @@ class IdxHeader:
     header_bytes: int  # offset of the lengths array
 
 
+#: Bytes of the .idx header: magic (9), version (8), dtype code (1), two counts (8 + 8).
+HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+
+
 def read_idx(path: str | os.PathLike):
     """Parse a Megatron .idx: returns (header, lengths i32, pointers i64, doc_indices i64),
-    the arrays memory-mapped."""
+    the arrays memory-mapped. Checks (constant time) that the header is whole and the
+    file holds the arrays it announces; raises ``CorpusError`` naming the file."""
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"{path}: no such index file; write it with "
                           f"`python -m titan_ledger.prepare --output-prefix {path.with_suffix('')}`")
-    with open(path, "rb") as f:
-        magic = f.read(9)
-        if magic != MAGIC:
-            raise CorpusError(f"{path}: not a Megatron .idx file (magic {magic!r}, "
-                              f"expected {MAGIC!r})")
-        (version,) = struct.unpack("<Q", f.read(8))
-        if version != VERSION:
-            raise CorpusError(f"{path}: .idx version {version}; only version {VERSION} is supported")
-        (code,) = struct.unpack("<B", f.read(1))
-        if code not in DTYPE_CODES:
-            raise CorpusError(f"{path}: unknown dtype code {code}")
-        (n_seq,) = struct.unpack("<Q", f.read(8))
-        (n_doc,) = struct.unpack("<Q", f.read(8))
-        offset = f.tell()
-    expect = offset + n_seq * 4 + n_seq * 8 + n_doc * 8
     size = path.stat().st_size
+    redo = f"; re-run `python -m titan_ledger.prepare --output-prefix {path.with_suffix('')}`"
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if head[:len(MAGIC)] != MAGIC[:len(head)]:  # (a shorter file: as much as it has)
+        raise CorpusError(f"{path}: not a Megatron .idx file (magic {head[:9]!r}, "
+                          f"expected {MAGIC!r})")
+    if size < HEADER_BYTES:
+        raise CorpusError(f"{path}: truncated header ({size} bytes, a Megatron .idx header has "
+                          f"{HEADER_BYTES}){redo}")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != VERSION:
+        raise CorpusError(f"{path}: .idx version {version}; only version {VERSION} is supported")
+    (code,) = struct.unpack_from("<B", head, 17)
+    if code not in DTYPE_CODES:
+        raise CorpusError(f"{path}: unknown dtype code {code} (Megatron's codes are "
+                          f"{sorted(DTYPE_CODES)}): not a Megatron .idx or a damaged one{redo}")
+    n_seq, n_doc = struct.unpack_from("<QQ", head, 18)
+    offset = HEADER_BYTES
+    expect = offset + n_seq * 4 + n_seq * 8 + n_doc * 8
     if size < expect:
-        raise CorpusError(f"{path}: truncated ({size} bytes, header says {expect})")
+        raise CorpusError(f"{path}: truncated ({size} bytes, its header announces {n_seq} "
+                          f"sequences and {n_doc} document indices: {expect} bytes){redo}")
     hdr = IdxHeader(np.dtype(DTYPE_CODES[code]), n_seq, n_doc, offset)
+    if expect == offset:  # no arrays (np.memmap cannot map nothing)
+        empty = np.zeros(0, dtype="<i8")
+        return hdr, np.zeros(0, dtype="<i4"), empty, empty
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     lengths = np.frombuffer(buf, dtype="<i4", count=n_seq, offset=offset)
     pointers = np.frombuffer(buf, dtype="<i8", count=n_seq, offset=offset + 4 * n_seq)
     docs = np.frombuffer(buf, dtype="<i8", count=n_doc, offset=offset + 12 * n_seq)
     return hdr, lengths, pointers, docs
+
+
+def check_bin(prefix: str | os.PathLike, hdr: IdxHeader, lengths, pointers) -> None:
+    """Constant-time consistency of ``PREFIX.bin`` with its index (header, sizes, the
+    first and last pointer and the last length); ``CorpusError`` naming the file.
+
+    Megatron stores the documents back to back, so the .bin holds exactly
+    ``pointers[-1] + lengths[-1] * itemsize`` bytes. A length < 0 elsewhere in the
+    index is found where the index is built (``IndexedCorpus``'s epoch arrays) or a
+    document is read (``doc_tokens``), not here: that would read the whole index.
+    """
+    bin_path = Path(str(prefix) + ".bin")
+    idx_path = Path(str(prefix) + ".idx")
+    redo = (f"; re-run `python -m titan_ledger.prepare --output-prefix {prefix}` (or copy both "
+            f"files again)")
+    size = bin_path.stat().st_size
+    item = hdr.dtype.itemsize
+    if size == 0:
+        raise CorpusError(f"{bin_path}: empty file ({hdr.n_sequences} documents in {idx_path})"
+                          f"{redo}")
+    if size % item:
+        raise CorpusError(f"{bin_path}: {size} bytes is not a multiple of the item size {item} "
+                          f"({hdr.dtype.name}, from {idx_path}): wrong dtype or a cut file{redo}")
+    n = hdr.n_sequences
+    if n == 0:
+        raise CorpusError(f"{idx_path}: no documents, but {bin_path} has {size} bytes{redo}")
+    first, last, last_len = int(pointers[0]), int(pointers[n - 1]), int(lengths[n - 1])
+    if first != 0 or last % item or last < 0:
+        raise CorpusError(f"{idx_path}: pointers do not start at 0 or are not multiples of the "
+                          f"item size {item} (first {first}, last {last}): not written for "
+                          f"{hdr.dtype.name} tokens{redo}")
+    if last_len < 0:
+        raise CorpusError(f"{idx_path}: document {n - 1} has negative length {last_len}{redo}")
+    need = last + last_len * item
+    if need > size:
+        raise CorpusError(f"{bin_path}: cut: {size} bytes, but its index {idx_path} needs {need} "
+                          f"(document {n - 1} ends past the end of the file){redo}")
+    if need != size:
+        raise CorpusError(f"{bin_path}: {size} bytes, but its index {idx_path} describes {need} "
+                          f"({n} documents of {hdr.dtype.name}): the .bin and .idx are from "
+                          f"different preparations or the item size is wrong{redo}")
 
 
 def write_idx(path: str | os.PathLike, dtype, lengths, doc_indices=None) -> None:
@@ -172,6 +237,7 @@ class IndexedCorpus:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         hdr, self.lengths, self.pointers, self.doc_indices = read_idx(str(self.prefix) + ".idx")
+        check_bin(self.prefix, hdr, self.lengths, self.pointers)
         self.dtype = hdr.dtype
         self.tokens = np.memmap(str(self.prefix) + ".bin", dtype=self.dtype, mode="r")
         self.fingerprint = fingerprint_files(self.prefix)
@@ -204,7 +270,14 @@ class IndexedCorpus:
             else:
                 order = np.arange(self.n_docs)
             order = order.astype(np.int64)
-            contrib = np.maximum(self.lengths.astype(np.int64) - 1, 0)[order]
+            lengths = self.lengths.astype(np.int64)
+            bad = np.flatnonzero(lengths < 0)  # this pass reads every length anyway
+            if len(bad):
+                raise CorpusError(
+                    f"{self.prefix}.idx: document {int(bad[0])} has negative length "
+                    f"{int(lengths[bad[0]])} ({len(bad)} such documents): a damaged index; "
+                    f"re-run `python -m titan_ledger.prepare --output-prefix {self.prefix}`")
+            contrib = np.maximum(lengths - 1, 0)[order]
             cum = np.zeros(self.n_docs + 1, dtype=np.int64)
             np.cumsum(contrib, out=cum[1:])
             rows = (np.random.default_rng([self.seed, epoch, 1]).permutation(self.samples_per_epoch)
@@ -226,8 +299,14 @@ class IndexedCorpus:
         return [(int(order[i]), a, b) for i, a, b in pack_span(cum, start, self.seq_len)]
 
     def doc_tokens(self, doc: int) -> np.ndarray:
-        p = int(self.pointers[doc]) // self.dtype.itemsize
-        return self.tokens[p:p + int(self.lengths[doc])]
+        n, ptr = int(self.lengths[doc]), int(self.pointers[doc])
+        p = ptr // self.dtype.itemsize
+        if n < 0 or ptr < 0 or p + n > len(self.tokens):
+            raise CorpusError(
+                f"{self.prefix}.idx: document {doc} (length {n}, pointer {ptr}) does not fit "
+                f"{self.prefix}.bin ({len(self.tokens)} tokens): a damaged index; re-run "
+                f"`python -m titan_ledger.prepare --output-prefix {self.prefix}`")
+        return self.tokens[p:p + n]
 
     def row(self, k: int):
         """(inputs, labels, positions, segments) of row ``k``; numpy int64 arrays."""
@@ -247,33 +326,72 @@ class IndexedCorpus:
 
 
 # --------------------------------------------------------------------------- blends
+#: Version of the blending rule, part of a blend's fingerprint (so a run checkpointed
+#: under another rule is not resumed silently with another sample order).
+#: 1: titan_ledger <= 0.x: ``argmax(w * (j + 1) - counts)`` (not Megatron's).
+#: 2: Megatron-Core's ``build_blending_indices`` per block (below).
+BLEND_RULE = 2
+BLEND_BLOCK = 4096
+
+
+def blending_pattern(weights, size: int, rule: int = BLEND_RULE) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index) of the first ``size`` samples of a blend.
+
+    ``rule = 2`` is Megatron-Core's ``build_blending_indices``
+    (megatron/core/datasets/helpers.cpp), step for step: for sample ``j`` the
+    error of dataset ``k`` is ``weights[k] * max(j, 1.0) - counts[k]`` in float64,
+    the dataset with the largest error wins (the first on a tie: Megatron keeps the
+    running max with a strict ``>``, like ``np.argmax``), its count is the sample's
+    index in that dataset and then grows by one. ``weights`` must be normalised
+    to sum 1 the way Megatron's ``normalize`` does (``w / sum(w)`` in float64).
+    ``rule = 1`` is the former titan_ledger rule, kept only to read old ledgers.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if rule not in (1, 2):
+        raise CorpusError(f"unknown blend rule {rule} (this titan_ledger knows 1 and {BLEND_RULE})")
+    index = np.zeros(size, dtype=np.int64)
+    within = np.zeros(size, dtype=np.int64)
+    counts = np.zeros(len(w), dtype=np.int64)
+    for j in range(size):
+        x = float(j + 1) if rule == 1 else max(float(j), 1.0)
+        k = int(np.argmax(w * x - counts))
+        index[j], within[j] = k, counts[k]
+        counts[k] += 1
+    return index, within
+
+
 class Blend:
     """A deterministic weighted mixture of corpora, O(1) per sample.
 
-    Megatron's greedy blending (pick the corpus furthest below its share) is run
-    once over a block of ``block`` samples; the pattern repeats every block, so
-    global sample ``i`` maps to (corpus, index) by arithmetic. Shares are exact
-    to 1/``block``.
+    What matches Megatron: within a block of ``block`` (4096) samples, the corpus of
+    each sample and its index in that corpus are exactly Megatron-Core's
+    ``build_blending_indices(weights, size=block)`` (``blending_pattern``; a unit
+    test checks it against a transcription of the C++ loop). So the first 4096
+    samples of a run equal Megatron's ``dataset_index`` / ``dataset_sample_index``.
+
+    The one deliberate difference: the pattern restarts every block (block ``b``
+    is block 0 with each corpus' indices shifted by ``b`` times its count per
+    block), so global sample ``i`` maps to (corpus, index) by arithmetic instead
+    of a ``size``-long array built up front; Megatron instead carries its counts
+    across the whole run. Shares are therefore exact to 1/``block`` per block.
+    Which rule is used (``BLEND_RULE``) enters ``fingerprint()`` when there is
+    more than one corpus.
     """
 
-    def __init__(self, corpora: list[IndexedCorpus], weights: list[float], block: int = 4096):
+    def __init__(self, corpora: list[IndexedCorpus], weights: list[float],
+                 block: int = BLEND_BLOCK, rule: int = BLEND_RULE):
         if len(corpora) != len(weights) or not corpora:
             raise CorpusError("--dataloader.paths and --dataloader.weights must have the same, "
                               "non-zero length")
-        if any(w <= 0 for w in weights):
+        if any(not (w > 0) for w in weights):
             raise CorpusError(f"--dataloader.weights must be positive, got {weights}")
         self.corpora = corpora
         w = np.asarray(weights, dtype=np.float64)
-        self.weights = w / w.sum()
+        self.weights = w / np.sum(w)
+        self.rule = int(rule)
         self.block = block if len(corpora) > 1 else 1
-        pattern = np.zeros(self.block, dtype=np.int64)
-        within = np.zeros(self.block, dtype=np.int64)
-        counts = np.zeros(len(corpora), dtype=np.int64)
-        for j in range(self.block):
-            k = int(np.argmax(self.weights * (j + 1) - counts))
-            pattern[j], within[j] = k, counts[k]
-            counts[k] += 1
-        self.pattern, self.within, self.counts = pattern, within, counts
+        self.pattern, self.within = blending_pattern(self.weights, self.block, self.rule)
+        self.counts = np.bincount(self.pattern, minlength=len(corpora)).astype(np.int64)
         names = [c.name for c in corpora]
         if len(set(names)) != len(names):
             raise CorpusError(f"corpus names must be distinct, got {names}")
@@ -295,6 +413,8 @@ class Blend:
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
+        if len(self.corpora) > 1:  # one corpus: no blending, the order never depended on it
+            h.update(f"blend-rule{self.rule}/block{self.block};".encode())
         for c, w in zip(self.corpora, self.weights):
             h.update(f"{c.name}:{c.fingerprint}:{w:.12g}:{c.seed}:{c.shuffle}:{c.seq_len};".encode())
         return h.hexdigest()[:16]
