@@ -11,6 +11,15 @@ stored too (just BOS EOS) so document ids equal input order. ``--no-bos`` /
 65500 entries, else int32 (Megatron's rule). Document ``i`` of the corpus is the
 ``i``-th text read, over the inputs in the order given (files of a folder sorted).
 
+Errors: bad input (a missing or unreadable input, a line that is not JSON, a
+missing text key, no documents at all, an ``--output-prefix`` that names a folder)
+raises ``CorpusError`` / ``ConfigError`` from the library functions; ``main``
+prints ``titan_ledger.prepare: error: ...`` and returns 2. ``--output-prefix`` is
+a file prefix (``prep/corpus`` writes ``prep/corpus.bin``, ``.idx``, ``.json``);
+``prep/`` or an existing folder is refused. Outputs are written to ``.tmp`` files
+and renamed when complete (``.idx`` after ``.bin``, ``.json`` last); a failed or
+interrupted prepare removes its ``.tmp`` files and leaves earlier outputs alone.
+
 Examples::
 
     python -m titan_ledger.prepare --input data/*.jsonl --output-prefix corpora/web
@@ -32,6 +41,9 @@ from pathlib import Path
 import numpy as np
 
 from titan_ledger.data.indexed import IndexedWriter, token_dtype
+from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError, fail_line
+
+PROG = "titan_ledger.prepare"
 
 _TOK = None  # per worker process
 
@@ -47,7 +59,8 @@ def load_tokenizer(path: str | os.PathLike):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     if not (Path(path) / "tokenizer.json").exists() and not Path(path).is_file():
-        raise SystemExit(f"titan_ledger.prepare: error: --tokenizer {path}: no tokenizer.json there")
+        raise ConfigError(f"--tokenizer {path}: no tokenizer.json there; give the run's "
+                          f"hf_assets_path (default: the bundled tokenizer)")
     return HuggingFaceTokenizer(tokenizer_path=str(path))
 
 
@@ -56,7 +69,7 @@ def iter_texts(inputs: list[str], text_key: str) -> Iterator[str]:
     for raw in inputs:
         p = Path(raw)
         if not p.exists():
-            raise SystemExit(f"titan_ledger.prepare: error: --input {raw}: no such file or folder")
+            raise CorpusError(f"--input {raw}: no such file or folder")
         if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
             from datasets import load_from_disk
 
@@ -70,7 +83,7 @@ def iter_texts(inputs: list[str], text_key: str) -> Iterator[str]:
         files = sorted(f for f in p.rglob("*") if f.suffix in (".jsonl", ".json", ".parquet")) \
             if p.is_dir() else [p]
         if not files:
-            raise SystemExit(f"titan_ledger.prepare: error: --input {raw}: no .jsonl/.json/.parquet files")
+            raise CorpusError(f"--input {raw}: no .jsonl/.json/.parquet files in this folder")
         for f in files:
             if f.suffix == ".parquet":
                 import pyarrow.parquet as pq
@@ -87,17 +100,19 @@ def iter_texts(inputs: list[str], text_key: str) -> Iterator[str]:
                         try:
                             obj = json.loads(line)
                         except json.JSONDecodeError as e:
-                            raise SystemExit(f"titan_ledger.prepare: error: {f}:{n}: not JSON ({e.msg})")
-                        if text_key not in obj:
-                            raise SystemExit(f"titan_ledger.prepare: error: {f}:{n}: no {text_key!r} "
-                                             f"key; set --text-key")
-                        yield obj[text_key]
+                            raise CorpusError(f"{f}:{n}: not JSON ({e.msg})") from None
+                        if not isinstance(obj, dict) or text_key not in obj:
+                            raise CorpusError(f"{f}:{n}: no {text_key!r} key; set --text-key")
+                        text = obj[text_key]
+                        if text is not None and not isinstance(text, str):
+                            raise CorpusError(f"{f}:{n}: {text_key!r} is a "
+                                              f"{type(text).__name__}, not text; set --text-key")
+                        yield text
 
 
 def _need_key(key: str, names, where: str) -> None:
     if key not in names:
-        raise SystemExit(f"titan_ledger.prepare: error: {where}: no column {key!r} "
-                         f"(columns: {list(names)}); set --text-key")
+        raise CorpusError(f"{where}: no column {key!r} (columns: {list(names)}); set --text-key")
 
 
 def _chunks(it: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -125,46 +140,74 @@ def _encode_in_worker(args) -> list[list[int]]:
     return _encode(_TOK, texts, bos, eos)
 
 
+def check_prefix(prefix: str | os.PathLike) -> str:
+    """``--output-prefix`` must name files, not a folder (``prep/corpus``, not ``prep/``)."""
+    raw = os.fspath(prefix)
+    if not raw or raw.endswith(("/", os.sep)) or Path(raw).is_dir() or Path(raw).name in (".", ".."):
+        raise ConfigError(f"--output-prefix {raw!r}: a folder, not a file prefix; give a prefix "
+                          f"like {os.path.join(raw or '.', 'corpus')} (writes corpus.bin, corpus.idx, "
+                          f"corpus.json there)")
+    return raw
+
+
 def prepare(inputs: list[str], prefix: str, *, tokenizer=None, tokenizer_dir: str | None = None,
             workers: int = 0, text_key: str = "text", bos: bool = True, eos: bool = True,
             chunk: int = 256, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into ``prefix.bin/.idx`` (+ ``prefix.json`` metadata). Returns the metadata."""
+    """Tokenize ``inputs`` into ``prefix.bin/.idx`` (+ ``prefix.json`` metadata). Returns the metadata.
+
+    Raises ``CorpusError`` (inputs) or ``ConfigError`` (flags); on any failure no
+    ``.tmp`` file is left behind and existing outputs are untouched."""
+    prefix = check_prefix(prefix)
+    if workers < 0:
+        raise ConfigError(f"--workers {workers}: must be >= 0 (0: tokenize in this process)")
+    if not inputs:
+        raise ConfigError("--input: give at least one JSONL/Parquet file or folder")
     tokenizer_dir = str(tokenizer_dir or default_tokenizer_dir())
     tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
     dtype = token_dtype(tok.get_vocab_size())
-    writer = IndexedWriter(prefix, dtype)
     start = time.perf_counter()
+    writer = IndexedWriter(prefix, dtype)
+    meta_tmp = Path(prefix + ".json.tmp")
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(unit="tok", unit_scale=True, desc=f"prepare {Path(prefix).name}", file=sys.stderr)
-    work = ((c, bos, eos) for c in _chunks(iter_texts(inputs, text_key), chunk))
     pool = None
-    if workers > 0:
-        pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
-        results = pool.imap(_encode_in_worker, work, chunksize=1)  # ordered
-    else:
-        results = (_encode(tok, *w) for w in work)
     try:
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(unit="tok", unit_scale=True, desc=f"prepare {Path(prefix).name}",
+                       file=sys.stderr)
+        work = ((c, bos, eos) for c in _chunks(iter_texts(inputs, text_key), chunk))
+        if workers > 0:
+            pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
+            results = pool.imap(_encode_in_worker, work, chunksize=1)  # ordered
+        else:
+            results = (_encode(tok, *w) for w in work)
         for docs in results:
             for d in docs:
                 writer.add(d)
             if bar is not None:
                 bar.update(sum(len(d) for d in docs))
+        if not writer.lengths:
+            raise CorpusError(f"--input {' '.join(map(str, inputs))}: no documents (0 texts read); "
+                              f"nothing to write to {prefix}.bin/.idx")
+        elapsed = time.perf_counter() - start
+        meta = {"inputs": [str(i) for i in inputs], "documents": len(writer.lengths),
+                "tokens": writer.tokens, "dtype": np.dtype(dtype).name, "bos": bos, "eos": eos,
+                "tokenizer": tokenizer_dir if tokenizer is None else "<run tokenizer>",
+                "seconds": round(elapsed, 3),
+                "tokens_per_s": round(writer.tokens / elapsed) if elapsed > 0 else None}
+        meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        writer.finish()  # .bin, then .idx: the corpus appears whole
+        os.replace(meta_tmp, prefix + ".json")
+    except BaseException:
+        writer.abort()
+        meta_tmp.unlink(missing_ok=True)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
         if bar is not None:
             bar.close()
-    writer.finish()
-    elapsed = time.perf_counter() - start
-    meta = {"inputs": [str(i) for i in inputs], "documents": len(writer.lengths),
-            "tokens": writer.tokens, "dtype": np.dtype(dtype).name, "bos": bos, "eos": eos,
-            "tokenizer": tokenizer_dir if tokenizer is None else "<run tokenizer>",
-            "seconds": round(elapsed, 3),
-            "tokens_per_s": round(writer.tokens / elapsed) if elapsed > 0 else None}
-    Path(prefix + ".json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
 
@@ -183,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokenizer processes (0: in this process)")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to each document")
     ap.add_argument("--no-eos", action="store_true", help="do not append EOS to each document")
-    a = ap.parse_args(argv)
-    meta = prepare(a.input, a.output_prefix, tokenizer_dir=a.tokenizer, workers=a.workers,
-                   text_key=a.text_key, bos=not a.no_bos, eos=not a.no_eos)
+    a = ap.parse_args(argv)  # argparse itself exits 2 on a malformed command line
+    try:
+        meta = prepare(a.input, a.output_prefix, tokenizer_dir=a.tokenizer, workers=a.workers,
+                       text_key=a.text_key, bos=not a.no_bos, eos=not a.no_eos)
+    except TitanLedgerError as e:
+        print(fail_line(PROG, e), file=sys.stderr)
+        return e.exit_code
     print(f"wrote {a.output_prefix}.bin/.idx: {meta['documents']} documents, {meta['tokens']} "
           f"tokens, {meta['dtype']}, {meta['seconds']} s ({meta['tokens_per_s']} tokens/s)")
     return 0

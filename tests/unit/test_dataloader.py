@@ -166,25 +166,3 @@ def test_indexed_corpus_resumes_with_another_dp_size(tok, corpus):
     ref = take(straight, 5)
     same(got, ref[3:5])
     assert [t[0] for t in got[0][3]] == [12, 13, 14, 15]
-
-
-def test_prepare_reads_jsonl_parquet_and_saved_datasets_alike(tmp_path, tok):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from datasets import Dataset
-
-    from titan_ledger.data.indexed import IndexedCorpus
-
-    texts = ["def f():\n    return 1", "", "Return the singleton screen object. " * 20, "x"]
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
-    pq.write_table(pa.table({"content": texts}), tmp_path / "a.parquet")
-    Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
-    got = []
-    for name, src, key in (("j", tmp_path / "a.jsonl", "text"), ("p", tmp_path / "a.parquet", "content"),
-                           ("s", tmp_path / "saved", "text")):
-        prepare([str(src)], str(tmp_path / name), tokenizer=tok, text_key=key, progress=False)
-        c = IndexedCorpus(tmp_path / name, seq_len=4, seed=0, shuffle=False)
-        got.append([c.doc_tokens(i).tolist() for i in range(c.n_docs)])
-    assert got[0] == got[1] == got[2]
-    assert got[0] == [tok.encode(t, add_bos=True, add_eos=True) for t in texts]
-    assert got[0][1] == [tok.bos_id, tok.eos_id]  # empty texts keep their document id

@@ -156,8 +156,12 @@ def check_bin(prefix: str | os.PathLike, hdr: IdxHeader, lengths, pointers) -> N
                           f"different preparations or the item size is wrong{redo}")
 
 
-def write_idx(path: str | os.PathLike, dtype, lengths, doc_indices=None) -> None:
-    """Write a Megatron .idx for sequences of ``lengths`` tokens stored back to back."""
+def write_idx(path: str | os.PathLike, dtype, lengths, doc_indices=None, *,
+              replace: bool = True) -> Path:
+    """Write a Megatron .idx for sequences of ``lengths`` tokens stored back to back.
+
+    Written to ``path.tmp`` first; with ``replace`` (default) renamed to ``path``,
+    else the temporary path is returned for the caller to rename."""
     dtype = np.dtype(dtype)
     lengths = np.asarray(lengths, dtype="<i4")
     pointers = np.zeros(len(lengths), dtype="<i8")
@@ -167,26 +171,35 @@ def write_idx(path: str | os.PathLike, dtype, lengths, doc_indices=None) -> None
         doc_indices = np.arange(len(lengths) + 1, dtype="<i8")
     doc_indices = np.asarray(doc_indices, dtype="<i8")
     tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(struct.pack("<Q", VERSION))
-        f.write(struct.pack("<B", CODE_OF[dtype]))
-        f.write(struct.pack("<Q", len(lengths)))
-        f.write(struct.pack("<Q", len(doc_indices)))
-        f.write(lengths.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_indices.tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF[dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(doc_indices)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_indices.tobytes())
+        if replace:
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return Path(path) if replace else tmp
 
 
 class IndexedWriter:
-    """Append documents to ``PREFIX.bin``; ``finish()`` writes ``PREFIX.idx``."""
+    """Append documents to ``PREFIX.bin.tmp``; ``finish()`` writes ``PREFIX.idx.tmp``
+    and then renames both (``.idx`` last), ``abort()`` removes the temporary files.
+    A reader therefore never sees a half-written ``.bin`` or ``.idx``."""
 
     def __init__(self, prefix: str | os.PathLike, dtype):
         self.prefix = Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
         self._bin_tmp = Path(str(self.prefix) + ".bin.tmp")
+        self._idx_tmp = Path(str(self.prefix) + ".idx.tmp")
         self._f = open(self._bin_tmp, "wb")
         self.lengths: list[int] = []
         self.tokens = 0
@@ -198,9 +211,20 @@ class IndexedWriter:
         self.tokens += len(arr)
 
     def finish(self) -> None:
+        try:
+            self._f.close()
+            write_idx(str(self.prefix) + ".idx", self.dtype, self.lengths, replace=False)
+            os.replace(self._bin_tmp, str(self.prefix) + ".bin")
+            os.replace(self._idx_tmp, str(self.prefix) + ".idx")
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Close and remove the temporary files (outputs of an earlier run stay)."""
         self._f.close()
-        os.replace(self._bin_tmp, str(self.prefix) + ".bin")
-        write_idx(str(self.prefix) + ".idx", self.dtype, self.lengths)
+        for tmp in (self._bin_tmp, self._idx_tmp):
+            tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- one corpus
