@@ -123,3 +123,37 @@ def llama3_405b() -> LedgerTrainer.Config:
     config.training = TrainingConfig(local_batch_size=2, seq_len=8192, steps=3000)
     config.compile = compile_config
     return config
+
+
+def llama3_1b_bench() -> LedgerTrainer.Config:
+    """One-GPU benchmark of the GPU validation pack (``bench/device/run.sh``).
+
+    torchtitan's Llama 3.2 1B flavor (dim 2048, 16 layers, 32 heads, 8 kv heads, ffn
+    8192, vocab 128256, tied embeddings; FlexAttention with the per-document causal
+    mask) on the bundled corpus and tokenizer (its ids are < 2048, a subset of the
+    vocabulary; nothing is downloaded), seq_len 4096 x 2 rows, bf16 through FSDP2's
+    mixed-precision policy (torchtitan applies it also at shard degree 1), no
+    activation checkpointing, no validation, no checkpoints, no profiler or
+    TensorBoard. ``--compile.enable`` toggles torch.compile.
+    """
+    model_spec = llama3.model_registry("1B")
+    config = _as_ledger_config(llama3.llama3_8b())  # the recipe's optimizer/schedule shapes
+    config.model_spec = model_spec
+    config.loss = ChunkedLossWrapper.Config(
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
+    )
+    _use_bundled_data(config)
+    config.dump_folder = "./outputs/llama3_1b_bench"
+    config.optimizer = default_adamw(lr=3e-4)
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=10)
+    config.training = TrainingConfig(local_batch_size=2, seq_len=4096, steps=40,
+                                     mixed_precision_param="bfloat16")
+    config.compile = CompileConfig(enable=False)
+    config.activation_checkpoint = None  # the `activation-checkpoint:none` choice
+    config.profiler.enable_profiling = False
+    config.metrics.enable_tensorboard = False
+    config.metrics.log_freq = 10
+    config.validator.enable = False
+    config.checkpoint.enable = False
+    config.debug.seed = 0
+    return config
