@@ -20,7 +20,7 @@ The questions, in order:
 Examples::
 
     python -m titan_ledger.diagnose outputs/debug_cpu
-    python -m titan_ledger.diagnose outputs/debug_cpu --step 137000 --json
+    python -m titan_ledger.diagnose --dump-folder outputs/debug_cpu --step 137000 --json
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from titan_ledger import records
+from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.errors import LedgerError
+from titan_ledger.reader import RunLedger
 from titan_ledger.spikes import SpikeDetector, detect_offline
 
 CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "transient")
@@ -171,32 +174,12 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
 
 
-def rows_for(led: "records.LedgerFile", step: int) -> list[dict] | None:
-    """The signals history as it stood when ``step`` ran: the current history, or --
-    for a step a rollback later superseded -- the history of the run that saw it."""
-    if any(r["step"] == step and not r.get("skipped") for r in led.history):
-        return led.history
-    hist: list[dict] = []
-    found = None
-    for seg in led.segments:
-        resumed = seg.header.get("resumed_from")
-        if resumed is not None:
-            hist = [r for r in hist if r["step"] <= resumed]
-        hist = hist + seg.rows
-        if any(r["step"] == step for r in seg.rows):
-            found = list(hist)
-    return found
-
-
-def spike_steps(folder: Path, rows: list[dict]) -> list[int]:
+def spike_steps(led: RunLedger) -> list[int]:
     """Spikes the trainer flagged (spikes.jsonl), else the default rules run offline."""
-    path = folder / "spikes.jsonl"
-    if path.exists():
-        led = records.read_ledger(path)
-        steps = sorted({r["step"] for r in led.history if "rules" in r})
-        if steps:
-            return steps
-    return [e["step"] for e in detect_offline(rows, SpikeDetector.Config())]
+    steps = led.spike_steps()
+    if steps:
+        return steps
+    return [e["step"] for e in detect_offline(led.signal_rows(), SpikeDetector.Config())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,27 +187,32 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dump_folder")
+    add_dump_folder(ap)
     ap.add_argument("--step", type=int, help="diagnose this step (default: every detected spike)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--ledger-folder", default="ledger")
-    a = ap.parse_args(argv)
-    folder = Path(a.dump_folder) / a.ledger_folder
-    try:
-        led = records.read_ledger(folder / "signals.jsonl", schema=records.SIGNALS_SCHEMA)
-        steps = [a.step] if a.step is not None else spike_steps(folder, led.history)
-        results = []
-        for s in steps:
-            rows = rows_for(led, s)
-            if rows is None:
-                raise ValueError(f"step {s} is in no segment of {folder / 'signals.jsonl'}")
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.diagnose", lambda: _main(a))
+
+
+def _main(a) -> int:
+    led = RunLedger(a.dump_folder, a.ledger_folder)
+    path = led.folder / records.SIGNALS_FILE
+    if not led.trained_rows():
+        raise LedgerError(f"{path}: no trained step recorded (the run died before its first "
+                          f"step completed, or every step was skipped)")
+    steps = [a.step] if a.step is not None else spike_steps(led)
+    results = []
+    for s in steps:
+        rows = led.rows_as_of(s)
+        if rows is None:
+            raise LedgerError(f"step {s} is in no segment of {path}")
+        try:
             res = classify(rows, s)
-            if rows is not led.history:
-                res["rewound"] = True  # a later rollback superseded this step
-            results.append(res)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"titan_ledger.diagnose: error: {e}", file=sys.stderr)
-        return 2
+        except ValueError as e:
+            raise LedgerError(f"{path}: {e}") from None
+        if rows is not led.signal_rows():
+            res["rewound"] = True  # a later rollback superseded this step
+        results.append(res)
     if a.json:
         print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
         return 0

@@ -26,7 +26,9 @@ import sys
 from pathlib import Path
 
 from titan_ledger.data.layout import RowTag
-from titan_ledger.data.provenance import DataLedger, LedgerError
+from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.errors import LedgerError
+from titan_ledger.reader import DataLedger, RunLedger
 
 
 class TextSource:
@@ -82,35 +84,40 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m titan_ledger.lookup", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="Examples:" + __doc__.split("Examples::", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dump-folder", required=True, help="the run's dump folder")
+    add_dump_folder(ap, positional=False)
     ap.add_argument("--step", type=int, help="training step (1-indexed)")
     ap.add_argument("--sample", type=int, help="a sample id instead of a step (indexed corpora)")
     ap.add_argument("--rank", type=int, help="only this DP rank")
     ap.add_argument("--text", action="store_true", help="decode each segment's text")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
-    ap.add_argument("--ledger-folder", default="ledger", help="ledger folder inside the dump folder")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv)
     if (a.step is None) == (a.sample is None):
         ap.error("give exactly one of --step or --sample")
-    try:
-        ledger = DataLedger(Path(a.dump_folder) / a.ledger_folder)
-        text = TextSource(ledger) if a.text else None
-        if a.sample is not None:
-            tag = ledger.blend().tag(a.sample)
-            out = describe([tag], text)[0]
-            print(json.dumps(out, indent=None if a.json else 1))
-            return 0
-        ranks = [a.rank] if a.rank is not None else ledger.ranks_at(a.step)
-        got = {r: ledger.at(a.step, r) for r in ranks}
-        missing = [r for r, g in got.items() if g is None]
-        if not got or missing:
-            last = ledger.last_step
-            raise LedgerError(f"{ledger.folder}: no data for step {a.step}"
-                              + (f" on DP rank(s) {missing}" if missing else "")
-                              + f" (the ledger covers steps 1-{last})")
-    except (LedgerError, FileNotFoundError, ValueError) as e:
-        print(f"titan_ledger.lookup: error: {e}", file=sys.stderr)
-        return 2
+    return run_tool("titan_ledger.lookup", lambda: _main(a))
+
+
+def _main(a) -> int:
+    ledger = RunLedger(a.dump_folder, a.ledger_folder).data
+    text = TextSource(ledger) if a.text else None
+    if a.sample is not None:
+        if a.sample < 0:
+            raise LedgerError(f"--sample {a.sample}: sample ids start at 0")
+        tag = ledger.blend().tag(a.sample)
+        out = describe([tag], text)[0]
+        print(json.dumps(out, indent=None if a.json else 1))
+        return 0
+    if a.step < 1:
+        raise LedgerError(f"--step {a.step}: steps start at 1 (the ledger covers steps 1-{ledger.last_step})")
+    ranks = [a.rank] if a.rank is not None else ledger.ranks_at(a.step)
+    got = {r: ledger.at(a.step, r) for r in ranks}
+    missing = [r for r, g in got.items() if g is None]
+    if not got or missing:
+        raise LedgerError(f"{ledger.folder}: no data for step {a.step}"
+                          + (f" on DP rank(s) {missing}" if missing else "")
+                          + f" (the ledger covers steps 1-{ledger.last_step})")
+    if ledger.torn:
+        print(f"titan_ledger.lookup: warning: torn lines skipped in {ledger.folder} "
+              f"(DP rank: lines {ledger.torn}); a kill -9 mid-write", file=sys.stderr)
     skipped = any(g.skipped for g in got.values())
     result = {"step": a.step, "skipped": skipped,
               "ranks": {str(r): describe(g.tags, text) for r, g in got.items()}}

@@ -16,95 +16,18 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from titan_ledger import records
+from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.reader import RunLedger
 
 PANELS = (("loss", "loss", ("loss", "loss_max")), ("pre-clip grad norm", "log", ("grad_norm",)),
           ("param norm", "linear", ("param_norm",)), ("max attention logit", "linear", ("max_logit",)),
           ("zeros in grads", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
 KEYS = ("loss", "loss_max", "grad_norm", "param_norm", "max_logit", "num_zeros", "lr")
-
-
-def read_columns(path: Path) -> tuple[dict[str, np.ndarray], list[tuple[int, int]]]:
-    """Columns of the current history, superseded rows dropped.
-
-    Fast path: pyarrow's multithreaded JSON reader with a fixed schema (a 10^6-row
-    ledger in about a second). A torn line or a non-finite value stored as a
-    string makes it fail; then the rows are parsed in Python.
-    """
-    try:
-        return _read_columns_arrow(path)
-    except Exception:  # noqa: BLE001 - any arrow failure: the exact (slower) path
-        return _read_columns_py(path)
-
-
-def _read_columns_arrow(path: Path):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.json as pj
-
-    fields = [("schema", pa.string()), ("resumed_from", pa.int64()), ("step", pa.int64()),
-              ("last_step", pa.int64()), ("skipped", pa.bool_())] + [(k, pa.float64()) for k in KEYS]
-    tbl = pj.read_json(str(path), parse_options=pj.ParseOptions(
-        explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"))
-    is_hdr = tbl.column("schema").is_valid().to_numpy(zero_copy_only=False)
-    step = pc.fill_null(tbl.column("step"), -1).to_numpy(zero_copy_only=False)
-    keep = ~is_hdr
-    resumed = pc.fill_null(tbl.column("resumed_from"), -1).to_numpy(zero_copy_only=False)
-    for h in np.flatnonzero(is_hdr):
-        if resumed[h] >= 0:
-            keep[:h] &= ~(step[:h] > resumed[h])
-    skipped = pc.fill_null(tbl.column("skipped"), False).to_numpy(zero_copy_only=False).astype(bool)
-    last = pc.fill_null(tbl.column("last_step"), -1).to_numpy(zero_copy_only=False)
-    win_idx = np.flatnonzero(keep & skipped)
-    windows = [(int(step[i]), int(last[i]) if last[i] >= 0 else int(step[i])) for i in win_idx]
-    rows = keep & ~skipped
-    cols = {"step": step[rows]}
-    for k in KEYS:
-        cols[k] = tbl.column(k).to_numpy(zero_copy_only=False).astype(np.float64)[rows]
-    return cols, windows
-
-
-def _read_columns_py(path: Path):
-    lines = Path(path).read_bytes().splitlines()
-    good = [ln for ln in lines if ln.startswith(b"{") and ln.endswith(b"}")]
-    try:
-        parsed = json.loads(b"[" + b",".join(good) + b"]")
-    except json.JSONDecodeError:  # a corrupt line in the middle: parse line by line, skip it
-        parsed = []
-        for ln in good:
-            try:
-                parsed.append(json.loads(ln))
-            except json.JSONDecodeError:
-                pass
-    history: list[dict] = []
-    for obj in parsed:
-        if "schema" in obj:
-            resumed = obj.get("resumed_from")
-            if resumed is not None and history and history[-1]["step"] > resumed:
-                history = [r for r in history if r["step"] <= resumed]
-        else:
-            history.append(obj)
-    windows = [(r["step"], r.get("last_step", r["step"])) for r in history if r.get("skipped")]
-    trained = [r for r in history if not r.get("skipped")]
-    cols = {"step": np.fromiter((r["step"] for r in trained), dtype=np.int64, count=len(trained))}
-    for k in KEYS:
-        cols[k] = np.array([_num(r.get(k)) for r in trained], dtype=np.float64)
-    return cols, windows
-
-
-def _num(v) -> float:
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        return float(v)
-    return float(v)
 
 
 def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,17 +54,15 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    folder = Path(dump_folder) / ledger_folder
-    cols, windows = read_columns(folder / "signals.jsonl")
+    led = RunLedger(dump_folder, ledger_folder)
+    cols, windows = led.signal_columns(KEYS)
     sel = np.ones(len(cols["step"]), dtype=bool)
     if from_step is not None:
         sel &= cols["step"] >= from_step
     if to_step is not None:
         sel &= cols["step"] <= to_step
     cols = {k: v[sel] for k, v in cols.items()}
-    spikes = []
-    if (folder / "spikes.jsonl").exists():
-        spikes = sorted({r["step"] for r in records.read_ledger(folder / "spikes.jsonl").history})
+    spikes = led.spike_steps()
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(width_px / 100, 2.0 * len(PANELS)), sharex=True,
                              dpi=100)
     x = cols["step"]
@@ -175,17 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog="Examples:" + __doc__.split("Examples::", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dump_folder")
+    add_dump_folder(ap)
     ap.add_argument("-o", "--out", default="signals.png")
     ap.add_argument("--from-step", type=int)
     ap.add_argument("--to-step", type=int)
-    ap.add_argument("--ledger-folder", default="ledger")
-    a = ap.parse_args(argv)
-    try:
-        info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step)
-    except FileNotFoundError as e:
-        print(f"titan_ledger.plot: error: {e}", file=sys.stderr)
-        return 2
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.plot", lambda: _main(a))
+
+
+def _main(a) -> int:
+    info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step)
     print(f"wrote {info['out']}: {info['rows']} steps, {info['spikes']} spikes, "
           f"{info['skipped_windows']} skipped windows")
     return 0

@@ -1,22 +1,38 @@
-"""The ledger record format: append-only JSONL, shared by writer, replay, plot and lookup.
+"""The ledger's on-disk format: the one owner of schemas, rows, segments and supersession.
 
 Design decision: one file per ledger, append-only, one JSON object per line, each
-line written with a single ``write`` and flushed. A process killed with -9 can tear
-at most the line it was writing; every reader skips a line that does not parse.
-A run (a process launch) starts a *segment* with a header line (it carries the
-``schema`` key, rows never do). When a run resumes from a checkpoint at step k,
-its header says ``resumed_from: k``; rows with step > k written by earlier
-segments are *superseded*: kept in the file as history of the lost run, never
-mixed into the current history.
+line written with a single ``write`` (unbuffered). A process killed with -9 can
+tear at most the line it was writing; every reader counts a line that does not
+parse as torn and goes on. Every writer and every reader of ledger files goes
+through this module (writers through :class:`RecordWriter`, readers through
+:func:`read_ledger` or :class:`titan_ledger.reader.RunLedger`); no tool parses
+ledger JSON itself.
 
-Signal rows have exactly the keys in :data:`SIGNAL_KEYS` (plus
-``grad_norm_per_layer`` when per-layer norms are on). A skipped window is ONE
-row, ``step`` = its first step, with ``last_step`` and ``skip_lr`` added and the
-model signals null, so a skip of 10^6 steps costs one line; ``LedgerFile.at``
-finds the row covering any step. The data ledger (``DATA_SCHEMA``, one file per
-DP rank) follows the same rules: ``{"step", "skipped", "rows": [[sample_id,
-source, [[doc, start, end], ...]], ...]}`` per step, and a window row with
-``last_step`` and ``samples: [first, end)`` for skips.
+**Segments.** Each process launch (and each in-process rewind) starts a *segment*
+in every file it writes with a header line, the only kind of line with a
+``schema`` key. A header carries the schema id (``titan_ledger.<kind>/<version>``,
+:data:`SCHEMAS`), the run id, ``resumed_from`` (the step of the checkpoint the
+launch resumed from, 0 for a fresh start) and ``seq``, the segment's position in
+the run: all files written by one launch share its ``seq``, and a later launch or
+rewind has a larger one (:func:`next_seq` reads the run's launch log,
+``segments.jsonl``). Old ledgers without ``seq`` are ordered by file position
+within a file and by their ``time`` across files.
+
+**The supersession rule** (:func:`resolve`, the only implementation): segments are
+taken in ``seq`` order; a segment with ``resumed_from = k`` supersedes every row
+with ``step > k`` of every earlier segment, in every file of the same kind (after a
+resume with fewer DP ranks, the files of ranks that no longer exist still hold
+rows of the lost run). Superseded rows stay in the files as the history of the
+lost run; readers return them separately. Event logs (spikes, rejected steps)
+are never superseded: a spike that caused a rewind stays on record.
+
+**Rows.** Signal rows have exactly :data:`SIGNAL_KEYS` (plus
+:data:`PER_LAYER_KEY` when per-layer norms are on). A skipped window is ONE row,
+``step`` = its first step, with ``last_step`` and ``skip_lr``, model signals null,
+so a skip of 10^6 steps costs one line. Data rows (one file per DP rank) are
+``{"step", "skipped", "rows": [[sample_id, source, [[doc, start, end], ...]], ...]}``
+and a window row with ``last_step`` and ``samples: [first, end)``.
+JSON has no NaN/inf: they are stored as the strings "nan", "inf", "-inf".
 """
 
 from __future__ import annotations
@@ -26,13 +42,56 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypedDict
 
-SIGNALS_SCHEMA = "titan_ledger.signals/1"
-RANK_SCHEMA = "titan_ledger.rank/1"
-DATA_SCHEMA = "titan_ledger.data/1"
-SPIKES_SCHEMA = "titan_ledger.spikes/1"
-REJECTED_SCHEMA = "titan_ledger.rejected/1"
+from titan_ledger.errors import LedgerError
+
+# --------------------------------------------------------------------------- schemas
+
+
+@dataclass(frozen=True)
+class Schema:
+    """One kind of ledger file: its schema id and whether rows can be superseded."""
+
+    kind: str
+    version: int
+    event_log: bool = False  # events are never superseded
+
+    @property
+    def id(self) -> str:
+        return f"titan_ledger.{self.kind}/{self.version}"
+
+
+SIGNALS = Schema("signals", 1)
+RANK = Schema("rank", 1)
+DATA = Schema("data", 1)
+SPIKES = Schema("spikes", 1, event_log=True)
+REJECTED = Schema("rejected", 1, event_log=True)
+SEGMENTS = Schema("segments", 1, event_log=True)
+SCHEMAS = {s.kind: s for s in (SIGNALS, RANK, DATA, SPIKES, REJECTED, SEGMENTS)}
+
+# schema ids as strings (what headers carry)
+SIGNALS_SCHEMA = SIGNALS.id
+RANK_SCHEMA = RANK.id
+DATA_SCHEMA = DATA.id
+SPIKES_SCHEMA = SPIKES.id
+REJECTED_SCHEMA = REJECTED.id
+SEGMENTS_SCHEMA = SEGMENTS.id
+
+#: file names inside the ledger folder (``<dump_folder>/<ledger.folder>``)
+SIGNALS_FILE = "signals.jsonl"
+SPIKES_FILE = "spikes.jsonl"
+REJECTED_FILE = "rejected_steps.jsonl"
+SEGMENTS_FILE = "segments.jsonl"
+
+
+def data_file(dp_rank: int) -> str:
+    return f"data_dp{dp_rank}.jsonl"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.jsonl"
+
 
 SIGNAL_KEYS = (
     "step",
@@ -55,7 +114,117 @@ SIGNAL_KEYS = (
     "data_loading_s",
 )
 PER_LAYER_KEY = "grad_norm_per_layer"
-RANK_KEYS = ("step", "loss", "tokens")
+
+
+class SignalRow(TypedDict, total=False):
+    """One row of ``signals.jsonl`` (a trained step, or a skipped window)."""
+
+    step: int
+    consumed_samples: int
+    consumed_tokens: int  # valid (label) tokens trained; a skipped window adds its tokens too
+    loss: float | None
+    loss_max: float | None
+    loss_max_rank: int | None
+    grad_norm: float | None
+    grad_norm_clipped: float | None
+    num_zeros: int | None
+    param_norm: float | None
+    max_logit: float | None
+    lr: float
+    skipped: bool
+    skipped_samples: int
+    spike: bool | None
+    update_skipped: bool
+    step_time_s: float
+    data_loading_s: float
+    last_step: int  # skipped windows only
+    skip_lr: str  # skipped windows only
+
+
+class DataRow(TypedDict, total=False):
+    """One row of ``data_dp<r>.jsonl``."""
+
+    step: int
+    skipped: bool
+    rows: list  # [[sample_id, source, [[doc, start, end], ...]], ...]
+    injected: str  # rehearsal: this rank's tokens were replaced
+    last_step: int  # skipped windows only
+    samples: list  # [first, end) sample range of a skipped window
+    layout: dict  # the batch layout a window was consumed with
+
+
+class SpikeEvent(TypedDict, total=False):
+    """One event of ``spikes.jsonl``: a flagged step, or a rewind it caused."""
+
+    step: int
+    rules: list
+    action: str
+    rewind_to: int
+    skip_window: list
+
+
+@dataclass
+class Header:
+    """The fields every segment header has; kind-specific fields ride in ``extra``."""
+
+    schema: str
+    run_id: str = ""
+    seq: int | None = None
+    resumed_from: int | None = None
+    time: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Header":
+        known = {"schema", "run_id", "seq", "resumed_from", "time"}
+        return cls(schema=obj["schema"], run_id=obj.get("run_id", ""), seq=obj.get("seq"),
+                   resumed_from=obj.get("resumed_from"), time=float(obj.get("time") or 0.0),
+                   extra={k: v for k, v in obj.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"schema": self.schema, "run_id": self.run_id, "seq": self.seq,
+               "resumed_from": self.resumed_from, "time": self.time, **self.extra}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style access over the common fields and ``extra``."""
+        if key in ("schema", "run_id", "seq", "resumed_from", "time"):
+            v = getattr(self, key)
+            return default if v is None else v
+        return self.extra.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        v = self.get(key, _MISSING)
+        if v is _MISSING:
+            raise KeyError(key)
+        return v
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, _MISSING) is not _MISSING
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.to_json()
+
+
+_MISSING = object()
+
+
+def check_schema(found: str, expected: Schema, path: Path) -> None:
+    """A header's schema id must be of the expected kind, at a version we can read."""
+    name, _, version = found.partition("/")
+    if name != f"titan_ledger.{expected.kind}":
+        raise LedgerError(f"{path}: holds {found!r}, not a {expected.kind} ledger "
+                          f"({expected.id}); is it the right file?")
+    try:
+        v = int(version)
+    except ValueError:
+        raise LedgerError(f"{path}: unreadable schema id {found!r}") from None
+    if v > expected.version:
+        raise LedgerError(f"{path}: written by a newer titan_ledger (schema {found}, this version "
+                          f"reads up to {expected.id}); upgrade titan_ledger to read it")
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def _json_value(v: Any) -> Any:
@@ -76,18 +245,20 @@ def _from_json(v: Any) -> Any:
 
 
 class RecordWriter:
-    """Append rows to a JSONL ledger file; one ``write`` + flush per row."""
+    """Append one segment (a header, then rows) to a ledger file; one ``write`` per line."""
 
-    def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
-        if "schema" not in header:
+    def __init__(self, path: str | os.PathLike, header: Header | dict[str, Any]):
+        hdr = header.to_json() if isinstance(header, Header) else dict(header)
+        if "schema" not in hdr:
             raise ValueError("a segment header needs a 'schema' key")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "ab", buffering=0)
+        self.rows = 0
         # A torn last line (kill -9 mid-write) must not swallow our header.
         if self._f.tell() > 0 and not _ends_with_newline(self.path):
             self._f.write(b"\n")
-        self._write(header)
+        self._write(hdr)
 
     def _write(self, obj: dict[str, Any]) -> None:
         line = json.dumps(_json_value(obj), separators=(",", ":"), allow_nan=False) + "\n"
@@ -97,9 +268,7 @@ class RecordWriter:
         if "schema" in row:
             raise ValueError("rows must not carry the header key 'schema'")
         self._write(row)
-
-    def sync(self) -> None:
-        os.fsync(self._f.fileno())
+        self.rows += 1
 
     def close(self) -> None:
         if not self._f.closed:
@@ -112,31 +281,16 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+# --------------------------------------------------------------------------- reading
+
+
 @dataclass
-class Segment:
-    header: dict[str, Any]
+class FileSegment:
+    """One segment of one ledger file: its header and rows, in file order."""
+
+    header: Header
     rows: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class LedgerFile:
-    """A parsed ledger: current history, superseded rows, segments, torn lines."""
-
-    path: Path
-    segments: list[Segment]
-    history: list[dict[str, Any]]
-    superseded: list[dict[str, Any]]
-    torn_lines: int
-
-    def by_step(self) -> dict[int, dict[str, Any]]:
-        return {r["step"]: r for r in self.history}
-
-    def at(self, step: int) -> dict[str, Any] | None:
-        """The current row covering ``step`` (a step row or a skipped window)."""
-        for r in reversed(self.history):
-            if r["step"] <= step <= r.get("last_step", r["step"]):
-                return r
-        return None
+    file_pos: int = 0  # index of this segment in its file
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | None]]:
@@ -151,32 +305,212 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | 
             yield n, obj if isinstance(obj, dict) else None
 
 
-def read_ledger(path: str | os.PathLike, schema: str | None = None) -> LedgerFile:
-    """Read a ledger file; rows of lost runs (after a resume point) are superseded."""
+def rows_after(path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]:
+    """Rows (not headers) appended to ``path`` after byte ``offset``, for watching a
+    file that a run is writing; a missing file has none, torn lines are skipped."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        f.seek(offset)
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(obj, dict) and "schema" not in obj and isinstance(obj.get("step"), int):
+                yield _from_json(obj)
+
+
+def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
+                  ) -> tuple[list[FileSegment], int]:
+    """The segments of one file and its number of torn lines. Raises LedgerError if
+    the file is missing, of another kind, or of a newer schema version."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no ledger file")
-    segments: list[Segment] = []
+        raise LedgerError(f"{path}: no such ledger file")
+    expected = _schema_of(schema)
+    segments: list[FileSegment] = []
     torn = 0
     for _, obj in iter_lines(path):
         if obj is None:
             torn += 1
         elif "schema" in obj:
-            if schema is not None and obj["schema"] != schema:
-                raise ValueError(f"{path}: schema {obj['schema']!r}, expected {schema!r}")
-            segments.append(Segment(obj))
-        elif segments:
+            if expected is not None:
+                check_schema(str(obj["schema"]), expected, path)
+            segments.append(FileSegment(Header.from_json(obj), file_pos=len(segments)))
+        elif segments and isinstance(obj.get("step"), int):
             segments[-1].rows.append(_from_json(obj))
         else:
-            torn += 1  # rows before any header: not ours
-    history: list[dict[str, Any]] = []
-    superseded: list[dict[str, Any]] = []
-    for seg in segments:
-        resumed = seg.header.get("resumed_from")
+            torn += 1  # rows before any header, or rows without a step: not ours
+    return segments, torn
+
+
+def _schema_of(schema: Schema | str | None) -> Schema | None:
+    if schema is None or isinstance(schema, Schema):
+        return schema
+    kind = schema.split("/")[0].removeprefix("titan_ledger.")
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown schema {schema!r}")
+    return SCHEMAS[kind]
+
+
+def order_key(seg: FileSegment) -> tuple:
+    """Where a segment stands in its run. ``seq`` when the writer recorded one; old
+    ledgers without it fall back to the header's time (same across files of one
+    launch) and the position in the file."""
+    h = seg.header
+    if h.seq is not None:
+        return (h.seq, 0.0, seg.file_pos)
+    # seq 0: before every segment a current writer numbered (a run that an older
+    # version started and this one resumed)
+    return (0, h.time, seg.file_pos)
+
+
+def supersession_masks(entries: list[tuple[tuple, str, int | None, "np.ndarray"]]) -> list["np.ndarray"]:
+    """THE supersession rule (see the module docstring), on step arrays.
+
+    ``entries``: one per segment, ``(order_key, run_id, resumed_from, steps)``.
+    Returns, per entry, a boolean mask of its rows that are current. Segments are
+    taken in ``order_key`` order; consecutive segments of one run id form one
+    launch (one per file it wrote), so a rank's header never supersedes its sibling
+    ranks' rows of the same launch.
+    """
+    import numpy as np
+
+    order = sorted(range(len(entries)), key=lambda i: entries[i][0])
+    masks = [np.ones(len(e[3]), dtype=bool) for e in entries]
+    seen: list[int] = []
+    i = 0
+    while i < len(order):
+        j = i
+        run_id = entries[order[i]][1]
+        while j < len(order) and entries[order[j]][1] == run_id:
+            j += 1
+        resumed = entries[order[i]][2]
         if resumed is not None:
-            keep = [r for r in history if r["step"] <= resumed]
-            superseded += [dict(r, superseded_by=seg.header.get("run_id")) for r in history
-                           if r["step"] > resumed]
-            history = keep
-        history += seg.rows
-    return LedgerFile(path, segments, history, superseded, torn)
+            for e in seen:
+                masks[e] &= ~(entries[e][3] > resumed)
+        seen += order[i:j]
+        i = j
+    return masks
+
+
+def resolve(files: dict[Any, list[FileSegment]]) -> tuple[dict[Any, list[dict]], list[dict]]:
+    """Apply the supersession rule over all files of one kind.
+
+    ``files`` maps a file key (e.g. the DP rank) to its segments. Returns the
+    current history per file key (rows in segment order) and the superseded rows,
+    each with ``superseded_by`` (the run id of the first later launch that resumed
+    before it).
+    """
+    import numpy as np
+
+    flat = [(key, seg) for key, segs in files.items() for seg in segs]
+    entries = [(order_key(seg), seg.header.run_id, seg.header.resumed_from,
+                np.fromiter((r["step"] for r in seg.rows), dtype=np.int64, count=len(seg.rows)))
+               for _, seg in flat]
+    masks = supersession_masks(entries)
+    later = sorted(range(len(flat)), key=lambda i: entries[i][0])
+    current: dict[Any, list[dict]] = {key: [] for key in files}
+    superseded: list[dict] = []
+    for pos, i in enumerate(later):
+        key, seg = flat[i]
+        for row, keep in zip(seg.rows, masks[i].tolist()):
+            if keep:
+                current[key].append(row)
+            else:
+                by = next((flat[k][1].header.run_id for k in later[pos + 1:]
+                           if flat[k][1].header.run_id != seg.header.run_id
+                           and flat[k][1].header.resumed_from is not None
+                           and row["step"] > flat[k][1].header.resumed_from), None)
+                superseded.append(dict(row, superseded_by=by))
+    return current, superseded
+
+
+@dataclass
+class LedgerFile:
+    """A parsed single ledger file: current history, superseded rows, segments, torn lines."""
+
+    path: Path
+    segments: list[FileSegment]
+    history: list[dict[str, Any]]
+    superseded: list[dict[str, Any]]
+    torn_lines: int
+
+    def by_step(self) -> dict[int, dict[str, Any]]:
+        return {r["step"]: r for r in self.history}
+
+    def history_as_of(self, step: int) -> list[dict[str, Any]] | None:
+        """The history as it stood when ``step`` ran: the current history if the
+        step is in it, else -- for a step a later resume or rewind superseded -- the
+        history of the segment that ran it (its last occurrence); None if no
+        segment ran it."""
+        if any(r["step"] == step for r in self.history):
+            return self.history
+        last = None
+        for i, seg in enumerate(self.segments):
+            if any(r["step"] == step for r in seg.rows):
+                last = i
+        if last is None:
+            return None
+        hist, _ = resolve({0: self.segments[:last + 1]})
+        return hist[0]
+
+
+def read_ledger(path: str | os.PathLike, schema: Schema | str | None = None) -> LedgerFile:
+    """Read one ledger file; an event log's rows are never superseded."""
+    path = Path(path)
+    segments, torn = read_segments(path, schema)
+    kind = _schema_of(schema) or (SCHEMAS.get(segments[0].header.schema.split("/")[0]
+                                               .removeprefix("titan_ledger."))
+                                  if segments else None)
+    if kind is not None and kind.event_log:
+        return LedgerFile(path, segments, [r for s in segments for r in s.rows], [], torn)
+    current, superseded = resolve({0: segments})
+    return LedgerFile(path, segments, current[0], superseded, torn)
+
+
+def read_many(paths: dict[Any, Path], schema: Schema) -> tuple[dict[Any, list[FileSegment]], dict[Any, int]]:
+    """Segments and torn-line counts of several files of one kind."""
+    segs, torn = {}, {}
+    for key, p in paths.items():
+        segs[key], torn[key] = read_segments(p, schema)
+    return segs, torn
+
+
+def headers(segments: Iterable[FileSegment]) -> list[Header]:
+    return [s.header for s in segments]
+
+
+# --------------------------------------------------------------------------- the launch log
+
+
+def next_seq(folder: str | os.PathLike) -> int:
+    """The ``seq`` of the next segment of the run in ``folder``: one past the largest
+    recorded in its launch log (``segments.jsonl``), 1 for a new run. The launch log
+    is one line per segment, so this is cheap however long the run."""
+    path = Path(folder) / SEGMENTS_FILE
+    if not path.exists():
+        return 1
+    best = 0
+    for _, obj in iter_lines(path):
+        if obj is not None and isinstance(obj.get("seq"), int):
+            best = max(best, obj["seq"])
+    return best + 1
+
+
+def append_segment(folder: str | os.PathLike, header: Header) -> None:
+    """Record a new segment in the run's launch log (rank 0, at open and on rewinds)."""
+    path = Path(folder) / SEGMENTS_FILE
+    fresh = not path.exists() or path.stat().st_size == 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab", buffering=0) as f:
+        if fresh:
+            f.write((json.dumps({"schema": SEGMENTS_SCHEMA}) + "\n").encode())
+        elif not _ends_with_newline(path):
+            f.write(b"\n")
+        row = {k: v for k, v in header.to_json().items() if k != "schema"}
+        row.setdefault("step", header.resumed_from or 0)
+        f.write((json.dumps(_json_value(row), separators=(",", ":")) + "\n").encode())

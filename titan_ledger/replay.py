@@ -34,9 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_ledger.data.provenance import DataLedger, LedgerError
+from titan_ledger import records
+from titan_ledger.cli import run_tool
+from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError, TitanLedgerError
+from titan_ledger.reader import DataLedger, RunLedger, checkpoints
 
-EXIT_EQUAL, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_ERROR = EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT
+
+
+class ReplayError(TitanLedgerError):
+    """A drill/resume/inject run that could not do what was asked (its log is named)."""
 
 
 # --------------------------------------------------------------------------- check
@@ -75,8 +82,8 @@ def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
 
 
 def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -> CheckResult:
-    la = DataLedger(Path(dir_a) / ledger_folder)
-    lb = DataLedger(Path(dir_b) / ledger_folder)
+    la = RunLedger(dir_a, ledger_folder).data
+    lb = RunLedger(dir_b, ledger_folder).data
     ha, hb = la.header(), lb.header()
     for key in ("fingerprint", "global_batch", "seq_len"):
         if ha.get(key) != hb.get(key):
@@ -186,20 +193,8 @@ def kill9_tree(pid: int) -> list[int]:
 
 
 def _ledger_reached(path: Path, start: int, step: int) -> bool:
-    """Has a row for ``step`` been appended to ``path`` after byte ``start``?"""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if "schema" not in row and row.get("step", 0) <= step <= row.get("last_step", row.get("step", 0)):
-                    return True
-    except FileNotFoundError:
-        pass
-    return False
+    """Has a row covering ``step`` been appended to ``path`` after byte ``start``?"""
+    return any(r["step"] <= step <= r.get("last_step", r["step"]) for r in records.rows_after(path, start))
 
 
 def run_training(nproc: int, dump: Path, train_args: list[str], log: Path, env=None,
@@ -220,19 +215,10 @@ def run_training(nproc: int, dump: Path, train_args: list[str], log: Path, env=N
                 break
             if time.monotonic() - t0 > timeout:
                 kill9_tree(proc.pid)
-                raise RuntimeError(f"training did not finish in {timeout} s; log: {log}")
+                raise ReplayError(f"training did not finish in {timeout} s; log: {log}")
             time.sleep(0.02)
         rc = proc.wait()
     return {"returncode": rc, "killed": killed, "seconds": round(time.monotonic() - t0, 1)}
-
-
-def _checkpoints(dump: Path) -> list[int]:
-    folder = dump / "checkpoint"
-    steps = []
-    for p in folder.glob("step-*"):
-        if (p / ".metadata").exists():
-            steps.append(int(p.name.split("-", 1)[1]))
-    return sorted(steps)
 
 
 def resume(nproc: int, kill_at: int, dump: Path, train_args: list[str]) -> dict:
@@ -241,23 +227,25 @@ def resume(nproc: int, kill_at: int, dump: Path, train_args: list[str]) -> dict:
     dump.mkdir(parents=True, exist_ok=True)
     first = run_training(nproc, dump, args, log, kill_at=kill_at)
     if not first["killed"]:
-        raise RuntimeError(f"the run ended (exit {first['returncode']}) before step {kill_at}; "
+        raise ReplayError(f"the run ended (exit {first['returncode']}) before step {kill_at}; "
                            f"log: {log}")
-    ckpts = _checkpoints(dump)
+    ckpts = checkpoints(dump)
+    if not ckpts:
+        raise ReplayError(f"no checkpoint was complete when step {kill_at} started, so there is "
+                          f"nothing to resume from; pick --kill-at after the first checkpoint "
+                          f"(--checkpoint.interval); log: {log}")
     second = run_training(nproc, dump, args, log)
     if second["returncode"] != 0:
-        raise RuntimeError(f"the resumed run failed (exit {second['returncode']}); log: {log}")
+        raise ReplayError(f"the resumed run failed (exit {second['returncode']}); log: {log}")
     return {"dump_folder": str(dump), "killed_at_step": kill_at,
-            "resumed_from_checkpoint": ckpts[-1] if ckpts else None,
+            "resumed_from_checkpoint": ckpts[-1],
             "checkpoints_before_kill": ckpts, "first_run_s": first["seconds"],
             "resumed_run_s": second["seconds"], "log": str(log)}
 
 
 # --------------------------------------------------------------------------- inject
 def _signals(dump: Path) -> list[dict]:
-    from titan_ledger import records
-
-    return records.read_ledger(dump / "ledger" / "signals.jsonl", schema=records.SIGNALS_SCHEMA).history
+    return RunLedger(dump).signal_rows()
 
 
 def judge_injection(rows: list[dict], step: int, rank: int, min_ratio: float = 3.0) -> dict:
@@ -267,7 +255,7 @@ def judge_injection(rows: list[dict], step: int, rank: int, min_ratio: float = 3
     trained = [r for r in rows if not r.get("skipped") and r.get("grad_norm") is not None]
     at = next((r for r in trained if r["step"] == step), None)
     if at is None:
-        raise RuntimeError(f"step {step} is not a trained step of the run")
+        raise ReplayError(f"step {step} is not a trained step of the run")
     pre = [r["grad_norm"] for r in trained if step - 50 <= r["step"] < step]
     med = statistics.median(pre) if pre else float("nan")
     ratio = at["grad_norm"] / med if med else float("nan")
@@ -283,7 +271,7 @@ def inject(nproc: int, dump: Path, step: int, rank: int, kind: str, train_args: 
     log = dump / "replay_inject.log"
     run = run_training(nproc, dump, [*train_args, "--ledger.inject", f"{step}:{rank}:{kind}"], log)
     if run["returncode"] != 0:
-        raise RuntimeError(f"training failed (exit {run['returncode']}); log: {log}")
+        raise ReplayError(f"training failed (exit {run['returncode']}); log: {log}")
     return {"kind": kind, **judge_injection(_signals(dump), step, rank, min_ratio), "log": str(log)}
 
 
@@ -291,9 +279,6 @@ def inject(nproc: int, dump: Path, step: int, rank: int, kind: str, train_args: 
 def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, before: int,
           after: int, train_args: list[str]) -> dict:
     """PaLM's procedure end to end on a rehearsal spike; see the module docstring."""
-    from titan_ledger import records
-    from titan_ledger.rollback import checkpoints
-
     ref, run = dump / "uninterrupted", dump / "drill"
     args = ["--checkpoint.enable", *train_args]
     log = dump / "replay_drill.log"
@@ -302,11 +287,9 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
     for folder, extra in ((ref, []), (run, ["--ledger.inject", f"{step}:{rank}:{kind}"])):
         r = run_training(nproc, folder, args + extra, log)
         if r["returncode"] != 0:
-            raise RuntimeError(f"training in {folder} failed (exit {r['returncode']}); log: {log}")
+            raise ReplayError(f"training in {folder} failed (exit {r['returncode']}); log: {log}")
     # 1. locate the spike from the ledger (what the trainer flagged)
-    spikes_file = run / "ledger" / "spikes.jsonl"
-    events = [e for e in records.read_ledger(spikes_file).history if "rules" in e] \
-        if spikes_file.exists() else []
+    events = RunLedger(run).spike_events()
     if not events:
         out.update(passed=False, reason="the trainer flagged no spike (spikes.jsonl is empty)")
         return out
@@ -315,7 +298,7 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
     # 2. roll back to the last checkpoint before it, skip the window around it
     usable = [c for c in checkpoints(run) if c <= spike - back]
     if not usable:
-        raise RuntimeError(f"no checkpoint at or before step {spike - back} in {run}")
+        raise ReplayError(f"no checkpoint at or before step {spike - back} in {run}")
     load = usable[-1]
     window = (max(load + 1, spike - before), spike + after)
     out["rollback"] = {"load_step": load, "skip_window": list(window)}
@@ -323,12 +306,12 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
                                          "--checkpoint.load_step", str(load),
                                          "--ledger.skip_steps", f"{window[0]}-{window[1]}"], log)
     if r["returncode"] != 0:
-        raise RuntimeError(f"the rolled-back run failed (exit {r['returncode']}); log: {log}")
+        raise ReplayError(f"the rolled-back run failed (exit {r['returncode']}); log: {log}")
     # 3. pass: no spike after the rollback point, and the samples equal the
     #    uninterrupted run's except exactly the skipped window
     after_rows = [x for x in _signals(run) if x["step"] > load]
     late_spikes = [x["step"] for x in after_rows if x.get("spike")]
-    a, b = step_ids(DataLedger(ref / "ledger")), step_ids(DataLedger(run / "ledger"))
+    a, b = step_ids(RunLedger(ref).data), step_ids(RunLedger(run).data)
     mismatch = None
     for s_ in sorted(set(a) | set(b)):
         ka, kb = a.get(s_), b.get(s_)
@@ -371,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dump_b")
     p.add_argument("--json", action="store_true")
     p.add_argument("--ledger-folder", default="ledger")
+    parsers = {}
     p = sub.add_parser("resume", help="train, kill -9 every rank at a step, resume, finish",
                        description="Training arguments follow `--`. Checkpointing is switched on; "
                        "pick --kill-at between checkpoint steps.",
@@ -379,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                        "--training.steps 10 --checkpoint.interval 4")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--kill-at", type=int, required=True)
-    p.add_argument("--dump-folder", type=Path, required=True)
+    p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder", type=Path,
+                   required=True)
     p.add_argument("--json", action="store_true")
+    parsers["resume"] = p
     for name, helptext, desc in (
             ("inject", "corrupt one DP rank's batch at one step; did the signals show it?",
              "Trains with rank R's batch at step T replaced by one repeated token or uniform random "
@@ -400,49 +386,62 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--rank", type=int, default=0, help="DP rank R whose batch is replaced")
         p.add_argument("--kind", choices=["repeat", "random"], default="repeat")
         p.add_argument("--nproc", type=int, default=2)
-        p.add_argument("--dump-folder", type=Path, required=True)
+        p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder",
+                       type=Path, required=True)
         p.add_argument("--json", action="store_true")
+        parsers[name] = p
         if name == "inject":
             p.add_argument("--min-ratio", type=float, default=3.0, help="grad-norm jump that counts")
         else:
             p.add_argument("--back", type=int, default=1, help="checkpoint at or before spike - back")
             p.add_argument("--skip-before", type=int, default=1)
             p.add_argument("--skip-after", type=int, default=1)
-    a = ap.parse_args(own)
-    try:
+    # training flags follow `--`, or are simply the flags replay does not know
+    a, unknown = ap.parse_known_args(own)
+    if unknown:
         if a.cmd == "check":
-            res = check(a.dump_a, a.dump_b, a.ledger_folder)
-            if a.json:
-                print(json.dumps(res.to_json()))
-            else:
-                print_check(res, a.dump_a, a.dump_b)
-            return EXIT_EQUAL if res.equal else EXIT_DIFFERENT
-        if a.cmd in ("inject", "drill"):
-            if a.cmd == "inject":
-                out = inject(a.nproc, a.dump_folder, a.step, a.rank, a.kind, train_args, a.min_ratio)
-                ok = out["shown"]
-            else:
-                out = drill(a.nproc, a.dump_folder, a.step, a.rank, a.kind, a.back, a.skip_before,
-                            a.skip_after, train_args)
-                ok = out["passed"]
-            if a.json:
-                print(json.dumps(out))
-            else:
-                for k, v in out.items():
-                    print(f"{k:<24}{v}")
-                print(f"{'result':<24}{'PASS' if ok else 'FAIL'}")
-            return 0 if ok else 1
-        if a.cmd == "resume":
-            out = resume(a.nproc, a.kill_at, a.dump_folder, train_args)
-            if a.json:
-                print(json.dumps(out))
-            else:
-                for k, v in out.items():
-                    print(f"{k:<26}{v}")
-            return 0
-    except (LedgerError, FileNotFoundError, RuntimeError, ValueError) as e:
-        print(f"titan_ledger.replay: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+            ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+        train_args = unknown + train_args
+    if a.cmd != "check":
+        if a.nproc < 1:
+            parsers[a.cmd].error(f"--nproc {a.nproc}: give at least 1 process")
+        if not any(x.split("=")[0] in ("--job.config_file", "--config", "--module") for x in train_args):
+            parsers[a.cmd].error("give the training flags, at least --job.config_file X.toml "
+                                 "(after `--` or mixed with replay's own)")
+    return run_tool("titan_ledger.replay", lambda: _run(a, train_args))
+
+
+def _run(a, train_args: list[str]) -> int:
+    if a.cmd == "check":
+        res = check(a.dump_a, a.dump_b, a.ledger_folder)
+        if a.json:
+            print(json.dumps(res.to_json()))
+        else:
+            print_check(res, a.dump_a, a.dump_b)
+        return EXIT_EQUAL if res.equal else EXIT_DIFFERENT
+    if a.cmd in ("inject", "drill"):
+        if a.cmd == "inject":
+            out = inject(a.nproc, a.dump_folder, a.step, a.rank, a.kind, train_args, a.min_ratio)
+            ok = out["shown"]
+        else:
+            out = drill(a.nproc, a.dump_folder, a.step, a.rank, a.kind, a.back, a.skip_before,
+                        a.skip_after, train_args)
+            ok = out["passed"]
+        if a.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                print(f"{k:<24}{v}")
+            print(f"{'result':<24}{'PASS' if ok else 'FAIL'}")
+        return 0 if ok else 1
+    if a.cmd == "resume":
+        out = resume(a.nproc, a.kill_at, a.dump_folder, train_args)
+        if a.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                print(f"{k:<26}{v}")
+        return 0
     return EXIT_ERROR
 
 

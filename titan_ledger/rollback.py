@@ -24,36 +24,25 @@ import json
 import sys
 from pathlib import Path
 
+from titan_ledger.cli import add_dump_folder, parse_args, run_tool
 from titan_ledger.data.layout import parse_skip_steps
-
-
-from titan_ledger.errors import PlanError  # noqa: E402,F401  (one error hierarchy)
-
-
-def checkpoints(dump_folder: Path, folder: str = "checkpoint") -> list[int]:
-    """Steps of complete DCP checkpoints (``step-N/.metadata`` is written last)."""
-    root = Path(dump_folder) / folder
-    out = []
-    for p in root.glob("step-*"):
-        try:
-            n = int(p.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if (p / ".metadata").exists():
-            out.append(n)
-    return sorted(out)
+from titan_ledger.errors import LedgerError, PlanError
+from titan_ledger.reader import RunLedger
 
 
 def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
          skip_from: int | None = None, existing: list[str] | None = None) -> dict:
     if spike_step < 1:
         raise PlanError("--spike-step must be a 1-indexed step")
+    if back < 0 or skip < 1:
+        raise PlanError(f"--back must be >= 0 and --skip >= 1 (got --back {back}, --skip {skip})")
     target = spike_step - back
     usable = [c for c in ckpts if c <= target]
     if not usable:
-        hint = f"the earliest is step {ckpts[0]}" if ckpts else "there are none"
+        if not ckpts:
+            raise PlanError("no complete checkpoint to roll back to; the run needs --checkpoint.enable")
         raise PlanError(f"no complete checkpoint at or before step {target} (= {spike_step} - "
-                        f"--back {back}); {hint}. Use a smaller --back")
+                        f"--back {back}); the earliest is step {ckpts[0]}. Use a smaller --back")
     load = usable[-1]
     first = skip_from if skip_from is not None else load + 1
     if first <= load:
@@ -78,12 +67,10 @@ def overlay_toml(p: dict) -> str:
             f"[checkpoint]\nload_step = {p['load_step']}\n\n[ledger]\nskip_steps = [{items}]\n")
 
 
-def existing_skips(dump_folder: Path, ledger_folder: str = "ledger") -> list[str]:
+def existing_skips(led: RunLedger) -> list[str]:
     """The skip windows the run already had (from its latest data-ledger header)."""
-    from titan_ledger.data.provenance import DataLedger, LedgerError
-
     try:
-        hdr = DataLedger(Path(dump_folder) / ledger_folder).header()
+        hdr = led.data.header()
     except LedgerError:
         return []
     return [f"{a}-{b}" for a, b in hdr.get("skip_steps", [])]
@@ -94,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog="Examples:" + __doc__.split("Examples::", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dump-folder", required=True, type=Path)
+    add_dump_folder(ap)
     ap.add_argument("--spike-step", required=True, type=int)
     ap.add_argument("--back", type=int, default=100, help="roll back to a checkpoint at or before T - back")
     ap.add_argument("--skip", type=int, default=200, help="steps (global batches) to skip")
@@ -102,13 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-folder", default="checkpoint")
     ap.add_argument("--write", type=Path, help="write the overrides as a TOML overlay")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    try:
-        p = plan(checkpoints(a.dump_folder, a.checkpoint_folder), a.spike_step, a.back, a.skip,
-                 a.skip_from, existing_skips(a.dump_folder))
-    except PlanError as e:
-        print(f"titan_ledger.rollback: error: {e}", file=sys.stderr)
-        return 2
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.rollback", lambda: _main(a))
+
+
+def _main(a) -> int:
+    led = RunLedger(a.dump_folder, a.ledger_folder, a.checkpoint_folder)
+    ckpts = led.checkpoints()
+    if not ckpts:
+        raise PlanError(f"{led.dump_folder / a.checkpoint_folder}: no complete checkpoint "
+                        f"(step-N/.metadata); the run needs --checkpoint.enable to be rolled back")
+    p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
     if a.write:
         a.write.write_text(overlay_toml(p))
         p["overlay"] = str(a.write)

@@ -1,9 +1,14 @@
-"""The JSONL record format: torn lines, segments, superseded history, non-finite values."""
+"""The on-disk format (titan_ledger.records): torn lines, segments, THE supersession rule,
+schema ids, the launch log, non-finite values."""
 
 import json
 
 import pytest
 
+import numpy as np
+
+from titan_ledger import records
+from titan_ledger.errors import LedgerError
 from titan_ledger.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
 
 
@@ -67,7 +72,109 @@ def test_rows_cannot_pose_as_headers(tmp_path):
 def test_wrong_schema_and_missing_file(tmp_path):
     p = tmp_path / "r.jsonl"
     RecordWriter(p, {"schema": "titan_ledger.rank/1"}).close()
-    with pytest.raises(ValueError, match="schema"):
+    with pytest.raises(LedgerError, match="not a signals ledger"):
         read_ledger(p, SIGNALS_SCHEMA)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(LedgerError, match="no such ledger file"):
         read_ledger(tmp_path / "nope.jsonl")
+
+
+def test_newer_schema_is_refused_older_reads(tmp_path):
+    p = tmp_path / "signals.jsonl"
+    RecordWriter(p, {"schema": "titan_ledger.signals/2", "run_id": "a"}).close()
+    with pytest.raises(LedgerError, match="newer titan_ledger"):
+        read_ledger(p, records.SIGNALS)
+    q = tmp_path / "old.jsonl"
+    RecordWriter(q, {"schema": "titan_ledger.signals/1", "run_id": "a", "resumed_from": 0}).close()
+    assert read_ledger(q, records.SIGNALS).segments[0].header.run_id == "a"
+
+
+def _seg(path, run, resumed, steps, **hdr):
+    w = RecordWriter(path, {"schema": records.DATA_SCHEMA, "run_id": run, "resumed_from": resumed, **hdr})
+    _rows(w, steps)
+    w.close()
+
+
+def _current(folder, n):
+    segs, _ = records.read_many({r: folder / f"d{r}.jsonl" for r in range(n)}, records.DATA)
+    cur, sup = records.resolve(segs)
+    return {r: [x["step"] for x in rows] for r, rows in cur.items()}, sup
+
+
+def test_supersession_follows_seq_not_wall_clock(tmp_path):
+    # launch A (seq 1, 2 ranks) wrote steps 1-4; launch B (seq 2, 1 rank) resumed at 2.
+    # B's clock is BEHIND A's (a node with a skewed clock): order must come from seq.
+    for r in (0, 1):
+        _seg(tmp_path / f"d{r}.jsonl", "A", 0, [1, 2, 3, 4], seq=1, time=500.0)
+    _seg(tmp_path / "d0.jsonl", "B", 2, [3, 4, 5], seq=2, time=100.0)
+    cur, sup = _current(tmp_path, 2)
+    assert cur == {0: [1, 2, 3, 4, 5], 1: [1, 2]}
+    assert sorted((x["step"], x["superseded_by"]) for x in sup) == [(3, "B"), (3, "B"), (4, "B"), (4, "B")]
+    # the same files written by an older version (no seq): ordered by time
+    for f in tmp_path.glob("d*.jsonl"):
+        f.unlink()
+    for r in (0, 1):
+        _seg(tmp_path / f"d{r}.jsonl", "A", 0, [1, 2, 3, 4], time=100.0 + r * 0.01)
+    _seg(tmp_path / "d0.jsonl", "B", 2, [3, 4, 5], time=200.0)
+    assert _current(tmp_path, 2)[0] == {0: [1, 2, 3, 4, 5], 1: [1, 2]}
+
+
+def test_sibling_ranks_of_one_launch_do_not_supersede_each_other(tmp_path):
+    # a resumed launch writes resumed_from=2 into BOTH ranks' files: rank 1's header
+    # must not drop rank 0's rows 3-4 that the same launch just wrote
+    for r in (0, 1):
+        _seg(tmp_path / f"d{r}.jsonl", "A", 0, [1, 2, 3], seq=1)
+    for r in (0, 1):
+        _seg(tmp_path / f"d{r}.jsonl", "B", 2, [3, 4], seq=2)
+    cur, sup = _current(tmp_path, 2)
+    assert cur == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]} and len(sup) == 2
+
+
+def test_resolve_and_masks_are_one_rule(tmp_path):
+    entries = [((1, 0.0, 0), "A", 0, np.array([1, 2, 3, 4, 5])),
+               ((2, 0.0, 1), "B", 3, np.array([4, 5, 6])),
+               ((3, 0.0, 2), "C", 1, np.array([2]))]
+    m = records.supersession_masks(entries)
+    assert [x.tolist() for x in m] == [[True, False, False, False, False], [False, False, False], [True]]
+
+
+def test_event_logs_are_never_superseded(tmp_path):
+    p = tmp_path / "spikes.jsonl"
+    for run, resumed in (("A", 0), ("B", 2)):
+        w = RecordWriter(p, {"schema": records.SPIKES_SCHEMA, "run_id": run, "resumed_from": resumed})
+        w.write({"step": 5, "rules": ["zscore"]})
+        w.close()
+    assert [e["step"] for e in read_ledger(p, records.SPIKES).history] == [5, 5]
+
+
+def test_history_as_of_a_rewound_step(tmp_path):
+    p = tmp_path / "signals.jsonl"
+    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    _rows(w, [1, 2, 3, 4, 5])
+    w.close()
+    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a.r1", "resumed_from": 2, "seq": 2})
+    _rows(w, [6, 7])  # steps 3-5 skipped after the rewind
+    w.close()
+    led = read_ledger(p, records.SIGNALS)
+    assert [r["step"] for r in led.history] == [1, 2, 6, 7]
+    assert [r["step"] for r in led.history_as_of(5)] == [1, 2, 3, 4, 5]
+    assert led.history_as_of(6) is led.history and led.history_as_of(99) is None
+
+
+def test_launch_log_numbers_segments(tmp_path):
+    assert records.next_seq(tmp_path) == 1
+    records.append_segment(tmp_path, records.Header(schema="x", run_id="A", seq=1, resumed_from=0))
+    records.append_segment(tmp_path, records.Header(schema="x", run_id="B", seq=2, resumed_from=4))
+    with open(tmp_path / records.SEGMENTS_FILE, "ab") as f:
+        f.write(b'{"seq": 3, "ru')  # killed mid-write: not a segment
+    assert records.next_seq(tmp_path) == 3
+    rows = read_ledger(tmp_path / records.SEGMENTS_FILE, records.SEGMENTS).history
+    assert [(r["run_id"], r["step"]) for r in rows] == [("A", 0), ("B", 4)]
+
+
+def test_rows_after_an_offset(tmp_path):
+    p = tmp_path / "d.jsonl"
+    _seg(p, "A", 0, [1, 2])
+    off = p.stat().st_size
+    _seg(p, "B", 1, [2, 3])
+    assert [r["step"] for r in records.rows_after(p, off)] == [2, 3]
+    assert list(records.rows_after(tmp_path / "missing.jsonl", 0)) == []

@@ -1,0 +1,59 @@
+"""What every titan_ledger tool does the same way: the dump-folder argument, errors, exit codes.
+
+Design decision: each tool (lookup, diagnose, plot, rollback, replay) is a thin
+``main(argv) -> int`` over library functions; this module gives them one way to
+name the run (``DUMP`` positionally, ``--dump-folder`` or the trainer's own
+spelling ``--dump_folder``; ``--ledger-folder`` for a non-default
+``--ledger.folder``) and one way to fail: a :class:`TitanLedgerError` becomes one
+line on stderr and its exit code (:mod:`titan_ledger.errors`), a closed pipe
+(``| head``) ends quietly. Library code never exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line
+
+
+def add_dump_folder(ap: argparse.ArgumentParser, positional: bool = True) -> None:
+    """``[DUMP] | --dump-folder DUMP | --dump_folder DUMP`` and ``--ledger-folder``."""
+    if positional:
+        ap.add_argument("dump_pos", nargs="?", metavar="DUMP", help="the run's dump folder")
+    ap.add_argument("--dump-folder", "--dump_folder", dest="dump_opt", metavar="DUMP",
+                    help="the run's dump folder (the trainer's --dump_folder)")
+    ap.add_argument("--ledger-folder", default="ledger",
+                    help="ledger folder inside the dump folder (the trainer's --ledger.folder)")
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None):
+    """Parse, then settle ``a.dump_folder`` from whichever form was given."""
+    a = ap.parse_args(argv)
+    pos, opt = getattr(a, "dump_pos", None), getattr(a, "dump_opt", None)
+    if pos and opt and os.path.normpath(pos) != os.path.normpath(opt):
+        ap.error(f"two dump folders given ({pos} and --dump-folder {opt}); give one")
+    a.dump_folder = opt or pos
+    if a.dump_folder is None and hasattr(a, "dump_opt"):
+        ap.error("give the run's dump folder (DUMP or --dump-folder DUMP)")
+    return a
+
+
+def run_tool(prog: str, body: Callable[[], int]) -> int:
+    """Run a tool's body: errors become one stderr line and an exit code."""
+    try:
+        return body()
+    except TitanLedgerError as e:
+        print(fail_line(prog, e), file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:
+        # the reader went away (``| head``): not an error; keep Python from
+        # printing another one while flushing stdout at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except FileNotFoundError as e:
+        print(fail_line(prog, f"{e.filename or e}: no such file or folder"), file=sys.stderr)
+        return EXIT_BAD_INPUT

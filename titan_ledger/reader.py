@@ -1,0 +1,276 @@
+"""``RunLedger``: everything a run wrote, read one way, for every tool.
+
+Design decision: lookup, replay, rollback, diagnose, plot (and the trainer, for
+checkpoint lists and ``auto_skip``) read a dump folder only through this module.
+It owns the *views* (signals history, per-DP-rank data, spike events, checkpoints,
+the history as a superseded step saw it); the on-disk format and the
+supersession rule belong to :mod:`titan_ledger.records`, the sample-id math to
+:mod:`titan_ledger.data.layout`. Files are parsed lazily and once.
+
+Example::
+
+    led = RunLedger("outputs/debug_cpu")
+    led.signal_rows()            # current history of signals.jsonl
+    led.data.at(5, dp_rank=1)    # what DP rank 1 trained on at step 5
+    led.spike_events()           # flagged steps, never superseded
+    led.checkpoints()            # steps of complete DCP checkpoints
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from titan_ledger import records
+from titan_ledger.data.layout import RowTag, round_size, sample_id
+from titan_ledger.errors import LedgerError
+
+DATA_FILE_RE = re.compile(r"data_dp(\d+)\.jsonl$")
+RANK_FILE_RE = re.compile(r"rank(\d+)\.jsonl$")
+
+
+def checkpoints(dump_folder: str | Path, folder: str = "checkpoint") -> list[int]:
+    """Steps of complete DCP checkpoints under ``<dump_folder>/<folder>``.
+
+    Complete means ``step-N/.metadata`` exists: DCP writes it last, after every
+    rank's shard files, so a checkpoint killed mid-write has none and is never
+    listed (and torchtitan's own ``load`` looks for the same file).
+    """
+    root = Path(dump_folder) / folder
+    out = []
+    for p in root.glob("step-*"):
+        try:
+            n = int(p.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if (p / ".metadata").exists():
+            out.append(n)
+    return sorted(out)
+
+
+class RunLedger:
+    """The ledgers of one dump folder (``<dump_folder>/<ledger_folder>``)."""
+
+    def __init__(self, dump_folder: str | Path, ledger_folder: str = "ledger",
+                 checkpoint_folder: str = "checkpoint"):
+        self.dump_folder = Path(dump_folder)
+        self.folder = self.dump_folder / ledger_folder
+        self.checkpoint_folder = checkpoint_folder
+        if not self.dump_folder.is_dir():
+            raise LedgerError(f"{self.dump_folder}: no such dump folder (pass the run's "
+                              f"--dump_folder / --dump-folder)")
+
+    @classmethod
+    def at(cls, folder: str | Path) -> "RunLedger":
+        """From the ledger folder itself (``<dump>/ledger``) or the dump folder."""
+        folder = Path(folder)
+        if (folder / records.SIGNALS_FILE).exists() or any(folder.glob("data_dp*.jsonl")):
+            return cls(folder.parent, folder.name)
+        return cls(folder)
+
+    # ------------------------------------------------------------------ signals
+    @cached_property
+    def signals(self) -> records.LedgerFile:
+        path = self.folder / records.SIGNALS_FILE
+        if not path.exists():
+            raise LedgerError(f"{path}: no signals ledger; was the run trained with "
+                              f"titan_ledger (and --ledger.signals on)?")
+        led = records.read_ledger(path, records.SIGNALS)
+        if not led.segments:
+            raise LedgerError(f"{path}: empty (no header): the run died before its first step")
+        return led
+
+    def signal_rows(self) -> list[dict[str, Any]]:
+        """Current history of ``signals.jsonl`` (superseded rows left out)."""
+        return self.signals.history
+
+    def trained_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.signals.history if not r.get("skipped") and r.get("loss") is not None]
+
+    def rows_as_of(self, step: int) -> list[dict[str, Any]] | None:
+        """The signals history as it stood when ``step`` ran (see
+        :meth:`records.LedgerFile.history_as_of`)."""
+        return self.signals.history_as_of(step)
+
+    def signal_columns(self, keys: tuple[str, ...]):
+        """Numpy columns of the trained rows of the current history, and the skipped
+        windows, for long ledgers (plot). Fast path with pyarrow; the same
+        supersession rule."""
+        from titan_ledger.columns import read_columns
+
+        return read_columns(self.folder / records.SIGNALS_FILE, keys)
+
+    # ------------------------------------------------------------------ events
+    def _events(self, name: str, schema: records.Schema) -> list[dict[str, Any]]:
+        path = self.folder / name
+        if not path.exists():
+            return []
+        return records.read_ledger(path, schema).history
+
+    def spike_events(self) -> list[dict[str, Any]]:
+        """Every flagged step of every launch (rows with ``rules``), in order."""
+        return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rules" in e]
+
+    def rewinds(self) -> list[dict[str, Any]]:
+        """In-process rollbacks (``rewind_to``) recorded in ``spikes.jsonl``."""
+        return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rewind_to" in e]
+
+    def spike_steps(self) -> list[int]:
+        return sorted({int(e["step"]) for e in self.spike_events()})
+
+    def rejected_steps(self) -> list[int]:
+        """Steps flagged by any launch (``rejected_steps.jsonl``; the auto-skip list)."""
+        return sorted({int(r["step"]) for r in self._events(records.REJECTED_FILE, records.REJECTED)
+                       if "rules" in r})
+
+    def launches(self) -> list[dict[str, Any]]:
+        """The run's launch log: one row per segment (launch or rewind)."""
+        return self._events(records.SEGMENTS_FILE, records.SEGMENTS)
+
+    # ------------------------------------------------------------------ ranks, checkpoints
+    def rank_rows(self) -> dict[int, list[dict[str, Any]]]:
+        """Per global rank: its own loss and tokens per step (``rank<r>.jsonl``)."""
+        files = {int(RANK_FILE_RE.search(p.name).group(1)): p
+                 for p in self.folder.glob("rank*.jsonl") if RANK_FILE_RE.search(p.name)}
+        segs, _ = records.read_many(files, records.RANK)
+        current, _ = records.resolve(segs)
+        return current
+
+    def checkpoints(self) -> list[int]:
+        return checkpoints(self.dump_folder, self.checkpoint_folder)
+
+    # ------------------------------------------------------------------ data
+    @cached_property
+    def data(self) -> "DataLedger":
+        return DataLedger(self.folder)
+
+
+@dataclass
+class StepData:
+    step: int
+    dp_rank: int
+    skipped: bool
+    tags: list[RowTag]
+    window: tuple[int, int] | None = None
+
+
+class DataLedger:
+    """All ``data_dp<r>.jsonl`` of one ledger folder: what each DP rank consumed.
+
+    Skipped windows of an indexed corpus hold only their sample range; their rows
+    are derived from the corpus recorded in the header (sample id -> content is
+    global).
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        files = {int(DATA_FILE_RE.search(p.name).group(1)): p
+                 for p in self.folder.glob("data_dp*.jsonl") if DATA_FILE_RE.search(p.name)}
+        if not files:
+            raise LedgerError(f"{self.folder}: no data ledger (data_dp<r>.jsonl); was the run "
+                              f"trained with LedgerDataLoader and --dataloader.tagging?")
+        self.files = dict(sorted(files.items()))
+        segs, torn = records.read_many(self.files, records.DATA)
+        empty = [str(self.files[r]) for r, s in segs.items() if not s]
+        if empty:
+            raise LedgerError(f"data ledger file(s) {', '.join(empty)}: empty or torn before the "
+                              f"first header; that rank's record is lost (was the folder copied "
+                              f"while a run wrote it?)")
+        self.torn = {r: n for r, n in torn.items() if n}
+        self.history, self.superseded = records.resolve(segs)
+        self.headers = {r: s[-1].header for r, s in segs.items()}
+        self._by_step = {r: {row["step"]: row for row in h} for r, h in self.history.items()}
+        self._windows = {r: [row for row in h if "last_step" in row] for r, h in self.history.items()}
+        self._blend = None
+
+    @property
+    def last_step(self) -> int:
+        return max((row.get("last_step", row["step"]) for h in self.history.values() for row in h),
+                   default=0)
+
+    def header(self) -> records.Header:
+        """The most recent segment header (any rank)."""
+        return max(self.headers.values(), key=lambda h: (h.seq or 0, h.time))
+
+    def ranks(self) -> list[int]:
+        return sorted(self.history)
+
+    def ranks_at(self, step: int) -> list[int]:
+        return [r for r in sorted(self.history) if self._row(r, step) is not None]
+
+    def _row(self, r: int, step: int) -> dict | None:
+        row = self._by_step[r].get(step)
+        if row is not None:
+            return row
+        for w in self._windows[r]:
+            if w["step"] <= step <= w["last_step"]:
+                return w
+        return None
+
+    def at(self, step: int, dp_rank: int) -> StepData | None:
+        if dp_rank not in self.history:
+            raise LedgerError(f"{self.folder}: no data ledger for DP rank {dp_rank} (the run has "
+                              f"DP ranks {self.ranks()})")
+        row = self._row(dp_rank, step)
+        if row is None:
+            return None
+        if "last_step" not in row:
+            return StepData(step, dp_rank, bool(row.get("skipped")),
+                            [RowTag.from_json(t) for t in row["rows"]])
+        hdr = self._header_for(dp_rank, row)
+        per_step = hdr["global_batch"] // hdr["dp_size"]  # rows of one rank per step
+        k = step - row["step"]
+        if "rows" in row:
+            tags = [RowTag.from_json(t) for t in row["rows"][k * per_step:(k + 1) * per_step]]
+        else:
+            tags = [self.blend(hdr).tag(i) for i in self.step_ids(hdr, row["samples"][0], k, dp_rank)]
+        return StepData(step, dp_rank, True, tags, (row["step"], row["last_step"]))
+
+    def ids_at(self, step: int, dp_rank: int) -> tuple[int, ...]:
+        """Sample ids ``dp_rank`` consumed at ``step`` (no corpus access)."""
+        row = self._row(dp_rank, step)
+        if row is None:
+            raise LedgerError(f"{self.folder}: no data for step {step} on DP rank {dp_rank}")
+        if "last_step" not in row:
+            return tuple(t[0] for t in row["rows"])
+        hdr = self._header_for(dp_rank, row)
+        k = step - row["step"]
+        if "rows" in row:
+            per_step = hdr["global_batch"] // hdr["dp_size"]
+            return tuple(t[0] for t in row["rows"][k * per_step:(k + 1) * per_step])
+        return tuple(self.step_ids(hdr, row["samples"][0], k, dp_rank))
+
+    @staticmethod
+    def step_ids(hdr, window_start: int, k: int, dp_rank: int) -> list[int]:
+        """Sample ids of ``dp_rank`` at the ``k``-th step after ``window_start``: a step
+        is ``global_batch / (mbs * dp)`` rounds of the layout's sample ids."""
+        mbs, dp, gb = hdr["mbs"], hdr["dp_size"], hdr["global_batch"]
+        base = window_start + k * gb
+        out = []
+        for m in range(gb // round_size(mbs, dp)):
+            pos = base + m * round_size(mbs, dp)
+            out.extend(sample_id(pos, dp_rank, mbs, j) for j in range(mbs))
+        return out
+
+    def _header_for(self, r: int, row: dict) -> dict:
+        # a window row carries the layout it was consumed with (the DP size may
+        # have changed in a later segment)
+        return {**self.headers[r].as_dict(), **row.get("layout", {})}
+
+    def blend(self, hdr=None):
+        """The indexed corpus the run read (sample id -> content), opened offline."""
+        if self._blend is None:
+            hdr = hdr or self.header()
+            if hdr.get("source_kind") != "indexed":
+                raise LedgerError(f"{self.folder}: the run read a text stream; only indexed "
+                                  f"corpora map sample ids to content offline")
+            from titan_ledger.data.indexed import Blend, IndexedCorpus
+
+            spec = hdr["spec"]
+            corpora = [IndexedCorpus(p, hdr["seq_len"], spec["seed"], spec.get("cache_dir") or None,
+                                     shuffle=spec.get("shuffle", True)) for p in spec["paths"]]
+            self._blend = Blend(corpora, spec["weights"])
+        return self._blend
