@@ -25,9 +25,7 @@ import platform
 import sys
 import types
 from dataclasses import replace
-from typing import Literal
 
-Device = Literal["auto", "cpu", "cuda"]
 ENV_VAR = "TITAN_LEDGER_DEVICE"
 
 _installed: str | None = None

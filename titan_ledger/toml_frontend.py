@@ -30,7 +30,6 @@ import difflib
 import io
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -458,7 +457,7 @@ def parse(job: Job) -> Any:
         return manager.parse_args(argv)  # tyro prints help (TOML values as defaults) and exits
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), _narrow_terminal(), _quiet_default_warning():
+        with contextlib.redirect_stderr(err), _wide_terminal(), _quiet_default_warning():
             return manager.parse_args(argv)
     except SystemExit as e:
         if e.code in (0, None):
@@ -489,7 +488,7 @@ def _quiet_default_warning():
 
 
 @contextlib.contextmanager
-def _narrow_terminal():
+def _wide_terminal():
     # tyro wraps its error box at the terminal width; a wide one keeps lines whole.
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "400"
@@ -568,9 +567,3 @@ def world_size_from_env(config: Any) -> int:
         return int(os.environ.get("NGPU", "1"))
     return int(os.environ.get("WORLD_SIZE", "1"))
 
-
-def fail(message: str) -> "typing.NoReturn":
-    """Print a one-line error once (rank 0 only) and exit 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"titan_ledger: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
