@@ -12,22 +12,45 @@ With ``--comm.mode fake_backend`` (and ``NGPU`` = the world size to simulate) th
 trainer is built -- meshes, parallelisms, model init, optimizer, dataloader -- and
 closed without training: torchtitan's fake process group returns no real data, so
 this is a configuration dry run.
+
+Console: torchtitan logs every line (setup, one line per step) on every rank.
+torchtitan's own launcher filters ranks in torchrun (``--local-ranks-filter``,
+by *local* rank, which also hides the other ranks' warnings and prints once per
+node). Here the filter is by *global* rank, in the process: the rank that logs
+torchtitan's metrics (``_get_metrics_rank``: global rank 0, or under pipeline
+parallelism the first rank of the last stage, which holds the loss) keeps INFO;
+every other rank logs WARNING and above only. ``TITAN_LEDGER_LOG_RANKS=all`` (or
+``=0,3``: global ranks) overrides that. titan_ledger's own lines (job, backend,
+end-of-run summary) come from global rank 0, which writes the signals ledger.
+Known noise (see :func:`quiet_imports`, :func:`quiet_run`) is dropped by exact
+message patterns, never by level.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
+import types
+import warnings
+from pathlib import Path
 
 from titan_ledger import backend
+from titan_ledger.errors import TitanLedgerError, fail_line
 from titan_ledger.toml_frontend import (
     ConfigError,
     check_world_size,
-    fail,
     parse,
     read_job,
     world_size_from_env,
 )
+
+PROG = "titan_ledger.train"
+LOG_RANKS_ENV = "TITAN_LEDGER_LOG_RANKS"
+
+#: titan_ledger's own console lines (job, backend, dry run, run summary): rank 0.
+log = logging.getLogger("titan_ledger.train")
 
 
 def load_config(argv: list[str]):
@@ -42,33 +65,258 @@ def load_config(argv: list[str]):
     return config, job
 
 
+# --------------------------------------------------------------------------- #
+# Console: which ranks log, and the noise nobody can act on.
+# --------------------------------------------------------------------------- #
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def console_ranks(config) -> set[int] | None:
+    """Global ranks that log torchtitan's INFO lines; None means every rank.
+
+    ``TITAN_LEDGER_LOG_RANKS``: ``all``, or comma-separated global ranks. Default:
+    the rank torchtitan 0.3.0 logs metrics from (it holds the loss under PP).
+    """
+    if config.comm.mode in ("fake_backend", "local_tensor"):
+        return None  # one process simulating one rank: it is the whole console
+    spec = os.environ.get(LOG_RANKS_ENV, "").strip()
+    if spec.lower() == "all":
+        return None
+    if spec:
+        try:
+            ranks = {int(x) for x in spec.split(",") if x.strip()}
+        except ValueError:
+            ranks = set()
+        if not ranks or min(ranks) < 0:
+            raise ConfigError(
+                f"environment: {LOG_RANKS_ENV}={spec!r}: expected 'all' or comma-separated "
+                "global ranks, e.g. 0,1"
+            )
+        return ranks
+    return {metrics_rank(config, world_size_from_env(config))}
+
+
+def metrics_rank(config, world_size: int) -> int:
+    """The global rank torchtitan 0.3.0 logs metrics (and the real loss) from."""
+    from torchtitan.components.metrics import _get_metrics_rank
+
+    pp = config.parallelism.pipeline_parallel_degree
+    dims = types.SimpleNamespace(pp_enabled=pp > 1, pp=pp, world_size=world_size)
+    return _get_metrics_rank(parallel_dims=dims,
+                             pp_schedule=config.parallelism.pipeline_parallel_schedule)
+
+
+def configure_console(config, rank: int | None = None) -> set[int] | None:
+    """Set this rank's log levels (call right after torchtitan's ``init_logger``)."""
+    rank = _rank() if rank is None else rank
+    ranks = console_ranks(config)
+    verbose = ranks is None or rank in ranks
+    world = world_size_from_env(config)
+    loss_rank = metrics_rank(config, world)
+    # torchtitan warns under PP unless LOG_RANK (its run_train.sh's rank filter) names
+    # the loss rank, and tells the user to edit run_train.sh; the filter is ours here.
+    os.environ["LOG_RANK"] = ",".join(map(str, sorted(range(world) if ranks is None else ranks)))
+    if ranks is not None and loss_rank not in ranks and rank == 0:
+        logging.getLogger().warning(
+            f"{LOG_RANKS_ENV}={os.environ.get(LOG_RANKS_ENV)} leaves out global rank {loss_rank}, "
+            "the rank that logs the loss under pipeline parallelism: no step lines on the console")
+    # torchtitan logs through the root logger; warnings and errors stay on every rank
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    if ranks is None:
+        log.setLevel(logging.NOTSET)  # every rank: inherit the root's INFO
+    else:
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not verbose:
+        try:  # HF datasets' "Generating train split" bar: the console rank shows it
+            import datasets
+
+            datasets.disable_progress_bars()
+        except ImportError:
+            pass
+    return ranks
+
+
+def quiet_imports() -> None:
+    """Before torchtitan (and torchao) are imported, on every rank."""
+    # torchao registers its Enums as pytree constants at import; torch 2.14 logs a
+    # deprecation note per Enum, addressed to torchao's developers, not to a user.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch; a
+    # note for torchdata's developers, printed by every rank.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
+
+
+#: (pattern, when) for torchtitan log records that are noise; ``when(config)``.
+_NOISE: list[tuple[re.Pattern, object]] = [
+    # Containers rarely ship lspci; torchtitan then uses torch's device name, and
+    # warns separately ("Peak flops undefined") if that name is unknown.
+    (re.compile(r"^Error running lspci: "), lambda c: True),
+    # CPU rehearsal: there is no peak FLOPS for a CPU (torchtitan falls back to an
+    # A100's); the mfu column means nothing there.
+    (re.compile(r"^Peak flops undefined for: "), lambda c: backend.installed() == "cpu"),
+    (re.compile(r"^Peak FLOPS used for computing MFU: "), lambda c: backend.installed() == "cpu"),
+    # CPU rehearsal: the device memory monitor has no CPU counters ("-0.00GiB").
+    (re.compile(r"^CPU memory usage for model: "), lambda c: backend.installed() == "cpu"),
+    # torchrun exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless set; torchtitan always
+    # sets 3 (needed for flight-recorder dumps). Nothing for the user to do.
+    (re.compile(r"^ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = [13] will be overridden to 3 "),
+     lambda c: True),
+    # torchtitan's own default (initial_load_model_only=True) warns when no
+    # initial_load_path is set, i.e. on every run.
+    (re.compile(r"^initial_load_model_only=True has no effect without an initial_load_path"),
+     lambda c: True),
+    # The HF index only matters when checkpoints are saved in HF format.
+    (re.compile(r"^model\.safetensors\.index\.json not found at hf_assets_path"),
+     lambda c: not getattr(c.checkpoint, "last_save_in_hf", False)),
+]
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, patterns: list[re.Pattern]):
+        super().__init__("titan_ledger.noise")
+        self.patterns = patterns
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(p.search(msg) for p in self.patterns)
+
+
+def quiet_run(config) -> None:
+    """After ``init_logger``: drop known noise records and CPU-only warnings."""
+    patterns = [p for p, when in _NOISE if when(config)]
+    noise = _DropNoise(patterns)
+    for h in logging.getLogger().handlers:
+        h.addFilter(noise)
+    if backend.installed() == "cpu":
+        # CPU rehearsal: DTensor's offset-based RNG is CUDA-only; every rank warns at
+        # model init. Known and inherent to the rehearsal (tests check the signals
+        # against an unsharded run); the user cannot act on it.
+        warnings.filterwarnings(
+            "ignore", message=r"DTensor (random operators|manual_seed\(\)) may not have complete "
+            r"support on cpu device mesh", category=UserWarning)
+
+
+# --------------------------------------------------------------------------- #
+# End of run
+# --------------------------------------------------------------------------- #
+
+
+def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike = "ledger", *,
+                checkpoint_folder: str = "checkpoint") -> str:
+    """What the run left on disk and how to look at it (printed by rank 0 at the end).
+
+    All ledger reading is in this one function (``records.read_ledger`` for now).
+    ``ledger_folder`` is relative to ``dump_folder`` (or absolute).
+    """
+    from titan_ledger.records import read_ledger
+
+    dump = Path(dump_folder)
+    folder = dump / ledger_folder
+    lines = [f"titan_ledger: the ledger is in {folder}"]
+
+    signals = folder / "signals.jsonl"
+    steps: list[int] = []
+    spike_steps: list[int] = []
+    if signals.is_file():
+        sig = read_ledger(signals)
+        rows = sig.history
+        steps = [r["step"] for r in rows]
+        spike_steps = [r["step"] for r in rows if r.get("spike")]
+        span = f", steps {min(steps)}-{max(r.get('last_step', r['step']) for r in rows)}" if rows else ""
+        extra = f"; {len(sig.superseded)} superseded rows of earlier runs" if sig.superseded else ""
+        lines.append(f"  signals      {len(rows)} rows{span} ({signals.name}){extra}")
+    else:
+        lines.append("  signals      none (ledger.signals is off)")
+
+    spikes = folder / "spikes.jsonl"
+    if spikes.is_file():  # the event log keeps spikes that a rollback rewound
+        spike_steps = sorted({r["step"] for r in read_ledger(spikes).history if "rules" in r})
+    if spike_steps:
+        shown = ", ".join(map(str, spike_steps[:10])) + (" ..." if len(spike_steps) > 10 else "")
+        lines.append(f"  spikes       {len(spike_steps)} flagged: steps {shown}")
+    else:
+        lines.append("  spikes       none flagged")
+
+    data = sorted(folder.glob("data_dp*.jsonl"),
+                  key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    if data:
+        counts = [len(read_ledger(p).history) for p in data]
+        if len(data) == 1:
+            lines.append(f"  data ledger  {counts[0]} rows ({data[0].name})")
+        elif len(set(counts)) == 1:
+            lines.append(f"  data ledger  {counts[0]} rows on each of {len(data)} DP ranks "
+                         f"(data_dp<r>.jsonl)")
+        else:
+            per = ", ".join(f"{p.stem[len('data_'):]}: {n}" for p, n in zip(data, counts))
+            lines.append(f"  data ledger  rows per DP rank: {per}")
+    else:
+        lines.append("  data ledger  none (dataloader.tagging is off, or not LedgerDataLoader)")
+
+    # complete DCP checkpoints only: step-N/.metadata is written last
+    ckpts = sorted(int(p.name[5:]) for p in (dump / checkpoint_folder).glob("step-*")
+                   if p.name[5:].isdigit() and (p / ".metadata").exists())
+    if ckpts:
+        shown = ", ".join(f"step-{s}" for s in ckpts[-5:])
+        more = f"{len(ckpts)} checkpoints, last " if len(ckpts) > 5 else ""
+        lines.append(f"  checkpoints  {more}{shown} in {dump / checkpoint_folder}")
+    else:
+        lines.append("  checkpoints  none")
+
+    opt = f" --ledger-folder {ledger_folder}" if str(ledger_folder) != "ledger" else ""
+    look = spike_steps[0] if spike_steps else (max(steps) if steps else 1)
+    lines += [
+        "  look at it:",
+        f"    python -m titan_ledger.plot {dump} -o signals.png{opt}",
+        f"    python -m titan_ledger.diagnose {dump}{opt}",
+        f"    python -m titan_ledger.lookup --dump-folder {dump} --step {look}{opt}",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- #
+# Entry point
+# --------------------------------------------------------------------------- #
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Entry point: a TitanLedgerError becomes one stderr line (rank 0) and its exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config, job = load_config(argv)
-    except ConfigError as e:
-        fail(str(e))
+        run(argv)
+    except TitanLedgerError as e:
+        if _rank() == 0:  # every rank raises the same bad input; say it once
+            print(fail_line(PROG, e), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+def run(argv: list[str]) -> None:
+    """Parse, build, train. Raises TitanLedgerError on bad input."""
+    quiet_imports()
+    config, job = load_config(argv)
 
     import torch
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
 
-    from titan_ledger.data.indexed import CorpusError
-    from titan_ledger.data.layout import SkipError
-    from titan_ledger.dataloader import DataStateError
     from titan_ledger.trainer import LedgerTrainer
 
     # ---- body of torchtitan.train.main ----
     init_logger()
+    configure_console(config)  # CHANGED from torchtitan: rank filter, before the first line
+    quiet_run(config)  # CHANGED from torchtitan
     if job.description:
-        logger.info(f"titan_ledger job: {job.description} ({job.config_file})")  # CHANGED from torchtitan
-    logger.info(f"titan_ledger backend: {backend.installed()}")  # CHANGED from torchtitan
+        log.info(f"titan_ledger job: {job.description} ({job.config_file})")  # CHANGED from torchtitan
+    log.info(f"titan_ledger backend: {backend.installed()}")  # CHANGED from torchtitan
     sl.init_structured_logger(
         source="training",
         output_dir=config.dump_folder,
         enable=config.debug.enable_structured_logging,
     )
-    if not isinstance(config, LedgerTrainer.Config):  # CHANGED from torchtitan
+    is_ledger = isinstance(config, LedgerTrainer.Config)
+    if not is_ledger:  # CHANGED from torchtitan
         logger.warning(
             f"--config {job.module}.{job.config} builds {type(config).__qualname__}, not "
             "LedgerTrainer.Config: training without the ledger"
@@ -76,13 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     dry_run = config.comm.mode == "fake_backend"  # CHANGED from torchtitan
 
     trainer = None
+    trained = False
     try:
         if config.comm.mode == "local_tensor":
             logger.info("Local tensor mode enabled - skipping training execution")
             return
         trainer = config.build()
         if dry_run:  # CHANGED from torchtitan: build-only dry run
-            logger.info(
+            log.info(
                 f"titan_ledger dry run: built {type(trainer).__name__} for world size "
                 f"{world_size_from_env(config)}; not training (fake backend)"
             )
@@ -93,19 +342,24 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except (DataStateError, CorpusError, SkipError) as e:  # CHANGED from torchtitan: bad input
-        if trainer:
-            trainer.close()
-        fail(str(e))
-    except Exception:
+            trained = True
+    except Exception:  # CHANGED from torchtitan: TitanLedgerError goes up to main
         if trainer:
             trainer.close()
         raise
     else:
         trainer.close()
         if torch.distributed.is_initialized():
+            if trained and is_ledger:  # CHANGED from torchtitan: every rank's rows are on disk
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
+        if trained and is_ledger and _rank() == 0:  # CHANGED from torchtitan
+            try:
+                log.info(run_summary(config.dump_folder, config.ledger.folder,
+                                     checkpoint_folder=config.checkpoint.folder))
+            except Exception as e:  # a summary must not fail a finished run
+                log.warning(f"titan_ledger: no run summary ({type(e).__name__}: {e})")
 
 
 if __name__ == "__main__":

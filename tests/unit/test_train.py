@@ -1,0 +1,159 @@
+"""titan_ledger.train: end-of-run summary, console rank filter, one-line errors (no processes)."""
+
+import logging
+import os
+import types
+
+import pytest
+
+from titan_ledger import train
+from titan_ledger.errors import ConfigError, TitanLedgerError
+from titan_ledger.records import DATA_SCHEMA, SIGNALS_SCHEMA, SPIKES_SCHEMA, RecordWriter
+
+
+def _write(path, schema, rows, **header):
+    w = RecordWriter(path, {"schema": schema, "run_id": "r1", "resumed_from": 0, **header})
+    for r in rows:
+        w.write(r)
+    w.close()
+
+
+def _tiny_ledger(dump, *, spike_at=None, dp=2, steps=3):
+    led = dump / "ledger"
+    _write(led / "signals.jsonl", SIGNALS_SCHEMA,
+           [{"step": s, "loss": 8.0, "spike": s == spike_at} for s in range(1, steps + 1)])
+    for r in range(dp):
+        _write(led / f"data_dp{r}.jsonl", DATA_SCHEMA,
+               [{"step": s, "skipped": False, "rows": [[s * 10 + r, 0, [[1, 0, 5]]]]}
+                for s in range(1, steps + 1)], dp_rank=r)
+    if spike_at is not None:
+        _write(led / "spikes.jsonl", SPIKES_SCHEMA, [{"step": spike_at, "rules": ["zscore"]}])
+    return led
+
+
+def test_run_summary_counts_rows_spikes_checkpoints_and_names_commands(tmp_path):
+    _tiny_ledger(tmp_path, spike_at=2)
+    for step in (2, 3):
+        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").write_text("")
+    (tmp_path / "checkpoint" / "step-9").mkdir()  # no .metadata: incomplete, not listed
+    text = train.run_summary(tmp_path, "ledger")
+    assert f"the ledger is in {tmp_path / 'ledger'}" in text
+    assert "signals      3 rows, steps 1-3" in text
+    assert "1 flagged: steps 2" in text
+    assert "3 rows on each of 2 DP ranks" in text
+    _tiny_ledger(tmp_path / "one", dp=1)
+    assert "data ledger  3 rows (data_dp0.jsonl)" in train.run_summary(tmp_path / "one")
+    assert "step-2, step-3" in text and "step-9" not in text
+    assert f"python -m titan_ledger.plot {tmp_path} -o signals.png" in text
+    assert f"python -m titan_ledger.diagnose {tmp_path}" in text
+    assert f"python -m titan_ledger.lookup --dump-folder {tmp_path} --step 2" in text  # the spike
+
+
+def test_run_summary_without_spikes_or_checkpoints_and_uneven_ranks(tmp_path):
+    led = _tiny_ledger(tmp_path, steps=4)
+    _write(led / "data_dp2.jsonl", DATA_SCHEMA, [{"step": 1, "skipped": False, "rows": []}], dp_rank=2)
+    text = train.run_summary(tmp_path, "ledger")
+    assert "spikes       none flagged" in text
+    assert "checkpoints  none" in text
+    assert "dp0: 4, dp1: 4, dp2: 1" in text
+    assert f"--dump-folder {tmp_path} --step 4" in text  # the last step
+    assert "--ledger-folder" not in text
+
+
+def test_run_summary_of_an_empty_folder_and_another_ledger_folder(tmp_path):
+    text = train.run_summary(tmp_path, "led2")
+    assert "signals      none" in text and "data ledger  none" in text
+    assert "--ledger-folder led2" in text
+
+
+def _cfg(pp=1, schedule="1F1B", mode="default"):
+    return types.SimpleNamespace(
+        comm=types.SimpleNamespace(mode=mode),
+        parallelism=types.SimpleNamespace(pipeline_parallel_degree=pp,
+                                          pipeline_parallel_schedule=schedule))
+
+
+@pytest.mark.parametrize("pp,schedule,world,rank", [
+    (1, "1F1B", 4, 0),                 # FSDP / TP: rank 0
+    (2, "1F1B", 2, 1),                 # PP 2: the last stage holds the loss
+    (2, "Interleaved1F1B", 8, 4),      # PP 2 x DP 4: first rank of the last stage
+    (2, "ZBVZeroBubble", 2, 0),        # V schedule: loss on rank 0
+])
+def test_console_rank_is_torchtitans_metrics_rank(monkeypatch, pp, schedule, world, rank):
+    monkeypatch.delenv(train.LOG_RANKS_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert train.console_ranks(_cfg(pp, schedule)) == {rank}
+
+
+def test_log_ranks_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(train.LOG_RANKS_ENV, "all")
+    assert train.console_ranks(_cfg()) is None
+    monkeypatch.setenv(train.LOG_RANKS_ENV, "0, 1")
+    assert train.console_ranks(_cfg()) == {0, 1}
+    monkeypatch.setenv(train.LOG_RANKS_ENV, "zero")
+    with pytest.raises(ConfigError, match="TITAN_LEDGER_LOG_RANKS='zero'"):
+        train.console_ranks(_cfg())
+    monkeypatch.delenv(train.LOG_RANKS_ENV)
+    assert train.console_ranks(_cfg(mode="fake_backend")) is None  # one process: all of it
+
+
+def test_configure_console_keeps_warnings_on_other_ranks(monkeypatch):
+    monkeypatch.delenv(train.LOG_RANKS_ENV, raising=False)
+    monkeypatch.setenv("LOG_RANK", "")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    root = logging.getLogger()
+    old = root.level, train.log.level
+    try:
+        train.configure_console(_cfg(), rank=1)
+        assert root.level == logging.WARNING and train.log.level == logging.WARNING
+        train.configure_console(_cfg(pp=2), rank=1)  # PP: rank 1 logs the loss
+        assert root.level == logging.INFO and train.log.level == logging.WARNING
+        assert os.environ["LOG_RANK"] == "1"  # torchtitan's PP "loss is not visible" check
+        train.configure_console(_cfg(), rank=0)
+        assert root.level == logging.INFO and train.log.level == logging.INFO
+    finally:
+        root.setLevel(old[0])
+        train.log.setLevel(old[1])
+
+
+def test_noise_filter_drops_only_known_messages():
+    cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(last_save_in_hf=False))
+    f = train._DropNoise([p for p, when in train._NOISE if when(cfg)])
+
+    def rec(msg):
+        return logging.LogRecord("root", logging.WARNING, __file__, 1, msg, None, None)
+
+    assert not f.filter(rec("Error running lspci: [Errno 2] No such file or directory: 'lspci', x"))
+    assert not f.filter(rec("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"))
+    assert not f.filter(rec("initial_load_model_only=True has no effect without an initial_load_path."))
+    assert f.filter(rec("ENV[TORCH_NCCL_DUMP_ON_TIMEOUT] = 0 will be overridden to 1 based on job config"))
+    assert f.filter(rec("Warmup (2) + decay (2) steps exceed total steps (3). Adjusting decay steps to 1."))
+
+
+def test_main_turns_a_titan_ledger_error_into_one_line_and_exit_2(monkeypatch, capsys):
+    def bad(argv):
+        raise ConfigError("x.toml: [training] stepz: unknown key")
+
+    monkeypatch.setattr(train, "run", bad)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--job.config_file", "x.toml"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "titan_ledger.train: error: x.toml: [training] stepz: unknown key\n"
+    monkeypatch.setenv("RANK", "1")  # the other ranks exit the same way, silently
+    with pytest.raises(SystemExit):
+        train.main([])
+    assert capsys.readouterr().err == ""
+
+
+def test_main_uses_the_error_exit_code(monkeypatch, capsys):
+    class Negative(TitanLedgerError):
+        exit_code = 1
+
+    monkeypatch.setattr(train, "run", lambda argv: (_ for _ in ()).throw(Negative("stopped")))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        train.main([])
+    assert e.value.code == 1
