@@ -14,12 +14,24 @@ spans); ``__iter__`` strips it before torchtitan sees the batch (torchtitan hand
 every extra ``input_dict`` key to ``model.forward``) and keeps it for the
 trainer, which writes it to the data ledger. Sources (pure, unit-tested):
 ``text`` (``titan_ledger.data.text``) and ``indexed`` (``titan_ledger.data.indexed``).
+
+Bad input: ``Config.__post_init__`` checks every ``--dataloader.*`` value it can
+without I/O or a process group (``ConfigError`` naming the flag), so a bad flag
+stops before any process group starts. A bundled corpus prepared on first use
+(``prepare_from``) is prepared by global rank 0, which broadcasts success or its
+error message; every rank then raises the same ``CorpusError`` (none hangs).
+
+Profiling: the provenance work (building tags where it happens in this process,
+handing them to the trainer in ``__iter__`` / ``take_tags``) runs inside
+``torch.profiler.record_function("titan_ledger.tagging")`` spans (host only, no
+device sync), so a profile can sum the ledger's data-side cost.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +46,13 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from titan_ledger.data.indexed import Blend, IndexedCorpus
+from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
 from titan_ledger.data.layout import RowTag, positions_of, round_size, sample_id
 from titan_ledger.data.text import Cursor, TextStream
 
 STATE_KEY = "titan_ledger_data"
+#: Profiler span around the data ledger's per-batch provenance work.
+TAGGING_SPAN = "titan_ledger.tagging"
 
 
 from titan_ledger.errors import DataStateError  # noqa: E402,F401  (one error hierarchy)
@@ -70,7 +85,9 @@ class _Rows(IterableDataset):
             q = wid
             while True:
                 rows = [self.source.row(i) for i in self.ids(self.start_position + q * R)]
-                yield self._collate([r[:3] for r in rows], [r[3] for r in rows], None)
+                with torch.profiler.record_function(TAGGING_SPAN):
+                    tags = [r[3] for r in rows]  # (the blend builds each RowTag with its row)
+                yield self._collate([r[:3] for r in rows], tags, None)
                 q += nw
         else:
             mbs = self.mbs
@@ -80,8 +97,9 @@ class _Rows(IterableDataset):
             while True:
                 got = [next(stream) for _ in range(mbs)]
                 if q % nw == wid:
-                    ids = self.ids(self.start_position + q * R)
-                    tags = [RowTag(i, self.source.name, g[0]) for i, g in zip(ids, got)]
+                    with torch.profiler.record_function(TAGGING_SPAN):
+                        ids = self.ids(self.start_position + q * R)
+                        tags = [RowTag(i, self.source.name, g[0]) for i, g in zip(ids, got)]
                     yield self._collate([(g[2], g[3], None) for g in got], tags, got[-1][1])
                 q += 1
 
@@ -138,6 +156,68 @@ class LedgerDataLoader(ParallelAwareDataloader):
         """Tag rows with sample id and document spans and write the data ledger
         (``<dump_folder>/ledger/data_dp<r>.jsonl``)."""
 
+        def __post_init__(self) -> None:
+            # slots=True rebuilds the class, so zero-argument super() would fail here
+            parent = getattr(super(LedgerDataLoader.Config, self), "__post_init__", None)
+            if parent is not None:
+                parent()
+            self.validate()
+
+        def validate(self) -> None:
+            """What can be checked without I/O or a process group; ``ConfigError``
+            naming the flag (``--dataloader.X``)."""
+            if self.source not in ("text", "indexed"):
+                raise ConfigError(f"--dataloader.source {self.source!r}: expected 'text' or 'indexed'")
+            for flag in ("shuffle", "tagging"):
+                if not isinstance(getattr(self, flag), bool):
+                    raise ConfigError(f"--dataloader.{flag} {getattr(self, flag)!r}: expected true "
+                                      f"or false")
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+                raise ConfigError(f"--dataloader.seed {self.seed!r}: expected an integer >= 0")
+            if self.num_workers < 0:
+                raise ConfigError(f"--dataloader.num_workers {self.num_workers}: expected >= 0")
+            if self.prefetch_factor is not None:
+                if self.prefetch_factor < 1:
+                    raise ConfigError(f"--dataloader.prefetch_factor {self.prefetch_factor}: "
+                                      f"expected >= 1")
+                if self.num_workers == 0:
+                    raise ConfigError("--dataloader.prefetch_factor needs --dataloader.num_workers "
+                                      "> 0 (batches are prefetched by workers)")
+            if self.source == "text":
+                if not self.dataset:
+                    raise ConfigError("--dataloader.dataset: empty; name a dataset (e.g. c4_test "
+                                      "with --dataloader.dataset_path) or use --dataloader.source "
+                                      "indexed")
+                for flag in ("paths", "weights", "prepare_from"):
+                    if getattr(self, flag):
+                        raise ConfigError(f"--dataloader.{flag} is only read with "
+                                          f"--dataloader.source indexed (source is 'text')")
+                return
+            paths = list(self.paths)
+            if not paths:
+                raise ConfigError("--dataloader.source indexed needs --dataloader.paths (corpus "
+                                  "prefixes: PREFIX.bin + PREFIX.idx; see python -m "
+                                  "titan_ledger.prepare)")
+            for p in paths:
+                if not str(p) or str(p).endswith(("/", "\\")):
+                    raise ConfigError(f"--dataloader.paths {p!r}: a corpus prefix names files "
+                                      f"(corpora/web for corpora/web.bin + .idx), not a folder")
+            names = [Path(p).name for p in paths]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"--dataloader.paths {paths}: corpus names (the last path "
+                                  f"component) must be distinct, they name the source in the ledger")
+            if self.weights:
+                if len(self.weights) != len(paths):
+                    raise ConfigError(f"--dataloader.weights has {len(self.weights)} entries for "
+                                      f"{len(paths)} --dataloader.paths")
+                if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0
+                           for w in self.weights):
+                    raise ConfigError(f"--dataloader.weights {list(self.weights)}: each must be a "
+                                      f"finite number > 0")
+            if self.prepare_from and len(paths) != 1:
+                raise ConfigError(f"--dataloader.prepare_from needs exactly one --dataloader.paths, "
+                                  f"got {len(paths)}")
+
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer,
                  seq_len: int, local_batch_size: int, snapshot_every_n_steps: int | None = None,
                  **kwargs):
@@ -148,8 +228,6 @@ class LedgerDataLoader(ParallelAwareDataloader):
             source = self._build_blend(config, tokenizer, seq_len)
             described = f"indexed:{source.fingerprint()}"
         else:
-            if config.paths:
-                raise ValueError("--dataloader.paths is only read with --dataloader.source indexed")
             source = TextStream(config.dataset, config.dataset_path, tokenizer, seq_len,
                                 dp_rank, dp_world_size, config.seed)
             described = source.describe()
@@ -160,7 +238,10 @@ class LedgerDataLoader(ParallelAwareDataloader):
                      "paths": [str(Path(p).resolve()) for p in config.paths],
                      "weights": list(config.weights) or [1.0] * len(config.paths),
                      "seed": config.seed, "shuffle": config.shuffle,
-                     "cache_dir": config.cache_dir}
+                     "cache_dir": config.cache_dir,
+                     # how Blend picks a corpus per sample (titan_ledger.data.indexed.BLEND_RULE);
+                     # absent in ledgers written before rule 2, which used rule 1
+                     "blend_rule": source.rule if config.source == "indexed" else None}
         self.fingerprint = _fingerprint(described, tokenizer, seq_len, config.seed)
         self.description = described
         self.tagging = config.tagging
@@ -186,15 +267,9 @@ class LedgerDataLoader(ParallelAwareDataloader):
 
     @staticmethod
     def _build_blend(config: "LedgerDataLoader.Config", tokenizer, seq_len: int) -> Blend:
-        if not config.paths:
-            raise ValueError("--dataloader.source indexed needs --dataloader.paths (corpus prefixes)")
+        config.validate()  # (a config changed after construction)
         weights = list(config.weights) or [1.0] * len(config.paths)
-        if len(weights) != len(config.paths):
-            raise ValueError(f"--dataloader.weights has {len(weights)} entries for "
-                             f"{len(config.paths)} --dataloader.paths")
         if config.prepare_from:
-            if len(config.paths) != 1:
-                raise ValueError("--dataloader.prepare_from needs exactly one --dataloader.paths")
             _prepare_once(config.prepare_from, config.paths[0], tokenizer)
         corpora = [IndexedCorpus(p, seq_len, config.seed, config.cache_dir or None,
                                  shuffle=config.shuffle) for p in config.paths]
@@ -222,7 +297,8 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 if meta["cursor"] is not None:
                     self._cursor = Cursor.from_json(meta["cursor"])
                 if meta["tags"] is not None:
-                    self._tags.extend(meta["tags"])
+                    with torch.profiler.record_function(TAGGING_SPAN):
+                        self._tags.extend(meta["tags"])
                 yield input_dict, labels
                 if self._restart:
                     break
@@ -232,7 +308,8 @@ class LedgerDataLoader(ParallelAwareDataloader):
 
     def take_tags(self) -> list[RowTag]:
         """Provenance of the rows consumed since the last call (this DP rank)."""
-        tags, self._tags = self._tags, []
+        with torch.profiler.record_function(TAGGING_SPAN):
+            tags, self._tags = self._tags, []
         return tags
 
     def skip(self, n_batches: int) -> SkipInfo:
@@ -318,13 +395,31 @@ def _fingerprint(described: str, tokenizer, seq_len: int, seed: int) -> str:
 
 
 def _prepare_once(src: str, prefix: str, tokenizer) -> None:
-    """Tokenize ``src`` into ``prefix`` on global rank 0 if missing; others wait."""
+    """Tokenize ``src`` into ``prefix`` on global rank 0 if missing.
+
+    Rank 0 broadcasts ``None`` (done, or nothing to do) or its error message; the
+    broadcast is also the wait of the other ranks, and every rank raises the same
+    ``CorpusError`` if rank 0 failed, so no rank waits forever on a failed rank 0.
+    """
     from titan_ledger import prepare
 
+    multi = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    missing = not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
-    if missing and rank == 0:
-        logger.info(f"titan_ledger: preparing {prefix}.bin/.idx from {src} (first use)")
-        prepare.prepare([src], prefix, tokenizer=tokenizer, workers=0, progress=False)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    error: str | None = None
+    cause: BaseException | None = None
+    if rank == 0:
+        missing = not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
+        if missing:
+            logger.info(f"titan_ledger: preparing {prefix}.bin/.idx from {src} (first use)")
+            try:
+                prepare.prepare([src], prefix, tokenizer=tokenizer, workers=0, progress=False)
+            except Exception as e:  # every failure reaches the other ranks
+                cause = e
+                error = str(e) if isinstance(e, TitanLedgerError) else f"{type(e).__name__}: {e}"
+    if multi:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CorpusError(f"--dataloader.prepare_from {src}: preparing {prefix}.bin/.idx on rank 0 "
+                          f"failed: {error}") from cause

@@ -62,18 +62,6 @@ def same(a, b):
         assert x[3] == y[3]
 
 
-def test_text_rows_equal_torchtitan_hf_dataset(tok):
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
-
-    for dp, rank in ((1, 0), (2, 1)):
-        ref = HuggingFaceTextDataset("c4_test", str(CORPUS_DIR), tok, seq_len=SEQ, dp_rank=rank,
-                                     dp_world_size=dp)
-        ours = TextStream("c4_test", str(CORPUS_DIR), tok, SEQ, rank, dp, seed=0).rows(Cursor())
-        for (inp, lab), (segs, _, i2, l2) in itertools.islice(zip(ref, ours), 400):
-            assert inp["input"].tolist() == i2 and lab.tolist() == l2
-            assert inp["positions"].tolist() == [p for s in segs for p in range(len(s))]
-
-
 def test_unshuffled_indexed_corpus_equals_text_stream(tok, corpus):
     c = IndexedCorpus(corpus, SEQ, seed=0, shuffle=False)
     ours = TextStream("c4_test", str(CORPUS_DIR), tok, SEQ, 0, 1, seed=0).rows(Cursor())
@@ -166,3 +154,135 @@ def test_indexed_corpus_resumes_with_another_dp_size(tok, corpus):
     ref = take(straight, 5)
     same(got, ref[3:5])
     assert [t[0] for t in got[0][3]] == [12, 13, 14, 15]
+
+
+# --------------------------------------------------------------------------- config checks
+@pytest.mark.parametrize("kw, flag", [
+    (dict(source="parquet"), "--dataloader.source 'parquet'"),
+    (dict(source="indexed"), "--dataloader.source indexed needs --dataloader.paths"),
+    (dict(paths=["a"]), "--dataloader.paths is only read with --dataloader.source indexed"),
+    (dict(weights=[1.0]), "--dataloader.weights is only read with"),
+    (dict(prepare_from="x"), "--dataloader.prepare_from is only read with"),
+    (dict(dataset=""), "--dataloader.dataset: empty"),
+    (dict(source="indexed", paths=["a", "b"], weights=[1.0]),
+     "--dataloader.weights has 1 entries for 2 --dataloader.paths"),
+    (dict(source="indexed", paths=["a", "b"], weights=[1.0, 0.0]), "--dataloader.weights .* > 0"),
+    (dict(source="indexed", paths=["a", "b"], weights=[1.0, float("nan")]), "--dataloader.weights"),
+    (dict(source="indexed", paths=["x/web", "y/web"]), "--dataloader.paths .* distinct"),
+    (dict(source="indexed", paths=["corpora/"]), "--dataloader.paths 'corpora/': .* not a folder"),
+    (dict(source="indexed", paths=["a", "b"], prepare_from="src"),
+     "--dataloader.prepare_from needs exactly one --dataloader.paths, got 2"),
+    (dict(seed=-1), "--dataloader.seed -1"),
+    (dict(tagging="yes"), "--dataloader.tagging 'yes'"),
+    (dict(num_workers=-1), "--dataloader.num_workers -1"),
+    (dict(prefetch_factor=2), "--dataloader.prefetch_factor needs --dataloader.num_workers > 0"),
+    (dict(prefetch_factor=0, num_workers=2), "--dataloader.prefetch_factor 0"),
+])
+def test_config_is_checked_at_construction_naming_the_flag(kw, flag):
+    from titan_ledger.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=flag):
+        LedgerDataLoader.Config(**kw)
+
+
+def test_config_post_init_runs_with_slots_and_on_replace():
+    import dataclasses
+
+    from titan_ledger.errors import ConfigError
+
+    ok = LedgerDataLoader.Config(source="indexed", paths=["a", "b"], weights=[0.7, 0.3],
+                                 num_workers=2, prefetch_factor=4)
+    assert not hasattr(ok, "__dict__")  # still a slots dataclass
+    with pytest.raises(ConfigError, match="--dataloader.weights has 3 entries"):
+        dataclasses.replace(ok, weights=[1.0, 1.0, 1.0])  # build() copies the config this way
+
+
+# --------------------------------------------------------------------------- prepare on rank 0
+class FakeDist:
+    """Just the collective ``_prepare_once`` uses, as seen from one rank."""
+
+    def __init__(self, rank, incoming=None):
+        self.rank, self.incoming, self.sent = rank, incoming, []
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self):
+        return 2
+
+    def get_rank(self):
+        return self.rank
+
+    def broadcast_object_list(self, box, src):
+        assert src == 0 and len(box) == 1
+        if self.rank == 0:
+            self.sent.append(box[0])
+        else:
+            assert box == [None]
+            box[0] = self.incoming
+
+    def barrier(self):
+        raise AssertionError("a barrier hangs every other rank when rank 0 failed")
+
+
+def test_a_failed_preparation_on_rank_0_stops_every_rank_with_its_message(tmp_path, tok, monkeypatch):
+    from titan_ledger import dataloader as dl_mod
+    from titan_ledger.data.indexed import CorpusError
+
+    (tmp_path / "empty.jsonl").write_text("")
+    prefix = str(tmp_path / "c")
+    rank0 = FakeDist(0)
+    monkeypatch.setattr(dl_mod, "dist", rank0)
+    with pytest.raises(CorpusError, match="--dataloader.prepare_from .*empty.jsonl: preparing .*c.bin/.idx "
+                                          "on rank 0 failed: .*no documents") as e0:
+        dl_mod._prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
+    assert len(rank0.sent) == 1 and "no documents" in rank0.sent[0]
+    rank1 = FakeDist(1, incoming=rank0.sent[0])
+    monkeypatch.setattr(dl_mod, "dist", rank1)
+    with pytest.raises(CorpusError) as e1:
+        dl_mod._prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
+    assert str(e1.value) == str(e0.value)  # the same one line on every rank
+    # success: rank 0 broadcasts None and the other ranks carry on
+    src = tmp_path / "one.jsonl"
+    src.write_text('{"text": "def f(): return 1"}\n' * 40)
+    ok0 = FakeDist(0)
+    monkeypatch.setattr(dl_mod, "dist", ok0)
+    dl_mod._prepare_once(str(src), prefix, tok)
+    assert ok0.sent == [None] and (tmp_path / "c.idx").exists()
+    monkeypatch.setattr(dl_mod, "dist", FakeDist(1, incoming=None))
+    dl_mod._prepare_once(str(src), prefix, tok)
+
+
+# --------------------------------------------------------------------------- blend rule, profiling
+def test_blend_rule_is_in_the_fingerprint_and_header(tok, corpus, tmp_path):
+    import shutil
+
+    from titan_ledger.data.indexed import BLEND_RULE, Blend
+    from titan_ledger.dataloader import _fingerprint
+
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus + suffix, str(tmp_path / "other") + suffix)
+    dl = loader(tok, paths=[corpus, str(tmp_path / "other")], weights=[0.7, 0.3], source="indexed")
+    assert dl.header()["spec"]["blend_rule"] == BLEND_RULE == 2
+    old = Blend(dl.source.corpora, [0.7, 0.3], rule=1)
+    assert dl.fingerprint == _fingerprint(f"indexed:{dl.source.fingerprint()}", tok, SEQ, 1234)
+    assert dl.fingerprint != _fingerprint(f"indexed:{old.fingerprint()}", tok, SEQ, 1234)
+    # sample 4 is where Megatron's rule (ours now) and the former rule part
+    assert dl.source.locate(4)[0].name == "other" and old.locate(4)[0].name == "bundled"
+
+
+@pytest.mark.parametrize("source", ["text", "indexed"])
+def test_tagging_work_is_in_profiler_spans(tok, corpus, source):
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_ledger.dataloader import TAGGING_SPAN
+
+    dl = loader(tok, corpus if source == "indexed" else None)
+    it = iter(dl)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            next(it)
+            dl.take_tags()
+    spans = [e for e in prof.events() if e.name == TAGGING_SPAN]
+    # per batch: the dataset's tags (main process, 0 workers), the hand-over, take_tags
+    assert len(spans) == 3 * 3, [e.name for e in prof.events()][:20]

@@ -34,8 +34,10 @@ def round_size(mbs: int, dp_size: int) -> int:
 # --------------------------------------------------------------------------- provenance
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Tokens ``[start, end)`` of document ``doc`` (offsets into the document's
-    input tokens, i.e. its tokens without the last one) fill part of a row."""
+    """Data provenance: one piece of a packed training row, tokens ``[start, end)``
+    of document ``doc`` (offsets into the document's input tokens, i.e. its tokens
+    without the last one). A ``RowTag`` lists a row's segments in order. (Not a
+    ledger-file segment: this is about documents inside a row.)"""
 
     doc: int
     start: int

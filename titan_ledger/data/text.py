@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from titan_ledger.data.layout import Segment
+from titan_ledger.errors import ConfigError, CorpusError
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +61,10 @@ class TextStream:
         try:
             path, loader, processor = _validate_dataset(dataset_name.lower(), dataset_path)
         except ValueError as e:
-            raise ValueError(f"--dataloader.dataset: {e}") from None
+            raise ConfigError(f"--dataloader.dataset {dataset_name!r}: {e}") from None
         ds = loader(path)
         if not isinstance(ds, Dataset):
-            raise ValueError(
+            raise ConfigError(
                 f"--dataloader.dataset {dataset_name!r} is a streaming dataset: its documents have "
                 f"no stable ids, so rows cannot be tagged or skipped exactly. Tokenize it once with "
                 f"`python -m titan_ledger.prepare` and set --dataloader.source indexed")
@@ -75,11 +76,11 @@ class TextStream:
         self.seed = int(seed)
         self.lo, self.hi = contiguous_shard(len(ds), dp_size, dp_rank)
         if self.hi <= self.lo:
-            raise ValueError(f"dataset {dataset_name!r} has {len(ds)} documents, fewer than "
-                             f"the {dp_size} DP ranks")
+            raise CorpusError(f"--dataloader.dataset {dataset_name!r} has {len(ds)} documents, "
+                              f"fewer than the {dp_size} DP ranks; use a larger dataset or fewer "
+                              f"DP ranks")
         self._orders: dict[int, np.ndarray] = {}
         self._cache: tuple[int, list[int]] | None = None
-        self.n_rows_docs = len(ds)
 
     def describe(self) -> str:
         h = hashlib.sha256(f"{self.name}:{len(self.ds)}:{self.ds._fingerprint}".encode())
