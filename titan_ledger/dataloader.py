@@ -360,7 +360,8 @@ class LedgerDataLoader(ParallelAwareDataloader):
         state = json.loads(blob)
         if state["fingerprint"] != self.fingerprint and not self.allow_data_change:
             raise DataStateError(
-                f"the data changed since the checkpoint (source, tokenizer, seq_len or seed): "
+                f"the data changed since the checkpoint (source, tokenizer, seq_len, seed or "
+                f"the blend rule): "
                 f"checkpoint {state['source']} fingerprint {state['fingerprint']}, this run "
                 f"{self.description} fingerprint {self.fingerprint}; pass "
                 f"--ledger.allow_data_change to continue at sample {state['position']} anyway")
