@@ -7,6 +7,11 @@
 # Run it once per node (launch/slurm.sbatch does this with srun). Every node
 # uses the same MASTER_ADDR:MASTER_PORT (a host that runs one of the nodes) and
 # JOB_ID; ranks are assigned by the rendezvous, so no NODE_RANK is needed.
+#
+# Console: one rank of the whole job logs (titan_ledger.train filters by global
+# rank: 0, or the rank holding the loss under pipeline parallelism), so the step
+# line appears once, not once per node; every rank still prints warnings and
+# errors. TITAN_LEDGER_LOG_RANKS=all (or =0,8) shows more ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +20,7 @@ cd "$(dirname "$0")/.."
 MASTER_PORT=${MASTER_PORT:-29500}
 JOB_ID=${JOB_ID:-titan_ledger}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # set: no torchrun banner about it
 
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$JOB_ID" \

@@ -3,13 +3,19 @@
 #
 # NPROC defaults to the number of visible GPUs, or 2 on a machine without one
 # (the CPU rehearsal backend). Extra arguments go to titan_ledger.train.
+#
+# Console: titan_ledger.train itself picks the rank that logs (global rank 0, or the
+# rank holding the loss under pipeline parallelism); the others print warnings and
+# errors only. TITAN_LEDGER_LOG_RANKS=all (or =0,1) shows more ranks. torchrun's
+# --local-ranks-filter is not used: it would hide the other ranks' errors too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$1; shift; else
   NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
-# One intra-op thread per rank on CPU: ranks share the cores.
+# One intra-op thread per rank on CPU: ranks share the cores (set, torchrun
+# also skips its OMP_NUM_THREADS banner).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 exec torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" \

@@ -147,6 +147,21 @@ def quiet_imports() -> None:
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch; a
     # note for torchdata's developers, printed by every rank.
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
+    # Under TP, spmd_types (torchtitan's DTensor helpers) calls the c10d collectives
+    # torch 2.14 deprecated; a note for spmd_types, printed by every rank.
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning,
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    # DTensor notes that torchtitan's own layouts (FSDP x TP strided shards, the grad
+    # norm over both mesh dims) redistribute in two collectives: a performance note
+    # about torchtitan's parallelization, per rank; results are checked against an
+    # unsharded run by the tests.
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+        lambda r: not _TWO_COLLECTIVES.search(r.getMessage()))
+
+
+_TWO_COLLECTIVES = re.compile(
+    r"^While redistributing from .* \d+ sequential (all_gather|all_reduce) operations will be performed")
 
 
 #: (pattern, when) for torchtitan log records that are noise; ``when(config)``.
