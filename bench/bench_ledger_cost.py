@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMPONENTS = ("signals", "max_logit", "spike_rules", "tagging", "data_write", "drain")
 SPAN_PREFIX = "titan_ledger."
+ANY = "*"  # key of the union of every titan_ledger.* span (the total, nested spans once)
 
 COMMON = ["--debug.seed", "0", "--metrics.log_freq", "1", "--parallelism.data_parallel_shard_degree", "1"]
 VARIANTS = {
@@ -87,6 +88,7 @@ def _install_span_clock(totals: dict[str, float], counts: dict[str, int]) -> Non
 
     base = autograd_profiler.record_function
     depth: dict[str, int] = {}
+    anyspan = {"depth": 0, "t0": 0.0}  # the union of all components: no double counting
 
     class timed_record_function(base):  # type: ignore[misc, valid-type]
         def __enter__(self):
@@ -95,8 +97,12 @@ def _install_span_clock(totals: dict[str, float], counts: dict[str, int]) -> Non
                 key = name[len(SPAN_PREFIX):]
                 d = depth.get(key, 0)
                 depth[key] = d + 1
+                now = time.thread_time()
                 if d == 0:
-                    self._bench_t0 = time.thread_time()
+                    self._bench_t0 = now
+                if anyspan["depth"] == 0:
+                    anyspan["t0"] = now
+                anyspan["depth"] += 1
             return super().__enter__()
 
         def __exit__(self, *exc):
@@ -105,9 +111,14 @@ def _install_span_clock(totals: dict[str, float], counts: dict[str, int]) -> Non
             if name.startswith(SPAN_PREFIX):
                 key = name[len(SPAN_PREFIX):]
                 depth[key] -= 1
+                now = time.thread_time()
                 if depth[key] == 0:
-                    totals[key] = totals.get(key, 0.0) + time.thread_time() - self._bench_t0
+                    totals[key] = totals.get(key, 0.0) + now - self._bench_t0
                     counts[key] = counts.get(key, 0) + 1
+                anyspan["depth"] -= 1
+                if anyspan["depth"] == 0:
+                    totals[ANY] = totals.get(ANY, 0.0) + now - anyspan["t0"]
+                    counts[ANY] = counts.get(ANY, 0) + 1
             return out
 
     autograd_profiler.record_function = timed_record_function
@@ -242,7 +253,14 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
         ok = False
         try:
             baton.start(i)
-            trainer.train()
+            if args.profiler:  # the profiler records the thread that starts it
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    trainer.train()
+                profs.append(prof)
+            else:
+                trainer.train()
             ok = True
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
@@ -251,20 +269,15 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
 
     for i, (trainer, entry) in enumerate(zip(trainers, spec["trainers"])):
         wrap(i, trainer, entry.get("busy_ms", 0.0))
-    prof = None
+    if args.profiler and len(trainers) != 1:
+        raise SystemExit("--profiler takes one trainer")
+    profs: list = []
     threads = [threading.Thread(target=body, args=(i, t), daemon=True) for i, t in enumerate(trainers)]
     try:
-        if args.profiler:
-            from torch.profiler import ProfilerActivity, profile
-
-            prof = profile(activities=[ProfilerActivity.CPU])
-            prof.__enter__()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if prof is not None:
-            prof.__exit__(None, None, None)
     finally:
         for trainer in trainers:
             trainer.close()
@@ -276,8 +289,8 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
                            for e, t, r in zip(spec["trainers"], trainers, records)],
               "span_counts": span_counts, "num_threads": torch.get_num_threads(),
               "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
-    if prof is not None:
-        result["profiler"] = _profiler_spans(prof, args.warmup)
+    if profs:
+        result["profiler"] = _profiler_spans(profs[0], args.warmup)
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -292,19 +305,19 @@ def _profiler_spans(prof, warmup: int) -> dict:
     for e in events:
         if not e.name.startswith(SPAN_PREFIX):
             continue
-        parent, nested = e.cpu_parent, False
+        ancestors = []
+        parent = e.cpu_parent
         while parent is not None:
-            if parent.name == e.name:
-                nested = True
-                break
+            ancestors.append(parent.name)
             parent = parent.cpu_parent
-        if nested:
-            continue
         if not any(s.time_range.start <= e.time_range.start and e.time_range.end <= s.time_range.end
                    for s in kept):
             continue
         key = e.name[len(SPAN_PREFIX):]
-        per[key] = per.get(key, 0.0) + e.cpu_time_total
+        if e.name not in ancestors:  # outermost of its name: inclusive time once
+            per[key] = per.get(key, 0.0) + e.cpu_time_total
+        if not any(a.startswith(SPAN_PREFIX) for a in ancestors):  # outermost of any: the union
+            per[ANY] = per.get(ANY, 0.0) + e.cpu_time_total
     return {"step_us": total_step_us, "steps": len(kept), "spans_us": per}
 
 
@@ -362,11 +375,11 @@ def direct(args) -> dict:
         per_step = [s["spans_s"].get(c, 0.0) / s["cpu_s"] for s in kept]
         comps[c] = {"fraction": t / step_cpu, "ms_per_step": 1e3 * t / len(kept),
                     "calls": res["span_counts"][c], "fraction_min": min(per_step), "fraction_max": max(per_step)}
-    others = sorted(set(res["span_counts"]) - set(COMPONENTS))
-    present = [v["fraction"] for v in comps.values() if v is not None]
+    others = sorted(set(res["span_counts"]) - set(COMPONENTS) - {ANY})
+    union = sum(s["spans_s"].get(ANY, 0.0) for s in kept)
     out = {"steps": len(kept), "step_cpu_s_median": statistics.median(s["cpu_s"] for s in kept),
            "step_wall_s_median": statistics.median(s["wall_s"] for s in kept),
-           "components": comps, "total_present": sum(present) if present else None,
+           "components": comps, "total_present": union / step_cpu if ANY in res["span_counts"] else None,
            "unknown_spans": {k: res["span_counts"][k] for k in others}, "run_wall_s": res["run_wall_s"]}
     if args.profiler:
         pres = run_one(["ledger"], args.direct_steps, args.cpu, args.warmup, profiler=True)
@@ -375,7 +388,8 @@ def direct(args) -> dict:
                            "components": {c: (None if c not in p["spans_us"] else
                                               {"fraction": p["spans_us"][c] / p["step_us"],
                                                "ms_per_step": p["spans_us"][c] / 1e3 / p["steps"]})
-                                          for c in COMPONENTS}}
+                                          for c in COMPONENTS},
+                           "total_present": (p["spans_us"][ANY] / p["step_us"] if ANY in p["spans_us"] else None)}
     return out
 
 
@@ -481,7 +495,8 @@ def print_report(rep: dict) -> None:
             else:
                 print(f"{c:<12} {name:<26} {_pct(v['fraction']):>9} {v['ms_per_step']:8.2f} {v['calls']:6d}{ptxt}")
         absent = [c for c in COMPONENTS if d["components"][c] is None]
-        print(f"{'total':<12} {'(present spans)':<26} {_pct(d['total_present']):>9}"
+        print(f"{'total':<12} {'(union of present spans)':<26} {_pct(d['total_present']):>9} {'':>8} {'':>6}"
+              + (f" {_pct(prof['total_present']):>9}" if prof else "")
               + (f"   absent: {', '.join(absent)}" if absent else ""))
         if d["unknown_spans"]:
             print(f"other titan_ledger.* spans seen: {d['unknown_spans']}")
