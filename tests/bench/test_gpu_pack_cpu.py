@@ -1,0 +1,84 @@
+"""The GPU validation pack's CPU mode (bench/device/run.sh --cpu), so the pack cannot rot.
+
+Same code as the GPU run minus the CUDA kernels: the attention check, stock Trainer vs
+LedgerTrainer in separate processes, the sync-counting wrappers around the ledger's
+calls, and the step-1 signals against an fp32 eager recomputation. The verdicts come
+from the pack's own JSON; this test also requires real numbers behind them.
+"""
+
+import json
+import math
+import os
+import subprocess
+import time
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gpu_pack")
+    env = {k: v for k, v in os.environ.items() if k not in ("PACK_T0", "OUT")}
+    env.update(OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([str(ROOT / "bench/device/run.sh"), "--cpu", "--workdir", str(work)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    try:
+        result = json.loads(proc.stdout)
+    except ValueError:
+        pytest.fail(f"no JSON on stdout (rc={proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc, result, elapsed
+
+
+def test_cpu_pack_passes_with_real_numbers(pack):
+    proc, r, elapsed = pack
+    assert r["ok"] and proc.returncode == 0, json.dumps({k: r.get(k) for k in (
+        "checks", "failed", "not_run", "failed_runs", "signals", "flex_max_logit")}, indent=1, default=str)
+    assert r["mode"] == "cpu" and not r["guard_hit"] and elapsed < 90, elapsed
+    # (a) the CPU attention equals eager Flex and a brute-force max logit
+    fl = r["flex_max_logit"]
+    assert fl["cpu_attention_vs_eager_flex"]["max_abs_err"] <= 1e-4
+    assert _finite(fl["max_logit_float32"]["cpu_attention"]) and fl["max_logit_float32"]["rel_err"] <= 1e-5
+    # (b) both trainers trained and were timed
+    st = r["step_time"]["eager"]
+    assert st["pairs"] >= 1 and _finite(st["ratio"]) and st["ratio"] > 0
+    assert [x["variant"] for x in st["runs"]][:2] == ["stock", "ledger"]
+    assert st["stock_step_s"]["median"] > 0 and st["ledger_step_s"]["median"] > 0
+    # (c) the counting wrappers saw the ledger's per-step calls (CUDA-only counts are 0 here)
+    sy = r["syncs"]
+    assert sy["counted"] and sy["meaningful"] is False and sy["ledger_calls_per_step"] >= 1
+    assert "record" in sy["ledger_calls"] or sy["ledger_calls"], sy
+    # (d) every signal against the fp32 reference, with values
+    sig = r["signals"]
+    assert sig["ok"] and sig["precision"] == "float32 vs float32"
+    for key in ("loss", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit"):
+        assert _finite(sig[key]["ledger"]) and _finite(sig[key]["reference"]), (key, sig[key])
+        assert sig[key]["rel_err"] <= sig[key]["tol"], (key, sig[key])
+    assert sig["loss"]["reference"] > 1.0  # an untrained model's cross entropy, not a placeholder
+    assert sig["num_zeros"]["ok"] and sig["consumed_tokens"]["ledger"] > 0
+    # (e)
+    assert r["per_doc_loss"] == "absent"
+    # where the time went
+    assert {e["what"] for e in r["time_log"]} >= {"flex_max_logit", "eager_stock_1", "eager_ledger_1"}
+
+
+def test_llama3_1b_bench_dry_run(tmp_path):
+    """The GPU pack's 1B config builds (fake backend, meta weights): flavor, FSDP2, optimizer, data."""
+    from helpers import explain, train_cli
+
+    proc = train_cli(["--module", "titan_ledger", "--config", "llama3_1b_bench", "--comm.mode", "fake_backend",
+                      "--dump_folder", str(tmp_path)],
+                     NGPU="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, explain(proc)
+    assert "dry run: built LedgerTrainer for world size 1" in out
+    assert "Model llama3 1B" in out and "sequence length 4096" in out
