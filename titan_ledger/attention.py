@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+from torch.profiler import record_function
 
 from torchtitan.distributed.compile import maybe_regional_inductor
 from torchtitan.models.common.attention import FlexAttention
@@ -103,7 +104,8 @@ class CpuAttention(MaxLogitRecorder, Module):
             q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
         )
         if self.record_max_logit and self.training:  # validation (eval mode) is not a train signal
-            self._record(_max_scaled_score(q, k, attention_masks, scale))
+            with record_function("titan_ledger.max_logit"):
+                self._record(_max_scaled_score(q, k, attention_masks, scale))
         return out.transpose(1, 2)
 
 
@@ -162,9 +164,35 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
                 kernel_options=self.kernel_options,
             )
         if self.record_max_logit and self.training:  # CHANGED from torchtitan
-            self._record(aux.max_scores.amax())
+            with record_function("titan_ledger.max_logit"):
+                self._record(aux.max_scores.amax())
         out_BLNH = out_BNLH.transpose(1, 2)
         if out_transform is None:
             return out_BLNH
         lse_BLN = aux.lse.transpose(1, 2)
         return out_transform(out_BLNH, lse_BLN)
+
+
+def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"]) -> None:
+    """Drop logits seen during PP metadata inference (synthetic activations).
+
+    torch 2.14's pipeline schedules run one real forward/backward on made-up
+    inputs to infer stage shapes, inside the first ``schedule.step()``; the stage
+    then calls ``_post_metadata_inference_cleanup``. We extend that cleanup to
+    forget what the attention recorders saw. Private torch API: if it moves, the
+    PP exactness test fails rather than a wrong max_logit going unnoticed.
+    """
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+        if cleanup is None:
+            continue
+
+        def wrapped(*args, _cleanup=cleanup, **kwargs):
+            try:
+                return _cleanup(*args, **kwargs)
+            finally:
+                for r in recorders:
+                    r.max_logit = None
+
+        stage._post_metadata_inference_cleanup = wrapped

@@ -272,5 +272,6 @@ class DataLedger:
             spec = hdr["spec"]
             corpora = [IndexedCorpus(p, hdr["seq_len"], spec["seed"], spec.get("cache_dir") or None,
                                      shuffle=spec.get("shuffle", True)) for p in spec["paths"]]
-            self._blend = Blend(corpora, spec["weights"])
+            # a ledger recorded before the Megatron-exact blend names rule 1 (or none)
+            self._blend = Blend(corpora, spec["weights"], rule=spec.get("blend_rule") or 1)
         return self._blend

@@ -121,7 +121,7 @@ class SignalRow(TypedDict, total=False):
 
     step: int
     consumed_samples: int
-    consumed_tokens: int  # valid (label) tokens trained; a skipped window adds its tokens too
+    consumed_tokens: int  # valid (label) tokens trained so far; skipped windows add none
     loss: float | None
     loss_max: float | None
     loss_max_rank: int | None

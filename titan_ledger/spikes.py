@@ -28,6 +28,8 @@ import torch
 
 from torchtitan.config import Configurable
 
+from titan_ledger.errors import ConfigError
+
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite")
 #: layout of the stats vector ``SpikeDetector.step`` returns (all float64)
 STAT_KEYS = ("flag", *RULES, "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
@@ -54,18 +56,21 @@ class SpikeDetector(Configurable):
         loss_jump: float = 0.10
         """...and loss > (1 + loss_jump) x window median loss."""
 
+        def __post_init__(self) -> None:
+            # checked when the config is parsed, before any process group exists
+            if self.window < 2:
+                raise ConfigError(f"--ledger.spike.window must be >= 2, got {self.window}")
+            for name in ("zscore", "ratio", "loss_jump"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(f"--ledger.spike.{name} must be >= 0 (0 switches the rule off), "
+                                      f"got {getattr(self, name)}")
+
     def __init__(self, config: Config, device: torch.device | str = "cpu") -> None:
         self.config = config
         w = int(config.window)
-        if w < 2:
-            raise ValueError(f"--ledger.spike.window must be >= 2, got {w}")
         self.hist = torch.zeros(2, w, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         self._arange = torch.arange(w, device=device)
-
-    def to(self, device) -> "SpikeDetector":
-        self.hist, self.count, self._arange = (t.to(device) for t in (self.hist, self.count, self._arange))
-        return self
 
     def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """Judge this step (0-d tensors) and update the window. Returns STAT_KEYS values."""

@@ -57,6 +57,8 @@ class LedgerTrainer(Trainer):
         self.ledger = config.ledger.build()
         self._ledger_open = False
         self._pending_rollback: int | None = None
+        self._io: _StepIO | None = None  # per-step bookkeeping the hooks share
+        self._update_rejected = False
         dry_run = config.comm.mode == "fake_backend"
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
@@ -115,58 +117,76 @@ class LedgerTrainer(Trainer):
             self.ledger.close()
 
     # ------------------------------------------------------------------ the step
-    def train_step(
-        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
-    ):
-        # Copied from torchtitan 0.3.0 Trainer.train_step; changed spots marked.
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+        """A wrapper: what must happen around a step, then the step itself."""
         ledger = self.ledger
-        if not self._ledger_open:  # CHANGED: first step of this process, after checkpoint load
+        if not self._ledger_open:  # first step of this process, after the checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
-        if self._pending_rollback is not None:  # CHANGED: in-process rollback (on_spike)
+        if self._pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self._pending_rollback)
-        window = ledger.skip_window_at(self.step)  # CHANGED: skipped steps train nothing
+        window = ledger.skip_window_at(self.step)  # skipped steps train nothing
         if window is not None:
             self._skip_window(window)
             return
-        step_start = time.perf_counter()  # CHANGED
+        inject = ledger.inject
+        self._io = _StepIO(start=time.perf_counter(),
+                           inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
+        self._train_step(data_iterator)
+
+    def batch_generator(self, data_iterable):
+        """torchtitan's generator, plus fetch timing for the ledger and the rehearsal
+        injection (``--ledger.inject``), applied before the step counts tokens."""
+        inner = super().batch_generator(data_iterable)
+        while True:
+            t0 = time.perf_counter()
+            input_dict, labels = next(inner)
+            io = self._io
+            if io is not None:
+                io.data_loading_s += time.perf_counter() - t0
+                if io.inject is not None:
+                    labels = _inject(input_dict, labels, io.inject, self.tokenizer.get_vocab_size(),
+                                     seed=self.step)
+            yield input_dict, labels
+
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        # every batch of the step has been fetched by the first call: write the step's
+        # provenance now, before any forward can fail
+        io = self._io
+        if io is not None and not io.data_recorded and self.ledger.loader is not None:
+            self.ledger.record_data(self.step, self.ledger.loader.take_tags(), injected=io.inject)
+            io.data_recorded = True
+        return super().forward_backward_step(**kwargs)
+
+    def _train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+        # Copied from torchtitan 0.3.0 Trainer.train_step (no hook sits between the
+        # clip and optimizers.step()); changed spots marked CHANGED.
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         # Save per-optimizer-group learning rates for logging
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
-        # CHANGED: the ledger needs the loss every step, not only on logging steps
-        need_loss = should_log or ledger.enabled
+        need_loss = should_log or self.ledger.enabled  # CHANGED: the ledger needs the loss every step
 
         parallel_dims = self.parallel_dims
         microbatch_groups: list[list[tuple[dict[str, torch.Tensor], torch.Tensor]]] = []
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
-        data_loading_s = 0.0  # CHANGED
-        inject = ledger.inject  # CHANGED: rehearsal of a bad batch (replay inject)
-        inject_now = inject is not None and inject[0] == self.step and inject[1] == ledger.dp_rank
         for _ in range(self.gradient_accumulation_steps):
             microbatches = []
             for _ in range(self.num_pipeline_parallel_microbatches):
                 with sl.log_trace_span("fetching_batch"):
-                    t0 = time.perf_counter()  # CHANGED
                     input_dict, labels = next(data_iterator)
-                    if inject_now:  # CHANGED
-                        labels = _inject(input_dict, labels, inject[2], self.tokenizer.get_vocab_size(),
-                                         seed=self.step)
-                    data_loading_s += time.perf_counter() - t0  # CHANGED
                 local_valid_tokens += (labels != IGNORE_INDEX).sum()
                 microbatches.append((input_dict, labels))
             microbatch_groups.append(microbatches)
         sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
-        if ledger.loader is not None:  # CHANGED: provenance of the rows this step trains on
-            ledger.record_data(self.step, ledger.loader.take_tags(),
-                               injected=inject[2] if inject_now else None)
 
-        local_valid_tokens_dev = local_valid_tokens.to(self.device)  # CHANGED: one copy, reused
         if parallel_dims.dp_enabled:
             batch_mesh = parallel_dims.get_mesh("batch")
-            global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens_dev, batch_mesh)
+            global_valid_tokens = dist_utils.dist_sum_tensor(
+                local_valid_tokens.to(self.device), batch_mesh
+            )
         else:
-            global_valid_tokens = local_valid_tokens_dev.clone()
+            global_valid_tokens = local_valid_tokens.to(self.device)
 
         accumulated_loss: torch.Tensor | None = None
         for microbatches in microbatch_groups:
@@ -207,35 +227,15 @@ class LedgerTrainer(Trainer):
                 pp_mesh=parallel_dims.get_optional_mesh("pp"),
                 ep_enabled=parallel_dims.ep_enabled,
             )
-            # CHANGED: the ledger reads gradients and norms before they are applied
-            ledger.record(
-                step=self.step,
-                local_loss_sum=(
-                    (accumulated_loss * global_valid_tokens).sum()
-                    if accumulated_loss is not None else None
-                ),
-                local_tokens=local_valid_tokens_dev,
-                grad_norm=grad_norm,
-                lr=next(iter(lr_metrics.values()), float("nan")),
-                step_start=step_start,
-                data_loading_s=data_loading_s,
-            )
+            self._record_and_guard(grad_norm, accumulated_loss, global_valid_tokens,  # CHANGED
+                                   int(local_valid_tokens), lr_metrics)
             self.checkpointer.maybe_wait_for_staging()
-            # CHANGED: a flagged step's update is not applied when the guard is on. Not
-            # calling optimizers.step() leaves params, moments and Adam's step count as
-            # they were (OLMo-core PR 309/317: the count must not advance).
-            guard = self.config.ledger.on_spike
-            if guard != "none" and ledger.spike_flag_now():
-                ledger.mark_update_skipped()
-                if guard == "rollback":
-                    self._pending_rollback = self.step
-            else:
+            if not self._update_rejected:  # CHANGED: the update guard (on_spike)
                 self.optimizers.step()
             self.lr_schedulers.step()
 
         if not should_log:
-            # CHANGED: write ledger rows whose copies are done; never wait here
-            ledger.drain(block=False, metrics_logger=self.metrics_processor.logger)
+            self.ledger.drain(block=False, metrics_logger=self.metrics_processor.logger)  # CHANGED
             return
 
         assert accumulated_loss is not None
@@ -261,9 +261,9 @@ class LedgerTrainer(Trainer):
                 global_avg_loss = global_max_loss = float(accumulated_loss.item())
                 global_ntokens_seen = self.ntokens_seen
 
-        # CHANGED: this logging step has synchronised already; write the ledger's
-        # pending rows first so every logger sees steps in order.
-        ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+        # CHANGED: this step synchronised already; write pending ledger rows first so
+        # every logger sees steps in order
+        self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
         if not math.isfinite(global_avg_loss):
             raise RuntimeError(
@@ -283,6 +283,30 @@ class LedgerTrainer(Trainer):
             extra_metrics=extra_metrics,
         )
 
+    def _record_and_guard(self, grad_norm, accumulated_loss, global_valid_tokens, local_tokens: int,
+                          lr_metrics) -> None:
+        """Between the clip and ``optimizers.step()``: record the step's signals from the
+        gradients about to be applied, and decide whether the update is applied."""
+        ledger = self.ledger
+        ledger.record(
+            step=self.step,
+            local_loss_sum=(accumulated_loss * global_valid_tokens).sum() if accumulated_loss is not None else None,
+            local_tokens=local_tokens,
+            grad_norm=grad_norm,
+            lr=next(iter(lr_metrics.values()), float("nan")),
+            step_start=self._io.start,
+            data_loading_s=self._io.data_loading_s,
+        )
+        self._io = None
+        # A flagged step's update is not applied when the guard is on. Not calling
+        # optimizers.step() leaves params, moments and Adam's step count as they were
+        # (OLMo-core PR 309/317: the count must not advance).
+        guard = self.config.ledger.on_spike
+        self._update_rejected = guard != "none" and ledger.spike_flag_now()
+        if self._update_rejected:
+            ledger.mark_update_skipped()
+            if guard == "rollback":
+                self._pending_rollback = self.step
 
     def _skip_window(self, window: tuple[int, int]) -> None:
         """Consume the data of steps ``self.step..window end`` at once: no forward,
@@ -320,7 +344,7 @@ class LedgerTrainer(Trainer):
         """
         import torch.distributed as dist
 
-        from titan_ledger.rollback import checkpoints
+        from titan_ledger.reader import checkpoints
 
         cfg = self.config.ledger
         self._pending_rollback = None
@@ -349,7 +373,16 @@ class LedgerTrainer(Trainer):
                            metrics_logger=self.metrics_processor.logger)
         self.step = load + 1
 
-    # (inject helper below the class)
+
+
+@dataclass
+class _StepIO:
+    """What the step's hooks (batch_generator, forward_backward_step, the copy) share."""
+
+    start: float
+    inject: str | None = None
+    data_loading_s: float = 0.0
+    data_recorded: bool = False
 
 
 def _inject(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,

@@ -1,0 +1,73 @@
+"""The data-ledger writer: which samples this DP rank trained on, step by step.
+
+Design decision: one file per DP rank (``data_dp<r>.jsonl``), written by the one
+rank of that DP group with tp = cp = 0 on the first PP stage (``Topology``), so
+a step's row is written once however the model is sharded. Host-only: the tags
+come from the dataloader on the host, so writing costs no device work and no
+synchronisation. A skipped window is one row holding its sample range (and
+explicit rows for text streams, whose content is not a function of the id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.profiler import record_function
+
+from titan_ledger import records
+from titan_ledger.data.layout import RowTag
+from titan_ledger.topology import Topology
+
+
+class DataLedgerWriter:
+    def __init__(self, topo: Topology, loader, *, global_batch: int, skip_lr: str, tokenizer: str):
+        self.topo = topo
+        self.loader = loader  # a LedgerDataLoader with tagging on
+        self.global_batch = global_batch
+        self.skip_lr = skip_lr
+        self.tokenizer = tokenizer
+        self._writer: records.RecordWriter | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.topo.data_writer
+
+    def open(self, folder: Path, header: records.Header, skip_windows: list[tuple[int, int]]) -> None:
+        if not self.active:
+            return
+        extra = {**header.extra, **self.loader.header(), "global_batch": self.global_batch,
+                 "skip_lr": self.skip_lr, "tokenizer": self.tokenizer,
+                 "skip_steps": [list(w) for w in skip_windows]}
+        self._writer = records.RecordWriter(
+            folder / records.data_file(self.topo.dp_rank),
+            records.Header(**{**header.__dict__, "schema": records.DATA_SCHEMA, "extra": extra}))
+
+    @property
+    def rows_written(self) -> int:
+        return self._writer.rows if self._writer is not None else 0
+
+    def record(self, step: int, tags: list[RowTag], injected: str | None = None) -> None:
+        """This DP rank's rows of ``step``."""
+        if self._writer is None:
+            return
+        with record_function("titan_ledger.data_write"):
+            row = {"step": step, "skipped": False, "rows": [t.to_json() for t in tags]}
+            if injected:
+                row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
+            self._writer.write(row)
+
+    def record_skip(self, *, first: int, last: int, info) -> None:
+        """A skipped window: ``info`` is the loader's SkipInfo (positions, tags)."""
+        if self._writer is None:
+            return
+        row = {"step": first, "last_step": last, "skipped": True,
+               "samples": [info.position_before, info.position_after],
+               "layout": {"mbs": self.loader.mbs, "dp_size": self.topo.dp_size,
+                          "global_batch": self.global_batch}}
+        if info.tags is not None:
+            row["rows"] = [t.to_json() for t in info.tags]
+        self._writer.write(row)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

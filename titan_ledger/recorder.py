@@ -1,0 +1,264 @@
+"""The signal recorder: per-step signals reduced on device, written a step late.
+
+Design decision: one collective per step and no blocking device->host copy.
+Every rank packs what it owns into one fp64 vector -- loss sum, token count,
+zeros in grads, param sum of squares, max attention logit, per-layer grad sums
+of squares -- and ONE all-gather gives every rank the whole ``[world, K]`` table.
+Sums (per DP rank for loss and tokens, over the world for the rest) and the max
+are then local tensor ops in rank order, so every rank holds the same reduced
+values (the spike rules need that, with no further collective) and the result
+is deterministic. The reduced vector is copied ``non_blocking`` into pinned
+memory behind a CUDA event and turned into a row when the event has completed
+(usually at the next step). On torchtitan's logging steps, which synchronise
+anyway, pending rows are drained first so loggers see steps in order.
+
+Rows have exactly :data:`records.SIGNAL_KEYS`; the writer of ``signals.jsonl`` is
+rank 0, and every rank that owns tokens writes its own ``rank<r>.jsonl`` (its DP
+group's loss, for per-rank forensics).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from titan_ledger import records
+from titan_ledger.signals import ParamPlan, clipped_norm, local_sums
+from titan_ledger.topology import Topology
+
+# columns of the local vector every rank contributes to the all-gather
+_LOSS, _TOK, _ZEROS, _PSQ, _LOGIT = range(5)
+_FIXED = 5
+
+
+class NonFiniteLoss(RuntimeError):
+    """The recorded loss is NaN/inf: training stops (the row is written first)."""
+
+
+@dataclass
+class _Pending:
+    step: int
+    host: torch.Tensor  # the reduced vector (on the host once ``event`` completes)
+    extra: torch.Tensor | None  # e.g. the spike rules' stats, copied with it
+    event: Any
+    lr: float
+    step_time_s: float
+    data_loading_s: float
+    consumed_samples: int
+    update_skipped: bool = False
+
+
+class SignalRecorder:
+    def __init__(self, topo: Topology, *, device: torch.device, plan: ParamPlan, attn: list,
+                 per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int):
+        self.topo = topo
+        self.device = device
+        self.plan = plan
+        self.attn = attn
+        self.per_layer = per_layer
+        self.max_logit = max_logit
+        self.max_norm = max_norm
+        self.global_batch = global_batch
+        self.seq_len = seq_len
+        self.consumed_samples = 0
+        self.skipped_samples = 0
+        self._consumed_tokens = torch.zeros((), dtype=torch.float64, device=device)
+        self._dp_of = torch.tensor(topo.dp_rank_of, dtype=torch.long, device=device)
+        self._pending: deque[_Pending] = deque()
+        self._cuda = device.type == "cuda"
+        self._writer: records.RecordWriter | None = None
+        self._rank_writer: records.RecordWriter | None = None
+        self.collectives_per_step = 1 if topo.world > 1 else 0
+
+    # ------------------------------------------------------------------ files
+    def open(self, folder: Path, header: records.Header) -> None:
+        if self.topo.is_rank0:
+            self._writer = records.RecordWriter(
+                folder / records.SIGNALS_FILE,
+                records.Header(**{**header.__dict__, "schema": records.SIGNALS_SCHEMA,
+                                  "extra": {**header.extra, "keys": list(records.SIGNAL_KEYS),
+                                            "per_layer": self.plan.groups if self.per_layer else None}}))
+        if self.topo.owns_tokens:
+            self._rank_writer = records.RecordWriter(
+                folder / records.rank_file(self.topo.rank),
+                records.Header(**{**header.__dict__, "schema": records.RANK_SCHEMA,
+                                  "extra": {**header.extra, "rank": self.topo.rank,
+                                            "dp_rank": self.topo.dp_rank}}))
+
+    def close(self) -> None:
+        for w in (self._writer, self._rank_writer):
+            if w is not None:
+                w.close()
+
+    @property
+    def rows_written(self) -> int:
+        return self._writer.rows if self._writer is not None else 0
+
+    # ------------------------------------------------------------------ per step
+    def reduce(self, *, local_loss_sum: torch.Tensor | None, local_tokens: int,
+               grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One all-gather; returns (reduced vector, global average loss), on device.
+
+        Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
+        param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens,
+        grad_sq per layer...]``.
+        """
+        topo, dev = self.topo, self.device
+        sums = local_sums(self.plan, self.per_layer, dev)
+        logits = [m.take_max_logit(dev) for m in self.attn]
+        loc = torch.zeros(_FIXED + (len(self.plan.groups) if self.per_layer else 0),
+                          dtype=torch.float64, device=dev)
+        if topo.owns_loss and local_loss_sum is not None:
+            loc[_LOSS] = local_loss_sum.detach().double()
+        if topo.owns_tokens:
+            loc[_TOK] = float(local_tokens)  # a host int: no copy
+        loc[_ZEROS] = sums["num_zeros"].double()
+        loc[_PSQ] = sums["param_sq"].double()
+        loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
+        if self.per_layer:
+            loc[_FIXED:] = sums["grad_sq"].double()
+        if topo.world > 1:
+            table = torch.empty(topo.world * loc.numel(), dtype=torch.float64, device=dev)
+            dist.all_gather_into_tensor(table, loc)  # the step's one collective
+            table = table.view(topo.world, -1)
+        else:
+            table = loc.view(1, -1)
+        dp = topo.dp_size
+        loss_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, table[:, _LOSS])
+        tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, table[:, _TOK])
+        self._consumed_tokens = self._consumed_tokens + tok_by_dp.sum()
+        gn = grad_norm.detach().double().reshape(1)
+        reduced = torch.cat([
+            loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
+            table[:, _LOGIT].amax().reshape(1), gn, clipped_norm(gn, self.max_norm),
+            self._consumed_tokens.reshape(1), table[:, _FIXED:].sum(0)])
+        return reduced, loss_by_dp.sum() / tok_by_dp.sum()
+
+    def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,
+              step_start: float, data_loading_s: float) -> None:
+        """Start the device->host copy of this step's row; never waits."""
+        self.consumed_samples += self.global_batch
+        event = None
+        if self._cuda:
+            reduced = reduced.to("cpu", non_blocking=True)
+            extra = extra.to("cpu", non_blocking=True) if extra is not None else None
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append(_Pending(step, reduced, extra, event, lr, time.perf_counter() - step_start,
+                                      data_loading_s, self.consumed_samples))
+
+    def mark_update_skipped(self) -> None:
+        self._pending[-1].update_skipped = True
+
+    def drain(self, block: bool, metrics_logger=None,
+              on_row: Callable[[dict, list[float] | None], None] | None = None) -> None:
+        """Write every pending row whose copy is done, in step order."""
+        with record_function("titan_ledger.drain"):
+            while self._pending:
+                p = self._pending[0]
+                if p.event is not None and not block and not p.event.query():
+                    return
+                if p.event is not None:
+                    p.event.synchronize()
+                self._pending.popleft()
+                row = self._row(p)
+                if self._writer is not None:
+                    self._writer.write(row)
+                if metrics_logger is not None:
+                    metrics_logger.log(dashboard(row), p.step)
+                if on_row is not None:
+                    on_row(row, p.extra.tolist() if p.extra is not None else None)
+                if not math.isfinite(row["loss"]):
+                    raise NonFiniteLoss(
+                        f"titan_ledger: loss is not finite ({row['loss']}) at step {p.step}; the row "
+                        f"is in {self._writer.path if self._writer else 'signals.jsonl'}. Stopping training.")
+
+    def _row(self, p: _Pending) -> dict[str, Any]:
+        dp = self.topo.dp_size
+        v = p.host.tolist()
+        loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
+        zeros, param_sq, max_logit, gn, gn_clip, ctok = v[2 * dp:2 * dp + 6]
+        tokens = sum(tok_by_dp)
+        loss = sum(loss_by_dp) / tokens if tokens else float("nan")
+        local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
+        max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
+                                                 else float("inf")))
+        row = {
+            "step": p.step,
+            "consumed_samples": p.consumed_samples,
+            "consumed_tokens": int(ctok),
+            "loss": loss,
+            "loss_max": local_avg[max_rank],
+            "loss_max_rank": max_rank,
+            "grad_norm": gn,
+            "grad_norm_clipped": gn_clip,
+            "num_zeros": int(zeros),
+            "param_norm": math.sqrt(param_sq),
+            "max_logit": max_logit if self.max_logit else None,
+            "lr": p.lr,
+            "skipped": False,
+            "skipped_samples": self.skipped_samples,
+            "spike": bool(p.extra[0]) if p.extra is not None else None,
+            "update_skipped": p.update_skipped,
+            "step_time_s": p.step_time_s,
+            "data_loading_s": p.data_loading_s,
+        }
+        if self.per_layer:
+            row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, v[2 * dp + 6:])}
+        if self._rank_writer is not None:
+            lt = tok_by_dp[self.topo.dp_rank]
+            self._rank_writer.write({"step": p.step, "loss": loss_by_dp[self.topo.dp_rank] / lt if lt else None,
+                                     "tokens": int(lt)})
+        return row
+
+    # ------------------------------------------------------------------ skipped windows
+    def record_skip(self, *, first: int, last: int, n_samples: int, lr: float, step_start: float,
+                    skip_lr: str, metrics_logger=None) -> None:
+        """ONE signals row for a skipped window (its samples consumed, not trained)."""
+        self.drain(block=True, metrics_logger=metrics_logger)  # keep rows in step order
+        self.consumed_samples += n_samples
+        self.skipped_samples += n_samples
+        row = {k: None for k in records.SIGNAL_KEYS}
+        row.update({"step": first, "last_step": last, "consumed_samples": self.consumed_samples,
+                    # counts trained tokens only: a skipped window trains none
+                    "consumed_tokens": int(self._consumed_tokens.item()), "lr": lr,
+                    "skipped": True, "skipped_samples": self.skipped_samples, "skip_lr": skip_lr,
+                    "update_skipped": False,
+                    "step_time_s": time.perf_counter() - step_start, "data_loading_s": 0.0})
+        if self._writer is not None:
+            self._writer.write(row)
+        if metrics_logger is not None:
+            metrics_logger.log({"ledger/skipped": 1.0, "ledger/skipped_samples": float(self.skipped_samples),
+                                "ledger/consumed_samples": float(self.consumed_samples)}, first)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        # read at checkpoint time only (a checkpoint save synchronises anyway)
+        return {"consumed_samples": self.consumed_samples,
+                "consumed_tokens": int(self._consumed_tokens.item()),
+                "skipped_samples": self.skipped_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.skipped_samples = int(state.get("skipped_samples", 0))
+        self._consumed_tokens = torch.tensor(float(state.get("consumed_tokens", 0)),
+                                             dtype=torch.float64, device=self.device)
+
+
+def dashboard(row: dict[str, Any]) -> dict[str, float]:
+    """Row -> ``ledger/<key>`` scalars for torchtitan's TensorBoard / W&B loggers."""
+    out = {}
+    for k, v in row.items():
+        if k == records.PER_LAYER_KEY:
+            out.update({f"ledger/grad_norm_per_layer/{g}": x for g, x in v.items()})
+        elif k != "step" and v is not None:
+            out[f"ledger/{k}"] = float(v)
+    return out
