@@ -366,7 +366,9 @@ def run(argv: list[str]) -> None:
         trainer.close()
         if torch.distributed.is_initialized():
             if trained and is_ledger:  # CHANGED from torchtitan: every rank's rows are on disk
-                torch.distributed.barrier()
+                # NCCL warns about guessing the device unless it is named
+                ids = [torch.cuda.current_device()] if backend.installed() == "cuda" else None
+                torch.distributed.barrier(device_ids=ids)
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
         if trained and is_ledger and _rank() == 0:  # CHANGED from torchtitan
