@@ -191,6 +191,8 @@ class Probe:
         for name in dir(type(ledger)):
             if name.startswith("_"):
                 continue
+            if isinstance(inspect.getattr_static(ledger, name, None), property):
+                continue
             meth = getattr(ledger, name, None)
             if not inspect.ismethod(meth):
                 continue
@@ -359,7 +361,7 @@ def compare(row: dict, ref: dict, exact: bool) -> dict:
     # debug run with clipping active; see the pack's report)
     tol = ({"loss": 1e-4, "grad_norm": 2e-4, "grad_norm_clipped": 1e-4, "param_norm": 1e-4, "max_logit": 1e-4}
            if exact else
-           {"loss": 1e-2, "grad_norm": 5e-2, "grad_norm_clipped": 5e-2, "param_norm": 1e-4, "max_logit": 3e-2})
+           {"loss": 1e-2, "grad_norm": 5e-2, "grad_norm_clipped": 5e-2, "param_norm": 1e-4, "max_logit": 5e-2})
     out, ok = {}, True
     for key, t in tol.items():
         got, want = row.get(key), ref[key]
