@@ -127,7 +127,7 @@ class SignalRecorder:
             loc[_FIXED:] = sums["grad_sq"].double()
         if topo.world > 1:
             table = torch.empty(topo.world * loc.numel(), dtype=torch.float64, device=dev)
-            dist.all_gather_into_tensor(table, loc)  # the step's one collective
+            dist.all_gather_single(table, loc)  # the step's one collective (all_gather_into_tensor)
             table = table.view(topo.world, -1)
         else:
             table = loc.view(1, -1)

@@ -1,15 +1,13 @@
-"""Spike rules (on-device code run on CPU) and the diagnosis tree on synthetic ledgers."""
+"""diagnose: the decision tree on synthetic ledgers, and the CLI on real files."""
 
 from __future__ import annotations
 
-import math
+import json
 import random
 
 import pytest
-import torch
-
-from titan_ledger.diagnose import classify
-from titan_ledger.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
+from titan_ledger import records
+from titan_ledger.diagnose import classify, main
 
 T = 80  # the spike step of every synthetic ledger
 
@@ -81,36 +79,28 @@ def test_each_cause_is_named_with_its_numbers(cause):
         assert got["checks"][1]["max_logit"] >= 100 and got["checks"][1]["max_logit_slope"] > 1
 
 
-def test_rules_flag_spikes_and_nan_and_keep_the_window_clean():
-    rows = ledger(300)
-    rows[200].update(loss=4.8, grad_norm=9.0)
-    rows[250]["loss"] = float("nan")
-    events = detect_offline(rows, SpikeDetector.Config())
-    assert [e["step"] for e in events] == [201, 251]
-    assert set(events[0]["rules"]) == {"zscore_loss", "zscore_grad_norm", "ratio"}
-    assert events[1]["rules"] == ["non_finite"]
-    # the flagged value never entered the window: the mean is unaffected
-    assert abs(events[1]["grad_norm_mean"] - 1.0) < 0.02
 
 
-def test_rules_wait_for_half_a_window_and_can_be_switched_off():
-    det = SpikeDetector(SpikeDetector.Config(window=8))
-    for i in range(3):
-        assert det.step(torch.tensor(2.0), torch.tensor(1.0 + 0.01 * i))[0] == 0
-    assert det.step(torch.tensor(50.0), torch.tensor(50.0))[0] == 0  # only 3 < 4 steps seen
-    off = SpikeDetector(SpikeDetector.Config(window=8, zscore=0, ratio=0))
-    for i in range(8):
-        off.step(torch.tensor(2.0 + 0.01 * i), torch.tensor(1.0))
-    stats = off.step(torch.tensor(50.0), torch.tensor(50.0)).tolist()
-    assert stats[0] == 0 and len(stats) == len(STAT_KEYS)
-    assert describe(off.step(torch.tensor(math.inf), torch.tensor(1.0)).tolist())["rules"] == ["non_finite"]
+def _write(folder, rows):
+    w = records.RecordWriter(folder / "signals.jsonl", {"schema": records.SIGNALS_SCHEMA, "run_id": "a",
+                                                       "resumed_from": 0, "seq": 1})
+    for r in rows:
+        w.write({**{k: None for k in records.SIGNAL_KEYS}, **r})
+    w.close()
 
 
-def test_detector_state_round_trip():
-    a = SpikeDetector(SpikeDetector.Config(window=16))
-    for i in range(10):
-        a.step(torch.tensor(2.0 + 0.01 * i), torch.tensor(1.0))
-    b = SpikeDetector(SpikeDetector.Config(window=16))
-    b.load_state_dict(a.state_dict())
-    x = (torch.tensor(3.0), torch.tensor(4.0))
-    assert torch.equal(a.step(*x), b.step(*x))
+def test_cli_finds_the_spike_offline_and_names_the_rank(tmp_path, capsys):
+    (tmp_path / "ledger").mkdir()
+    _write(tmp_path / "ledger", make("bad_data"))
+    assert main([str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in out["spikes"]] == [T] and out["spikes"][0]["rank"] == 3
+
+
+@pytest.mark.parametrize("content", [b"", b'{"schema": "titan_ledger.signals/1", "run_id": "a"}\n'])
+def test_a_run_that_died_before_its_first_step_is_an_error(tmp_path, capsys, content):
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "signals.jsonl").write_bytes(content)
+    assert main(["--dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "signals.jsonl" in err and "no spikes detected" not in err

@@ -1,0 +1,45 @@
+"""SpikeGuard in-process: a flagged row becomes an event in both event logs; rewinds
+are recorded; events survive a later segment."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_ledger import records
+from titan_ledger.guard import SpikeGuard
+from titan_ledger.reader import RunLedger
+from titan_ledger.spikes import SpikeDetector
+from titan_ledger.topology import Topology
+
+
+def _row(step, loss, gn):
+    return {"step": step, "loss": loss, "grad_norm": gn, "loss_max": loss, "loss_max_rank": 1, "max_logit": 1.0}
+
+
+def test_flags_become_events_and_rewinds_are_recorded(tmp_path):
+    led = tmp_path / "ledger"
+    g = SpikeGuard(Topology.single(), SpikeDetector.Config(window=8), "rollback")
+    g.open(led, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    for step in range(1, 10):
+        loss, gn = (2.0, 1.0 + 0.01 * (step % 3)) if step < 9 else (5.0, 40.0)
+        stats = g.observe(torch.tensor(loss, dtype=torch.float64), torch.tensor(gn, dtype=torch.float64))
+        assert g.flag_now() == (step == 9)
+        g.on_row(_row(step, loss, gn), stats.tolist())
+    g.record_rewind(from_step=9, to_step=4, window=(5, 9))
+    g.close()
+    g2 = SpikeGuard(Topology.single(), SpikeDetector.Config(window=8), "rollback")
+    g2.open(led, records.Header(schema="", run_id="r.r1", seq=2, resumed_from=4))
+    g2.close()
+    run = RunLedger(tmp_path)
+    ev = run.spike_events()
+    assert [e["step"] for e in ev] == [9] and ev[0]["action"] == "rollback" and ev[0]["loss_max_rank"] == 1
+    assert "ratio" in ev[0]["rules"] and g.flagged == 1
+    assert run.rejected_steps() == [9]
+    assert run.rewinds() == [{"step": 9, "rewind_to": 4, "skip_window": [5, 9], "action": "rollback"}]
+
+
+def test_other_ranks_write_no_event_files(tmp_path):
+    g = SpikeGuard(Topology(world=2, rank=1, dp_size=2, dp_rank=1, dp_rank_of=(0, 1)), SpikeDetector.Config(), "none")
+    g.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    g.close()
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,60 @@
+"""SignalRecorder in-process: rows, the device->host discipline, (one process; the multi-rank
+cost test is tests/multiproc/test_recorder_costs.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from titan_ledger import records
+from titan_ledger.recorder import NonFiniteLoss, SignalRecorder
+from titan_ledger.signals import ParamPlan
+from titan_ledger.topology import Topology
+
+def _recorder(topo, model, per_layer=False):
+    plan = ParamPlan.build(model.named_parameters(), topo.world, 1,
+                           None if not per_layer else None)
+    return SignalRecorder(topo, device=torch.device("cpu"), plan=plan, attn=[], per_layer=per_layer,
+                          max_logit=True, max_norm=1.0, global_batch=8, seq_len=4)
+
+
+def test_rows_from_a_single_process(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    rec = _recorder(Topology.single(), model)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    reduced, loss = rec.reduce(local_loss_sum=torch.tensor(6.0), local_tokens=4, grad_norm=gn)
+    assert float(loss) == 1.5
+    rec.queue(step=1, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    rec.drain(block=False)
+    rec.close()
+    row = records.read_ledger(tmp_path / "signals.jsonl", records.SIGNALS).history[0]
+    assert set(row) == set(records.SIGNAL_KEYS)
+    assert row["loss"] == 1.5 and row["loss_max_rank"] == 0 and row["consumed_tokens"] == 4
+    assert row["consumed_samples"] == 8 and row["grad_norm"] == float(gn)
+    assert math.isclose(row["grad_norm_clipped"], min(1.0, float(gn)), rel_tol=1e-6)  # clip coef has eps 1e-6
+    assert row["num_zeros"] == sum(int((p.grad == 0).sum()) for p in model.parameters())
+    assert math.isclose(row["param_norm"], float(torch.cat([p.detach().flatten() for p in model.parameters()]).norm()),
+                        rel_tol=1e-6)
+    assert row["max_logit"] == float("-inf")  # no attention recorders in this model
+    assert records.read_ledger(tmp_path / "rank0.jsonl", records.RANK).history == [{"step": 1, "loss": 1.5, "tokens": 4}]
+
+
+def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    rec = _recorder(Topology.single(), model)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    reduced, _ = rec.reduce(local_loss_sum=torch.tensor(float("nan")), local_tokens=2, grad_norm=torch.tensor(1.0))
+    rec.queue(step=3, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    try:
+        rec.drain(block=True)
+        raise AssertionError("a NaN loss must stop training")
+    except NonFiniteLoss as e:
+        assert "step 3" in str(e)
+    rec.close()
+    assert math.isnan(records.read_ledger(tmp_path / "signals.jsonl").history[0]["loss"])
