@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from titan_ledger import records
-from titan_ledger.signals import ParamPlan, clipped_norm, local_sums
+from titan_ledger.signals import ParamPlan, clip_coef, local_sums
 from titan_ledger.topology import Topology
 
 # columns of the local vector every rank contributes to the all-gather
@@ -136,10 +136,13 @@ class SignalRecorder:
         tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, table[:, _TOK])
         self._consumed_tokens = self._consumed_tokens + tok_by_dp.sum()
         gn = grad_norm.detach().double().reshape(1)
+        coef = clip_coef(gn, self.max_norm)
+        # the gradients were read after the clip: per-layer sums of squares are
+        # scaled back to their pre-clip values (the global norm is the clip's own)
         reduced = torch.cat([
             loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
-            table[:, _LOGIT].amax().reshape(1), gn, clipped_norm(gn, self.max_norm),
-            self._consumed_tokens.reshape(1), table[:, _FIXED:].sum(0)])
+            table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
+            self._consumed_tokens.reshape(1), table[:, _FIXED:].sum(0) / coef.square()])
         return reduced, loss_by_dp.sum() / tok_by_dp.sum()
 
     def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,

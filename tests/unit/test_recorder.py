@@ -58,3 +58,28 @@ def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
         assert "step 3" in str(e)
     rec.close()
     assert math.isnan(records.read_ledger(tmp_path / "signals.jsonl").history[0]["loss"])
+
+
+
+def test_per_layer_norms_are_pre_clip_although_read_after_the_clip(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    (model(torch.randn(8, 3)) * 50).sum().backward()
+    pre = {n: float(p.grad.double().norm()) for n, p in model.named_parameters()}
+    plan = ParamPlan.build(model.named_parameters(), 1, 1)
+    plan = ParamPlan.build(model.named_parameters(), 1, 1, plan.groups)
+    rec = SignalRecorder(Topology.single(), device=torch.device("cpu"), plan=plan, attn=[], per_layer=True,
+                         max_logit=False, max_norm=1.0, global_batch=8, seq_len=4)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the trainer does
+    assert float(gn) > 10  # the clip is active
+    reduced, _ = rec.reduce(local_loss_sum=torch.tensor(1.0), local_tokens=1, grad_norm=gn)
+    rec.queue(step=1, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    rec.drain(block=True)
+    rec.close()
+    row = records.read_ledger(tmp_path / "signals.jsonl").history[0]
+    per_layer = row[records.PER_LAYER_KEY]
+    for group in ("0", "1"):
+        want = math.sqrt(sum(v * v for n, v in pre.items() if n.startswith(group + ".")))
+        assert math.isclose(per_layer[group], want, rel_tol=1e-5), (group, per_layer[group], want)
+    assert math.isclose(row["grad_norm"], math.sqrt(sum(v * v for v in pre.values())), rel_tol=1e-5)
