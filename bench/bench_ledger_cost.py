@@ -1,47 +1,50 @@
 """The ledger's cost per training step, measured so that a 2% difference is visible.
 
-    python bench/bench_ledger_cost.py [--rounds 12] [--steps 14] [--warmup 3] [--json FILE]
+    python bench/bench_ledger_cost.py [--repeats 12] [--steps 16] [--warmup 3] [--snapshot] [--json FILE]
 
 Two instruments, both on titan_ledger's ``debug_cpu`` config (llama3 debugmodel,
 bundled corpus, 4 x 256 tokens per step) in **one process, world size 1** (no
-torchrun, no gloo collectives: the ledger's two all-reduces are skipped at world
-size 1), one intra-op thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``),
-pinned to one CPU (``--cpu``, default the last one). Every run is a fresh
-subprocess of this script (``--worker``) that builds the trainer with
-``titan_ledger.train.load_config`` + ``config.build()`` and times
-``trainer.train_step`` from the outside.
+torchrun; the ledger's collective is skipped at world size 1), one intra-op thread
+(``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), pinned to one CPU (``--cpu``,
+default the last one). Every repeat is a fresh subprocess of this script
+(``--worker``) that builds the trainers with ``titan_ledger.train.load_config`` +
+``config.build()``, runs each trainer's own ``train()`` in a thread, and times
+``trainer.train_step`` from the outside. A baton lets exactly one trainer run at a time
+and hands over only at step boundaries, so the trainers' steps interleave (A B B A A B
+...) and the process CPU time of a step is that step's alone. Everything is CPU time:
+time spent waiting for a core on a loaded machine does not enter it (contention for
+caches and memory bandwidth still does: that is the noise left, see the spread).
 
-(a) Direct. One LedgerTrainer run. Before titan_ledger is imported,
+(a) Direct. One LedgerTrainer. Before titan_ledger is imported,
 ``torch.profiler.record_function`` is replaced by a subclass that still opens the
 profiler range and also adds the **thread CPU time** (``time.thread_time``) of every
-outermost ``titan_ledger.<component>`` span to a per-component counter. The
-per-step sums are divided by the step's **process CPU time** (``time.process_time``
-around ``train_step``). This is CPU time, so a loaded machine (time spent waiting for
-a core) does not enter it, and it costs two clock reads per span instead of a
-profiler's per-op events. A component whose span never opened is reported as
-``absent`` (not 0): the spans are the product's to add. ``--profiler`` also runs the
-same training under ``torch.profiler.profile(activities=[CPU])`` and reports the
-spans' self+children time (``cpu_time_total`` of the outermost events, which the
-profiler measures as wall time on the thread) against the ``bench.step`` range
-around each step: a cross-check that includes the profiler's own per-op overhead.
+outermost ``titan_ledger.<component>`` span to a per-component counter (and of the
+union of all of them, the total, so nested spans count once). The per-step sums are
+divided by the step's process CPU time. This costs two clock reads per span instead of
+a profiler's per-op events. A component whose span never opened is reported as
+``absent`` (not 0): the spans are the product's. ``--profiler`` adds a run under
+``torch.profiler.profile(activities=[CPU])`` and reports the spans' ``cpu_time_total``
+(self + children; the profiler measures it as wall time on the thread) against a
+``bench.step`` range around each step: a cross-check that includes the profiler's own
+per-op overhead.
 
 (b) Paired. Stock torchtitan ``Trainer`` (``bench/stock_cpu.py``: its own
 ``train_step``, torchtitan's text loader, no ledger) against ``LedgerTrainer`` with
-every default feature on. ``--rounds`` rounds, each runs both variants back to back
-in fresh processes, the order alternating (AB, BA, AB, ...) so a drift of the
-machine's state hits both alike. A run's value is the median per-step process CPU
-time of its steps after ``--warmup``. A round's value is the ratio ledger / stock;
-the reported ratio is the geometric mean over rounds, with a 95% t interval on
-the mean log ratio and a 95% bootstrap (percentile, 10000 resamples over rounds)
-interval; spread is the rounds' min/max and standard deviation. The CI half-width
-is the smallest ledger cost the instrument resolves at that number of rounds.
+every default feature on, both in the same process, steps interleaved as above;
+``--repeats`` fresh processes, the build order and first step alternating. A repeat's
+value is the ratio of the two trainers' median step CPU time after ``--warmup`` steps.
+The reported ratio is the geometric mean over repeats, with a 95% t interval on the
+mean log ratio and a 95% bootstrap (percentile, 10000 resamples over repeats)
+interval; spread is the repeats' min/max and standard deviation. The interval's
+half-width is the smallest cost the instrument resolves at that number of repeats.
 
 ``--json FILE`` writes everything (per-step values included); ``--only direct`` /
-``--only paired`` runs one instrument; ``--variants`` adds
-``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` to the paired
-rounds, and ``stock_busy``, the calibration: the stock Trainer plus ``--busy-ms`` of
-CPU time spun after every step (11 ms is ~2% of a step here); the instrument must
-report stock_busy / stock at 1 + busy / step.
+``--only paired`` runs one instrument; ``--snapshot`` measures the committed HEAD (a
+``git archive`` copy) instead of a working tree others may be editing; ``--variants``
+adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` to the
+paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
+``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
+instrument must report stock_busy / stock at 1 + busy / step.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKER_ROOT = ROOT  # where the workers import titan_ledger and the bench from (--snapshot: a copy of HEAD)
 
 COMPONENTS = ("signals", "max_logit", "spike_rules", "tagging", "data_write", "drain")
 SPAN_PREFIX = "titan_ledger."
@@ -288,6 +292,7 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
     result = {"trainers": [{"name": e["name"], "class": type(t).__name__, "steps": r}
                            for e, t, r in zip(spec["trainers"], trainers, records)],
               "span_counts": span_counts, "num_threads": torch.get_num_threads(),
+              "titan_ledger": str(Path(sys.modules["titan_ledger"].__file__).parent),
               "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
     if profs:
         result["profiler"] = _profiler_spans(profs[0], args.warmup)
@@ -333,7 +338,7 @@ def run_one(variants: list[str], steps: int, cpu: int | None, warmup: int, spans
              "args": [*VARIANTS[v], *COMMON, "--training.steps", str(steps), "--dump_folder", f"{out}/{v}"]}
             for v in variants]}
         (Path(out) / "spec.json").write_text(json.dumps(spec))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", f"{out}/spec.json",
+        cmd = [sys.executable, str(WORKER_ROOT / "bench" / "bench_ledger_cost.py"), "--worker", "--spec", f"{out}/spec.json",
                "--out", str(res), "--warmup", str(warmup)]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
@@ -343,9 +348,9 @@ def run_one(variants: list[str], steps: int, cpu: int | None, warmup: int, spans
             cmd.append("--profiler")
         env = dict(os.environ, TITAN_LEDGER_DEVICE="cpu", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([str(WORKER_ROOT), os.environ.get("PYTHONPATH", "")]))
         w0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=WORKER_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not res.exists():
             sys.exit(f"run of {variants} failed: rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
                      f"--- stderr\n{proc.stderr[-6000:]}")
@@ -478,6 +483,7 @@ def print_report(rep: dict) -> None:
     cfg = rep["setup"]
     print(f"# titan_ledger cost: debug_cpu, world size 1, 1 thread, cpu {cfg['cpu']}, "
           f"{cfg['nproc']} CPUs, load average {cfg['loadavg_before']} -> {cfg.get('loadavg_after')}")
+    print(f"# code: {cfg['code']}")
     if "direct" in rep:
         d = rep["direct"]
         print(f"\n(a) direct: LedgerTrainer, {d['steps']} steps kept, step CPU {d['step_cpu_s_median'] * 1e3:.1f} ms "
@@ -527,6 +533,21 @@ def print_report(rep: dict) -> None:
                 print(f"  calibration: {s['busy_ms']:g} ms/step added, expected cpu ratio {s['expected_cpu_ratio']:.4f}")
 
 
+def _code_version() -> str:
+    """The commit the runs import titan_ledger from, and whether titan_ledger/ differs from it
+    (other people's uncommitted edits change the product between repeats)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "titan_ledger"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"{ROOT} (no git)"
+    if not head:
+        return f"{ROOT} (not a git checkout)"
+    return f"{head}{' + uncommitted titan_ledger/ edits' if dirty else ''} ({ROOT})"
+
+
 def main() -> None:
     argv = sys.argv[1:]
     train_args: list[str] = []
@@ -534,9 +555,9 @@ def main() -> None:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=8,
+    ap.add_argument("--repeats", type=int, default=12,
                     help="paired repeats: fresh processes, each training stock and ledger interleaved")
-    ap.add_argument("--steps", type=int, default=20, help="training steps of each trainer per repeat")
+    ap.add_argument("--steps", type=int, default=16, help="training steps of each trainer per repeat")
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped from each run")
     ap.add_argument("--direct-steps", type=int, default=20, help="training steps of the direct run")
     ap.add_argument("--profiler", action="store_true", help="direct: also a torch.profiler run (cross-check)")
@@ -548,6 +569,9 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=None, help="pin the runs to this CPU (default: the last one)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the runs to one CPU")
     ap.add_argument("--json", default=None, help="also write the full report as JSON to this file")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="run the committed HEAD (git archive into a temporary folder), not the working "
+                         "tree: uncommitted edits by others cannot change the product between repeats")
     # worker mode (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -560,6 +584,18 @@ def main() -> None:
     for v in args.variants:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    global WORKER_ROOT
+    snapshot_dir = None
+    code = _code_version()
+    if args.snapshot:
+        snapshot_dir = tempfile.TemporaryDirectory(prefix="bench_ledger_cost_")
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", snapshot_dir.name], input=archive, check=True)
+        WORKER_ROOT = Path(snapshot_dir.name)
+        code = f"{head} (snapshot of HEAD in {WORKER_ROOT})"
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if args.no_pin:
         args.cpu = None
@@ -568,7 +604,8 @@ def main() -> None:
     rep: dict = {"setup": {"cpu": args.cpu, "nproc": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
                            "repeats": args.repeats, "direct_steps": args.direct_steps,
                            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
-                           "command": " ".join([Path(sys.executable).name, *sys.argv])}}
+                           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                           "code": code}}
     if args.only in (None, "direct"):
         rep["direct"] = direct(args)
     if args.only in (None, "paired"):
@@ -577,6 +614,8 @@ def main() -> None:
     print_report(rep)
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))
+    if snapshot_dir is not None:
+        snapshot_dir.cleanup()
 
 
 if __name__ == "__main__":
