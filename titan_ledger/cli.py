@@ -19,6 +19,18 @@ from typing import Callable
 from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line
 
 
+class ToolParser(argparse.ArgumentParser):
+    """argparse, but a usage error is ONE stderr line (``prog: error: ... (see --help)``)
+    and exit 2, like every other bad input; ``--help`` is unchanged."""
+
+    def error(self, message: str):  # type: ignore[override]
+        prog = self.prog.removeprefix("python -m ").split()[0]
+        sub = self.prog.split()[-1] if " " in self.prog.removeprefix("python -m ") else ""
+        hint = f"python -m {prog}{' ' + sub if sub else ''} --help"
+        print(f"{prog}: error: {message} (see {hint})", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
 def add_dump_folder(ap: argparse.ArgumentParser, positional: bool = True) -> None:
     """``[DUMP] | --dump-folder DUMP | --dump_folder DUMP`` and ``--ledger-folder``."""
     if positional:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from titan_ledger import records
-from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import LedgerError
 from titan_ledger.reader import RunLedger
 from titan_ledger.spikes import SpikeDetector, detect_offline
@@ -183,7 +183,7 @@ def spike_steps(led: RunLedger) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_ledger.diagnose",
+    ap = ToolParser(prog="python -m titan_ledger.diagnose",
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from titan_ledger.data.layout import RowTag
-from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import LedgerError
 from titan_ledger.reader import DataLedger, RunLedger
 
@@ -80,7 +80,7 @@ def describe(tags: list[RowTag], text: TextSource | None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ToolParser(
         prog="python -m titan_ledger.lookup", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="Examples:" + __doc__.split("Examples::", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)

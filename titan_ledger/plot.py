@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.reader import RunLedger
 
 PANELS = (("loss", "loss", ("loss", "loss_max")), ("pre-clip grad norm", "log", ("grad_norm",)),
@@ -92,7 +92,7 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_ledger.plot",
+    ap = ToolParser(prog="python -m titan_ledger.plot",
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog="Examples:" + __doc__.split("Examples::", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

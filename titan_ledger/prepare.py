@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_ledger.data.indexed import IndexedWriter, token_dtype
+from titan_ledger.cli import ToolParser
 from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError, fail_line
 
 PROG = "titan_ledger.prepare"
@@ -212,7 +213,7 @@ def prepare(inputs: list[str], prefix: str, *, tokenizer=None, tokenizer_dir: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ToolParser(
         prog="python -m titan_ledger.prepare",
         description="Tokenize JSONL / Parquet / HF datasets text into a Megatron .bin/.idx corpus.",
         epilog=__doc__.split("Examples::", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)

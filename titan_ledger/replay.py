@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_ledger import records
-from titan_ledger.cli import run_tool
+from titan_ledger.cli import ToolParser, run_tool
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError, TitanLedgerError
 from titan_ledger.reader import DataLedger, RunLedger, checkpoints
 
@@ -342,7 +342,7 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_args = _split_train_args(argv)
-    ap = argparse.ArgumentParser(prog="python -m titan_ledger.replay", description=__doc__.split("\n\n")[0],
+    ap = ToolParser(prog="python -m titan_ledger.replay", description=__doc__.split("\n\n")[0],
                                  epilog="Examples:" + __doc__.split("Examples::", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import LedgerError, PlanError
 from titan_ledger.reader import RunLedger
@@ -77,7 +77,7 @@ def existing_skips(led: RunLedger) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_ledger.rollback",
+    ap = ToolParser(prog="python -m titan_ledger.rollback",
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  epilog="Examples:" + __doc__.split("Examples::", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -59,10 +59,57 @@ def load_config(argv: list[str]):
     backend.install(job.device)
     config = parse(job)
     check_world_size(config, world_size_from_env(config))
+    check_plan(config, world_size_from_env(config))
     if config.comm.mode == "fake_backend" and backend.installed() == "cpu":
         # A dry run must not touch a GPU; it only builds.
         config.training.disable_cuda_graphs = True
     return config, job
+
+
+def dp_size_of(config, world_size: int) -> int:
+    """The data-parallel size the parallel degrees give for ``world_size`` ranks."""
+    p = config.parallelism
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        others = (p.data_parallel_replicate_degree * p.context_parallel_degree
+                  * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+        shard = max(1, world_size // max(1, others))
+    return p.data_parallel_replicate_degree * shard
+
+
+def check_plan(config, world_size: int) -> None:
+    """Checks of values against each other that tyro cannot make, before any process
+    group (so torchrun, ``titan_ledger.launch`` and the tests see the same line)."""
+    t = config.training
+    for key in ("steps", "local_batch_size", "seq_len"):
+        v = getattr(t, key, None)
+        if isinstance(v, int) and v < 1:
+            raise ConfigError(f"--training.{key} {v}: must be >= 1")
+    led = getattr(config, "ledger", None)
+    if led is not None:
+        from titan_ledger.data.layout import parse_skip_steps
+        from titan_ledger.ledger import parse_inject
+
+        late = [w for w in parse_skip_steps(led.skip_steps) if w[0] > t.steps]
+        if late and not led.auto_skip:
+            raise ConfigError(f"--ledger.skip_steps {late[0][0]}-{late[0][1]} starts after the last "
+                              f"step (--training.steps {t.steps}): it would skip nothing")
+        inj = parse_inject(led.inject)
+        dp = dp_size_of(config, world_size)
+        if inj is not None and inj[1] >= dp:
+            raise ConfigError(f"--ledger.inject {led.inject}: DP rank {inj[1]} does not exist (this "
+                              f"run has DP ranks 0-{dp - 1} on {world_size} processes)")
+        if inj is not None and inj[0] > t.steps:
+            raise ConfigError(f"--ledger.inject {led.inject}: step {inj[0]} is after the last step "
+                              f"(--training.steps {t.steps})")
+    ck = config.checkpoint
+    if ck.enable and ck.load_step not in (-1, None):
+        step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
+        if not (step_dir / ".metadata").is_file():
+            state = "is incomplete (no .metadata: killed while saving)" if step_dir.is_dir() \
+                else "does not exist"
+            raise ConfigError(f"--checkpoint.load_step {ck.load_step}: {step_dir} {state}; pick a "
+                              f"complete one (a step-N folder holding .metadata) or drop the flag")
 
 
 # --------------------------------------------------------------------------- #
