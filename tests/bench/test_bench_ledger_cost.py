@@ -98,7 +98,7 @@ def test_baton_runs_one_thread_at_a_time_in_schedule_order():
 def test_tiny_run_reports_both_instruments(tmp_path):
     out = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ledger_cost.py"), "--repeats", "1",
-                           "--steps", "3", "--warmup", "1", "--direct-steps", "3", "--json", str(out)],
+                           "--steps", "2", "--warmup", "1", "--direct-steps", "2", "--no-pin", "--json", str(out)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rep = json.loads(out.read_text())
