@@ -46,14 +46,19 @@ class DataLedgerWriter:
     def rows_written(self) -> int:
         return self._writer.rows if self._writer is not None else 0
 
-    def record(self, step: int, tags: list[RowTag], injected: str | None = None) -> None:
-        """This DP rank's rows of ``step``."""
+    def record(self, step: int, tags: list[RowTag], injected: str | None = None,
+               doc_loss: dict | None = None) -> None:
+        """This DP rank's rows of ``step``; ``doc_loss`` (DocLossTracker.decode) adds the
+        step's per-document summary: ``{"n", "n_valid", "median", "top", "bottom"}``
+        with entries ``[row, segment, loss_sum, tokens]`` indexing ``rows``."""
         if self._writer is None:
             return
         with record_function("titan_ledger.data_write"):
             row = {"step": step, "skipped": False, "rows": [t.to_json() for t in tags]}
             if injected:
                 row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
+            if doc_loss is not None:
+                row["doc_loss"] = doc_loss
             self._writer.write(row)
 
     def record_skip(self, *, first: int, last: int, info) -> None:

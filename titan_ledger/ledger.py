@@ -42,7 +42,7 @@ from titan_ledger import records
 from titan_ledger.attention import MaxLogitRecorder, forget_pp_metadata_inference
 from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
 from titan_ledger.data_writer import DataLedgerWriter
-from titan_ledger.errors import ConfigError
+from titan_ledger.errors import ConfigError, TitanLedgerError
 from titan_ledger.guard import SpikeGuard
 from titan_ledger.reader import RunLedger
 from titan_ledger.recorder import SignalRecorder
@@ -75,6 +75,17 @@ class Ledger(Configurable):
         per_layer: bool = False
         """Also record the pre-clip grad norm of each layer (``grad_norm_per_layer``)."""
 
+        doc_loss: bool = True
+        """Per-document loss: attribute each token's loss to its document segment (in the
+        loss torchtitan already computes; no extra forward) and write each DP rank's
+        ``doc_loss_k`` highest- and lowest-loss segments per step to the data ledger."""
+
+        doc_loss_k: int = 4
+        """Segments kept per DP rank and step at each end (highest and lowest mean loss)."""
+
+        doc_loss_min_tokens: int = 16
+        """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
+
         folder: str = "ledger"
         """Ledger folder, relative to ``dump_folder``."""
 
@@ -90,6 +101,13 @@ class Ledger(Configurable):
         allow_data_change: bool = False
         """Resume even if the checkpoint's data fingerprint (source, tokenizer,
         seq_len, seed) differs from this run's."""
+
+        new_run: bool = False
+        """A dump folder belongs to one run configuration: a launch whose data layout
+        (seq_len, global batch, data fingerprint) differs from the run already recorded
+        in ``dump_folder`` is refused, unless this is set; then the old ledger and
+        checkpoint folders are renamed ``<folder>.old-<n>`` and a new run starts. A
+        relaunch of the new run (same layout) resumes it as usual, flag or not."""
 
         spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)
         """Spike rules on loss and grad norm (on device, every step)."""
@@ -130,6 +148,9 @@ class Ledger(Configurable):
             for name in ("rollback_back", "max_rollbacks"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.{name} must be >= 0, got {getattr(self, name)}")
+            if self.doc_loss_k < 1 or self.doc_loss_min_tokens < 1:
+                raise ConfigError(f"--ledger.doc_loss_k and --ledger.doc_loss_min_tokens must be >= 1 "
+                                  f"(got {self.doc_loss_k}, {self.doc_loss_min_tokens})")
             if self.rollback_skip < 1:
                 raise ConfigError(f"--ledger.rollback_skip must be >= 1, got {self.rollback_skip}")
             if not self.folder or Path(self.folder).is_absolute() or ".." in Path(self.folder).parts:
@@ -149,6 +170,8 @@ class Ledger(Configurable):
         self.rewinds = 0
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
+        self._step_tags: tuple[list[RowTag], str | None] | None = None
+        self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -186,10 +209,30 @@ class Ledger(Configurable):
         if self.inject is not None and self.inject[0] > steps:
             raise ConfigError(f"--ledger.inject {cfg.inject}: step {self.inject[0]} is after the last "
                               f"step (--training.steps {steps})")
-        # one run id for all ranks (rank 0's) and the next segment number, agreed once
-        agreed = [uuid.uuid4().hex[:12], records.next_seq(self.folder) if topo.is_rank0 else 0]
+        # rank 0 checks that the dump folder holds this run (or moves another run aside);
+        # then one run id for all ranks (rank 0's) and the next segment number, agreed once
+        claim_error = None
+        if topo.is_rank0 and trainer.config.comm.mode != "fake_backend":
+            layout = {"seq_len": trainer.config.training.seq_len, "global_batch": self.global_batch}
+            if self.loader is not None:
+                layout["fingerprint"] = self.loader.fingerprint
+            try:
+                moved = claim_dump_folder(trainer.config.dump_folder, cfg.folder, layout,
+                                          new_run=cfg.new_run, allow_data_change=cfg.allow_data_change,
+                                          checkpoint_folder=trainer.config.checkpoint.folder)
+                if moved:
+                    from torchtitan.tools.logging import logger
+
+                    logger.warning(f"titan_ledger: --ledger.new_run: the earlier run of another layout "
+                                   f"was moved aside to {', '.join(moved)}")
+            except ConfigError as e:
+                claim_error = str(e)
+        agreed = [uuid.uuid4().hex[:12], records.next_seq(self.folder) if topo.is_rank0 else 0,
+                  claim_error]
         if dist.is_initialized():
             dist.broadcast_object_list(agreed, src=0)
+        if agreed[2] is not None:  # every rank stops with rank 0's line
+            raise ConfigError(agreed[2])
         self.run_id, self._seq = agreed[0], int(agreed[1]) - 1
         self.config_digest = _digest(trainer.config)
         if self.loader is not None and self.loader.tagging:
@@ -218,7 +261,8 @@ class Ledger(Configurable):
         self.recorder = SignalRecorder(
             topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
             max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
-            global_batch=self.global_batch, seq_len=trainer.config.training.seq_len)
+            global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
+            doc_loss=self.doc_loss)
         if cfg.spike.enable:
             self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike, self.device)
         self._apply_state()
@@ -264,9 +308,11 @@ class Ledger(Configurable):
             reduced, loss = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
                                                  grad_norm=grad_norm)
         stats = self.guard.observe(loss, grad_norm) if self.guard is not None else None
+        tags, injected = self._step_tags or (None, None)
+        self._step_tags = None
         with record_function("titan_ledger.signals"):
             self.recorder.queue(step=step, reduced=reduced, extra=stats, lr=lr, step_start=step_start,
-                                data_loading_s=data_loading_s)
+                                data_loading_s=data_loading_s, tags=tags, injected=injected)
 
     def spike_flag_now(self) -> bool:
         return self.guard.flag_now() if self.guard is not None else False
@@ -283,20 +329,28 @@ class Ledger(Configurable):
 
             def on_row(row, stats):
                 guard.on_row(row, stats, metrics_logger)
-        self.recorder.drain(block, metrics_logger, on_row)
+        self.recorder.drain(block, metrics_logger, on_row,
+                            self.data.record if self.data is not None else None)
 
     # ------------------------------------------------------------------ data ledger, skips
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         return window_at(self.skip_windows, step)
 
     def record_data(self, step: int, tags: list[RowTag], injected: str | None = None) -> None:
-        if self.data is not None:
+        """This DP rank's rows of ``step``. With signals on, the row is written when the
+        step's signals are (a step late on GPU), carrying its per-document losses."""
+        if self.data is None or not self.data.active:
+            return
+        if self.recorder is not None:
+            self._step_tags = (tags, injected)
+        else:
             self.data.record(step, tags, injected)
 
     def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
                     metrics_logger=None) -> None:
         """A skipped window: data consumed, no forward/backward, no update; one data row
         per DP rank and one signals row for the whole window."""
+        self.drain(block=True, metrics_logger=metrics_logger)  # rows stay in step order
         if self.data is not None:
             self.data.record_skip(first=first, last=last, info=info)
         if self.recorder is not None:
@@ -343,6 +397,53 @@ class Ledger(Configurable):
         det = self._state.get("spike_detector")
         if self.guard is not None and det:
             self.guard.load_state_dict(json.loads(det))
+
+
+#: the data-ledger header keys that make a run's data layout (``claim_dump_folder``)
+LAYOUT_KEYS = {"seq_len": "--training.seq_len",
+               "global_batch": "--training.local_batch_size x DP size x gradient accumulation",
+               "fingerprint": "the data fingerprint: source, tokenizer, seq_len, seed"}
+
+
+def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *, new_run: bool = False,
+                      allow_data_change: bool = False, checkpoint_folder: str = "checkpoint") -> list[str]:
+    """A dump folder belongs to one run configuration (rank 0, at setup).
+
+    Reads the run already in ``dump_folder`` through :class:`RunLedger` (the latest
+    data-ledger header) and compares its layout with ``layout`` (:data:`LAYOUT_KEYS`).
+    Same layout: a resume, nothing to do. Another layout: ``ConfigError`` naming the
+    folder, the key and the fix -- or, with ``new_run``, the ledger and checkpoint
+    folders are renamed ``<name>.old-<n>`` (returned) so runs are never mixed.
+    ``allow_data_change`` accepts the change (a deliberate resume on other data).
+    A folder without a readable data ledger has no layout to compare.
+    """
+    dump = Path(dump_folder)
+    folder = dump / ledger_folder
+    if not folder.is_dir() or allow_data_change:
+        return []
+    try:
+        old = RunLedger(dump, ledger_folder).data.header()
+    except TitanLedgerError:
+        return []
+    diff = next(((k, old.get(k), layout[k]) for k in LAYOUT_KEYS
+                 if layout.get(k) is not None and old.get(k) is not None and old.get(k) != layout[k]),
+                None)
+    if diff is None:
+        return []
+    key, was, now = diff
+    if not new_run:
+        raise ConfigError(
+            f"{dump}: holds a run with {key} {was!r}, this run has {now!r} ({LAYOUT_KEYS[key]}); a "
+            f"dump folder belongs to one run: use another --dump_folder, or pass --ledger.new_run "
+            f"to move the old {ledger_folder}/ and {checkpoint_folder}/ aside ({ledger_folder}.old-N) "
+            f"and start a new run there")
+    moved = [p for p in (folder, dump / checkpoint_folder) if p.exists()]
+    n = 1
+    while any(p.with_name(f"{p.name}.old-{n}").exists() for p in moved):
+        n += 1
+    for p in moved:
+        p.rename(p.with_name(f"{p.name}.old-{n}"))
+    return [str(p.with_name(f"{p.name}.old-{n}")) for p in moved]
 
 
 def _digest(config) -> str:

@@ -90,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, help="only this DP rank")
     ap.add_argument("--text", action="store_true", help="decode each segment's text")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--top", type=int, metavar="K",
+                    help="with --step: the K highest-loss documents of the step across DP ranks "
+                         "(and the K lowest: repeated text gives a very low loss), from the "
+                         "per-document losses the run recorded")
     a = parse_args(ap, argv)
+    if a.top is not None and (a.step is None or a.top < 1):
+        ap.error("--top K needs --step T and K >= 1")
     if (a.step is None) == (a.sample is None):
         ap.error("give exactly one of --step or --sample")
     return run_tool("titan_ledger.lookup", lambda: _main(a))
@@ -111,6 +117,12 @@ def _main(a) -> int:
     ranks = [a.rank] if a.rank is not None else ledger.ranks_at(a.step)
     got = {r: ledger.at(a.step, r) for r in ranks}
     missing = [r for r, g in got.items() if g is None]
+    lost = ledger.missing_ranks(a.step) if a.rank is None and got else []
+    if lost:  # never show a partial step as if it were the whole step
+        names = ", ".join(str(ledger.folder / f"data_dp{r}.jsonl") for r in lost)
+        raise LedgerError(f"{names}: no row for step {a.step}, but the run had {len(lost) + len(got)} "
+                          f"DP ranks (the file is missing, empty or cut); restore it, or pass --rank "
+                          f"{min(got)} to see the ranks that have it")
     if not got or missing:
         raise LedgerError(f"{ledger.folder}: no data for step {a.step}"
                           + (f" on DP rank(s) {missing}" if missing else "")
@@ -118,9 +130,19 @@ def _main(a) -> int:
     if ledger.torn:
         print(f"titan_ledger.lookup: warning: torn lines skipped in {ledger.folder} "
               f"(DP rank: lines {ledger.torn}); a kill -9 mid-write", file=sys.stderr)
+    if a.top is not None:
+        return _top(a, ledger, text)
     skipped = any(g.skipped for g in got.values())
     result = {"step": a.step, "skipped": skipped,
               "ranks": {str(r): describe(g.tags, text) for r, g in got.items()}}
+    # the per-document losses the run recorded (each rank's highest and lowest segments)
+    docs, median = ledger.doc_losses(a.step)
+    if median is not None:
+        result["median_segment_loss"] = median
+    for d in docs:
+        if str(d["dp_rank"]) in result["ranks"]:
+            row = result["ranks"][str(d["dp_rank"])][d["row"]]
+            row["segments"][d["segment"]].update(loss=d["loss"], tokens=d["tokens"])
     if a.json:
         print(json.dumps(result))
         return 0
@@ -130,11 +152,48 @@ def _main(a) -> int:
     for r, rows in result["ranks"].items():
         print(f"DP rank {r}")
         for row in rows:
-            spans = "  ".join(f"doc {s['doc']} [{s['start']}:{s['end']})" for s in row["segments"])
+            spans = "  ".join(f"doc {s['doc']} [{s['start']}:{s['end']})"
+                              + (f" loss {s['loss']:.3f}" if s.get("loss") is not None else "")
+                              for s in row["segments"])
             print(f"  sample {row['sample_id']:>8}  {row['source']}  {spans}")
             if a.text:
                 for s in row["segments"]:
                     print(f"    doc {s['doc']}: {s['text']!r}")
+    return 0
+
+
+def _top(a, ledger, text) -> int:
+    """``--top K``: the step's most extreme documents by mean loss, across DP ranks."""
+    docs, median = ledger.doc_losses(a.step)
+    if not docs:
+        raise LedgerError(f"{ledger.folder}: no per-document losses at step {a.step} (the run had "
+                          f"--ledger.doc_loss off, or the step was skipped)")
+    if a.rank is not None:
+        docs = [d for d in docs if d["dp_rank"] == a.rank]
+    ranked = sorted((d for d in docs if d["loss"] is not None), key=lambda d: -d["loss"])
+    high, low = ranked[:a.top], sorted(ranked, key=lambda d: d["loss"])[:a.top]
+    for d in high + low:
+        d["vs_median"] = d["loss"] / median if median else None
+        if text is not None or not a.json:
+            try:
+                src = text or TextSource(ledger)
+                d["text"] = src.text(d["source"], d["doc"], d["start"], d["end"])
+            except Exception as e:  # noqa: BLE001 - an excerpt is a convenience; say why not
+                d["text"] = None
+                d["text_error"] = f"{type(e).__name__}: {e}"
+    if a.json:
+        print(json.dumps({"step": a.step, "median_segment_loss": median, "highest": high, "lowest": low}))
+        return 0
+    print(f"step {a.step}: median segment loss {median:.4f} (median of the DP ranks' medians)")
+    for title, rows in (("highest loss", high), ("lowest loss", low)):
+        print(title)
+        for d in rows:
+            ratio = f"{d['vs_median']:.2f}x median" if d["vs_median"] else ""
+            print(f"  DP rank {d['dp_rank']}  {d['source']} doc {d['doc']} [{d['start']}:{d['end']})  "
+                  f"loss {d['loss']:.4f} over {d['tokens']} tokens  {ratio}")
+            if d.get("text"):
+                excerpt = d["text"].replace("\n", " ")
+                print(f"    {excerpt[:160]!r}{'...' if len(excerpt) > 160 else ''}")
     return 0
 
 

@@ -81,6 +81,12 @@ class RunLedger:
         led = records.read_ledger(path, records.SIGNALS)
         if not led.segments:
             raise LedgerError(f"{path}: empty (no header): the run died before its first step")
+        for row in led.history[:1] + led.history[-1:]:
+            lacking = [k for k in ("loss", "grad_norm", "lr", "skipped") if k not in row]
+            if lacking:
+                raise LedgerError(f"{path}: step {row['step']} has no {', '.join(lacking)}: not a "
+                                  f"signals row of this titan_ledger (was the file edited or "
+                                  f"written by another tool?)")
         return led
 
     def signal_rows(self) -> list[dict[str, Any]]:
@@ -180,6 +186,16 @@ class DataLedger:
                               f"first header; that rank's record is lost (was the folder copied "
                               f"while a run wrote it?)")
         self.torn = {r: n for r, n in torn.items() if n}
+        self._row_dp: dict[int, int] = {}  # id(row) -> the DP size of the segment that wrote it
+        for r, ss in segs.items():
+            for seg in ss:
+                dp = int(seg.header.get("dp_size") or 0)
+                for row in seg.rows:
+                    if not isinstance(row.get("rows", row.get("samples")), list):
+                        raise LedgerError(f"{self.files[r]}: step {row['step']} has neither 'rows' "
+                                          f"nor 'samples': not a data-ledger row of this titan_ledger "
+                                          f"(was the file edited?)")
+                    self._row_dp[id(row)] = dp
         self.history, self.superseded = records.resolve(segs)
         self.headers = {r: s[-1].header for r, s in segs.items()}
         self._by_step = {r: {row["step"]: row for row in h} for r, h in self.history.items()}
@@ -200,6 +216,26 @@ class DataLedger:
 
     def ranks_at(self, step: int) -> list[int]:
         return [r for r in sorted(self.history) if self._row(r, step) is not None]
+
+    def missing_ranks(self, step: int | None = None) -> list[int]:
+        """DP ranks whose record is missing: at ``step``, the ranks of the DP size that
+        ran it without a row there (a deleted, empty or cut file); without ``step``,
+        the ranks of the latest DP size with no file or no row at all."""
+        if step is None:
+            dp = int(self.header().get("dp_size") or 0)
+            return [r for r in range(dp) if not self.history.get(r)]
+        present = self.ranks_at(step)
+        dp = max((self._row_dp.get(id(self._row(r, step)), 0) for r in present), default=0)
+        return [r for r in range(dp) if r not in present]
+
+    def require_complete(self) -> None:
+        """LedgerError naming the files if a DP rank of the run has no record."""
+        missing = self.missing_ranks()
+        if missing:
+            names = ", ".join(str(self.folder / records.data_file(r)) for r in missing)
+            raise LedgerError(f"{names}: missing or without rows, but the run had "
+                              f"{self.header().get('dp_size')} DP ranks: that rank's record is lost "
+                              f"(restore the file from the run's dump folder)")
 
     def _row(self, r: int, step: int) -> dict | None:
         row = self._by_step[r].get(step)
@@ -228,6 +264,38 @@ class DataLedger:
         else:
             tags = [self.blend(hdr).tag(i) for i in self.step_ids(hdr, row["samples"][0], k, dp_rank)]
         return StepData(step, dp_rank, True, tags, (row["step"], row["last_step"]))
+
+    def doc_losses(self, step: int) -> tuple[list[dict[str, Any]], float | None]:
+        """The per-document losses recorded at ``step`` on every DP rank (each rank's
+        highest- and lowest-loss segments, ``--ledger.doc_loss_k`` of each), as dicts
+        with the segment's provenance, and the step's median segment loss (the median
+        of the DP ranks' medians). Empty when the run recorded none."""
+        out, medians = [], []
+        for r in self.ranks_at(step):
+            row = self._row(r, step)
+            dl = row.get("doc_loss") if row is not None and "last_step" not in row else None
+            if not dl:
+                continue
+            if dl.get("median") is not None:
+                medians.append(dl["median"])
+            tags = [RowTag.from_json(t) for t in row["rows"]]
+            seen = set()
+            for side in ("top", "bottom"):
+                for i, seg, loss_sum, tokens in dl.get(side, []):
+                    if (i, seg) in seen or i >= len(tags) or seg >= len(tags[i].segments):
+                        continue
+                    seen.add((i, seg))
+                    s = tags[i].segments[seg]
+                    out.append({"dp_rank": r, "row": i, "segment": seg, "sample_id": tags[i].sample_id,
+                                "source": tags[i].source, "doc": s.doc, "start": s.start, "end": s.end,
+                                "loss": loss_sum / tokens if tokens else None, "loss_sum": loss_sum,
+                                "tokens": tokens})
+        medians.sort()
+        median = None
+        if medians:
+            m = len(medians) // 2
+            median = medians[m] if len(medians) % 2 else (medians[m - 1] + medians[m]) / 2
+        return out, median
 
     def ids_at(self, step: int, dp_rank: int) -> tuple[int, ...]:
         """Sample ids ``dp_rank`` consumed at ``step`` (no corpus access)."""

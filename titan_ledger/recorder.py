@@ -54,11 +54,14 @@ class _Pending:
     data_loading_s: float
     consumed_samples: int
     update_skipped: bool = False
+    tags: list | None = None  # this DP rank's rows (data-ledger writers only)
+    injected: str | None = None
 
 
 class SignalRecorder:
     def __init__(self, topo: Topology, *, device: torch.device, plan: ParamPlan, attn: list,
-                 per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int):
+                 per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int,
+                 doc_loss=None):
         self.topo = topo
         self.device = device
         self.plan = plan
@@ -77,6 +80,8 @@ class SignalRecorder:
         self._writer: records.RecordWriter | None = None
         self._rank_writer: records.RecordWriter | None = None
         self.collectives_per_step = 1 if topo.world > 1 else 0
+        self.doc_loss = doc_loss  # a DocLossTracker, when per-document losses are on
+        self._n_layers = len(plan.groups) if per_layer else 0
 
     # ------------------------------------------------------------------ files
     def open(self, folder: Path, header: records.Header) -> None:
@@ -109,13 +114,13 @@ class SignalRecorder:
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
         param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens,
-        grad_sq per layer...]``.
+        grad_sq per layer..., this DP rank's per-document summary...]``.
         """
         topo, dev = self.topo, self.device
         sums = local_sums(self.plan, self.per_layer, dev)
         logits = [m.take_max_logit(dev) for m in self.attn]
-        loc = torch.zeros(_FIXED + (len(self.plan.groups) if self.per_layer else 0),
-                          dtype=torch.float64, device=dev)
+        n_doc = self.doc_loss.size if self.doc_loss is not None else 0
+        loc = torch.zeros(_FIXED + self._n_layers + n_doc, dtype=torch.float64, device=dev)
         if topo.owns_loss and local_loss_sum is not None:
             loc[_LOSS] = local_loss_sum.detach().double()
         if topo.owns_tokens:
@@ -124,7 +129,10 @@ class SignalRecorder:
         loc[_PSQ] = sums["param_sq"].double()
         loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
         if self.per_layer:
-            loc[_FIXED:] = sums["grad_sq"].double()
+            loc[_FIXED:_FIXED + self._n_layers] = sums["grad_sq"].double()
+        if n_doc:
+            with record_function("titan_ledger.doc_loss"):
+                loc[_FIXED + self._n_layers:] = self.doc_loss.summary(dev)
         if topo.world > 1:
             table = torch.empty(topo.world * loc.numel(), dtype=torch.float64, device=dev)
             dist.all_gather_single(table, loc)  # the step's one collective (all_gather_into_tensor)
@@ -142,12 +150,17 @@ class SignalRecorder:
         reduced = torch.cat([
             loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
             table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
-            self._consumed_tokens.reshape(1), table[:, _FIXED:].sum(0) / coef.square()])
+            self._consumed_tokens.reshape(1),
+            table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
+            # the per-document summary of this rank's DP group, from the rank that owns its loss
+            table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
         return reduced, loss_by_dp.sum() / tok_by_dp.sum()
 
     def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,
-              step_start: float, data_loading_s: float) -> None:
-        """Start the device->host copy of this step's row; never waits."""
+              step_start: float, data_loading_s: float, tags: list | None = None,
+              injected: str | None = None) -> None:
+        """Start the device->host copy of this step's row; never waits. ``tags`` (this DP
+        rank's rows) are written to the data ledger with the row's per-document losses."""
         self.consumed_samples += self.global_batch
         event = None
         if self._cuda:
@@ -156,14 +169,16 @@ class SignalRecorder:
             event = torch.cuda.Event()
             event.record()
         self._pending.append(_Pending(step, reduced, extra, event, lr, time.perf_counter() - step_start,
-                                      data_loading_s, self.consumed_samples))
+                                      data_loading_s, self.consumed_samples, tags=tags, injected=injected))
 
     def mark_update_skipped(self) -> None:
         self._pending[-1].update_skipped = True
 
     def drain(self, block: bool, metrics_logger=None,
-              on_row: Callable[[dict, list[float] | None], None] | None = None) -> None:
-        """Write every pending row whose copy is done, in step order."""
+              on_row: Callable[[dict, list[float] | None], None] | None = None,
+              on_data: Callable[[int, list, str | None, dict | None], None] | None = None) -> None:
+        """Write every pending row whose copy is done, in step order: the signals row,
+        then (``on_data``) the step's data-ledger row with its per-document losses."""
         with record_function("titan_ledger.drain"):
             while self._pending:
                 p = self._pending[0]
@@ -172,9 +187,11 @@ class SignalRecorder:
                 if p.event is not None:
                     p.event.synchronize()
                 self._pending.popleft()
-                row = self._row(p)
+                row, doc = self._row(p)
                 if self._writer is not None:
                     self._writer.write(row)
+                if on_data is not None and p.tags is not None:
+                    on_data(p.step, p.tags, p.injected, doc)
                 if metrics_logger is not None:
                     metrics_logger.log(dashboard(row), p.step)
                 if on_row is not None:
@@ -214,13 +231,15 @@ class SignalRecorder:
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
+        rest = v[2 * dp + 6:]
         if self.per_layer:
-            row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, v[2 * dp + 6:])}
+            row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, rest)}
         if self._rank_writer is not None:
             lt = tok_by_dp[self.topo.dp_rank]
             self._rank_writer.write({"step": p.step, "loss": loss_by_dp[self.topo.dp_rank] / lt if lt else None,
                                      "tokens": int(lt)})
-        return row
+        doc = self.doc_loss.decode(rest[self._n_layers:]) if self.doc_loss is not None else None
+        return row, doc
 
     # ------------------------------------------------------------------ skipped windows
     def record_skip(self, *, first: int, last: int, n_samples: int, lr: float, step_start: float,

@@ -33,6 +33,8 @@ class Topology:
     pp_size: int = 1
     #: DP rank of every global rank (index = global rank), for per-DP-rank sums
     dp_rank_of: tuple[int, ...] = field(default=(0,))
+    #: for every DP rank, the global rank that owns its loss and tokens (per-document losses)
+    loss_rank_of_dp: tuple[int, ...] = field(default=(0,))
 
     @property
     def owns_loss(self) -> bool:
@@ -68,16 +70,28 @@ class Topology:
         else:
             dp_size, dp_rank = 1, 0
         tp_mesh, cp_mesh, pp_mesh = (pd.get_optional_mesh(n) for n in ("tp", "cp", "pp"))
-        dp_of = [dp_rank]
-        if world > 1:
-            dp_of = [None] * world
-            dist.all_gather_object(dp_of, dp_rank)  # once, at setup
-        return cls(
+        topo = cls(
             world=world, rank=rank, dp_size=dp_size, dp_rank=dp_rank,
             tp_rank=tp_mesh.get_local_rank() if tp_mesh is not None else 0,
             cp_rank=cp_mesh.get_local_rank() if cp_mesh is not None else 0,
             first_stage=pp_mesh is None or pp_mesh.get_local_rank() == 0,
             last_stage=trainer.pp_has_last_stage if pd.pp_enabled else True,
             pp_size=pd.pp if pd.pp_enabled else 1,
-            dp_rank_of=tuple(int(x) for x in dp_of),
         )
+        mine = (dp_rank, topo.owns_tokens)
+        every = [mine]
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, mine)  # once, at setup
+        return cls.with_ranks(topo, every)
+
+    @classmethod
+    def with_ranks(cls, topo: "Topology", every: list[tuple[int, bool]]) -> "Topology":
+        """``topo`` completed from every rank's (DP rank, owns tokens)."""
+        loss_rank = [0] * topo.dp_size
+        for r, (dp, owns) in enumerate(every):
+            if owns:
+                loss_rank[dp] = r
+        from dataclasses import replace
+
+        return replace(topo, dp_rank_of=tuple(int(dp) for dp, _ in every), loss_rank_of_dp=tuple(loss_rank))

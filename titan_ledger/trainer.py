@@ -34,6 +34,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger.attention import document_causal_mask  # noqa: E402
 from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
+from titan_ledger.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.ledger import Ledger  # noqa: E402
 
 
@@ -63,8 +64,16 @@ class LedgerTrainer(Trainer):
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
             config.debug.seed = 0
+        doc_loss = config.ledger.signals and config.ledger.doc_loss and use_doc_loss(config)
         with _meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
+        self.doc_loss: DocLossTracker | None = None
+        loss = find_doc_loss(self.loss_fn) if doc_loss else None
+        if loss is not None and not self.parallel_dims.cp_enabled:  # CP splits documents over ranks
+            self.doc_loss = loss.tracker = DocLossTracker(config.ledger.doc_loss_k,
+                                                          config.ledger.doc_loss_min_tokens,
+                                                          config.training.seq_len)
+            self.ledger.doc_loss = self.doc_loss
         if self._dense_masks and config.validator.enable:
             self._give_validator_dense_masks()
         if isinstance(self.dataloader, LedgerDataLoader):
@@ -83,6 +92,8 @@ class LedgerTrainer(Trainer):
                     "the CPU attention needs per-document 'positions' from the dataloader"
                 )
             extra_kwargs["attention_masks"] = document_causal_mask(positions)
+        if self.doc_loss is not None and "positions" in extra_kwargs:
+            self.doc_loss.push(extra_kwargs["positions"])  # the loss attributes tokens by position
         return inputs, labels, extra_kwargs
 
     def _give_validator_dense_masks(self) -> None:
@@ -110,8 +121,14 @@ class LedgerTrainer(Trainer):
         )
 
     def train(self):
+        from titan_ledger import dashboards
+
+        dashboards.attach(self)  # W&B / TensorBoard: monotonic steps, identity, layout
         try:
             super().train()
+        except BaseException as e:  # a stop (non-finite loss, max_rollbacks, ...): exit code 1
+            dashboards.log_stop(self.metrics_processor.logger, e)
+            raise
         finally:
             self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
             self.ledger.close()
@@ -133,6 +150,10 @@ class LedgerTrainer(Trainer):
         self._io = _StepIO(start=time.perf_counter(),
                            inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
         self._train_step(data_iterator)
+        ck = self.config.checkpoint
+        if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
+            # a checkpoint follows: the ledgers must hold every step it covers
+            ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
     def batch_generator(self, data_iterable):
         """torchtitan's generator, plus fetch timing for the ledger and the rehearsal
@@ -371,6 +392,9 @@ class LedgerTrainer(Trainer):
         self.checkpointer.load(step=load)  # sets self.step = load via the train state
         self.ledger.rewind(from_step=spike_step, to_step=load, window=window,
                            metrics_logger=self.metrics_processor.logger)
+        from titan_ledger.dashboards import log_rewind
+
+        log_rewind(self.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
         self.step = load + 1
 
 
