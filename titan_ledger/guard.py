@@ -83,10 +83,10 @@ class SpikeGuard:
                 f"{ev['loss_mean']:.4f}, std {ev['loss_std']:.4f}), grad norm {row['grad_norm']:.4f} "
                 f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; worst DP "
                 f"rank {row['loss_max_rank']}; action: {self.on_spike}")
-        if metrics_logger is not None:
-            metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
-                                "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"])},
-                               row["step"])
+        if metrics_logger is not None:  # spike/* scalars; W&B: an alert and a spike/events table row
+            from titan_ledger.dashboards import log_spike
+
+            log_spike(metrics_logger, row, ev)
 
     def record_rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         if self._spikes is not None:

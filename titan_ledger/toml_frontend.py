@@ -47,6 +47,11 @@ JOB_KEYS: dict[str, str | None] = {
     "description": None,
     "dump_folder": "dump_folder",
     "print_config": "debug.print_config",
+    # the W&B run's identity (titan_ledger.dashboards); WANDB_RUN_* variables win
+    "name": None,
+    "tags": None,
+    "notes": None,
+    "group": None,
 }
 
 #: Old torchtitan TOML keys (section, key) -> config path in torchtitan 0.3.0.

@@ -391,6 +391,11 @@ def run(argv: list[str]) -> None:
         if config.comm.mode == "local_tensor":
             logger.info("Local tensor mode enabled - skipping training execution")
             return
+        if not dry_run:  # CHANGED from torchtitan: a stable W&B run id before wandb.init
+            from titan_ledger import dashboards
+
+            dashboards.prepare(config, job, is_metrics_rank=_rank() == metrics_rank(
+                config, world_size_from_env(config)))
         trainer = config.build()
         if dry_run:  # CHANGED from torchtitan: build-only dry run
             log.info(
