@@ -3,7 +3,9 @@
 Design decision: read the same ledger files as every other tool (signals.jsonl,
 spikes.jsonl) and draw six panels against step -- loss (average and worst DP
 rank), pre-clip grad norm, param norm, max attention logit, zeros in grads, LR --
-with spikes as red lines and skipped windows shaded. Long runs are decimated to
+with spikes as red lines labelled with their rules and worst DP rank, skipped windows
+shaded, rows a rollback (or resume) superseded drawn faintly, and the clip threshold
+``max_norm`` as a dashed line on the grad-norm panel (pre- and post-clip norms). Long runs are decimated to
 a min/max envelope per pixel column, so a 10^6-row ledger draws as fast as a
 short one and a single-step spike is never averaged away.
 
@@ -24,10 +26,13 @@ import numpy as np
 from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.reader import RunLedger
 
-PANELS = (("loss", "loss", ("loss", "loss_max")), ("pre-clip grad norm", "log", ("grad_norm",)),
-          ("param norm", "linear", ("param_norm",)), ("max attention logit", "linear", ("max_logit",)),
-          ("zeros in grads", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
-KEYS = ("loss", "loss_max", "grad_norm", "param_norm", "max_logit", "num_zeros", "lr")
+PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
+          ("grad norm\n(global L2)", "log", ("grad_norm", "grad_norm_clipped")),
+          ("param norm\n(global L2)", "linear", ("param_norm",)),
+          ("max attention logit\n(q·k·scale)", "linear", ("max_logit",)),
+          ("zeros in grads\n(elements)", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
+KEYS = ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit", "num_zeros", "lr")
+LABELS = {"loss": "avg", "loss_max": "worst DP rank", "grad_norm": "pre-clip", "grad_norm_clipped": "post-clip"}
 
 
 def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,7 +53,10 @@ def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np
 
 
 def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger",
-         from_step: int | None = None, to_step: int | None = None, width_px: int = 1600) -> dict:
+         from_step: int | None = None, to_step: int | None = None, width_px: int = 1600,
+         max_norm: float | None = None) -> dict:
+    """Draw the panels into ``out``; ``max_norm`` (the clip threshold) is inferred from
+    the clipped steps when not given (no line if the clip never acted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,13 +64,17 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
 
     led = RunLedger(dump_folder, ledger_folder)
     cols, windows = led.signal_columns(KEYS)
+    max_norm = max_norm if max_norm is not None else infer_max_norm(cols)
     sel = np.ones(len(cols["step"]), dtype=bool)
     if from_step is not None:
         sel &= cols["step"] >= from_step
     if to_step is not None:
         sel &= cols["step"] <= to_step
     cols = {k: v[sel] for k, v in cols.items()}
-    spikes = led.spike_steps()
+    events = [e for e in led.spike_events()
+              if (from_step is None or e["step"] >= from_step) and (to_step is None or e["step"] <= to_step)]
+    spikes = sorted({int(e["step"]) for e in events})
+    old = rolled_back(led, from_step, to_step)
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(width_px / 100, 2.0 * len(PANELS)), sharex=True,
                              dpi=100)
     x = cols["step"]
@@ -72,7 +84,12 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
             if not np.isfinite(y).any():
                 continue
             ex, ey = envelope(x, y, width_px)
-            ax.plot(ex, ey, lw=0.8, label={"loss": "avg", "loss_max": "worst DP rank"}.get(k, k))
+            line, = ax.plot(ex, ey, lw=0.8, label=LABELS.get(k, k))
+            if k in old and np.isfinite(old[k]).any():  # rows a rollback or resume superseded
+                ax.plot(old["step"], old[k], ls="none", marker="o", ms=3, alpha=0.35,
+                        color=line.get_color(), label=f"{LABELS.get(k, k)}, rolled back")
+        if "grad_norm" in keys and max_norm is not None:
+            ax.axhline(max_norm, color="black", lw=0.8, ls="--", label=f"max_norm {max_norm:g}")
         if scale == "log":
             ax.set_yscale("log")
         ax.set_ylabel(title, fontsize=8)
@@ -80,15 +97,60 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
             ax.axvspan(a - 0.5, b + 0.5, color="0.8", alpha=0.6, lw=0)
         for s in spikes:
             ax.axvline(s, color="red", lw=0.8, alpha=0.7)
-        if len(keys) > 1:
+        if len(keys) > 1 or any(k in old for k in keys):
             ax.legend(fontsize=7, loc="upper right")
-    axes[-1].set_xlabel("step")
+    for label_step, text in spike_labels(events):
+        axes[0].annotate(text, (label_step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                         color="red", rotation=90, va="top", ha="right")
+    axes[-1].set_xlabel("step (one global batch each)")
     axes[0].set_title(f"{dump_folder}: {len(x)} trained steps, {len(spikes)} spikes (red), "
-                      f"{len(windows)} skipped windows (grey)", fontsize=9)
+                      f"{len(windows)} skipped windows (grey), {len(old.get('step', ()))} rolled-back "
+                      f"rows (faint)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
-    return {"rows": int(len(x)), "spikes": len(spikes), "skipped_windows": len(windows), "out": str(out)}
+    return {"rows": int(len(x)), "spikes": len(spikes), "skipped_windows": len(windows), "out": str(out),
+            "rolled_back_rows": int(len(old.get("step", ()))), "max_norm": max_norm}
+
+
+def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | None = None) -> dict:
+    """Columns of the trained rows a rollback or a resume superseded (``{}`` if none).
+
+    Only a ledger with more than one segment can have them; only then is the whole
+    file read exactly (the fast column path reads the current history only)."""
+    try:
+        if len(led.launches()) < 2 and not led.rewinds():
+            return {}
+        rows = [r for r in led.signals.superseded if not r.get("skipped") and r.get("loss") is not None
+                and (from_step is None or r["step"] >= from_step) and (to_step is None or r["step"] <= to_step)]
+    except Exception:  # noqa: BLE001 - the faint rows are extra; never fail the plot
+        return {}
+    if not rows:
+        return {}
+    num = lambda v: float(v) if v is not None else np.nan  # noqa: E731
+    out = {"step": np.array([r["step"] for r in rows], dtype=np.float64)}
+    for k in KEYS:
+        out[k] = np.array([num(r.get(k)) for r in rows], dtype=np.float64)
+    return out
+
+
+def infer_max_norm(cols: dict) -> float | None:
+    """The clip threshold: the post-clip norm of the steps the clip scaled down."""
+    gn, gc = cols.get("grad_norm"), cols.get("grad_norm_clipped")
+    if gn is None or gc is None:
+        return None
+    with np.errstate(all="ignore"):
+        hit = np.isfinite(gn) & np.isfinite(gc) & (gn > gc * (1 + 1e-4))
+    return float(f"{np.median(gc[hit]):.4g}") if hit.any() else None
+
+
+def spike_labels(events: list[dict]) -> list[tuple[int, str]]:
+    """One label per flagged step: its rules and the worst DP rank."""
+    out = {}
+    for e in events:
+        rules = ",".join(e.get("rules", []))
+        out[int(e["step"])] = f"{e['step']}: {rules} (DP rank {e.get('loss_max_rank')})"
+    return sorted(out.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,12 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--out", default="signals.png")
     ap.add_argument("--from-step", type=int)
     ap.add_argument("--to-step", type=int)
+    ap.add_argument("--max-norm", type=float,
+                    help="the clip threshold to draw (default: inferred from the clipped steps)")
     a = parse_args(ap, argv)
     return run_tool("titan_ledger.plot", lambda: _main(a))
 
 
 def _main(a) -> int:
-    info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step)
+    info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step, max_norm=a.max_norm)
     print(f"wrote {info['out']}: {info['rows']} steps, {info['spikes']} spikes, "
           f"{info['skipped_windows']} skipped windows")
     return 0
