@@ -174,6 +174,38 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
 
 
+def spike_check(rows: list[dict], step: int, flagged: bool, th: Thresholds | None = None,
+                det: SpikeDetector.Config | None = None) -> dict:
+    """Is ``step`` a spike at all? The spike rules' numbers at that step against the
+    ``th.pre`` trained steps before it (``diagnose --step`` on an ordinary step says
+    so before walking the tree)."""
+    th, det = th or Thresholds(), det or SpikeDetector.Config()
+    trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
+    at = next(r for r in trained if r["step"] == step)
+    pre = [r for r in trained if step - th.pre <= r["step"] < step]
+    out: dict = {"flagged": flagged}
+    fires = []
+    for key in ("loss", "grad_norm"):
+        xs = _finite([r.get(key) for r in pre])
+        v = at.get(key)
+        med = statistics.median(xs) if xs else None
+        out[f"{key}_vs_median"] = _round(v / med) if med and isinstance(v, (int, float)) else None
+        sd = statistics.pstdev(xs) if len(xs) >= 2 else 0.0
+        z = (v - statistics.mean(xs)) / sd if sd > 0 and isinstance(v, (int, float)) else None
+        out[f"{key}_zscore"] = _round(z)
+        if isinstance(v, (int, float)) and not math.isfinite(v):
+            fires.append("non_finite")
+        elif det.zscore > 0 and z is not None and z > det.zscore:
+            fires.append(f"zscore_{key}")
+    gr, lr = out["grad_norm_vs_median"], out["loss_vs_median"]
+    if det.ratio > 0 and gr is not None and lr is not None and gr > det.ratio and lr > 1 + det.loss_jump:
+        fires.append("ratio")
+    out.update(rules_firing=fires, pre_steps=len(pre), ratio_needs=det.ratio,
+               loss_jump_needs=1 + det.loss_jump, zscore_needs=det.zscore)
+    out["is_spike"] = bool(flagged or fires)
+    return out
+
+
 def spike_steps(led: RunLedger) -> list[int]:
     """Spikes the trainer flagged (spikes.jsonl), else the default rules run offline."""
     steps = led.spike_steps()
@@ -202,14 +234,23 @@ def _main(a) -> int:
                           f"step completed, or every step was skipped)")
     steps = [a.step] if a.step is not None else spike_steps(led)
     results = []
+    last = max(r.get("last_step", r["step"]) for r in led.signal_rows()) if led.signal_rows() else 0
     for s in steps:
+        win = next((r for r in led.signal_rows() if r.get("skipped") and r["step"] <= s
+                    <= r.get("last_step", r["step"])), None)
+        if win is not None:
+            raise LedgerError(f"--step {s}: not a trained step: it is in the skipped window "
+                              f"{win['step']}-{win.get('last_step', win['step'])} of {path}; nothing "
+                              f"trained there to diagnose")
         rows = led.rows_as_of(s)
         if rows is None:
-            raise LedgerError(f"step {s} is in no segment of {path}")
+            raise LedgerError(f"--step {s}: not a recorded step of {path} (it covers steps 1-{last})")
         try:
             res = classify(rows, s)
         except ValueError as e:
-            raise LedgerError(f"{path}: {e}") from None
+            raise LedgerError(f"--step {s}: {path}: {e}") from None
+        if a.step is not None:
+            res["spike_check"] = spike_check(rows, s, s in set(spike_steps(led)))
         if rows is not led.signal_rows():
             res["rewound"] = True  # a later rollback superseded this step
         results.append(res)
@@ -219,6 +260,14 @@ def _main(a) -> int:
     if not results:
         print("no spikes detected")
     for r in results:
+        sc = r.get("spike_check")
+        if sc is not None and not sc["is_spike"]:
+            print(f"step {r['step']}: NOT A SPIKE: no spike rule fires and the trainer did not flag it: "
+                  f"grad norm {sc['grad_norm_vs_median']}x the median of the {sc['pre_steps']} steps "
+                  f"before (ratio rule needs > {sc['ratio_needs']}x), loss {sc['loss_vs_median']}x "
+                  f"(needs > {sc['loss_jump_needs']}x), z-scores loss {sc['loss_zscore']} / grad norm "
+                  f"{sc['grad_norm_zscore']} (need > {sc['zscore_needs']}). The tree below describes "
+                  f"an ordinary step; its cause is not a finding.")
         extra = f" (DP rank {r['rank']})" if "rank" in r else ""
         extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
         print(f"step {r['step']}: {r['cause']}{extra}   grad norm {r['grad_norm_ratio']}x pre-spike median")

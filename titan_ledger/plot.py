@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
+from titan_ledger.errors import ConfigError, LedgerError
 from titan_ledger.reader import RunLedger
 
 PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
@@ -71,6 +72,20 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
     if to_step is not None:
         sel &= cols["step"] <= to_step
     cols = {k: v[sel] for k, v in cols.items()}
+    from titan_ledger.records import rows_after
+
+    first = next((r for r in rows_after(led.folder / "signals.jsonl", 0) if not r.get("skipped")), None)
+    lacking = [k for k in ("loss", "grad_norm", "lr") if first is not None and k not in first]
+    if lacking:  # the columns would be all NaN: an empty picture that looks like a run
+        raise LedgerError(f"{led.folder / 'signals.jsonl'}: step {first['step']} has no "
+                          f"{', '.join(lacking)}: not a signals row of this titan_ledger (was the "
+                          f"file edited or written by another tool?)")
+    if not len(cols["step"]):
+        rng = "" if from_step is None and to_step is None else \
+            f" between --from-step {from_step} and --to-step {to_step}"
+        raise LedgerError(f"{led.folder / 'signals.jsonl'}: no trained step{rng} to draw (the run "
+                          f"died before its first step, every step was skipped, or the range is "
+                          f"outside the run)")
     events = [e for e in led.spike_events()
               if (from_step is None or e["step"] >= from_step) and (to_step is None or e["step"] <= to_step)]
     spikes = sorted({int(e["step"]) for e in events})
@@ -169,6 +184,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(a) -> int:
+    if a.from_step is not None and a.to_step is not None and a.from_step > a.to_step:
+        raise ConfigError(f"--from-step {a.from_step} is after --to-step {a.to_step}")
+    out = Path(a.out)
+    if not out.parent.is_dir():
+        raise ConfigError(f"-o {a.out}: folder {out.parent} does not exist; create it first")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmts = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in fmts:
+        raise ConfigError(f"-o {a.out}: unknown image type {out.suffix or '(none)'!r}; end the name "
+                          f"in one of .{', .'.join(sorted(fmts))}")
     info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step, max_norm=a.max_norm)
     print(f"wrote {info['out']}: {info['rows']} steps, {info['spikes']} spikes, "
           f"{info['skipped_windows']} skipped windows")

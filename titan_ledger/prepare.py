@@ -89,13 +89,22 @@ def iter_texts(inputs: list[str], text_key: str) -> Iterator[str]:
             if f.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
-                pf = pq.ParquetFile(f)
+                try:
+                    pf = pq.ParquetFile(f)
+                except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...
+                    raise CorpusError(f"{f}: not a readable Parquet file ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
                 _need_key(text_key, pf.schema_arrow.names, str(f))
                 for batch in pf.iter_batches(columns=[text_key]):
                     yield from batch.column(0).to_pylist()
             else:
-                with open(f, encoding="utf-8") as fh:
-                    for n, line in enumerate(fh, 1):
+                with open(f, "rb") as fh:
+                    for n, raw_line in enumerate(fh, 1):
+                        try:
+                            line = raw_line.decode("utf-8")
+                        except UnicodeDecodeError:
+                            raise CorpusError(f"{f}:{n}: not UTF-8 text; --input takes JSONL, "
+                                              f"Parquet or a datasets folder") from None
                         if not line.strip():
                             continue
                         try:
@@ -175,8 +184,10 @@ def prepare(inputs: list[str], prefix: str, *, tokenizer=None, tokenizer_dir: st
         if progress:
             from tqdm import tqdm
 
+            # only on a terminal, and only once it has run a moment: an input refused at
+            # once prints its one error line and no bar
             bar = tqdm(unit="tok", unit_scale=True, desc=f"prepare {Path(prefix).name}",
-                       file=sys.stderr)
+                       file=sys.stderr, disable=None, delay=1.0)
         work = ((c, bos, eos) for c in _chunks(iter_texts(inputs, text_key), chunk))
         if workers > 0:
             pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
@@ -201,6 +212,8 @@ def prepare(inputs: list[str], prefix: str, *, tokenizer=None, tokenizer_dir: st
         writer.finish()  # .bin, then .idx: the corpus appears whole
         os.replace(meta_tmp, prefix + ".json")
     except BaseException:
+        if bar is not None:
+            bar.leave = False  # clear the bar's line; the error line follows
         writer.abort()
         meta_tmp.unlink(missing_ok=True)
         raise

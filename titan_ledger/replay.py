@@ -84,6 +84,8 @@ def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
 def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -> CheckResult:
     la = RunLedger(dir_a, ledger_folder).data
     lb = RunLedger(dir_b, ledger_folder).data
+    for lg in (la, lb):  # a lost rank file is a missing ledger (exit 2), not a difference
+        lg.require_complete()
     ha, hb = la.header(), lb.header()
     for key in ("fingerprint", "global_batch", "seq_len"):
         if ha.get(key) != hb.get(key):
@@ -411,7 +413,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_tool("titan_ledger.replay", lambda: _run(a, train_args))
 
 
+def _validate(a, train_args: list[str]) -> None:
+    """Bad training flags fail here, as one line, before anything is trained."""
+    from titan_ledger.launch import validate
+
+    extra = ["--checkpoint.enable"] if a.cmd in ("resume", "drill") else []
+    if a.cmd in ("inject", "drill"):
+        if a.step < 1:
+            raise ReplayError(f"--step {a.step}: steps start at 1")
+        extra += ["--ledger.inject", f"{a.step}:{a.rank}:{a.kind}"]
+    config = validate([*extra, *train_args, "--job.dump_folder", str(a.dump_folder)], a.nproc)
+    if a.cmd == "resume" and not 1 < a.kill_at <= config.training.steps:
+        raise ReplayError(f"--kill-at {a.kill_at}: pick a step after the first checkpoint and at most "
+                          f"--training.steps {config.training.steps}")
+
+
 def _run(a, train_args: list[str]) -> int:
+    if a.cmd != "check":
+        _validate(a, train_args)
     if a.cmd == "check":
         res = check(a.dump_a, a.dump_b, a.ledger_folder)
         if a.json:

@@ -99,6 +99,14 @@ def _main(a) -> int:
     if not ckpts:
         raise PlanError(f"{led.dump_folder / a.checkpoint_folder}: no complete checkpoint "
                         f"(step-N/.metadata); the run needs --checkpoint.enable to be rolled back")
+    if a.write is not None and not a.write.parent.is_dir():
+        raise PlanError(f"--write {a.write}: folder {a.write.parent} does not exist; create it first")
+    if (led.folder / "signals.jsonl").exists():
+        rows = led.signal_rows()
+        last = max((r.get("last_step", r["step"]) for r in rows), default=0)
+        if a.spike_step > last:
+            raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
+                            f"{led.folder / 'signals.jsonl'}; give the step the spike happened at")
     p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
     if a.write:
         a.write.write_text(overlay_toml(p))
