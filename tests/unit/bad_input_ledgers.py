@@ -1,0 +1,116 @@
+"""Small, complete dump folders written through ``records.RecordWriter`` (no training),
+and the ways a careless user breaks them. Used by ``test_bad_inputs.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from titan_ledger import records
+
+CORPUS = Path(__file__).resolve().parents[2] / "titan_ledger" / "assets" / "corpus"
+TOKENIZER = Path(__file__).resolve().parents[2] / "titan_ledger" / "assets" / "tokenizer"
+
+
+def signal_row(step: int, *, loss: float | None = None, grad_norm: float | None = None,
+               spike: bool = False, **over) -> dict:
+    loss = 3.0 - 0.002 * step + 0.01 * math.sin(step) if loss is None else loss
+    gn = 1.0 + 0.05 * math.sin(1.7 * step) if grad_norm is None else grad_norm
+    row = {"step": step, "consumed_samples": 4 * step, "consumed_tokens": 1024 * step, "loss": loss,
+           "loss_max": loss + 0.02, "loss_max_rank": step % 2, "grad_norm": gn,
+           "grad_norm_clipped": min(gn, 1.0), "num_zeros": 0, "param_norm": 100.0 + 0.01 * step,
+           "max_logit": 10.0 + 0.01 * step, "lr": 1e-3, "skipped": False, "skipped_samples": 0,
+           "spike": spike, "update_skipped": False, "step_time_s": 0.1, "data_loading_s": 0.01}
+    row.update(over)
+    return row
+
+
+def data_header(dp_rank: int, dp: int = 2, mbs: int = 2, seq_len: int = 256, fingerprint: str = "fp-a",
+                run_id: str = "run-a", seq: int = 1, resumed_from: int = 0, **over) -> dict:
+    hdr = {"schema": records.DATA_SCHEMA, "run_id": run_id, "seq": seq, "resumed_from": resumed_from,
+           "time": 1.0, "config_digest": "d1", "world_size": dp, "dp_size": dp, "dp_rank": dp_rank,
+           "source_kind": "text", "source": f"text:c4_test@{CORPUS}", "fingerprint": fingerprint,
+           "mbs": mbs, "seq_len": seq_len,
+           "spec": {"dataset": "c4_test", "dataset_path": str(CORPUS), "seed": 1234},
+           "global_batch": mbs * dp, "skip_lr": "freeze", "tokenizer": str(TOKENIZER), "skip_steps": []}
+    hdr.update(over)
+    return hdr
+
+
+def data_rows(step: int, dp_rank: int, dp: int = 2, mbs: int = 2) -> dict:
+    gb = mbs * dp
+    ids = [(step - 1) * gb + dp_rank * mbs + j for j in range(mbs)]
+    return {"step": step, "skipped": False, "rows": [[i, "c4_test", [[i % 400, 0, 256]]] for i in ids]}
+
+
+def make_run(dump: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2, spike_at: int | None = 25,
+             checkpoints: tuple[int, ...] = (10, 20), signals: bool = True, data: bool = True,
+             seq_len: int = 256, fingerprint: str = "fp-a", skip: tuple[int, int] | None = None) -> Path:
+    """A finished run: signals, spikes, data ledgers, launch log, complete checkpoints."""
+    led = dump / "ledger"
+    led.mkdir(parents=True, exist_ok=True)
+    hdr = records.Header(schema="", run_id="run-a", seq=1, resumed_from=0, time=1.0,
+                         extra={"config_digest": "d1", "world_size": dp, "dp_size": dp})
+    records.append_segment(led, hdr)
+    if signals:
+        w = records.RecordWriter(led / records.SIGNALS_FILE,
+                                 {**hdr.to_json(), "schema": records.SIGNALS_SCHEMA})
+        s = 1
+        while s <= steps:
+            if skip and s == skip[0]:
+                w.write({**{k: None for k in records.SIGNAL_KEYS}, "step": s, "last_step": skip[1],
+                         "skip_lr": "freeze", "skipped": True, "lr": 1e-3, "consumed_samples": 4 * s,
+                         "consumed_tokens": 0, "skipped_samples": 4, "update_skipped": False,
+                         "step_time_s": 0.0, "data_loading_s": 0.0})
+                s = skip[1] + 1
+                continue
+            if s == spike_at:
+                w.write(signal_row(s, loss=3.6, grad_norm=10.0, spike=True, loss_max=3.7))
+            else:
+                w.write(signal_row(s))
+            s += 1
+        w.close()
+        if spike_at:
+            e = records.RecordWriter(led / records.SPIKES_FILE,
+                                     {**hdr.to_json(), "schema": records.SPIKES_SCHEMA})
+            e.write({"step": spike_at, "rules": ["ratio"], "loss_max_rank": 1, "action": "none"})
+            e.close()
+    if data:
+        for r in range(dp):
+            w = records.RecordWriter(led / records.data_file(r),
+                                     data_header(r, dp, mbs, seq_len=seq_len, fingerprint=fingerprint))
+            for s in range(1, steps + 1):
+                w.write(data_rows(s, r, dp, mbs))
+            w.close()
+    for c in checkpoints:
+        d = dump / "checkpoint" / f"step-{c}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / ".metadata").write_bytes(b"dcp")
+        (d / "__0_0.distcp").write_bytes(b"x")
+    return dump
+
+
+def write_lines(path: Path, *objs_or_raw) -> None:
+    with open(path, "wb") as f:
+        for o in objs_or_raw:
+            f.write(o if isinstance(o, bytes) else (json.dumps(o) + "\n").encode())
+
+
+def header_only(path: Path, schema: str, **extra) -> None:
+    write_lines(path, {"schema": schema, "run_id": "run-a", "seq": 1, "resumed_from": 0, **extra})
+
+
+def bump_schema(path: Path, to: str) -> None:
+    """Rewrite every header of ``path`` to schema ``to`` (a newer or foreign version)."""
+    out = []
+    for line in path.read_bytes().splitlines():
+        obj = json.loads(line)
+        if "schema" in obj:
+            obj["schema"] = to
+        out.append(obj)
+    write_lines(path, *out)
+
+
+def cut_after(path: Path, n_bytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:n_bytes])
