@@ -22,6 +22,9 @@ JOB_ID=${JOB_ID:-titan_ledger}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # set: no torchrun banner about it
 
-exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
+# The config is parsed once on this node for the whole job's world size
+# (NNODES x NPROC_PER_NODE, python -m titan_ledger.launch): a bad flag prints ONE
+# line and exits 2 before the rendezvous; otherwise torchrun is exec'd.
+exec python -m titan_ledger.launch --nproc "$NPROC_PER_NODE" --nnodes "$NNODES" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$JOB_ID" \
-  -m titan_ledger.train "$@"
+  -- "$@"
