@@ -96,7 +96,25 @@ def validate(train_args: list[str], world_size: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    check_dump_folder(config, world_size)
     return config
+
+
+def check_dump_folder(config, world_size: int) -> None:
+    """The part of the trainer's dump-folder check (``ledger.claim_dump_folder``) that
+    needs no trainer: seq_len and global batch against the run already in the folder
+    (the data fingerprint needs the tokenizer and data source: the ranks check it)."""
+    led = getattr(config, "ledger", None)
+    if led is None or led.new_run or led.allow_data_change or config.comm.mode == "fake_backend":
+        return
+    from titan_ledger.ledger import claim_dump_folder
+    from titan_ledger.train import dp_size_of
+
+    t = config.training
+    gb = t.global_batch_size if getattr(t, "global_batch_size", -1) > 0 else \
+        t.local_batch_size * dp_size_of(config, world_size)
+    claim_dump_folder(config.dump_folder, led.folder, {"seq_len": t.seq_len, "global_batch": gb},
+                      checkpoint_folder=config.checkpoint.folder)
 
 
 def default_nproc() -> int:

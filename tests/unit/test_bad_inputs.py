@@ -357,6 +357,10 @@ CASES = [
     ("launch-world-size", "launch", None, ["--nproc", "3", "--", "--job.config_file", DEBUG], 2, ["world size is 3"]),
     ("launch-inject-rank", "launch", None, ["--nproc", "2", "--", "--job.config_file", DEBUG, "--ledger.inject", "3:4:repeat"], 2, ["DP rank 4"]),
     ("launch-bad-nnodes", "launch", None, ["--nproc", "2", "--nnodes", "x", "--", "--job.config_file", DEBUG], 2, ["--nnodes"]),
+    ("launch-dump-folder-other-seq-len", "launch", with_run(mbs=4), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128"], 2, ["{t}/run", "seq_len 256", "128", "--ledger.new_run"]),
+    ("launch-dump-folder-other-global-batch", "launch", with_run(mbs=4), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.local_batch_size", "2"], 2, ["{t}/run", "global_batch 8", "4", "--ledger.new_run"]),
+    ("launch-dump-folder-same-layout", "launch", with_run(mbs=4), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 0, ["titan_ledger.train"]),
+    ("launch-dump-folder-new-run", "launch", with_run(mbs=4), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128", "--ledger.new_run"], 0, ["--ledger.new_run"]),
     ("launch-ok-print", "launch", None, ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG], 0, ["torch.distributed.run", "--nproc_per_node 2", "titan_ledger.train"]),
     ("launch-two-nodes-print", "launch", None, ["--nproc", "1", "--nnodes", "2", "--rdzv_endpoint", "h:1", "--print", "--", "--job.config_file", DEBUG], 0, ["--nnodes 2", "--rdzv_endpoint h:1"]),
 ]
