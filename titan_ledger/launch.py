@@ -114,7 +114,8 @@ def check_dump_folder(config, world_size: int) -> None:
     gb = t.global_batch_size if getattr(t, "global_batch_size", -1) > 0 else \
         t.local_batch_size * dp_size_of(config, world_size)
     claim_dump_folder(config.dump_folder, led.folder, {"seq_len": t.seq_len, "global_batch": gb},
-                      checkpoint_folder=config.checkpoint.folder)
+                      checkpoint_folder=config.checkpoint.folder,
+                      checkpoint_enabled=config.checkpoint.enable)
 
 
 def default_nproc() -> int:

@@ -219,7 +219,8 @@ class Ledger(Configurable):
             try:
                 moved = claim_dump_folder(trainer.config.dump_folder, cfg.folder, layout,
                                           new_run=cfg.new_run, allow_data_change=cfg.allow_data_change,
-                                          checkpoint_folder=trainer.config.checkpoint.folder)
+                                          checkpoint_folder=trainer.config.checkpoint.folder,
+                                          checkpoint_enabled=trainer.config.checkpoint.enable)
                 if moved:
                     from torchtitan.tools.logging import logger
 
@@ -406,7 +407,8 @@ LAYOUT_KEYS = {"seq_len": "--training.seq_len",
 
 
 def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *, new_run: bool = False,
-                      allow_data_change: bool = False, checkpoint_folder: str = "checkpoint") -> list[str]:
+                      allow_data_change: bool = False, checkpoint_folder: str = "checkpoint",
+                      checkpoint_enabled: bool = True) -> list[str]:
     """A dump folder belongs to one run configuration (rank 0, at setup).
 
     Reads the run already in ``dump_folder`` through :class:`RunLedger` (the latest
@@ -415,7 +417,10 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
     folder, the key and the fix -- or, with ``new_run``, the ledger and checkpoint
     folders are renamed ``<name>.old-<n>`` (returned) so runs are never mixed.
     ``allow_data_change`` accepts the change (a deliberate resume on other data).
-    A folder without a readable data ledger has no layout to compare.
+    A folder without a readable data ledger has no layout to compare. When the launch
+    will resume from a complete checkpoint, a changed seq_len or fingerprint is left to
+    the checkpoint load, which refuses it with its own line naming
+    ``--ledger.allow_data_change`` (``LedgerDataLoader.load_state_dict``).
     """
     dump = Path(dump_folder)
     folder = dump / ledger_folder
@@ -425,13 +430,19 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
         old = RunLedger(dump, ledger_folder).data.header()
     except TitanLedgerError:
         return []
-    diff = next(((k, old.get(k), layout[k]) for k in LAYOUT_KEYS
-                 if layout.get(k) is not None and old.get(k) is not None and old.get(k) != layout[k]),
-                None)
-    if diff is None:
+    diffs = [(k, old.get(k), layout[k]) for k in LAYOUT_KEYS
+             if layout.get(k) is not None and old.get(k) is not None and old.get(k) != layout[k]]
+    if not diffs:
         return []
-    key, was, now = diff
+    key, was, now = diffs[0]
     if not new_run:
+        from titan_ledger.reader import checkpoints
+
+        if checkpoint_enabled and checkpoints(dump, checkpoint_folder):
+            diffs = [d for d in diffs if d[0] not in ("seq_len", "fingerprint")]
+            if not diffs:
+                return []  # a resume: the checkpoint's data state decides
+            key, was, now = diffs[0]
         raise ConfigError(
             f"{dump}: holds a run with {key} {was!r}, this run has {now!r} ({LAYOUT_KEYS[key]}); a "
             f"dump folder belongs to one run: use another --dump_folder, or pass --ledger.new_run "

@@ -357,10 +357,10 @@ CASES = [
     ("launch-world-size", "launch", None, ["--nproc", "3", "--", "--job.config_file", DEBUG], 2, ["world size is 3"]),
     ("launch-inject-rank", "launch", None, ["--nproc", "2", "--", "--job.config_file", DEBUG, "--ledger.inject", "3:4:repeat"], 2, ["DP rank 4"]),
     ("launch-bad-nnodes", "launch", None, ["--nproc", "2", "--nnodes", "x", "--", "--job.config_file", DEBUG], 2, ["--nnodes"]),
-    ("launch-dump-folder-other-seq-len", "launch", with_run(mbs=4), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128"], 2, ["{t}/run", "seq_len 256", "128", "--ledger.new_run"]),
-    ("launch-dump-folder-other-global-batch", "launch", with_run(mbs=4), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.local_batch_size", "2"], 2, ["{t}/run", "global_batch 8", "4", "--ledger.new_run"]),
-    ("launch-dump-folder-same-layout", "launch", with_run(mbs=4), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 0, ["titan_ledger.train"]),
-    ("launch-dump-folder-new-run", "launch", with_run(mbs=4), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128", "--ledger.new_run"], 0, ["--ledger.new_run"]),
+    ("launch-dump-folder-other-seq-len", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128"], 2, ["{t}/run", "seq_len 256", "128", "--ledger.new_run"]),
+    ("launch-dump-folder-other-global-batch", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.local_batch_size", "2"], 2, ["{t}/run", "global_batch 8", "4", "--ledger.new_run"]),
+    ("launch-dump-folder-same-layout", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 0, ["titan_ledger.train"]),
+    ("launch-dump-folder-new-run", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128", "--ledger.new_run"], 0, ["--ledger.new_run"]),
     ("launch-ok-print", "launch", None, ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG], 0, ["torch.distributed.run", "--nproc_per_node 2", "titan_ledger.train"]),
     ("launch-two-nodes-print", "launch", None, ["--nproc", "1", "--nnodes", "2", "--rdzv_endpoint", "h:1", "--print", "--", "--job.config_file", DEBUG], 0, ["--nnodes 2", "--rdzv_endpoint h:1"]),
 ]
@@ -451,7 +451,7 @@ def test_lookup_into_a_pipe_closed_early_ends_quietly(tmp_path):
 def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw, value):
     from titan_ledger.ledger import claim_dump_folder
 
-    make_run(tmp_path / "run")
+    make_run(tmp_path / "run", checkpoints=())  # nothing to resume: a second run would append
     layout = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a", **kw}
     with pytest.raises(ConfigError) as e:
         claim_dump_folder(tmp_path / "run", "ledger", layout)
@@ -473,6 +473,19 @@ def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
                              allow_data_change=True) == []
     assert claim_dump_folder(tmp_path / "fresh", "ledger", same) == []
     assert (tmp_path / "run" / "ledger" / "data_dp0.jsonl").exists()
+
+
+def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_batch(tmp_path):
+    """With a complete checkpoint the launch resumes: a changed seq_len/fingerprint is refused
+    by the checkpoint load (DataStateError naming --ledger.allow_data_change), the batch here."""
+    from titan_ledger.ledger import claim_dump_folder
+
+    make_run(tmp_path / "run")  # checkpoints step-10, step-20
+    assert claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512, "fingerprint": "fp-b"}) == []
+    with pytest.raises(ConfigError, match="global_batch 4, this run has 8"):
+        claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512, "global_batch": 8})
+    with pytest.raises(ConfigError, match="seq_len 256"):  # checkpointing off: no resume
+        claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512}, checkpoint_enabled=False)
 
 
 def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
