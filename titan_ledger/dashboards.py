@@ -153,7 +153,8 @@ def prepare(config, job, *, is_metrics_rank: bool) -> None:
                  state.get("next_step", 0)}
         write_state(path, state)
     os.environ["WANDB_RUN_ID"] = run_id
-    os.environ.setdefault("WANDB_RESUME", "allow")
+    if not os.environ.get("WANDB_RESUME"):
+        os.environ["WANDB_RESUME"] = "allow"
     _job["state_path"] = str(path)
 
 

@@ -129,8 +129,8 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
         return f"<h2>Diagnosis</h2><p class='none'>step {step} is in no segment of the signals ledger</p>", None
     try:
         res = classify(rows, step)
-    except ValueError as e:
-        return f"<h2>Diagnosis</h2><p class='none'>{_e(e)}</p>", None
+    except Exception as e:  # noqa: BLE001 - the page says why, the other sections still render
+        return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
     extra = f" (DP rank {res['rank']})" if "rank" in res else ""
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
     rewound = " This step was later rolled back (the history as it stood then is used)." \

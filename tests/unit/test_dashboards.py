@@ -1,0 +1,158 @@
+"""dashboards: W&B steps stay strictly increasing through a rewind and a relaunch,
+torchtitan's duplicate series are dropped, spikes alert and fill a table, a stop
+ends the run with exit code 1; TensorBoard gets its layout and a sub-run per rewind.
+W&B itself is replaced by a recording fake (the e2e test reads a real offline run)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from titan_ledger import dashboards
+from titan_ledger.dashboards import LedgerTensorBoard, LedgerWandB, log_rewind, log_spike, log_stop
+
+
+class FakeRun:
+    def __init__(self, run_id="tlabc", step=0, folder="."):
+        self.id, self.step, self.dir = run_id, step, str(folder)
+        self.summary, self.alerts, self.metrics, self.saved = {}, [], [], []
+        self.config = types.SimpleNamespace(update=lambda d, allow_val_change=False: self.config_items.update(d))
+        self.config_items = {}
+
+    def alert(self, title, text, level=None, wait_duration=None):
+        self.alerts.append((level, title, text))
+
+    def define_metric(self, name, step_metric=None, summary=None, **kw):
+        self.metrics.append((name, step_metric, summary))
+
+    def save(self, path, base_path=None, policy="live"):
+        self.saved.append(path)
+
+
+class FakeWandb:
+    def __init__(self, run):
+        self.run, self.rows, self.exit_code = run, [], None
+
+    def log(self, row, step):
+        assert not self.rows or step >= self.rows[-1][0], "W&B would drop this row"
+        self.rows.append((step, dict(row)))
+
+    def Table(self, columns, data):  # noqa: N802 - wandb's spelling
+        return ("table", tuple(columns), [tuple(r) for r in data])
+
+    def finish(self, exit_code=None):
+        self.exit_code = exit_code
+        self.run = None
+
+
+def _wandb(tmp_path, run=None):
+    run = run or FakeRun(folder=tmp_path)
+    fake = FakeWandb(run)
+    inner = types.SimpleNamespace(wandb=fake, tag=None)
+    return LedgerWandB(inner, state_file=tmp_path / "wandb.json", ledger_on=True, max_norm=1.0), fake
+
+
+def _container(*loggers):
+    return types.SimpleNamespace(_loggers=list(loggers),
+                                 log=lambda m, s: [x.log(m, s) for x in loggers])
+
+
+ROW = {"step": 10, "loss": 7.5, "loss_max": 7.7, "loss_max_rank": 1, "grad_norm": 9.7, "max_logit": 1.0}
+EV = {"rules": ["zscore_grad_norm"], "grad_norm_median": 0.6, "action": "rollback"}
+
+
+def test_steps_increase_through_rewind_and_relaunch(tmp_path):
+    w, fake = _wandb(tmp_path)
+    for s in range(1, 11):
+        w.log({"ledger/loss": 8.0 - s / 10, "ledger/grad_norm": 1.0, "ledger/consumed_tokens": 100 * s}, s)
+        w.log({"loss_metrics/global_avg_loss": 1.0, "grad_norm": 1.0, "lr/AdamW": 1e-3, "tflops": 2.0}, s)
+    log_spike(_container(w), ROW, EV)
+    log_rewind(_container(w), from_step=10, to_step=8, window=(9, 10))
+    w.log({"ledger/skipped": 1.0}, 9)  # the skip row after the rewind: training step goes back
+    w.log({"ledger/loss": 7.0}, 11)
+    steps = [s for s, _ in fake.rows]
+    assert steps == sorted(steps) and steps[-1] == 11  # 10 steps, the skip row, step 11
+    by_train = [(r.get("train/step"), s) for s, r in fake.rows]
+    assert (9, 10) in by_train and (10, 9) in by_train  # step 9 re-logged above step 10's W&B step
+    rewind = next(r for _, r in fake.rows if "rollback/to_step" in r)
+    assert rewind["train/step"] == 10 and rewind["rollback/to_step"] == 8 and rewind["rollback/skip_last"] == 10
+    # no duplicates of the ledger's series; the ledger's carry train/ axes and max_norm
+    keys = set().union(*(r for _, r in fake.rows))
+    assert not keys & {"loss_metrics/global_avg_loss", "grad_norm", "lr/AdamW"} and "tflops" in keys
+    first = fake.rows[0][1]
+    assert first["train/consumed_tokens"] == 100 and first["ledger/max_norm"] == 1.0
+    # a relaunch (same run id, W&B offline: run.step starts at 0 again) continues above
+    w2, fake2 = _wandb(tmp_path)
+    w2.log({"ledger/loss": 7.1}, 9)
+    assert fake2.rows[0][0] == steps[-1] + 1 and w2.spikes == 1 and w2.rewinds == 1
+
+
+def test_spike_alert_table_and_stop_exit_code(tmp_path):
+    w, fake = _wandb(tmp_path)
+    c = _container(w)
+    w.log({"ledger/loss": 7.0}, 10)
+    log_spike(c, ROW, EV)
+    row = fake.rows[-1][1]
+    assert row["spike/events"][0] == "table" and row["spike/events"][2][0][:2] == (10, "zscore_grad_norm")
+    assert any(r.get("spike/flag") == 1.0 and r.get("spike/zscore_grad_norm") == 1.0 for _, r in fake.rows)
+    assert fake.run.alerts[0][:2] == ("WARN", "loss spike at step 10")
+    run = fake.run
+    log_stop(c, RuntimeError("titan_ledger: loss is not finite (nan) at step 11"))
+    w.close()
+    assert fake.exit_code == 1 and run.alerts[-1][0] == "ERROR" and "not finite" in run.summary["stop/reason"]
+    w.close()  # once only
+    (tmp_path / "x").mkdir()
+    ok, fake_ok = _wandb(tmp_path / "x")
+    ok.close()
+    assert fake_ok.exit_code == 0
+
+
+def test_stable_run_id_and_identity(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.delenv("WANDB_RESUME", raising=False)
+    for var in ("WANDB_RUN_NAME", "WANDB_RUN_NOTES", "WANDB_RUN_TAGS", "WANDB_RUN_GROUP"):
+        monkeypatch.delenv(var, raising=False)
+    config = types.SimpleNamespace(dump_folder=str(tmp_path / "run7"), metrics=types.SimpleNamespace(enable_wandb=True),
+                                   ledger=types.SimpleNamespace(folder="ledger"))
+    job = types.SimpleNamespace(doc={"job": {"name": "n1", "tags": ["a", "b"], "notes": "why"}},
+                                description="desc", config_file=None, overlays=[], config="debug_cpu",
+                                module="titan_ledger")
+    dashboards.prepare(config, job, is_metrics_rank=True)
+    first = dashboards.os.environ["WANDB_RUN_ID"]
+    assert dashboards.os.environ["WANDB_RESUME"] == "allow"
+    monkeypatch.delenv("WANDB_RUN_ID")
+    dashboards.prepare(config, job, is_metrics_rank=True)
+    assert dashboards.os.environ["WANDB_RUN_ID"] == first  # a relaunch continues the same run
+    ident = dashboards.run_identity(config, env={})
+    assert ident["name"] == "n1" and ident["notes"] == "why" and ident["tags"][:3] == ["a", "b", "debug_cpu"]
+    ident = dashboards.run_identity(config, env={"WANDB_RUN_NAME": "env", "WANDB_RUN_TAGS": "x,y"})
+    assert ident["name"] == "env" and ident["tags"][:2] == ["x", "y"]
+    job.doc = {}
+    dashboards.prepare(config, job, is_metrics_rank=False)
+    assert dashboards.run_identity(config, env={})["name"] == "run7"
+
+
+def test_tensorboard_layout_config_text_and_rewind_subrun(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    inner = types.SimpleNamespace(writer=SummaryWriter(str(tmp_path)), tag=None)
+    t = LedgerTensorBoard(inner, log_dir=str(tmp_path), ledger_on=True, max_norm=1.0)
+    t.setup({"config/toml": "    [training]\n    steps = 10"})
+    for s in range(1, 11):
+        t.log({"ledger/grad_norm": 0.5, "grad_norm": 0.5, "loss_metrics/global_avg_loss": 1.0}, s)
+    t.rewind(from_step=10, to_step=8, window=(9, 10))
+    t.log({"ledger/grad_norm": 0.4}, 11)
+    t.close()
+    ea = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0, "scalars": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("ledger/grad_norm")] == list(range(1, 11))  # nothing purged
+    assert "grad_norm" not in ea.Tags()["scalars"] and "ledger/max_norm" in ea.Tags()["scalars"]
+    assert "config/toml/text_summary" in ea.Tags()["tensors"]
+    layout = ea.Tensors("custom_scalars__config__")
+    assert layout
+    sub = EventAccumulator(str(tmp_path / "rewind-1"))
+    sub.Reload()
+    assert [e.step for e in sub.Scalars("ledger/grad_norm")] == [11]

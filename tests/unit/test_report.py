@@ -1,0 +1,57 @@
+"""report: one self-contained page per spike, every section present (or saying why
+not), images inlined; the CLI's one-line errors. The browser check is in
+tests/e2e/test_dashboards_e2e.py (a real run's page in headless chromium)."""
+
+from __future__ import annotations
+
+import re
+
+from titan_ledger import records
+from titan_ledger.report import main, report
+
+
+def _run(tmp_path):
+    (tmp_path / "ledger").mkdir()
+    w = records.RecordWriter(tmp_path / "ledger" / "signals.jsonl",
+                             {"schema": records.SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    for s in range(1, 13):
+        row = {k: None for k in records.SIGNAL_KEYS}
+        row.update(step=s, loss=8.0 - s / 10 + (2.0 if s == 5 else 0), loss_max=8.1 - s / 10, loss_max_rank=s % 2,
+                   grad_norm=1.0 + (5 if s == 5 else 0), grad_norm_clipped=1.0, param_norm=10.0 + s / 100,
+                   max_logit=1.0, num_zeros=100, lr=1e-3, skipped=False)
+        w.write(row)
+    w.close()
+    w = records.RecordWriter(tmp_path / "ledger" / records.SPIKES_FILE,
+                             {"schema": records.SPIKES_SCHEMA, "run_id": "a", "seq": 1})
+    w.write({"step": 5, "rules": ["zscore_loss"], "loss_max_rank": 0, "loss": 5.0, "grad_norm": 1.0,
+             "action": "none"})
+    w.close()
+    return tmp_path
+
+
+def test_page_has_every_section_and_inlined_images(tmp_path):
+    d = _run(tmp_path)
+    info = report(d, 5, tmp_path / "i.html", around=4)
+    page = (tmp_path / "i.html").read_text()
+    assert info["cause"] and page.startswith("<!DOCTYPE html>")
+    for title in ("Signals around step 5", "Per-rank losses", "Diagnosis", "Documents of the worst DP rank",
+                  "Rerun results", "Rollback plan"):
+        assert f"<h2>{title}</h2>" in page, title
+    assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', page)) >= 1
+    assert not re.search(r'(src|href)="(https?:|file:|/)', page)  # self-contained
+    assert "Q0 divergence" in page and "Q5 bf16" in page  # every question, with numbers
+    assert "no data ledger" in page and "does not exist or is empty" in page  # missing inputs said
+    assert "no plan:" in page and "checkpoint" in page
+
+
+def test_rerun_folder_shown_and_cli(tmp_path, capsys):
+    d = _run(tmp_path)
+    (d / "ledger" / "rerun").mkdir()
+    (d / "ledger" / "rerun" / "result.jsonl").write_text('{"step": 5, "loss": 5.01}\n{"step": 6}\n')
+    assert main([str(d), "-o", str(tmp_path / "p.html")]) == 0  # the flagged spike: step 5
+    page = (tmp_path / "p.html").read_text()
+    assert "rerun/result.jsonl" in page and "5.01" in page
+    assert main([str(d), "--step", "99", "-o", str(tmp_path / "q.html")]) == 2
+    assert main([str(tmp_path / "nope"), "-o", str(tmp_path / "q.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("titan_ledger.report: error: ") for line in err)
