@@ -134,7 +134,8 @@ def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | Non
     Only a ledger with more than one segment can have them; only then is the whole
     file read exactly (the fast column path reads the current history only)."""
     try:
-        if len(led.launches()) < 2 and not led.rewinds():
+        launches = led.launches()  # no launch log (older ledgers): read the file to know
+        if launches and len(launches) < 2 and not led.rewinds():
             return {}
         rows = [r for r in led.signals.superseded if not r.get("skipped") and r.get("loss") is not None
                 and (from_step is None or r["step"] >= from_step) and (to_step is None or r["step"] <= to_step)]
