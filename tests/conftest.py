@@ -1,15 +1,27 @@
-"""Test-session setup: the CPU rehearsal backend, installed before torchtitan imports.
+"""Test-session setup: the CPU rehearsal backend, installed before torchtitan imports,
+and the shared training runs of the slow set.
 
 Every test in this suite runs on the CPU backend (also on a GPU machine), so the
 numbers it checks are the ones CI sees.
+
+The slow tests mostly read dump folders. The runs behind them are session-scoped
+and launched on first use (``runs.straight("FSDP2")``, ``runs.resumed("PP")``, ...),
+so one torchrun launch serves every assertion about it; see ``Runs``.
 """
 
 import os
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+# children (torchrun, the replay CLI's launches) inherit these
 os.environ.setdefault("TITAN_LEDGER_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 from titan_ledger import backend  # noqa: E402
 
@@ -17,3 +29,174 @@ backend.install("cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+
+from helpers import CONFIGS, cli, explain, py, torchrun  # noqa: E402
+
+# --------------------------------------------------------------------------- the shared runs
+
+STEPS = 6  # checkpoints at 3 and 6; the kill -9 runs die when step KILL_AT starts
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+KILL_AT = 5
+# validation rides along with one case: torchtitan's Validator builds its own inputs
+VALIDATE = ["--validator.enable", "--validator.freq", "2", "--validator.steps", "2"]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    toml: str
+    nproc: int
+    dp: int  # DP size
+    source: str  # text | indexed
+    workers: int  # dataloader workers
+    resume: bool  # has a kill -9 + resume run
+
+
+# One straight run per parallelism; one kill -9 resume for FSDP2, TP and PP. Across
+# the resumes: text and indexed, 0 and 2 workers, DP 2 and 1.
+PARALLELISMS = {
+    "FSDP2": Parallelism("debug_cpu.toml", 2, 2, "text", 2, True),
+    "TP": Parallelism("debug_cpu_tp.toml", 2, 1, "indexed", 0, True),
+    "PP": Parallelism("debug_cpu_pp.toml", 2, 1, "text", 2, True),
+    "FSDP2xTP": Parallelism("debug_cpu_fsdp_tp.toml", 4, 2, "text", 0, False),
+}
+
+
+def data_args(source: str, workers: int, corpus: Path | None) -> list[str]:
+    args = ["--dataloader.num_workers", str(workers)]
+    if source == "indexed":
+        args += ["--dataloader.source", "indexed", "--dataloader.paths", str(corpus)]
+    return args
+
+
+class Runs:
+    """Training runs launched once per session, on first use, and cached.
+
+    ``straight(case)``: STEPS steps from the seed checkpoint (so step 1 can be compared
+    with an unsharded reference), per-layer norms, TensorBoard, checkpoints at 3 and 6;
+    FSDP2 also validates. ``resumed(case)``: the same arguments through
+    ``titan_ledger.replay resume``: SIGKILL of every process when step KILL_AT starts,
+    relaunch from the step-3 checkpoint, finish. A failed launch is cached too, so the
+    tests that need it fail at once with its log.
+    """
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self.factory = factory
+        self._done: dict[str, object] = {}
+
+    def _once(self, key: str, make):
+        if key not in self._done:
+            try:
+                self._done[key] = make()
+            except BaseException as e:  # noqa: BLE001 - re-raised for every user
+                if not isinstance(e, Exception):
+                    raise
+                self._done[key] = e
+        got = self._done[key]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    # ---- inputs
+    def corpus(self) -> Path:
+        """The bundled corpus as a Megatron .bin/.idx, through the ``prepare`` CLI (its smoke test)."""
+        def make():
+            prefix = self.factory.mktemp("corpus") / "bundled"
+            p = py("-m", "titan_ledger.prepare", "--input", ROOT / "titan_ledger/assets/corpus",
+                   "--output-prefix", prefix, "--workers", "2")
+            assert p.returncode == 0, p.stderr[-3000:]
+            assert "457 documents" in p.stdout
+            return prefix
+        return self._once("corpus", make)
+
+    def seed(self) -> Path:
+        """A seed checkpoint (DCP, one rank) every parallelism loads, resharded."""
+        def make():
+            out = self.factory.mktemp("seed")
+            proc = torchrun(["--job.config_file", CONFIGS / "debug_cpu.toml",
+                             "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+                             "--checkpoint.create_seed_checkpoint", "--dump_folder", out], nproc=1)
+            assert proc.returncode == 0, explain(proc)
+            return out / "checkpoint" / "step-0"
+        return self._once("seed", make)
+
+    # ---- per parallelism
+    def args(self, case: str) -> list[str]:
+        """The training arguments of ``case``'s runs (without the dump folder)."""
+        p = PARALLELISMS[case]
+        corpus = self.corpus() if p.source == "indexed" else None
+        return [str(a) for a in [
+            "--job.config_file", CONFIGS / p.toml, "--training.steps", STEPS, *CKPT,
+            "--checkpoint.initial_load_path", self.seed(), "--ledger.per_layer",
+            "--metrics.enable_tensorboard", *(VALIDATE if case == "FSDP2" else []),
+            *data_args(p.source, p.workers, corpus)]]
+
+    def straight(self, case: str) -> Path:
+        def make():
+            dump = self.factory.mktemp(f"straight-{case}")
+            proc = torchrun(self.args(case) + ["--dump_folder", dump], nproc=PARALLELISMS[case].nproc)
+            assert proc.returncode == 0, explain(proc)
+            (dump / "train.log").write_text(proc.stdout + proc.stderr)
+            return dump
+        return self._once(f"straight-{case}", make)
+
+    def resumed(self, case: str) -> tuple[Path, dict]:
+        """(dump folder, the ``replay resume --json`` report)."""
+        import json
+
+        from titan_ledger import replay
+
+        def make():
+            dump = self.factory.mktemp(f"resumed-{case}") / "run"
+            rc, out, err = cli(replay.main, ["resume", "--nproc", PARALLELISMS[case].nproc, "--kill-at",
+                                             KILL_AT, "--dump-folder", dump, "--json", "--",
+                                             *self.args(case)])
+            log = dump / "replay_resume.log"
+            assert rc == 0, out + err + (log.read_text()[-6000:] if log.exists() else "")
+            return dump, json.loads(out)
+        return self._once(f"resumed-{case}", make)
+
+    # ---- other shared runs
+    def indexed_toml(self) -> Path:
+        """``debug_cpu_indexed.toml`` (FSDP2, indexed, 0 workers), STEPS steps, checkpoints
+        at 3 and 6; it prepares its corpus (a fresh prefix) on first use."""
+        def make():
+            base = self.factory.mktemp("indexed-toml")
+            proc = torchrun(self.indexed_args(base) + ["--job.dump_folder", base / "run"])
+            assert proc.returncode == 0, explain(proc)
+            return base / "run"
+        return self._once("indexed-toml", make)
+
+    def indexed_args(self, base: Path | None = None) -> list[str]:
+        if base is None:
+            base = self.indexed_toml().parent
+        return [str(a) for a in ["--job.config_file", CONFIGS / "debug_cpu_indexed.toml",
+                                 "--training.steps", STEPS, *CKPT,
+                                 "--dataloader.paths", base / "corpora" / "bundled"]]
+
+    def skip_freeze(self) -> Path:
+        """FSDP2 text, 0 workers, like ``straight("FSDP2")`` but ``skip_steps = 3-4``
+        (LR frozen over the window)."""
+        def make():
+            dump = self.factory.mktemp("skip-freeze")
+            args = ["--job.config_file", CONFIGS / "debug_cpu.toml", "--training.steps", STEPS, *CKPT,
+                    "--checkpoint.initial_load_path", self.seed(), "--ledger.skip_steps", "3-4",
+                    "--job.dump_folder", dump]
+            proc = torchrun([str(a) for a in args])
+            assert proc.returncode == 0, explain(proc)
+            return dump
+        return self._once("skip-freeze", make)
+
+    def copy_checkpoint(self, src: Path, step: int, name: str, with_ledger: bool = False) -> Path:
+        """A new dump folder holding ``src``'s step-``step`` checkpoint (and its ledger)."""
+        dump = self.factory.mktemp(name)
+        shutil.copytree(src / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+        if with_ledger:
+            shutil.copytree(src / "ledger", dump / "ledger")
+        return dump
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory)

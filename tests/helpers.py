@@ -59,11 +59,109 @@ def train_cli(args: list[str], timeout: int = 300, **env) -> subprocess.Complete
                           env=child_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def cli(main, argv: list[str]) -> tuple[int, str, str]:
+    """Run a CLI's ``main(argv) -> int`` in this process: (exit code, stdout, stderr).
+
+    An argparse error or ``sys.exit`` counts as its exit code. The subprocess form of
+    each CLI is smoke-tested once (``python -m titan_ledger.X``); everything else
+    calls ``main`` here, without a new interpreter.
+    """
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return int(rc or 0), out.getvalue(), err.getvalue()
+
+
+def py(*args, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python ARGS`` in the repository (the subprocess smoke tests of the CLIs)."""
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- reading ledgers
+# Every test reads ledger files through these few functions, so the reader can be
+# swapped in one place.
+
+
+def signals_ledger(dump: Path):
+    """The signals ledger of a dump folder: ``.history`` (current rows, step order),
+    ``.superseded``, ``.segments`` (each with ``.header``), ``.torn_lines``, ``.by_step()``."""
+    from titan_ledger.records import read_ledger
+
+    return read_ledger(Path(dump) / "ledger" / "signals.jsonl")
+
+
+def signals_rows(dump: Path) -> dict[int, dict]:
+    """{step: signals row} of the current run history."""
+    return signals_ledger(dump).by_step()
+
+
+def rank_losses(dump: Path, step: int) -> list[float]:
+    """Each DP rank's local loss at ``step`` (the ``rank{r}.jsonl`` files)."""
+    from titan_ledger.records import read_ledger
+
+    out = []
+    for path in sorted((Path(dump) / "ledger").glob("rank*.jsonl")):
+        out += [r["loss"] for r in read_ledger(path).history if r["step"] == step]
+    return out
+
+
+def data_rows(dump: Path, dp_rank: int) -> dict[int, dict]:
+    """{step: row} of DP rank ``dp_rank``'s provenance file ``data_dp{r}.jsonl``."""
+    from titan_ledger.records import read_ledger
+
+    return read_ledger(Path(dump) / "ledger" / f"data_dp{dp_rank}.jsonl").by_step()
+
+
+def data_ids(dump: Path) -> dict[int, dict[int, tuple]]:
+    """{step: {dp_rank: sample ids}} (a skipped step: ``("skipped", *ids)``)."""
+    from titan_ledger.data.provenance import DataLedger
+    from titan_ledger.replay import step_ids
+
+    return step_ids(DataLedger(Path(dump) / "ledger"))
+
+
+def data_spans(dump: Path, steps) -> list[tuple]:
+    """Every (step, dp_rank, (source, doc, start, end)) document span trained at ``steps``."""
+    from titan_ledger.data.provenance import DataLedger
+
+    led = DataLedger(Path(dump) / "ledger")
+    out = []
+    for step in steps:
+        for r in led.ranks_at(step):
+            for tag in led.at(step, r).tags:
+                out += [(step, r, (tag.source, seg.doc, seg.start, seg.end)) for seg in tag.segments]
+    return out
+
+
+def spike_events(dump: Path) -> list[dict]:
+    """``spikes.jsonl``: one event per flagged step (``step``, ``rules``, ...)."""
+    from titan_ledger.records import read_ledger
+
+    return read_ledger(Path(dump) / "ledger" / "spikes.jsonl").history
+
+
+def rejected_steps(dump: Path) -> list[int]:
+    """Steps listed in ``rejected_steps.jsonl`` (what ``--ledger.auto_skip`` reads)."""
+    from titan_ledger.records import read_ledger
+
+    return [r["step"] for r in read_ledger(Path(dump) / "ledger" / "rejected_steps.jsonl").history]
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-6000:]}"
 
 
-def read_tb(folder: Path, tag: str = "loss_metrics/global_avg_loss") -> dict[int, float]:
+TB_LOSS, TB_GRAD_NORM = "ledger/loss", "ledger/grad_norm"  # torchtitan's own series are dropped with the ledger on
+
+
+def read_tb(folder: Path, tag: str = TB_LOSS) -> dict[int, float]:
     """All values of one TensorBoard scalar under ``folder`` (float32, as logged)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -126,3 +224,19 @@ def read_wandb_history(folder: Path) -> list[dict]:
                     rows.append({(i.key or "/".join(i.nested_key)): _json.loads(i.value_json)
                                  for i in rec.history.item})
     return rows
+
+
+def signal_keys() -> tuple[str, ...]:
+    """The keys of a signals row (``grad_norm_per_layer`` only with ``per_layer``)."""
+    from titan_ledger.records import SIGNAL_KEYS
+
+    return tuple(SIGNAL_KEYS)
+
+
+_ERROR_LINE = re.compile(r"titan_ledger(\.\w+)?: error: ")
+
+
+def error_lines(text: str) -> list[str]:
+    """The one-line errors (``titan_ledger: error: ...``, or ``titan_ledger.X: error: ...``)
+    in a CLI's output, with the prefix removed."""
+    return [_ERROR_LINE.split(ln, 1)[-1] for ln in _ANSI.sub("", text).splitlines() if _ERROR_LINE.search(ln)]
