@@ -1,25 +1,15 @@
-"""End-to-end runs of the real CLI: bad input, dry runs, resume, two nodes."""
+"""The training CLI: bad input, dry runs of the GPU configs, two nodes.
+
+(kill -9 + resume through the CLI: ``test_resume.py``.)
+"""
 
 import os
+import re
 import subprocess
-import time
 
 import pytest
 
-from helpers import (
-    CONFIGS,
-    ROOT,
-    child_env,
-    explain,
-    free_port,
-    kill9_tree,
-    read_tb,
-    torchrun,
-    torchrun_popen,
-    train_cli,
-)
-
-pytestmark = pytest.mark.slow
+from helpers import CONFIGS, ROOT, child_env, error_lines, explain, free_port, read_tb, torchrun, train_cli
 
 
 # --------------------------------------------------------------------------- bad input
@@ -36,27 +26,49 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_one_line_error(tmp_path, name):
-    import re
-
+def _bad_file(tmp_path, name):
     text, pattern = BAD[name]
     path = tmp_path / name
     if text is not None:
         path.write_text(text)
+    return path, pattern
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_one_line_error(tmp_path, monkeypatch, capsys, name):
+    """In process: ``titan_ledger.train.main`` exits 2 with one line, before any process group."""
+    from titan_ledger import train
+
+    path, pattern = _bad_file(tmp_path, name)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--job.config_file", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    errors = error_lines(err)
+    assert len(errors) == 1, err
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+@pytest.mark.slow
+def test_bad_input_one_line_error_subprocess(tmp_path):
+    """The same through ``python -m titan_ledger.train``: exit 2, one line, no traceback."""
+    path, pattern = _bad_file(tmp_path, "key.toml")
     proc = train_cli(["--job.config_file", str(path)], WORLD_SIZE="2")
     assert proc.returncode == 2, explain(proc)
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("titan_ledger: error:")]
+    errors = error_lines(proc.stderr)
     assert len(errors) == 1, explain(proc)
     assert re.search(pattern, errors[0]), errors[0]
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bad_input_under_torchrun_prints_once(tmp_path):
     proc = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu.toml"),
                      "--parallelism.tensor_parallel_degree", "4"], nproc=2)
     assert proc.returncode != 0
-    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "titan_ledger: error:" in ln]
+    errors = error_lines(proc.stdout + proc.stderr)
     assert len(errors) == 1, explain(proc)
     assert "tensor_parallel=4" in errors[0] and "the world size is 2" in errors[0]
 
@@ -66,6 +78,7 @@ def test_bad_input_under_torchrun_prints_once(tmp_path):
 GPU_CONFIGS = {"llama3_8b.toml": 8, "llama3_70b.toml": 64, "llama3_405b.toml": 512}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("toml,world", list(GPU_CONFIGS.items()))
 def test_gpu_config_dry_run(tmp_path, toml, world):
     """Build each GPU config at its world size on torchtitan's fake backend (rank 0)."""
@@ -82,46 +95,10 @@ def test_gpu_config_dry_run(tmp_path, toml, world):
     assert f"dry run: built LedgerTrainer for world size {world}" in proc.stdout + proc.stderr
 
 
-# --------------------------------------------------------------------------- checkpoint + resume
-
-
-def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
-    """6 steps straight vs (6-step run killed -9 after its step-3 checkpoint) + resume."""
-    common = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--metrics.enable_tensorboard",
-              "--checkpoint.enable", "--checkpoint.interval", "3", "--training.steps", "6"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    a = torchrun(common + ["--dump_folder", str(straight)])
-    assert a.returncode == 0, explain(a)
-
-    # Same config (so the same LR schedule): SIGKILL every process as soon as the
-    # step-3 checkpoint is complete (DCP writes .metadata last).
-    killed = torchrun_popen(common + ["--dump_folder", str(resumed)])
-    marker = resumed / "checkpoint" / "step-3" / ".metadata"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(kill9_tree(killed.pid)) >= 3  # torchrun + 2 ranks
-    killed.wait()
-    assert marker.exists(), "the first run never wrote its step-3 checkpoint"
-    assert not (resumed / "checkpoint" / "step-6").exists()
-
-    c = torchrun(common + ["--dump_folder", str(resumed)])
-    assert c.returncode == 0, explain(c)
-    assert "Training starts at step 4" in c.stdout + c.stderr, explain(c)
-
-    full, res = read_tb(straight), read_tb(resumed)
-    assert sorted(full) == [1, 2, 3, 4, 5, 6]
-    assert {4, 5, 6} <= set(res)
-    # Bit-identical (as float32 TensorBoard scalars): same weights, optimizer
-    # state, LR schedule and data position, same deterministic CPU kernels.
-    assert [res[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)], (full, res)
-    gn_full, gn_res = read_tb(straight, "grad_norm"), read_tb(resumed, "grad_norm")
-    assert [gn_res[s] for s in (4, 5, 6)] == [gn_full[s] for s in (4, 5, 6)]
-
-
 # --------------------------------------------------------------------------- two nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_c10d_rendezvous_on_localhost(tmp_path):
     env = child_env(NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(free_port()), JOB_ID="two-nodes-test")

@@ -4,6 +4,7 @@ gloo has no PREMUL_SUM, which FSDP2 uses once torchtitan sets the divide factor 
 1 (the loss is already normalised by global tokens); ``backend._sum_reduction``
 switches every FSDP module to SUM + post-divide. Two real gloo processes each take
 half of a batch; the unsharded reference takes the whole batch in one process.
+Both variants (with and without the wrapper) run in one pair of processes.
 """
 
 import os
@@ -28,7 +29,7 @@ def _batch():
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def _worker(rank, world, port, out, force_sum):
+def _worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,37 +51,43 @@ def _worker(rank, world, port, out, force_sum):
         disable_fsdp_gradient_division(model)
         return model
 
-    model = (_sum_reduction(parallelize) if force_sum else parallelize)(_model())
-    x, y = _batch()
-    part = slice(rank * 3, rank * 3 + 3)
-    try:
-        # local sum / global count, torchtitan's normalisation
-        (torch.nn.functional.mse_loss(model(x[part]), y[part], reduction="sum") / y.numel()).backward()
-        # plain lists: a tensor in a Queue is shared by fd and dies with this process
-        grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
-        if rank == 0:
-            out.put(("ok", grads))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        if rank == 0:
-            out.put(("error", repr(e)))
+    results = {}
+    for force_sum in (True, False):  # the failing variant last
+        model = (_sum_reduction(parallelize) if force_sum else parallelize)(_model())
+        x, y = _batch()
+        part = slice(rank * 3, rank * 3 + 3)
+        try:
+            # local sum / global count, torchtitan's normalisation
+            (torch.nn.functional.mse_loss(model(x[part]), y[part], reduction="sum") / y.numel()).backward()
+            # plain lists: a tensor in a Queue is shared by fd and dies with this process
+            results[force_sum] = ("ok", {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()})
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results[force_sum] = ("error", repr(e))
+    if rank == 0:
+        out.put(results)
     dist.destroy_process_group()
 
 
-def _run(force_sum):
+@pytest.fixture(scope="module")
+def results():
+    """{force_sum: ("ok", grads) or ("error", repr)} from two gloo processes."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out, force_sum)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-    return result
+    try:
+        return out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
 
 
-def test_sum_reduction_matches_unsharded_average():
-    status, grads = _run(force_sum=True)
+def test_sum_reduction_matches_unsharded_average(results):
+    status, grads = results[True]
     assert status == "ok", grads
     model = _model()
     x, y = _batch()
@@ -89,7 +96,7 @@ def test_sum_reduction_matches_unsharded_average():
         torch.testing.assert_close(torch.tensor(grads[name]), p.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_default_reduction_is_what_gloo_lacks():
+def test_default_reduction_is_what_gloo_lacks(results):
     """Without the wrapper FSDP2 asks gloo for PREMUL_SUM: why the wrapper exists."""
-    status, detail = _run(force_sum=False)
+    status, detail = results[False]
     assert status == "error" and "PREMUL_SUM" in detail, detail
