@@ -1,8 +1,9 @@
 """Every signal under FSDP2 / TP / PP / FSDP2xTP equals an unsharded single-process model.
 
 Both sides start from one seed checkpoint (DCP, resharded on load) and see the same
-rows: the reference rebuilds each DP rank's first batch with torchtitan's own
-dataloader. The reference computes its signals with plain tensor math on the
+rows: the reference rebuilds each DP rank's first batch with the run's own
+dataloader config. The run is step 1 of the session's straight run of each
+parallelism (``runs.straight``, conftest.py: text or indexed data, 0 or 2 workers). The reference computes its signals with plain tensor math on the
 unsharded model -- no titan_ledger reduction code -- so placement, ownership
 (TP-replicated norms), PP-stage and DP-rank bugs all show up as a mismatch.
 """
@@ -13,38 +14,21 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import CONFIGS, explain, torchrun
+from conftest import PARALLELISMS
+from helpers import rank_losses, signal_keys, signals_ledger
 from titan_ledger import backend
 from titan_ledger.attention import CpuAttention, document_causal_mask
-from titan_ledger.records import SIGNAL_KEYS, read_ledger
 from titan_ledger.signals import layer_group
 from titan_ledger.toml_frontend import parse, read_job
 
 pytestmark = pytest.mark.slow
 
-CASES = {
-    "FSDP2": ("debug_cpu.toml", 2, 2),  # toml, processes, DP size
-    "TP": ("debug_cpu_tp.toml", 2, 1),
-    "PP": ("debug_cpu_pp.toml", 2, 1),
-    "FSDP2xTP": ("debug_cpu_fsdp_tp.toml", 4, 2),
-}
 
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("seed")
-    proc = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu.toml"),
-                     "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
-                     "--checkpoint.create_seed_checkpoint", "--dump_folder", str(out)], nproc=1)
-    assert proc.returncode == 0, explain(proc)
-    return out / "checkpoint" / "step-0"
-
-
-def reference(toml: str, seed_path, dp: int) -> dict:
+def reference(args: list[str], seed_path, dp: int) -> dict:
     """Signals of step 1 computed on one unsharded model over the global batch."""
     from torchtitan.components.loss import IGNORE_INDEX
 
-    config = parse(read_job(["--job.config_file", str(CONFIGS / toml)]))
+    config = parse(read_job(args))
     backend.adapt_config(config)
     with torch.device("meta"):
         model = config.model_spec.model.build()
@@ -106,19 +90,14 @@ def reference(toml: str, seed_path, dp: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_signals_equal_unsharded_reference(tmp_path, seed, case):
-    toml, nproc, dp = CASES[case]
-    proc = torchrun(["--job.config_file", str(CONFIGS / toml), "--training.steps", "1",
-                     "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
-                     "--checkpoint.interval", "1000", "--ledger.per_layer", "--dump_folder", str(tmp_path)],
-                    nproc=nproc)
-    assert proc.returncode == 0, explain(proc)
-    ledger = read_ledger(tmp_path / "ledger" / "signals.jsonl")
-    assert ledger.torn_lines == 0 and len(ledger.history) == 1
+@pytest.mark.parametrize("case", list(PARALLELISMS))
+def test_signals_equal_unsharded_reference(runs, case):
+    dump = runs.straight(case)
+    ledger = signals_ledger(dump)
+    assert ledger.torn_lines == 0 and [r["step"] for r in ledger.history] == list(range(1, 7))
     row = ledger.history[0]
-    assert set(row) == set(SIGNAL_KEYS) | {"grad_norm_per_layer"}
-    ref = reference(toml, seed, dp)
+    assert set(row) == set(signal_keys()) | {"grad_norm_per_layer"}
+    ref = reference(runs.args(case), runs.seed(), PARALLELISMS[case].dp)
     for key in ("consumed_samples", "consumed_tokens", "loss_max_rank", "num_zeros"):
         assert row[key] == ref[key], (key, row[key], ref[key])
     for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit"):
@@ -126,5 +105,4 @@ def test_signals_equal_unsharded_reference(tmp_path, seed, case):
     assert row["grad_norm_per_layer"] == pytest.approx(ref["grad_norm_per_layer"], rel=1e-4)
     assert row["skipped"] is False and row["step"] == 1
     # the per-rank files hold each DP rank's local loss
-    rank_losses = sorted(read_ledger(p).history[0]["loss"] for p in (tmp_path / "ledger").glob("rank*.jsonl"))
-    assert max(rank_losses) == pytest.approx(ref["loss_max"], rel=1e-4)
+    assert max(rank_losses(dump, 1)) == pytest.approx(ref["loss_max"], rel=1e-4)
