@@ -606,16 +606,18 @@ def main() -> None:
                            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                            "command": " ".join([Path(sys.executable).name, *sys.argv]),
                            "code": code}}
-    if args.only in (None, "direct"):
-        rep["direct"] = direct(args)
-    if args.only in (None, "paired"):
-        rep["paired"] = paired(args)
+    try:
+        if args.only in (None, "direct"):
+            rep["direct"] = direct(args)
+        if args.only in (None, "paired"):
+            rep["paired"] = paired(args)
+    finally:
+        if snapshot_dir is not None:
+            snapshot_dir.cleanup()
     rep["setup"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print_report(rep)
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))
-    if snapshot_dir is not None:
-        snapshot_dir.cleanup()
 
 
 if __name__ == "__main__":
