@@ -52,10 +52,11 @@ class SpikeGuard:
             records.Header(schema=records.REJECTED_SCHEMA, run_id=header.run_id, seq=header.seq,
                            time=header.time, extra=extra))
 
-    def observe(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """The rules on this step's reduced values; returns the stats vector (device)."""
+    def observe(self, red, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The rules on this step's reduced values (a ``recorder.Reduced``: global loss,
+        per-DP-rank losses, per-document summaries); returns the stats vector (device)."""
         with record_function("titan_ledger.spike_rules"):
-            stats = self.detector.step(loss, grad_norm.detach())
+            stats = self.detector.step(red.loss, grad_norm.detach(), red.dp_loss, red.doc)
             self.last_flag = stats[0] > 0
             return stats
 
@@ -74,6 +75,11 @@ class SpikeGuard:
         ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
               "loss_max": row["loss_max"], "loss_max_rank": row["loss_max_rank"],
               "max_logit": row["max_logit"], **describe(stats), "action": self.on_spike}
+        ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
+                 "doc_low": ev.get("doc_low_rank")}
+        named = [ranks[r] for r in ev["rules"] if ranks.get(r) is not None]
+        if named:
+            ev["suspect_dp_rank"] = named[-1]  # the document rules name it most reliably
         if self._spikes is not None:
             self._spikes.write(ev)
             self._rejected.write({"step": row["step"], "rules": ev["rules"]})
@@ -81,8 +87,10 @@ class SpikeGuard:
             logger.warning(
                 f"titan_ledger: SPIKE at step {row['step']}: loss {row['loss']:.4f} (window mean "
                 f"{ev['loss_mean']:.4f}, std {ev['loss_std']:.4f}), grad norm {row['grad_norm']:.4f} "
-                f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; worst DP "
-                f"rank {row['loss_max_rank']}; action: {self.on_spike}")
+                f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; "
+                + (f"suspect DP rank {ev['suspect_dp_rank']}; " if "suspect_dp_rank" in ev else
+                   f"highest-loss DP rank {row['loss_max_rank']}; ")
+                + f"action: {self.on_spike}")
         if metrics_logger is not None:  # spike/* scalars; W&B: an alert and a spike/events table row
             from titan_ledger.dashboards import log_spike
 

@@ -306,9 +306,10 @@ class Ledger(Configurable):
         if self.recorder is None:
             return
         with record_function("titan_ledger.signals"):
-            reduced, loss = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
-                                                 grad_norm=grad_norm)
-        stats = self.guard.observe(loss, grad_norm) if self.guard is not None else None
+            red = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
+                                       grad_norm=grad_norm)
+            reduced = red.vector
+        stats = self.guard.observe(red, grad_norm) if self.guard is not None else None
         tags, injected = self._step_tags or (None, None)
         self._step_tags = None
         with record_function("titan_ledger.signals"):

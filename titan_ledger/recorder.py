@@ -39,6 +39,16 @@ _LOSS, _TOK, _ZEROS, _PSQ, _LOGIT = range(5)
 _FIXED = 5
 
 
+@dataclass
+class Reduced:
+    """One step's reduced signals, on device, identical on every rank."""
+
+    vector: torch.Tensor  # the row's values (see SignalRecorder.reduce)
+    loss: torch.Tensor  # global mean loss
+    dp_loss: torch.Tensor  # [dp] each DP rank's mean loss
+    doc: torch.Tensor | None  # [dp, 4] median segment loss, highest and lowest document mean, ranked docs
+
+
 class NonFiniteLoss(RuntimeError):
     """The recorded loss is NaN/inf: training stops (the row is written first)."""
 
@@ -109,8 +119,8 @@ class SignalRecorder:
 
     # ------------------------------------------------------------------ per step
     def reduce(self, *, local_loss_sum: torch.Tensor | None, local_tokens: int,
-               grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One all-gather; returns (reduced vector, global average loss), on device.
+               grad_norm: torch.Tensor) -> "Reduced":
+        """One all-gather; returns the reduced vector and what the spike rules read, on device.
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
         param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens,
@@ -154,7 +164,13 @@ class SignalRecorder:
             table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
             # the per-document summary of this rank's DP group, from the rank that owns its loss
             table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
-        return reduced, loss_by_dp.sum() / tok_by_dp.sum()
+        doc = None
+        if n_doc:
+            d = table[list(topo.loss_rank_of_dp), _FIXED + self._n_layers:]
+            h, k = self.doc_loss.HEAD, self.doc_loss.k
+            doc = torch.stack([d[:, 2], d[:, h + 1] / d[:, h + 2],
+                               d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1]], dim=1)
+        return Reduced(reduced, loss_by_dp.sum() / tok_by_dp.sum(), loss_by_dp / tok_by_dp, doc)
 
     def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,
               step_start: float, data_loading_s: float, tags: list | None = None,

@@ -15,8 +15,27 @@ Rules (each can be switched off):
   median grad norm *and* loss > (1 + ``loss_jump``) x the window's median loss.
 * a non-finite loss or grad norm is always a spike.
 
-A flagged step's values do not enter the window, so one spike does not widen
-the baseline that should catch the next one.
+Evidence rules (the design article §4: bad data is two-sided, and at DP = N one
+bad rank moves the global loss by 1/N -- so these look at per-rank and
+per-document values, which do not shrink with N):
+
+* rank separation (DP >= 2; no history, so active from step 1 and free of any
+  trend): every document of one DP rank has a higher mean loss than every
+  document of every other rank, or every one a lower loss, by more than
+  ``separation`` times the ranks' own document spread (and ``separation_floor``).
+  Clean ranks' document losses overlap; a batch of random text (high) or of
+  repeated text (low) does not, and its documents hardly differ from each other.
+  Each rank needs ``min_docs`` ranked documents.
+* document outliers (any DP size): per DP rank, the highest-loss document's log
+  mean loss over the rank's median segment loss (``doc_high``), and the median
+  over the lowest-loss document (``doc_low``); the maximum over ranks > its own
+  history's median + ``doc_outlier`` x MAD, and > ``doc_outlier_floor``.
+* grad jump: grad norm > ``grad_jump`` x the median of the last accepted steps
+  (a skewed gradient: repeated tokens), active after ``min_history`` steps instead
+  of the z-score rule's window/2.
+History-based statistics are compared with their own recent history (median and
+MAD of the last ``window`` steps, every step included, so a trend cannot lock
+them into flagging), active after ``min_history`` steps.
 """
 
 from __future__ import annotations
@@ -30,10 +49,13 @@ from torchtitan.config import Configurable
 
 from titan_ledger.errors import ConfigError
 
-RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite")
+RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
+         "doc_low", "grad_jump")
 #: layout of the stats vector ``SpikeDetector.step`` returns (all float64)
 STAT_KEYS = ("flag", *RULES, "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
-             "grad_norm_std", "grad_norm_median", "n")
+             "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
+             "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
+             "doc_low_rank", "grad_jump_ratio")
 
 
 class SpikeDetector(Configurable):
@@ -56,11 +78,40 @@ class SpikeDetector(Configurable):
         loss_jump: float = 0.10
         """...and loss > (1 + loss_jump) x window median loss."""
 
+        separation: float = 2.5
+        """Rank-separation rule: one DP rank's documents all above (or all below) every
+        other rank's, by this many times the ranks' own document spread (log hi - log
+        lo); 0 disables; needs DP >= 2."""
+
+        separation_floor: float = 0.05
+        """...and by at least this log ratio (5%)."""
+
+        min_docs: int = 3
+        """Rank separation: ranked documents each rank needs (fewer: the rule abstains)."""
+
+        doc_outlier: float = 6.0
+        """Document rule: a rank's highest (or lowest) document log loss over its median
+        segment log loss > history median + doc_outlier x history MAD (0 disables)."""
+
+        doc_outlier_floor: float = 0.7
+        """...and > this log ratio (0.7: a document at 2x or 1/2 its batch's median loss)."""
+
+        grad_jump: float = 4.0
+        """Grad-jump rule: grad norm > grad_jump x the median of recent steps (0 disables)."""
+
+        min_history: int = 8
+        """The evidence rules (rank spread, documents) start after this many steps."""
+
         def __post_init__(self) -> None:
             # checked when the config is parsed, before any process group exists
             if self.window < 2:
                 raise ConfigError(f"--ledger.spike.window must be >= 2, got {self.window}")
-            for name in ("zscore", "ratio", "loss_jump"):
+            if self.min_history < 1:
+                raise ConfigError(f"--ledger.spike.min_history must be >= 1, got {self.min_history}")
+            if self.min_docs < 1:
+                raise ConfigError(f"--ledger.spike.min_docs must be >= 1, got {self.min_docs}")
+            for name in ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier",
+                         "doc_outlier_floor", "grad_jump"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.spike.{name} must be >= 0 (0 switches the rule off), "
                                       f"got {getattr(self, name)}")
@@ -71,9 +122,19 @@ class SpikeDetector(Configurable):
         self.hist = torch.zeros(2, w, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         self._arange = torch.arange(w, device=device)
+        # evidence rules: histories of [log grad norm, doc high, doc low], their counts
+        self.ehist = torch.zeros(3, w, dtype=torch.float64, device=device)
+        self.ecount = torch.zeros(3, dtype=torch.int64, device=device)
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """Judge this step (0-d tensors) and update the window. Returns STAT_KEYS values."""
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, dp_loss: torch.Tensor | None = None,
+             doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Judge this step and update the windows. Returns STAT_KEYS values.
+
+        ``loss``, ``grad_norm``: the global values (0-d). ``dp_loss``: each DP rank's
+        mean loss ``[dp]``. ``doc``: per DP rank ``[dp, 4]`` = (median segment loss,
+        highest document mean loss, lowest document mean loss, ranked documents),
+        NaN where absent.
+        """
         c = self.config
         w = self.hist.shape[1]
         v = torch.stack([loss.double().reshape(()), grad_norm.double().reshape(())])
@@ -93,18 +154,84 @@ class SpikeDetector(Configurable):
         else:
             ratio = torch.zeros((), dtype=torch.bool, device=v.device)
         non_finite = ~finite.all()
-        flag = z.any() | ratio | non_finite
+        ev, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        flag = z.any() | ratio | non_finite | ev.any()
         # accepted steps enter the window; a flagged one does not
         idx = self.count % w
         col = self.hist[:, idx]
         self.hist[:, idx] = torch.where(flag, col, v)
         self.count = self.count + (~flag).long()
-        return torch.stack([flag.double(), z[0].double(), z[1].double(), ratio.double(),
-                            non_finite.double(), mean[0], std[0], median[0], mean[1], std[1],
-                            median[1], n.double()])
+        return torch.cat([torch.stack([flag.double(), z[0].double(), z[1].double(), ratio.double(),
+                                       non_finite.double()]), ev.double(),
+                          torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
+                          estats])
+
+    def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
+                  dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
+        """The rank-separation, document and grad-jump rules; (fired [4] bool, stats [10])."""
+        c = self.config
+        dev = self.ehist.device
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
+        fired = torch.zeros(4, dtype=torch.bool, device=dev)
+        y = torch.full((3,), float("nan"), dtype=torch.float64, device=dev)  # history-based
+        y[0] = grad_norm.double().reshape(()).log()
+        sep, sep_rank = nan, nan
+        ranks = torch.full((2,), float("nan"), dtype=torch.float64, device=dev)
+        if doc is not None:
+            d = doc.double()
+            lg = d[:, :3].log()
+            med, hi, lo, n = lg[:, 0], lg[:, 1], lg[:, 2], d[:, 3].nan_to_num(nan=0.0)
+            if d.shape[0] > 1 and c.separation > 0:
+                # rank r above all: its lowest doc over the others' highest; below: the reverse
+                eye = torch.eye(d.shape[0], dtype=torch.bool, device=dev)
+                others_hi = torch.where(eye, -torch.inf, hi[None, :].expand(d.shape[0], -1)).amax(1)
+                others_lo = torch.where(eye, torch.inf, lo[None, :].expand(d.shape[0], -1)).amin(1)
+                gap = torch.maximum(lo - others_hi, others_lo - hi)
+                # in units of the ranks' own document spread (natural text varies a lot from
+                # document to document; random or repeated text hardly at all)
+                spread = (hi - lo).nanmean().clamp(min=1e-6)
+                enough = (n >= c.min_docs).all()
+                gap = torch.where(enough, gap.nan_to_num(nan=-torch.inf), -torch.inf)
+                # DP 2: both ranks are "separated" by the same gap; the suspect is the one
+                # whose loss moved away from the recent global loss
+                moved = (dp_loss.double().log() - loss_median.log()).abs().nan_to_num(nan=0.0) \
+                    if dp_loss is not None else torch.zeros_like(gap)
+                sep_rank = (gap + 1e-9 * moved).argmax().double()
+                sep = gap.max() / spread
+                fired[0] = (sep > c.separation) & (gap.max() > c.separation_floor)
+                sep = torch.where(torch.isfinite(sep), sep, nan)
+            if c.doc_outlier > 0:
+                h = (hi - med).nan_to_num(nan=-torch.inf)
+                l_ = (med - lo).nan_to_num(nan=-torch.inf)
+                y[1], ranks[0] = h.max(), h.argmax().double()
+                y[2], ranks[1] = l_.max(), l_.argmax().double()
+                y[1:] = torch.where(torch.isfinite(y[1:]), y[1:], nan)
+        w = self.ehist.shape[1]
+        n_h = self.ecount.clamp(max=w)
+        valid = self._arange[None, :] < n_h[:, None]
+        hist = torch.where(valid, self.ehist, nan)
+        hmed = hist.nanmedian(1).values
+        mad = (hist - hmed[:, None]).abs().nanmedian(1).values
+        active = (n_h >= c.min_history) & torch.isfinite(y)
+        if c.doc_outlier > 0:
+            fired[1:3] = active[1:] & (y[1:] > hmed[1:] + c.doc_outlier * mad[1:]) & (y[1:] > c.doc_outlier_floor)
+        jump = (y[0] - hmed[0]).exp()
+        if c.grad_jump > 0:
+            fired[3] = active[0] & (jump > c.grad_jump)
+        # every finite value enters its history: one outlier barely moves a median,
+        # and a statistic that trends cannot lock the rule into flagging
+        take = torch.isfinite(y)
+        idx = self.ecount % w
+        rows = torch.arange(3, device=dev)
+        self.ehist[rows, idx] = torch.where(take, y, self.ehist[rows, idx])
+        self.ecount = self.ecount + take.long()
+        stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
+                             torch.where(active[0], jump, nan)])
+        return fired, stats
 
     def state_dict(self) -> dict[str, Any]:
-        return {"hist": self.hist.tolist(), "count": int(self.count)}
+        return {"hist": self.hist.tolist(), "count": int(self.count),
+                "ehist": self.ehist.tolist(), "ecount": self.ecount.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -114,12 +241,21 @@ class SpikeDetector(Configurable):
             return
         self.hist = hist
         self.count = torch.tensor(int(state["count"]), device=self.count.device)
+        if "ehist" in state:  # checkpoints before the evidence rules have none
+            self.ehist = torch.tensor(state["ehist"], dtype=torch.float64, device=self.hist.device)
+            self.ecount = torch.tensor(state["ecount"], dtype=torch.int64, device=self.hist.device)
 
 
 def describe(stats: list[float]) -> dict[str, Any]:
-    """STAT_KEYS values (host floats) -> an event dict (rules that fired by name)."""
+    """STAT_KEYS values (host floats) -> an event dict (rules that fired by name; NaN
+    statistics, e.g. the rank spread at DP 1, left out)."""
     d = dict(zip(STAT_KEYS, stats))
-    return {"rules": [r for r in RULES if d[r]], **{k: d[k] for k in STAT_KEYS[1 + len(RULES):]}}
+    out = {"rules": [r for r in RULES if d[r]]}
+    for k in STAT_KEYS[1 + len(RULES):]:
+        v = d[k]
+        if v == v:
+            out[k] = int(v) if k.endswith("_rank") else v
+    return out
 
 
 def detect_offline(rows: list[dict], config: "SpikeDetector.Config") -> list[dict]:

@@ -44,12 +44,13 @@ def _worker(rank, world, port, out):
     fully_shard(model, mesh=mesh)
     model(torch.randn(4, 8)).sum().backward()
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
-    topo = Topology(world=world, rank=rank, dp_size=world, dp_rank=rank, dp_rank_of=tuple(range(world)))
+    topo = Topology(world=world, rank=rank, dp_size=world, dp_rank=rank, dp_rank_of=tuple(range(world)),
+                    loss_rank_of_dp=tuple(range(world)))
     plan = ParamPlan.build(model.named_parameters(), world, 1)
     groups = plan.groups
     plan = ParamPlan.build(model.named_parameters(), world, 1, groups)
     rec = SignalRecorder(topo, device=torch.device("cpu"), plan=plan, attn=[], per_layer=True,
-                         max_logit=True, max_norm=1.0, global_batch=8, seq_len=4)
+                         max_logit=True, max_norm=1e9, global_batch=8, seq_len=4)  # grads not clipped here
     calls = {"collectives": 0, "host_reads": 0}
     names = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "reduce_scatter_tensor")
     real = {n: getattr(recorder_mod.dist, n) for n in names}
@@ -73,8 +74,8 @@ def _worker(rank, world, port, out):
     for n in HOST_READS:
         setattr(torch.Tensor, n, counting(n))
     try:
-        reduced, loss = rec.reduce(local_loss_sum=torch.tensor(2.0 + rank), local_tokens=4, grad_norm=grad_norm)
-        rec.queue(step=1, reduced=reduced, extra=None, lr=1e-3, step_start=time.perf_counter(), data_loading_s=0.0)
+        red = rec.reduce(local_loss_sum=torch.tensor(2.0 + rank), local_tokens=4, grad_norm=grad_norm)
+        rec.queue(step=1, reduced=red.vector, extra=None, lr=1e-3, step_start=time.perf_counter(), data_loading_s=0.0)
     finally:
         for n, f in real.items():
             setattr(recorder_mod.dist, n, f)
@@ -86,7 +87,7 @@ def _worker(rank, world, port, out):
            "param_sq": sum(float(p.detach().double().square().sum()) for _, p in full.values()),
            "grad_sq": sum(float(g.double().square().sum()) for g, _ in full.values())}
     if rank == 0:
-        out.put((calls, reduced.tolist(), float(loss), ref))
+        out.put((calls, red.vector.tolist(), float(red.loss), ref))
     dist.destroy_process_group()
 
 

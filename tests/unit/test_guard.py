@@ -8,6 +8,7 @@ import torch
 from titan_ledger import records
 from titan_ledger.guard import SpikeGuard
 from titan_ledger.reader import RunLedger
+from titan_ledger.recorder import Reduced
 from titan_ledger.spikes import SpikeDetector
 from titan_ledger.topology import Topology
 
@@ -22,7 +23,8 @@ def test_flags_become_events_and_rewinds_are_recorded(tmp_path):
     g.open(led, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
     for step in range(1, 10):
         loss, gn = (2.0, 1.0 + 0.01 * (step % 3)) if step < 9 else (5.0, 40.0)
-        stats = g.observe(torch.tensor(loss, dtype=torch.float64), torch.tensor(gn, dtype=torch.float64))
+        red = Reduced(None, torch.tensor(loss, dtype=torch.float64), torch.tensor([loss, loss]), None)
+        stats = g.observe(red, torch.tensor(gn, dtype=torch.float64))
         assert g.flag_now() == (step == 9)
         g.on_row(_row(step, loss, gn), stats.tolist())
     g.record_rewind(from_step=9, to_step=4, window=(5, 9))

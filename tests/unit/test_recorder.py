@@ -27,9 +27,9 @@ def test_rows_from_a_single_process(tmp_path):
     rec = _recorder(Topology.single(), model)
     rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
     gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    reduced, loss = rec.reduce(local_loss_sum=torch.tensor(6.0), local_tokens=4, grad_norm=gn)
-    assert float(loss) == 1.5
-    rec.queue(step=1, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    red = rec.reduce(local_loss_sum=torch.tensor(6.0), local_tokens=4, grad_norm=gn)
+    assert float(red.loss) == 1.5
+    rec.queue(step=1, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
     rec.drain(block=False)
     rec.close()
     row = records.read_ledger(tmp_path / "signals.jsonl", records.SIGNALS).history[0]
@@ -49,8 +49,8 @@ def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
     model(torch.ones(1, 2)).sum().backward()
     rec = _recorder(Topology.single(), model)
     rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
-    reduced, _ = rec.reduce(local_loss_sum=torch.tensor(float("nan")), local_tokens=2, grad_norm=torch.tensor(1.0))
-    rec.queue(step=3, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    red = rec.reduce(local_loss_sum=torch.tensor(float("nan")), local_tokens=2, grad_norm=torch.tensor(1.0))
+    rec.queue(step=3, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
     try:
         rec.drain(block=True)
         raise AssertionError("a NaN loss must stop training")
@@ -73,8 +73,8 @@ def test_per_layer_norms_are_pre_clip_although_read_after_the_clip(tmp_path):
     rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the trainer does
     assert float(gn) > 10  # the clip is active
-    reduced, _ = rec.reduce(local_loss_sum=torch.tensor(1.0), local_tokens=1, grad_norm=gn)
-    rec.queue(step=1, reduced=reduced, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    red = rec.reduce(local_loss_sum=torch.tensor(1.0), local_tokens=1, grad_norm=gn)
+    rec.queue(step=1, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
     rec.drain(block=True)
     rec.close()
     row = records.read_ledger(tmp_path / "signals.jsonl").history[0]

@@ -16,7 +16,7 @@ def test_rules_flag_spikes_and_nan_and_keep_the_window_clean():
     rows[250]["loss"] = float("nan")
     events = detect_offline(rows, SpikeDetector.Config())
     assert [e["step"] for e in events] == [201, 251]
-    assert set(events[0]["rules"]) == {"zscore_loss", "zscore_grad_norm", "ratio"}
+    assert set(events[0]["rules"]) == {"zscore_loss", "zscore_grad_norm", "ratio", "grad_jump"}
     assert events[1]["rules"] == ["non_finite"]
     # the flagged value never entered the window: the mean is unaffected
     assert abs(events[1]["grad_norm_mean"] - 1.0) < 0.02
@@ -27,7 +27,7 @@ def test_rules_wait_for_half_a_window_and_can_be_switched_off():
     for i in range(3):
         assert det.step(torch.tensor(2.0), torch.tensor(1.0 + 0.01 * i))[0] == 0
     assert det.step(torch.tensor(50.0), torch.tensor(50.0))[0] == 0  # only 3 < 4 steps seen
-    off = SpikeDetector(SpikeDetector.Config(window=8, zscore=0, ratio=0))
+    off = SpikeDetector(SpikeDetector.Config(window=8, zscore=0, ratio=0, grad_jump=0, doc_outlier=0, separation=0))
     for i in range(8):
         off.step(torch.tensor(2.0 + 0.01 * i), torch.tensor(1.0))
     stats = off.step(torch.tensor(50.0), torch.tensor(50.0)).tolist()
@@ -42,4 +42,47 @@ def test_detector_state_round_trip():
     b = SpikeDetector(SpikeDetector.Config(window=16))
     b.load_state_dict(a.state_dict())
     x = (torch.tensor(3.0), torch.tensor(4.0))
-    assert torch.equal(a.step(*x), b.step(*x))
+    assert torch.equal(a.step(*x).nan_to_num(), b.step(*x).nan_to_num())
+
+
+def _doc(med=3.0, hi=3.3, lo=2.7, n=5):
+    return [med, hi, lo, n]
+
+
+def test_evidence_rules_name_the_rank_and_do_not_lock_in():
+    import random
+
+    rnd = random.Random(0)
+    det = SpikeDetector(SpikeDetector.Config(window=32))
+    fired = {}
+    for t in range(1, 61):
+        doc = torch.tensor([_doc(hi=3.3 + rnd.gauss(0, 0.03), lo=2.7 + rnd.gauss(0, 0.03)), _doc(), _doc()],
+                           dtype=torch.float64)
+        dp = torch.tensor([3.0, 3.0, 3.0], dtype=torch.float64)
+        gn = torch.tensor(1.0 + 0.02 * t)  # a trend: the history follows it
+        if t == 20:  # rank 2 read repeated text: one document far below its batch
+            doc[2, 2] = 0.05
+        if t == 30:  # rank 1 read random text: all its documents above everyone's
+            doc[1] = torch.tensor(_doc(med=6.0, hi=6.1, lo=5.9), dtype=torch.float64)
+            dp[1] = 6.0
+        if t == 40:  # a skewed gradient
+            gn = torch.tensor(20.0)
+        stats = det.step(dp.mean(), gn, dp, doc).tolist()
+        if stats[0]:
+            fired[t] = describe(stats)
+    assert sorted(fired) == [20, 30, 40], fired
+    assert fired[20]["rules"] == ["doc_low"] and fired[20]["doc_low_rank"] == 2
+    assert "rank_separation" in fired[30]["rules"] and fired[30]["separation_rank"] == 1
+    assert "grad_jump" in fired[40]["rules"]
+
+
+def test_rank_separation_at_dp2_names_the_rank_that_moved():
+    det = SpikeDetector(SpikeDetector.Config(window=16))
+    for _ in range(10):
+        det.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.0]),
+                 torch.tensor([_doc(), _doc()], dtype=torch.float64))
+    # rank 0 read repeated text: all its documents far below rank 1's
+    stats = det.step(torch.tensor(2.0), torch.tensor(1.0), torch.tensor([1.0, 3.0]),
+                     torch.tensor([_doc(med=1.0, hi=1.02, lo=0.98), _doc()], dtype=torch.float64)).tolist()
+    ev = describe(stats)
+    assert "rank_separation" in ev["rules"] and ev["separation_rank"] == 0
