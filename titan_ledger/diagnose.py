@@ -72,7 +72,11 @@ def _slope(ys):
     return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den
 
 
-def classify(rows: list[dict], step: int, th: Thresholds | None = None) -> dict:
+EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
+
+
+def classify(rows: list[dict], step: int, th: Thresholds | None = None,
+             evidence: dict | None = None) -> dict:
     """Walk the decision tree for the spike at ``step`` over signals ``rows``."""
     th = th or Thresholds()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
@@ -119,11 +123,17 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None) -> dict:
     gaps = _finite([r.get("loss_max", math.nan) - r["loss"] for r in pre])
     gap = (at.get("loss_max") or math.nan) - loss
     med_gap = statistics.median(gaps) if gaps else 0.0
-    q3 = ask("Q3 bad_data: one DP rank's loss far above the average",
-             math.isfinite(gap) and gap > th.rank_gap * max(med_gap, 1e-12)
-             and gap > th.rank_gap_rel * abs(loss),
+    # per-rank and per-document evidence (the trainer's evidence rules at this step):
+    # bad data is two-sided, and a low-loss rank pushes a CLEAN rank to loss_max
+    ev = evidence or {}
+    ev_rules = [r for r in ev.get("rules", []) if r in EVIDENCE_RULES]
+    q3 = ask("Q3 bad_data: one DP rank's loss far above the average, or its documents far "
+             "from the others' (evidence rules)",
+             (math.isfinite(gap) and gap > th.rank_gap * max(med_gap, 1e-12)
+              and gap > th.rank_gap_rel * abs(loss)) or bool(ev_rules),
              loss_max_rank=at.get("loss_max_rank"), rank_loss=at.get("loss_max"), avg_loss=loss,
-             gap=gap, pre_median_gap=med_gap)
+             gap=gap, pre_median_gap=med_gap, evidence_rules=ev_rules or None,
+             suspect_dp_rank=ev.get("suspect_dp_rank"))
 
     recent, earlier = pre_gn[-10:], pre_gn[:-10]
     plateau = (statistics.mean(recent) / statistics.median(earlier)) if len(earlier) >= 5 else math.nan
@@ -165,8 +175,8 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None) -> dict:
            "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None}
     if cause == "divergence":
         out["underlying"] = underlying
-    if cause == "bad_data":
-        out["rank"] = at.get("loss_max_rank")
+    if cause == "bad_data" or (cause == "divergence" and underlying == "bad_data"):
+        out["rank"] = ev.get("suspect_dp_rank", at.get("loss_max_rank"))
     return out
 
 
@@ -222,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     add_dump_folder(ap)
     ap.add_argument("--step", type=int, help="diagnose this step (default: every detected spike)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write-quarantine", metavar="FILE",
+                    help="write the documents named by bad_data verdicts, one JSON object per line "
+                         "({\"source\", \"doc\"}), for --ledger.quarantine FILE")
     a = parse_args(ap, argv)
     return run_tool("titan_ledger.diagnose", lambda: _main(a))
 
@@ -245,15 +258,27 @@ def _main(a) -> int:
         rows = led.rows_as_of(s)
         if rows is None:
             raise LedgerError(f"--step {s}: not a recorded step of {path} (it covers steps 1-{last})")
+        event = next((e for e in led.spike_events() if e["step"] == s), None)
         try:
-            res = classify(rows, s)
+            res = classify(rows, s, evidence=event)
         except ValueError as e:
             raise LedgerError(f"--step {s}: {path}: {e}") from None
         if a.step is not None:
             res["spike_check"] = spike_check(rows, s, s in set(spike_steps(led)))
         if rows is not led.signal_rows():
             res["rewound"] = True  # a later rollback superseded this step
+        if "rank" in res:
+            res["documents"] = offending_documents(led, s, res["rank"])
+            res["quarantine_command"] = (
+                f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
+                f"quarantine.jsonl  # then resume with --ledger.quarantine quarantine.jsonl")
         results.append(res)
+    if a.write_quarantine:
+        docs = {(d["source"], d["doc"]) for r in results for d in r.get("documents", [])}
+        if not docs:
+            raise LedgerError(f"--write-quarantine {a.write_quarantine}: no bad_data verdict named a "
+                              f"document (nothing written)")
+        write_quarantine(a.write_quarantine, sorted(docs))
     if a.json:
         print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
         return 0
@@ -274,7 +299,51 @@ def _main(a) -> int:
         for c in r["checks"]:
             nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
             print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
+        if r.get("documents"):
+            print(f"  documents on DP rank {r['rank']} (loss vs the step's median segment loss):")
+            for d in r["documents"]:
+                print(f"    {d['source']} doc {d['doc']} [{d['start']}:{d['end']})  loss {d['loss']:.4f} "
+                      f"= {d['vs_median']:.2f}x median over {d['tokens']} tokens")
+                if d.get("text"):
+                    print(f"      {d['text'][:160]!r}")
+            print(f"  quarantine: {r['quarantine_command']}")
+    if a.write_quarantine:
+        print(f"wrote {a.write_quarantine}")
     return 0
+
+
+def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:
+    """The documents of ``rank`` at ``step`` whose loss is furthest from the step's median
+    segment loss (either way), with a text excerpt; [] when the run recorded none."""
+    try:
+        docs, median = led.data.doc_losses(step)
+    except LedgerError:
+        return []
+    if not docs or not median:
+        return []
+    mine = [d for d in docs if rank is None or d["dp_rank"] == rank] or docs
+    mine = [d for d in mine if d["loss"]]
+    mine.sort(key=lambda d: -abs(math.log(d["loss"] / median)))
+    out = []
+    text = None
+    for d in mine[:n]:
+        d = dict(d, vs_median=d["loss"] / median)
+        try:
+            from titan_ledger.lookup import TextSource
+
+            text = text or TextSource(led.data)
+            d["text"] = text.text(d["source"], d["doc"], d["start"], d["end"]).replace("\n", " ")
+        except Exception as e:  # noqa: BLE001 - an excerpt is a convenience; say why not
+            d["text_error"] = f"{type(e).__name__}: {e}"
+        out.append(d)
+    return out
+
+
+def write_quarantine(path: str, docs: list[tuple[str, int]]) -> None:
+    """``{"source", "doc"}`` per line, the format ``--ledger.quarantine`` reads; appends."""
+    with open(path, "a") as f:
+        for source, doc in docs:
+            f.write(json.dumps({"source": source, "doc": doc}) + "\n")
 
 
 if __name__ == "__main__":
