@@ -47,7 +47,7 @@ class DataLedgerWriter:
         return self._writer.rows if self._writer is not None else 0
 
     def record(self, step: int, tags: list[RowTag], injected: str | None = None,
-               doc_loss: dict | None = None) -> None:
+               doc_loss: dict | None = None, masked: dict | None = None) -> None:
         """This DP rank's rows of ``step``; ``doc_loss`` (DocLossTracker.decode) adds the
         step's per-document summary: ``{"n", "n_valid", "median", "top", "bottom"}``
         with entries ``[row, segment, loss_sum, tokens]`` indexing ``rows``."""
@@ -59,6 +59,8 @@ class DataLedgerWriter:
                 row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
             if doc_loss is not None:
                 row["doc_loss"] = doc_loss
+            if masked:
+                row["masked"] = masked  # {"quarantine" | "repetition": [[row, segment], ...]}
             self._writer.write(row)
 
     def record_skip(self, *, first: int, last: int, info) -> None:

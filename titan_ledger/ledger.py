@@ -40,6 +40,7 @@ from torchtitan.config import Configurable
 
 from titan_ledger import records
 from titan_ledger.attention import MaxLogitRecorder, forget_pp_metadata_inference
+from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
 from titan_ledger.data_writer import DataLedgerWriter
 from titan_ledger.errors import ConfigError, TitanLedgerError
@@ -85,6 +86,22 @@ class Ledger(Configurable):
 
         doc_loss_min_tokens: int = 16
         """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
+
+        quarantine: list[str] = field(default_factory=list)
+        """Quarantine files: one ``{"source": ..., "doc": ...}`` per line (``lookup --json``
+        names documents this way; ``diagnose --write-quarantine`` writes them). Those
+        documents' tokens are loss-masked wherever they appear; the sample sequence is
+        unchanged, so adding a file when resuming after a spike is not a data change."""
+
+        repetition_filter: bool = False
+        """Mask document segments holding an n-gram repeated ``repetition_min`` times in
+        a row (OLMo-core's instance filter rule), counted per step in the ledgers."""
+
+        repetition_min: int = 32
+        """Repetition filter: repeats of one n-gram that mask its segment."""
+
+        repetition_max_period: int = 13
+        """Repetition filter: the longest n-gram period checked (1 = one token repeated)."""
 
         folder: str = "ledger"
         """Ledger folder, relative to ``dump_folder``."""
@@ -148,6 +165,10 @@ class Ledger(Configurable):
             for name in ("rollback_back", "max_rollbacks"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.{name} must be >= 0, got {getattr(self, name)}")
+            if self.repetition_min < 2 or self.repetition_max_period < 1:
+                raise ConfigError(f"--ledger.repetition_min must be >= 2 and --ledger.repetition_max_period "
+                                  f">= 1 (got {self.repetition_min}, {self.repetition_max_period})")
+            Quarantine(self.quarantine)  # the files exist and parse
             if self.doc_loss_k < 1 or self.doc_loss_min_tokens < 1:
                 raise ConfigError(f"--ledger.doc_loss_k and --ledger.doc_loss_min_tokens must be >= 1 "
                                   f"(got {self.doc_loss_k}, {self.doc_loss_min_tokens})")
@@ -170,8 +191,9 @@ class Ledger(Configurable):
         self.rewinds = 0
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
-        self._step_tags: tuple[list[RowTag], str | None] | None = None
+        self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
+        self.quarantine = Quarantine(config.quarantine)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -195,6 +217,9 @@ class Ledger(Configurable):
                 [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
         if cfg.on_spike == "rollback" and not trainer.config.checkpoint.enable:
             raise ConfigError("--ledger.on_spike rollback reloads checkpoints: set --checkpoint.enable")
+        if (self.quarantine or cfg.repetition_filter) and (self.loader is None or not self.loader.tagging):
+            raise ConfigError("--ledger.quarantine and --ledger.repetition_filter mask documents by the "
+                              "rows' provenance: they need LedgerDataLoader with --dataloader.tagging")
         if self.skip_windows and self.loader is None:
             raise ConfigError("--ledger.skip_steps needs LedgerDataLoader (a titan_ledger config "
                               "function such as debug_cpu); this run's dataloader is "
@@ -276,6 +301,13 @@ class Ledger(Configurable):
                                 time=time.time(),
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
                                        "dp_size": self.topo.dp_size})
+        if self.quarantine:
+            # recorded, not refused: quarantining documents after a spike is the normal use
+            header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
+                                          "documents": len(self.quarantine.docs)}
+        if self.config.repetition_filter:
+            header.extra["repetition_filter"] = {"min_repeats": self.config.repetition_min,
+                                                 "max_period": self.config.repetition_max_period}
         if rewind_from is not None:
             # a rewind is a new segment of the same process: its own run id and seq
             header.run_id = f"{self.run_id}.r{self.rewinds}"
@@ -297,7 +329,8 @@ class Ledger(Configurable):
 
     # ------------------------------------------------------------------ per step
     def record(self, *, step: int, local_loss_sum: torch.Tensor | None, local_tokens: int,
-               grad_norm: torch.Tensor, lr: float, step_start: float, data_loading_s: float) -> None:
+               grad_norm: torch.Tensor, lr: float, step_start: float, data_loading_s: float,
+               masked_tokens: int = 0) -> None:
         """Reduce this step's signals (one collective), run the spike rules, queue the row.
 
         Call after ``clip_grad_norm_`` and before ``optimizers.step()``: zeros and
@@ -307,14 +340,14 @@ class Ledger(Configurable):
             return
         with record_function("titan_ledger.signals"):
             red = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
-                                       grad_norm=grad_norm)
+                                       grad_norm=grad_norm, masked_tokens=masked_tokens)
             reduced = red.vector
         stats = self.guard.observe(red, grad_norm) if self.guard is not None else None
-        tags, injected = self._step_tags or (None, None)
+        tags, injected, masked = self._step_tags or (None, None, None)
         self._step_tags = None
         with record_function("titan_ledger.signals"):
             self.recorder.queue(step=step, reduced=reduced, extra=stats, lr=lr, step_start=step_start,
-                                data_loading_s=data_loading_s, tags=tags, injected=injected)
+                                data_loading_s=data_loading_s, tags=tags, injected=injected, masked=masked)
 
     def spike_flag_now(self) -> bool:
         return self.guard.flag_now() if self.guard is not None else False
@@ -338,15 +371,16 @@ class Ledger(Configurable):
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         return window_at(self.skip_windows, step)
 
-    def record_data(self, step: int, tags: list[RowTag], injected: str | None = None) -> None:
+    def record_data(self, step: int, tags: list[RowTag], injected: str | None = None,
+                    masked: dict | None = None) -> None:
         """This DP rank's rows of ``step``. With signals on, the row is written when the
         step's signals are (a step late on GPU), carrying its per-document losses."""
         if self.data is None or not self.data.active:
             return
         if self.recorder is not None:
-            self._step_tags = (tags, injected)
+            self._step_tags = (tags, injected, masked)
         else:
-            self.data.record(step, tags, injected)
+            self.data.record(step, tags, injected, masked=masked)
 
     def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
                     metrics_logger=None) -> None:
@@ -384,6 +418,7 @@ class Ledger(Configurable):
         state = self.recorder.state_dict() if self.recorder else dict(self._state)
         state["spike_detector"] = json.dumps(self.guard.state_dict()) if self.guard else \
             self._state.get("spike_detector", "")
+        state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

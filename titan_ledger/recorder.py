@@ -35,8 +35,8 @@ from titan_ledger.signals import ParamPlan, clip_coef, local_sums
 from titan_ledger.topology import Topology
 
 # columns of the local vector every rank contributes to the all-gather
-_LOSS, _TOK, _ZEROS, _PSQ, _LOGIT = range(5)
-_FIXED = 5
+_LOSS, _TOK, _ZEROS, _PSQ, _LOGIT, _MASKED = range(6)
+_FIXED = 6
 
 
 @dataclass
@@ -66,6 +66,7 @@ class _Pending:
     update_skipped: bool = False
     tags: list | None = None  # this DP rank's rows (data-ledger writers only)
     injected: str | None = None
+    masked: dict | None = None  # segments the quarantine / repetition filter masked
 
 
 class SignalRecorder:
@@ -119,11 +120,11 @@ class SignalRecorder:
 
     # ------------------------------------------------------------------ per step
     def reduce(self, *, local_loss_sum: torch.Tensor | None, local_tokens: int,
-               grad_norm: torch.Tensor) -> "Reduced":
+               grad_norm: torch.Tensor, masked_tokens: int = 0) -> "Reduced":
         """One all-gather; returns the reduced vector and what the spike rules read, on device.
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
-        param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens,
+        param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens, masked_tokens,
         grad_sq per layer..., this DP rank's per-document summary...]``.
         """
         topo, dev = self.topo, self.device
@@ -135,6 +136,7 @@ class SignalRecorder:
             loc[_LOSS] = local_loss_sum.detach().double()
         if topo.owns_tokens:
             loc[_TOK] = float(local_tokens)  # a host int: no copy
+            loc[_MASKED] = float(masked_tokens)
         loc[_ZEROS] = sums["num_zeros"].double()
         loc[_PSQ] = sums["param_sq"].double()
         loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
@@ -160,7 +162,7 @@ class SignalRecorder:
         reduced = torch.cat([
             loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
             table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
-            self._consumed_tokens.reshape(1),
+            self._consumed_tokens.reshape(1), table[:, _MASKED].sum().reshape(1),
             table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
             # the per-document summary of this rank's DP group, from the rank that owns its loss
             table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
@@ -174,7 +176,7 @@ class SignalRecorder:
 
     def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,
               step_start: float, data_loading_s: float, tags: list | None = None,
-              injected: str | None = None) -> None:
+              injected: str | None = None, masked: dict | None = None) -> None:
         """Start the device->host copy of this step's row; never waits. ``tags`` (this DP
         rank's rows) are written to the data ledger with the row's per-document losses."""
         self.consumed_samples += self.global_batch
@@ -185,14 +187,15 @@ class SignalRecorder:
             event = torch.cuda.Event()
             event.record()
         self._pending.append(_Pending(step, reduced, extra, event, lr, time.perf_counter() - step_start,
-                                      data_loading_s, self.consumed_samples, tags=tags, injected=injected))
+                                      data_loading_s, self.consumed_samples, tags=tags, injected=injected,
+                                      masked=masked))
 
     def mark_update_skipped(self) -> None:
         self._pending[-1].update_skipped = True
 
     def drain(self, block: bool, metrics_logger=None,
               on_row: Callable[[dict, list[float] | None], None] | None = None,
-              on_data: Callable[[int, list, str | None, dict | None], None] | None = None) -> None:
+              on_data: Callable[..., None] | None = None) -> None:
         """Write every pending row whose copy is done, in step order: the signals row,
         then (``on_data``) the step's data-ledger row with its per-document losses."""
         with record_function("titan_ledger.drain"):
@@ -207,7 +210,7 @@ class SignalRecorder:
                 if self._writer is not None:
                     self._writer.write(row)
                 if on_data is not None and p.tags is not None:
-                    on_data(p.step, p.tags, p.injected, doc)
+                    on_data(p.step, p.tags, p.injected, doc, p.masked)
                 if metrics_logger is not None:
                     metrics_logger.log(dashboard(row), p.step)
                 if on_row is not None:
@@ -221,7 +224,7 @@ class SignalRecorder:
         dp = self.topo.dp_size
         v = p.host.tolist()
         loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
-        zeros, param_sq, max_logit, gn, gn_clip, ctok = v[2 * dp:2 * dp + 6]
+        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked = v[2 * dp:2 * dp + 7]
         tokens = sum(tok_by_dp)
         loss = sum(loss_by_dp) / tokens if tokens else float("nan")
         local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
@@ -237,6 +240,7 @@ class SignalRecorder:
             "grad_norm": gn,
             "grad_norm_clipped": gn_clip,
             "num_zeros": int(zeros),
+            "masked_tokens": int(masked),
             "param_norm": math.sqrt(param_sq),
             "max_logit": max_logit if self.max_logit else None,
             "lr": p.lr,
@@ -247,7 +251,7 @@ class SignalRecorder:
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
-        rest = v[2 * dp + 6:]
+        rest = v[2 * dp + 7:]
         if self.per_layer:
             row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, rest)}
         if self._rank_writer is not None:

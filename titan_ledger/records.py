@@ -103,6 +103,7 @@ SIGNAL_KEYS = (
     "grad_norm",
     "grad_norm_clipped",
     "num_zeros",
+    "masked_tokens",
     "param_norm",
     "max_logit",
     "lr",
@@ -128,6 +129,7 @@ class SignalRow(TypedDict, total=False):
     grad_norm: float | None
     grad_norm_clipped: float | None
     num_zeros: int | None
+    masked_tokens: int | None  # label tokens the quarantine / repetition filter masked (all ranks)
     param_norm: float | None
     max_logit: float | None
     lr: float

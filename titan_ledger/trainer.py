@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger.attention import document_causal_mask  # noqa: E402
+from titan_ledger.data.filters import mask_repetitive  # noqa: E402
 from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
 from titan_ledger.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.ledger import Ledger  # noqa: E402
@@ -168,14 +169,38 @@ class LedgerTrainer(Trainer):
                 if io.inject is not None:
                     labels = _inject(input_dict, labels, io.inject, self.tokenizer.get_vocab_size(),
                                      seed=self.step)
+                self._take_provenance(io, input_dict, labels)
             yield input_dict, labels
+
+    def _take_provenance(self, io: "_StepIO", input_dict, labels: torch.Tensor) -> None:
+        """This microbatch's rows' provenance, and the loss masks that use it (quarantine,
+        repetition filter); the masked labels are then ignored like any other."""
+        ledger = self.ledger
+        if ledger.loader is None:
+            return
+        tags = ledger.loader.take_tags()
+        base = len(io.tags)
+        io.tags.extend(tags)
+        cfg = self.config.ledger
+        if not (ledger.quarantine or cfg.repetition_filter) or not tags:
+            return
+        valid = int((labels != IGNORE_INDEX).sum())
+        if ledger.quarantine:
+            hit = ledger.quarantine.mask(tags, labels)
+            io.masked.setdefault("quarantine", []).extend([base + r, s] for r, s in hit)
+        if cfg.repetition_filter:
+            hit = mask_repetitive(input_dict["input"], input_dict["positions"], labels,
+                                  cfg.repetition_min, cfg.repetition_max_period)
+            io.masked.setdefault("repetition", []).extend([base + r, s] for r, s in hit)
+        io.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         # every batch of the step has been fetched by the first call: write the step's
         # provenance now, before any forward can fail
         io = self._io
         if io is not None and not io.data_recorded and self.ledger.loader is not None:
-            self.ledger.record_data(self.step, self.ledger.loader.take_tags(), injected=io.inject)
+            masked = {k: v for k, v in io.masked.items() if v} or None
+            self.ledger.record_data(self.step, io.tags, injected=io.inject, masked=masked)
             io.data_recorded = True
         return super().forward_backward_step(**kwargs)
 
@@ -317,6 +342,7 @@ class LedgerTrainer(Trainer):
             lr=next(iter(lr_metrics.values()), float("nan")),
             step_start=self._io.start,
             data_loading_s=self._io.data_loading_s,
+            masked_tokens=self._io.masked_tokens,
         )
         self._io = None
         # A flagged step's update is not applied when the guard is on. Not calling
@@ -407,6 +433,9 @@ class _StepIO:
     inject: str | None = None
     data_loading_s: float = 0.0
     data_recorded: bool = False
+    tags: list = field(default_factory=list)  # the step's rows, in fetch order
+    masked: dict = field(default_factory=dict)  # {"quarantine"|"repetition": [[row, segment]]}
+    masked_tokens: int = 0  # label tokens those masks removed
 
 
 def _inject(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
