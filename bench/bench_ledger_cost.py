@@ -372,7 +372,8 @@ def direct(args) -> dict:
     kept = kept_steps(res["by_name"]["ledger"], args.warmup)
     step_cpu = sum(s["cpu_s"] for s in kept)
     comps = {}
-    for c in COMPONENTS:
+    others = sorted(set(res["span_counts"]) - set(COMPONENTS) - {ANY})
+    for c in [*COMPONENTS, *others]:
         if c not in res["span_counts"]:
             comps[c] = None  # the span never opened: absent, not zero
             continue
@@ -380,12 +381,11 @@ def direct(args) -> dict:
         per_step = [s["spans_s"].get(c, 0.0) / s["cpu_s"] for s in kept]
         comps[c] = {"fraction": t / step_cpu, "ms_per_step": 1e3 * t / len(kept),
                     "calls": res["span_counts"][c], "fraction_min": min(per_step), "fraction_max": max(per_step)}
-    others = sorted(set(res["span_counts"]) - set(COMPONENTS) - {ANY})
     union = sum(s["spans_s"].get(ANY, 0.0) for s in kept)
     out = {"steps": len(kept), "step_cpu_s_median": statistics.median(s["cpu_s"] for s in kept),
            "step_wall_s_median": statistics.median(s["wall_s"] for s in kept),
            "components": comps, "total_present": union / step_cpu if ANY in res["span_counts"] else None,
-           "unknown_spans": {k: res["span_counts"][k] for k in others}, "run_wall_s": res["run_wall_s"]}
+           "other_spans": others, "run_wall_s": res["run_wall_s"]}
     if args.profiler:
         pres = run_one(["ledger"], args.direct_steps, args.cpu, args.warmup, profiler=True)
         p = pres["profiler"]
@@ -393,7 +393,7 @@ def direct(args) -> dict:
                            "components": {c: (None if c not in p["spans_us"] else
                                               {"fraction": p["spans_us"][c] / p["step_us"],
                                                "ms_per_step": p["spans_us"][c] / 1e3 / p["steps"]})
-                                          for c in COMPONENTS},
+                                          for c in [*COMPONENTS, *(set(p["spans_us"]) - set(COMPONENTS) - {ANY})]},
                            "total_present": (p["spans_us"][ANY] / p["step_us"] if ANY in p["spans_us"] else None)}
     return out
 
@@ -489,23 +489,21 @@ def print_report(rep: dict) -> None:
         print(f"\n(a) direct: LedgerTrainer, {d['steps']} steps kept, step CPU {d['step_cpu_s_median'] * 1e3:.1f} ms "
               f"(median; wall {d['step_wall_s_median'] * 1e3:.1f} ms)")
         prof = d.get("profiler")
-        print(f"{'component':<12} {'span':<26} {'CPU/step':>9} {'ms/step':>8} {'calls':>6}"
+        print(f"{'component':<12} {'span':<34} {'CPU/step':>9} {'ms/step':>8} {'calls':>6}"
               + (f" {'profiler':>9}" if prof else ""))
-        for c in COMPONENTS:
+        for c in [*COMPONENTS, *d["other_spans"]]:
             v = d["components"][c]
-            name = SPAN_PREFIX + c
-            pv = prof["components"][c] if prof else None
+            name = SPAN_PREFIX + c + (" (other)" if c not in COMPONENTS else "")
+            pv = prof["components"].get(c) if prof else None
             ptxt = (f" {_pct(pv['fraction'] if pv else None):>9}") if prof else ""
             if v is None:
-                print(f"{c:<12} {name:<26} {'absent':>9} {'-':>8} {'-':>6}{ptxt}")
+                print(f"{c:<12} {name:<34} {'absent':>9} {'-':>8} {'-':>6}{ptxt}")
             else:
-                print(f"{c:<12} {name:<26} {_pct(v['fraction']):>9} {v['ms_per_step']:8.2f} {v['calls']:6d}{ptxt}")
+                print(f"{c:<12} {name:<34} {_pct(v['fraction']):>9} {v['ms_per_step']:8.2f} {v['calls']:6d}{ptxt}")
         absent = [c for c in COMPONENTS if d["components"][c] is None]
-        print(f"{'total':<12} {'(union of present spans)':<26} {_pct(d['total_present']):>9} {'':>8} {'':>6}"
+        print(f"{'total':<12} {'(union of all titan_ledger.* spans)':<34} {_pct(d['total_present']):>9} {'':>8} {'':>6}"
               + (f" {_pct(prof['total_present']):>9}" if prof else "")
               + (f"   absent: {', '.join(absent)}" if absent else ""))
-        if d["unknown_spans"]:
-            print(f"other titan_ledger.* spans seen: {d['unknown_spans']}")
     if "paired" in rep:
         p = rep["paired"]
         print(f"\n(b) paired: {len(p['repeats'])} repeats (fresh processes), each training every variant "
