@@ -193,10 +193,9 @@ class SpikeDetector(Configurable):
                 enough = (n >= c.min_docs).all()
                 gap = torch.where(enough, gap.nan_to_num(nan=-torch.inf), -torch.inf)
                 # DP 2: both ranks are "separated" by the same gap; the suspect is the one
-                # whose loss moved away from the recent global loss
-                moved = (dp_loss.double().log() - loss_median.log()).abs().nan_to_num(nan=0.0) \
-                    if dp_loss is not None else torch.zeros_like(gap)
-                sep_rank = (gap + 1e-9 * moved).argmax().double()
+                # whose documents hardly differ from each other (random or repeated text)
+                own = (hi - lo).nan_to_num(nan=torch.inf)
+                sep_rank = (gap - 1e-9 * own).argmax().double()
                 sep = gap.max() / spread
                 fired[0] = (sep > c.separation) & (gap.max() > c.separation_floor)
                 sep = torch.where(torch.isfinite(sep), sep, nan)

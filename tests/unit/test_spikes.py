@@ -81,7 +81,7 @@ def test_rank_separation_at_dp2_names_the_rank_that_moved():
     for _ in range(10):
         det.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.0]),
                  torch.tensor([_doc(), _doc()], dtype=torch.float64))
-    # rank 0 read repeated text: all its documents far below rank 1's
+    # rank 0 read repeated text: all its documents far below rank 1's, and alike
     stats = det.step(torch.tensor(2.0), torch.tensor(1.0), torch.tensor([1.0, 3.0]),
                      torch.tensor([_doc(med=1.0, hi=1.02, lo=0.98), _doc()], dtype=torch.float64)).tolist()
     ev = describe(stats)
