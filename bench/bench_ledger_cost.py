@@ -41,7 +41,8 @@ half-width is the smallest cost the instrument resolves at that number of repeat
 ``--json FILE`` writes everything (per-step values included); ``--only direct`` /
 ``--only paired`` runs one instrument; ``--snapshot`` measures the committed HEAD (a
 ``git archive`` copy) instead of a working tree others may be editing; ``--variants``
-adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` to the
+adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
+``ledger_no_doc_loss`` to the
 paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
@@ -75,6 +76,7 @@ VARIANTS = {
     "ledger_no_max_logit": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_max_logit"],
     "ledger_no_signals": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_signals"],
     "ledger_no_tagging": ["--module", "titan_ledger", "--config", "debug_cpu", "--dataloader.no_tagging"],
+    "ledger_no_doc_loss": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_doc_loss"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],
@@ -467,6 +469,11 @@ def paired(args) -> dict:
             out["variants"][v]["step_pair_ratio"] = {"n": len(pairs), "median": statistics.median(pairs),
                                                      "sd_pct": 100 * statistics.stdev(pairs) if len(pairs) > 1
                                                      else None}
+    for v in variants[2:]:
+        # each feature's own cost: the full ledger against the ledger without it, same process
+        if v.startswith("ledger_no_"):
+            out["variants"][v]["ledger_over_this"] = ratio_stats([r["ledger"]["cpu_s"] / r[v]["cpu_s"] for r in runs])
+            print(f"ledger / {v}: {out['variants'][v]['ledger_over_this']}", file=sys.stderr, flush=True)
     if "stock_busy" in variants:
         out["variants"]["stock_busy"]["busy_ms"] = busy_ms
         out["variants"]["stock_busy"]["expected_cpu_ratio"] = (
