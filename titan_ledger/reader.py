@@ -237,6 +237,10 @@ class DataLedger:
                               f"{self.header().get('dp_size')} DP ranks: that rank's record is lost "
                               f"(restore the file from the run's dump folder)")
 
+    def row(self, dp_rank: int, step: int) -> dict | None:
+        """The raw current row covering ``step`` on ``dp_rank`` (a step or a window)."""
+        return self._row(dp_rank, step)
+
     def _row(self, r: int, step: int) -> dict | None:
         row = self._by_step[r].get(step)
         if row is not None:

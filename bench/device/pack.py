@@ -17,7 +17,8 @@ still prints the JSON, with the skipped items under "not_run"):
 (b) ``step_time``: stock torchtitan ``Trainer`` vs ``LedgerTrainer`` (every default
     ledger feature on) on the same config, separate processes interleaved
     stock, ledger, stock, ledger; eager, then compiled. Ratio goal <= 1.005.
-(e) ``per_doc_loss``: "absent" until the product records it (``worker.per_doc_loss``).
+(e) ``per_doc_loss``: the step-1 per-document losses against the reference (``worker.per_doc_loss``);
+    their cost is inside the ledger's step time.
 
 Exit 0 when every check passed, 1 otherwise (a failed or a not-run check).
 Worker logs and this JSON are kept in ``--workdir`` (default ``$OUT/gpu_pack`` when
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     fl = result["flex_max_logit"]
     checks["flex_max_logit"] = None if fl is None else bool(fl.get("ok"))
     checks["signals_vs_fp32_reference"] = None if result["signals"] is None else bool(result["signals"]["ok"])
+    pdl = result["per_doc_loss"]
+    checks["per_doc_loss_vs_reference"] = bool(pdl["ok"]) if isinstance(pdl, dict) and "ok" in pdl else None
     sy = result["syncs"]
     if not sy.get("counted"):
         checks["syncs_seen_ledger_calls"] = None

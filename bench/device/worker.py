@@ -22,7 +22,7 @@ documents), runs ``trainer.train()`` for W + T + S steps in one process
   the same device (unsharded, this process): weights snapshotted before step 1,
   the step-1 batch captured in ``post_dataloading_process``, attention by an
   explicit dense per-document causal mask (memory-efficient SDPA on CUDA).
-* ``per_doc_loss``: :func:`per_doc_loss` (the product has none yet: "absent").
+* ``per_doc_loss``: :func:`per_doc_loss` (the ledger's per-document losses against the reference).
 
 Only the stable surfaces are used: ``load_config``, ``config.build()``,
 ``trainer.train()``, ``trainer.ledger``, torchtitan's ``train_step`` /
@@ -102,15 +102,31 @@ def to_stock(config):
     return stock
 
 
-def per_doc_loss(trainer, dump: Path) -> dict | str:
-    """Per-document loss cost and values, when the product records them.
+def per_doc_loss(dump: Path, ref: dict | None, exact: bool) -> dict | str:
+    """The step-1 per-document losses the ledger wrote (``doc_loss`` in the data row)
+    against the reference's per-token cross entropy summed per document segment.
+    Their cost is inside the ledger's step time (the timing pairs)."""
+    from titan_ledger.reader import RunLedger
 
-    titan_ledger records no per-document loss yet, so this reports "absent". When it
-    does: read its rows from ``dump / "ledger"`` (``records.read_ledger``), check them
-    against the reference's per-document cross entropy, and return
-    ``{"rel_err": .., "ok": ..}``; the timing pairs already include its cost.
-    """
-    return "absent"
+    try:
+        row = RunLedger.at(dump).data.row(0, 1)
+    except Exception as e:  # noqa: BLE001 - report, never fail the pack on the reader
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    dl = (row or {}).get("doc_loss")
+    if not dl:
+        return "absent"
+    if ref is None or "doc_sums" not in ref:
+        return {"present": True, "entries": len(dl["top"]) + len(dl["bottom"]), "checked": False}
+    tol = 1e-4 if exact else 2e-2
+    errs = []
+    for r, seg, loss_sum, tokens in dl["top"] + dl["bottom"]:
+        want = ref["doc_sums"].get((r, seg))
+        if want is None or want[1] != tokens:
+            return {"ok": False, "error": f"row {r} segment {seg}: ledger {loss_sum}/{tokens} tokens, "
+                                          f"reference {want}"}
+        errs.append(abs(loss_sum - want[0]) / max(abs(want[0]), 1e-12))
+    return {"present": True, "entries": len(errs), "max_rel_err": max(errs), "tol": tol,
+            "ok": max(errs) <= tol}
 
 
 # --------------------------------------------------------------------------- instrumentation
@@ -324,9 +340,18 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
         m.record_max_logit = True
     inputs, labels, positions = (batch[k].to(device) for k in ("inputs", "labels", "positions"))
     logits = model(inputs, positions=positions, attention_masks=document_causal_mask(positions))
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                         ignore_index=IGNORE_INDEX)
+    ce_tok = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                             ignore_index=IGNORE_INDEX).view(labels.shape)
+    ce = ce_tok.sum()
     del logits
+    # per (row, document segment): sums and label tokens, for the per-document loss check
+    seg = torch.cumsum((positions == 0).long(), dim=1) - 1
+    doc_sums: dict = {}
+    for r in range(labels.shape[0]):
+        for sgi in seg[r].unique().tolist():
+            m = seg[r] == sgi
+            doc_sums[(r, sgi)] = (float(ce_tok[r][m].detach().double().sum()),
+                                  int((labels[r][m] != IGNORE_INDEX).sum()))
     tokens = int((labels != IGNORE_INDEX).sum())
     loss = ce / tokens
     loss.backward()
@@ -351,6 +376,7 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
         "consumed_tokens": tokens,
         "n_params": sum(p.numel() for p in params.values()),
         "grad_norm_per_layer": {k: math.sqrt(v) for k, v in per_layer.items()},
+        "doc_sums": doc_sums,
     }
 
 
@@ -432,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
 
             hist = read_ledger(dump / config.ledger.folder / "signals.jsonl").history
             out["ledger_rows"] = len(hist)
-            out["per_doc_loss"] = per_doc_loss(trainer, dump)
             row1 = next((r for r in hist if r.get("step") == 1), None)
         max_norm = float(config.training.max_norm)
         exact = config.training.mixed_precision_param == "float32"
@@ -453,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = reference_signals(fresh.model_spec.model, weights, batch, max_norm,
                                     torch.device("cuda" if cuda else "cpu"))
             out["reference"] = compare(row1, ref, exact)
+            out["per_doc_loss"] = per_doc_loss(dump / config.ledger.folder, ref, exact) \
+                if args.variant == "ledger" else "n/a"
             out["reference"]["precision"] = "float32 vs float32" if exact else "bf16 training vs float32 reference"
             t = phase("reference", t)
         out["ok"] = True
