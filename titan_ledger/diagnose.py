@@ -21,6 +21,8 @@ Examples::
 
     python -m titan_ledger.diagnose outputs/debug_cpu
     python -m titan_ledger.diagnose --dump-folder outputs/debug_cpu --step 137000 --json
+    # prove the cause: rerun from the last checkpoint before each spike (titan_ledger.rerun)
+    python -m titan_ledger.diagnose outputs/debug_cpu --rerun -- --job.config_file X.toml <the run's flags>
 """
 
 from __future__ import annotations
@@ -235,7 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-quarantine", metavar="FILE",
                     help="write the documents named by bad_data verdicts, one JSON object per line "
                          "({\"source\", \"doc\"}), for --ledger.quarantine FILE")
-    a = parse_args(ap, argv)
+    ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.rerun
+                    help="prove the cause: rerun the steps before each spike from a checkpoint under "
+                         "the variants the verdict calls for (bad_data: same, skip; lr: same, lr=0.5; "
+                         "optimizer_state: same, eps=1e-6; bf16: same, fp32; else same); give the "
+                         "original run's training flags after `--`")
+    ap.add_argument("--nproc", type=int, default=2, help="--rerun: processes per rerun")
+    ap.add_argument("--rerun-after", type=int, default=1, help="--rerun: steps after the spike to train")
+    ap.add_argument("--rerun-max-steps", type=int, default=200,
+                    help="--rerun: refuse when the reruns need more training steps than this")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = parse_args(ap, argv[:argv.index("--")] if "--" in argv else argv)
+    if train_args and not a.rerun:
+        ap.error("training flags after `--` are for --rerun")
+    a.train_args = train_args
     return run_tool("titan_ledger.diagnose", lambda: _main(a))
 
 
@@ -279,6 +295,12 @@ def _main(a) -> int:
             raise LedgerError(f"--write-quarantine {a.write_quarantine}: no bad_data verdict named a "
                               f"document (nothing written)")
         write_quarantine(a.write_quarantine, sorted(docs))
+    if getattr(a, "rerun", False):  # ADDED (--rerun): prove the cause by rerunning from a checkpoint
+        from titan_ledger import rerun
+
+        rerun.for_diagnosis(a.dump_folder, results, a.train_args, nproc=a.nproc, after=a.rerun_after,
+                            max_steps=a.rerun_max_steps, ledger_folder=a.ledger_folder,
+                            log=(lambda m: print(m, file=sys.stderr)) if a.json else print)
     if a.json:
         print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
         return 0
@@ -307,6 +329,10 @@ def _main(a) -> int:
                 if d.get("text"):
                     print(f"      {d['text'][:160]!r}")
             print(f"  quarantine: {r['quarantine_command']}")
+        if r.get("rerun"):  # ADDED (--rerun)
+            from titan_ledger.rerun import print_report
+
+            print_report(r["rerun"])
     if a.write_quarantine:
         print(f"wrote {a.write_quarantine}")
     return 0

@@ -153,12 +153,23 @@ class Ledger(Configurable):
         inject: str = ""
         """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
         by a single repeated token (``repeat``) or uniform random tokens (``random``);
-        see ``python -m titan_ledger.replay inject``."""
+        see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
+        rehearsal, :mod:`titan_ledger.faults`) flips one exponent bit of one gradient
+        element on that DP rank after the backward, before the clip. Comma-separated
+        specs combine one data kind with bitflips, e.g. ``8:1:repeat,11:0:bitflip``."""
+
+        rerun: str = ""
+        """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.rerun`):
+        ``stop=N`` ends training after step N (the LR schedule still spans
+        ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
+        learning rate (scaled) and Adam epsilon from the first step on, e.g.
+        ``stop=9,lr_scale=0.5``."""
 
         def __post_init__(self) -> None:
             # every check that needs no trainer runs here, when the flags are parsed
             parse_skip_steps(self.skip_steps)  # raises SkipError naming the entry
             parse_inject(self.inject)
+            parse_rerun(self.rerun)  # ADDED (rerun): raises ConfigError naming the entry
             if self.on_spike != "none" and not (self.signals and self.spike.enable):
                 raise ConfigError(f"--ledger.on_spike {self.on_spike} needs --ledger.signals and "
                                   f"--ledger.spike.enable")
@@ -500,17 +511,43 @@ def _digest(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+INJECT_KINDS = ("repeat", "random", "bitflip")
+
+
+def parse_injects(spec: str) -> list[tuple[int, int, str]]:
+    """``"STEP:DP_RANK:KIND[,STEP:DP_RANK:KIND...]"`` -> [(step, dp_rank, kind)]; at most
+    one data kind (repeat/random), any number of bitflips."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        bits = part.split(":")
+        try:
+            step, rank, kind = int(bits[0]), int(bits[1]), bits[2]
+            if len(bits) != 3:
+                raise IndexError
+        except (IndexError, ValueError):
+            raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
+        if kind not in INJECT_KINDS or step < 1 or rank < 0:
+            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip (a fault); STEP >= 1; "
+                              f"DP_RANK >= 0")
+        out.append((step, rank, kind))
+    if sum(k != "bitflip" for _, _, k in out) > 1:
+        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflips may be added)")
+    return out
+
+
 def parse_inject(spec: str) -> tuple[int, int, str] | None:
-    """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind)."""
-    if not spec:
+    """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind): the data injection of
+    :func:`parse_injects` (else its first bitflip), which the trainer applies."""
+    specs = parse_injects(spec) if spec else []
+    if not specs:
         return None
-    parts = spec.split(":")
-    try:
-        step, rank, kind = int(parts[0]), int(parts[1]), parts[2]
-    except (IndexError, ValueError):
-        raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
-    if kind not in ("repeat", "random") or step < 1 or rank < 0:
-        raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random; STEP >= 1; DP_RANK >= 0")
-    return step, rank, kind
+    return next((s for s in specs if s[2] != "bitflip"), specs[0])
+
+
+def parse_rerun(spec: str) -> dict[str, float]:
+    """``--ledger.rerun`` (set by ``replay rerun``): ``stop=N,lr_scale=X,eps=X``."""
+    from titan_ledger.rerun import parse_overrides
+
+    return parse_overrides(spec)
 
 

@@ -6,7 +6,9 @@ format): ``check`` compares the per-step sample ids of two dump folders,
 process (torchrun and all ranks, so prefetched batches die with the workers)
 at a step the user picks, then a plain relaunch that resumes from the latest
 checkpoint. ``inject`` corrupts one rank's batch at one step (to rehearse spike
-forensics) and ``drill`` runs the PaLM procedure end to end.
+forensics), ``drill`` runs the PaLM procedure end to end, and ``rerun``
+re-executes the steps before a spike from a checkpoint under counterfactual
+variants and names the cause they prove (:mod:`titan_ledger.rerun`).
 
 Examples::
 
@@ -19,6 +21,11 @@ Examples::
         --dump-folder /tmp/c -- --job.config_file train_configs/debug_cpu.toml --training.steps 8
     python -m titan_ledger.replay drill --nproc 2 --dump-folder /tmp/d -- \\
         --job.config_file train_configs/debug_cpu.toml
+    # re-execute the steps before the spike at step 8 from the last checkpoint, as is and
+    # with step 8's data skipped (titan_ledger.rerun); the original run's flags after --
+    python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --variant same --variant skip -- \\
+        --job.config_file train_configs/debug_cpu.toml --training.steps 12 --checkpoint.enable \\
+        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.inject 8:1:repeat
 """
 
 from __future__ import annotations
@@ -398,6 +405,26 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--back", type=int, default=1, help="checkpoint at or before spike - back")
             p.add_argument("--skip-before", type=int, default=1)
             p.add_argument("--skip-after", type=int, default=1)
+    from titan_ledger import rerun as rerun_mod  # rerun: titan_ledger.rerun
+
+    p = sub.add_parser("rerun", help="re-execute the steps before a spike from a checkpoint, under "
+                       "counterfactual variants", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=rerun_mod.__doc__.split("Examples::")[0],
+                       epilog="Examples:" + rerun_mod.__doc__.split("Examples::", 1)[1])
+    p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder", type=Path,
+                   required=True, help="the original run's dump folder (reruns go to DUMP/rerun/<variant>/)")
+    p.add_argument("--step", type=int, required=True, help="the spike step T")
+    p.add_argument("--from", dest="from_step", type=int, default=None,
+                   help="checkpoint step C to load (default: the last complete one <= T-1)")
+    p.add_argument("--after", type=int, default=1, help="steps after T to train too (default 1)")
+    p.add_argument("--variant", action="append", default=None,
+                   help="same | skip | lr=X | eps=X | clip=X | fp32 (repeatable; default same)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fresh", action="store_true",
+                   help="train again even where an identical earlier rerun exists")
+    p.add_argument("--ledger-folder", default="ledger")
+    p.add_argument("--json", action="store_true")
+    parsers["rerun"] = p
     # training flags follow `--`, or are simply the flags replay does not know
     a, unknown = ap.parse_known_args(own)
     if unknown:
@@ -429,6 +456,8 @@ def _validate(a, train_args: list[str]) -> None:
 
 
 def _run(a, train_args: list[str]) -> int:
+    if a.cmd == "rerun":
+        return _rerun(a, train_args)
     if a.cmd != "check":
         _validate(a, train_args)
     if a.cmd == "check":
@@ -462,6 +491,20 @@ def _run(a, train_args: list[str]) -> int:
                 print(f"{k:<26}{v}")
         return 0
     return EXIT_ERROR
+
+
+def _rerun(a, train_args: list[str]) -> int:
+    from titan_ledger import rerun
+
+    variants = [rerun.parse_variant(v) for v in (a.variant or ["same"])]
+    log = (lambda m: print(m, file=sys.stderr)) if a.json else print
+    rep = rerun.rerun(a.dump_folder, a.step, variants, train_args, load_step=a.from_step, after=a.after,
+                      nproc=a.nproc, ledger_folder=a.ledger_folder, fresh=a.fresh, log=log)
+    if a.json:
+        print(json.dumps(rep))
+    else:
+        rerun.print_report(rep)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from titan_ledger.data.filters import mask_repetitive  # noqa: E402
 from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
 from titan_ledger.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.ledger import Ledger  # noqa: E402
+from titan_ledger import faults, rerun  # noqa: E402  ADDED (replay rerun, bitflip)
 
 
 class LedgerTrainer(Trainer):
@@ -141,6 +142,7 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # first step of this process, after the checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
+            rerun.apply_overrides(self)  # ADDED (replay rerun): --ledger.rerun lr_scale/eps after the load
         if self._pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self._pending_rollback)
         window = ledger.skip_window_at(self.step)  # skipped steps train nothing
@@ -150,11 +152,15 @@ class LedgerTrainer(Trainer):
         inject = ledger.inject
         self._io = _StepIO(start=time.perf_counter(),
                            inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
+        faults.arm(self)  # ADDED (bitflip): --ledger.inject STEP:RANK:bitflip flips a grad bit before the clip
         self._train_step(data_iterator)
         ck = self.config.checkpoint
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
             # a checkpoint follows: the ledgers must hold every step it covers
             ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+
+    def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rerun stop=N
+        return super().should_continue_training() and rerun.before_stop(self)
 
     def batch_generator(self, data_iterable):
         """torchtitan's generator, plus fetch timing for the ledger and the rehearsal

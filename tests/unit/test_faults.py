@@ -1,0 +1,77 @@
+"""The bitflip fault on tensors (no processes): which element, which bit, how large."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titan_ledger import faults
+from titan_ledger.errors import ConfigError
+from titan_ledger.ledger import parse_inject, parse_injects
+
+
+def test_flip_value_is_an_involution_and_flips_one_bit():
+    for v in (1e-3, -0.05, 2.5, 0.0):
+        for bit in (23, 26, 30):
+            f = faults.flip_value(v, bit)
+            v32 = float(torch.tensor(v, dtype=torch.float32))
+            assert faults.flip_value(f, bit) == v32
+            a = torch.tensor([v], dtype=torch.float32).view(torch.int32).item()
+            b = torch.tensor([f], dtype=torch.float32).view(torch.int32).item()
+            assert bin((a ^ b) & 0xFFFFFFFF).count("1") == 1
+
+
+def test_top_exponent_bit_of_zero_gives_two():
+    assert faults.flip_value(0.0, 30) == 2.0
+    assert faults.flip_value(1e-3, 30) > 1e35  # what a real top-bit flip does to a small gradient
+
+
+def test_choose_bit_is_a_zero_exponent_bit_that_grows_the_value_within_the_limit():
+    for v in (1e-3, 0.05, -0.02, 1e-30):
+        b = faults.choose_bit(v)
+        assert 23 <= b <= 30
+        assert abs(v) < abs(faults.flip_value(v, b)) <= faults.LIMIT
+
+
+def test_flip_tensor_prefers_a_large_finite_jump():
+    torch.manual_seed(0)
+    t = torch.randn(4096) * 1e-3
+    t[::7] = 0.0  # gradients of tokens not in the batch are exactly 0
+    before = t.clone()
+    rec = faults.flip_tensor(t)
+    changed = (t != before).nonzero().flatten().tolist()
+    assert changed == [rec["index"]]
+    assert rec["before"] == float(before[rec["index"]]) and rec["after"] == float(t[rec["index"]])
+    assert 100 * before.abs().max() <= abs(rec["after"]) <= faults.LIMIT and math.isfinite(rec["after"])
+    assert torch.linalg.vector_norm(t) > 10 * torch.linalg.vector_norm(before)
+    assert math.isfinite(float(torch.linalg.vector_norm(t)))
+
+
+def test_flip_tensor_without_a_finite_candidate_flips_the_top_bit_of_the_largest():
+    t = torch.tensor([0.01, -0.05, 0.02])
+    rec = faults.flip_tensor(t)
+    assert rec["index"] == 1 and rec["bit"] == 30 and abs(rec["after"]) > 1e36
+
+
+def test_flip_tensor_ignores_empty_and_integer_tensors():
+    assert faults.flip_tensor(torch.zeros(0)) is None
+    assert faults.flip_tensor(torch.zeros(3, dtype=torch.int64)) is None
+
+
+def test_flip_first_grad_skips_params_without_a_local_grad():
+    a, b = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(5))
+    c = torch.nn.Parameter(torch.zeros(5))
+    a.grad, b.grad = torch.zeros(0), torch.full((5,), 1e-4)
+    rec = faults.flip_first_grad([("a", a), ("c", c), ("b", b)])
+    assert rec["param"] == "b" and b.grad.abs().max() > 1e-2
+
+
+def test_parse_inject_accepts_bitflip_and_combinations():
+    assert parse_inject("8:1:bitflip") == (8, 1, "bitflip")
+    assert parse_inject("11:0:bitflip,8:1:repeat") == (8, 1, "repeat")  # the data kind is applied
+    assert parse_injects("8:1:repeat,11:0:bitflip") == [(8, 1, "repeat"), (11, 0, "bitflip")]
+    for bad in ("8:1:repeat,9:0:random", "8:1:flip", "8:1", "0:1:bitflip"):
+        with pytest.raises(ConfigError):
+            parse_injects(bad)

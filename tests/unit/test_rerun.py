@@ -1,0 +1,158 @@
+"""replay rerun's pure logic: variants, planning, flags, comparison, presence, verdict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from titan_ledger import rerun as rr
+from titan_ledger.errors import ConfigError
+from titan_ledger.rerun import RerunError, Variant, VariantResult
+
+
+def test_parse_variant():
+    assert rr.parse_variant("same") == Variant("same")
+    assert rr.parse_variant("lr=0.5") == Variant("lr", 0.5)
+    assert rr.parse_variant("eps=1e-6").name == "eps=1e-06"
+    assert rr.parse_variant("skip").slug(8) == "skip8"
+    assert rr.parse_variant("clip=0.5").slug(8) == "clip_0.5"
+    for bad in ("lr", "lr=-1", "eps=x", "same=1", "swap", "fp16"):
+        with pytest.raises(RerunError):
+            rr.parse_variant(bad)
+
+
+def test_parse_overrides():
+    assert rr.parse_overrides("") == {}
+    assert rr.parse_overrides("stop=9,lr_scale=0.5,eps=1e-6") == {"stop": 9, "lr_scale": 0.5, "eps": 1e-6}
+    for bad in ("stop=0", "stop=1.5", "lr=2", "lr_scale=-1", "eps=nan", "stop"):
+        with pytest.raises(ConfigError):
+            rr.parse_overrides(bad)
+
+
+def plan(**kw):
+    args = dict(checkpoints=[4, 8, 12], trained=list(range(1, 13)), last_step=12)
+    args.update(kw)
+    return rr.make_plan("/d", kw.pop("step", 8), [Variant("same"), Variant("skip"), Variant("same")],
+                        **{k: v for k, v in args.items() if k != "step"})
+
+
+def test_plan_picks_the_last_checkpoint_before_the_spike_and_dedups_variants():
+    p = plan()
+    assert (p.load_step, p.stop, p.steps_per_variant) == (4, 9, 5)
+    assert [v.name for v in p.variants] == ["same", "skip"]
+    assert str(p.folder(Variant("skip"))) == "/d/rerun/skip8"
+    assert "2 variant(s) x 5 steps = 10 training steps" in p.budget_line()
+    assert plan(step=9).load_step == 8  # a checkpoint AT the spike step - 1 or before
+    assert plan(after=10).stop == 12  # never past the original's last step
+
+
+def test_plan_refusals():
+    with pytest.raises(RerunError, match="no complete checkpoint"):
+        plan(step=3)
+    with pytest.raises(RerunError, match="not a complete checkpoint"):
+        plan(load_step=5)
+    with pytest.raises(RerunError, match="before the spike"):
+        plan(load_step=8)
+    with pytest.raises(RerunError, match="not a trained step"):
+        plan(trained=[1, 2, 3, 4, 5, 6, 7, 9])
+    with pytest.raises(RerunError, match="--after"):
+        plan(after=-1)
+
+
+def test_strip_train_args_drops_bitflip_dump_folder_and_load_step():
+    got = rr.strip_train_args(["--job.config_file", "x.toml", "--ledger.inject", "8:1:repeat,11:0:bitflip",
+                               "--job.dump_folder", "/a", "--checkpoint.load_step=4", "--training.steps", "12"])
+    assert got == ["--job.config_file", "x.toml", "--ledger.inject", "8:1:repeat", "--training.steps", "12"]
+    assert rr.strip_train_args(["--ledger.inject=3:0:bitflip", "--x"]) == ["--x"]
+
+
+class _Cfg:
+    class ledger:  # noqa: N801
+        skip_steps = ["2-3"]
+        device = "cpu"
+
+    class training:  # noqa: N801
+        mixed_precision_param = "bfloat16"
+
+
+def test_variant_args():
+    c = _Cfg()
+    assert rr.variant_args(Variant("same"), 8, c) == ([], {})
+    assert rr.variant_args(Variant("skip"), 8, c) == (["--ledger.skip_steps", "2-3,8"], {})
+    assert rr.variant_args(Variant("lr", 0.5), 8, c) == ([], {"lr_scale": 0.5})
+    assert rr.variant_args(Variant("eps", 1e-6), 8, c) == ([], {"eps": 1e-6})
+    assert rr.variant_args(Variant("clip", 0.25), 8, c) == (["--training.max_norm", "0.25"], {})
+    assert rr.variant_args(Variant("fp32"), 8, c) is None  # the CPU backend trains in fp32
+
+
+def test_rel_diff_and_compare_rows():
+    assert rr.rel_diff(1.0, 1.0) == 0.0 and rr.rel_diff(1.0, 1.1) == pytest.approx(0.1 / 1.1)
+    assert rr.rel_diff("inf", 1.0) == math.inf and rr.rel_diff("nan", "nan") == 0.0
+    o = {5: {"step": 5, "loss": 2.0, "grad_norm": 1.0}, 6: {"step": 6, "loss": 2.0, "grad_norm": 1.0},
+         7: {"step": 7, "skipped": True}}
+    r = {5: {"step": 5, "loss": 2.0, "grad_norm": 1.0}, 6: {"step": 6, "loss": 2.0, "grad_norm": 1.5},
+         7: {"step": 7, "loss": 1.0}}
+    rows = rr.compare_rows(o, r, 5, 8)
+    assert rows[0]["bit_equal"] and rows[0]["max_rel_diff"] == 0
+    assert not rows[1]["bit_equal"] and rows[1]["rel_diff"]["grad_norm"] == pytest.approx(1 / 3)
+    assert rows[2]["skipped"] == {"original": True, "rerun": False} and not rows[2]["bit_equal"]
+    assert rows[3]["missing"] == "original"
+
+
+def test_spike_like_tolerance():
+    orig = {"grad_norm": 10.0}
+    assert rr.spike_like(orig, {"grad_norm": 9.2}, med=1.0)
+    assert not rr.spike_like(orig, {"grad_norm": 8.9}, med=1.0)  # outside 10%
+    assert not rr.spike_like(orig, {"grad_norm": 10.0}, med=6.0)  # not 2x the median
+    assert not rr.spike_like(orig, {"skipped": True}, med=1.0)
+    assert rr.spike_like({"grad_norm": "inf"}, {"grad_norm": "inf"}, med=1.0)
+    rows = [{"step": s, "grad_norm": g} for s, g in ((1, 1.0), (2, 3.0), (3, 2.0), (4, 50.0))]
+    assert rr.pre_median(rows, 4) == 2.0
+
+
+def res(kind, present, name=None, **kw):
+    return VariantResult(name or kind, kind, "/f", present=present,
+                         at_step={"grad_norm": 1.0}, original_at_step={"grad_norm": 10.0},
+                         steps=[{"step": 5, "bit_equal": True}], bit_equal_steps=[5], **kw)
+
+
+def test_verdicts():
+    v = rr.verdict([res("same", False)], 8)
+    assert v["cause"] == "hardware" and v["proven"] and "NOT reproduced" in v["evidence"][0]
+    v = rr.verdict([res("same", True), res("skip", False)], 8, heuristic="bad_data")
+    assert v["cause"] == "bad_data" and v["proven"] and v["heuristic_confirmed"]
+    v = rr.verdict([res("same", True), res("skip", True), res("lr", False, "lr=0.5")], 8, heuristic="bad_data")
+    assert v["cause"] == "lr" and v["proven"] and v.get("heuristic_wrong")
+    v = rr.verdict([res("same", True), res("eps", False, "eps=1e-06")], 8)
+    assert v["cause"] == "optimizer_state"
+    v = rr.verdict([res("same", True), res("skip", True)], 8)
+    assert v["cause"] == "unproven" and not v["proven"]
+    v = rr.verdict([res("skip", False)], 8)  # without `same` nothing is proven
+    assert v["cause"] == "bad_data" and not v["proven"]
+    na = VariantResult("fp32", "fp32", None, applicable=False, note="fp32 already")
+    v = rr.verdict([res("same", True), na], 8, heuristic="bf16")
+    assert v["cause"] == "unproven" and "not applicable" in v["evidence"][0] and not v["heuristic_confirmed"]
+    v = rr.verdict([res("same", False)], 8, heuristic="bad_data")
+    assert v["cause"] == "hardware" and v["heuristic_wrong"]
+
+
+def test_plan_for_heuristic_causes():
+    assert rr.PLAN_FOR["bad_data"] == ["same", "skip"]
+    assert rr.PLAN_FOR["lr"] == ["same", "lr=0.5"]
+    assert rr.PLAN_FOR["optimizer_state"] == ["same", "eps=1e-6"]
+    assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
+    assert rr.PLAN_FOR["transient"] == ["same"]
+    for plan_ in rr.PLAN_FOR.values():
+        [rr.parse_variant(x) for x in plan_]
+
+
+def test_print_report(capsys):
+    r = res("same", True)
+    rep = {"step": 8, "load_step": 4, "stop": 9, "budget_steps": 5, "variants": [r.to_json()],
+           "verdict": rr.verdict([r], 8)}
+    r.data_equal = True
+    rep["variants"][0]["data_equal"] = True
+    rr.print_report(rep)
+    out = capsys.readouterr().out
+    assert "original" in out and "verdict: unproven" in out

@@ -1,0 +1,750 @@
+"""``replay rerun``: re-execute the steps before a spike from a checkpoint, under counterfactual variants.
+
+The design article's self-test: replay the batch at the same consumed-samples
+position -- bad data reproduces, a bf16 or hardware glitch does not. A rerun
+loads checkpoint C (default: the last complete one at or before T-1), trains
+C+1 ... T+N again with the recorded data (the data position is in the
+checkpoint; the sample ids are checked against the original's data ledger) in
+its own folder ``<dump>/rerun/<variant>/`` (the checkpoint step-C is a symlink
+to the original's, so the run's own ledgers and checkpoints are never touched),
+and compares every step with the original ledger: each signal's relative
+difference, and whether it is bit-equal.
+
+Variants (``--variant``, repeatable; a counterfactual changes one thing):
+
+  same        nothing (reproducibility)
+  skip        step T's data consumed without training (``--ledger.skip_steps T``)
+  lr=X        the learning rate scaled by X over the window (the checkpoint restores
+              the optimizer's param-group LR and torchtitan rebuilds the scheduler's
+              base LR from the config, so a plain ``--optimizer.lr`` would only act
+              from the second step; ``--ledger.rerun lr_scale=X`` scales both right
+              after the load; the rows' ``lr`` shows it)
+  eps=X       Adam epsilon (the checkpoint restores the param groups' eps, so it is
+              overridden after the load the same way: ``--ledger.rerun eps=X``)
+  clip=X      ``--training.max_norm X``
+  fp32        ``--training.mixed_precision_param float32`` where the run used bf16;
+              "not applicable" on the CPU backend and for fp32 runs (no launch)
+
+The rerun keeps ``--training.steps`` (the LR schedule depends on it) and stops after
+T+N with ``--ledger.rerun stop=T+N``; it writes no checkpoint of its own
+(``--checkpoint.interval`` is set past the end). ``--ledger.inject`` data kinds
+(repeat/random: they *are* the run's data) are kept; ``bitflip`` (a hardware
+fault, :mod:`titan_ledger.faults`) is dropped, so it is not reproduced.
+
+"Spike present at T" in a rerun: its trainer flagged T (spikes.jsonl), or its
+grad norm at T is within ``GRAD_TOL`` (10%) of the original's and at least
+``MIN_RATIO`` (2x) the original's median grad norm over the 50 trained steps
+before T. Under ``skip`` step T does not train; the spike counts as present there
+when any later step of the window is flagged or meets the same test.
+
+Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
+hardware fault: the rerun saw the same data from the same state); reproduced
+under ``same`` -> deterministic, and the first counterfactual that removes it names
+the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``eps`` ->
+optimizer_state, ``clip`` -> clip. None removes it -> ``unproven``.
+
+Determinism: on CPU with gloo the debug run is bit-deterministic (two ``same``
+reruns and a ``same`` rerun against the original give bit-equal signals at every
+step; ``tests/e2e/test_rerun_e2e.py``). On GPU, pass torchtitan's
+``--debug.deterministic`` to the original run (and so to the rerun); without it,
+cuBLAS/NCCL reductions differ in the last bits and signals are compared with the
+relative tolerance ``REL_TOL`` (1e-3): a step is "equal within tolerance" when
+every signal's relative difference is at most that.
+
+Examples::
+
+    python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --variant same --variant skip \\
+        -- --job.config_file train_configs/debug_cpu.toml --training.steps 12 --checkpoint.enable \\
+        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.inject 8:1:repeat
+    python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --from 4 --after 2 \\
+        --variant lr=0.5 --variant eps=1e-6 --json -- <the original run's training flags>
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titan_ledger.errors import ConfigError, TitanLedgerError
+
+#: signals compared step by step
+KEYS = ("loss", "loss_max", "loss_max_rank", "grad_norm", "grad_norm_clipped", "num_zeros",
+        "param_norm", "max_logit", "lr", "consumed_samples")
+GRAD_TOL = 0.10  # rerun grad norm at T within 10% of the original's ...
+MIN_RATIO = 2.0  # ... and >= 2x the original's pre-spike median: the spike is present
+REL_TOL = 1e-3  # "equal within tolerance" for non-deterministic (GPU) runs
+PRE = 50  # trained steps before T that describe "normal"
+#: a counterfactual that removes the spike -> the cause it proves (priority order)
+CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "eps": "optimizer_state", "clip": "clip"}
+CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
+#: diagnose's heuristic verdict -> the variants that test it
+PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr=0.5"],
+            "optimizer_state": ["same", "eps=1e-6"], "bf16": ["same", "fp32"],
+            "logit_growth": ["same", "lr=0.5"], "divergence": ["same", "skip"],
+            "transient": ["same"], "unknown": ["same"]}
+HUGE_INTERVAL = 1_000_000_000
+
+
+class RerunError(TitanLedgerError):
+    """A rerun that cannot be planned, run or compared (one line, exit 2)."""
+
+
+# --------------------------------------------------------------------------- the trainer side
+def parse_overrides(spec: str) -> dict[str, float]:
+    """``--ledger.rerun "stop=9,lr_scale=0.5,eps=1e-6"`` -> {"stop": 9, ...}."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+        key, _, val = part.partition("=")
+        try:
+            v = float(val)
+        except ValueError:
+            v = math.nan
+        if key not in ("stop", "lr_scale", "eps") or not math.isfinite(v) or v <= 0 \
+                or (key == "stop" and v != int(v)):
+            raise ConfigError(f"--ledger.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
+                              f"eps=X (X > 0), comma-separated; set by python -m titan_ledger.replay rerun")
+        out[key] = int(v) if key == "stop" else v
+    return out
+
+
+def _overrides(trainer) -> dict[str, float]:
+    cached = getattr(trainer, "_rerun_overrides", None)
+    if cached is None:
+        cached = parse_overrides(trainer.config.ledger.rerun)
+        trainer._rerun_overrides = cached
+    return cached
+
+
+def before_stop(trainer) -> bool:
+    """``should_continue_training``: False once ``stop`` has trained."""
+    stop = _overrides(trainer).get("stop")
+    return stop is None or trainer.step < stop
+
+
+def apply_overrides(trainer) -> dict[str, float]:
+    """After the checkpoint load (first step of the process): scale the LR (the
+    optimizer's param groups, which the checkpoint restored, and the schedulers'
+    base LRs, which torchtitan rebuilt from the config) and set Adam's eps."""
+    o = _overrides(trainer)
+    scale, eps = o.get("lr_scale"), o.get("eps")
+    if scale is None and eps is None:
+        return o
+    for sched in trainer.lr_schedulers.schedulers:
+        if scale is not None:
+            sched.base_lrs = [b * scale for b in sched.base_lrs]
+            sched._last_lr = [lr * scale for lr in sched.get_last_lr()]
+            for g in sched.optimizer.param_groups:
+                g["lr"] = g["lr"] * scale
+        if eps is not None:
+            for g in sched.optimizer.param_groups:
+                g["eps"] = eps
+    return o
+
+
+# --------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    kind: str  # same | skip | lr | eps | clip | fp32
+    value: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}={self.value:g}"
+
+    def slug(self, step: int) -> str:
+        return f"skip{step}" if self.kind == "skip" else self.name.replace("=", "_")
+
+
+def parse_variant(spec: str) -> Variant:
+    kind, eq, val = spec.strip().partition("=")
+    if kind in ("same", "skip", "fp32") and not eq:
+        return Variant(kind)
+    if kind in ("lr", "eps", "clip") and eq:
+        try:
+            v = float(val)
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v) and v > 0:
+            return Variant(kind, v)
+    raise RerunError(f"--variant {spec!r}: one of same, skip, lr=X, eps=X, clip=X, fp32 (X > 0)")
+
+
+def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
+    """Extra training flags and ``--ledger.rerun`` overrides of a variant; None when it
+    does not apply to this run (fp32 on an fp32 or CPU run)."""
+    if v.kind == "same":
+        return [], {}
+    if v.kind == "skip":
+        windows = [*config.ledger.skip_steps, str(step)]
+        return ["--ledger.skip_steps", ",".join(windows)], {}
+    if v.kind == "lr":
+        return [], {"lr_scale": v.value}
+    if v.kind == "eps":
+        return [], {"eps": v.value}
+    if v.kind == "clip":
+        return ["--training.max_norm", f"{v.value:g}"], {}
+    if v.kind == "fp32":
+        if config.training.mixed_precision_param == "float32" or _cpu_backend(config):
+            return None
+        return ["--training.mixed_precision_param", "float32"], {}
+    raise AssertionError(v)
+
+
+def _cpu_backend(config) -> bool:
+    from titan_ledger import backend
+
+    return "cpu" in (os.environ.get(backend.ENV_VAR), config.ledger.device) or \
+        backend.resolve(config.ledger.device) == "cpu"
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass
+class Plan:
+    dump: Path
+    step: int
+    load_step: int
+    stop: int
+    variants: list[Variant]
+    checkpoint_folder: str = "checkpoint"
+    ledger_folder: str = "ledger"
+
+    @property
+    def steps_per_variant(self) -> int:
+        return self.stop - self.load_step
+
+    def folder(self, v: Variant) -> Path:
+        return self.dump / "rerun" / v.slug(self.step)
+
+    def budget_line(self, n_launch: int | None = None) -> str:
+        n = len(self.variants) if n_launch is None else n_launch
+        return (f"rerun budget: {n} variant(s) x {self.steps_per_variant} steps = "
+                f"{n * self.steps_per_variant} training steps (checkpoint step-{self.load_step} -> "
+                f"step {self.stop}; spike at step {self.step})")
+
+
+def make_plan(dump, step: int, variants: list[Variant], *, load_step: int | None = None, after: int = 1,
+              checkpoints: list[int], trained: list[int], last_step: int,
+              checkpoint_folder: str = "checkpoint", ledger_folder: str = "ledger") -> Plan:
+    """Pure: pick the checkpoint and the window. ``checkpoints``: complete checkpoint
+    steps of the original; ``trained``: its trained steps; ``last_step``: its last
+    recorded step."""
+    if after < 0:
+        raise RerunError(f"--after {after}: give 0 or more steps after the spike")
+    if step not in set(trained):
+        raise RerunError(f"--step {step}: not a trained step of the run (it trained steps "
+                         f"{_ranges(trained)})")
+    if load_step is None:
+        usable = [c for c in checkpoints if c <= step - 1]
+        if not usable:
+            raise RerunError(f"--step {step}: no complete checkpoint at or before step {step - 1} "
+                             f"(checkpoints: {checkpoints or 'none'}); the original run needs "
+                             f"--checkpoint.enable with an --checkpoint.interval below the spike")
+        load_step = usable[-1]
+    elif load_step not in checkpoints:
+        raise RerunError(f"--from {load_step}: not a complete checkpoint of the run (checkpoints: "
+                         f"{checkpoints or 'none'})")
+    elif load_step >= step:
+        raise RerunError(f"--from {load_step}: the checkpoint must be before the spike step {step}")
+    stop = min(step + after, last_step)
+    if not variants:
+        variants = [Variant("same")]
+    seen = []
+    for v in variants:
+        if v not in seen:
+            seen.append(v)
+    return Plan(Path(dump), step, load_step, stop, seen, checkpoint_folder, ledger_folder)
+
+
+def _ranges(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    out, a = [], steps[0]
+    prev = a
+    for s in steps[1:] + [None]:
+        if s is None or s != prev + 1:
+            out.append(f"{a}" if a == prev else f"{a}-{prev}")
+            if s is not None:
+                a = s
+        if s is not None:
+            prev = s
+    return ",".join(out)
+
+
+def strip_train_args(train_args: list[str]) -> list[str]:
+    """The original's flags minus what the rerun sets itself: the dump folder, the
+    checkpoint step to load, and ``bitflip`` injections (a fault is not data)."""
+    out, i = [], 0
+    drop = {"--job.dump_folder", "--dump_folder", "--checkpoint.load_step", "--ledger.rerun"}
+    while i < len(train_args):
+        a = train_args[i]
+        key, eq, val = a.partition("=")
+        if key in drop:
+            i += 1 if eq else 2
+            continue
+        if key == "--ledger.inject":
+            spec = val if eq else (train_args[i + 1] if i + 1 < len(train_args) else "")
+            i += 1 if eq else 2
+            kept = [p for p in spec.split(",") if p.strip() and not p.strip().endswith(":bitflip")]
+            if kept:
+                out += ["--ledger.inject", ",".join(kept)]
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+# --------------------------------------------------------------------------- comparing
+def _num(x) -> float | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None
+
+
+def rel_diff(a, b) -> float | None:
+    fa, fb = _num(a), _num(b)
+    if fa is None or fb is None:
+        return None
+    if fa == fb or (math.isnan(fa) and math.isnan(fb)):
+        return 0.0
+    if not (math.isfinite(fa) and math.isfinite(fb)):
+        return math.inf
+    return abs(fa - fb) / max(abs(fa), abs(fb), 1e-30)
+
+
+def _bits_equal(a, b) -> bool:
+    fa, fb = _num(a), _num(b)
+    if fa is None or fb is None:
+        return a == b
+    return fa == fb or (math.isnan(fa) and math.isnan(fb))
+
+
+def compare_rows(orig: dict[int, dict], rerun: dict[int, dict], first: int, last: int,
+                 keys=KEYS) -> list[dict]:
+    """Per step in [first, last]: each signal's relative difference, bit-equality."""
+    out = []
+    for s in range(first, last + 1):
+        o, r = orig.get(s), rerun.get(s)
+        row: dict[str, Any] = {"step": s}
+        if o is None or r is None:
+            row.update(missing="original" if o is None else "rerun", bit_equal=False)
+            out.append(row)
+            continue
+        if o.get("skipped") or r.get("skipped"):
+            row.update(skipped={"original": bool(o.get("skipped")), "rerun": bool(r.get("skipped"))},
+                       bit_equal=bool(o.get("skipped")) == bool(r.get("skipped")))
+            out.append(row)
+            continue
+        diffs = {k: rel_diff(o.get(k), r.get(k)) for k in keys if k in o or k in r}
+        row["rel_diff"] = diffs
+        row["max_rel_diff"] = max((d for d in diffs.values() if d is not None), default=0.0)
+        row["bit_equal"] = all(_bits_equal(o.get(k), r.get(k)) for k in keys if k in o or k in r)
+        out.append(row)
+    return out
+
+
+def pre_median(orig_rows: list[dict], step: int, key: str = "grad_norm") -> float | None:
+    xs = [x for x in (_num(r.get(key)) for r in orig_rows
+                      if not r.get("skipped") and step - PRE <= r["step"] < step) if x is not None
+          and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def spike_like(orig_at: dict, row: dict | None, med: float | None) -> bool:
+    """The tolerance test: grad norm within GRAD_TOL of the original spike's and
+    >= MIN_RATIO x the pre-spike median."""
+    if row is None or row.get("skipped"):
+        return False
+    go, gr = _num(orig_at.get("grad_norm")), _num(row.get("grad_norm"))
+    if go is None or gr is None:
+        return False
+    if not math.isfinite(go):
+        return not math.isfinite(gr)
+    if not math.isfinite(gr):
+        return False
+    close = abs(gr - go) <= GRAD_TOL * abs(go)
+    big = med is None or gr >= MIN_RATIO * med
+    return close and big
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    kind: str
+    folder: str | None
+    applicable: bool = True
+    reused: bool = False
+    seconds: float | None = None
+    present: bool | None = None
+    flagged: list[int] = field(default_factory=list)
+    at_step: dict | None = None
+    original_at_step: dict | None = None
+    bit_equal_steps: list[int] = field(default_factory=list)
+    first_difference: int | None = None
+    max_rel_diff: float | None = None
+    within_tolerance: bool | None = None
+    data_equal: bool | None = None
+    data_mismatch: dict | None = None
+    lr_ratio_at_step: float | None = None
+    steps: list[dict] = field(default_factory=list)
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _signals_at(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    if row.get("skipped"):
+        return {"skipped": True}
+    loss, lmax = _num(row.get("loss")), _num(row.get("loss_max"))
+    return {"loss": row.get("loss"), "grad_norm": row.get("grad_norm"), "max_logit": row.get("max_logit"),
+            "loss_spread": (lmax - loss) if loss is not None and lmax is not None else None,
+            "loss_max_rank": row.get("loss_max_rank"), "lr": row.get("lr"),
+            "spike": bool(row.get("spike"))}
+
+
+def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = None) -> VariantResult:
+    """Compare a finished rerun (``RunLedger``) with the original over the plan's window."""
+    from titan_ledger.replay import step_ids
+
+    res = VariantResult(v.name, v.kind, str(folder) if folder else None)
+    ho, hr = original.data.header(), rerun_led.data.header()
+    for key in ("fingerprint", "global_batch", "seq_len"):
+        if ho.get(key) != hr.get(key):
+            raise RerunError(f"the rerun's data {key} {hr.get(key)!r} differs from the original's "
+                             f"{ho.get(key)!r} ({original.folder}): give the original run's training "
+                             f"flags (the rerun is in {rerun_led.dump_folder})")
+    orig_rows = original.signal_rows()
+    o_by = {r["step"]: r for r in orig_rows}
+    r_by: dict[int, dict] = {}
+    for r in rerun_led.signal_rows():
+        for s in range(r["step"], r.get("last_step", r["step"]) + 1):
+            r_by[s] = r
+    first, last = plan.load_step + 1, plan.stop
+    res.steps = compare_rows(o_by, r_by, first, last)
+    for row in res.steps:
+        if row.get("bit_equal"):
+            res.bit_equal_steps.append(row["step"])
+        elif res.first_difference is None:
+            res.first_difference = row["step"]
+    diffs = [row["max_rel_diff"] for row in res.steps if "max_rel_diff" in row]
+    res.max_rel_diff = max(diffs) if diffs else None
+    res.within_tolerance = res.max_rel_diff is not None and res.max_rel_diff <= REL_TOL
+    # the data: the same sample ids per step and DP rank (a skipped step consumed them)
+    a, b = step_ids(original.data), step_ids(rerun_led.data)
+    res.data_equal = True
+    for s in range(first, last + 1):
+        ka, kb = a.get(s), b.get(s)
+        norm = lambda k: {r: tuple(x for x in ids if x != "skipped") for r, ids in (k or {}).items()}  # noqa: E731
+        if norm(ka) != norm(kb):
+            res.data_equal = False
+            res.data_mismatch = {"step": s, "original": {str(r): list(x) for r, x in norm(ka).items()},
+                                 "rerun": {str(r): list(x) for r, x in norm(kb).items()}}
+            break
+    T = plan.step
+    o_at = o_by.get(T)
+    res.original_at_step = _signals_at(o_at)
+    res.at_step = _signals_at(r_by.get(T))
+    med = pre_median(orig_rows, T)
+    res.flagged = sorted(s for s in rerun_led.spike_steps() if first <= s <= last)
+    if v.kind == "skip":
+        res.present = any(s >= T for s in res.flagged) or any(
+            spike_like(o_at, r_by.get(s), med) for s in range(T, last + 1))
+    else:
+        res.present = T in res.flagged or spike_like(o_at, r_by.get(T), med)
+    lr_o, lr_r = _num((o_at or {}).get("lr")), _num((r_by.get(T) or {}).get("lr"))
+    if lr_o and lr_r is not None:
+        res.lr_ratio_at_step = lr_r / lr_o
+    return res
+
+
+# --------------------------------------------------------------------------- verdict
+def verdict(results: list[VariantResult], step: int, heuristic: str | None = None) -> dict:
+    """Which cause the reruns prove, with the evidence (pure)."""
+    by = {r.kind: r for r in results if r.applicable and r.present is not None}
+    same = by.get("same")
+    evidence: list[str] = []
+    for r in results:
+        if not r.applicable:
+            evidence.append(f"{r.variant}: not applicable ({r.note})")
+    cause, proven = None, False
+    if same is not None:
+        at, o = same.at_step or {}, same.original_at_step or {}
+        if not same.present:
+            cause, proven = "hardware", True
+            evidence.append(
+                f"same: NOT reproduced at step {step}: grad norm {at.get('grad_norm')} vs the original's "
+                f"{o.get('grad_norm')}; the rerun saw the same data from the same checkpoint"
+                + (f" and was bit-equal through step {_bit_equal_through(same)}" if same.bit_equal_steps else "")
+                + ": non-determinism or a hardware fault")
+        else:
+            evidence.append(f"same: reproduced at step {step} (grad norm {at.get('grad_norm')} vs "
+                            f"{o.get('grad_norm')}"
+                            + (", bit-equal" if step in same.bit_equal_steps else
+                               f", max relative difference {_fmt(same.max_rel_diff)}") + "): deterministic")
+    if cause is None:
+        gone = []
+        for kind, c in CAUSE_OF.items():
+            r = by.get(kind)
+            if r is None:
+                continue
+            at = r.at_step or {}
+            if r.present:
+                evidence.append(f"{r.variant}: still present (grad norm {at.get('grad_norm')}, "
+                                f"flagged {r.flagged or 'none'}): not {c}")
+            else:
+                gone.append(c)
+                what = ("step skipped; no spike in the steps after" if kind == "skip" else
+                        f"grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
+                evidence.append(f"{r.variant}: gone ({what}): {c}")
+        if gone:
+            cause = gone[0]
+            proven = same is not None and same.present
+            if same is None:
+                evidence.append("same was not run: the spike's reproducibility is not shown")
+        else:
+            cause = "unproven"
+    out = {"step": step, "cause": cause, "proven": proven, "evidence": evidence}
+    if heuristic is not None:
+        out["heuristic"] = heuristic
+        out["heuristic_confirmed"] = proven and cause == heuristic
+        if proven and cause != heuristic:
+            out["heuristic_wrong"] = True
+    return out
+
+
+def _bit_equal_through(r: VariantResult) -> int | None:
+    last = None
+    for row in r.steps:
+        if not row.get("bit_equal"):
+            break
+        last = row["step"]
+    return last
+
+
+# --------------------------------------------------------------------------- running
+def _link_checkpoint(plan: Plan, folder: Path) -> None:
+    src = (plan.dump / plan.checkpoint_folder / f"step-{plan.load_step}").resolve()
+    dst = folder / plan.checkpoint_folder / f"step-{plan.load_step}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.symlink_to(src, target_is_directory=True)
+
+
+def _reusable(folder: Path, record: dict) -> bool:
+    f = folder / "rerun.json"
+    if not f.exists():
+        return False
+    try:
+        old = json.loads(f.read_text())
+    except ValueError:
+        return False
+    same = all(old.get(k) == record[k] for k in ("variant", "load_step", "train_args", "overrides", "nproc"))
+    return same and old.get("returncode") == 0 and old.get("stop", 0) >= record["stop"]
+
+
+def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int, *, fresh: bool = False,
+                env=None, log=print) -> VariantResult:
+    """Train one variant (or reuse an earlier identical rerun) and compare it."""
+    from titan_ledger.launch import validate
+    from titan_ledger.reader import RunLedger
+    from titan_ledger.replay import run_training
+
+    va = variant_args(v, plan.step, config)
+    folder = plan.folder(v)
+    if va is None:
+        return VariantResult(v.name, v.kind, None, applicable=False,
+                             note="the run trains in float32 already (the CPU backend, or "
+                                  "--training.mixed_precision_param float32)")
+    extra, over = va
+    fixed = [*base_args, *extra, "--checkpoint.enable", "--checkpoint.load_step", str(plan.load_step),
+             "--checkpoint.interval", str(HUGE_INTERVAL)]
+    over_s = ",".join(f"{k}={val:g}" for k, val in over.items())
+    args = [*fixed, "--ledger.rerun", ",".join(x for x in (f"stop={plan.stop}", over_s) if x)]
+    # an earlier rerun of the same variant from the same checkpoint that trained at
+    # least as far is the same computation (deterministic runs): reused
+    record = {"variant": v.name, "load_step": plan.load_step, "stop": plan.stop, "train_args": fixed,
+              "overrides": over_s, "nproc": nproc}
+    reused = not fresh and _reusable(folder, record)
+    seconds = None
+    if not reused:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        _link_checkpoint(plan, folder)
+        validate([*args, "--job.dump_folder", str(folder)], nproc)
+        logf = folder / "rerun.log"
+        log(f"rerun {v.name}: training steps {plan.load_step + 1}-{plan.stop} in {folder} (log: {logf})")
+        t0 = time.monotonic()
+        out = run_training(nproc, folder, args, logf, env=env)
+        seconds = round(time.monotonic() - t0, 1)
+        (folder / "rerun.json").write_text(json.dumps({**record, "returncode": out["returncode"],
+                                                       "seconds": seconds}))
+        if out["returncode"] != 0:
+            tail = _last_error(logf)
+            raise RerunError(f"the {v.name} rerun failed (exit {out['returncode']}){': ' + tail if tail else ''}; "
+                             f"log: {logf}")
+    else:
+        log(f"rerun {v.name}: reusing {folder} (same checkpoint, flags and window)")
+    res = compare(RunLedger(plan.dump, plan.ledger_folder), RunLedger(folder, plan.ledger_folder), plan, v, folder)
+    res.reused, res.seconds = reused, seconds
+    if v.kind == "lr" and res.lr_ratio_at_step is not None and abs(res.lr_ratio_at_step - v.value) > 1e-6:
+        raise RerunError(f"the {v.name} rerun trained step {plan.step} with lr "
+                         f"{(res.at_step or {}).get('lr')} ({res.lr_ratio_at_step:g}x the original's, "
+                         f"not {v.value:g}x); log: {folder / 'rerun.log'}")
+    return res
+
+
+def _last_error(log: Path) -> str:
+    """The line that says why a rerun failed: titan_ledger's own error line, else the
+    last exception line of a traceback."""
+    import re
+
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for pat in (r"titan_ledger[.\w]*: error: .*", r"\b\w+(Error|Exception): .*"):
+        for line in reversed(lines):
+            m = re.search(pat, line)
+            if m:
+                return m.group(0).strip()[:300]
+    return ""
+
+
+def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
+            load_step: int | None = None, after: int = 1, nproc: int = 2,
+            ledger_folder: str = "ledger") -> tuple[Plan, Any, list[str], int]:
+    """Check the original run's flags and plan: (plan, config, rerun base flags, launches)."""
+    from titan_ledger.launch import validate
+    from titan_ledger.reader import RunLedger
+
+    dump = Path(dump)
+    led = RunLedger(dump, ledger_folder)
+    # the original run's flags: parsed as the ranks would, and checked against the
+    # dump folder's recorded layout (seq_len, global batch) before anything trains
+    config = validate([*train_args, "--job.dump_folder", str(dump)], nproc)
+    rows = led.signal_rows()
+    trained = [r["step"] for r in rows if not r.get("skipped") and r.get("loss") is not None]
+    last = max((r.get("last_step", r["step"]) for r in rows), default=0)
+    vs = [x if isinstance(x, Variant) else parse_variant(x) for x in variants]
+    plan = make_plan(dump, step, vs, load_step=load_step, after=after,
+                     checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
+                     last_step=last, checkpoint_folder=config.checkpoint.folder,
+                     ledger_folder=ledger_folder)
+    n_launch = sum(variant_args(v, step, config) is not None for v in plan.variants)
+    return plan, config, strip_train_args(train_args), n_launch
+
+
+def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
+          load_step: int | None = None, after: int = 1, nproc: int = 2, ledger_folder: str = "ledger",
+          fresh: bool = False, heuristic: str | None = None, log=print, prepared=None) -> dict:
+    """Plan, run every variant, compare, judge. Returns the JSON-able report."""
+    plan, config, base, n_launch = prepared or prepare(
+        dump, step, variants, train_args, load_step=load_step, after=after, nproc=nproc,
+        ledger_folder=ledger_folder)
+    log(plan.budget_line(n_launch))
+    results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
+    return {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
+            "budget_steps": n_launch * plan.steps_per_variant,
+            "variants": [r.to_json() for r in results],
+            "verdict": verdict(results, step, heuristic)}
+
+
+def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,
+                  max_steps: int = 200, ledger_folder: str = "ledger", fresh: bool = False,
+                  log=print) -> None:
+    """``diagnose --rerun``: for each diagnosed spike, run the variants its heuristic
+    verdict calls for (:data:`PLAN_FOR`) within a training-step budget printed
+    first, and attach the report (``res["rerun"]``) with the proven cause."""
+    if not train_args:
+        raise RerunError("--rerun needs the original run's training flags after `--` (at least "
+                         "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
+    jobs = []
+    for res in results:
+        variants = PLAN_FOR.get(res["cause"], ["same"])
+        jobs.append((res, prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
+                                  ledger_folder=ledger_folder)))
+    total = sum(p[0].steps_per_variant * p[3] for _, p in jobs)
+    log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s) "
+        f"(--rerun-max-steps {max_steps})")
+    for res, p in jobs:
+        log(f"  step {res['step']}: heuristic {res['cause']} -> variants "
+            f"{', '.join(v.name for v in p[0].variants)}: {p[0].budget_line(p[3])}")
+    if total > max_steps:
+        raise RerunError(f"--rerun: the reruns need {total} training steps, more than "
+                         f"--rerun-max-steps {max_steps}; raise it or pick one spike with --step")
+    for res, p in jobs:
+        res["rerun"] = rerun(dump, res["step"], [], train_args, nproc=nproc, fresh=fresh,
+                             heuristic=res["cause"], log=log, prepared=p)
+
+
+def checkpoints_of(dump: Path, folder: str) -> list[int]:
+    from titan_ledger.reader import checkpoints
+
+    return checkpoints(dump, folder)
+
+
+# --------------------------------------------------------------------------- printing
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return str(x)
+
+
+def print_report(rep: dict) -> None:
+    print(f"spike at step {rep['step']}: reruns from checkpoint step-{rep['load_step']} to step "
+          f"{rep['stop']} ({rep['budget_steps']} training steps)")
+    hdr = ("variant", "spike@T", "loss", "grad_norm", "max_logit", "spread", "lr", "bit-equal",
+           "max rel diff", "data")
+    table = [hdr]
+    o = next((v["original_at_step"] for v in rep["variants"] if v.get("original_at_step")), None)
+    if o:
+        table.append(("original", "yes", *(_fmt(o.get(k)) for k in ("loss", "grad_norm", "max_logit",
+                                                                      "loss_spread", "lr")), "", "", ""))
+    for v in rep["variants"]:
+        if not v["applicable"]:
+            table.append((v["variant"], "n/a", "not applicable", "", "", "", "", "", "", ""))
+            continue
+        at = v["at_step"] or {}
+        if at.get("skipped"):
+            cells = ("skipped", "", "", "", "")
+        else:
+            cells = tuple(_fmt(at.get(k)) for k in ("loss", "grad_norm", "max_logit", "loss_spread", "lr"))
+        steps = [s["step"] for s in v["steps"]]
+        be = "all" if steps and v["bit_equal_steps"] == steps else (
+            f"{_ranges(v['bit_equal_steps'])}" if v["bit_equal_steps"] else "none")
+        table.append((v["variant"], _fmt(v["present"]), *cells, be, _fmt(v["max_rel_diff"]),
+                      "equal" if v["data_equal"] else f"DIFFERS at {v['data_mismatch']['step']}"))
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(hdr))]
+    for r in table:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    vd = rep["verdict"]
+    print(f"verdict: {vd['cause']}{' (proven)' if vd['proven'] else ' (not proven)'}")
+    for e in vd["evidence"]:
+        print(f"  - {e}")
+    if "heuristic" in vd:
+        if vd.get("heuristic_confirmed"):
+            print(f"  the heuristic verdict ({vd['heuristic']}) is confirmed")
+        elif vd.get("heuristic_wrong"):
+            print(f"  the heuristic verdict ({vd['heuristic']}) was WRONG: the reruns prove {vd['cause']}")
+        else:
+            print(f"  the heuristic verdict ({vd['heuristic']}) is neither confirmed nor refuted")
