@@ -455,6 +455,20 @@ def parse(job: Job) -> Any:
     except (ImportError, ValueError) as e:
         raise ConfigError(f"{where}: cannot load base config {job.module}.{job.config}: {e}") from None
 
+    if wants_ledger_dataloader(job):
+        # [dataloader] source on a base built around torchtitan's own loader: swap in
+        # LedgerDataLoader.Config, for the key checks here and in the config tyro parses
+        from titan_ledger.dataloader import as_ledger_dataloader
+
+        as_ledger_dataloader(base)
+        load = manager._load_config
+
+        def _load_swapped(args):
+            config, rest = load(args)
+            as_ledger_dataloader(config)
+            return config, rest
+
+        manager._load_config = _load_swapped
     tr = translate(job, base, {"selective": SelectiveAC.Config(), "full": FullAC.Config(),
                                "memory_budget": MemoryBudgetAC.Config(), "none": None})
     argv = ["--module", job.module, "--config", job.config] + assemble(tr, job.cli_args)
@@ -471,6 +485,14 @@ def parse(job: Job) -> Any:
         cli = {a.split("=")[0].lstrip("-").replace("-", "_") for a in job.cli_args if a.startswith("--")}
         origins = {k: v for k, v in tr.origins.items() if k.replace("-", "_") not in cli}
         raise ConfigError(_explain_tyro(err.getvalue(), origins)) from None
+
+
+def wants_ledger_dataloader(job: Job) -> bool:
+    """``[dataloader] source`` in the TOML/overlays or ``--dataloader.source`` on the
+    command line: the run asks for titan_ledger's loader, whatever the base config."""
+    sec = job.doc.get("dataloader")
+    return ((isinstance(sec, dict) and "source" in sec)
+            or _peek_flag(job.cli_args, "--dataloader.source") is not None)
 
 
 @contextlib.contextmanager
