@@ -125,10 +125,34 @@ class LedgerDataLoader(ParallelAwareDataloader):
         """``source = "text"``: a dataset of torchtitan's registry (``c4_test`` reads a
         local folder of JSONL given by ``dataset_path``)."""
 
-        source: Literal["text", "indexed"] = "text"
+        source: Literal["text", "indexed", "hf"] = "text"
         """``text``: tokenize documents on the fly, per DP rank (DP size fixed on
         resume). ``indexed``: Megatron .bin/.idx corpora from ``paths`` with a global
-        sample order (O(1) skip; DP size may change on resume)."""
+        sample order (O(1) skip; DP size may change on resume). ``hf``: Hugging Face
+        ``datasets`` (local parquet/json/arrow ``data_files`` or a cached hub dataset
+        ``hf_path``), map-style or ``streaming``, tokenized on the fly like ``text``."""
+
+        hf_path: str = ""
+        """``source = "hf"``: ``load_dataset``'s path: a cached hub dataset id, a local
+        folder, or a builder (parquet, json, arrow); default: from the suffix of
+        ``data_files``."""
+
+        data_files: list[str] = field(default_factory=list)
+        """``source = "hf"``: data files (globs and folders expanded, sorted); document
+        id = file index << 40 | row (with one file: the row)."""
+
+        hf_name: str = ""
+        """``source = "hf"``: the dataset's configuration name (``load_dataset(path, name)``)."""
+
+        split: str = "train"
+        """``source = "hf"``: the split."""
+
+        text_key: str = "text"
+        """``source = "hf"``: the column holding the document text."""
+
+        streaming: bool = False
+        """``source = "hf"``: read as an ``IterableDataset`` (no random access: DP rank
+        r of n takes rows r, r+n, ... of each file; resume skips to (file, row))."""
 
         paths: list[str] = field(default_factory=list)
         """``source = "indexed"``: corpus prefixes (``PREFIX.bin`` + ``PREFIX.idx``)."""
@@ -166,9 +190,10 @@ class LedgerDataLoader(ParallelAwareDataloader):
         def validate(self) -> None:
             """What can be checked without I/O or a process group; ``ConfigError``
             naming the flag (``--dataloader.X``)."""
-            if self.source not in ("text", "indexed"):
-                raise ConfigError(f"--dataloader.source {self.source!r}: expected 'text' or 'indexed'")
-            for flag in ("shuffle", "tagging"):
+            if self.source not in ("text", "indexed", "hf"):
+                raise ConfigError(f"--dataloader.source {self.source!r}: expected 'text', "
+                                  f"'indexed' or 'hf'")
+            for flag in ("shuffle", "tagging", "streaming"):
                 if not isinstance(getattr(self, flag), bool):
                     raise ConfigError(f"--dataloader.{flag} {getattr(self, flag)!r}: expected true "
                                       f"or false")
@@ -183,6 +208,24 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 if self.num_workers == 0:
                     raise ConfigError("--dataloader.prefetch_factor needs --dataloader.num_workers "
                                       "> 0 (batches are prefetched by workers)")
+            hf_only = ("hf_path", "data_files", "hf_name", "streaming")
+            if self.source != "hf":
+                for flag in hf_only:
+                    if getattr(self, flag):
+                        raise ConfigError(f"--dataloader.{flag} is only read with "
+                                          f"--dataloader.source hf (source is {self.source!r})")
+            if self.source == "hf":
+                for flag in ("paths", "weights", "prepare_from"):
+                    if getattr(self, flag):
+                        raise ConfigError(f"--dataloader.{flag} is only read with "
+                                          f"--dataloader.source indexed (source is 'hf')")
+                if not self.hf_path and not self.data_files:
+                    raise ConfigError("--dataloader.source hf needs --dataloader.data_files (local "
+                                      "parquet/json/arrow files) or --dataloader.hf_path (a cached "
+                                      "hub dataset or a local folder)")
+                if not self.text_key:
+                    raise ConfigError("--dataloader.text_key: empty; name the text column")
+                return
             if self.source == "text":
                 if not self.dataset:
                     raise ConfigError("--dataloader.dataset: empty; name a dataset (e.g. c4_test "
@@ -224,7 +267,13 @@ class LedgerDataLoader(ParallelAwareDataloader):
         self.kind = config.source
         self.mbs = int(local_batch_size)
         self.seq_len = int(seq_len)
-        if config.source == "indexed":
+        if config.source == "hf":
+            from titan_ledger.data import hf
+
+            config.validate()
+            source = hf.open_source(config, tokenizer, seq_len, dp_rank, dp_world_size)
+            described = source.describe()
+        elif config.source == "indexed":
             try:
                 source = self._build_blend(config, tokenizer, seq_len)
                 described = f"indexed:{source.fingerprint()}"
@@ -248,6 +297,10 @@ class LedgerDataLoader(ParallelAwareDataloader):
                      "weights": list(config.weights) or [1.0] * len(config.paths),
                      "seed": config.seed, "shuffle": config.shuffle,
                      "cache_dir": config.cache_dir,
+                     "hf": ({"hf_path": config.hf_path, "hf_name": config.hf_name,
+                             "data_files": source.spec.files, "builder": source.spec.builder,
+                             "split": config.split, "text_key": config.text_key,
+                             "streaming": config.streaming} if config.source == "hf" else None),
                      # how Blend picks a corpus per sample (titan_ledger.data.indexed.BLEND_RULE);
                      # absent in ledgers written before rule 2, which used rule 1
                      "blend_rule": getattr(source, "rule", None)}
@@ -329,7 +382,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
         """
         before = self._position
         tags = None
-        if self.kind == "text":
+        if self.kind != "indexed":
             stream = self.source.rows(self._cursor, build=False)
             n_rows = n_batches * self.mbs
             tags = [] if self.tagging else None
@@ -347,7 +400,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         cursors = {str(self.dp_rank): self._cursor.to_json()}
-        if self.kind == "text" and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.kind != "indexed" and dist.is_initialized() and dist.get_world_size() > 1:
             # One global value for all ranks (DCP keeps one copy of a shared key), so a
             # resume with another DP size can be told apart from a missing key.
             gathered: list = [None] * dist.get_world_size()
@@ -355,7 +408,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
             cursors = {k: v for c in gathered for k, v in c.items()}
         state = {"position": self._position, "dp_size": self.dp_world_size, "kind": self.kind,
                  "mbs": self.mbs, "fingerprint": self.fingerprint, "source": self.description,
-                 "cursors": cursors if self.kind == "text" else {}}
+                 "cursors": cursors if self.kind != "indexed" else {}}
         return {STATE_KEY: json.dumps(state, sort_keys=True)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -374,14 +427,17 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 f"checkpoint {state['source']} fingerprint {state['fingerprint']}, this run "
                 f"{self.description} fingerprint {self.fingerprint}; pass "
                 f"--ledger.allow_data_change to continue at sample {state['position']} anyway")
-        if self.kind == "text" and state["dp_size"] != self.dp_world_size:
+        if self.kind != "indexed" and state["dp_size"] != self.dp_world_size:
+            what = ("a streaming dataset's" if self.kind == "hf" and self.spec["hf"]["streaming"]
+                    else f"a {self.kind} source's")
             raise DataStateError(
                 f"the checkpoint was written with {state['dp_size']} DP ranks, this run has "
-                f"{self.dp_world_size}: a text stream's position is per DP rank. Keep the DP "
+                f"{self.dp_world_size}: {what} position is per DP rank (each rank's own "
+                f"cursor: file/document, row, token offset). Keep the DP "
                 f"size, or train from an indexed corpus (--dataloader.source indexed, see "
                 f"`python -m titan_ledger.prepare`), whose position is global")
         self._position = int(state["position"])
-        if self.kind == "text" and state.get("kind") == "text":
+        if self.kind != "indexed" and state.get("kind") == self.kind:
             self._cursor = Cursor.from_json(state["cursors"][str(self.dp_rank)])
         else:
             self._cursor = Cursor()
