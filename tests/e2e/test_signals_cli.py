@@ -36,7 +36,8 @@ def test_nonfinite_row_on_disk_and_dashboards(tmp_path):
     assert math.isfinite(ledger.history[0]["loss"]) and math.isnan(ledger.history[1]["loss"])
 
     dashboard_keys = {f"ledger/{k}" for k in signal_keys() if k != "step"}
-    wandb_rows = {r["_step"]: r for r in read_wandb_history(tmp_path) if "ledger/loss" in r}
+    # the W&B step (_step) is an event counter; the training step is train/step
+    wandb_rows = {r.get("train/step", r["_step"]): r for r in read_wandb_history(tmp_path) if "ledger/loss" in r}
     assert sorted(wandb_rows) == [1, 2]
     for step, row in wandb_rows.items():
         assert dashboard_keys <= set(row), dashboard_keys - set(row)
