@@ -15,7 +15,7 @@ from pathlib import Path
 from torch.profiler import record_function
 
 from titan_ledger import records
-from titan_ledger.data.layout import RowTag
+from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
 from titan_ledger.topology import Topology
 
 
@@ -54,7 +54,12 @@ class DataLedgerWriter:
         if self._writer is None:
             return
         with record_function("titan_ledger.data_write"):
-            row = {"step": step, "skipped": False, "rows": [t.to_json() for t in tags]}
+            row = {"step": step, "skipped": False}
+            derived = None if injected else self._derivable(tags)
+            if derived is not None:
+                row["samples"], row["digest"] = derived  # the rows follow from the corpus
+            else:
+                row["rows"] = [t.to_json() for t in tags]
             if injected:
                 row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
             if doc_loss is not None:
@@ -62,6 +67,23 @@ class DataLedgerWriter:
             if masked:
                 row["masked"] = masked  # {"quarantine" | "repetition": [[row, segment], ...]}
             self._writer.write(row)
+
+    def _derivable(self, tags: list[RowTag]):
+        """``([first, end), token hash)`` when ``tags`` are exactly the layout's sample ids
+        of one step of a deterministic source (``loader.derive_rows``) and carry token
+        hashes; else None (the rows are written out)."""
+        loader = self.loader
+        if not getattr(loader, "derive_rows", False) or not tags:
+            return None
+        mbs, dp, r = loader.mbs, self.topo.dp_size, self.topo.dp_rank
+        if len(tags) * dp != self.global_batch or len(tags) % mbs:
+            return None
+        start = tags[0].sample_id - r * mbs
+        R = round_size(mbs, dp)
+        if any(t.digest is None or t.sample_id != sample_id(start + (k // mbs) * R, r, mbs, k % mbs)
+               for k, t in enumerate(tags)):
+            return None
+        return [start, start + self.global_batch], step_digest(t.digest for t in tags)
 
     def record_skip(self, *, first: int, last: int, info) -> None:
         """A skipped window: ``info`` is the loader's SkipInfo (positions, tags)."""

@@ -47,7 +47,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ledger.data.indexed import Blend, IndexedCorpus
 from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
-from titan_ledger.data.layout import RowTag, positions_of, round_size, sample_id
+from titan_ledger.data.layout import RowTag, positions_of, round_size, row_digest, sample_id
 from titan_ledger.data.text import Cursor, TextStream
 
 STATE_KEY = "titan_ledger_data"
@@ -86,7 +86,11 @@ class _Rows(IterableDataset):
             while True:
                 rows = [self.source.row(i) for i in self.ids(self.start_position + q * R)]
                 with torch.profiler.record_function(TAGGING_SPAN):
-                    tags = [r[3] for r in rows]  # (the blend builds each RowTag with its row)
+                    # (the blend builds each RowTag with its row); the token hash lets the
+                    # data ledger store a step as (sample range, hash) and derive the rows
+                    tags = ([RowTag(r[3].sample_id, r[3].source, r[3].segments,
+                                    row_digest(r[0], r[1])) for r in rows]
+                            if self.tagging else [r[3] for r in rows])
                 yield self._collate([r[:3] for r in rows], tags, None)
                 q += nw
         else:
@@ -179,6 +183,12 @@ class LedgerDataLoader(ParallelAwareDataloader):
         tagging: bool = True
         """Tag rows with sample id and document spans and write the data ledger
         (``<dump_folder>/ledger/data_dp<r>.jsonl``)."""
+
+        derive_rows: bool = True
+        """``source = "indexed"``: a step's data-ledger row holds its sample range and
+        a 64-bit hash of the tokens trained instead of every row's provenance (O(1)
+        per step; ``lookup`` derives the rows from the corpus and checks the hash).
+        Off: the rows are written out as for text sources."""
 
         def __post_init__(self) -> None:
             # slots=True rebuilds the class, so zero-argument super() would fail here
@@ -307,6 +317,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
         self.fingerprint = _fingerprint(described, tokenizer, seq_len, config.seed)
         self.description = described
         self.tagging = config.tagging
+        self.derive_rows = bool(config.derive_rows) and config.source == "indexed"
         self.allow_data_change = False  # set by LedgerTrainer from --ledger.allow_data_change
         self._position = 0
         self._cursor = Cursor()

@@ -187,6 +187,7 @@ class DataLedger:
                               f"while a run wrote it?)")
         self.torn = {r: n for r, n in torn.items() if n}
         self._row_dp: dict[int, int] = {}  # id(row) -> the DP size of the segment that wrote it
+        self._row_hdr: dict[int, Any] = {}  # id(row) -> the header of the segment that wrote it
         for r, ss in segs.items():
             for seg in ss:
                 dp = int(seg.header.get("dp_size") or 0)
@@ -196,6 +197,7 @@ class DataLedger:
                                           f"nor 'samples': not a data-ledger row of this titan_ledger "
                                           f"(was the file edited?)")
                     self._row_dp[id(row)] = dp
+                    self._row_hdr[id(row)] = seg.header
         self.history, self.superseded = records.resolve(segs)
         self.headers = {r: s[-1].header for r, s in segs.items()}
         self._by_step = {r: {row["step"]: row for row in h} for r, h in self.history.items()}
@@ -258,6 +260,9 @@ class DataLedger:
         if row is None:
             return None
         if "last_step" not in row:
+            if "rows" not in row:  # (sample range, token hash): derived from the corpus
+                return StepData(step, dp_rank, bool(row.get("skipped")),
+                                self.derived_tags(step, dp_rank, row))
             return StepData(step, dp_rank, bool(row.get("skipped")),
                             [RowTag.from_json(t) for t in row["rows"]])
         hdr = self._header_for(dp_rank, row)
@@ -282,7 +287,8 @@ class DataLedger:
                 continue
             if dl.get("median") is not None:
                 medians.append(dl["median"])
-            tags = [RowTag.from_json(t) for t in row["rows"]]
+            tags = (self.derived_tags(step, r, row) if "rows" not in row
+                    else [RowTag.from_json(t) for t in row["rows"]])
             seen = set()
             for side in ("top", "bottom"):
                 for i, seg, loss_sum, tokens in dl.get(side, []):
@@ -306,6 +312,8 @@ class DataLedger:
         row = self._row(dp_rank, step)
         if row is None:
             raise LedgerError(f"{self.folder}: no data for step {step} on DP rank {dp_rank}")
+        if "last_step" not in row and "rows" not in row:  # a derived step row
+            return tuple(self.step_ids(self._header_for(dp_rank, row), row["samples"][0], 0, dp_rank))
         if "last_step" not in row:
             return tuple(t[0] for t in row["rows"])
         hdr = self._header_for(dp_rank, row)
@@ -314,6 +322,34 @@ class DataLedger:
             per_step = hdr["global_batch"] // hdr["dp_size"]
             return tuple(t[0] for t in row["rows"][k * per_step:(k + 1) * per_step])
         return tuple(self.step_ids(hdr, row["samples"][0], k, dp_rank))
+
+    def derived_tags(self, step: int, dp_rank: int, row: dict, verify: bool = True) -> list[RowTag]:
+        """The rows of a trained step stored as ``samples`` + ``digest`` (an indexed
+        corpus, ``--dataloader.derive_rows``): derived from (corpus, seed, sample id)
+        like a skipped window's, and -- ``verify`` -- their tokens hashed again and
+        compared with the hash the run recorded, so a corpus changed since the run is
+        caught (``LedgerError`` naming the step and the corpus) instead of misreported."""
+        from titan_ledger.data.layout import row_digest, step_digest
+
+        hdr = self._header_for(dp_rank, row)
+        blend = self.blend(hdr)
+        ids = self.step_ids(hdr, row["samples"][0], 0, dp_rank)
+        if not verify or "digest" not in row:
+            return [blend.tag(i) for i in ids]
+        tags, digests = [], []
+        for i in ids:
+            inputs, labels, _, tag = blend.row(i)
+            tags.append(tag)
+            digests.append(row_digest(inputs, labels))
+        got = step_digest(digests)
+        if got != row["digest"]:
+            paths = ", ".join(str(p) for p in hdr["spec"]["paths"])
+            raise LedgerError(
+                f"{self.files[dp_rank]}: step {step}, DP rank {dp_rank}: the corpus gives other "
+                f"tokens for samples {ids[0]}..{ids[-1]} than the run trained (token hash "
+                f"{row['digest']} recorded, {got} now): {paths} changed since the run (re-prepared "
+                f"with another tokenizer or input?); restore the corpus the run read")
+        return tags
 
     @staticmethod
     def step_ids(hdr, window_start: int, k: int, dp_rank: int) -> list[int]:
@@ -329,8 +365,9 @@ class DataLedger:
 
     def _header_for(self, r: int, row: dict) -> dict:
         # a window row carries the layout it was consumed with (the DP size may
-        # have changed in a later segment)
-        return {**self.headers[r].as_dict(), **row.get("layout", {})}
+        # have changed in a later segment); a derived step row has its segment's
+        hdr = self._row_hdr.get(id(row), self.headers[r]) if "last_step" not in row else self.headers[r]
+        return {**hdr.as_dict(), **row.get("layout", {})}
 
     def blend(self, hdr=None):
         """The indexed corpus the run read (sample id -> content), opened offline."""

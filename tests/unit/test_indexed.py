@@ -313,3 +313,83 @@ def test_blend_rule_enters_the_fingerprint_only_when_blending(tmp_path):
     assert Blend([a], [1.0]).fingerprint() == Blend([a], [1.0], rule=1).fingerprint()
     assert Blend([a, b], [0.7, 0.3], rule=1).locate(4)[0] is a  # old ledgers still readable
     assert Blend([a, b], [0.7, 0.3]).locate(4)[0] is b
+
+
+# --------------------------------------------------------------------------- O(1) data-ledger rows
+def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
+    """Real loaders + the real DataLedgerWriter for ``dp`` ranks of an indexed corpus."""
+    import itertools
+
+    from titan_ledger import records
+    from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
+    from titan_ledger.data_writer import DataLedgerWriter
+    from titan_ledger.dataloader import LedgerDataLoader
+    from titan_ledger.prepare import load_tokenizer, prepare
+    from titan_ledger.topology import Topology
+
+    tok = load_tokenizer(TOKENIZER_DIR)
+    prefix = str(tmp_path / "corpus" / "bundled")
+    if not (tmp_path / "corpus").exists():
+        (tmp_path / "corpus").mkdir()
+        prepare([str(CORPUS_DIR)], prefix, tokenizer=tok, progress=False)
+    led = tmp_path / "ledger"
+    led.mkdir(exist_ok=True)
+    trained = {}
+    for r in range(dp):
+        cfg = LedgerDataLoader.Config(source="indexed", paths=[prefix], derive_rows=derive)
+        dl = LedgerDataLoader(cfg, dp_world_size=dp, dp_rank=r, tokenizer=tok, seq_len=64,
+                              local_batch_size=mbs)
+        w = DataLedgerWriter(Topology(world=dp, rank=r, dp_size=dp, dp_rank=r,
+                                      dp_rank_of=tuple(range(dp))), dl,
+                             global_batch=mbs * dp * accum, skip_lr="freeze", tokenizer="tok")
+        w.open(led, records.Header(schema="", run_id="r", seq=1, resumed_from=0, extra={}), [])
+        it = iter(dl)
+        for step in range(1, steps + 1):
+            for _ in range(accum):
+                next(it)
+            tags = dl.take_tags()
+            trained[step, r] = [t.to_json() for t in tags]
+            w.record(step, tags, doc_loss={"n": 1, "top": [[len(tags) - 1, 0, 3.5, 7]], "bottom": []})
+        w.close()
+    return led, trained, prefix
+
+
+def test_derived_rows_are_o1_and_read_back_exactly(tmp_path):
+    import json
+
+    from titan_ledger.reader import DataLedger
+
+    led, trained, _ = _derived_ledger(tmp_path)
+    raw = [json.loads(x) for x in (led / "data_dp1.jsonl").read_text().splitlines()[1:]]
+    assert all("rows" not in r and len(r["samples"]) == 2 and len(r["digest"]) == 16 for r in raw)
+    data = DataLedger(led)
+    for (step, r), tags in trained.items():
+        assert [t.to_json() for t in data.at(step, r).tags] == tags
+        assert list(data.ids_at(step, r)) == [t[0] for t in tags]
+    got, _ = data.doc_losses(2)  # doc_loss rows index the derived rows
+    assert {g["sample_id"] for g in got} == {trained[2, 0][-1][0], trained[2, 1][-1][0]}
+
+
+def test_a_changed_corpus_is_caught_by_the_token_hash(tmp_path):
+    from titan_ledger.errors import LedgerError
+    from titan_ledger.reader import DataLedger
+
+    led, _, prefix = _derived_ledger(tmp_path, steps=1)
+    with open(prefix + ".bin", "r+b") as f:  # same length, other tokens
+        data = bytearray(f.read())
+        data[::2] = bytes(b ^ 1 for b in data[::2])  # every token's low bit
+        f.seek(0)
+        f.write(data)
+    with pytest.raises(LedgerError, match="changed since the run"):
+        [DataLedger(led).at(1, r) for r in (0, 1)]
+
+
+def test_explicit_rows_stay_readable(tmp_path):
+    import json
+
+    from titan_ledger.reader import DataLedger
+
+    led, trained, _ = _derived_ledger(tmp_path, steps=2, derive=False)
+    raw = json.loads((led / "data_dp0.jsonl").read_text().splitlines()[1])
+    assert "rows" in raw and "digest" not in raw
+    assert [t.to_json() for t in DataLedger(led).at(2, 1).tags] == trained[2, 1]

@@ -17,7 +17,8 @@ Pure Python: no torch, no processes; unit-tested directly.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 
 # --------------------------------------------------------------------------- ids
@@ -54,6 +55,9 @@ class RowTag:
     sample_id: int
     source: str
     segments: tuple[Segment, ...]
+    #: 64-bit hash of the row's tokens (``row_digest``), set by the loader for
+    #: deterministic sources; not part of the JSON form nor of equality
+    digest: int | None = field(default=None, compare=False)
 
     def to_json(self) -> list:
         """Compact form stored in the data ledger: ``[id, source, [[doc, s, e], ...]]``."""
@@ -67,6 +71,22 @@ class RowTag:
     def as_dict(self) -> dict:
         return {"sample_id": self.sample_id, "source": self.source,
                 "segments": [{"doc": s.doc, "start": s.start, "end": s.end} for s in self.segments]}
+
+
+def row_digest(inputs, labels) -> int:
+    """64-bit blake2b of a row's input and label token ids (int64 numpy arrays)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(memoryview(inputs.astype("<i8", copy=False)).cast("B"))
+    h.update(memoryview(labels.astype("<i8", copy=False)).cast("B"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def step_digest(row_digests) -> str:
+    """One DP rank's step: the 64-bit blake2b of its rows' digests in order (hex)."""
+    h = hashlib.blake2b(digest_size=8)
+    for d in row_digests:
+        h.update(int(d).to_bytes(8, "little"))
+    return h.hexdigest()
 
 
 def positions_of(segments: tuple[Segment, ...] | list[Segment]) -> list[int]:
