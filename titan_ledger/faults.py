@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 BITFLIP = "bitflip"
+SWAP = "swap"
 #: largest magnitude a flipped element may take (its square stays finite in fp32)
 LIMIT = 1e6
 
@@ -136,23 +137,67 @@ def flip_first_grad(params, limit: float = LIMIT) -> dict[str, Any] | None:
     return None
 
 
+def rotate(items: list, rank: int) -> Any:
+    """``swap``: DP rank ``rank`` takes rank ``(rank + 1) % n``'s item."""
+    return items[(rank + 1) % len(items)]
+
+
+def swap_batches(input_dict: dict, labels: torch.Tensor, group) -> tuple[dict, torch.Tensor]:
+    """All-gather every batch tensor over the DP group and take the next rank's
+    (every DP rank must call it; batches have one shape per step)."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return rotate(parts, rank)
+
+    out = {k: take(v) if isinstance(v, torch.Tensor) else v for k, v in sorted(input_dict.items())}
+    return out, take(labels)
+
+
 def arm(trainer) -> None:
-    """Per step, from ``LedgerTrainer.train_step``: when this step and DP rank are the
-    ``bitflip`` injection, take it off the data path and flip after the backward."""
+    """Per step, from ``LedgerTrainer.train_step``: apply this step's fault injections.
+
+    ``bitflip`` (this DP rank): flip one gradient bit after the first backward of the
+    step, before the clip. ``swap`` (every DP rank, the spec's rank is ignored): DP rank
+    r trains on rank (r+1) % dp's batch -- every rank consumed and recorded its own
+    samples (the data ledger is unchanged), then the batches are rotated right before
+    the forward (after a ``repeat``/``random`` injection). Both wrap the trainer's
+    ``forward_backward_step`` as an instance attribute for this step only."""
+    trainer.__dict__.pop("forward_backward_step", None)  # the last step's wrappers
     io = getattr(trainer, "_io", None)
     if io is None:
         return
-    if io.inject == BITFLIP:
+    if io.inject in (BITFLIP, SWAP):
         io.inject = None  # not a batch replacement; the data ledger records no injection
     from titan_ledger.ledger import parse_injects
 
-    here = (trainer.step, trainer.ledger.topo.dp_rank, BITFLIP)
-    if here not in parse_injects(trainer.config.ledger.inject or ""):
+    specs = parse_injects(trainer.config.ledger.inject or "")
+    step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
+    if any(s == step and k == SWAP for s, _, k in specs):
+        if trainer.parallel_dims.pp_enabled:
+            raise RuntimeError("--ledger.inject ...:swap: not supported under pipeline parallelism")
+        inner_swap = trainer.forward_backward_step
+        group = trainer.parallel_dims.get_mesh("batch").get_group()
+
+        def swapped(**kwargs):
+            kwargs["input_dict"], kwargs["labels"] = swap_batches(kwargs["input_dict"], kwargs["labels"], group)
+            return inner_swap(**kwargs)
+
+        trainer.forward_backward_step = swapped  # every microbatch of this step
+    if (step, dp_rank, BITFLIP) not in specs:
         return
-    inner = trainer.forward_backward_step  # the bound method (class attribute)
+    layered = trainer.__dict__.get("forward_backward_step")
+    inner = trainer.forward_backward_step
 
     def flip_after_backward(**kwargs):
-        del trainer.forward_backward_step  # once: the instance attribute goes away
+        if layered is None:  # once: the instance attribute goes away
+            del trainer.forward_backward_step
+        else:
+            trainer.forward_backward_step = layered
         loss = inner(**kwargs)
         named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
         done = flip_first_grad(named)

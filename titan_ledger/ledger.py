@@ -155,8 +155,9 @@ class Ledger(Configurable):
         by a single repeated token (``repeat``) or uniform random tokens (``random``);
         see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
         rehearsal, :mod:`titan_ledger.faults`) flips one exponent bit of one gradient
-        element on that DP rank after the backward, before the clip. Comma-separated
-        specs combine one data kind with bitflips, e.g. ``8:1:repeat,11:0:bitflip``."""
+        element on that DP rank after the backward, before the clip; ``swap`` makes every DP
+        rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
+        Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
 
         rerun: str = ""
         """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.rerun`):
@@ -294,7 +295,8 @@ class Ledger(Configurable):
         for m in attn:
             m.record_max_logit = cfg.max_logit
         if trainer.parallel_dims.pp_enabled:
-            forget_pp_metadata_inference(trainer.pp_schedule, attn)
+            forget_pp_metadata_inference(trainer.pp_schedule, attn,
+                                         also=[self.doc_loss.rewind_step] if self.doc_loss else [])
         self.recorder = SignalRecorder(
             topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
             max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
@@ -511,12 +513,13 @@ def _digest(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-INJECT_KINDS = ("repeat", "random", "bitflip")
+INJECT_KINDS = ("repeat", "random", "bitflip", "swap")
+FAULT_KINDS = ("bitflip", "swap")  # titan_ledger.faults: not a batch replacement
 
 
 def parse_injects(spec: str) -> list[tuple[int, int, str]]:
     """``"STEP:DP_RANK:KIND[,STEP:DP_RANK:KIND...]"`` -> [(step, dp_rank, kind)]; at most
-    one data kind (repeat/random), any number of bitflips."""
+    one data kind (repeat/random), any number of faults (bitflip, swap)."""
     out = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         bits = part.split(":")
@@ -527,21 +530,21 @@ def parse_injects(spec: str) -> list[tuple[int, int, str]]:
         except (IndexError, ValueError):
             raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
         if kind not in INJECT_KINDS or step < 1 or rank < 0:
-            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip (a fault); STEP >= 1; "
+            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
                               f"DP_RANK >= 0")
         out.append((step, rank, kind))
-    if sum(k != "bitflip" for _, _, k in out) > 1:
-        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflips may be added)")
+    if sum(k not in FAULT_KINDS for _, _, k in out) > 1:
+        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
     return out
 
 
 def parse_inject(spec: str) -> tuple[int, int, str] | None:
     """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind): the data injection of
-    :func:`parse_injects` (else its first bitflip), which the trainer applies."""
+    :func:`parse_injects` (else its first fault), which the trainer applies."""
     specs = parse_injects(spec) if spec else []
     if not specs:
         return None
-    return next((s for s in specs if s[2] != "bitflip"), specs[0])
+    return next((s for s in specs if s[2] not in FAULT_KINDS), specs[0])
 
 
 def parse_rerun(spec: str) -> dict[str, float]:

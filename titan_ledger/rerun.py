@@ -22,6 +22,10 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
   eps=X       Adam epsilon (the checkpoint restores the param groups' eps, so it is
               overridden after the load the same way: ``--ledger.rerun eps=X``)
   clip=X      ``--training.max_norm X``
+  swap        step T's batches rotated across DP ranks (``--ledger.inject T:0:swap``:
+              DP rank r trains on rank (r+1) % dp's batch): does the anomaly (the
+              spike event's suspect DP rank, else ``loss_max_rank``) follow the data
+              to rank r-1 (bad_data) or stay on its rank (a rank-local fault)?
   fp32        ``--training.mixed_precision_param float32`` where the run used bf16;
               "not applicable" on the CPU backend and for fp32 runs (no launch)
 
@@ -164,7 +168,7 @@ class Variant:
 
 def parse_variant(spec: str) -> Variant:
     kind, eq, val = spec.strip().partition("=")
-    if kind in ("same", "skip", "fp32") and not eq:
+    if kind in ("same", "skip", "fp32", "swap") and not eq:
         return Variant(kind)
     if kind in ("lr", "eps", "clip") and eq:
         try:
@@ -173,7 +177,7 @@ def parse_variant(spec: str) -> Variant:
             v = math.nan
         if math.isfinite(v) and v > 0:
             return Variant(kind, v)
-    raise RerunError(f"--variant {spec!r}: one of same, skip, lr=X, eps=X, clip=X, fp32 (X > 0)")
+    raise RerunError(f"--variant {spec!r}: one of same, skip, swap, lr=X, eps=X, clip=X, fp32 (X > 0)")
 
 
 def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
@@ -184,6 +188,9 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
     if v.kind == "skip":
         windows = [*config.ledger.skip_steps, str(step)]
         return ["--ledger.skip_steps", ",".join(windows)], {}
+    if v.kind == "swap":
+        kept = [p for p in (config.ledger.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
+        return ["--ledger.inject", ",".join([*kept, f"{step}:0:swap"])], {}
     if v.kind == "lr":
         return [], {"lr_scale": v.value}
     if v.kind == "eps":
@@ -277,7 +284,7 @@ def _ranges(steps: list[int]) -> str:
     return ",".join(out)
 
 
-def strip_train_args(train_args: list[str]) -> list[str]:
+def strip_train_args(train_args: list[str], drop_inject: bool = False) -> list[str]:
     """The original's flags minus what the rerun sets itself: the dump folder, the
     checkpoint step to load, and ``bitflip`` injections (a fault is not data)."""
     out, i = [], 0
@@ -292,7 +299,7 @@ def strip_train_args(train_args: list[str]) -> list[str]:
             spec = val if eq else (train_args[i + 1] if i + 1 < len(train_args) else "")
             i += 1 if eq else 2
             kept = [p for p in spec.split(",") if p.strip() and not p.strip().endswith(":bitflip")]
-            if kept:
+            if kept and not drop_inject:
                 out += ["--ledger.inject", ",".join(kept)]
             continue
         out.append(a)
@@ -399,6 +406,7 @@ class VariantResult:
     data_equal: bool | None = None
     data_mismatch: dict | None = None
     lr_ratio_at_step: float | None = None
+    swap: dict | None = None  # swap: the anomaly's DP rank before/after, "follows": data | rank
     steps: list[dict] = field(default_factory=list)
     note: str = ""
 
@@ -436,6 +444,15 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
         for s in range(r["step"], r.get("last_step", r["step"]) + 1):
             r_by[s] = r
     first, last = plan.load_step + 1, plan.stop
+    o1, r1 = o_by.get(first), r_by.get(first)
+    if v.kind != "lr" and o1 and r1 and not o1.get("skipped") and not r1.get("skipped"):
+        # flags that change the LR schedule (--training.steps, --optimizer.lr, warmup) show
+        # in the first step's LR; the checkpoint restored the schedule's position
+        for key in ("lr", "consumed_samples"):
+            if not _bits_equal(o1.get(key), r1.get(key)):
+                raise RerunError(f"the {v.name} rerun's {key} at step {first} is {r1.get(key)}, the "
+                                 f"original's {o1.get(key)}: give the original run's training flags "
+                                 f"(the rerun is in {rerun_led.dump_folder})")
     res.steps = compare_rows(o_by, r_by, first, last)
     for row in res.steps:
         if row.get("bit_equal"):
@@ -467,6 +484,15 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
             spike_like(o_at, r_by.get(s), med) for s in range(T, last + 1))
     else:
         res.present = T in res.flagged or spike_like(o_at, r_by.get(T), med)
+    if v.kind == "swap":  # does the anomaly follow the data to rank r-1, or stay on its rank?
+        dp = int(ho.get("dp_size") or 0) or len(original.data.ranks())
+        ev_o = next((e for e in original.spike_events() if e["step"] == T), {})
+        ev_r = next((e for e in rerun_led.spike_events() if e["step"] == T), {})
+        k = ev_o.get("suspect_dp_rank", (o_at or {}).get("loss_max_rank"))
+        k2 = ev_r.get("suspect_dp_rank", (r_by.get(T) or {}).get("loss_max_rank"))
+        res.swap = {"original_rank": k, "rerun_rank": k2, "data_moved_to": None if k is None else (k - 1) % dp}
+        if k is not None and k2 is not None and dp > 1:
+            res.swap["follows"] = "data" if k2 == (k - 1) % dp else ("rank" if k2 == k else None)
     lr_o, lr_r = _num((o_at or {}).get("lr")), _num((r_by.get(T) or {}).get("lr"))
     if lr_o and lr_r is not None:
         res.lr_ratio_at_step = lr_r / lr_o
@@ -512,6 +538,18 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                 what = ("step skipped; no spike in the steps after" if kind == "skip" else
                         f"grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
                 evidence.append(f"{r.variant}: gone ({what}): {c}")
+        sw = by.get("swap")
+        if sw is not None and sw.swap:
+            f = sw.swap.get("follows")
+            evidence.append(f"swap: the anomaly (DP rank {sw.swap.get('original_rank')}) "
+                            + ("followed the data to DP rank " + str(sw.swap.get("rerun_rank")) + ": bad_data"
+                               if f == "data" else "stayed on DP rank " + str(sw.swap.get("rerun_rank"))
+                               + ": a rank-local fault (hardware)" if f == "rank"
+                               else f"went to DP rank {sw.swap.get('rerun_rank')}: inconclusive"))
+            if f == "data" and "bad_data" not in gone:
+                gone.append("bad_data")
+            elif f == "rank" and sw.present:
+                gone.append("hardware")
         if gone:
             cause = gone[0]
             proven = same is not None and same.present
@@ -571,6 +609,8 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
                              note="the run trains in float32 already (the CPU backend, or "
                                   "--training.mixed_precision_param float32)")
     extra, over = va
+    if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's
+        base_args = strip_train_args(base_args, drop_inject=True)
     fixed = [*base_args, *extra, "--checkpoint.enable", "--checkpoint.load_step", str(plan.load_step),
              "--checkpoint.interval", str(HUGE_INTERVAL)]
     over_s = ",".join(f"{k}={val:g}" for k, val in over.items())
@@ -646,6 +686,10 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
                      checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
                      last_step=last, checkpoint_folder=config.checkpoint.folder,
                      ledger_folder=ledger_folder)
+    hdr = led.data.header()  # seq_len is not refused by the dump-folder check when checkpoints exist
+    if hdr.get("seq_len") is not None and hdr.get("seq_len") != config.training.seq_len:
+        raise RerunError(f"{dump}: the run trained with seq_len {hdr.get('seq_len')}, these flags give "
+                         f"--training.seq_len {config.training.seq_len}: give the original run's flags")
     n_launch = sum(variant_args(v, step, config) is not None for v in plan.variants)
     return plan, config, strip_train_args(train_args), n_launch
 
@@ -657,7 +701,8 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
     plan, config, base, n_launch = prepared or prepare(
         dump, step, variants, train_args, load_step=load_step, after=after, nproc=nproc,
         ledger_folder=ledger_folder)
-    log(plan.budget_line(n_launch))
+    if prepared is None:  # for_diagnosis printed every spike's budget before running any
+        log(plan.budget_line(n_launch))
     results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
     return {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
             "budget_steps": n_launch * plan.steps_per_variant,
@@ -677,8 +722,17 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     jobs = []
     for res in results:
         variants = PLAN_FOR.get(res["cause"], ["same"])
-        jobs.append((res, prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
-                                  ledger_folder=ledger_folder)))
+        p = prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
+                    ledger_folder=ledger_folder)
+        na = [v for v in p[0].variants if variant_args(v, res["step"], p[1]) is None]
+        if na and Variant("skip") not in p[0].variants:
+            # the heuristic's own test cannot run here (fp32 on an fp32 run): test the data instead
+            log(f"  step {res['step']}: {', '.join(v.name for v in na)} not applicable to this run; "
+                f"testing skip instead")
+            variants = [v for v in variants if parse_variant(v) not in na] + ["skip"]
+            p = prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
+                        ledger_folder=ledger_folder)
+        jobs.append((res, p))
     total = sum(p[0].steps_per_variant * p[3] for _, p in jobs)
     log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s) "
         f"(--rerun-max-steps {max_steps})")

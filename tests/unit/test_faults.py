@@ -72,6 +72,13 @@ def test_parse_inject_accepts_bitflip_and_combinations():
     assert parse_inject("8:1:bitflip") == (8, 1, "bitflip")
     assert parse_inject("11:0:bitflip,8:1:repeat") == (8, 1, "repeat")  # the data kind is applied
     assert parse_injects("8:1:repeat,11:0:bitflip") == [(8, 1, "repeat"), (11, 0, "bitflip")]
+    assert parse_injects("8:1:repeat,8:0:swap") == [(8, 1, "repeat"), (8, 0, "swap")]
+    assert parse_inject("8:0:swap") == (8, 0, "swap")
     for bad in ("8:1:repeat,9:0:random", "8:1:flip", "8:1", "0:1:bitflip"):
         with pytest.raises(ConfigError):
             parse_injects(bad)
+
+
+def test_rotate_takes_the_next_ranks_batch():
+    assert [faults.rotate(["a", "b", "c"], r) for r in range(3)] == ["b", "c", "a"]
+    assert [faults.rotate(["a", "b"], r) for r in range(2)] == ["b", "a"]

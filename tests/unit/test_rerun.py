@@ -17,7 +17,8 @@ def test_parse_variant():
     assert rr.parse_variant("eps=1e-6").name == "eps=1e-06"
     assert rr.parse_variant("skip").slug(8) == "skip8"
     assert rr.parse_variant("clip=0.5").slug(8) == "clip_0.5"
-    for bad in ("lr", "lr=-1", "eps=x", "same=1", "swap", "fp16"):
+    assert rr.parse_variant("swap") == Variant("swap")
+    for bad in ("lr", "lr=-1", "eps=x", "same=1", "swap=1", "fp16"):
         with pytest.raises(RerunError):
             rr.parse_variant(bad)
 
@@ -71,6 +72,7 @@ class _Cfg:
     class ledger:  # noqa: N801
         skip_steps = ["2-3"]
         device = "cpu"
+        inject = "8:1:repeat,11:0:bitflip"
 
     class training:  # noqa: N801
         mixed_precision_param = "bfloat16"
@@ -84,6 +86,8 @@ def test_variant_args():
     assert rr.variant_args(Variant("eps", 1e-6), 8, c) == ([], {"eps": 1e-6})
     assert rr.variant_args(Variant("clip", 0.25), 8, c) == (["--training.max_norm", "0.25"], {})
     assert rr.variant_args(Variant("fp32"), 8, c) is None  # the CPU backend trains in fp32
+    assert rr.variant_args(Variant("swap"), 8, c) == (["--ledger.inject", "8:1:repeat,8:0:swap"], {})
+    assert rr.strip_train_args(["--ledger.inject", "8:1:repeat", "--x"], drop_inject=True) == ["--x"]
 
 
 def test_rel_diff_and_compare_rows():
@@ -156,3 +160,12 @@ def test_print_report(capsys):
     rr.print_report(rep)
     out = capsys.readouterr().out
     assert "original" in out and "verdict: unproven" in out
+
+
+def test_swap_verdicts():
+    sw = res("swap", True, swap={"original_rank": 0, "rerun_rank": 1, "data_moved_to": 1, "follows": "data"})
+    v = rr.verdict([res("same", True), sw], 8)
+    assert v["cause"] == "bad_data" and v["proven"] and "followed the data" in v["evidence"][-1]
+    sw = res("swap", True, swap={"original_rank": 0, "rerun_rank": 0, "data_moved_to": 1, "follows": "rank"})
+    v = rr.verdict([res("same", True), sw], 8)
+    assert v["cause"] == "hardware" and "stayed on DP rank 0" in v["evidence"][-1]
