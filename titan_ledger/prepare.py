@@ -20,9 +20,21 @@ a file prefix (``prep/corpus`` writes ``prep/corpus.bin``, ``.idx``, ``.json``);
 and renamed when complete (``.idx`` after ``.bin``, ``.json`` last); a failed or
 interrupted prepare removes its ``.tmp`` files and leaves earlier outputs alone.
 
+At scale: ``--workers N`` tokenizer processes with at most ``2 N`` chunks in flight
+(memory bounded by the chunk size, not the corpus: the writer keeps 4 bytes per
+document). ``--num-shards S`` splits the input *files* (sorted) into S contiguous
+groups, each prepared into ``PREFIX.shard-IIIII-of-SSSSS.bin/.idx/.json`` (a shard
+is finished when its ``.json`` exists: a rerun after ``kill -9`` keeps finished
+shards and redoes the others), then merged into ``PREFIX`` (``merge_corpora``,
+Megatron's ``merge_datasets``: documents in shard order, so the merged corpus equals
+an unsharded prepare). ``--shard I`` prepares one shard (a Slurm array task,
+``launch/prepare_array.sbatch``), ``--merge`` only merges.
+
 Examples::
 
     python -m titan_ledger.prepare --input data/*.jsonl --output-prefix corpora/web
+    python -m titan_ledger.prepare --input data/ --output-prefix corpora/web --num-shards 64 \
+        --shard $SLURM_ARRAY_TASK_ID --workers 16      # then: --num-shards 64 --merge
     python -m titan_ledger.prepare --input shard.parquet --text-key content \\
         --output-prefix corpora/code --tokenizer ./assets/hf/Llama-3.1-8B --workers 8
 """
@@ -35,12 +47,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.data.indexed import IndexedWriter, token_dtype
+from titan_ledger.data.indexed import IndexedWriter, merge_corpora, token_dtype
 from titan_ledger.cli import ToolParser
 from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError, fail_line
 
@@ -150,6 +163,90 @@ def _encode_in_worker(args) -> list[list[int]]:
     return _encode(_TOK, texts, bos, eos)
 
 
+def _bounded_imap(pool, fn, work, window: int):
+    """``pool.imap(fn, work)`` in order, but with at most ``window`` tasks in flight
+    (``imap`` would read all of ``work`` ahead: memory would grow with the corpus)."""
+    pending: deque = deque()
+    for w in work:
+        pending.append(pool.apply_async(fn, (w,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def input_files(inputs: list[str]) -> list[str]:
+    """The files ``iter_texts`` reads, in its order (for sharding by file)."""
+    out = []
+    for raw in inputs:
+        p = Path(raw)
+        if not p.exists():
+            raise CorpusError(f"--input {raw}: no such file or folder")
+        if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
+            raise ConfigError(f"--input {raw}: a datasets save_to_disk folder cannot be sharded by "
+                              f"file; prepare it without --num-shards")
+        out += ([str(f) for f in sorted(f for f in p.rglob("*")
+                                        if f.suffix in (".jsonl", ".json", ".parquet"))]
+                if p.is_dir() else [str(p)])
+    return out
+
+
+def shard_prefix(prefix: str, shard: int, num_shards: int) -> str:
+    return f"{prefix}.shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def prepare_sharded(inputs: list[str], prefix: str, num_shards: int, *, shard: int | None = None,
+                    merge: bool = True, only_merge: bool = False, **kw) -> dict:
+    """Prepare ``num_shards`` file groups (or only ``shard``) and merge them into ``prefix``.
+
+    Finished shards (their ``.json`` exists) are kept, so a rerun after ``kill -9``
+    redoes only the unfinished ones. Returns the merged (or the one shard's) metadata."""
+    prefix = check_prefix(prefix)
+    if num_shards < 1:
+        raise ConfigError(f"--num-shards {num_shards}: must be >= 1")
+    if shard is not None and not 0 <= shard < num_shards:
+        raise ConfigError(f"--shard {shard}: must be in [0, {num_shards})")
+    from titan_ledger.data.text import contiguous_shard
+
+    todo = [] if only_merge else ([shard] if shard is not None else range(num_shards))
+    if todo:
+        files = input_files(inputs)
+        if len(files) < num_shards:
+            raise ConfigError(f"--num-shards {num_shards}: only {len(files)} input files; shards "
+                              f"are groups of files (use at most {len(files)} shards)")
+    meta = None
+    for i in todo:
+        sp = shard_prefix(prefix, i, num_shards)
+        if Path(sp + ".json").exists():
+            meta = json.loads(Path(sp + ".json").read_text())
+            print(f"{PROG}: shard {i} of {num_shards} already prepared ({sp}.json), kept",
+                  file=sys.stderr)
+            continue
+        lo, hi = contiguous_shard(len(files), num_shards, i)
+        meta = prepare(files[lo:hi], sp, **kw)
+    if shard is not None or not merge:
+        return meta
+    parts = [shard_prefix(prefix, i, num_shards) for i in range(num_shards)]
+    missing = [i for i, p in enumerate(parts) if not Path(p + ".json").exists()]
+    if missing:
+        raise CorpusError(f"--merge: shard(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} "
+                          f"of {num_shards} not prepared (no {parts[missing[0]]}.json); run "
+                          f"their --shard tasks first")
+    start = time.perf_counter()
+    merged = merge_corpora(parts, prefix)
+    metas = [json.loads(Path(p + ".json").read_text()) for p in parts]
+    meta = {"inputs": [str(i) for i in inputs], **merged, "shards": num_shards,
+            "bos": metas[0].get("bos"), "eos": metas[0].get("eos"),
+            "tokenizer": metas[0].get("tokenizer"),
+            "seconds": round(sum(m.get("seconds") or 0 for m in metas), 3),
+            "merge_seconds": round(time.perf_counter() - start, 3)}
+    meta["tokens_per_s"] = round(meta["tokens"] / meta["seconds"]) if meta["seconds"] else None
+    tmp = Path(prefix + ".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, prefix + ".json")
+    return meta
+
+
 def check_prefix(prefix: str | os.PathLike) -> str:
     """``--output-prefix`` must name files, not a folder (``prep/corpus``, not ``prep/``)."""
     raw = os.fspath(prefix)
@@ -191,7 +288,7 @@ def prepare(inputs: list[str], prefix: str, *, tokenizer=None, tokenizer_dir: st
         work = ((c, bos, eos) for c in _chunks(iter_texts(inputs, text_key), chunk))
         if workers > 0:
             pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
-            results = pool.imap(_encode_in_worker, work, chunksize=1)  # ordered
+            results = _bounded_imap(pool, _encode_in_worker, work, 2 * workers)  # ordered
         else:
             results = (_encode(tok, *w) for w in work)
         for docs in results:
@@ -240,10 +337,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokenizer processes (0: in this process)")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to each document")
     ap.add_argument("--no-eos", action="store_true", help="do not append EOS to each document")
+    ap.add_argument("--num-shards", type=int, default=None,
+                    help="split the input files into this many shards (PREFIX.shard-I-of-S), "
+                         "prepared one after the other (finished ones kept), then merged")
+    ap.add_argument("--shard", type=int, default=None,
+                    help="with --num-shards: prepare only this shard (a Slurm array task)")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --num-shards: only merge the prepared shards into PREFIX")
     a = ap.parse_args(argv)  # argparse itself exits 2 on a malformed command line
+    if (a.shard is not None or a.merge) and a.num_shards is None:
+        ap.error("--shard and --merge need --num-shards")
+    if a.shard is not None and a.merge:
+        ap.error("give --shard (prepare one shard) or --merge (merge them all), not both")
+    kw = dict(tokenizer_dir=a.tokenizer, workers=a.workers, text_key=a.text_key,
+              bos=not a.no_bos, eos=not a.no_eos)
     try:
-        meta = prepare(a.input, a.output_prefix, tokenizer_dir=a.tokenizer, workers=a.workers,
-                       text_key=a.text_key, bos=not a.no_bos, eos=not a.no_eos)
+        if a.num_shards is not None:
+            meta = prepare_sharded(a.input, a.output_prefix, a.num_shards, shard=a.shard,
+                                   only_merge=a.merge, **kw)
+            if a.shard is not None:
+                a.output_prefix = shard_prefix(a.output_prefix, a.shard, a.num_shards)
+        else:
+            meta = prepare(a.input, a.output_prefix, **kw)
     except TitanLedgerError as e:
         print(fail_line(PROG, e), file=sys.stderr)
         return e.exit_code

@@ -157,3 +157,76 @@ def test_reads_jsonl_parquet_and_saved_datasets_alike(tmp_path, tok):
     assert got[0] == [tok.encode(t, add_bos=True, add_eos=True) for t in TEXTS]
     assert got[0][1] == [tok.bos_id, tok.eos_id]  # empty texts keep their document id
     assert c.dtype == np.uint16
+
+
+# --------------------------------------------------------------------------- at scale
+def _many(tmp_path, n_files=5):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n_files):
+        _jsonl(src / f"part-{i:02d}.jsonl", [f"file {i} doc {j} " * (1 + (i + j) % 7) for j in range(9)])
+    return src
+
+
+def _corpus_bytes(prefix):
+    return open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read()
+
+
+def test_sharded_prepare_and_merge_equal_one_prepare(tmp_path, capsys):
+    src = _many(tmp_path)
+    one = str(tmp_path / "one" / "c")
+    assert run(["--input", str(src), "--output-prefix", one, "--workers", "0"], capsys)[0] == 0
+    sharded = str(tmp_path / "sh" / "c")
+    for i in range(3):  # the Slurm array: one task per shard, then the merge
+        assert run(["--input", str(src), "--output-prefix", sharded, "--num-shards", "3",
+                    "--shard", str(i), "--workers", "0"], capsys)[0] == 0
+    assert run(["--input", str(src), "--output-prefix", sharded, "--num-shards", "3", "--merge"],
+               capsys)[0] == 0
+    assert _corpus_bytes(sharded) == _corpus_bytes(one)  # byte for byte, Megatron's layout
+    meta = json.loads(open(sharded + ".json").read())
+    assert meta["documents"] == 45 and meta["shards"] == 3
+    IndexedCorpus(sharded, 16, 0).row(3)  # opens and reads
+
+
+def test_a_killed_sharded_prepare_keeps_finished_shards(tmp_path, capsys, monkeypatch):
+    src = _many(tmp_path)
+    out = str(tmp_path / "o" / "c")
+    real = prep.prepare
+    calls = []
+
+    def dies_on_shard_2(inputs, prefix, **kw):
+        calls.append(prefix)
+        if prefix.endswith("shard-00002-of-00003"):
+            raise KeyboardInterrupt  # (as a kill would: the shard's .tmp files are left or removed)
+        return real(inputs, prefix, **kw)
+
+    monkeypatch.setattr(prep, "prepare", dies_on_shard_2)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare_sharded([str(src)], out, 3, workers=0, progress=False)
+    open(prep.shard_prefix(out, 2, 3) + ".bin.tmp", "wb").write(b"junk")  # a kill -9 leftover
+    monkeypatch.setattr(prep, "prepare", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
+    calls.clear()
+    meta = prep.prepare_sharded([str(src)], out, 3, workers=0, progress=False)
+    assert calls == [prep.shard_prefix(out, 2, 3)]  # shards 0 and 1 kept
+    assert meta["documents"] == 45
+    one = str(tmp_path / "one" / "c")
+    real([str(src)], one, workers=0, progress=False)
+    assert _corpus_bytes(out) == _corpus_bytes(one)
+
+
+def test_merge_names_the_missing_shards(tmp_path):
+    src = _many(tmp_path)
+    out = str(tmp_path / "o" / "c")
+    prep.prepare_sharded([str(src)], out, 3, shard=1, workers=0, progress=False)
+    with pytest.raises(CorpusError, match=r"shard\(s\) \[0, 2\] of 3 not prepared"):
+        prep.prepare_sharded([str(src)], out, 3, only_merge=True)
+    with pytest.raises(ConfigError, match="only 5 input files"):
+        prep.prepare_sharded([str(src)], out, 6, workers=0, progress=False)
+
+
+def test_workers_keep_a_bounded_window_and_the_order(tmp_path):
+    src = _many(tmp_path, 3)
+    a, b = str(tmp_path / "a" / "c"), str(tmp_path / "b" / "c")
+    prep.prepare([str(src)], a, workers=0, progress=False, chunk=2)
+    prep.prepare([str(src)], b, workers=2, progress=False, chunk=2)
+    assert _corpus_bytes(a) == _corpus_bytes(b)

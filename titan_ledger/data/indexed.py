@@ -34,8 +34,10 @@ repeating block of 4096 samples (see its docstring for what matches exactly).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,7 +203,7 @@ class IndexedWriter:
         self._bin_tmp = Path(str(self.prefix) + ".bin.tmp")
         self._idx_tmp = Path(str(self.prefix) + ".idx.tmp")
         self._f = open(self._bin_tmp, "wb")
-        self.lengths: list[int] = []
+        self.lengths = array.array("i")  # 4 bytes per document, the only per-document state
         self.tokens = 0
 
     def add(self, tokens) -> None:
@@ -225,6 +227,67 @@ class IndexedWriter:
         self._f.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             tmp.unlink(missing_ok=True)
+
+
+def merge_corpora(prefixes: list[str], out: str | os.PathLike, chunk: int = 1 << 22) -> dict:
+    """Megatron's ``merge_datasets``: concatenate corpora into ``out.bin/.idx``.
+
+    Document ``i`` of the result is document ``i - offset`` of the corpus it came from,
+    in the order given; ``doc_indices`` are concatenated with offsets as Megatron's
+    ``IndexedDatasetBuilder.add_index`` does. Streams the .bin files and the index
+    arrays in ``chunk``-element pieces: memory does not grow with the corpus. Written
+    as ``.tmp`` and renamed (``.idx`` last). Returns ``{"documents", "tokens", "dtype"}``."""
+    heads = []
+    for p in prefixes:
+        hdr, lengths, pointers, docs = read_idx(str(p) + ".idx")
+        check_bin(p, hdr, lengths, pointers)
+        heads.append((hdr, lengths, docs))
+    dtypes = {h.dtype for h, _, _ in heads}
+    if len(dtypes) != 1:
+        raise CorpusError(f"cannot merge corpora of different token types "
+                          f"({', '.join(sorted(d.name for d in dtypes))}): {prefixes}")
+    dtype = dtypes.pop()
+    n_seq = sum(h.n_sequences for h, _, _ in heads)
+    n_doc = 1 + sum(max(h.n_doc_indices - 1, 0) for h, _, _ in heads)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bin_tmp, idx_tmp = Path(f"{out}.bin.tmp"), Path(f"{out}.idx.tmp")
+    tokens = 0
+    try:
+        with open(bin_tmp, "wb") as fb:
+            for p in prefixes:
+                with open(f"{p}.bin", "rb") as fi:
+                    shutil.copyfileobj(fi, fb, 1 << 24)
+        with open(idx_tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF[dtype]))
+            f.write(struct.pack("<QQ", n_seq, n_doc))
+            for _, lengths, _ in heads:  # lengths
+                for a in range(0, len(lengths), chunk):
+                    f.write(np.asarray(lengths[a:a + chunk], dtype="<i4").tobytes())
+            ptr = 0  # pointers: byte offsets, running over all corpora
+            for _, lengths, _ in heads:
+                for a in range(0, len(lengths), chunk):
+                    ln = np.asarray(lengths[a:a + chunk], dtype="<i8") * dtype.itemsize
+                    pos = np.empty(len(ln), dtype="<i8")
+                    pos[0] = ptr
+                    np.cumsum(ln[:-1], out=pos[1:])
+                    pos[1:] += ptr
+                    ptr += int(ln.sum())
+                    f.write(pos.tobytes())
+            tokens = ptr // dtype.itemsize
+            f.write(np.zeros(1, dtype="<i8").tobytes())
+            offset = 0  # document indices: Megatron's add_index (offset + doc_idx)[1:]
+            for h, lengths, docs in heads:
+                for a in range(1, len(docs), chunk):
+                    f.write((np.asarray(docs[a:a + chunk], dtype="<i8") + offset).tobytes())
+                offset += h.n_sequences
+        os.replace(bin_tmp, f"{out}.bin")
+        os.replace(idx_tmp, f"{out}.idx")
+    except BaseException:
+        bin_tmp.unlink(missing_ok=True)
+        idx_tmp.unlink(missing_ok=True)
+        raise
+    return {"documents": n_seq, "tokens": tokens, "dtype": dtype.name}
 
 
 # --------------------------------------------------------------------------- one corpus
