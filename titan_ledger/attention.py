@@ -173,14 +173,16 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
         return out_transform(out_BLNH, lse_BLN)
 
 
-def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"]) -> None:
-    """Drop logits seen during PP metadata inference (synthetic activations).
+def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"], also=()) -> None:
+    """Drop logits (and, via ``also``, anything else) seen during PP metadata inference.
 
     torch 2.14's pipeline schedules run one real forward/backward on made-up
     inputs to infer stage shapes, inside the first ``schedule.step()``; the stage
     then calls ``_post_metadata_inference_cleanup``. We extend that cleanup to
-    forget what the attention recorders saw. Private torch API: if it moves, the
-    PP exactness test fails rather than a wrong max_logit going unnoticed.
+    forget what the attention recorders saw, and to call every function in ``also``
+    (the per-document loss tracker's ``rewind_step``: the inference also runs the
+    loss). Private torch API: if it moves, the PP exactness test fails rather than a
+    wrong max_logit or document loss going unnoticed.
     """
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
     for stage in stages:
@@ -194,5 +196,7 @@ def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"]) 
             finally:
                 for r in recorders:
                     r.max_logit = None
+                for f in also:
+                    f()
 
         stage._post_metadata_inference_cleanup = wrapped

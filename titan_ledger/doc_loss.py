@@ -92,7 +92,7 @@ class DocLossTracker:
         self.min_tokens = min_tokens
         self.enabled = True
         self._queue: deque[_Pending] = deque()
-        self._mb = 0  # microbatches of this step whose positions were handed over
+        self._pushed: list[torch.Tensor] = []  # this step's microbatches, for rewind_step
         self._sums: list[torch.Tensor] = []
         self._toks: list[torch.Tensor] = []
 
@@ -108,6 +108,7 @@ class DocLossTracker:
         seg = segment_index(positions)
         b, length = seg.shape
         self.seq_len = length
+        self._pushed.append(seg)
         self._queue.append(_Pending(seg))
         self._sums.append(torch.zeros(b * length, dtype=torch.float64, device=seg.device))
         self._toks.append(torch.zeros(b * length, dtype=torch.float64, device=seg.device))
@@ -160,8 +161,16 @@ class DocLossTracker:
         self._reset()
         return out
 
+    def rewind_step(self) -> None:
+        """Forget every loss call of this step so far, keep its microbatches: the PP
+        schedule's shape inference ran the loss on made-up activations."""
+        self._queue = deque(_Pending(seg) for seg in self._pushed)
+        for t in self._sums + self._toks:
+            t.zero_()
+
     def _reset(self) -> None:
         self._queue.clear()
+        self._pushed = []
         self._sums, self._toks = [], []
 
     # ------------------------------------------------------------------ host side

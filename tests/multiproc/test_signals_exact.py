@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import PARALLELISMS
-from helpers import rank_losses, signal_keys, signals_ledger
+from helpers import data_rows, rank_losses, signal_keys, signals_ledger
 from titan_ledger import backend
 from titan_ledger.attention import CpuAttention, document_causal_mask
 from titan_ledger.signals import layer_group
@@ -62,6 +62,19 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                            reduction="none", ignore_index=IGNORE_INDEX).view(labels.shape)
     valid = (labels != IGNORE_INDEX)
+    # per DP rank, per (row within the rank's step, document segment): loss sum and tokens
+    seg = torch.cumsum((positions == 0).long(), dim=1) - 1
+    doc_sums: list[dict] = []
+    start = 0
+    for r in rows:
+        d = {}
+        for i in range(r[1].shape[0]):
+            g = start + i
+            for sg in seg[g].unique().tolist():
+                m = seg[g] == sg
+                d[(i, sg)] = (float(ce[g][m].detach().double().sum()), int(valid[g][m].sum()))
+        doc_sums.append(d)
+        start += r[1].shape[0]
     per_rank = ce.split([r[1].shape[0] for r in rows])
     per_rank_tok = valid.split([r[1].shape[0] for r in rows])
     local_avg = [(c.sum() / t.sum()).item() for c, t in zip(per_rank, per_rank_tok)]
@@ -87,6 +100,7 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
         "param_norm": math.sqrt(sum(p.detach().double().square().sum() for p in params.values())),
         "max_logit": max(m.take_max_logit(torch.device("cpu")).item() for m in attn),
         "grad_norm_per_layer": {k: math.sqrt(v) for k, v in per_layer.items()},
+        "doc_sums": doc_sums,
     }
 
 
@@ -106,3 +120,13 @@ def test_signals_equal_unsharded_reference(runs, case):
     assert row["skipped"] is False and row["step"] == 1
     # the per-rank files hold each DP rank's local loss
     assert max(rank_losses(dump, 1)) == pytest.approx(ref["loss_max"], rel=1e-4)
+    # per-document losses: every segment each DP rank ranked at step 1 equals the
+    # unsharded recomputation (computed where the loss is: TP ranks, the last PP stage)
+    for r in range(PARALLELISMS[case].dp):
+        dl = data_rows(dump, r)[1]["doc_loss"]
+        entries = dl["top"] + dl["bottom"]
+        assert entries and dl["n"] == len(ref["doc_sums"][r])
+        for row, sg, loss_sum, tokens in entries:
+            want_sum, want_tokens = ref["doc_sums"][r][(row, sg)]
+            assert tokens == want_tokens, (r, row, sg)
+            assert loss_sum == pytest.approx(want_sum, rel=1e-4, abs=1e-3), (r, row, sg)

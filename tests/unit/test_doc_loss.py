@@ -100,3 +100,21 @@ def test_validation_and_unannounced_calls_are_not_tracked():
         loss_fn(pred, labels, None)  # validation: no grad, no positions pushed
     loss_fn(pred, labels, None)  # a call nobody announced
     assert tracker.decode(tracker.summary(torch.device("cpu")).tolist()) is None
+
+
+def test_rewind_step_forgets_shape_inference_calls():
+    # PP shape inference runs the loss on made-up activations inside the first step
+    rows, positions, pred, labels = _batch(seed=3)
+    loss_fn = DocLossCrossEntropy(DocLossCrossEntropy.Config())
+    loss_fn.tracker = tracker = DocLossTracker(k=16, min_tokens=1)
+    tracker.push(positions)
+    loss_fn(torch.randn_like(pred, requires_grad=True), labels, None)  # inference
+    tracker.rewind_step()
+    loss_fn(pred, labels, None)
+    got = tracker.decode(tracker.summary(torch.device("cpu")).tolist())
+    clean = DocLossTracker(k=16, min_tokens=1)
+    loss_fn.tracker = clean
+    clean.push(positions)
+    loss_fn(pred, labels, None)
+    want = clean.decode(clean.summary(torch.device("cpu")).tolist())
+    assert got == want
