@@ -76,7 +76,7 @@ def per_token_cross_entropy(pred: torch.Tensor, labels: torch.Tensor,
 
 @dataclass
 class _Pending:
-    seg: torch.Tensor  # [B, L] segment index per token
+    key: torch.Tensor  # [B, L] row * L + segment index, per token
     offset: int = 0  # tokens of this microbatch already seen (ChunkedLossWrapper chunks)
 
 
@@ -93,8 +93,7 @@ class DocLossTracker:
         self.enabled = True
         self._queue: deque[_Pending] = deque()
         self._pushed: list[torch.Tensor] = []  # this step's microbatches, for rewind_step
-        self._sums: list[torch.Tensor] = []
-        self._toks: list[torch.Tensor] = []
+        self._acc: list[torch.Tensor] = []
 
     @property
     def size(self) -> int:
@@ -108,24 +107,24 @@ class DocLossTracker:
         seg = segment_index(positions)
         b, length = seg.shape
         self.seq_len = length
-        self._pushed.append(seg)
-        self._queue.append(_Pending(seg))
-        self._sums.append(torch.zeros(b * length, dtype=torch.float64, device=seg.device))
-        self._toks.append(torch.zeros(b * length, dtype=torch.float64, device=seg.device))
+        key = torch.arange(b, device=seg.device).unsqueeze(1) * length + seg  # once per microbatch
+        self._pushed.append(key)
+        self._queue.append(_Pending(key))
+        # (loss sum, label tokens) per (row, segment): one index_add per loss call
+        self._acc.append(torch.zeros(b * length, 2, dtype=torch.float64, device=seg.device))
 
     def add(self, per_token: torch.Tensor, labels: torch.Tensor) -> None:
         """The loss of one call (a microbatch, or one sequence chunk of it)."""
         if not self._queue:
             return  # validation, or a loss call the trainer did not announce
         p = self._queue[0]
-        mb = len(self._sums) - len(self._queue)
-        b, length = p.seg.shape
+        mb = len(self._acc) - len(self._queue)
+        b, length = p.key.shape
         chunk = labels.shape[-1] if labels.dim() > 1 else labels.numel() // b
-        seg = p.seg[:, p.offset:p.offset + chunk]
-        key = (torch.arange(b, device=seg.device).unsqueeze(1) * length + seg).flatten()
-        valid = (labels.reshape(b, -1) != IGNORE_INDEX).flatten()
-        self._sums[mb].index_add_(0, key, per_token.detach().reshape(-1).double())
-        self._toks[mb].index_add_(0, key, valid.double())
+        key = p.key[:, p.offset:p.offset + chunk].flatten()
+        valid = (labels.reshape(-1) != IGNORE_INDEX)
+        self._acc[mb].index_add_(0, key, torch.stack([per_token.detach().reshape(-1).double(),
+                                                      valid.double()], dim=1))
         p.offset += chunk
         if p.offset >= length:
             self._queue.popleft()
@@ -138,10 +137,11 @@ class DocLossTracker:
         row index within the step's fetched rows, in the order the data ledger lists them.
         """
         out = torch.full((self.size,), float("nan"), dtype=torch.float64, device=device)
-        if not self._sums:
+        if not self._acc:
             self._reset()
             return out
-        sums, toks = torch.cat(self._sums), torch.cat(self._toks)
+        acc = torch.cat(self._acc)
+        sums, toks = acc[:, 0], acc[:, 1]
         present = toks > 0
         valid = toks >= self.min_tokens
         means = sums / toks.clamp(min=1)
@@ -164,14 +164,14 @@ class DocLossTracker:
     def rewind_step(self) -> None:
         """Forget every loss call of this step so far, keep its microbatches: the PP
         schedule's shape inference ran the loss on made-up activations."""
-        self._queue = deque(_Pending(seg) for seg in self._pushed)
-        for t in self._sums + self._toks:
+        self._queue = deque(_Pending(key) for key in self._pushed)
+        for t in self._acc:
             t.zero_()
 
     def _reset(self) -> None:
         self._queue.clear()
         self._pushed = []
-        self._sums, self._toks = [], []
+        self._acc = []
 
     # ------------------------------------------------------------------ host side
     def decode(self, v: list[float]) -> dict[str, Any] | None:
