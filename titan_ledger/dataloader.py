@@ -195,6 +195,9 @@ class LedgerDataLoader(ParallelAwareDataloader):
             parent = getattr(super(LedgerDataLoader.Config, self), "__post_init__", None)
             if parent is not None:
                 parent()
+            # `--dataloader.paths ''` clears a TOML's list (e.g. to switch a recipe's source)
+            self.paths = [p for p in self.paths if str(p)]
+            self.data_files = [f for f in self.data_files if str(f)]
             self.validate()
 
         def validate(self) -> None:

@@ -188,3 +188,12 @@ def test_any_base_config_takes_a_ledger_source():
                         "--dataloader.streaming"]))
     assert isinstance(c.dataloader, LedgerDataLoader.Config)
     assert c.dataloader.data_files == ["a.parquet", "b.parquet"] and c.dataloader.streaming
+
+
+def test_a_recipe_switches_to_hf_from_the_command_line():
+    from helpers import CONFIGS
+    from titan_ledger.toml_frontend import parse, read_job
+
+    c = parse(read_job(["--job.config_file", str(CONFIGS / "llama3_8b.toml"), "--dataloader.source",
+                        "hf", "--dataloader.data_files", "x.parquet", "--dataloader.paths", ""]))
+    assert c.dataloader.source == "hf" and c.dataloader.paths == [] and c.dataloader.data_files

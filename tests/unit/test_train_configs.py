@@ -34,6 +34,11 @@ def test_config_parses_and_fits_its_world(name):
     assert job.description, f"{name}: give it a [job] description"
     check_world_size(config, WORLD[name])
     assert config.dump_folder.startswith("./outputs/")
+    if name.startswith("llama3_"):  # the GPU recipes: titan_ledger's loader, indexed corpus
+        from titan_ledger.dataloader import LedgerDataLoader
+
+        assert isinstance(config.dataloader, LedgerDataLoader.Config)
+        assert config.dataloader.source == "indexed" and config.dataloader.paths
 
 
 def test_help_lists_ledger_section_with_docstrings():
