@@ -8,7 +8,9 @@ checkpoint; the sample ids are checked against the original's data ledger) in
 its own folder ``<dump>/rerun/<variant>/`` (the checkpoint step-C is a symlink
 to the original's, so the run's own ledgers and checkpoints are never touched),
 and compares every step with the original ledger: each signal's relative
-difference, and whether it is bit-equal.
+difference, and whether it is bit-equal. The verdict and each variant's numbers
+at T are kept in ``<dump>/<ledger>/rerun/step<T>.json`` (one JSON line; the
+incident page of ``titan_ledger.report`` shows it).
 
 Variants (``--variant``, repeatable; a counterfactual changes one thing):
 
@@ -704,10 +706,28 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
     if prepared is None:  # for_diagnosis printed every spike's budget before running any
         log(plan.budget_line(n_launch))
     results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
-    return {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
-            "budget_steps": n_launch * plan.steps_per_variant,
-            "variants": [r.to_json() for r in results],
-            "verdict": verdict(results, step, heuristic)}
+    rep = {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
+           "budget_steps": n_launch * plan.steps_per_variant,
+           "variants": [r.to_json() for r in results],
+           "verdict": verdict(results, step, heuristic)}
+    write_summary(plan.dump / plan.ledger_folder, rep)
+    return rep
+
+
+def write_summary(ledger_dir: Path, rep: dict) -> Path:
+    """``<ledger>/rerun/step<T>.json``: one line, the verdict and each variant's row at T
+    (what ``titan_ledger.report``'s incident page shows); written whole (tmp + rename)."""
+    keep = ("variant", "applicable", "present", "at_step", "original_at_step", "flagged", "bit_equal_steps",
+            "first_difference", "max_rel_diff", "data_equal", "lr_ratio_at_step", "swap", "folder", "note")
+    summary = {"step": rep["step"], "load_step": rep["load_step"], "stop": rep["stop"],
+               "verdict": rep["verdict"], "variants": [{k: v.get(k) for k in keep} for v in rep["variants"]]}
+    folder = Path(ledger_dir) / "rerun"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step{rep['step']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,

@@ -95,7 +95,7 @@ def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, sam
     assert rc == 0, err
     (spike,) = json.loads(out)["spikes"]
     rep = spike["rerun"]
-    assert "rerun budget:" in err and "reusing" in err and "launch" not in err
+    assert "rerun budget:" in err and "reusing" in err and ": training steps" not in err  # no launch
     names = [v["variant"] for v in rep["variants"]]
     assert names[0] == "same" and "skip" in names and all(v["reused"] for v in rep["variants"] if v["applicable"])
     v = rep["verdict"]

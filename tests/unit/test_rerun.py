@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -169,3 +170,14 @@ def test_swap_verdicts():
     sw = res("swap", True, swap={"original_rank": 0, "rerun_rank": 0, "data_moved_to": 1, "follows": "rank"})
     v = rr.verdict([res("same", True), sw], 8)
     assert v["cause"] == "hardware" and "stayed on DP rank 0" in v["evidence"][-1]
+
+
+def test_write_summary_is_one_line_the_incident_page_finds(tmp_path):
+    r = res("same", False)
+    rep = {"step": 8, "load_step": 4, "stop": 9, "budget_steps": 5, "variants": [r.to_json()],
+           "verdict": rr.verdict([r], 8)}
+    p = rr.write_summary(tmp_path / "ledger", rep)
+    assert p == tmp_path / "ledger" / "rerun" / "step8.json" and not list(p.parent.glob("*.tmp"))
+    (line,) = p.read_text().splitlines()
+    assert '"step": 8' in line and json.loads(line)["verdict"]["cause"] == "hardware"
+    assert "steps" not in json.loads(line)["variants"][0]  # the per-step table stays in the report
