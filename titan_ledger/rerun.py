@@ -688,6 +688,10 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
                      checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
                      last_step=last, checkpoint_folder=config.checkpoint.folder,
                      ledger_folder=ledger_folder)
+    world = led.signals.segments[-1].header.get("world_size") if led.signals.segments else None
+    if world is not None and int(world) != nproc:
+        raise RerunError(f"--nproc {nproc}: the run trained on {world} processes ({led.folder}); a rerun "
+                         f"must see the same DP layout: pass --nproc {world}")
     hdr = led.data.header()  # seq_len is not refused by the dump-folder check when checkpoints exist
     if hdr.get("seq_len") is not None and hdr.get("seq_len") != config.training.seq_len:
         raise RerunError(f"{dump}: the run trained with seq_len {hdr.get('seq_len')}, these flags give "

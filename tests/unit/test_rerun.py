@@ -181,3 +181,27 @@ def test_write_summary_is_one_line_the_incident_page_finds(tmp_path):
     (line,) = p.read_text().splitlines()
     assert '"step": 8' in line and json.loads(line)["verdict"]["cause"] == "hardware"
     assert "steps" not in json.loads(line)["variants"][0]  # the per-step table stays in the report
+
+
+def test_cli_usage_errors_are_one_line(capsys):
+    from titan_ledger import replay
+
+    for argv, needle in (
+            (["rerun", "--dump-folder", "/nonexistent", "--step", "8"], "give the training flags"),
+            (["rerun", "--dump-folder", "/nonexistent", "--step", "8", "--variant", "swapp", "--",
+              "--job.config_file", "x.toml"], "--variant 'swapp'"),
+            (["rerun", "--step", "8", "--", "--job.config_file", "x.toml"], "--dump-folder")):
+        with pytest.raises(SystemExit) as e:
+            rc = replay.main(argv)
+            raise SystemExit(rc)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_help_has_examples(capsys):
+    from titan_ledger import replay
+
+    with pytest.raises(SystemExit):
+        replay.main(["rerun", "--help"])
+    out = capsys.readouterr().out
+    assert "Examples:" in out and "--variant same --variant skip" in out and "hardware" in out
