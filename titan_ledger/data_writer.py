@@ -6,6 +6,14 @@ a step's row is written once however the model is sharded. Host-only: the tags
 come from the dataloader on the host, so writing costs no device work and no
 synchronisation. A skipped window is one row holding its sample range (and
 explicit rows for text streams, whose content is not a function of the id).
+
+O(1) per step for deterministic sources: when the loader derives rows
+(``LedgerDataLoader.derive_rows``: an indexed corpus) and the step's tags are
+exactly the layout's sample ids, a trained step's row is ``{"step", "skipped":
+false, "samples": [P, P + global_batch], "digest": <16 hex>}`` (+ ``doc_loss`` /
+``masked``, which index the rows by position): the digest is ``step_digest`` of
+the rows' token hashes, and ``reader.DataLedger`` derives the rows and checks it.
+Injected steps (rehearsal) and anything else keep explicit ``rows``.
 """
 
 from __future__ import annotations

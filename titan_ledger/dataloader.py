@@ -13,7 +13,17 @@ Each batch carries its rows' provenance (``RowTag``: sample id, source, document
 spans); ``__iter__`` strips it before torchtitan sees the batch (torchtitan hands
 every extra ``input_dict`` key to ``model.forward``) and keeps it for the
 trainer, which writes it to the data ledger. Sources (pure, unit-tested):
-``text`` (``titan_ledger.data.text``) and ``indexed`` (``titan_ledger.data.indexed``).
+``text`` (``titan_ledger.data.text``), ``indexed`` (``titan_ledger.data.indexed``) and
+``hf`` (``titan_ledger.data.hf``: local parquet/json/arrow files or cached hub datasets,
+map-style or streaming). ``text`` and ``hf`` keep a per-rank cursor; ``indexed`` is
+global. For ``indexed`` each ``RowTag`` also carries a 64-bit hash of its row's
+tokens (``row_digest``, computed where the row is built), so the data ledger can
+store a step as (sample range, hash) and derive the rows (``derive_rows``).
+
+Any base config: ``as_ledger_dataloader`` replaces torchtitan's own loader config
+in a trainer config by ``LedgerDataLoader.Config``; the TOML front end calls it when
+``[dataloader] source`` / ``--dataloader.source`` is given. Under torchtitan's fake
+backend (a dry run) a missing indexed corpus is a warning, not an error.
 
 Bad input: ``Config.__post_init__`` checks every ``--dataloader.*`` value it can
 without I/O or a process group (``ConfigError`` naming the flag), so a bad flag
@@ -303,7 +313,8 @@ class LedgerDataLoader(ParallelAwareDataloader):
                                 dp_rank, dp_world_size, config.seed)
             described = source.describe()
         self.source = source
-        self.spec = {"dataset": config.dataset,
+        self.spec = {"dataset": (config.dataset if config.source != "hf"  # (hf: see spec["hf"])
+                                 else f"hf:{source.name}"),
                      "dataset_path": (str(Path(config.dataset_path).resolve())
                                       if config.dataset_path else None),
                      "paths": [str(Path(p).resolve()) for p in config.paths],

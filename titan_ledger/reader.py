@@ -168,7 +168,9 @@ class DataLedger:
 
     Skipped windows of an indexed corpus hold only their sample range; their rows
     are derived from the corpus recorded in the header (sample id -> content is
-    global).
+    global). So are trained steps written as ``samples`` + ``digest``
+    (``derived_tags``: the token hash is checked, a changed corpus is an error);
+    rows written out (``rows``) are read as they are.
     """
 
     def __init__(self, folder: str | Path):

@@ -197,3 +197,11 @@ def test_a_recipe_switches_to_hf_from_the_command_line():
     c = parse(read_job(["--job.config_file", str(CONFIGS / "llama3_8b.toml"), "--dataloader.source",
                         "hf", "--dataloader.data_files", "x.parquet", "--dataloader.paths", ""]))
     assert c.dataloader.source == "hf" and c.dataloader.paths == [] and c.dataloader.data_files
+
+
+def test_document_text_from_the_ledger_spec(tok, shards):
+    from titan_ledger.data.hf import document_text
+
+    dl = _loader(tok, shards, streaming=True)
+    assert dl.spec["dataset"] == "hf:pq"
+    assert document_text(dl.spec, doc_id(1, 5)) == _docs(1, ROWS[1])[5]

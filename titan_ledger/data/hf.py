@@ -296,3 +296,13 @@ def open_source(cfg, tokenizer, seq_len: int, dp_rank: int, dp_size: int):
     cls = HFStreaming if cfg.streaming else HFStream
     return cls(cfg.hf_path, list(cfg.data_files), cfg.hf_name, cfg.split, cfg.text_key,
                tokenizer, seq_len, dp_rank, dp_size, cfg.seed)
+
+
+def document_text(spec: dict, doc: int) -> str:
+    """The text of document ``doc`` of a run's hf source, from its data-ledger header's
+    ``spec["hf"]`` (offline; for ``lookup --text``)."""
+    hf = spec["hf"]
+    s = _Spec(hf["builder"] if not hf["data_files"] else hf.get("hf_path") or "",
+              hf["data_files"], hf.get("hf_name") or "", hf["split"], hf["text_key"])
+    f, row = split_id(doc)
+    return s.text(s.load(f, streaming=False)[row], s.files[f] if s.files else s.builder)
