@@ -393,3 +393,35 @@ def test_explicit_rows_stay_readable(tmp_path):
     raw = json.loads((led / "data_dp0.jsonl").read_text().splitlines()[1])
     assert "rows" in raw and "digest" not in raw
     assert [t.to_json() for t in DataLedger(led).at(2, 1).tags] == trained[2, 1]
+
+
+def test_derived_rows_across_a_dp_change_use_their_segments_layout(tmp_path):
+    """Steps 1-2 on 2 DP ranks (mbs 2), resumed at step 3 on 1 rank (mbs 4): each derived
+    row is expanded with the layout of the segment that wrote it."""
+    from titan_ledger import records
+    from titan_ledger.data_writer import DataLedgerWriter
+    from titan_ledger.dataloader import LedgerDataLoader
+    from titan_ledger.reader import DataLedger
+    from titan_ledger.topology import Topology
+
+    led, trained, prefix = _derived_ledger(tmp_path, dp=2, mbs=2, accum=1, steps=2)
+    from titan_ledger.config_registry import TOKENIZER_DIR
+    from titan_ledger.prepare import load_tokenizer
+
+    dl = LedgerDataLoader(LedgerDataLoader.Config(source="indexed", paths=[prefix]), dp_world_size=1,
+                          dp_rank=0, tokenizer=load_tokenizer(TOKENIZER_DIR), seq_len=64,
+                          local_batch_size=4)
+    dl._position = 8  # where the 2-rank run stopped (2 steps x 4 rows)
+    w = DataLedgerWriter(Topology(world=1, rank=0, dp_size=1, dp_rank=0, dp_rank_of=(0,)), dl,
+                         global_batch=4, skip_lr="freeze", tokenizer="tok")
+    w.open(led, records.Header(schema="", run_id="r", seq=2, resumed_from=2, extra={}), [])
+    it = iter(dl)
+    next(it)
+    tags = dl.take_tags()
+    w.record(3, tags)
+    w.close()
+    data = DataLedger(led)
+    assert [t.to_json() for t in data.at(3, 0).tags] == [t.to_json() for t in tags]
+    assert [t.sample_id for t in tags] == [8, 9, 10, 11]
+    for (step, r), want in trained.items():
+        assert [t.to_json() for t in data.at(step, r).tags] == want
