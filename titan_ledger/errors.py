@@ -50,6 +50,12 @@ class PlanError(TitanLedgerError, ValueError):
     """A rollback that cannot be planned from what is on disk."""
 
 
+class LedgerStop(TitanLedgerError):
+    """Training stopped by the ledger (the recovery ladder): a report, exit 1."""
+
+    exit_code = EXIT_NEGATIVE
+
+
 def fail_line(prog: str, err: BaseException) -> str:
     """The one line a CLI prints for ``err``."""
     return f"{prog}: error: {err}"

@@ -13,6 +13,7 @@ Event logs are never superseded: a spike that caused a rewind stays on record.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,11 @@ class SpikeGuard:
 
             log_spike(metrics_logger, row, ev)
 
+    def record_action(self, rec: dict) -> None:
+        """A recovery-ladder decision (what was done about a flagged step)."""
+        if self._spikes is not None:
+            self._spikes.write({**rec, "ladder": True})
+
     def record_rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         if self._spikes is not None:
             self._spikes.write({"step": from_step, "rewind_to": to_step, "skip_window": list(window),
@@ -117,3 +123,109 @@ def _asdict(cfg) -> dict:
     import dataclasses
 
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+# --------------------------------------------------------------------------- the recovery ladder
+ACTIONS = ("none", "skip_update", "rollback", "rollback_lr", "stop")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One response: ``action`` (``rollback_lr`` carries the LR factor), tried
+    ``attempts`` times (0: without limit) before the ladder escalates."""
+
+    action: str
+    attempts: int = 1
+    lr: float | None = None
+
+    @property
+    def rolls_back(self) -> bool:
+        return self.action in ("rollback", "rollback_lr")
+
+    @property
+    def name(self) -> str:
+        s = self.action + (f":{self.lr:g}" if self.lr is not None else "")
+        return s + (f"*{self.attempts}" if self.attempts != 1 else "")
+
+
+def parse_ladder(spec: str) -> list[Rung]:
+    """``--ledger.on_spike`` -> rungs. One action repeats without limit (rollbacks
+    are capped by ``--ledger.max_rollbacks``); a comma-separated list escalates:
+    ``skip_update*2,rollback,rollback_lr:0.5,stop`` (``*N``: attempts of that rung,
+    default 1; ``rollback_lr:X``: roll back and scale the LR by X from then on)."""
+    from titan_ledger.errors import ConfigError
+
+    entries = [e.strip() for e in str(spec).split(",") if e.strip()]
+    if not entries:
+        raise ConfigError("--ledger.on_spike: give an action (none, skip_update, rollback, "
+                          "rollback_lr:X, stop) or a comma-separated ladder of them")
+    rungs = []
+    for e in entries:
+        body, _, times = e.partition("*")
+        action, _, arg = body.partition(":")
+        try:
+            attempts = int(times) if times else (0 if len(entries) == 1 else 1)
+            lr = float(arg) if arg else None
+        except ValueError:
+            attempts, lr = -1, None
+        bad = (action not in ACTIONS or attempts < 0 or (action == "rollback_lr") != (lr is not None)
+               or (lr is not None and not 0 < lr < 1) or (action in ("none", "stop") and times))
+        if bad:
+            raise ConfigError(f"--ledger.on_spike {spec!r}: {e!r} is not an action; use none, skip_update, "
+                              f"rollback, rollback_lr:X (0 < X < 1) or stop, each optionally *N attempts, "
+                              f"e.g. skip_update*2,rollback,rollback_lr:0.5,stop")
+        rungs.append(Rung(action, attempts, lr))
+    if any(r.action == "stop" for r in rungs[:-1]):
+        raise ConfigError(f"--ledger.on_spike {spec!r}: stop can only be the last rung")
+    return rungs
+
+
+class Ladder:  # noqa: D101 (docstring below)
+    """Which response a flagged step gets: a spike within ``horizon`` steps of the
+    previous one is a repeat and uses the next attempt, then the next rung; a spike
+    after a quiet ``horizon`` starts again at the first rung. Past the last rung the
+    run stops. Pure bookkeeping (the trainer acts); its state survives an in-process
+    rollback and is checkpointed."""
+
+    def __init__(self, rungs: list[Rung], horizon: int):
+        self.rungs = rungs
+        self.horizon = horizon
+        self.rung = 0
+        self.used = 0
+        self.last_step: int | None = None
+        self.history: list[dict] = []
+
+    @property
+    def acts(self) -> bool:
+        return any(r.action != "none" for r in self.rungs)
+
+    @property
+    def rolls_back(self) -> bool:
+        return any(r.rolls_back for r in self.rungs)
+
+    def on_spike(self, step: int) -> tuple[Rung | None, dict]:
+        """The response to a flagged ``step`` (None: the ladder is exhausted)."""
+        repeat = self.last_step is not None and step - self.last_step <= self.horizon
+        if not repeat:
+            self.rung, self.used = 0, 0
+        self.last_step = step
+        while self.rung < len(self.rungs):
+            r = self.rungs[self.rung]
+            if r.attempts == 0 or self.used < r.attempts:
+                self.used += 1
+                rec = {"step": step, "rung": self.rung, "action": r.name, "attempt": self.used,
+                       "repeat_within_horizon": repeat}
+                self.history.append(rec)
+                return r, rec
+            self.rung, self.used = self.rung + 1, 0
+        rec = {"step": step, "rung": len(self.rungs), "action": "exhausted", "repeat_within_horizon": repeat}
+        self.history.append(rec)
+        return None, rec
+
+    def state_dict(self) -> dict:
+        return {"rung": self.rung, "used": self.used, "last_step": self.last_step, "history": self.history}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s:
+            self.rung, self.used = int(s.get("rung", 0)), int(s.get("used", 0))
+            self.last_step, self.history = s.get("last_step"), list(s.get("history", []))

@@ -44,7 +44,7 @@ from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
 from titan_ledger.data_writer import DataLedgerWriter
 from titan_ledger.errors import ConfigError, TitanLedgerError
-from titan_ledger.guard import SpikeGuard
+from titan_ledger.guard import Ladder, SpikeGuard, parse_ladder
 from titan_ledger.reader import RunLedger
 from titan_ledger.recorder import SignalRecorder
 from titan_ledger.signals import ParamPlan, natural_key
@@ -129,12 +129,21 @@ class Ledger(Configurable):
         spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)
         """Spike rules on loss and grad norm (on device, every step)."""
 
-        on_spike: Literal["none", "skip_update", "rollback"] = "none"
+        on_spike: str = "none"
         """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
         its optimizer update; Adam's step count does not advance; costs one
         device->host read of the flag per step), ``rollback`` (reload the last
         checkpoint at or before step - rollback_back, skip rollback_skip steps from
-        there and continue in the same process)."""
+        there and continue in the same process), ``rollback_lr:X`` (the same, and the
+        LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
+        repeats without limit (rollbacks capped by max_rollbacks); a comma-separated
+        **ladder** escalates when a spike repeats within ``ladder_horizon`` steps, each
+        rung ``*N`` attempts (default 1), e.g. ``skip_update*2,rollback,rollback_lr:0.5,stop``;
+        past the last rung the run stops. Every decision is recorded in spikes.jsonl."""
+
+        ladder_horizon: int = 100
+        """A spike within this many steps of the previous one is a repeat (next attempt
+        or next rung); after a quiet horizon the ladder starts again at its first rung."""
 
         rollback_back: int = 100
         """``on_spike = "rollback"``: go back to a checkpoint at or before spike - this many steps."""
@@ -171,7 +180,10 @@ class Ledger(Configurable):
             parse_skip_steps(self.skip_steps)  # raises SkipError naming the entry
             parse_inject(self.inject)
             parse_rerun(self.rerun)  # ADDED (rerun): raises ConfigError naming the entry
-            if self.on_spike != "none" and not (self.signals and self.spike.enable):
+            ladder = parse_ladder(self.on_spike)
+            if self.ladder_horizon < 1:
+                raise ConfigError(f"--ledger.ladder_horizon must be >= 1, got {self.ladder_horizon}")
+            if any(r.action != "none" for r in ladder) and not (self.signals and self.spike.enable):
                 raise ConfigError(f"--ledger.on_spike {self.on_spike} needs --ledger.signals and "
                                   f"--ledger.spike.enable")
             for name in ("rollback_back", "max_rollbacks"):
@@ -203,9 +215,11 @@ class Ledger(Configurable):
         self.rewinds = 0
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
+        self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
         self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
         self.quarantine = Quarantine(config.quarantine)
+        self.ladder = Ladder(parse_ladder(config.on_spike), config.ladder_horizon)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -227,8 +241,9 @@ class Ledger(Configurable):
                 if self.folder.exists() else []
             self.skip_windows = parse_skip_steps(
                 [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
-        if cfg.on_spike == "rollback" and not trainer.config.checkpoint.enable:
-            raise ConfigError("--ledger.on_spike rollback reloads checkpoints: set --checkpoint.enable")
+        if self.ladder.rolls_back and not trainer.config.checkpoint.enable:
+            raise ConfigError(f"--ledger.on_spike {cfg.on_spike}: a rollback reloads checkpoints: set "
+                              f"--checkpoint.enable")
         if (self.quarantine or cfg.repetition_filter) and (self.loader is None or not self.loader.tagging):
             raise ConfigError("--ledger.quarantine and --ledger.repetition_filter mask documents by the "
                               "rows' provenance: they need LedgerDataLoader with --dataloader.tagging")
@@ -365,6 +380,10 @@ class Ledger(Configurable):
     def spike_flag_now(self) -> bool:
         return self.guard.flag_now() if self.guard is not None else False
 
+    def record_action(self, rec: dict) -> None:
+        if self.guard is not None:
+            self.guard.record_action(rec)
+
     def mark_update_skipped(self) -> None:
         self.recorder.mark_update_skipped()
 
@@ -432,6 +451,7 @@ class Ledger(Configurable):
         state["spike_detector"] = json.dumps(self.guard.state_dict()) if self.guard else \
             self._state.get("spike_detector", "")
         state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
+        state["ladder"] = json.dumps(self.ladder.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -447,6 +467,8 @@ class Ledger(Configurable):
         det = self._state.get("spike_detector")
         if self.guard is not None and det:
             self.guard.load_state_dict(json.loads(det))
+        if self._state.get("ladder") and not self._keep_ladder:
+            self.ladder.load_state_dict(json.loads(self._state["ladder"]))
 
 
 #: the data-ledger header keys that make a run's data layout (``claim_dump_folder``)

@@ -94,8 +94,11 @@ def check_plan(config, world_size: int) -> None:
         if late and not led.auto_skip:
             raise ConfigError(f"--ledger.skip_steps {late[0][0]}-{late[0][1]} starts after the last "
                               f"step (--training.steps {t.steps}): it would skip nothing")
-        if led.on_spike == "rollback" and not config.checkpoint.enable:
-            raise ConfigError("--ledger.on_spike rollback reloads checkpoints: set --checkpoint.enable")
+        from titan_ledger.guard import parse_ladder
+
+        if any(r.rolls_back for r in parse_ladder(led.on_spike)) and not config.checkpoint.enable:
+            raise ConfigError(f"--ledger.on_spike {led.on_spike}: a rollback reloads checkpoints: set "
+                              f"--checkpoint.enable")
         inj = parse_inject(led.inject)
         dp = dp_size_of(config, world_size)
         if inj is not None and inj[1] >= dp:

@@ -61,6 +61,7 @@ class LedgerTrainer(Trainer):
         self._ledger_open = False
         self._pending_rollback: int | None = None
         self._io: _StepIO | None = None  # per-step bookkeeping the hooks share
+        self._lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
         self._update_rejected = False
         dry_run = config.comm.mode == "fake_backend"
         if dry_run and config.debug.seed is None:
@@ -354,12 +355,21 @@ class LedgerTrainer(Trainer):
         # A flagged step's update is not applied when the guard is on. Not calling
         # optimizers.step() leaves params, moments and Adam's step count as they were
         # (OLMo-core PR 309/317: the count must not advance).
-        guard = self.config.ledger.on_spike
-        self._update_rejected = guard != "none" and ledger.spike_flag_now()
-        if self._update_rejected:
-            ledger.mark_update_skipped()
-            if guard == "rollback":
-                self._pending_rollback = self.step
+        self._update_rejected = False
+        if not (ledger.ladder.acts and ledger.spike_flag_now()):
+            return
+        rung, rec = ledger.ladder.on_spike(self.step)  # the recovery ladder decides
+        ledger.record_action(rec)
+        if rung is not None and rung.action == "none":
+            return
+        self._update_rejected = True
+        ledger.mark_update_skipped()
+        if rung is None or rung.action == "stop":
+            self._stop_with_report(rec)
+        if rung.rolls_back:
+            self._pending_rollback = self.step
+            if rung.lr is not None:
+                self._lr_scale *= rung.lr  # kept across every later checkpoint load
 
     def _skip_window(self, window: tuple[int, int]) -> None:
         """Consume the data of steps ``self.step..window end`` at once: no forward,
@@ -401,7 +411,8 @@ class LedgerTrainer(Trainer):
 
         cfg = self.config.ledger
         self._pending_rollback = None
-        if self.ledger.rewinds >= cfg.max_rollbacks:
+        unlimited = len(self.ledger.ladder.rungs) == 1  # a single action; a ladder sets its own limits
+        if unlimited and self.ledger.rewinds >= cfg.max_rollbacks:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {self.ledger.rewinds} "
                                f"rollbacks (--ledger.max_rollbacks); stopping. See "
                                f"{self.ledger.folder / 'spikes.jsonl'}")
@@ -421,7 +432,13 @@ class LedgerTrainer(Trainer):
         window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to checkpoint step-{load}; "
                        f"skipping steps {window[0]}-{window[1]}")
-        self.checkpointer.load(step=load)  # sets self.step = load via the train state
+        self.ledger._keep_ladder = True  # the ladder's history is this process's, not the checkpoint's
+        try:
+            self.checkpointer.load(step=load)  # sets self.step = load via the train state
+        finally:
+            self.ledger._keep_ladder = False
+        if self._lr_scale != 1.0:
+            scale_lr(self.lr_schedulers, self._lr_scale)
         self.ledger.rewind(from_step=spike_step, to_step=load, window=window,
                            metrics_logger=self.metrics_processor.logger)
         from titan_ledger.dashboards import log_rewind
@@ -429,6 +446,44 @@ class LedgerTrainer(Trainer):
         log_rewind(self.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
         self.step = load + 1
 
+
+    def _stop_with_report(self, rec: dict) -> None:
+        """The ladder is exhausted (or says stop): write what is pending, then stop with
+        a one-screen report (exit 1)."""
+        from titan_ledger.errors import LedgerStop
+
+        ledger = self.ledger
+        ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+        raise LedgerStop(ladder_report(ledger, self.config, rec))
+
+
+def scale_lr(lr_schedulers, factor: float) -> None:
+    """Scale the LR from now on: the schedulers' base LRs (torchtitan rebuilds them
+    from the config) and the optimizer's current ones (a checkpoint restores those)."""
+    for sched in lr_schedulers.schedulers:
+        sched.base_lrs = [b * factor for b in sched.base_lrs]
+        sched._last_lr = [lr * factor for lr in sched.get_last_lr()]
+        for g in sched.optimizer.param_groups:
+            g["lr"] = g["lr"] * factor
+
+
+def ladder_report(ledger, config, rec: dict) -> str:
+    """One screen: what happened, what was tried, where the evidence is, what to run."""
+    folder = ledger.folder
+    dump = config.dump_folder
+    tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
+                      for h in ledger.ladder.history) or "nothing"
+    return "\n".join([
+        f"the recovery ladder stopped training at step {rec['step']} "
+        f"(--ledger.on_spike {config.ledger.on_spike}, horizon {config.ledger.ladder_horizon} steps)",
+        f"  what happened: spikes kept coming back within the horizon; last at step {rec['step']}",
+        f"  what was tried: {tried}",
+        f"  evidence: {folder / 'spikes.jsonl'} (every flag and decision), {folder / 'signals.jsonl'}, "
+        f"{folder}/data_dp*.jsonl (documents and their losses), checkpoints in {dump}/checkpoint",
+        f"  next: python -m titan_ledger.diagnose {dump} --step {rec['step']}",
+        f"        python -m titan_ledger.report {dump} --step {rec['step']} -o incident.html",
+        f"        python -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']} -- <this run's flags>",
+    ])
 
 
 @dataclass

@@ -329,7 +329,7 @@ CASES = [
     ("train-inject-bad-kind", "train", None, ["--job.config_file", DEBUG, "--ledger.inject", "5:1:zeros"], 2, ["--ledger.inject", "repeat or random"]),
     ("train-inject-rank-out-of-range", "train", None, ["--job.config_file", DEBUG, "--ledger.inject", "5:5:repeat"], 2, ["DP rank 5", "0-1"]),
     ("train-inject-step-past-end", "train", None, ["--job.config_file", DEBUG, "--training.steps", "8", "--ledger.inject", "9:1:repeat"], 2, ["step 9", "--training.steps 8"]),
-    ("train-on-spike-bogus", "train", None, ["--job.config_file", DEBUG, "--ledger.on_spike", "panic"], 2, ["--ledger.on-spike", "panic", "rollback"]),
+    ("train-on-spike-bogus", "train", None, ["--job.config_file", DEBUG, "--ledger.on_spike", "panic"], 2, ["--ledger.on_spike", "panic", "rollback"]),
     ("train-on-spike-rollback-no-checkpoints", "train", None, ["--job.config_file", DEBUG, "--ledger.on_spike", "rollback"], 2, ["--ledger.on_spike rollback", "--checkpoint.enable"]),
     ("train-rollback-skip-0", "train", None, ["--job.config_file", DEBUG, "--ledger.rollback_skip", "0"], 2, ["--ledger.rollback_skip"]),
     ("train-spike-window-1", "train", None, ["--job.config_file", DEBUG, "--ledger.spike.window", "1"], 2, ["--ledger.spike.window"]),

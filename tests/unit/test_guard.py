@@ -45,3 +45,25 @@ def test_other_ranks_write_no_event_files(tmp_path):
     g.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
     g.close()
     assert not any(tmp_path.iterdir())
+
+
+def test_ladder_parsing_and_escalation():
+    import pytest
+
+    from titan_ledger.errors import ConfigError
+    from titan_ledger.guard import Ladder, Rung, parse_ladder
+
+    assert parse_ladder("rollback") == [Rung("rollback", 0)]  # one action: no limit
+    rungs = parse_ladder("skip_update*2, rollback, rollback_lr:0.5, stop")
+    assert [r.name for r in rungs] == ["skip_update*2", "rollback", "rollback_lr:0.5", "stop"]
+    for bad in ("panic", "stop,rollback", "rollback_lr", "rollback_lr:2", "skip_update*x", "stop*2", ""):
+        with pytest.raises(ConfigError, match="--ledger.on_spike"):
+            parse_ladder(bad)
+    lad = Ladder(rungs, horizon=10)
+    got = [lad.on_spike(s)[1]["action"] for s in (5, 8, 12, 14, 40, 41, 43, 44, 45, 46)]
+    assert got == ["skip_update*2", "skip_update*2", "rollback", "rollback_lr:0.5",  # repeats escalate
+                   "skip_update*2", "skip_update*2", "rollback", "rollback_lr:0.5", "stop",  # quiet: restart
+                   "exhausted"]
+    again = Ladder(rungs, horizon=10)
+    again.load_state_dict(lad.state_dict())
+    assert again.on_spike(47)[0] is None and len(again.history) == len(lad.history) + 1
