@@ -24,7 +24,7 @@ from helpers import (
     spike_events,
     torchrun,
 )
-from titan_ledger import rollback
+from titan_ledger import diagnose, lookup, rollback
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +78,17 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
     assert diag.returncode == 0, diag.stderr
     spikes = json.loads(diag.stdout)["spikes"]
     assert [(x["step"], x["cause"], x["rank"]) for x in spikes] == [(24, "bad_data", 1)]
+    # ... naming that rank's documents (per-document losses) and the quarantine command
+    docs = spikes[0]["documents"]
+    assert docs and all(x["dp_rank"] == 1 and x["tokens"] > 0 for x in docs), docs
+    assert "--write-quarantine" in spikes[0]["quarantine_command"]
+    q = tmp_path / "q.jsonl"
+    rc, out, err = cli(diagnose.main, [str(d), "--step", "24", "--write-quarantine", str(q)])
+    assert rc == 0 and {json.loads(x)["doc"] for x in q.read_text().splitlines()} == {x["doc"] for x in docs}
+    # lookup --top: the step's most extreme documents across ranks, against the median
+    rc, out, err = cli(lookup.main, ["--dump-folder", str(d), "--step", "24", "--top", "2", "--json"])
+    top = json.loads(out)
+    assert rc == 0 and top["median_segment_loss"] > 0 and len(top["highest"]) == 2 and len(top["lowest"]) == 2
     # the data ledger marks the rows of that step as replaced
     data = data_rows(d, 1)
     assert data[24]["injected"] == "repeat" and "injected" not in data[23]
