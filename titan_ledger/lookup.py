@@ -52,6 +52,11 @@ class TextSource:
             blend = self.ledger.blend(self.hdr)
             corpus = next(c for c in blend.corpora if c.name == source)
             return corpus.doc_tokens(doc).tolist()
+        if self.hdr["source_kind"] == "hf":
+            from titan_ledger.data.hf import document_text
+
+            text = document_text(self.hdr["spec"], int(doc))
+            return self.tokenizer().encode(text, add_bos=True, add_eos=True)
         if self._ds is None:
             from titan_ledger import backend
 

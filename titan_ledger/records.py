@@ -31,7 +31,10 @@ are never superseded: a spike that caused a rewind stays on record.
 ``step`` = its first step, with ``last_step`` and ``skip_lr``, model signals null,
 so a skip of 10^6 steps costs one line. Data rows (one file per DP rank) are
 ``{"step", "skipped", "rows": [[sample_id, source, [[doc, start, end], ...]], ...]}``
-and a window row with ``last_step`` and ``samples: [first, end)``.
+and a window row with ``last_step`` and ``samples: [first, end)``. Since schema
+``titan_ledger.data/2`` a deterministic source (indexed corpus) writes a step as
+``{"step", "skipped", "samples": [first, end), "digest"}``: the rows are derived from
+the corpus and checked against the digest (``reader.DataLedger``); version 1 files read.
 JSON has no NaN/inf: they are stored as the strings "nan", "inf", "-inf".
 """
 
@@ -64,7 +67,7 @@ class Schema:
 
 SIGNALS = Schema("signals", 1)
 RANK = Schema("rank", 1)
-DATA = Schema("data", 1)
+DATA = Schema("data", 2)  # 2: a step row may hold only its sample range + digest (derived rows)
 SPIKES = Schema("spikes", 1, event_log=True)
 REJECTED = Schema("rejected", 1, event_log=True)
 SEGMENTS = Schema("segments", 1, event_log=True)

@@ -174,6 +174,12 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
         raw = cands[rank] if len(cands) > rank else None
     if raw is None:
         return head + f"<p class='none'>DP rank {rank} has no data row for step {step}</p>"
+    if "rows" not in raw and "samples" in raw and "last_step" not in raw:
+        # a derived row (indexed corpus, data schema 2): rebuilt from the corpus, digest checked
+        try:
+            raw = {**raw, "rows": [t.to_json() for t in data.derived_tags(step, rank, raw)]}
+        except LedgerError as e:
+            return head + f"<p class='none'>{_e(e)}</p>"
     losses = _row_losses(raw)
     rows = []
     for i, t in enumerate(raw.get("rows", [])):

@@ -41,7 +41,9 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     assert sig[6]["masked_tokens"] > 0 and ref[6]["masked_tokens"] == 0
     assert sig[6]["consumed_tokens"] - sig[5]["consumed_tokens"] == \
         ref[6]["consumed_tokens"] - ref[5]["consumed_tokens"] - sig[6]["masked_tokens"]
-    assert sig[3] == ref[3]  # before the quarantine: the same history
+    timing = ("step_time_s", "data_loading_s")
+    assert {k: v for k, v in sig[3].items() if k not in timing} == \
+        {k: v for k, v in ref[3].items() if k not in timing}  # before the quarantine: the same history
     hdr = signals_ledger(dump).segments[-1].header
     assert hdr["quarantine"]["documents"] == 1 and hdr["resumed_from"] == 3, hdr
 
