@@ -65,7 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ROOT = ROOT  # where the workers import titan_ledger and the bench from (--snapshot: a copy of HEAD)
 
-COMPONENTS = ("signals", "max_logit", "spike_rules", "tagging", "data_write", "drain")
+COMPONENTS = ("signals", "max_logit", "spike_rules", "doc_loss", "tagging", "data_write", "drain")
 SPAN_PREFIX = "titan_ledger."
 ANY = "*"  # key of the union of every titan_ledger.* span (the total, nested spans once)
 

@@ -144,7 +144,8 @@ def spike_events(dump: Path) -> list[dict]:
     """``spikes.jsonl``: one event per flagged step (``step``, ``rules``, ...)."""
     from titan_ledger.records import read_ledger
 
-    return read_ledger(Path(dump) / "ledger" / "spikes.jsonl").history
+    # flagged steps only: rewinds and recovery-ladder decisions are events of their own
+    return [e for e in read_ledger(Path(dump) / "ledger" / "spikes.jsonl").history if "rules" in e]
 
 
 def rejected_steps(dump: Path) -> list[int]:

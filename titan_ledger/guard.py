@@ -145,7 +145,7 @@ class Rung:
     @property
     def name(self) -> str:
         s = self.action + (f":{self.lr:g}" if self.lr is not None else "")
-        return s + (f"*{self.attempts}" if self.attempts != 1 else "")
+        return s + (f"*{self.attempts}" if self.attempts > 1 else "")  # 0: a lone action, no limit
 
 
 def parse_ladder(spec: str) -> list[Rung]:

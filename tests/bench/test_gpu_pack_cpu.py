@@ -66,7 +66,9 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     assert sig["loss"]["reference"] > 1.0  # an untrained model's cross entropy, not a placeholder
     assert sig["num_zeros"]["ok"] and sig["consumed_tokens"]["ledger"] > 0
     # (e)
-    assert r["per_doc_loss"] == "absent"
+    pdl = r["per_doc_loss"]  # the step-1 per-document losses against the reference
+    assert pdl["ok"] and pdl["entries"] > 0 and pdl["max_rel_err"] <= pdl["tol"], pdl
+    assert r["checks"]["per_doc_loss_vs_reference"] is True
     # where the time went
     assert {e["what"] for e in r["time_log"]} >= {"flex_max_logit", "eager_stock_1", "eager_ledger_1"}
 
