@@ -86,6 +86,8 @@ class SignalRecorder:
         self.skipped_samples = 0
         self._consumed_tokens = torch.zeros((), dtype=torch.float64, device=device)
         self._dp_of = torch.tensor(topo.dp_rank_of, dtype=torch.long, device=device)
+        # each DP rank's loss-owning rank, on device once (no per-step index copy)
+        self._loss_rows = torch.tensor(topo.loss_rank_of_dp, dtype=torch.long, device=device)
         self._pending: deque[_Pending] = deque()
         self._cuda = device.type == "cuda"
         self._writer: records.RecordWriter | None = None
@@ -168,7 +170,7 @@ class SignalRecorder:
             table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
         doc = None
         if n_doc:
-            d = table[list(topo.loss_rank_of_dp), _FIXED + self._n_layers:]
+            d = table.index_select(0, self._loss_rows)[:, _FIXED + self._n_layers:]
             h, k = self.doc_loss.HEAD, self.doc_loss.k
             doc = torch.stack([d[:, 2], d[:, h + 1] / d[:, h + 2],
                                d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1]], dim=1)
