@@ -35,11 +35,16 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from titan_ledger import records
-from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool
-from titan_ledger.errors import LedgerError
-from titan_ledger.reader import RunLedger
-from titan_ledger.spikes import SpikeDetector, detect_offline
+from titan_ledger import backend, records
+
+# --rerun parses training configs in this process, so the device backend must be chosen
+# before spikes.py imports torchtitan (as trainer.py does)
+backend.ensure_installed()
+
+from titan_ledger.cli import ToolParser, add_dump_folder, parse_args, run_tool  # noqa: E402
+from titan_ledger.errors import LedgerError  # noqa: E402
+from titan_ledger.reader import RunLedger  # noqa: E402
+from titan_ledger.spikes import SpikeDetector, detect_offline  # noqa: E402
 
 CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "transient")
 

@@ -104,8 +104,10 @@ def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, sam
     # reruns say so
     assert v["heuristic_confirmed"] == (spike["cause"] == "bad_data")
     assert v.get("heuristic_wrong", False) == (spike["cause"] != "bad_data")
-    rc, out, err = cli(diagnose.main, [base, "--step", "8", "--rerun", "--", *FLAGS])
-    assert rc == 0 and out.index("rerun budget:") < out.index("verdict: bad_data (proven)")
+    # the CLI in its own process (the device backend must be chosen before torchtitan imports)
+    p = py("-m", "titan_ledger.diagnose", base, "--step", "8", "--rerun", "--", *FLAGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.index("rerun budget:") < p.stdout.index("verdict: bad_data (proven)")
     rc, out, err = cli(diagnose.main, [base, "--step", "8", "--rerun", "--rerun-max-steps", "3", "--", *FLAGS])
     assert rc == 2 and "--rerun-max-steps 3" in err
 
