@@ -155,6 +155,26 @@ def rejected_steps(dump: Path) -> list[int]:
     return [r["step"] for r in read_ledger(Path(dump) / "ledger" / "rejected_steps.jsonl").history]
 
 
+def spawn_gloo(worker, world: int = 2, timeout: int = 120):
+    """Run ``worker(rank, world, port, queue)`` in ``world`` spawned processes (they
+    init gloo themselves); return what rank 0 puts on the queue."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-6000:]}"
 

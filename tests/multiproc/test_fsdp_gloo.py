@@ -12,9 +12,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import spawn_gloo
 
 pytestmark = pytest.mark.slow
 
@@ -71,19 +70,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def results():
     """{force_sum: ("ok", grads) or ("error", repr)} from two gloo processes."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return out.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return spawn_gloo(_worker)
 
 
 def test_sum_reduction_matches_unsharded_average(results):

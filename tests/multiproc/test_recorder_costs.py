@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titan_ledger.recorder import SignalRecorder
 from titan_ledger.signals import ParamPlan
@@ -92,17 +91,9 @@ def _worker(rank, world, port, out):
 
 
 def test_record_is_one_collective_and_no_host_reads_on_gloo_ranks():
-    from helpers import free_port
+    from helpers import spawn_gloo
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    calls, v, loss, ref = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
+    calls, v, loss, ref = spawn_gloo(_worker)
     assert calls == {"collectives": 1, "host_reads": 0}, calls
     assert v[:2] == [2.0, 3.0]  # loss sums by DP rank, one from each rank
     assert v[2:4] == [4.0, 4.0]  # tokens by DP rank
