@@ -1,25 +1,50 @@
-"""Spike zoo (a first part of issue 14): spikes produced for real, and what ``diagnose`` names.
+"""Spike zoo (issue 14): spikes produced for real, and how often ``diagnose`` names their cause.
 
-    python bench/zoo.py [--only NAME] [--json] [--folder DIR]
+    python bench/zoo.py [--only NAME ...] [--set tuned|held_out|controls|all] [--json] [--folder DIR]
 
-Each scenario trains the ``debug_cpu`` model (FSDP over 2 gloo ranks, 4 rows x 256
-tokens per rank, checkpoints every 10 steps) for ``STEPS`` steps, then runs
-``diagnose --json`` (the heuristics) and ``diagnose --rerun --json`` (the proof), and
-prints one object per scenario: ``scenario``, ``true_cause``, ``named_cause``,
-``named_cause_rerun``, ``true_step``, ``flagged_step`` (null when nothing was flagged;
-``true_cause`` null for the clean control) and, for bad data, the true and named
-documents.
+Design decision: every spike here comes out of a real training run of the
+``debug_cpu`` model (llama3 debug, FSDP over 2 gloo ranks, 4 rows x 256 tokens per
+rank, an indexed corpus read in order, checkpoints every 10 steps) whose
+configuration or data carries one cause; nothing is drawn or written into a
+ledger by hand. Each scenario is then judged twice: ``diagnose --json`` (the
+heuristic decision tree over the ledger) and ``diagnose --rerun --json`` (reruns
+from the last checkpoint before the flagged step under the counterfactuals,
+:mod:`titan_ledger.rerun`). Truth is what the scenario planted, read back from the
+run's own ledger where it can be (the step whose rows hold the planted document).
 
-Scenarios in this first part (the others the issue lists -- learning rate, logit
-growth, optimizer state, precision -- and the held-out variants are not built yet):
+The scenarios (``true_cause`` as ``diagnose`` prints it):
 
-* ``bad_data_repeat`` / ``bad_data_random``: an indexed corpus prepared from the
-  bundled one with ONE degenerate document planted (one token repeated; random
-  printable characters) at a document index the sequential order (``shuffle = false``)
-  reaches around step ``PLANT_STEP``; no runtime injection. The true step is the first
-  step whose data ledger lists the planted document.
-* ``hardware``: ``--ledger.inject T:0:bitflip`` (one gradient bit, once).
-* ``clean``: the bad-data corpus without the planted document.
+* ``bad_data_repeat`` / ``bad_data_random``: ONE degenerate document (one token
+  repeated; random printable characters) planted in the prepared corpus where the
+  sequential order reaches it at about step 28. No runtime injection. Held out:
+  ``bad_data_ngram`` (a repeated 4-gram, step 36) and ``bad_data_random_seed1``
+  (another seed, step 33).
+* ``lr``: the run is relaunched from its step-20 checkpoint with ``--optimizer.lr``
+  30x higher (what a mistyped relaunch does: torchtitan rebuilds the schedule's
+  base LR from the config, so the LR jumps at step 22). Held out: 20x, checkpoint 30.
+* ``logit_growth``: no QK-norm (llama3 has none), LR 1e-2 held constant, fp32: the
+  max attention logit climbs into the hundreds until the loss jumps. Held out:
+  LR 1.2e-2 and another data seed position.
+* ``precision``: LR 6e-3 held constant in bf16 (FSDP2's param dtype); the same run
+  in fp32 is the control. Held out: LR 7e-3.
+* ``optimizer_state``: Adam with beta2 0.999 and eps 1e-15 (the article's
+  "second moment lags the gradient" with no epsilon protection), LR 3e-3 constant;
+  the same run with torchtitan's (0.9, 0.95) and 1e-8 is the control. Held out: LR
+  3.5e-3.
+* ``hardware``: ``--ledger.inject 28:0:bitflip`` (one exponent bit of one gradient
+  element, once; :mod:`titan_ledger.faults`). Held out: step 33 on DP rank 1.
+* controls: ``clean`` (the corpus without a planted document, default flags: the
+  control of bad data, hardware and lr), ``precision_fp32`` and
+  ``optimizer_default`` (the scenario's run without its fault).
+
+Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
+``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,
+``flagged_step`` (the first flagged step from ``true_step - 1`` to
+``true_step + MATCH_AFTER``; for a control the first flagged step; null when nothing
+was flagged), ``other_flags`` (flagged steps outside that window), for bad data
+``true_documents`` / ``named_documents``, and ``seconds``. At the end, the confusion
+tables (true vs named cause, heuristic and rerun) and the goals: every cause named
+right with ``--rerun``, >= 4 of 6 by the heuristics, no flag on a control.
 """
 
 from __future__ import annotations
@@ -31,16 +56,64 @@ import random
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STEPS = 40
-PLANT_STEP = 28
-TOKENS_PER_STEP = 2 * 4 * 256
+TOKENS_PER_STEP = 2 * 4 * 256  # DP 2 x 4 rows x 256 tokens
 CORPUS = ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl"
-SCENARIOS = ("bad_data_repeat", "bad_data_random", "hardware", "clean")
+MATCH_AFTER = 4  # a flag up to 4 steps after the true step is the same spike
+CONSTANT_LR = ("--lr_scheduler.min_lr_factor", "1.0")  # warmup 2, then constant
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    cause: str | None  # the true cause, as diagnose prints it; None: a control
+    steps: int
+    flags: tuple[str, ...] = ()
+    plant: str | None = None  # corpus: repeat | ngram | random
+    plant_step: int = 28
+    seed: int = 0
+    relaunch: tuple[int, tuple[str, ...]] | None = None  # (first launch's last step, flags of the second)
+    true_step: int | None = None  # known by construction; else read from the data ledger
+    set: str = "tuned"  # tuned | held_out | controls
+
+
+SCENARIOS = [
+    Scenario("bad_data_repeat", "bad_data", 40, plant="repeat"),
+    Scenario("bad_data_random", "bad_data", 40, plant="random"),
+    Scenario("lr", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "2.4e-2")), true_step=22),
+    Scenario("logit_growth", "logit_growth", 100, ("--optimizer.lr", "1e-2", *CONSTANT_LR)),
+    Scenario("precision", "bf16", 150, ("--optimizer.lr", "6e-3", *CONSTANT_LR,
+                                         "--training.mixed_precision_param", "bfloat16")),
+    Scenario("optimizer_state", "optimizer_state", 80,
+             ("--optimizer.lr", "3e-3", *CONSTANT_LR, "--optimizer.betas", "0.9", "0.999",
+              "--optimizer.eps", "1e-15")),
+    Scenario("hardware", "hardware", 40, ("--ledger.inject", "28:0:bitflip"), true_step=28),
+    # held out: run once, after the thresholds were fixed on the set above
+    Scenario("bad_data_ngram", "bad_data", 45, plant="ngram", plant_step=36, set="held_out"),
+    Scenario("bad_data_random_seed1", "bad_data", 45, plant="random", plant_step=33, seed=1, set="held_out"),
+    Scenario("lr_held_out", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2")), true_step=32,
+             set="held_out"),
+    Scenario("logit_growth_held_out", "logit_growth", 100, ("--optimizer.lr", "1.2e-2", *CONSTANT_LR),
+             set="held_out"),
+    Scenario("precision_held_out", "bf16", 150, ("--optimizer.lr", "7e-3", *CONSTANT_LR,
+                                                  "--training.mixed_precision_param", "bfloat16"), set="held_out"),
+    Scenario("optimizer_state_held_out", "optimizer_state", 80,
+             ("--optimizer.lr", "3.5e-3", *CONSTANT_LR, "--optimizer.betas", "0.9", "0.999",
+              "--optimizer.eps", "1e-15"), set="held_out"),
+    Scenario("hardware_held_out", "hardware", 40, ("--ledger.inject", "33:1:bitflip"), true_step=33,
+             set="held_out"),
+    # controls: the runs above without their fault
+    Scenario("clean", None, 45, set="controls"),
+    Scenario("precision_fp32", None, 150, ("--optimizer.lr", "6e-3", *CONSTANT_LR), set="controls"),
+    Scenario("optimizer_default", None, 80, ("--optimizer.lr", "3e-3", *CONSTANT_LR), set="controls"),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 def env() -> dict:
@@ -48,22 +121,30 @@ def env() -> dict:
                 HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
 
 
-def build_corpus(folder: Path, plant: str | None) -> tuple[Path, int | None]:
+def planted_text(kind: str, seed: int) -> str:
+    rnd = random.Random(seed)
+    if kind == "repeat":
+        return " the" * 1200
+    if kind == "ngram":
+        return " of the data" * 400
+    if kind == "random":
+        return "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789{}[]<>#@!?") for _ in range(4000))
+    raise ValueError(kind)
+
+
+def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int) -> tuple[Path, list[int]]:
     """The bundled documents in order, one degenerate document inserted where the
-    sequential order reaches it at about step PLANT_STEP; returns (prefix, its doc id)."""
+    sequential order reaches it at about ``plant_step``; returns (prefix, its doc ids)."""
     from titan_ledger.prepare import load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
     docs = [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()]
-    out, seen, planted = [], 0, None
-    target = PLANT_STEP * TOKENS_PER_STEP
+    out, seen, planted = [], 0, []
+    target = (plant_step - 1) * TOKENS_PER_STEP
     for d in docs:
-        if plant and planted is None and seen >= target:
-            rnd = random.Random(0)
-            text = (" the" * 1200 if plant == "repeat"
-                    else "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789{}[]<>#@!?") for _ in range(4000)))
-            planted = len(out)
-            out.append({"text": text})
+        if plant and not planted and seen >= target:
+            planted.append(len(out))
+            out.append({"text": planted_text(plant, seed)})
         out.append({"text": d["text"]})
         seen += len(tok.encode(d["text"], add_bos=True, add_eos=True))
     folder.mkdir(parents=True, exist_ok=True)
@@ -75,76 +156,169 @@ def build_corpus(folder: Path, plant: str | None) -> tuple[Path, int | None]:
     return prefix, planted
 
 
-def train_args(prefix: Path | None) -> list[str]:
-    args = ["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), "--training.steps", str(STEPS),
-            "--checkpoint.enable", "--checkpoint.interval", "10"]
-    if prefix is not None:
-        args += ["--dataloader.source", "indexed", "--dataloader.paths", str(prefix), "--dataloader.no_shuffle"]
-    return args
+def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:
+    return ["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), "--training.steps", str(steps),
+            "--checkpoint.enable", "--checkpoint.interval", "10", "--dataloader.source", "indexed",
+            "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags]
 
 
-def run(name: str, base: Path) -> dict:
-    dump = base / name
-    shutil.rmtree(dump, ignore_errors=True)
-    true_cause, true_step, true_docs, extra = None, None, [], []
-    prefix = None
-    if name.startswith("bad_data") or name == "clean":
-        prefix, planted = build_corpus(base / f"corpus_{name}", None if name == "clean" else name.split("_")[-1])
-        if planted is not None:
-            true_cause, true_docs = "bad_data", [planted]
-    if name == "hardware":
-        true_cause, true_step = "hardware", PLANT_STEP
-        extra = ["--ledger.inject", f"{PLANT_STEP}:0:bitflip"]
-    args = train_args(prefix)
+def train(args: list[str], dump: Path, log: Path) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "titan_ledger.train", *args, *extra, "--dump_folder", str(dump)]
-    with open(base / f"{name}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT).returncode
-    out = {"scenario": name, "true_cause": true_cause, "train_rc": rc}
+           "-m", "titan_ledger.train", *args, "--dump_folder", str(dump)]
+    with open(log, "a") as f:
+        return subprocess.run(cmd, cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def diagnose(dump: Path, *extra: str) -> tuple[dict | None, str]:
+    p = subprocess.run([sys.executable, "-m", "titan_ledger.diagnose", str(dump), "--json", *extra], cwd=ROOT,
+                       env=env(), capture_output=True, text=True)
+    if p.returncode != 0:
+        return None, (p.stderr or p.stdout)[-400:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), ""
+
+
+@dataclass
+class Result:
+    scenario: str
+    set: str
+    true_cause: str | None
+    named_cause: str | None = None
+    named_cause_rerun: str | None = None
+    true_step: int | None = None
+    flagged_step: int | None = None
+    other_flags: list[int] = field(default_factory=list)
+    true_documents: list[int] | None = None
+    named_documents: list[int] | None = None
+    rerun_proven: bool | None = None
+    rerun_variants: list[str] | None = None
+    train_rc: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
+    t0 = time.monotonic()
+    dump = base / sc.name
+    shutil.rmtree(dump, ignore_errors=True)
+    log = base / f"{sc.name}.log"
+    log.unlink(missing_ok=True)
+    prefix, planted = build_corpus(base / f"corpus_{sc.plant or 'clean'}_{sc.plant_step}_{sc.seed}", sc.plant,
+                                   sc.plant_step, sc.seed)
+    res = Result(sc.name, sc.set, sc.cause)
+    if sc.relaunch is None:
+        args = base_args(sc, prefix, sc.steps)
+        res.train_rc = train(args, dump, log)
+    else:  # the first launch to the checkpoint, then the relaunch with the changed flags
+        first, changed = sc.relaunch
+        res.train_rc = train(base_args(sc, prefix, first), dump, log)
+        args = base_args(sc, prefix, sc.steps) + list(changed)
+        res.train_rc = res.train_rc or train(args, dump, log)
     from titan_ledger.reader import RunLedger
 
     led = RunLedger(dump)
-    if true_docs:
-        steps = sorted(s for r in led.data.ranks() for s in range(1, STEPS + 1)
-                       if led.data.at(s, r) and any(seg.doc in true_docs for t in led.data.at(s, r).tags
-                                                    for seg in t.segments))
-        true_step = steps[0] if steps else None
-        out["true_documents"] = true_docs
+    res.true_step = sc.true_step
+    if planted:
+        steps = sorted(s for r in led.data.ranks() for s in range(1, led.data.last_step + 1)
+                       if (sd := led.data.at(s, r)) and any(seg.doc in planted for t in sd.tags for seg in t.segments))
+        res.true_step, res.true_documents = (steps[0] if steps else None), planted
     flagged = led.spike_steps()
-    out.update(true_step=true_step, flagged_steps=flagged)
-    diag = subprocess.run([sys.executable, "-m", "titan_ledger.diagnose", str(dump), "--json"], cwd=ROOT,
-                          env=env(), capture_output=True, text=True)
-    verdicts = json.loads(diag.stdout)["spikes"] if diag.returncode == 0 else []
-    at = [v for v in verdicts if true_step is not None and abs(v["step"] - true_step) <= 1] or verdicts[:1]
-    out["flagged_step"] = at[0]["step"] if at else None
-    out["named_cause"] = at[0]["cause"] if at else None
-    out["named_documents"] = sorted({d["doc"] for d in at[0].get("documents", [])}) if at else []
-    out["named_cause_rerun"] = None
-    if at:
-        rr = subprocess.run([sys.executable, "-m", "titan_ledger.diagnose", str(dump), "--step",
-                             str(at[0]["step"]), "--rerun", "--json", "--", *args, *extra], cwd=ROOT,
-                            env=env(), capture_output=True, text=True)
-        if rr.returncode == 0:
-            v = json.loads(rr.stdout.strip().splitlines()[-1])["spikes"][0]
-            out["named_cause_rerun"] = (v.get("rerun") or {}).get("cause")
+    if res.true_step is not None:
+        near = [s for s in flagged if res.true_step - 1 <= s <= res.true_step + MATCH_AFTER]
+    else:
+        near = flagged[:1]
+    res.flagged_step = near[0] if near else None
+    res.other_flags = [s for s in flagged if s != res.flagged_step and s not in near]
+    if res.flagged_step is None:
+        res.seconds = round(time.monotonic() - t0, 1)
+        return res
+    d, err = diagnose(dump, "--step", str(res.flagged_step))
+    if d is None:
+        res.error = f"diagnose: {err}"
+    else:
+        v = d["spikes"][0]
+        res.named_cause = v["cause"]
+        if planted:
+            res.named_documents = sorted({x["doc"] for x in v.get("documents", [])})
+    if rerun:
+        d, err = diagnose(dump, "--step", str(res.flagged_step), "--rerun", "--rerun-max-steps", "120", "--",
+                          *args)
+        if d is None:
+            res.error = f"diagnose --rerun: {err}"
         else:
-            out["rerun_error"] = (rr.stderr or rr.stdout)[-300:]
+            rr = d["spikes"][0].get("rerun") or {}
+            res.named_cause_rerun = (rr.get("verdict") or {}).get("cause")
+            res.rerun_proven = (rr.get("verdict") or {}).get("proven")
+            res.rerun_variants = [x["variant"] for x in rr.get("variants", [])]
+    res.seconds = round(time.monotonic() - t0, 1)
+    return res
+
+
+def confusion(results: list[Result], key: str) -> list[str]:
+    causes = sorted({r.true_cause or "(control)" for r in results})
+    named = sorted({str(getattr(r, key) if r.flagged_step is not None else "(no flag)") for r in results})
+    head = ["true \\ named"] + named
+    rows = [head]
+    for c in causes:
+        rows.append([c] + [str(sum(1 for r in results if (r.true_cause or "(control)") == c and
+                                   str(getattr(r, key) if r.flagged_step is not None else "(no flag)") == n))
+                           for n in named])
+    w = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return ["  ".join(x.ljust(w[i]) for i, x in enumerate(r)) for r in rows]
+
+
+def summary(results: list[Result]) -> list[str]:
+    out = []
+    for s in ("tuned", "held_out"):
+        rs = [r for r in results if r.set == s and r.true_cause]
+        if not rs:
+            continue
+        causes = sorted({r.true_cause for r in rs})
+        ok = lambda key: [c for c in causes if all(getattr(r, key) == c for r in rs if r.true_cause == c)]  # noqa: E731
+        h, rr = ok("named_cause"), ok("named_cause_rerun")
+        step_ok = sum(1 for r in rs if r.flagged_step is not None)
+        out.append(f"{s}: {step_ok}/{len(rs)} spikes flagged near the true step; causes named right by the "
+                   f"heuristics {len(h)}/{len(causes)} ({', '.join(h) or '-'}), with --rerun {len(rr)}/"
+                   f"{len(causes)} ({', '.join(rr) or '-'})")
+    ctl = [r for r in results if r.true_cause is None]
+    if ctl:
+        flagged = [f"{r.scenario}@{[x for x in [r.flagged_step, *r.other_flags] if x is not None]}"
+                   for r in ctl if r.flagged_step is not None]
+        out.append(f"controls: {len(ctl) - len(flagged)}/{len(ctl)} without a flag"
+                   + (f" (flagged: {', '.join(flagged)})" if flagged else ""))
+    fa = [f"{r.scenario}@{r.other_flags}" for r in results if r.true_cause and r.other_flags]
+    if fa:
+        out.append(f"flags away from the true step in fault runs: {', '.join(fa)}")
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=SCENARIOS)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "all"), default="all")
+    ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per scenario, then the summary")
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_zoo"))
     a = ap.parse_args(argv)
     a.folder.mkdir(parents=True, exist_ok=True)
-    for name in [a.only] if a.only else SCENARIOS:
-        res = run(name, a.folder)
-        print(json.dumps(res) if a.json else
-              f"{name:<16} true {res['true_cause']!s:<9} step {res['true_step']!s:<5} flagged "
-              f"{res['flagged_step']!s:<5} heuristic {res['named_cause']!s:<16} rerun {res['named_cause_rerun']}",
-              flush=True)
+    chosen = [BY_NAME[n] for n in a.only] if a.only else [s for s in SCENARIOS if a.set in ("all", s.set)]
+    results = []
+    for sc in chosen:
+        r = run(sc, a.folder, rerun=not a.no_rerun)
+        results.append(r)
+        if a.json:
+            print(json.dumps(r.__dict__), flush=True)
+        else:
+            print(f"{r.scenario:<26} true {r.true_cause!s:<16} step {r.true_step!s:<5} flagged {r.flagged_step!s:<5}"
+                  f" heuristic {r.named_cause!s:<16} rerun {r.named_cause_rerun!s:<16} "
+                  f"{r.seconds:.0f}s" + (f"  docs {r.true_documents} -> {r.named_documents}" if r.true_documents else "")
+                  + (f"  other flags {r.other_flags}" if r.other_flags else "") + (f"  ERROR {r.error}" if r.error else ""),
+                  flush=True)
+    lines = ["heuristic:", *confusion(results, "named_cause"), "with --rerun:",
+             *confusion(results, "named_cause_rerun"), *summary(results)]
+    if a.json:
+        print(json.dumps({"summary": lines}))
+    else:
+        print("\n".join(lines))
     return 0
 
 

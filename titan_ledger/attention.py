@@ -53,6 +53,10 @@ class MaxLogitRecorder:
 
     record_max_logit: bool = False
     max_logit: torch.Tensor | None = None
+    #: ``replay rerun --variant logit_cap=X`` only: scores soft-capped at X (Gemma 2's
+    #: ``X * tanh(s / X)``) before the softmax; the recorded max is the capped one
+    #: (what the softmax saw, as Flex's ``max_scores`` after a ``score_mod``)
+    softcap: float | None = None
 
     def _record(self, value: torch.Tensor) -> None:
         value = value.detach().float()
@@ -100,13 +104,31 @@ class CpuAttention(MaxLogitRecorder, Module):
         if out_transform is not None:
             raise NotImplementedError("CpuAttention does not return the log-sum-exp")
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
-        )
+        if self.softcap is not None:
+            out = _softcapped_attention(q, k, v, attention_masks, scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
+            )
         if self.record_max_logit and self.training:  # validation (eval mode) is not a train signal
             with record_function("titan_ledger.max_logit"):
-                self._record(_max_scaled_score(q, k, attention_masks, scale))
+                m = _max_scaled_score(q, k, attention_masks, scale)
+                self._record(m if self.softcap is None else self.softcap * torch.tanh(m / self.softcap))
         return out.transpose(1, 2)
+
+
+def _softcapped_attention(q, k, v, mask, scale, cap: float) -> torch.Tensor:
+    """Attention with the scores soft-capped (``cap * tanh(s / cap)``), written out
+    (SDPA has no score hook); q, k, v are (B, N, L, H). A rerun counterfactual, not
+    a training path: it materialises the scores."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = cap * torch.tanh(s / cap)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(v.dtype), v)
 
 
 @torch.no_grad()
@@ -146,6 +168,8 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
     ) -> torch.Tensor:
         # Copied from torchtitan.models.common.attention.FlexAttention.forward.
         assert isinstance(attention_masks, BlockMask), type(attention_masks)
+        if self.softcap is not None:  # CHANGED from torchtitan: replay rerun's logit_cap variant
+            score_mod = _softcap_mod(self.softcap, score_mod)
         q_BNLH = q_BLNH.transpose(1, 2)
         k_BNLH = k_BLNH.transpose(1, 2)
         v_BNLH = v_BLNH.transpose(1, 2)
@@ -171,6 +195,15 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
             return out_BLNH
         lse_BLN = aux.lse.transpose(1, 2)
         return out_transform(out_BLNH, lse_BLN)
+
+
+def _softcap_mod(cap: float, inner=None):
+    def mod(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        return cap * torch.tanh(score / cap)
+
+    return mod
 
 
 def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"], also=()) -> None:

@@ -10,11 +10,19 @@ norm 3x, logit ~100) and stated constants otherwise (``Thresholds``).
 The questions, in order:
 
   Q0 divergence      loss non-finite, or it stays above the pre-spike level afterwards
-  Q1 logit_growth    max attention logit rose steadily before the spike and is >= ~100
-  Q2 lr              param norm growth accelerated and grad norm crept up before the spike
-  Q3 bad_data        one DP rank's loss far above the average at the spike (names the rank)
+  Q1 logit_growth    max attention logit rising before the spike and is >= ~100
+                     (in a run that computes in bf16 this names bf16: §2.4's danger
+                     level is where bf16 rounds the scores; the fp32 rerun decides)
+  Q2 lr              the LR at the spike >= 2x its pre-spike median (a jump: read, not
+                     inferred), or param norm growth accelerated and grad norm crept up
+  Q3 bad_data        one DP rank's loss far above the average, or the trainer's
+                     per-rank / per-document evidence rules fired (names the rank)
   Q4 optimizer_state a grad-norm plateau below normal just before the spike
-  Q5 bf16            a one-step jump that falls right back, with num_zeros off its norm
+  Q5 bf16            a one-step jump that falls right back, with num_zeros off its norm,
+                     in a run that computes in bf16
+  Q6 hardware        a one-step grad-norm jump (>= 4x, or non-finite) that falls right
+                     back with the loss unmoved, in an fp32 run: nothing in the
+                     recorded state explains it (the rerun's `same` proves it)
   else transient
 
 Examples::
@@ -46,7 +54,7 @@ from titan_ledger.errors import LedgerError  # noqa: E402
 from titan_ledger.reader import RunLedger  # noqa: E402
 from titan_ledger.spikes import SpikeDetector, detect_offline  # noqa: E402
 
-CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "transient")
+CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "transient")
 
 
 @dataclass
@@ -59,10 +67,12 @@ class Thresholds:
     param_accel: float = 1.5  # late/early param-norm growth-rate ratio
     grad_trend: float = 0.10  # grad norm rose >= 10% across the pre window
     rank_gap: float = 3.0  # (loss_max - loss) at the spike vs its pre-spike median
+    lr_jump: float = 2.0  # LR at the spike >= 2x its pre-spike median
     rank_gap_rel: float = 0.05  # ... and at least 5% of the loss
     plateau: float = 0.7  # last 10 pre steps' grad norm < 0.7 x the earlier median
     fallback: float = 1.5  # next step's grad norm back under 1.5 x pre median
     zeros: float = 3.0  # num_zeros off its pre median by > 3 MADs (or x2)
+    glitch: float = 4.0  # Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
 
 
 def _finite(xs):
@@ -83,8 +93,12 @@ EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
 
 
 def classify(rows: list[dict], step: int, th: Thresholds | None = None,
-             evidence: dict | None = None) -> dict:
-    """Walk the decision tree for the spike at ``step`` over signals ``rows``."""
+             evidence: dict | None = None, param_dtype: str | None = None) -> dict:
+    """Walk the decision tree for the spike at ``step`` over signals ``rows``.
+
+    ``param_dtype``: the run's compute dtype from the signals header (``float32``,
+    ``bfloat16``; None: unknown, treated as possibly bf16)."""
+    bf16_run = param_dtype not in ("float32", "float64")
     th = th or Thresholds()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
     at = next((r for r in trained if r["step"] == step), None)
@@ -117,13 +131,20 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              len(logits) >= 5 and rises >= th.logit_rising and last_logit >= th.logit_level,
              max_logit=last_logit, rising_fraction=rises, max_logit_slope=_slope(logits))
 
+    lrs = col(pre, "lr")
+    med_lr = statistics.median(lrs) if lrs else None
+    lr_at = at.get("lr")
+    lr_ratio = lr_at / med_lr if med_lr and isinstance(lr_at, (int, float)) else None
     pn = col(pre, "param_norm")
     half = len(pn) // 2
     early, late = _slope(pn[:half]), _slope(pn[half:])
     accel = late / early if early > 0 else (math.inf if late > 0 else 0.0)
     gn_trend = (statistics.mean(pre_gn[-5:]) / statistics.mean(pre_gn[:5]) - 1) if len(pre_gn) >= 10 else 0.0
-    q2 = ask("Q2 lr: param-norm growth accelerating and grad norm creeping up",
-             len(pn) >= 10 and accel >= th.param_accel and gn_trend >= th.grad_trend,
+    q2 = ask("Q2 lr: the LR jumped (>= lr_jump x its pre-spike median), or param-norm growth "
+             "accelerating and grad norm creeping up",
+             (lr_ratio is not None and lr_ratio >= th.lr_jump)
+             or (len(pn) >= 10 and accel >= th.param_accel and gn_trend >= th.grad_trend),
+             lr=lr_at, pre_median_lr=med_lr, lr_ratio=lr_ratio,
              param_norm_growth_early=early, param_norm_growth_late=late, accel=accel,
              grad_norm_trend=gn_trend)
 
@@ -157,14 +178,24 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              and (abs(z_at - z_med) > th.zeros * max(mad, 1.0)
                   or (z_med > 0 and not 0.5 <= z_at / z_med <= 2)))
     falls = nxt is not None and math.isfinite(med_gn) and nxt < th.fallback * med_gn
-    q5 = ask("Q5 bf16: one-step jump that falls back, num_zeros off its norm", falls and z_off,
+    q5 = ask("Q5 bf16: one-step jump that falls back, num_zeros off its norm, in a bf16 run",
+             falls and z_off and bf16_run,
              grad_norm=at["grad_norm"], next_grad_norm=nxt, pre_median_grad_norm=med_gn,
-             num_zeros=z_at, pre_median_num_zeros=z_med)
+             num_zeros=z_at, pre_median_num_zeros=z_med, param_dtype=param_dtype)
+
+    gn = at.get("grad_norm")
+    jump = isinstance(gn, (int, float)) and (not math.isfinite(gn) or (
+        math.isfinite(med_gn) and med_gn > 0 and gn >= th.glitch * med_gn))
+    loss_unmoved = math.isfinite(loss) and math.isfinite(med_loss) and loss <= med_loss * (1 + th.loss_jump)
+    q6 = ask("Q6 hardware: a one-step grad-norm jump that falls back, the loss unmoved, in an fp32 run",
+             jump and falls and loss_unmoved and not bf16_run,
+             grad_norm=gn, pre_median_grad_norm=med_gn, next_grad_norm=nxt, loss=loss,
+             pre_median_loss=med_loss, param_dtype=param_dtype)
 
     if d0:
         cause = "divergence"
     elif q1:
-        cause = "logit_growth"
+        cause = "bf16" if bf16_run and param_dtype is not None else "logit_growth"
     elif q2:
         cause = "lr"
     elif q3:
@@ -173,11 +204,14 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
         cause = "optimizer_state"
     elif q5:
         cause = "bf16"
+    elif q6:
+        cause = "hardware"
     else:
         cause = "transient"
     # divergence is the emergency; the tree still names what drove it
     underlying = next((c for c, hit in (("logit_growth", q1), ("lr", q2), ("bad_data", q3),
-                                        ("optimizer_state", q4), ("bf16", q5)) if hit), None)
+                                        ("optimizer_state", q4), ("bf16", q5), ("hardware", q6)) if hit),
+                      None)
     out = {"step": step, "cause": cause, "checks": checks,
            "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None}
     if cause == "divergence":
@@ -281,7 +315,7 @@ def _main(a) -> int:
             raise LedgerError(f"--step {s}: not a recorded step of {path} (it covers steps 1-{last})")
         event = next((e for e in led.spike_events() if e["step"] == s), None)
         try:
-            res = classify(rows, s, evidence=event)
+            res = classify(rows, s, evidence=event, param_dtype=led.param_dtype())
         except ValueError as e:
             raise LedgerError(f"--step {s}: {path}: {e}") from None
         if a.step is not None:

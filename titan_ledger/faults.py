@@ -19,7 +19,9 @@ backward, and FSDP2 has reduce-scattered the gradients by then, so the sharded
 ``param.grad`` that the clip reads is what is flipped.
 
 Which element and bit (pure functions, unit-tested on tensors): in this rank's
-local shard of the first parameter with a non-empty gradient, the highest exponent
+local shard of the parameter with the largest gradient magnitude (the first that
+is non-empty breaks ties; a flip in a parameter whose gradients are all tiny, such as
+an embedding's, barely moves the grad norm, which no spike zoo can use), the highest exponent
 bit that is 0 in some element and whose flip makes that element at least 100x the
 shard's largest magnitude and at most ``LIMIT`` (the grad norm jumps by orders of
 magnitude but stays finite: its square must not overflow float32). Without one,
@@ -121,20 +123,25 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def flip_first_grad(params, limit: float = LIMIT) -> dict[str, Any] | None:
-    """Flip one bit in the first parameter (of ``(name, param)`` pairs) whose local
-    gradient shard is non-empty. Returns the record (with the parameter name)."""
+def flip_largest_grad(params, limit: float = LIMIT) -> dict[str, Any] | None:
+    """Flip one bit in the parameter (of ``(name, param)`` pairs) whose local gradient
+    shard holds the largest magnitude (the first such on ties; empty shards are
+    passed over). Returns the record (with the parameter name)."""
+    best, top = None, -1.0
     for name, p in params:
         g = p.grad
         if g is None:
             continue
         local = _local(g)
-        if local.numel() == 0:
+        if local.numel() == 0 or not local.is_floating_point():
             continue
-        out = flip_tensor(local, limit)
-        if out is not None:
-            return {"param": name, **out}
-    return None
+        m = float(local.detach().abs().max())
+        if m > top:
+            best, top = (name, local), m
+    if best is None:
+        return None
+    out = flip_tensor(best[1], limit)
+    return None if out is None else {"param": best[0], **out}
 
 
 def rotate(items: list, rank: int) -> Any:
@@ -200,7 +207,7 @@ def arm(trainer) -> None:
             trainer.forward_backward_step = layered
         loss = inner(**kwargs)
         named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
-        done = flip_first_grad(named)
+        done = flip_largest_grad(named)
         from torchtitan.tools.logging import logger
 
         logger.warning(f"titan_ledger: --ledger.inject bitflip at step {trainer.step}: {done}")

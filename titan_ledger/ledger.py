@@ -288,6 +288,9 @@ class Ledger(Configurable):
             raise ConfigError(agreed[2])
         self.run_id, self._seq = agreed[0], int(agreed[1]) - 1
         self.config_digest = _digest(trainer.config)
+        # the compute dtype of the parameters: diagnose's precision question needs it
+        # (a one-step glitch in an fp32 run cannot be bf16 rounding)
+        self.param_dtype = str(trainer.config.training.mixed_precision_param)
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
                                          skip_lr=cfg.skip_lr,
@@ -328,7 +331,7 @@ class Ledger(Configurable):
         header = records.Header(schema="", run_id=self.run_id, seq=self._seq, resumed_from=resumed_from,
                                 time=time.time(),
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
-                                       "dp_size": self.topo.dp_size})
+                                       "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype})
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,

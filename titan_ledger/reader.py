@@ -93,6 +93,12 @@ class RunLedger:
         """Current history of ``signals.jsonl`` (superseded rows left out)."""
         return self.signals.history
 
+    def param_dtype(self) -> str | None:
+        """The compute dtype the last launch recorded (``float32``, ``bfloat16``), or
+        None for ledgers written before it was recorded."""
+        segs = self.signals.segments
+        return segs[-1].header.get("param_dtype") if segs else None
+
     def trained_rows(self) -> list[dict[str, Any]]:
         return [r for r in self.signals.history if not r.get("skipped") and r.get("loss") is not None]
 

@@ -15,7 +15,9 @@ incident page of ``titan_ledger.report`` shows it).
 Variants (``--variant``, repeatable; a counterfactual changes one thing):
 
   same        nothing (reproducibility)
-  skip        step T's data consumed without training (``--ledger.skip_steps T``)
+  skip        step T's data consumed without training (``--ledger.skip_steps T``); from
+              ``diagnose --rerun``, every step of the window whose rows hold the
+              documents the verdict named (a planted document spans several steps)
   lr=X        the learning rate scaled by X over the window (the checkpoint restores
               the optimizer's param-group LR and torchtitan rebuilds the scheduler's
               base LR from the config, so a plain ``--optimizer.lr`` would only act
@@ -24,12 +26,16 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
   eps=X       Adam epsilon (the checkpoint restores the param groups' eps, so it is
               overridden after the load the same way: ``--ledger.rerun eps=X``)
   clip=X      ``--training.max_norm X``
+  logit_cap=X every attention score soft-capped at X (``X * tanh(s / X)``, Gemma 2's
+              softcap) over the window (``--ledger.rerun logit_cap=X``): does the
+              spike need the attention logits to reach their level?
   swap        step T's batches rotated across DP ranks (``--ledger.inject T:0:swap``:
               DP rank r trains on rank (r+1) % dp's batch): does the anomaly (the
               spike event's suspect DP rank, else ``loss_max_rank``) follow the data
               to rank r-1 (bad_data) or stay on its rank (a rank-local fault)?
-  fp32        ``--training.mixed_precision_param float32`` where the run used bf16;
-              "not applicable" on the CPU backend and for fp32 runs (no launch)
+  fp32        ``--training.mixed_precision_param float32`` where the run computed in
+              bf16 (FSDP2's param dtype; also on the CPU backend); "not applicable"
+              for fp32 runs (no launch)
 
 The rerun keeps ``--training.steps`` (the LR schedule depends on it) and stops after
 T+N with ``--ledger.rerun stop=T+N``; it writes no checkpoint of its own
@@ -47,7 +53,15 @@ Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
 hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
 the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``eps`` ->
-optimizer_state, ``clip`` -> clip. None removes it -> ``unproven``.
+optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip. None removes it ->
+``unproven``.
+
+``diagnose --rerun`` first runs the variants its heuristic verdict calls for
+(:data:`PLAN_FOR`); when the spike reproduces under ``same`` and none of them
+removes it, it escalates through the other counterfactuals (:data:`ESCALATION`,
+most specific first, ``lr`` last because a lower LR damps almost any spike) until
+one removes it or the step budget is spent: a wrong heuristic costs reruns, not
+the verdict.
 
 Determinism: on CPU with gloo the debug run is bit-deterministic (two ``same``
 reruns and a ``same`` rerun against the original give bit-equal signals at every
@@ -88,13 +102,17 @@ MIN_RATIO = 2.0  # ... and >= 2x the original's pre-spike median: the spike is p
 REL_TOL = 1e-3  # "equal within tolerance" for non-deterministic (GPU) runs
 PRE = 50  # trained steps before T that describe "normal"
 #: a counterfactual that removes the spike -> the cause it proves (priority order)
-CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "eps": "optimizer_state", "clip": "clip"}
+CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "eps": "optimizer_state",
+            "logit_cap": "logit_growth", "clip": "clip"}
 CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
 #: diagnose's heuristic verdict -> the variants that test it
-PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr=0.5"],
+PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr"],
             "optimizer_state": ["same", "eps=1e-6"], "bf16": ["same", "fp32"],
-            "logit_growth": ["same", "lr=0.5"], "divergence": ["same", "skip"],
-            "transient": ["same"], "unknown": ["same"]}
+            "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "skip"],
+            "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
+#: after an unproven plan: the other counterfactuals, most specific first ("lr" and
+#: "logit_cap" without a value take theirs from the ledger: :func:`ledger_values`)
+ESCALATION = ("skip", "fp32", "eps=1e-6", "logit_cap", "lr")
 HUGE_INTERVAL = 1_000_000_000
 
 
@@ -112,10 +130,11 @@ def parse_overrides(spec: str) -> dict[str, float]:
             v = float(val)
         except ValueError:
             v = math.nan
-        if key not in ("stop", "lr_scale", "eps") or not math.isfinite(v) or v <= 0 \
+        if key not in ("stop", "lr_scale", "eps", "logit_cap") or not math.isfinite(v) or v <= 0 \
                 or (key == "stop" and v != int(v)):
             raise ConfigError(f"--ledger.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
-                              f"eps=X (X > 0), comma-separated; set by python -m titan_ledger.replay rerun")
+                              f"eps=X, logit_cap=X (X > 0), comma-separated; set by python -m "
+                              f"titan_ledger.replay rerun")
         out[key] = int(v) if key == "stop" else v
     return out
 
@@ -139,7 +158,14 @@ def apply_overrides(trainer) -> dict[str, float]:
     optimizer's param groups, which the checkpoint restored, and the schedulers'
     base LRs, which torchtitan rebuilt from the config) and set Adam's eps."""
     o = _overrides(trainer)
-    scale, eps = o.get("lr_scale"), o.get("eps")
+    scale, eps, cap = o.get("lr_scale"), o.get("eps"), o.get("logit_cap")
+    if cap is not None:
+        from titan_ledger.attention import MaxLogitRecorder
+
+        for part in trainer.model_parts:
+            for m in part.modules():
+                if isinstance(m, MaxLogitRecorder):
+                    m.softcap = cap
     if scale is None and eps is None:
         return o
     for sched in trainer.lr_schedulers.schedulers:
@@ -157,29 +183,78 @@ def apply_overrides(trainer) -> dict[str, float]:
 # --------------------------------------------------------------------------- variants
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | lr | eps | clip | fp32
+    kind: str  # same | skip | swap | lr | eps | clip | logit_cap | fp32
     value: float | None = None
+    #: skip: the steps to skip (empty: the spike step alone)
+    steps: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
+        if self.kind == "skip" and self.steps:
+            return f"skip={_ranges(list(self.steps))}"
         return self.kind if self.value is None else f"{self.kind}={self.value:g}"
 
     def slug(self, step: int) -> str:
-        return f"skip{step}" if self.kind == "skip" else self.name.replace("=", "_")
+        if self.kind == "skip":
+            return "skip" + (_ranges(list(self.steps)).replace(",", "_") if self.steps else str(step))
+        return self.name.replace("=", "_")
+
+    def skip_list(self, step: int) -> list[int]:
+        return sorted(self.steps) if self.steps else [step]
 
 
-def parse_variant(spec: str) -> Variant:
+#: kinds whose value ``diagnose --rerun`` may take from the ledger (:func:`ledger_values`)
+_VALUE_FROM_LEDGER = ("lr", "logit_cap")
+
+
+def parse_variant(spec: str, allow_open: bool = False) -> Variant:
+    """``same``, ``skip``, ``skip=28-29``, ``lr=0.5``, ...; with ``allow_open``, ``lr``
+    and ``logit_cap`` without a value (filled in by :func:`ledger_values`)."""
     kind, eq, val = spec.strip().partition("=")
     if kind in ("same", "skip", "fp32", "swap") and not eq:
         return Variant(kind)
-    if kind in ("lr", "eps", "clip") and eq:
+    if kind == "skip" and eq:
+        from titan_ledger.data.layout import parse_skip_steps
+        from titan_ledger.errors import TitanLedgerError as _E
+
+        try:
+            windows = parse_skip_steps(val)
+        except _E:
+            windows = []
+        if windows:
+            return Variant("skip", steps=tuple(s for a, b in windows for s in range(a, b + 1)))
+    if allow_open and kind in _VALUE_FROM_LEDGER and not eq:
+        return Variant(kind)
+    if kind in ("lr", "eps", "clip", "logit_cap") and eq:
         try:
             v = float(val)
         except ValueError:
             v = math.nan
         if math.isfinite(v) and v > 0:
             return Variant(kind, v)
-    raise RerunError(f"--variant {spec!r}: one of same, skip, swap, lr=X, eps=X, clip=X, fp32 (X > 0)")
+    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, clip=X, "
+                     f"logit_cap=X, fp32 (X > 0)")
+
+
+def ledger_values(v: Variant, rows: list[dict], step: int) -> Variant:
+    """Fill in an open ``lr`` / ``logit_cap`` variant from the original's signals (pure).
+
+    ``lr``: when the LR at the spike is >= 2x the median LR of the ``PRE`` trained steps
+    before it (a schedule jump, a relaunch with another ``--optimizer.lr``), the
+    scale that undoes the jump (median / LR at T); otherwise 0.5.
+    ``logit_cap``: half the max attention logit at the spike (at least 1): the
+    spike must survive scores never reaching the level they reached."""
+    if v.value is not None or v.kind not in _VALUE_FROM_LEDGER:
+        return v
+    at = next((r for r in rows if r["step"] == step), {})
+    if v.kind == "lr":
+        lr_t = _num(at.get("lr"))
+        med = pre_median(rows, step, "lr")
+        if lr_t and med and lr_t >= 2 * med:
+            return Variant("lr", float(f"{med / lr_t:.3g}"))
+        return Variant("lr", 0.5)
+    ml = _num(at.get("max_logit"))
+    return Variant("logit_cap", float(f"{max(1.0, 0.5 * ml):.3g}") if ml and math.isfinite(ml) else 1.0)
 
 
 def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
@@ -188,7 +263,7 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
     if v.kind == "same":
         return [], {}
     if v.kind == "skip":
-        windows = [*config.ledger.skip_steps, str(step)]
+        windows = [*config.ledger.skip_steps, *(str(s) for s in v.skip_list(step))]
         return ["--ledger.skip_steps", ",".join(windows)], {}
     if v.kind == "swap":
         kept = [p for p in (config.ledger.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
@@ -197,20 +272,15 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
         return [], {"lr_scale": v.value}
     if v.kind == "eps":
         return [], {"eps": v.value}
+    if v.kind == "logit_cap":
+        return [], {"logit_cap": v.value}
     if v.kind == "clip":
         return ["--training.max_norm", f"{v.value:g}"], {}
     if v.kind == "fp32":
-        if config.training.mixed_precision_param == "float32" or _cpu_backend(config):
+        if config.training.mixed_precision_param == "float32":
             return None
         return ["--training.mixed_precision_param", "float32"], {}
     raise AssertionError(v)
-
-
-def _cpu_backend(config) -> bool:
-    from titan_ledger import backend
-
-    return "cpu" in (os.environ.get(backend.ENV_VAR), config.ledger.device) or \
-        backend.resolve(config.ledger.device) == "cpu"
 
 
 # --------------------------------------------------------------------------- planning
@@ -608,7 +678,7 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
     folder = plan.folder(v)
     if va is None:
         return VariantResult(v.name, v.kind, None, applicable=False,
-                             note="the run trains in float32 already (the CPU backend, or "
+                             note="the run trains in float32 already ("
                                   "--training.mixed_precision_param float32)")
     extra, over = va
     if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's
@@ -702,18 +772,40 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
 
 def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
           load_step: int | None = None, after: int = 1, nproc: int = 2, ledger_folder: str = "ledger",
-          fresh: bool = False, heuristic: str | None = None, log=print, prepared=None) -> dict:
-    """Plan, run every variant, compare, judge. Returns the JSON-able report."""
+          fresh: bool = False, heuristic: str | None = None, log=print, prepared=None,
+          escalate: list[Variant] | None = None, max_steps: int | None = None) -> dict:
+    """Plan, run every variant, compare, judge. Returns the JSON-able report.
+
+    ``escalate``: variants to try one at a time, in order, when the plan's verdict is
+    ``unproven`` (reproduced under ``same``, removed by none), until one removes the
+    spike or ``max_steps`` training steps in all would be exceeded."""
     plan, config, base, n_launch = prepared or prepare(
         dump, step, variants, train_args, load_step=load_step, after=after, nproc=nproc,
         ledger_folder=ledger_folder)
     if prepared is None:  # for_diagnosis printed every spike's budget before running any
         log(plan.budget_line(n_launch))
     results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
+    spent = n_launch * plan.steps_per_variant
+    vd = verdict(results, step, heuristic)
+    escalated = []
+    for v in escalate or []:
+        if vd["cause"] != "unproven":
+            break
+        if any(r.kind == v.kind for r in results) or variant_args(v, step, config) is None:
+            continue
+        if max_steps is not None and spent + plan.steps_per_variant > max_steps:
+            log(f"rerun: escalation stops before {v.name}: it would exceed {max_steps} training steps")
+            break
+        log(f"rerun: {', '.join(r.variant for r in results)} left the spike at step {step} unexplained; "
+            f"escalating to {v.name}")
+        results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
+        spent += plan.steps_per_variant
+        escalated.append(v.name)
+        vd = verdict(results, step, heuristic)
+    if escalated:
+        vd["escalated"] = escalated
     rep = {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
-           "budget_steps": n_launch * plan.steps_per_variant,
-           "variants": [r.to_json() for r in results],
-           "verdict": verdict(results, step, heuristic)}
+           "budget_steps": spent, "variants": [r.to_json() for r in results], "verdict": vd}
     write_summary(plan.dump / plan.ledger_folder, rep)
     return rep
 
@@ -736,39 +828,73 @@ def write_summary(ledger_dir: Path, rep: dict) -> Path:
 
 def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,
                   max_steps: int = 200, ledger_folder: str = "ledger", fresh: bool = False,
-                  log=print) -> None:
+                  log=print, escalate: bool = True) -> None:
     """``diagnose --rerun``: for each diagnosed spike, run the variants its heuristic
     verdict calls for (:data:`PLAN_FOR`) within a training-step budget printed
-    first, and attach the report (``res["rerun"]``) with the proven cause."""
+    first, escalate through :data:`ESCALATION` when they leave it unexplained, and
+    attach the report (``res["rerun"]``) with the proven cause."""
+    from titan_ledger.reader import RunLedger
+
     if not train_args:
         raise RerunError("--rerun needs the original run's training flags after `--` (at least "
                          "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
+    led = RunLedger(dump, ledger_folder)
     jobs = []
     for res in results:
-        variants = PLAN_FOR.get(res["cause"], ["same"])
-        p = prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
-                    ledger_folder=ledger_folder)
-        na = [v for v in p[0].variants if variant_args(v, res["step"], p[1]) is None]
-        if na and Variant("skip") not in p[0].variants:
-            # the heuristic's own test cannot run here (fp32 on an fp32 run): test the data instead
-            log(f"  step {res['step']}: {', '.join(v.name for v in na)} not applicable to this run; "
-                f"testing skip instead")
-            variants = [v for v in variants if parse_variant(v) not in na] + ["skip"]
-            p = prepare(dump, res["step"], variants, train_args, after=after, nproc=nproc,
-                        ledger_folder=ledger_folder)
-        jobs.append((res, p))
-    total = sum(p[0].steps_per_variant * p[3] for _, p in jobs)
-    log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s) "
+        step = res["step"]
+        p0 = prepare(dump, step, ["same"], train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
+        plan0, config = p0[0], p0[1]
+        resolve = lambda spec: resolve_variant(spec, led, step, plan0.load_step, plan0.stop,  # noqa: E731
+                                               res.get("documents"))
+        variants = [resolve(v) for v in PLAN_FOR.get(res["cause"], ["same"])]
+        na = [v for v in variants if variant_args(v, step, config) is None]
+        if na:  # fp32 on an fp32 run: dropped; when nothing but `same` is left, test the data
+            variants = [v for v in variants if v not in na]
+            alone = all(v.kind == "same" for v in variants) and res["cause"] not in ("hardware", "transient")
+            log(f"  step {step}: {', '.join(v.name for v in na)} not applicable to this run"
+                + ("; testing skip instead" if alone else ""))
+            if alone:
+                variants.append(resolve("skip"))
+        p = prepare(dump, step, variants, train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
+        esc = [resolve(v) for v in ESCALATION] if escalate else []
+        jobs.append((res, p, esc))
+    total = sum(p[0].steps_per_variant * p[3] for _, p, _ in jobs)
+    log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s), more only to escalate "
         f"(--rerun-max-steps {max_steps})")
-    for res, p in jobs:
+    for res, p, esc in jobs:
         log(f"  step {res['step']}: heuristic {res['cause']} -> variants "
             f"{', '.join(v.name for v in p[0].variants)}: {p[0].budget_line(p[3])}")
     if total > max_steps:
         raise RerunError(f"--rerun: the reruns need {total} training steps, more than "
                          f"--rerun-max-steps {max_steps}; raise it or pick one spike with --step")
-    for res, p in jobs:
+    left = max_steps
+    for res, p, esc in jobs:
+        others = sum(q[0].steps_per_variant * q[3] for r2, q, _ in jobs if r2 is not res)
         res["rerun"] = rerun(dump, res["step"], [], train_args, nproc=nproc, fresh=fresh,
-                             heuristic=res["cause"], log=log, prepared=p)
+                             heuristic=res["cause"], log=log, prepared=p, escalate=esc,
+                             max_steps=left - others)
+        left -= res["rerun"]["budget_steps"]
+        jobs = [j for j in jobs if j[0] is not res]
+
+
+def resolve_variant(spec: str, led, step: int, load_step: int, stop: int,
+                    documents: list[dict] | None = None) -> Variant:
+    """A :data:`PLAN_FOR` / :data:`ESCALATION` entry made concrete for one spike: open
+    ``lr`` / ``logit_cap`` values from the ledger (:func:`ledger_values`); ``skip``
+    widened to every step of the rerun window whose rows hold a document the verdict
+    named (a planted document is cut into rows that span several steps)."""
+    v = ledger_values(parse_variant(spec, allow_open=True), led.signal_rows(), step)
+    if v.kind != "skip" or not documents:
+        return v
+    named = {(d["source"], d["doc"]) for d in documents}
+    steps = {step}
+    for s in range(load_step + 1, stop + 1):
+        for r in led.data.ranks_at(s):
+            sd = led.data.at(s, r)
+            if sd and not sd.skipped and any((t.source, seg.doc) in named for t in sd.tags
+                                             for seg in t.segments):
+                steps.add(s)
+    return Variant("skip", steps=tuple(sorted(steps))) if steps != {step} else v
 
 
 def checkpoints_of(dump: Path, folder: str) -> list[int]:

@@ -85,7 +85,7 @@ def test_skip_removes_the_data_spike_and_proves_bad_data(same_and_skip_8):
     skip = by["skip"]
     assert not skip["reused"] and skip["present"] is False and skip["at_step"] == {"skipped": True}
     assert skip["bit_equal_steps"] == [5, 6, 7] and skip["data_equal"]  # same samples, 8 consumed untrained
-    assert by["fp32"]["applicable"] is False  # the CPU backend trains in fp32
+    assert by["fp32"]["applicable"] is False  # debug_cpu trains in fp32
     v = rep["verdict"]
     assert v["cause"] == "bad_data" and v["proven"]
 

@@ -94,3 +94,30 @@ def test_rejects_block_mask():
     x = torch.randn(1, 4, 1, 2)
     with pytest.raises(TypeError, match="dense bool mask"):
         CpuAttention(CpuAttention.Config())(x, x, x, attention_masks=None)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_softcap_matches_flex_with_a_tanh_score_mod(heads, kv_heads):
+    """``replay rerun --variant logit_cap=X``: the CPU path writes the capped attention
+    out; it must equal Flex with ``X * tanh(s / X)`` as its score_mod, and a cap far
+    above every score must give plain attention back."""
+    torch.manual_seed(1)
+    batch, seq, dim, cap = 2, 64, 16, 2.0
+    positions = _positions(batch, seq, seed=7)
+    q, k, v = (torch.randn(batch, seq, h, dim) * 3 for h in (heads, kv_heads, kv_heads))
+    gqa = heads != kv_heads
+    attn = CpuAttention(CpuAttention.Config())
+    attn.record_max_logit = True
+    attn.softcap = cap
+    ours = attn(q, k, v, attention_masks=document_causal_mask(positions), enable_gqa=gqa)
+    mask_mod = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    bm = create_block_mask(mask_mod, batch, None, seq, seq, device="cpu", BLOCK_SIZE=16)
+    ref = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                         enable_gqa=gqa, score_mod=lambda s, b, h, i, j: cap * torch.tanh(s / cap))
+    torch.testing.assert_close(ours, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert float(attn.take_max_logit(torch.device("cpu"))) <= cap  # the capped max is recorded
+    attn.softcap = 1e6
+    plain = CpuAttention(CpuAttention.Config())
+    m = document_causal_mask(positions)
+    torch.testing.assert_close(attn(q, k, v, attention_masks=m, enable_gqa=gqa),
+                               plain(q, k, v, attention_masks=m, enable_gqa=gqa), rtol=1e-4, atol=1e-5)

@@ -70,13 +70,35 @@ def test_each_cause_is_named_with_its_numbers(cause):
     got = classify(rows, T)
     assert got["cause"] == cause, got
     assert got["grad_norm_ratio"] > 3
-    assert [c["question"][:2] for c in got["checks"]] == ["Q0", "Q1", "Q2", "Q3", "Q4", "Q5"]
+    assert [c["question"][:2] for c in got["checks"]] == ["Q0", "Q1", "Q2", "Q3", "Q4", "Q5", "Q6"]
     if cause == "bad_data":
         assert got["rank"] == 3
         q3 = got["checks"][3]
         assert q3["loss_max_rank"] == 3 and q3["rank_loss"] == 9.5
     if cause == "logit_growth":
         assert got["checks"][1]["max_logit"] >= 100 and got["checks"][1]["max_logit_slope"] > 1
+
+
+def test_an_lr_jump_is_read_from_the_lr_column():
+    rows = ledger()
+    for r in rows[T - 2:]:
+        r["lr"] = 30 * 3e-4  # a relaunch with another --optimizer.lr, two steps before the spike
+    got = classify(spike(rows), T)
+    assert got["cause"] == "lr" and got["checks"][2]["lr_ratio"] == pytest.approx(30)
+
+
+def test_the_run_precision_decides_bf16_against_logit_growth_and_hardware():
+    rows = make("logit_growth")
+    assert classify(rows, T, param_dtype="bfloat16")["cause"] == "bf16"
+    assert classify(rows, T, param_dtype="float32")["cause"] == "logit_growth"
+    # a grad-norm glitch that falls back with the loss unmoved: hardware in fp32, bf16 in bf16
+    rows = ledger()
+    rows[T - 1]["grad_norm"], rows[T - 1]["num_zeros"] = 40.0, 50000
+    assert classify(rows, T, param_dtype="float32")["cause"] == "hardware"
+    assert classify(rows, T, param_dtype="bfloat16")["cause"] == "bf16"
+    rows[T - 1]["grad_norm"] = float("inf")
+    assert classify(rows, T, param_dtype="float32")["cause"] == "hardware"
+    assert classify(make("transient"), T, param_dtype="float32")["cause"] == "transient"  # the loss moved
 
 
 

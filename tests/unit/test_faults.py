@@ -60,12 +60,13 @@ def test_flip_tensor_ignores_empty_and_integer_tensors():
     assert faults.flip_tensor(torch.zeros(3, dtype=torch.int64)) is None
 
 
-def test_flip_first_grad_skips_params_without_a_local_grad():
+def test_flip_largest_grad_picks_the_largest_shard_and_skips_empty_ones():
     a, b = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(5))
-    c = torch.nn.Parameter(torch.zeros(5))
-    a.grad, b.grad = torch.zeros(0), torch.full((5,), 1e-4)
-    rec = faults.flip_first_grad([("a", a), ("c", c), ("b", b)])
-    assert rec["param"] == "b" and b.grad.abs().max() > 1e-2
+    c, d = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))
+    a.grad, b.grad, d.grad = torch.zeros(0), torch.full((5,), 1e-4), torch.full((3,), 1e-2)
+    rec = faults.flip_largest_grad([("a", a), ("c", c), ("b", b), ("d", d)])
+    assert rec["param"] == "d" and d.grad.abs().max() > 1.0 and b.grad.abs().max() == pytest.approx(1e-4)
+    assert faults.flip_largest_grad([("a", a), ("c", c)]) is None
 
 
 def test_parse_inject_accepts_bitflip_and_combinations():

@@ -86,7 +86,12 @@ def test_variant_args():
     assert rr.variant_args(Variant("lr", 0.5), 8, c) == ([], {"lr_scale": 0.5})
     assert rr.variant_args(Variant("eps", 1e-6), 8, c) == ([], {"eps": 1e-6})
     assert rr.variant_args(Variant("clip", 0.25), 8, c) == (["--training.max_norm", "0.25"], {})
-    assert rr.variant_args(Variant("fp32"), 8, c) is None  # the CPU backend trains in fp32
+    # bf16 computes on the CPU backend too (FSDP2's param dtype), so fp32 is a real rerun
+    assert rr.variant_args(Variant("fp32"), 8, c) == (["--training.mixed_precision_param", "float32"], {})
+    c.training = type("t", (), {"mixed_precision_param": "float32"})
+    assert rr.variant_args(Variant("fp32"), 8, c) is None  # an fp32 run: not applicable
+    assert rr.variant_args(Variant("logit_cap", 30.0), 8, c) == ([], {"logit_cap": 30.0})
+    assert rr.variant_args(Variant("skip", steps=(8, 9)), 8, c) == (["--ledger.skip_steps", "2-3,8,9"], {})
     assert rr.variant_args(Variant("swap"), 8, c) == (["--ledger.inject", "8:1:repeat,8:0:swap"], {})
     assert rr.strip_train_args(["--ledger.inject", "8:1:repeat", "--x"], drop_inject=True) == ["--x"]
 
@@ -144,12 +149,13 @@ def test_verdicts():
 
 def test_plan_for_heuristic_causes():
     assert rr.PLAN_FOR["bad_data"] == ["same", "skip"]
-    assert rr.PLAN_FOR["lr"] == ["same", "lr=0.5"]
+    assert rr.PLAN_FOR["lr"] == ["same", "lr"]  # the scale comes from the ledger
     assert rr.PLAN_FOR["optimizer_state"] == ["same", "eps=1e-6"]
     assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
-    assert rr.PLAN_FOR["transient"] == ["same"]
-    for plan_ in rr.PLAN_FOR.values():
-        [rr.parse_variant(x) for x in plan_]
+    assert rr.PLAN_FOR["logit_growth"] == ["same", "fp32", "logit_cap"]  # fp32 first: bf16 runs
+    assert rr.PLAN_FOR["hardware"] == rr.PLAN_FOR["transient"] == ["same"]
+    for plan_ in [*rr.PLAN_FOR.values(), rr.ESCALATION]:
+        [rr.parse_variant(x, allow_open=True) for x in plan_]
 
 
 def test_print_report(capsys):
@@ -205,3 +211,31 @@ def test_help_has_examples(capsys):
         replay.main(["rerun", "--help"])
     out = capsys.readouterr().out
     assert "Examples:" in out and "--variant same --variant skip" in out and "hardware" in out
+
+
+def test_parse_variant_forms_and_ledger_values():
+    assert rr.parse_variant("skip=28-29") == Variant("skip", steps=(28, 29))
+    assert rr.parse_variant("skip=28-29").name == "skip=28-29"
+    assert rr.parse_variant("logit_cap=50") == Variant("logit_cap", 50.0)
+    with pytest.raises(rr.RerunError):
+        rr.parse_variant("lr")  # a value is needed on the command line
+    assert rr.parse_variant("lr", allow_open=True) == Variant("lr")
+    rows = [{"step": s, "lr": 1e-3, "max_logit": 40.0, "grad_norm": 1.0} for s in range(1, 21)]
+    rows[-1] = {"step": 21, "lr": 3e-2, "max_logit": 120.0, "grad_norm": 5.0}
+    # a jump: the scale that undoes it; no jump: 0.5
+    assert rr.ledger_values(Variant("lr"), rows, 21) == Variant("lr", float("%.3g" % (1e-3 / 3e-2)))
+    assert rr.ledger_values(Variant("lr"), rows, 20) == Variant("lr", 0.5)
+    assert rr.ledger_values(Variant("logit_cap"), rows, 21) == Variant("logit_cap", 60.0)
+    assert rr.ledger_values(Variant("lr", 0.25), rows, 21) == Variant("lr", 0.25)  # a given value stays
+
+
+def test_escalation_order_and_verdict_priority():
+    # the most specific counterfactual first, lr (damps anything) last
+    assert rr.ESCALATION[0] == "skip" and rr.ESCALATION[-1] == "lr"
+    same = rr.VariantResult("same", "same", None, present=True, at_step={}, original_at_step={})
+    fp32 = rr.VariantResult("fp32", "fp32", None, present=False, at_step={})
+    cap = rr.VariantResult("logit_cap=50", "logit_cap", None, present=False, at_step={})
+    v = rr.verdict([same, cap, fp32], 30, heuristic="logit_growth")
+    assert v["cause"] == "bf16" and v["proven"] and v["heuristic_wrong"]  # fp32 alone removes it too
+    v = rr.verdict([same, rr.VariantResult("fp32", "fp32", None, present=True, at_step={}), cap], 30)
+    assert v["cause"] == "logit_growth" and v["proven"]

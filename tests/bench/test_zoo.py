@@ -1,0 +1,43 @@
+"""bench/zoo.py: one scenario of the spike zoo end to end (the zoo itself is a bench).
+
+The hardware scenario is the cheapest real one: a 40-step run with one flipped
+gradient bit at step 28, ``diagnose`` (heuristic) and ``diagnose --rerun`` (the
+``same`` rerun from checkpoint 20 does not reproduce it). Both must name hardware at
+the flagged step 28, with no other flag in the run; the pure table code is checked on
+the result it produced.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, child_env
+
+pytestmark = pytest.mark.slow
+
+
+def _load_zoo():
+    spec = importlib.util.spec_from_file_location("zoo", ROOT / "bench" / "zoo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hardware_scenario_is_flagged_and_named_with_and_without_rerun(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "zoo.py"), "--only", "hardware", "--json",
+                           "--folder", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    res, summary = lines[0], lines[-1]["summary"]
+    assert res["scenario"] == "hardware" and res["train_rc"] == 0 and res["error"] is None, res
+    assert res["true_step"] == 28 and res["flagged_step"] == 28 and res["other_flags"] == [], res
+    assert res["named_cause"] == "hardware" and res["named_cause_rerun"] == "hardware", res
+    assert res["rerun_proven"] and res["rerun_variants"] == ["same"], res
+    assert any("with --rerun 1/1 (hardware)" in line for line in summary), summary
+    zoo = _load_zoo()
+    table = zoo.confusion([zoo.Result(**res)], "named_cause")
+    assert table[1].split() == ["hardware", "1"]
