@@ -14,37 +14,34 @@ run's own ledger where it can be (the step whose rows hold the planted document)
 
 The scenarios (``true_cause`` as ``diagnose`` prints it):
 
-* ``bad_data_repeat`` / ``bad_data_random``: ONE degenerate document (one token
-  repeated; random printable characters) planted in the prepared corpus where the
-  sequential order reaches it at about step 28. No runtime injection. Held out:
-  ``bad_data_ngram`` (a repeated 4-gram, step 36) and ``bad_data_random_seed1``
-  (another seed, step 33).
+* ``bad_data_repeat`` / ``bad_data_ngram``: ONE degenerate document (one token
+  repeated 1200 times; a 3-word phrase repeated 400 times) planted in the prepared
+  corpus where the sequential order reaches it at about step 28 / 36. No runtime
+  injection; the true step is the first step whose data ledger lists the document.
+  Held out: ``bad_data_chars`` (4000 ``=``, step 33) and ``bad_data_repeat_late``
+  (another token, step 45).
 * ``lr``: the run is relaunched from its step-20 checkpoint with ``--optimizer.lr``
-  30x higher (what a mistyped relaunch does: torchtitan rebuilds the schedule's
-  base LR from the config, so the LR jumps at step 22). Held out: 20x, checkpoint 30.
-* ``logit_growth``: no QK-norm (llama3 has none), LR 1e-2 held constant, fp32: the
-  max attention logit climbs into the hundreds until the loss jumps. Held out:
-  LR 1.2e-2 and another data seed position.
-* ``precision``: LR 6e-3 held constant in bf16 (FSDP2's param dtype); the same run
-  in fp32 is the control. Held out: LR 7e-3.
-* ``optimizer_state``: Adam with beta2 0.999 and eps 1e-15 (the article's
-  "second moment lags the gradient" with no epsilon protection), LR 3e-3 constant;
-  the same run with torchtitan's (0.9, 0.95) and 1e-8 is the control. Held out: LR
-  3.5e-3.
+  30x higher (what a mistyped relaunch does); the true step is the first one the
+  ledger shows at >= 2x the LR of the step before (21). Held out: 20x from step 30.
 * ``hardware``: ``--ledger.inject 28:0:bitflip`` (one exponent bit of one gradient
   element, once; :mod:`titan_ledger.faults`). Held out: step 33 on DP rank 1.
-* controls: ``clean`` (the corpus without a planted document, default flags: the
-  control of bad data, hardware and lr), ``precision_fp32`` and
-  ``optimizer_default`` (the scenario's run without its fault).
+* ``clean``: the corpus without a planted document, default flags, 55 steps: the
+  control of all of them (the same corpus order, no fault).
+* attempted (``--set attempted``; not in ``all``): ``bad_data_random`` (1500 random
+  characters at step 60), ``logit_growth`` (no QK-norm, LR warmed up to 3e-2 over 80
+  steps, fp32), ``precision`` (the same in bf16) and ``optimizer_state`` (beta2 0.999,
+  eps 1e-15, LR 1e-2, no clipping). On this model they move the loss by a few percent
+  or grow the max logit to ~400 without a loss spike, so they measure nothing yet;
+  the README lists what was measured.
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,
 ``flagged_step`` (the first flagged step from ``true_step - 1`` to
-``true_step + MATCH_AFTER``; for a control the first flagged step; null when nothing
+``true_step + MATCH_AFTER`` (5); for a control the first flagged step; null when nothing
 was flagged), ``other_flags`` (flagged steps outside that window), for bad data
 ``true_documents`` / ``named_documents``, and ``seconds``. At the end, the confusion
 tables (true vs named cause, heuristic and rerun) and the goals: every cause named
-right with ``--rerun``, >= 4 of 6 by the heuristics, no flag on a control.
+right with ``--rerun``, the heuristics' count, no flag on a control.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 TOKENS_PER_STEP = 2 * 4 * 256  # DP 2 x 4 rows x 256 tokens
 CORPUS = ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl"
-MATCH_AFTER = 4  # a flag up to 4 steps after the true step is the same spike
+MATCH_AFTER = 5  # a flag up to 5 steps after the true step is the same spike (an LR jump needs a few)
 CONSTANT_LR = ("--lr_scheduler.min_lr_factor", "1.0")  # warmup 2, then constant
 
 
@@ -85,33 +82,28 @@ class Scenario:
 
 SCENARIOS = [
     Scenario("bad_data_repeat", "bad_data", 40, plant="repeat"),
-    Scenario("bad_data_random", "bad_data", 40, plant="random"),
-    Scenario("lr", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "2.4e-2")), true_step=22),
-    Scenario("logit_growth", "logit_growth", 100, ("--optimizer.lr", "1e-2", *CONSTANT_LR)),
-    Scenario("precision", "bf16", 150, ("--optimizer.lr", "6e-3", *CONSTANT_LR,
-                                         "--training.mixed_precision_param", "bfloat16")),
-    Scenario("optimizer_state", "optimizer_state", 80,
-             ("--optimizer.lr", "3e-3", *CONSTANT_LR, "--optimizer.betas", "0.9", "0.999",
-              "--optimizer.eps", "1e-15")),
+    Scenario("bad_data_ngram", "bad_data", 45, plant="ngram", plant_step=36),
+    Scenario("lr", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "2.4e-2"))),
     Scenario("hardware", "hardware", 40, ("--ledger.inject", "28:0:bitflip"), true_step=28),
-    # held out: run once, after the thresholds were fixed on the set above
-    Scenario("bad_data_ngram", "bad_data", 45, plant="ngram", plant_step=36, set="held_out"),
-    Scenario("bad_data_random_seed1", "bad_data", 45, plant="random", plant_step=33, seed=1, set="held_out"),
-    Scenario("lr_held_out", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2")), true_step=32,
-             set="held_out"),
-    Scenario("logit_growth_held_out", "logit_growth", 100, ("--optimizer.lr", "1.2e-2", *CONSTANT_LR),
-             set="held_out"),
-    Scenario("precision_held_out", "bf16", 150, ("--optimizer.lr", "7e-3", *CONSTANT_LR,
-                                                  "--training.mixed_precision_param", "bfloat16"), set="held_out"),
-    Scenario("optimizer_state_held_out", "optimizer_state", 80,
-             ("--optimizer.lr", "3.5e-3", *CONSTANT_LR, "--optimizer.betas", "0.9", "0.999",
-              "--optimizer.eps", "1e-15"), set="held_out"),
+    # held out: run after the thresholds were fixed on the set above
+    Scenario("bad_data_chars", "bad_data", 45, plant="chars", plant_step=33, set="held_out"),
+    Scenario("bad_data_repeat_late", "bad_data", 55, plant="repeat_and", plant_step=45, set="held_out"),
+    Scenario("lr_held_out", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2")), set="held_out"),
     Scenario("hardware_held_out", "hardware", 40, ("--ledger.inject", "33:1:bitflip"), true_step=33,
              set="held_out"),
-    # controls: the runs above without their fault
-    Scenario("clean", None, 45, set="controls"),
-    Scenario("precision_fp32", None, 150, ("--optimizer.lr", "6e-3", *CONSTANT_LR), set="controls"),
-    Scenario("optimizer_default", None, 80, ("--optimizer.lr", "3e-3", *CONSTANT_LR), set="controls"),
+    # the control: the runs above without their fault (same corpus order, default flags)
+    Scenario("clean", None, 55, set="controls"),
+    # attempted: configurations that carry the cause but produced NO loss spike on this
+    # model (the README lists what was measured); kept runnable for a larger model or a GPU
+    Scenario("bad_data_random", "bad_data", 70, plant="random", plant_step=60, set="attempted"),
+    Scenario("logit_growth", "logit_growth", 100,
+             ("--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "80", *CONSTANT_LR), set="attempted"),
+    Scenario("precision", "bf16", 100, ("--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "80",
+                                         *CONSTANT_LR, "--training.mixed_precision_param", "bfloat16"),
+             set="attempted"),
+    Scenario("optimizer_state", "optimizer_state", 100,
+             ("--optimizer.lr", "1e-2", *CONSTANT_LR, "--training.max_norm", "1e9", "--optimizer.betas", "0.9",
+              "0.999", "--optimizer.eps", "1e-15"), set="attempted"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -125,10 +117,14 @@ def planted_text(kind: str, seed: int) -> str:
     rnd = random.Random(seed)
     if kind == "repeat":
         return " the" * 1200
+    if kind == "repeat_and":
+        return " and" * 1200
     if kind == "ngram":
         return " of the data" * 400
+    if kind == "chars":  # a separator line run, as scraped pages have
+        return "=" * 4000
     if kind == "random":
-        return "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789{}[]<>#@!?") for _ in range(4000))
+        return "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789{}[]<>#@!?") for _ in range(1500))
     raise ValueError(kind)
 
 
@@ -221,6 +217,9 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
         steps = sorted(s for r in led.data.ranks() for s in range(1, led.data.last_step + 1)
                        if (sd := led.data.at(s, r)) and any(seg.doc in planted for t in sd.tags for seg in t.segments))
         res.true_step, res.true_documents = (steps[0] if steps else None), planted
+    if sc.relaunch is not None:  # the first step trained at >= 2x the step before's LR
+        rows = led.trained_rows()
+        res.true_step = next((b["step"] for a, b in zip(rows, rows[1:]) if b["lr"] >= 2 * a["lr"]), None)
     flagged = led.spike_steps()
     if res.true_step is not None:
         near = [s for s in flagged if res.true_step - 1 <= s <= res.true_step + MATCH_AFTER]
@@ -294,13 +293,15 @@ def summary(results: list[Result]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
-    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "all"), default="all")
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "attempted", "all"), default="all",
+                    help="all: tuned, held_out and controls (attempted only by name or --set attempted)")
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
     ap.add_argument("--json", action="store_true", help="one JSON object per scenario, then the summary")
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_zoo"))
     a = ap.parse_args(argv)
     a.folder.mkdir(parents=True, exist_ok=True)
-    chosen = [BY_NAME[n] for n in a.only] if a.only else [s for s in SCENARIOS if a.set in ("all", s.set)]
+    chosen = [BY_NAME[n] for n in a.only] if a.only else [
+        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set != "attempted")]
     results = []
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun)

@@ -323,6 +323,14 @@ def _main(a) -> int:
         if rows is not led.signal_rows():
             res["rewound"] = True  # a later rollback superseded this step
         if "rank" in res:
+            if (event or {}).get("suspect_dp_rank") is None:
+                # no evidence rule named a rank: the rank holding the document furthest
+                # from the step's median (either way) is the evidence; loss_max_rank is
+                # not: a rank training repeated text pushes the OTHER rank to loss_max
+                by_doc = extreme_document_rank(led, s)
+                if by_doc is not None:
+                    res["rank_from"] = "documents"
+                    res["rank"] = by_doc
             res["documents"] = offending_documents(led, s, res["rank"])
             res["quarantine_command"] = (
                 f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
@@ -375,6 +383,19 @@ def _main(a) -> int:
     if a.write_quarantine:
         print(f"wrote {a.write_quarantine}")
     return 0
+
+
+def extreme_document_rank(led: RunLedger, step: int) -> int | None:
+    """The DP rank whose recorded document lies furthest from the step's median segment
+    loss (|log ratio|, either way); None when the run recorded no document losses."""
+    try:
+        docs, median = led.data.doc_losses(step)
+    except LedgerError:
+        return None
+    docs = [d for d in docs if d.get("loss")]
+    if not docs or not median:
+        return None
+    return max(docs, key=lambda d: abs(math.log(d["loss"] / median)))["dp_rank"]
 
 
 def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:

@@ -25,6 +25,9 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
               after the load; the rows' ``lr`` shows it)
   eps=X       Adam epsilon (the checkpoint restores the param groups' eps, so it is
               overridden after the load the same way: ``--ledger.rerun eps=X``)
+  beta2=X     Adam beta2 from the load on, each parameter's bias-corrected second
+              moment kept (``--ledger.rerun beta2=X``): does v lagging the gradients
+              make the spike? "not applicable" when the run's beta2 is <= X
   clip=X      ``--training.max_norm X``
   logit_cap=X every attention score soft-capped at X (``X * tanh(s / X)``, Gemma 2's
               softcap) over the window (``--ledger.rerun logit_cap=X``): does the
@@ -52,8 +55,8 @@ when any later step of the window is flagged or meets the same test.
 Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
 hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
-the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``eps`` ->
-optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip. None removes it ->
+the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
+-> optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip. None removes it ->
 ``unproven``.
 
 ``diagnose --rerun`` first runs the variants its heuristic verdict calls for
@@ -102,17 +105,17 @@ MIN_RATIO = 2.0  # ... and >= 2x the original's pre-spike median: the spike is p
 REL_TOL = 1e-3  # "equal within tolerance" for non-deterministic (GPU) runs
 PRE = 50  # trained steps before T that describe "normal"
 #: a counterfactual that removes the spike -> the cause it proves (priority order)
-CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "eps": "optimizer_state",
-            "logit_cap": "logit_growth", "clip": "clip"}
+CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
+            "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip"}
 CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr"],
-            "optimizer_state": ["same", "eps=1e-6"], "bf16": ["same", "fp32"],
+            "optimizer_state": ["same", "beta2=0.95", "eps=1e-6"], "bf16": ["same", "fp32"],
             "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "skip"],
             "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
 #: after an unproven plan: the other counterfactuals, most specific first ("lr" and
 #: "logit_cap" without a value take theirs from the ledger: :func:`ledger_values`)
-ESCALATION = ("skip", "fp32", "eps=1e-6", "logit_cap", "lr")
+ESCALATION = ("skip", "fp32", "beta2=0.95", "eps=1e-6", "logit_cap", "lr")
 HUGE_INTERVAL = 1_000_000_000
 
 
@@ -130,11 +133,11 @@ def parse_overrides(spec: str) -> dict[str, float]:
             v = float(val)
         except ValueError:
             v = math.nan
-        if key not in ("stop", "lr_scale", "eps", "logit_cap") or not math.isfinite(v) or v <= 0 \
-                or (key == "stop" and v != int(v)):
+        if key not in ("stop", "lr_scale", "eps", "logit_cap", "beta2") or not math.isfinite(v) or v <= 0 \
+                or (key == "stop" and v != int(v)) or (key == "beta2" and v >= 1):
             raise ConfigError(f"--ledger.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
-                              f"eps=X, logit_cap=X (X > 0), comma-separated; set by python -m "
-                              f"titan_ledger.replay rerun")
+                              f"eps=X, logit_cap=X (X > 0), beta2=X (0 < X < 1), comma-separated; set by "
+                              f"python -m titan_ledger.replay rerun")
         out[key] = int(v) if key == "stop" else v
     return out
 
@@ -158,7 +161,10 @@ def apply_overrides(trainer) -> dict[str, float]:
     optimizer's param groups, which the checkpoint restored, and the schedulers'
     base LRs, which torchtitan rebuilt from the config) and set Adam's eps."""
     o = _overrides(trainer)
-    scale, eps, cap = o.get("lr_scale"), o.get("eps"), o.get("logit_cap")
+    scale, eps, cap, beta2 = o.get("lr_scale"), o.get("eps"), o.get("logit_cap"), o.get("beta2")
+    if beta2 is not None:
+        for opt in trainer.optimizers.optimizers:
+            set_beta2(opt, beta2)
     if cap is not None:
         from titan_ledger.attention import MaxLogitRecorder
 
@@ -178,6 +184,25 @@ def apply_overrides(trainer) -> dict[str, float]:
             for g in sched.optimizer.param_groups:
                 g["eps"] = eps
     return o
+
+
+def set_beta2(opt, beta2: float) -> None:
+    """Adam's beta2 -> ``beta2`` for the steps after a checkpoint load, keeping each
+    parameter's bias-corrected second moment v / (1 - beta2^t) what it was (the rerun
+    changes how fast v follows the gradients from here on, not v itself)."""
+    import torch
+
+    for g in opt.param_groups:
+        b1, old = g["betas"]
+        g["betas"] = (b1, beta2)
+        for p in g["params"]:
+            st = opt.state.get(p, {})
+            v, t = st.get("exp_avg_sq"), st.get("step")
+            if v is None or t is None:
+                continue
+            t = float(t) if not isinstance(t, torch.Tensor) else float(t.item())
+            if t > 0:
+                v.mul_((1 - beta2 ** t) / (1 - old ** t))
 
 
 # --------------------------------------------------------------------------- variants
@@ -225,15 +250,15 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
             return Variant("skip", steps=tuple(s for a, b in windows for s in range(a, b + 1)))
     if allow_open and kind in _VALUE_FROM_LEDGER and not eq:
         return Variant(kind)
-    if kind in ("lr", "eps", "clip", "logit_cap") and eq:
+    if kind in ("lr", "eps", "clip", "logit_cap", "beta2") and eq:
         try:
             v = float(val)
         except ValueError:
             v = math.nan
         if math.isfinite(v) and v > 0:
             return Variant(kind, v)
-    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, clip=X, "
-                     f"logit_cap=X, fp32 (X > 0)")
+    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, beta2=X, "
+                     f"clip=X, logit_cap=X, fp32 (X > 0)")
 
 
 def ledger_values(v: Variant, rows: list[dict], step: int) -> Variant:
@@ -274,6 +299,10 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
         return [], {"eps": v.value}
     if v.kind == "logit_cap":
         return [], {"logit_cap": v.value}
+    if v.kind == "beta2":
+        if v.value >= 1 or v.value >= _beta2_of(config):
+            return None  # the run's beta2 is already this low: nothing to change
+        return [], {"beta2": v.value}
     if v.kind == "clip":
         return ["--training.max_norm", f"{v.value:g}"], {}
     if v.kind == "fp32":
@@ -281,6 +310,14 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
             return None
         return ["--training.mixed_precision_param", "float32"], {}
     raise AssertionError(v)
+
+
+def _beta2_of(config) -> float:
+    """The first param group's Adam beta2 (torchtitan 0.3.0: optimizer_kwargs["betas"])."""
+    try:
+        return float(config.optimizer.param_groups[0].optimizer_kwargs.get("betas", (0.9, 0.999))[1])
+    except (AttributeError, IndexError, TypeError):
+        return 1.0
 
 
 # --------------------------------------------------------------------------- planning
@@ -677,9 +714,9 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
     va = variant_args(v, plan.step, config)
     folder = plan.folder(v)
     if va is None:
-        return VariantResult(v.name, v.kind, None, applicable=False,
-                             note="the run trains in float32 already ("
-                                  "--training.mixed_precision_param float32)")
+        note = ("the run trains in float32 already (--training.mixed_precision_param float32)"
+                if v.kind == "fp32" else f"the run's Adam beta2 is already <= {v.value:g}")
+        return VariantResult(v.name, v.kind, None, applicable=False, note=note)
     extra, over = va
     if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's
         base_args = strip_train_args(base_args, drop_inject=True)

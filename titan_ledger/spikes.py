@@ -12,7 +12,8 @@ Rules (each can be switched off):
   ``window`` accepted steps (current step excluded), active once ``window/2``
   steps are in the window. Applied to loss and grad norm.
 * ratio (the design article §2.7 / §4.5): grad norm > ``ratio`` x the window's
-  median grad norm *and* loss > (1 + ``loss_jump``) x the window's median loss.
+  median grad norm *and* loss > (1 + ``loss_jump``) x the window's median loss,
+  active after ``min_history`` steps (a median needs fewer steps than a std).
 * a non-finite loss or grad norm is always a spike.
 
 Evidence rules (the design article §4: bad data is two-sided, and at DP = N one
@@ -100,7 +101,8 @@ class SpikeDetector(Configurable):
         """Grad-jump rule: grad norm > grad_jump x the median of recent steps (0 disables)."""
 
         min_history: int = 8
-        """The evidence rules (rank spread, documents) start after this many steps."""
+        """The evidence rules (rank spread, documents, grad jump) and the ratio rule start
+        after this many steps (the z-score rule after window/2)."""
 
         def __post_init__(self) -> None:
             # checked when the config is parsed, before any process group exists
@@ -150,7 +152,9 @@ class SpikeDetector(Configurable):
         finite = torch.isfinite(v)
         z = (v - mean > c.zscore * std) & active & finite if c.zscore > 0 else torch.zeros(2, dtype=torch.bool, device=v.device)
         if c.ratio > 0:
-            ratio = active & (v[1] > c.ratio * median[1]) & (v[0] > (1 + c.loss_jump) * median[0])
+            # a median is meaningful long before a std is: the ratio rule starts after
+            # min_history steps (the zoo's LR jump at step 21 spiked at 25, before window/2)
+            ratio = (n >= c.min_history) & (v[1] > c.ratio * median[1]) & (v[0] > (1 + c.loss_jump) * median[0])
         else:
             ratio = torch.zeros((), dtype=torch.bool, device=v.device)
         non_finite = ~finite.all()

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 def _load_zoo():
     spec = importlib.util.spec_from_file_location("zoo", ROOT / "bench" / "zoo.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["zoo"] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
 

@@ -150,7 +150,7 @@ def test_verdicts():
 def test_plan_for_heuristic_causes():
     assert rr.PLAN_FOR["bad_data"] == ["same", "skip"]
     assert rr.PLAN_FOR["lr"] == ["same", "lr"]  # the scale comes from the ledger
-    assert rr.PLAN_FOR["optimizer_state"] == ["same", "eps=1e-6"]
+    assert rr.PLAN_FOR["optimizer_state"] == ["same", "beta2=0.95", "eps=1e-6"]
     assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
     assert rr.PLAN_FOR["logit_growth"] == ["same", "fp32", "logit_cap"]  # fp32 first: bf16 runs
     assert rr.PLAN_FOR["hardware"] == rr.PLAN_FOR["transient"] == ["same"]
@@ -239,3 +239,29 @@ def test_escalation_order_and_verdict_priority():
     assert v["cause"] == "bf16" and v["proven"] and v["heuristic_wrong"]  # fp32 alone removes it too
     v = rr.verdict([same, rr.VariantResult("fp32", "fp32", None, present=True, at_step={}), cap], 30)
     assert v["cause"] == "logit_growth" and v["proven"]
+
+
+def test_set_beta2_keeps_the_bias_corrected_second_moment():
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999))
+    for i in range(5):
+        p.grad = torch.full((4,), 0.1 * (i + 1))
+        opt.step()
+    t = float(opt.state[p]["step"])
+    before = opt.state[p]["exp_avg_sq"] / (1 - 0.999 ** t)
+    rr.set_beta2(opt, 0.95)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"] / (1 - 0.95 ** t), before)
+    assert rr.parse_overrides("beta2=0.95") == {"beta2": 0.95}
+    with pytest.raises(Exception):
+        rr.parse_overrides("beta2=1.5")
+
+
+def test_beta2_variant_applies_only_above_its_value():
+    c = _Cfg()
+    c.optimizer = type("o", (), {"param_groups": [type("g", (), {"optimizer_kwargs": {"betas": (0.9, 0.999)}})]})
+    assert rr.variant_args(Variant("beta2", 0.95), 8, c) == ([], {"beta2": 0.95})
+    c.optimizer.param_groups[0].optimizer_kwargs = {"betas": (0.9, 0.95)}
+    assert rr.variant_args(Variant("beta2", 0.95), 8, c) is None

@@ -35,6 +35,18 @@ def test_rules_wait_for_half_a_window_and_can_be_switched_off():
     assert describe(off.step(torch.tensor(math.inf), torch.tensor(1.0)).tolist())["rules"] == ["non_finite"]
 
 
+def test_ratio_rule_starts_after_min_history_not_half_a_window():
+    """The zoo's LR jump (relaunch at step 21) spiked at step 25: the z-score rule (128
+    steps / 2) was not active, the ratio rule must be (a median of 8 steps will do)."""
+    rows = ledger(30)
+    rows[24].update(loss=rows[24]["loss"] * 1.25, grad_norm=3.4)
+    ev = detect_offline(rows, SpikeDetector.Config(grad_jump=0))
+    assert [e["step"] for e in ev] == [25] and ev[0]["rules"] == ["ratio"]
+    rows = ledger(30)
+    rows[5].update(loss=rows[5]["loss"] * 1.25, grad_norm=3.4)  # step 6 < min_history: not yet
+    assert detect_offline(rows, SpikeDetector.Config(grad_jump=0)) == []
+
+
 def test_detector_state_round_trip():
     a = SpikeDetector(SpikeDetector.Config(window=16))
     for i in range(10):
