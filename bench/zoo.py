@@ -185,6 +185,7 @@ class Result:
     other_flags: list[int] = field(default_factory=list)
     true_documents: list[int] | None = None
     named_documents: list[int] | None = None
+    first_named_document: int | None = None
     rerun_proven: bool | None = None
     rerun_variants: list[str] | None = None
     train_rc: int = 0
@@ -217,9 +218,10 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
         steps = sorted(s for r in led.data.ranks() for s in range(1, led.data.last_step + 1)
                        if (sd := led.data.at(s, r)) and any(seg.doc in planted for t in sd.tags for seg in t.segments))
         res.true_step, res.true_documents = (steps[0] if steps else None), planted
-    if sc.relaunch is not None:  # the first step trained at >= 2x the step before's LR
+    if sc.relaunch is not None:  # the first step after the relaunch at >= 2x the step before's LR
         rows = led.trained_rows()
-        res.true_step = next((b["step"] for a, b in zip(rows, rows[1:]) if b["lr"] >= 2 * a["lr"]), None)
+        res.true_step = next((b["step"] for a, b in zip(rows, rows[1:])
+                              if b["step"] > sc.relaunch[0] and b["lr"] >= 2 * a["lr"]), None)
     flagged = led.spike_steps()
     if res.true_step is not None:
         near = [s for s in flagged if res.true_step - 1 <= s <= res.true_step + MATCH_AFTER]
@@ -236,8 +238,10 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
     else:
         v = d["spikes"][0]
         res.named_cause = v["cause"]
-        if planted:
-            res.named_documents = sorted({x["doc"] for x in v.get("documents", [])})
+        if planted:  # diagnose lists the suspect rank's documents furthest from the median first
+            docs = [x["doc"] for x in v.get("documents", [])]
+            res.named_documents = sorted(set(docs))
+            res.first_named_document = docs[0] if docs else None
     if rerun:
         d, err = diagnose(dump, "--step", str(res.flagged_step), "--rerun", "--rerun-max-steps", "120", "--",
                           *args)
@@ -278,6 +282,12 @@ def summary(results: list[Result]) -> list[str]:
         out.append(f"{s}: {step_ok}/{len(rs)} spikes flagged near the true step; causes named right by the "
                    f"heuristics {len(h)}/{len(causes)} ({', '.join(h) or '-'}), with --rerun {len(rr)}/"
                    f"{len(causes)} ({', '.join(rr) or '-'})")
+    bd = [r for r in results if r.true_documents]
+    if bd:
+        first = sum(1 for r in bd if r.first_named_document in r.true_documents)
+        among = sum(1 for r in bd if set(r.true_documents) & set(r.named_documents or []))
+        out.append(f"bad data: the planted document named first in {first}/{len(bd)}, among the named in "
+                   f"{among}/{len(bd)}")
     ctl = [r for r in results if r.true_cause is None]
     if ctl:
         flagged = [f"{r.scenario}@{[x for x in [r.flagged_step, *r.other_flags] if x is not None]}"
