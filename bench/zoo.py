@@ -12,27 +12,32 @@ from the last checkpoint before the flagged step under the counterfactuals,
 :mod:`titan_ledger.rerun`). Truth is what the scenario planted, read back from the
 run's own ledger where it can be (the step whose rows hold the planted document).
 
-The scenarios (``true_cause`` as ``diagnose`` prints it):
+The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
 
-* ``bad_data_repeat`` / ``bad_data_ngram``: ONE degenerate document (one token
-  repeated 1200 times; a 3-word phrase repeated 400 times) planted in the prepared
-  corpus where the sequential order reaches it at about step 28 / 36. No runtime
-  injection; the true step is the first step whose data ledger lists the document.
-  Held out: ``bad_data_chars`` (4000 ``=``, step 33) and ``bad_data_repeat_late``
-  (another token, step 45).
-* ``lr``: the run is relaunched from its step-20 checkpoint with ``--optimizer.lr``
-  30x higher (what a mistyped relaunch does); the true step is the first one the
-  ledger shows at >= 2x the LR of the step before (21). Held out: 20x from step 30.
-* ``hardware``: ``--ledger.inject 28:0:bitflip`` (one exponent bit of one gradient
-  element, once; :mod:`titan_ledger.faults`). Held out: step 33 on DP rank 1.
-* ``clean``: the corpus without a planted document, default flags, 55 steps: the
-  control of all of them (the same corpus order, no fault).
+* tuned (the thresholds were fitted on these, in two rounds):
+  ``bad_data_repeat`` / ``bad_data_ngram`` -- ONE degenerate document (one token
+  repeated 1200 times; a 3-word phrase 400 times) planted in the prepared corpus
+  where the sequential order reaches it at about step 28 / 36 (no runtime injection;
+  the true step is the first step whose data ledger lists it); ``lr`` -- relaunched
+  from the step-20 checkpoint with ``--optimizer.lr`` 30x (a mistyped relaunch; the
+  true step is the first the ledger shows at >= 2x the LR of the step before);
+  ``hardware`` -- ``--ledger.inject 28:0:bitflip`` (one exponent bit of one gradient
+  element, once; :mod:`titan_ledger.faults`). Round 2 added the first held-out round
+  after it was run once: ``bad_data_chars`` (4000 ``=``, step 33),
+  ``bad_data_repeat_late`` (another token, step 45), ``lr_x20`` (20x from step 30),
+  ``hardware_rank1`` (step 33, DP rank 1).
+* held_out (round 2, run once after every threshold was fixed): ``bad_data_ngram_b``
+  (another phrase, step 40), ``bad_data_repeat_b`` (another token, step 30),
+  ``lr_x10`` (10x from step 20), ``hardware_step38``.
+* controls, the runs without their fault: ``clean`` (the corpus without a planted
+  document, default flags, 55 steps) and ``clean_lr`` (the LR scenario's relaunch at
+  step 20 with the LR unchanged).
 * attempted (``--set attempted``; not in ``all``): ``bad_data_random`` (1500 random
   characters at step 60), ``logit_growth`` (no QK-norm, LR warmed up to 3e-2 over 80
   steps, fp32), ``precision`` (the same in bf16) and ``optimizer_state`` (beta2 0.999,
   eps 1e-15, LR 1e-2, no clipping). On this model they move the loss by a few percent
-  or grow the max logit to ~400 without a loss spike, so they measure nothing yet;
-  the README lists what was measured.
+  or grow the max logit into the hundreds without a loss spike, so they measure
+  nothing yet; the README lists what was measured.
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,
@@ -85,14 +90,21 @@ SCENARIOS = [
     Scenario("bad_data_ngram", "bad_data", 45, plant="ngram", plant_step=36),
     Scenario("lr", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "2.4e-2"))),
     Scenario("hardware", "hardware", 40, ("--ledger.inject", "28:0:bitflip"), true_step=28),
-    # held out: run after the thresholds were fixed on the set above
-    Scenario("bad_data_chars", "bad_data", 45, plant="chars", plant_step=33, set="held_out"),
-    Scenario("bad_data_repeat_late", "bad_data", 55, plant="repeat_and", plant_step=45, set="held_out"),
-    Scenario("lr_held_out", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2")), set="held_out"),
-    Scenario("hardware_held_out", "hardware", 40, ("--ledger.inject", "33:1:bitflip"), true_step=33,
+    # the first held-out round: run once after tuning on the four above, then tuned on
+    # (its misses changed the ratio rule and diagnose's document ranking; README)
+    Scenario("bad_data_chars", "bad_data", 45, plant="chars", plant_step=33),
+    Scenario("bad_data_repeat_late", "bad_data", 55, plant="repeat_and", plant_step=45),
+    Scenario("lr_x20", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2"))),
+    Scenario("hardware_rank1", "hardware", 40, ("--ledger.inject", "33:1:bitflip"), true_step=33),
+    # held out (round 2): run after every threshold was fixed, reported separately
+    Scenario("bad_data_ngram_b", "bad_data", 50, plant="ngram_b", plant_step=40, set="held_out"),
+    Scenario("bad_data_repeat_b", "bad_data", 40, plant="repeat_is", plant_step=30, set="held_out"),
+    Scenario("lr_x10", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "8e-3")), set="held_out"),
+    Scenario("hardware_step38", "hardware", 45, ("--ledger.inject", "38:0:bitflip"), true_step=38,
              set="held_out"),
     # the control: the runs above without their fault (same corpus order, default flags)
     Scenario("clean", None, 55, set="controls"),
+    Scenario("clean_lr", None, 40, CONSTANT_LR, relaunch=(20, ()), set="controls"),
     # attempted: configurations that carry the cause but produced NO loss spike on this
     # model (the README lists what was measured); kept runnable for a larger model or a GPU
     Scenario("bad_data_random", "bad_data", 70, plant="random", plant_step=60, set="attempted"),
@@ -121,6 +133,10 @@ def planted_text(kind: str, seed: int) -> str:
         return " and" * 1200
     if kind == "ngram":
         return " of the data" * 400
+    if kind == "repeat_is":
+        return " is" * 1500
+    if kind == "ngram_b":
+        return " return None" * 500
     if kind == "chars":  # a separator line run, as scraped pages have
         return "=" * 4000
     if kind == "random":
