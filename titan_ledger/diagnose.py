@@ -100,7 +100,8 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     """Walk the decision tree for the spike at ``step`` over signals ``rows``.
 
     ``param_dtype``: the run's compute dtype from the signals header (``float32``,
-    ``bfloat16``; None: unknown, treated as possibly bf16)."""
+    ``bfloat16``; None: unknown -- Q5 may then name bf16 and Q6 does not name
+    hardware, while Q1 names bf16 only for a known bf16 run)."""
     bf16_run = param_dtype not in ("float32", "float64")
     th = th or Thresholds()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
@@ -134,10 +135,9 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              len(logits) >= 5 and rises >= th.logit_rising and last_logit >= th.logit_level,
              max_logit=last_logit, rising_fraction=rises, max_logit_slope=_slope(logits))
 
-    lrs = col(pre, "lr")
-    med_lr = statistics.median(lrs) if lrs else None
     lr_at = at.get("lr")
-    lr_ratio = lr_at / med_lr if med_lr and isinstance(lr_at, (int, float)) else None
+    lj = lr_jump(trained, step, th.pre)
+    med_lr, lr_ratio, lr_step_jump = lj["pre_median_lr"], lj["lr_ratio"], lj["step_ratio"]
     pn = col(pre, "param_norm")
     half = len(pn) // 2
     early, late = _slope(pn[:half]), _slope(pn[half:])
@@ -145,9 +145,10 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     gn_trend = (statistics.mean(pre_gn[-5:]) / statistics.mean(pre_gn[:5]) - 1) if len(pre_gn) >= 10 else 0.0
     q2 = ask("Q2 lr: the LR jumped (>= lr_jump x its pre-spike median), or param-norm growth "
              "accelerating and grad norm creeping up",
-             (lr_ratio is not None and lr_ratio >= th.lr_jump)
+             lj_hit(lj, th.lr_jump)
              or (len(pn) >= 10 and accel >= th.param_accel and gn_trend >= th.grad_trend),
-             lr=lr_at, pre_median_lr=med_lr, lr_ratio=lr_ratio,
+             lr=lr_at, pre_median_lr=med_lr, lr_ratio=lr_ratio, lr_step_jump=lr_step_jump,
+             lr_jump_step=lj["jump_step"],
              param_norm_growth_early=early, param_norm_growth_late=late, accel=accel,
              grad_norm_trend=gn_trend)
 
@@ -236,6 +237,35 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     return out
 
 
+def lr_jump(rows: list[dict], step: int, pre: int = 50) -> dict:
+    """The LR's recorded jump before ``step`` (pure; shared by Q2 and the rerun's ``lr``
+    scale): the LR at ``step`` over the median LR of the ``pre`` trained steps before
+    it (``lr_ratio``), and the largest step-to-step ratio in that window and at
+    ``step`` (``step_ratio``, at ``jump_step``). Pairs starting at step 1 are left out:
+    a linear warmup doubles the LR from step 1 to 2 (and sits at exactly 2x its own
+    median), which is not a jump."""
+    trained = [r for r in rows if not r.get("skipped") and isinstance(r.get("lr"), (int, float))]
+    win = [r for r in trained if step - pre <= r["step"] <= step]
+    at = next((r for r in win if r["step"] == step), None)
+    lrs = [r["lr"] for r in win if r["step"] < step]
+    med = statistics.median(lrs) if lrs else None
+    out = {"pre_median_lr": med, "lr_ratio": None, "step_ratio": None, "jump_step": None}
+    if at is not None and med:
+        out["lr_ratio"] = at["lr"] / med
+    pairs = [(a, b) for a, b in zip(win, win[1:]) if a["step"] >= 2 and a["lr"] > 0]
+    if pairs:
+        a, b = max(pairs, key=lambda p: p[1]["lr"] / p[0]["lr"])
+        out["step_ratio"], out["jump_step"] = b["lr"] / a["lr"], b["step"]
+    return out
+
+
+def lj_hit(lj: dict, factor: float) -> bool:
+    """An LR jump: one step-to-step rise >= ``factor`` and the LR at the spike still
+    >= ``factor`` x its pre-spike median."""
+    return (lj["step_ratio"] is not None and lj["step_ratio"] >= factor
+            and lj["lr_ratio"] is not None and lj["lr_ratio"] >= factor)
+
+
 def _round(v):
     return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
 
@@ -295,9 +325,12 @@ def main(argv: list[str] | None = None) -> int:
                          "({\"source\", \"doc\"}), for --ledger.quarantine FILE")
     ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.rerun
                     help="prove the cause: rerun the steps before each spike from a checkpoint under "
-                         "the variants the verdict calls for (bad_data: same, skip; lr: same, lr=0.5; "
-                         "optimizer_state: same, eps=1e-6; bf16: same, fp32; else same); give the "
-                         "original run's training flags after `--`")
+                         "the variants the verdict calls for (titan_ledger.rerun.PLAN_FOR: bad_data: same, "
+                         "skip over the named documents' steps; lr: same, lr undoing the jump; "
+                         "optimizer_state: same, beta2=0.95, eps=1e-6; bf16: same, fp32; logit_growth: "
+                         "same, fp32, logit_cap; else same), escalating through the other "
+                         "counterfactuals when they leave the spike unexplained; give the original "
+                         "run's training flags after `--`")
     ap.add_argument("--nproc", type=int, default=2, help="--rerun: processes per rerun")
     ap.add_argument("--rerun-after", type=int, default=1, help="--rerun: steps after the spike to train")
     ap.add_argument("--rerun-max-steps", type=int, default=200,

@@ -110,12 +110,13 @@ CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_
 CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr"],
-            "optimizer_state": ["same", "beta2=0.95", "eps=1e-6"], "bf16": ["same", "fp32"],
+            "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
             "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "skip"],
             "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
-#: after an unproven plan: the other counterfactuals, most specific first ("lr" and
-#: "logit_cap" without a value take theirs from the ledger: :func:`ledger_values`)
-ESCALATION = ("skip", "fp32", "beta2=0.95", "eps=1e-6", "logit_cap", "lr")
+#: after an unproven plan: the other counterfactuals, most specific first ("lr",
+#: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
+#: config: :func:`ledger_values`)
+ESCALATION = ("skip", "fp32", "beta2", "eps=1e-6", "logit_cap", "lr")
 HUGE_INTERVAL = 1_000_000_000
 
 
@@ -229,7 +230,7 @@ class Variant:
 
 
 #: kinds whose value ``diagnose --rerun`` may take from the ledger (:func:`ledger_values`)
-_VALUE_FROM_LEDGER = ("lr", "logit_cap")
+_VALUE_FROM_LEDGER = ("lr", "logit_cap", "beta2")
 
 
 def parse_variant(spec: str, allow_open: bool = False) -> Variant:
@@ -255,31 +256,43 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
             v = float(val)
         except ValueError:
             v = math.nan
-        if math.isfinite(v) and v > 0:
+        if math.isfinite(v) and v > 0 and not (kind == "beta2" and v >= 1):
             return Variant(kind, v)
-    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, beta2=X, "
+    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, beta2=X (< 1), "
                      f"clip=X, logit_cap=X, fp32 (X > 0)")
 
 
-def ledger_values(v: Variant, rows: list[dict], step: int) -> Variant:
-    """Fill in an open ``lr`` / ``logit_cap`` variant from the original's signals (pure).
+def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Variant:
+    """Fill in an open ``lr`` / ``logit_cap`` / ``beta2`` variant from the original's
+    signals and config (pure).
 
-    ``lr``: when the LR at the spike is >= 2x the median LR of the ``PRE`` trained steps
-    before it (a schedule jump, a relaunch with another ``--optimizer.lr``), the
-    scale that undoes the jump (median / LR at T); otherwise 0.5.
-    ``logit_cap``: half the max attention logit at the spike (at least 1): the
-    spike must survive scores never reaching the level they reached."""
+    ``lr``: after an LR jump (``diagnose.lr_jump``: one step-to-step rise >= 2x and
+    the LR at the spike >= 2x its median over the ``PRE`` steps before), the scale that
+    undoes it (median / LR at T); otherwise 0.5.
+    ``logit_cap``: half the max attention logit at the spike, only when that logit is
+    >= diagnose's danger level (100); below it there is no growth to cap and a cap
+    at half an ordinary logit would remove almost any spike (value 0: not applicable).
+    ``beta2``: 0.95 for a run above it, else the run's (1 - beta2) doubled (0.9 for
+    torchtitan's default 0.95): v following the gradients twice as fast."""
     if v.value is not None or v.kind not in _VALUE_FROM_LEDGER:
         return v
     at = next((r for r in rows if r["step"] == step), {})
     if v.kind == "lr":
-        lr_t = _num(at.get("lr"))
-        med = pre_median(rows, step, "lr")
-        if lr_t and med and lr_t >= 2 * med:
-            return Variant("lr", float(f"{med / lr_t:.3g}"))
+        from titan_ledger.diagnose import Thresholds, lj_hit, lr_jump
+
+        lj = lr_jump(rows, step, PRE)
+        if lj_hit(lj, Thresholds().lr_jump):
+            return Variant("lr", float(f"{1 / lj['lr_ratio']:.3g}"))
         return Variant("lr", 0.5)
+    if v.kind == "beta2":
+        b2 = _beta2_of(config) if config is not None else 0.95
+        return Variant("beta2", 0.95 if b2 > 0.95 else float(f"{1 - 2 * (1 - b2):.4g}"))
+    from titan_ledger.diagnose import Thresholds
+
     ml = _num(at.get("max_logit"))
-    return Variant("logit_cap", float(f"{max(1.0, 0.5 * ml):.3g}") if ml and math.isfinite(ml) else 1.0)
+    if ml is None or not math.isfinite(ml) or ml < Thresholds().logit_level:
+        return Variant("logit_cap", 0.0)  # no logit growth to cap: not applicable (variant_args)
+    return Variant("logit_cap", float(f"{0.5 * ml:.3g}"))
 
 
 def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
@@ -298,6 +311,8 @@ def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, fl
     if v.kind == "eps":
         return [], {"eps": v.value}
     if v.kind == "logit_cap":
+        if not v.value:
+            return None  # ledger_values: the max logit at T is below the danger level
         return [], {"logit_cap": v.value}
     if v.kind == "beta2":
         if v.value >= 1 or v.value >= _beta2_of(config):
@@ -589,8 +604,13 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
     med = pre_median(orig_rows, T)
     res.flagged = sorted(s for s in rerun_led.spike_steps() if first <= s <= last)
     if v.kind == "skip":
-        res.present = any(s >= T for s in res.flagged) or any(
-            spike_like(o_at, r_by.get(s), med) for s in range(T, last + 1))
+        trained_after = [s for s in range(T, last + 1) if r_by.get(s) and not r_by[s].get("skipped")]
+        if not trained_after:  # nothing trained after the skip: "gone" would prove nothing
+            res.present = None
+            res.note = f"no step from {T} to {last} trained after the skip: inconclusive"
+        else:
+            res.present = any(s >= T for s in res.flagged) or any(
+                spike_like(o_at, r_by.get(s), med) for s in trained_after)
     else:
         res.present = T in res.flagged or spike_like(o_at, r_by.get(T), med)
     if v.kind == "swap":  # does the anomaly follow the data to rank r-1, or stay on its rank?
@@ -714,8 +734,10 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
     va = variant_args(v, plan.step, config)
     folder = plan.folder(v)
     if va is None:
-        note = ("the run trains in float32 already (--training.mixed_precision_param float32)"
-                if v.kind == "fp32" else f"the run's Adam beta2 is already <= {v.value:g}")
+        note = {"fp32": "the run trains in float32 already (--training.mixed_precision_param float32)",
+                "beta2": f"the run's Adam beta2 is already <= {v.value:g}",
+                "logit_cap": "the max logit at the spike is below the danger level (100): no growth to cap",
+                }.get(v.kind, "not applicable")
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)
     extra, over = va
     if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's
@@ -875,14 +897,18 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     if not train_args:
         raise RerunError("--rerun needs the original run's training flags after `--` (at least "
                          "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
+    from titan_ledger.diagnose import document_scores
+
     led = RunLedger(dump, ledger_folder)
     jobs = []
     for res in results:
         step = res["step"]
         p0 = prepare(dump, step, ["same"], train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
         plan0, config = p0[0], p0[1]
-        resolve = lambda spec: resolve_variant(spec, led, step, plan0.load_step, plan0.stop,  # noqa: E731
-                                               res.get("documents"))
+        # skip widens over the most extreme document only (the verdict's first; for any
+        # other heuristic, the step's most extreme recorded one, for the escalation)
+        docs = (res.get("documents") or document_scores(led, step))[:1]
+        resolve = lambda spec: resolve_variant(spec, led, step, plan0.load_step, config, docs)  # noqa: E731
         variants = [resolve(v) for v in PLAN_FOR.get(res["cause"], ["same"])]
         na = [v for v in variants if variant_args(v, step, config) is None]
         if na:  # fp32 on an fp32 run: dropped; when nothing but `same` is left, test the data
@@ -892,8 +918,13 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
                 + ("; testing skip instead" if alone else ""))
             if alone:
                 variants.append(resolve("skip"))
-        p = prepare(dump, step, variants, train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
         esc = [resolve(v) for v in ESCALATION] if escalate else []
+        # the window reaches `after` steps past the last skipped one: a skip that ends the
+        # window would remove the spike by leaving nothing trained after it
+        last_skip = max((x for v in [*variants, *esc] if v.kind == "skip" for x in v.skip_list(step)),
+                        default=step)
+        p = prepare(dump, step, variants, train_args, after=after + (last_skip - step), nproc=nproc,
+                    ledger_folder=ledger_folder)
         jobs.append((res, p, esc))
     total = sum(p[0].steps_per_variant * p[3] for _, p, _ in jobs)
     log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s), more only to escalate "
@@ -914,18 +945,20 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
         jobs = [j for j in jobs if j[0] is not res]
 
 
-def resolve_variant(spec: str, led, step: int, load_step: int, stop: int,
-                    documents: list[dict] | None = None) -> Variant:
+def resolve_variant(spec: str, led, step: int, load_step: int, config=None,
+                    documents: list[dict] | None = None, reach: int = 10) -> Variant:
     """A :data:`PLAN_FOR` / :data:`ESCALATION` entry made concrete for one spike: open
-    ``lr`` / ``logit_cap`` values from the ledger (:func:`ledger_values`); ``skip``
-    widened to every step of the rerun window whose rows hold a document the verdict
-    named (a planted document is cut into rows that span several steps)."""
-    v = ledger_values(parse_variant(spec, allow_open=True), led.signal_rows(), step)
+    ``lr`` / ``beta2`` / ``logit_cap`` values from the ledger and config
+    (:func:`ledger_values`); ``skip`` widened to the steps from ``load_step + 1`` to
+    ``step + reach`` whose rows hold one of ``documents`` (a planted document is cut
+    into rows that span several steps). The caller extends the rerun window past the
+    last skipped step, so that trained steps follow it."""
+    v = ledger_values(parse_variant(spec, allow_open=True), led.signal_rows(), step, config)
     if v.kind != "skip" or not documents:
         return v
     named = {(d["source"], d["doc"]) for d in documents}
     steps = {step}
-    for s in range(load_step + 1, stop + 1):
+    for s in range(load_step + 1, min(step + reach, led.data.last_step) + 1):
         for r in led.data.ranks_at(s):
             sd = led.data.at(s, r)
             if sd and not sd.skipped and any((t.source, seg.doc) in named for t in sd.tags

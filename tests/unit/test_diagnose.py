@@ -79,6 +79,17 @@ def test_each_cause_is_named_with_its_numbers(cause):
         assert got["checks"][1]["max_logit"] >= 100 and got["checks"][1]["max_logit_slope"] > 1
 
 
+def test_a_linear_warmup_is_not_an_lr_jump():
+    rows = ledger()
+    for r in rows:
+        r["lr"] = 3e-4 * min(r["step"], 200) / 200  # torchtitan's default 200 warmup steps
+    from titan_ledger.diagnose import Thresholds
+
+    got = classify(spike(rows), T, th=Thresholds(pre=100))  # the window reaches step 1
+    assert got["checks"][2]["lr_ratio"] == pytest.approx(2.0, rel=0.03)  # 2x its median ...
+    assert got["checks"][2]["lr_step_jump"] == pytest.approx(1.5) and got["cause"] != "lr"  # ... no jump
+
+
 def test_an_lr_jump_is_read_from_the_lr_column():
     rows = ledger()
     for r in rows[T - 2:]:

@@ -150,7 +150,7 @@ def test_verdicts():
 def test_plan_for_heuristic_causes():
     assert rr.PLAN_FOR["bad_data"] == ["same", "skip"]
     assert rr.PLAN_FOR["lr"] == ["same", "lr"]  # the scale comes from the ledger
-    assert rr.PLAN_FOR["optimizer_state"] == ["same", "beta2=0.95", "eps=1e-6"]
+    assert rr.PLAN_FOR["optimizer_state"] == ["same", "beta2", "eps=1e-6"]  # beta2 from the run
     assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
     assert rr.PLAN_FOR["logit_growth"] == ["same", "fp32", "logit_cap"]  # fp32 first: bf16 runs
     assert rr.PLAN_FOR["hardware"] == rr.PLAN_FOR["transient"] == ["same"]
@@ -227,6 +227,19 @@ def test_parse_variant_forms_and_ledger_values():
     assert rr.ledger_values(Variant("lr"), rows, 20) == Variant("lr", 0.5)
     assert rr.ledger_values(Variant("logit_cap"), rows, 21) == Variant("logit_cap", 60.0)
     assert rr.ledger_values(Variant("lr", 0.25), rows, 21) == Variant("lr", 0.25)  # a given value stays
+    # a linear warmup doubles the LR from step 1 to 2 and sits at 2x its median: not a jump
+    warm = [{"step": s, "lr": 1e-4 * s, "max_logit": 40.0} for s in range(1, 31)]
+    assert rr.ledger_values(Variant("lr"), warm, 30) == Variant("lr", 0.5)
+    # below the danger level there is no growth to cap: not applicable
+    capless = rr.ledger_values(Variant("logit_cap"), rows, 20)
+    assert capless == Variant("logit_cap", 0.0) and rr.variant_args(capless, 20, _Cfg()) is None
+    cfg = _Cfg()
+    cfg.optimizer = type("o", (), {"param_groups": [type("g", (), {"optimizer_kwargs": {"betas": (0.9, 0.95)}})]})
+    assert rr.ledger_values(Variant("beta2"), rows, 21, cfg) == Variant("beta2", 0.9)  # torchtitan's 0.95
+    cfg.optimizer.param_groups[0].optimizer_kwargs = {"betas": (0.9, 0.999)}
+    assert rr.ledger_values(Variant("beta2"), rows, 21, cfg) == Variant("beta2", 0.95)
+    with pytest.raises(rr.RerunError):
+        rr.parse_variant("beta2=1.5")
 
 
 def test_escalation_order_and_verdict_priority():
