@@ -419,7 +419,7 @@ def _main(a) -> int:
             nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
             print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
         if r.get("documents"):
-            print(f"  documents, DP rank {r['rank']}'s first (loss vs the step's median document):")
+            print(f"  documents on DP rank {r['rank']} (loss vs the step's median document):")
             for d in r["documents"]:
                 print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']}, {d['segments']} segment(s), e.g. "
                       f"[{d['start']}:{d['end']}))  loss {d['loss']:.4f} = {d['vs_median']:.2f}x median over "
@@ -480,11 +480,11 @@ def extreme_document_rank(led: RunLedger, step: int) -> int | None:
 
 
 def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:
-    """Up to ``n`` distinct documents furthest from the step's median document (either
-    way; those on ``rank`` first), with a text excerpt; [] when the run recorded none."""
+    """Up to ``n`` distinct documents of ``rank`` (every rank's when it holds none)
+    furthest from the step's median document, either way, with a text excerpt; []
+    when the run recorded none."""
     scores = document_scores(led, step)
-    mine = [d for d in scores if rank is None or d["dp_rank"] == rank]
-    mine += [d for d in scores if d not in mine]
+    mine = [d for d in scores if rank is None or d["dp_rank"] == rank] or scores
     out = []
     text = None
     for d in mine[:n]:

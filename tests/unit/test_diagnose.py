@@ -159,8 +159,8 @@ def test_documents_are_ranked_against_the_median_document_not_the_median_segment
     assert scores[0]["dp_rank"] == 1 and scores[0]["segments"] == 5 and scores[0]["tokens"] == 5 * 256
     assert scores[0]["vs_median"] == pytest.approx(4.35 / ((6.39 * 256 + 6.32 * 217) / 473), rel=1e-6)  # doc 61
     assert extreme_document_rank(led, 46) == 1
-    named = offending_documents(led, 46, rank=0, n=2)  # rank 0's documents first
-    assert [d["doc"] for d in named] == [61, 62]
+    assert [d["doc"] for d in offending_documents(led, 46, rank=0, n=2)] == [61]  # rank 0's only
+    assert [d["doc"] for d in offending_documents(led, 46, rank=3, n=2)] == [62, 63]  # none there: all
     empty = SimpleNamespace(data=SimpleNamespace(doc_losses=lambda step: ([], None)))
     assert document_scores(empty, 1) == [] and extreme_document_rank(empty, 1) is None
 
