@@ -734,10 +734,14 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
     va = variant_args(v, plan.step, config)
     folder = plan.folder(v)
     if va is None:
-        note = {"fp32": "the run trains in float32 already (--training.mixed_precision_param float32)",
-                "beta2": f"the run's Adam beta2 is already <= {v.value:g}",
-                "logit_cap": "the max logit at the spike is below the danger level (100): no growth to cap",
-                }.get(v.kind, "not applicable")
+        if v.kind == "fp32":
+            note = "the run trains in float32 already (--training.mixed_precision_param float32)"
+        elif v.kind == "beta2":
+            note = f"the run's Adam beta2 is already <= {v.value:g}"
+        elif v.kind == "logit_cap":
+            note = "the max logit at the spike is below the danger level (100): no growth to cap"
+        else:
+            note = "not applicable to this run"
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)
     extra, over = va
     if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's

@@ -278,3 +278,15 @@ def test_beta2_variant_applies_only_above_its_value():
     assert rr.variant_args(Variant("beta2", 0.95), 8, c) == ([], {"beta2": 0.95})
     c.optimizer.param_groups[0].optimizer_kwargs = {"betas": (0.9, 0.95)}
     assert rr.variant_args(Variant("beta2", 0.95), 8, c) is None
+
+
+def test_not_applicable_variants_say_why(tmp_path):
+    """run_variant returns before any launch for a variant that does not apply; its note
+    must name the reason for each kind (fp32 has no value to format)."""
+    plan = rr.Plan(tmp_path, 8, 4, 9, [])
+    c = _Cfg()
+    c.training = type("t", (), {"mixed_precision_param": "float32"})
+    c.optimizer = type("o", (), {"param_groups": [type("g", (), {"optimizer_kwargs": {"betas": (0.9, 0.95)}})]})
+    notes = {v.kind: rr.run_variant(plan, v, [], c, 2).note
+             for v in (Variant("fp32"), Variant("beta2", 0.95), Variant("logit_cap", 0.0))}
+    assert "float32" in notes["fp32"] and "0.95" in notes["beta2"] and "danger level" in notes["logit_cap"]
