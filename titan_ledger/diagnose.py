@@ -442,9 +442,9 @@ def document_scores(led: RunLedger, step: int) -> list[dict]:
 
     A document's loss is the token-weighted mean over its recorded segments; the
     reference is the median over the distinct documents, not over segments: a
-    degenerate document cut into most of a step's rows IS the segment median (the
-    zoo's held-out repeated token filled 11 of 16 rows), but it is one document among
-    the few the step holds. Each entry is the document's most extreme segment (row,
+    degenerate document cut into many of a step's rows can BE the segment median (the
+    zoo's repeated token at step 46 sat at 0.99x it, and a normal document at 1.52x
+    was named instead), but it is one document among the few the step holds. Each entry is the document's most extreme segment (row,
     span, rank) with ``loss`` (the document's), ``vs_median`` (over the median
     document), ``segments`` and ``tokens``; [] when the run recorded none."""
     try:

@@ -141,7 +141,7 @@ def test_a_run_that_died_before_its_first_step_is_an_error(tmp_path, capsys, con
 
 def test_documents_are_ranked_against_the_median_document_not_the_median_segment():
     """A degenerate document cut into most of a step's rows is the segment median (the
-    zoo's held-out repeated token: 0.99x), but it is one document among few: against
+    zoo's repeated token at step 46: 0.99x), but it is one document among few: against
     the median over distinct documents it is the outlier (0.69x) and is named first."""
     from types import SimpleNamespace
 
