@@ -324,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
     ap.add_argument("--json", action="store_true", help="one JSON object per scenario, then the summary")
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_zoo"))
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each scenario's checkpoints and rerun folders (about 350 MB a scenario); "
+                         "by default only the ledgers and logs stay")
     a = ap.parse_args(argv)
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
@@ -332,6 +335,9 @@ def main(argv=None) -> int:
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun)
         results.append(r)
+        if not a.keep:  # the ledgers are the evidence; the checkpoints only fed the reruns
+            for sub in ("checkpoint", "rerun"):
+                shutil.rmtree(a.folder / sc.name / sub, ignore_errors=True)
         if a.json:
             print(json.dumps(r.__dict__), flush=True)
         else:
