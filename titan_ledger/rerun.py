@@ -955,11 +955,14 @@ def resolve_variant(spec: str, led, step: int, load_step: int, config=None,
     ``lr`` / ``beta2`` / ``logit_cap`` values from the ledger and config
     (:func:`ledger_values`); ``skip`` widened to the steps from ``load_step + 1`` to
     ``step + reach`` whose rows hold one of ``documents`` (a planted document is cut
-    into rows that span several steps). The caller extends the rerun window past the
-    last skipped step, so that trained steps follow it."""
+    into rows that span several steps; not when ``--ledger.inject`` replaced the step's
+    tokens, whose tags then name documents that did not train). The caller extends the
+    rerun window past the last skipped step, so that trained steps follow it."""
     v = ledger_values(parse_variant(spec, allow_open=True), led.signal_rows(), step, config)
     if v.kind != "skip" or not documents:
         return v
+    if any((led.data.row(r, step) or {}).get("injected") for r in led.data.ranks_at(step)):
+        return v  # --ledger.inject replaced the step's tokens: its tags are not what trained
     named = {(d["source"], d["doc"]) for d in documents}
     steps = {step}
     for s in range(load_step + 1, min(step + reach, led.data.last_step) + 1):
