@@ -43,7 +43,6 @@ import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from titan_ledger import backend, records
 

@@ -939,14 +939,14 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     if total > max_steps:
         raise RerunError(f"--rerun: the reruns need {total} training steps, more than "
                          f"--rerun-max-steps {max_steps}; raise it or pick one spike with --step")
+    # escalation may spend what the later spikes' planned reruns leave of max_steps
+    planned = [p[0].steps_per_variant * p[3] for _, p, _ in jobs]
     left = max_steps
-    for res, p, esc in jobs:
-        others = sum(q[0].steps_per_variant * q[3] for r2, q, _ in jobs if r2 is not res)
+    for i, (res, p, esc) in enumerate(jobs):
         res["rerun"] = rerun(dump, res["step"], [], train_args, nproc=nproc, fresh=fresh,
                              heuristic=res["cause"], log=log, prepared=p, escalate=esc,
-                             max_steps=left - others)
+                             max_steps=left - sum(planned[i + 1:]))
         left -= res["rerun"]["budget_steps"]
-        jobs = [j for j in jobs if j[0] is not res]
 
 
 def resolve_variant(spec: str, led, step: int, load_step: int, config=None,
