@@ -32,6 +32,12 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
 * controls, the runs without their fault: ``clean`` (the corpus without a planted
   document, default flags, 55 steps) and ``clean_lr`` (the LR scenario's relaunch at
   step 20 with the LR unchanged).
+* sharp (``--set sharp``; not in ``all``): the same model on a synthetic copy corpus
+  (``copy_documents``: each document one random 8-word phrase repeated to 256 tokens),
+  which it learns from loss 8 to about 1 by step 150 at LR 3e-3, attention doing the
+  copying; ``lr_sharp`` relaunches at step 150 with 3x the LR, ``clean_sharp`` relaunches
+  unchanged. Built to see whether a sharper model lets the missing causes bite; run once,
+  nothing tuned on it (README: what it showed).
 * attempted (``--set attempted``; not in ``all``): ``bad_data_random`` (1500 random
   characters at step 60), ``logit_growth`` (no QK-norm, LR warmed up to 3e-2 over 80
   steps, fp32), ``precision`` (the same in bf16) and ``optimizer_state`` (beta2 0.999,
@@ -69,6 +75,14 @@ TOKENS_PER_STEP = 2 * 4 * 256  # DP 2 x 4 rows x 256 tokens
 CORPUS = ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl"
 MATCH_AFTER = 5  # a flag up to 5 steps after the true step is the same spike (an LR jump needs a few)
 CONSTANT_LR = ("--lr_scheduler.min_lr_factor", "1.0")  # warmup 2, then constant
+# The "sharp" model: the debug model learns a synthetic copy task (each document one
+# random 8-word phrase repeated to 256 tokens; the repeats are predictable only through
+# attention) from loss 8 to about 1 within 150 steps at LR 3e-3, where the text corpus
+# leaves it at loss ~6. Attention then matters and the max logit is in the hundreds,
+# which is where logit growth, bf16 and Adam's state were expected to bite.
+COPY_PERIOD, COPY_DOCS, COPY_WORDS = 8, 4000, 400
+SHARP = ("--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "5", *CONSTANT_LR)
+SHARP_5E3 = ("--optimizer.lr", "5e-3", "--lr_scheduler.warmup_steps", "5", *CONSTANT_LR)
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,8 @@ class Scenario:
     seed: int = 0
     relaunch: tuple[int, tuple[str, ...]] | None = None  # (first launch's last step, flags of the second)
     true_step: int | None = None  # known by construction; else read from the data ledger
-    set: str = "tuned"  # tuned | held_out | controls
+    set: str = "tuned"  # tuned | held_out | controls | sharp | attempted
+    corpus: str = "text"  # text: the bundled documents | copy: the synthetic copy corpus (COPY_*)
 
 
 SCENARIOS = [
@@ -105,6 +120,11 @@ SCENARIOS = [
     # the control: the runs above without their fault (same corpus order, default flags)
     Scenario("clean", None, 55, set="controls"),
     Scenario("clean_lr", None, 40, CONSTANT_LR, relaunch=(20, ()), set="controls"),
+    # sharp (not in ``all``): the copy-corpus model, run once, nothing tuned on it; an LR
+    # fault (3x relaunch at step 150) and its control (the relaunch unchanged)
+    Scenario("lr_sharp", "lr", 175, SHARP, relaunch=(150, ("--optimizer.lr", "9e-3")), set="sharp",
+             corpus="copy"),
+    Scenario("clean_sharp", None, 175, SHARP, relaunch=(150, ()), set="sharp", corpus="copy"),
     # attempted: configurations that carry the cause but produced NO loss spike on this
     # model (the README lists what was measured); kept runnable for a larger model or a GPU
     Scenario("bad_data_random", "bad_data", 70, plant="random", plant_step=60, set="attempted"),
@@ -113,6 +133,12 @@ SCENARIOS = [
     Scenario("precision", "bf16", 100, ("--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "80",
                                          *CONSTANT_LR, "--training.mixed_precision_param", "bfloat16"),
              set="attempted"),
+    # the sharp model trained to step 200 at LR 5e-3 (loss ~0.9, max logit ~280), then
+    # relaunched at 3x the LR (the max logit climbs into the thousands) or in bf16
+    Scenario("logit_growth_sharp", "logit_growth", 250, SHARP_5E3, relaunch=(200, ("--optimizer.lr", "1.5e-2")),
+             set="attempted", corpus="copy"),
+    Scenario("precision_sharp", "bf16", 240, SHARP_5E3,
+             relaunch=(200, ("--training.mixed_precision_param", "bfloat16")), set="attempted", corpus="copy"),
     Scenario("optimizer_state", "optimizer_state", 100,
              ("--optimizer.lr", "1e-2", *CONSTANT_LR, "--training.max_norm", "1e9", "--optimizer.betas", "0.9",
               "0.999", "--optimizer.eps", "1e-15"), set="attempted"),
@@ -144,13 +170,32 @@ def planted_text(kind: str, seed: int) -> str:
     raise ValueError(kind)
 
 
-def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int) -> tuple[Path, list[int]]:
-    """The bundled documents in order, one degenerate document inserted where the
-    sequential order reaches it at about ``plant_step``; returns (prefix, its doc ids)."""
+def copy_documents(tok, seed: int) -> list[dict]:
+    """The synthetic copy corpus: COPY_DOCS documents, each a random phrase of
+    COPY_PERIOD words (drawn from the first COPY_WORDS words of the bundled corpus
+    that are one token each) repeated to 256 tokens."""
+    words: list[str] = []
+    for line in CORPUS.read_text().splitlines():
+        for w in json.loads(line)["text"].split():
+            if w.isalpha() and w not in words and len(tok.encode(" " + w, add_bos=False, add_eos=False)) == 1:
+                words.append(w)
+        if len(words) >= COPY_WORDS:
+            break
+    rnd = random.Random(seed)
+    return [{"text": " " + " ".join([rnd.choice(words[:COPY_WORDS]) for _ in range(COPY_PERIOD)]
+                                    * (256 // COPY_PERIOD))} for _ in range(COPY_DOCS)]
+
+
+def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
+                 corpus: str = "text") -> tuple[Path, list[int]]:
+    """The bundled documents (or the copy corpus) in order, one degenerate document
+    inserted where the sequential order reaches it at about ``plant_step``; returns
+    (prefix, its doc ids)."""
     from titan_ledger.prepare import load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
-    docs = [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()]
+    docs = (copy_documents(tok, seed) if corpus == "copy" else
+            [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()])
     out, seen, planted = [], 0, []
     target = (plant_step - 1) * TOKENS_PER_STEP
     for d in docs:
@@ -215,8 +260,8 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
     shutil.rmtree(dump, ignore_errors=True)
     log = base / f"{sc.name}.log"
     log.unlink(missing_ok=True)
-    prefix, planted = build_corpus(base / f"corpus_{sc.plant or 'clean'}_{sc.plant_step}_{sc.seed}", sc.plant,
-                                   sc.plant_step, sc.seed)
+    prefix, planted = build_corpus(base / f"corpus_{sc.corpus}_{sc.plant or 'clean'}_{sc.plant_step}_{sc.seed}",
+                                   sc.plant, sc.plant_step, sc.seed, sc.corpus)
     res = Result(sc.name, sc.set, sc.cause)
     if sc.relaunch is None:
         args = base_args(sc, prefix, sc.steps)
@@ -287,7 +332,7 @@ def confusion(results: list[Result], key: str) -> list[str]:
 
 def summary(results: list[Result]) -> list[str]:
     out = []
-    for s in ("tuned", "held_out"):
+    for s in ("tuned", "held_out", "sharp"):
         rs = [r for r in results if r.set == s and r.true_cause]
         if not rs:
             continue
@@ -319,8 +364,8 @@ def summary(results: list[Result]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
-    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "attempted", "all"), default="all",
-                    help="all: tuned, held_out and controls (attempted only by name or --set attempted)")
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "all"), default="all",
+                    help="all: tuned, held_out and controls (sharp and attempted only by name or --set)")
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
     ap.add_argument("--json", action="store_true", help="one JSON object per scenario, then the summary")
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_zoo"))
@@ -330,7 +375,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
-        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set != "attempted")]
+        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted"))]
     results = []
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun)

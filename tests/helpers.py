@@ -261,3 +261,14 @@ def error_lines(text: str) -> list[str]:
     """The one-line errors (``titan_ledger: error: ...``, or ``titan_ledger.X: error: ...``)
     in a CLI's output, with the prefix removed."""
     return [_ERROR_LINE.split(ln, 1)[-1] for ln in _ANSI.sub("", text).splitlines() if _ERROR_LINE.search(ln)]
+
+
+def load_bench(name: str):
+    """Import ``bench/<name>.py`` (not a package) as module ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod

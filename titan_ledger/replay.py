@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint step C to load (default: the last complete one <= T-1)")
     p.add_argument("--after", type=int, default=1, help="steps after T to train too (default 1)")
     p.add_argument("--variant", action="append", default=None,
-                   help="same | skip | lr=X | eps=X | clip=X | fp32 (repeatable; default same)")
+                   help="same | skip | lr=X | eps=X | clip=X | fp32 | beta2=X | logit_cap=X "
+                        "(repeatable; default same)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--fresh", action="store_true",
                    help="train again even where an identical earlier rerun exists")

@@ -46,11 +46,15 @@ T+N with ``--ledger.rerun stop=T+N``; it writes no checkpoint of its own
 (repeat/random: they *are* the run's data) are kept; ``bitflip`` (a hardware
 fault, :mod:`titan_ledger.faults`) is dropped, so it is not reproduced.
 
-"Spike present at T" in a rerun: its trainer flagged T (spikes.jsonl), or its
-grad norm at T is within ``GRAD_TOL`` (10%) of the original's and at least
-``MIN_RATIO`` (2x) the original's median grad norm over the 50 trained steps
-before T. Under ``skip`` step T does not train; the spike counts as present there
-when any later step of the window is flagged or meets the same test.
+"Spike present at T" in a rerun: its signals at T equal the original's (bit-equal
+or within ``REL_TOL``: the original's numbers are the spike, whether or not a rule
+flagged T), or its trainer flagged T (spikes.jsonl), or its grad norm at T is
+within ``GRAD_TOL`` (10%) of the original's and at least ``MIN_RATIO`` (2x) the
+original's median grad norm over the 50 trained steps before T, or (a loss spike
+without a grad-norm one, as the loss climbing after an LR jump) the original's loss
+at T is >= 5% over its pre-spike median and the rerun keeps half that excess
+(``loss_like``). Under ``skip`` step T does not train; the spike counts as present
+there when any later step of the window is flagged or meets the grad or loss test.
 
 Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
 hardware fault: the rerun saw the same data from the same state); reproduced
@@ -103,6 +107,8 @@ KEYS = ("loss", "loss_max", "loss_max_rank", "grad_norm", "grad_norm_clipped", "
 GRAD_TOL = 0.10  # rerun grad norm at T within 10% of the original's ...
 MIN_RATIO = 2.0  # ... and >= 2x the original's pre-spike median: the spike is present
 REL_TOL = 1e-3  # "equal within tolerance" for non-deterministic (GPU) runs
+LOSS_EXCESS = 0.05  # a loss >= 5% over its pre-spike median is a loss spike (the rules' loss_jump) ...
+LOSS_KEPT = 0.5  # ... present in a rerun that keeps at least half of that excess
 PRE = 50  # trained steps before T that describe "normal"
 #: a counterfactual that removes the spike -> the cause it proves (priority order)
 CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
@@ -511,6 +517,31 @@ def spike_like(orig_at: dict, row: dict | None, med: float | None) -> bool:
     return close and big
 
 
+def same_numbers(step_row: dict) -> bool:
+    """A :func:`compare_rows` row whose signals equal the original's (bit-equal, or all
+    within REL_TOL): whatever the original's numbers at that step were, the rerun has them."""
+    d = step_row.get("max_rel_diff")
+    return bool(step_row.get("bit_equal")) or (d is not None and d <= REL_TOL)
+
+
+def loss_like(orig_at: dict, row: dict | None, med_loss: float | None) -> bool:
+    """The loss test, for a spike the grad norm does not show (the loss climbing for
+    steps after an LR jump, grad norm under 2x): the original's loss at T is >=
+    (1 + LOSS_EXCESS) x its pre-spike median, and the rerun's keeps >= LOSS_KEPT of
+    that excess. A non-finite original loss needs a non-finite rerun loss."""
+    if row is None or row.get("skipped") or med_loss is None or not math.isfinite(med_loss) or med_loss <= 0:
+        return False
+    lo, lr_ = _num(orig_at.get("loss")), _num(row.get("loss"))
+    if lo is None or lr_ is None:
+        return False
+    if not math.isfinite(lo):
+        return not math.isfinite(lr_)
+    excess = lo - med_loss
+    if excess < LOSS_EXCESS * med_loss:
+        return False
+    return not math.isfinite(lr_) or lr_ - med_loss >= LOSS_KEPT * excess
+
+
 @dataclass
 class VariantResult:
     variant: str
@@ -601,18 +632,21 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
     o_at = o_by.get(T)
     res.original_at_step = _signals_at(o_at)
     res.at_step = _signals_at(r_by.get(T))
-    med = pre_median(orig_rows, T)
+    med, med_loss = pre_median(orig_rows, T), pre_median(orig_rows, T, "loss")
     res.flagged = sorted(s for s in rerun_led.spike_steps() if first <= s <= last)
+    like = lambda s: spike_like(o_at, r_by.get(s), med) or loss_like(o_at, r_by.get(s), med_loss)  # noqa: E731
+    at_t = next((row for row in res.steps if row["step"] == T), {})
     if v.kind == "skip":
         trained_after = [s for s in range(T, last + 1) if r_by.get(s) and not r_by[s].get("skipped")]
         if not trained_after:  # nothing trained after the skip: "gone" would prove nothing
             res.present = None
             res.note = f"no step from {T} to {last} trained after the skip: inconclusive"
         else:
-            res.present = any(s >= T for s in res.flagged) or any(
-                spike_like(o_at, r_by.get(s), med) for s in trained_after)
+            res.present = any(s >= T for s in res.flagged) or any(like(s) for s in trained_after)
     else:
-        res.present = T in res.flagged or spike_like(o_at, r_by.get(T), med)
+        # the original's own numbers at T are its spike, whatever the rules made of them:
+        # a rerun that reproduces them (bit-equal or within REL_TOL) has the spike
+        res.present = same_numbers(at_t) or T in res.flagged or like(T)
     if v.kind == "swap":  # does the anomaly follow the data to rank r-1, or stay on its rank?
         dp = int(ho.get("dp_size") or 0) or len(original.data.ranks())
         ev_o = next((e for e in original.spike_events() if e["step"] == T), {})
@@ -660,12 +694,12 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                 continue
             at = r.at_step or {}
             if r.present:
-                evidence.append(f"{r.variant}: still present (grad norm {at.get('grad_norm')}, "
-                                f"flagged {r.flagged or 'none'}): not {c}")
+                evidence.append(f"{r.variant}: still present (loss {at.get('loss')}, grad norm "
+                                f"{at.get('grad_norm')}, flagged {r.flagged or 'none'}): not {c}")
             else:
                 gone.append(c)
                 what = ("step skipped; no spike in the steps after" if kind == "skip" else
-                        f"grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
+                        f"loss {at.get('loss')}, grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
                 evidence.append(f"{r.variant}: gone ({what}): {c}")
         sw = by.get("swap")
         if sw is not None and sw.swap:

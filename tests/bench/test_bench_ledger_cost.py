@@ -1,7 +1,6 @@
 """bench/bench_ledger_cost.py: its span clock, statistics and step baton (fast), and one
 tiny end-to-end run of both instruments (slow: it trains)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,17 +10,10 @@ import time
 
 import pytest
 
-from helpers import ROOT, child_env
+from helpers import ROOT, child_env, load_bench
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_ledger_cost", ROOT / "bench" / "bench_ledger_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-blc = _load_bench()
+blc = load_bench("bench_ledger_cost")
 
 
 def _spin(seconds: float) -> None:

@@ -7,24 +7,15 @@ the flagged step 28, with no other flag in the run; the pure table code is check
 the result it produced.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, child_env
+from helpers import ROOT, child_env, load_bench
 
 pytestmark = pytest.mark.slow
-
-
-def _load_zoo():
-    spec = importlib.util.spec_from_file_location("zoo", ROOT / "bench" / "zoo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["zoo"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_hardware_scenario_is_flagged_and_named_with_and_without_rerun(tmp_path):
@@ -39,6 +30,6 @@ def test_hardware_scenario_is_flagged_and_named_with_and_without_rerun(tmp_path)
     assert res["named_cause"] == "hardware" and res["named_cause_rerun"] == "hardware", res
     assert res["rerun_proven"] and res["rerun_variants"] == ["same"], res
     assert any("with --rerun 1/1 (hardware)" in line for line in summary), summary
-    zoo = _load_zoo()
+    zoo = load_bench("zoo")
     table = zoo.confusion([zoo.Result(**res)], "named_cause")
     assert table[1].split() == ["hardware", "1"]

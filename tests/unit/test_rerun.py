@@ -121,6 +121,23 @@ def test_spike_like_tolerance():
     assert rr.pre_median(rows, 4) == 2.0
 
 
+def test_loss_like_and_same_numbers():
+    orig = {"loss": 3.8}  # 1.6 over a median of 2.2: a loss spike without a grad-norm one
+    assert rr.loss_like(orig, {"loss": 3.74}, med_loss=2.2)  # logit_cap kept it
+    assert rr.loss_like(orig, {"loss": 3.0}, med_loss=2.2)  # half the excess kept
+    assert not rr.loss_like(orig, {"loss": 1.95}, med_loss=2.2)  # lr=0.333 removed it
+    assert not rr.loss_like({"loss": 2.25}, {"loss": 2.25}, med_loss=2.2)  # +2%: not a loss spike
+    assert not rr.loss_like({"loss": 1.0}, {"loss": 1.0}, med_loss=2.2)  # a low loss is not this test's
+    assert not rr.loss_like(orig, {"skipped": True}, med_loss=2.2)
+    assert rr.loss_like({"loss": "nan"}, {"loss": "nan"}, med_loss=2.2)
+    assert not rr.loss_like({"loss": "nan"}, {"loss": 2.0}, med_loss=2.2)
+    assert rr.loss_like(orig, {"loss": "inf"}, med_loss=2.2) and not rr.loss_like(orig, {"loss": 3.8}, None)
+    assert rr.same_numbers({"step": 5, "bit_equal": True})
+    assert rr.same_numbers({"step": 5, "bit_equal": False, "max_rel_diff": 5e-4})
+    assert not rr.same_numbers({"step": 5, "bit_equal": False, "max_rel_diff": 0.01})
+    assert not rr.same_numbers({"step": 5, "missing": "rerun", "bit_equal": False})
+
+
 def res(kind, present, name=None, **kw):
     return VariantResult(name or kind, kind, "/f", present=present,
                          at_step={"grad_norm": 1.0}, original_at_step={"grad_norm": 10.0},
