@@ -317,6 +317,34 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
     return res
 
 
+def adam_peak(beta2: float, normal: int, plateau: int, after: int = 200, beta1: float = 0.9,
+              bias_correction: bool = True) -> float:
+    """Why the optimizer-state cause is out of reach here (pure): one parameter under
+    PyTorch's AdamW recursion sees a steady gradient 1 for ``normal`` steps, 0 for
+    ``plateau`` steps (the low-gradient stretch of the design article's section 2.6),
+    then 1 again; returns the largest update m_hat / sqrt(v_hat) after the plateau,
+    in units of the steady update (1). ``bias_correction=False`` with ``normal=0``
+    is the no-history limit: v decayed to nothing before the gradient returns."""
+    m = v = 0.0
+    peak = 0.0
+    for t in range(1, normal + plateau + after + 1):
+        g = 0.0 if normal < t <= normal + plateau else 1.0
+        m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        if t > normal + plateau:
+            mh, vh = (m / (1 - beta1 ** t), v / (1 - beta2 ** t)) if bias_correction else (m, v)
+            peak = max(peak, mh / vh ** 0.5)
+    return peak
+
+
+def adam_table() -> list[str]:
+    out = ["peak Adam update after a zero-gradient plateau, x the steady update (bench/zoo.py adam_peak):"]
+    for b2 in (0.95, 0.99, 0.999):
+        out.append(f"  beta2 {b2}: 100 normal + 100 zero steps {adam_peak(b2, 100, 100):.2f}; "
+                   f"30 + 60 {adam_peak(b2, 30, 60):.2f}; v fully decayed (no bias correction) "
+                   f"{adam_peak(b2, 0, 0, after=5000, bias_correction=False):.2f}")
+    return out
+
+
 def confusion(results: list[Result], key: str) -> list[str]:
     causes = sorted({r.true_cause or "(control)" for r in results})
     named = sorted({str(getattr(r, key) if r.flagged_step is not None else "(no flag)") for r in results})
@@ -372,7 +400,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true",
                     help="keep each scenario's checkpoints and rerun folders (about 350 MB a scenario); "
                          "by default only the ledgers and logs stay")
+    ap.add_argument("--adam-bound", action="store_true",
+                    help="print how far Adam's update can grow after a low-gradient stretch, and exit")
     a = ap.parse_args(argv)
+    if a.adam_bound:
+        print("\n".join(adam_table()))
+        return 0
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
         s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted"))]

@@ -551,6 +551,7 @@ class VariantResult:
     reused: bool = False
     seconds: float | None = None
     present: bool | None = None
+    original_spike: bool | None = None  # is T a spike in the original at all (flagged, grad or loss test)
     flagged: list[int] = field(default_factory=list)
     at_step: dict | None = None
     original_at_step: dict | None = None
@@ -634,6 +635,9 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
     res.at_step = _signals_at(r_by.get(T))
     med, med_loss = pre_median(orig_rows, T), pre_median(orig_rows, T, "loss")
     res.flagged = sorted(s for s in rerun_led.spike_steps() if first <= s <= last)
+    o_t = o_at or {}
+    res.original_spike = (T in original.spike_steps() or spike_like(o_t, o_t, med)
+                          or loss_like(o_t, o_t, med_loss))
     like = lambda s: spike_like(o_at, r_by.get(s), med) or loss_like(o_at, r_by.get(s), med_loss)  # noqa: E731
     at_t = next((row for row in res.steps if row["step"] == T), {})
     if v.kind == "skip":
@@ -668,6 +672,17 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
     by = {r.kind: r for r in results if r.applicable and r.present is not None}
     same = by.get("same")
     evidence: list[str] = []
+    if any(r.original_spike is False for r in results):
+        # a counterfactual "removes" a spike only if there was one: at a quiet step every
+        # variant would look like a cure (skip first: "bad_data, proven")
+        o = next((r.original_at_step for r in results if r.original_at_step), None) or {}
+        evidence.append(f"step {step} is not a spike in the original run: not flagged, grad norm "
+                        f"{o.get('grad_norm')} under {MIN_RATIO:g}x its pre-spike median, loss {o.get('loss')} "
+                        f"under {1 + LOSS_EXCESS:g}x its median: there is nothing for a counterfactual to remove")
+        out = {"step": step, "cause": "unproven", "proven": False, "evidence": evidence, "not_a_spike": True}
+        if heuristic is not None:
+            out.update(heuristic=heuristic, heuristic_confirmed=False)
+        return out
     for r in results:
         if not r.applicable:
             evidence.append(f"{r.variant}: not applicable ({r.note})")
@@ -886,7 +901,7 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
     vd = verdict(results, step, heuristic)
     escalated = []
     for v in escalate or []:
-        if vd["cause"] != "unproven":
+        if vd["cause"] != "unproven" or vd.get("not_a_spike"):
             break
         if any(r.kind == v.kind for r in results) or variant_args(v, step, config) is None:
             continue
@@ -910,8 +925,9 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
 def write_summary(ledger_dir: Path, rep: dict) -> Path:
     """``<ledger>/rerun/step<T>.json``: one line, the verdict and each variant's row at T
     (what ``titan_ledger.report``'s incident page shows); written whole (tmp + rename)."""
-    keep = ("variant", "applicable", "present", "at_step", "original_at_step", "flagged", "bit_equal_steps",
-            "first_difference", "max_rel_diff", "data_equal", "lr_ratio_at_step", "swap", "folder", "note")
+    keep = ("variant", "applicable", "present", "original_spike", "at_step", "original_at_step", "flagged",
+            "bit_equal_steps", "first_difference", "max_rel_diff", "data_equal", "lr_ratio_at_step", "swap",
+            "folder", "note")
     summary = {"step": rep["step"], "load_step": rep["load_step"], "stop": rep["stop"],
                "verdict": rep["verdict"], "variants": [{k: v.get(k) for k in keep} for v in rep["variants"]]}
     folder = Path(ledger_dir) / "rerun"
@@ -1033,7 +1049,8 @@ def print_report(rep: dict) -> None:
     table = [hdr]
     o = next((v["original_at_step"] for v in rep["variants"] if v.get("original_at_step")), None)
     if o:
-        table.append(("original", "yes", *(_fmt(o.get(k)) for k in ("loss", "grad_norm", "max_logit",
+        spike = next((v.get("original_spike") for v in rep["variants"] if v.get("original_spike") is not None), True)
+        table.append(("original", _fmt(spike), *(_fmt(o.get(k)) for k in ("loss", "grad_norm", "max_logit",
                                                                       "loss_spread", "lr")), "", "", ""))
     for v in rep["variants"]:
         if not v["applicable"]:

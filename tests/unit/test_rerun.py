@@ -138,6 +138,15 @@ def test_loss_like_and_same_numbers():
     assert not rr.same_numbers({"step": 5, "missing": "rerun", "bit_equal": False})
 
 
+def test_no_verdict_at_a_step_that_is_not_a_spike():
+    quiet = dict(original_spike=False)
+    v = rr.verdict([res("same", True, **quiet), res("skip", False, **quiet)], 8, heuristic="bad_data")
+    assert v["cause"] == "unproven" and not v["proven"] and v["not_a_spike"], v
+    assert not v["heuristic_confirmed"] and "not a spike" in v["evidence"][0]
+    v = rr.verdict([res("same", True, original_spike=True), res("skip", False, original_spike=True)], 8)
+    assert v["cause"] == "bad_data" and v["proven"] and "not_a_spike" not in v
+
+
 def res(kind, present, name=None, **kw):
     return VariantResult(name or kind, kind, "/f", present=present,
                          at_step={"grad_norm": 1.0}, original_at_step={"grad_norm": 10.0},
