@@ -43,7 +43,12 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   steps, fp32), ``precision`` (the same in bf16) and ``optimizer_state`` (beta2 0.999,
   eps 1e-15, LR 1e-2, no clipping). On this model they move the loss by a few percent
   or grow the max logit into the hundreds without a loss spike, so they measure
-  nothing yet; the README lists what was measured.
+  nothing yet; the README lists what was measured. On the sharp model:
+  ``logit_growth_sharp`` (LR 5e-3 to step 200, then 3x: the max logit climbs with
+  the loss, but a logit cap does not remove the rise and a lower LR does) and
+  ``precision_sharp`` (the same base relaunched in bf16: no spike).
+  ``--adam-bound`` prints why the optimizer-state mechanism needs far longer runs
+  (``adam_peak``).
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,
