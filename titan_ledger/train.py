@@ -436,5 +436,19 @@ def run(argv: list[str]) -> None:
                 log.warning(f"titan_ledger: no run summary ({type(e).__name__}: {e})")
 
 
+def _exit_finished() -> None:
+    """After a run that finished (every file closed by ``trainer.close()``, the process
+    group destroyed, logging flushed here), leave without interpreter finalization:
+    C++ destructors of gloo/c10d threads can abort there ("terminate called without an
+    active exception", SIGABRT; seen once in ``bench/bench_detection.py`` on rank 1,
+    after "Process group destroyed"), and torchrun then reports a finished run as
+    failed. Only for the torchrun entry point: ``main()`` called in-process returns."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_finished()
