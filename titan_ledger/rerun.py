@@ -61,7 +61,9 @@ hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
 the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
 -> optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip. None removes it ->
-``unproven``.
+``unproven``. A step T that is no spike in the original (not flagged, and neither the
+grad nor the loss test holds for its own numbers) -> ``unproven`` with ``not_a_spike``:
+a counterfactual cannot remove what is not there (``skip`` would look like a cure).
 
 ``diagnose --rerun`` first runs the variants its heuristic verdict calls for
 (:data:`PLAN_FOR`); when the spike reproduces under ``same`` and none of them
