@@ -502,14 +502,21 @@ def pre_median(orig_rows: list[dict], step: int, key: str = "grad_norm") -> floa
     return statistics.median(xs) if xs else None
 
 
+def _pair(orig_at: dict, row: dict | None, key: str) -> tuple[float, float] | None:
+    """(original, rerun) values of ``key`` at T; None when the rerun did not train T."""
+    if row is None or row.get("skipped"):
+        return None
+    o, r = _num(orig_at.get(key)), _num(row.get(key))
+    return None if o is None or r is None else (o, r)
+
+
 def spike_like(orig_at: dict, row: dict | None, med: float | None) -> bool:
     """The tolerance test: grad norm within GRAD_TOL of the original spike's and
     >= MIN_RATIO x the pre-spike median."""
-    if row is None or row.get("skipped"):
+    pair = _pair(orig_at, row, "grad_norm")
+    if pair is None:
         return False
-    go, gr = _num(orig_at.get("grad_norm")), _num(row.get("grad_norm"))
-    if go is None or gr is None:
-        return False
+    go, gr = pair
     if not math.isfinite(go):
         return not math.isfinite(gr)
     if not math.isfinite(gr):
@@ -531,11 +538,10 @@ def loss_like(orig_at: dict, row: dict | None, med_loss: float | None) -> bool:
     steps after an LR jump, grad norm under 2x): the original's loss at T is >=
     (1 + LOSS_EXCESS) x its pre-spike median, and the rerun's keeps >= LOSS_KEPT of
     that excess. A non-finite original loss needs a non-finite rerun loss."""
-    if row is None or row.get("skipped") or med_loss is None or not math.isfinite(med_loss) or med_loss <= 0:
+    pair = _pair(orig_at, row, "loss")
+    if pair is None or med_loss is None or not math.isfinite(med_loss) or med_loss <= 0:
         return False
-    lo, lr_ = _num(orig_at.get("loss")), _num(row.get("loss"))
-    if lo is None or lr_ is None:
-        return False
+    lo, lr_ = pair
     if not math.isfinite(lo):
         return not math.isfinite(lr_)
     excess = lo - med_loss
