@@ -443,9 +443,10 @@ def document_scores(led: RunLedger, step: int) -> list[dict]:
     reference is the median over the distinct documents, not over segments: a
     degenerate document cut into many of a step's rows can BE the segment median (the
     zoo's repeated token at step 46 sat at 0.99x it, and a normal document at 1.52x
-    was named instead), but it is one document among the few the step holds. Each entry is the document's most extreme segment (row,
-    span, rank) with ``loss`` (the document's), ``vs_median`` (over the median
-    document), ``segments`` and ``tokens``; [] when the run recorded none."""
+    was named instead), but it is one document among the few the step holds. Each
+    entry is the document's most extreme segment (row, span, rank) with ``loss`` (the
+    document's), ``vs_median`` (over the median document), ``segments`` and
+    ``tokens``; [] when the run recorded none."""
     try:
         docs, _ = led.data.doc_losses(step)
     except LedgerError:

@@ -646,7 +646,7 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
     o_t = o_at or {}
     res.original_spike = (T in original.spike_steps() or spike_like(o_t, o_t, med)
                           or loss_like(o_t, o_t, med_loss))
-    like = lambda s: spike_like(o_at, r_by.get(s), med) or loss_like(o_at, r_by.get(s), med_loss)  # noqa: E731
+    like = lambda s: spike_like(o_t, r_by.get(s), med) or loss_like(o_t, r_by.get(s), med_loss)  # noqa: E731
     at_t = next((row for row in res.steps if row["step"] == T), {})
     if v.kind == "skip":
         trained_after = [s for s in range(T, last + 1) if r_by.get(s) and not r_by[s].get("skipped")]

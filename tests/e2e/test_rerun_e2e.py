@@ -1,4 +1,4 @@
-"""replay rerun end to end (issue 13): three training launches in all.
+"""replay rerun end to end (issue 13): four training launches in all.
 
 One 12-step run with two rehearsal faults, checkpoints every 4 steps: a bad batch
 (``8:1:repeat``: data, so a rerun reproduces it) and a flipped gradient bit
@@ -6,7 +6,8 @@ One 12-step run with two rehearsal faults, checkpoints every 4 steps: a bad batc
 ``same`` rerun from step-4 through step 11 (bit-equal through step 10, the step-8
 spike included; the step-11 spike not reproduced -> hardware) and one ``skip``
 rerun of step 8 (the spike is gone -> bad_data, ``same`` reused). ``diagnose
---rerun`` reuses both reruns (no launch).
+--rerun`` reuses both reruns (no launch). A ``skip`` rerun of the quiet step 6 gets no
+cause (``not_a_spike``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,23 @@ def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, sam
     assert p.stdout.index("rerun budget:") < p.stdout.index("verdict: bad_data (proven)")
     rc, out, err = cli(diagnose.main, [base, "--step", "8", "--rerun", "--rerun-max-steps", "3", "--", *FLAGS])
     assert rc == 2 and "--rerun-max-steps 3" in err
+
+
+def test_a_quiet_step_gets_no_cause(base, same_to_11):
+    """Step 6 is not a spike: skipping it must not "prove" bad data (one launch: skip 5-7)."""
+    t0 = time.monotonic()
+    rc, out, err = cli(replay.main, ["rerun", "--dump-folder", base, "--step", "6", "--variant", "same",
+                                     "--variant", "skip", "--json", "--", *FLAGS])
+    TIMES["skip 6"] = time.monotonic() - t0
+    assert rc == 0, err
+    rep = json.loads(out)
+    by = {v["variant"]: v for v in rep["variants"]}
+    assert by["same"]["reused"] and by["same"]["present"]  # bit-equal: the same numbers
+    assert by["skip"]["present"] is False  # "gone": what would have read as bad_data
+    assert all(v["original_spike"] is False for v in rep["variants"])
+    v = rep["verdict"]
+    assert v["cause"] == "unproven" and not v["proven"] and v["not_a_spike"], v
+    assert "step 6 is not a spike in the original run" in v["evidence"][0]
 
 
 def test_rerun_refuses_other_flags_before_training(base, same_to_11):
