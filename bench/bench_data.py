@@ -61,12 +61,12 @@ def train_bench(steps: int, repeats: int, warmup: int) -> None:
 
 
 def skip_bench() -> None:
-    from titan_ledger import backend
+    from titan_ledger.rehearsal import backend
 
     backend.install("cpu")
     from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
-    from titan_ledger.dataloader import LedgerDataLoader
-    from titan_ledger.prepare import load_tokenizer, prepare
+    from titan_ledger.data.loader import LedgerDataLoader
+    from titan_ledger.data.prepare import load_tokenizer, prepare
 
     tok = load_tokenizer(TOKENIZER_DIR)
     with tempfile.TemporaryDirectory() as d:
@@ -93,7 +93,7 @@ def skip_bench() -> None:
                 wall = time.perf_counter() - t0
                 if p.returncode:
                     sys.exit(explain(p))
-                from titan_ledger.records import read_ledger
+                from titan_ledger.format.records import read_ledger
 
                 rows = read_ledger(Path(out) / "ledger" / "signals.jsonl").history
                 skip = [r["step_time_s"] for r in rows if r["skipped"]]

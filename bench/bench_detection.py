@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_ledger.reader import RunLedger  # noqa: E402
+from titan_ledger.format.reader import RunLedger  # noqa: E402
 
 
 def train(dump: Path, nproc: int, steps: int, extra: list[str]) -> float:

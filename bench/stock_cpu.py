@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titan_ledger import backend
+from titan_ledger.rehearsal import backend
 
 backend.ensure_installed()
 
@@ -19,7 +19,8 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # no
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger import config_registry  # noqa: E402
-from titan_ledger.attention import document_causal_mask  # noqa: E402
+from titan_ledger.components.attention import document_causal_mask  # noqa: E402
+from titan_ledger.components import attention  # noqa: E402
 
 
 class StockCpuTrainer(Trainer):
@@ -28,7 +29,7 @@ class StockCpuTrainer(Trainer):
         pass
 
     def __init__(self, config: Config):
-        backend.adapt_config(config)
+        attention.adapt_config(config)
         super().__init__(config)
 
     def post_dataloading_process(self, input_dict, labels):

@@ -196,7 +196,7 @@ def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
     """The bundled documents (or the copy corpus) in order, one degenerate document
     inserted where the sequential order reaches it at about ``plant_step``; returns
     (prefix, its doc ids)."""
-    from titan_ledger.prepare import load_tokenizer
+    from titan_ledger.data.prepare import load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
     docs = (copy_documents(tok, seed) if corpus == "copy" else
@@ -276,7 +276,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
         res.train_rc = train(base_args(sc, prefix, first), dump, log)
         args = base_args(sc, prefix, sc.steps) + list(changed)
         res.train_rc = res.train_rc or train(args, dump, log)
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.format.reader import RunLedger
 
     led = RunLedger(dump)
     res.true_step = sc.true_step

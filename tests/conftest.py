@@ -23,7 +23,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
-from titan_ledger import backend  # noqa: E402
+from titan_ledger.rehearsal import backend  # noqa: E402
 
 backend.install("cpu")
 
@@ -145,7 +145,7 @@ class Runs:
         """(dump folder, the ``replay resume --json`` report)."""
         import json
 
-        from titan_ledger import replay
+        from titan_ledger.tools import replay
 
         def make():
             dump = self.factory.mktemp(f"resumed-{case}") / "run"

@@ -28,8 +28,8 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-from titan_ledger.replay import _free_port as free_port  # noqa: E402
-from titan_ledger.replay import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
+from titan_ledger.tools.replay import _free_port as free_port  # noqa: E402
+from titan_ledger.tools.replay import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
 
 
 def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
@@ -92,7 +92,7 @@ def py(*args, timeout: int = 900) -> subprocess.CompletedProcess:
 def signals_ledger(dump: Path):
     """The signals ledger of a dump folder: ``.history`` (current rows, step order),
     ``.superseded``, ``.segments`` (each with ``.header``), ``.torn_lines``, ``.by_step()``."""
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     return read_ledger(Path(dump) / "ledger" / "signals.jsonl")
 
@@ -104,7 +104,7 @@ def signals_rows(dump: Path) -> dict[int, dict]:
 
 def rank_losses(dump: Path, step: int) -> list[float]:
     """Each DP rank's local loss at ``step`` (the ``rank{r}.jsonl`` files)."""
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     out = []
     for path in sorted((Path(dump) / "ledger").glob("rank*.jsonl")):
@@ -114,22 +114,22 @@ def rank_losses(dump: Path, step: int) -> list[float]:
 
 def data_rows(dump: Path, dp_rank: int) -> dict[int, dict]:
     """{step: row} of DP rank ``dp_rank``'s provenance file ``data_dp{r}.jsonl``."""
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     return read_ledger(Path(dump) / "ledger" / f"data_dp{dp_rank}.jsonl").by_step()
 
 
 def data_ids(dump: Path) -> dict[int, dict[int, tuple]]:
     """{step: {dp_rank: sample ids}} (a skipped step: ``("skipped", *ids)``)."""
-    from titan_ledger.reader import DataLedger
-    from titan_ledger.replay import step_ids
+    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.tools.replay import step_ids
 
     return step_ids(DataLedger(Path(dump) / "ledger"))
 
 
 def data_spans(dump: Path, steps) -> list[tuple]:
     """Every (step, dp_rank, (source, doc, start, end)) document span trained at ``steps``."""
-    from titan_ledger.reader import DataLedger
+    from titan_ledger.format.reader import DataLedger
 
     led = DataLedger(Path(dump) / "ledger")
     out = []
@@ -142,7 +142,7 @@ def data_spans(dump: Path, steps) -> list[tuple]:
 
 def spike_events(dump: Path) -> list[dict]:
     """``spikes.jsonl``: one event per flagged step (``step``, ``rules``, ...)."""
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     # flagged steps only: rewinds and recovery-ladder decisions are events of their own
     return [e for e in read_ledger(Path(dump) / "ledger" / "spikes.jsonl").history if "rules" in e]
@@ -150,7 +150,7 @@ def spike_events(dump: Path) -> list[dict]:
 
 def rejected_steps(dump: Path) -> list[int]:
     """Steps listed in ``rejected_steps.jsonl`` (what ``--ledger.auto_skip`` reads)."""
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     return [r["step"] for r in read_ledger(Path(dump) / "ledger" / "rejected_steps.jsonl").history]
 
@@ -249,7 +249,7 @@ def read_wandb_history(folder: Path) -> list[dict]:
 
 def signal_keys() -> tuple[str, ...]:
     """The keys of a signals row (``grad_norm_per_layer`` only with ``per_layer``)."""
-    from titan_ledger.records import SIGNAL_KEYS
+    from titan_ledger.format.records import SIGNAL_KEYS
 
     return tuple(SIGNAL_KEYS)
 

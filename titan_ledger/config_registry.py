@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from titan_ledger import backend
+from titan_ledger.rehearsal import backend
 
 backend.ensure_installed()
 
@@ -24,7 +24,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
+from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"

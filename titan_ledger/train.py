@@ -36,9 +36,9 @@ import types
 import warnings
 from pathlib import Path
 
-from titan_ledger import backend
+from titan_ledger.rehearsal import backend
 from titan_ledger.errors import TitanLedgerError, fail_line
-from titan_ledger.toml_frontend import (
+from titan_ledger.config.toml_frontend import (
     ConfigError,
     check_world_size,
     parse,
@@ -88,13 +88,13 @@ def check_plan(config, world_size: int) -> None:
     led = getattr(config, "ledger", None)
     if led is not None:
         from titan_ledger.data.layout import parse_skip_steps
-        from titan_ledger.ledger import parse_inject
+        from titan_ledger.rehearsal.faults import parse_inject
 
         late = [w for w in parse_skip_steps(led.skip_steps) if w[0] > t.steps]
         if late and not led.auto_skip:
             raise ConfigError(f"--ledger.skip_steps {late[0][0]}-{late[0][1]} starts after the last "
                               f"step (--training.steps {t.steps}): it would skip nothing")
-        from titan_ledger.guard import parse_ladder
+        from titan_ledger.components.guard import parse_ladder
 
         if any(r.rolls_back for r in parse_ladder(led.on_spike)) and not config.checkpoint.enable:
             raise ConfigError(f"--ledger.on_spike {led.on_spike}: a rollback reloads checkpoints: set "
@@ -278,7 +278,7 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
     All ledger reading is in this one function (``records.read_ledger`` for now).
     ``ledger_folder`` is relative to ``dump_folder`` (or absolute).
     """
-    from titan_ledger.records import read_ledger
+    from titan_ledger.format.records import read_ledger
 
     dump = Path(dump_folder)
     folder = dump / ledger_folder
@@ -397,7 +397,7 @@ def run(argv: list[str]) -> None:
             logger.info("Local tensor mode enabled - skipping training execution")
             return
         if not dry_run:  # CHANGED from torchtitan: a stable W&B run id before wandb.init
-            from titan_ledger import dashboards
+            from titan_ledger.components import dashboards
 
             dashboards.prepare(config, job, is_metrics_rank=_rank() == metrics_rank(
                 config, world_size_from_env(config)))

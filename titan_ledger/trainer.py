@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from titan_ledger import backend
+from titan_ledger.rehearsal import backend
 
 backend.ensure_installed()
 
@@ -32,12 +32,14 @@ from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.attention import document_causal_mask  # noqa: E402
+from titan_ledger.components.attention import document_causal_mask  # noqa: E402
+from titan_ledger.components import attention  # noqa: E402
 from titan_ledger.data.filters import mask_repetitive  # noqa: E402
-from titan_ledger.dataloader import LedgerDataLoader  # noqa: E402
-from titan_ledger.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
-from titan_ledger.ledger import Ledger  # noqa: E402
-from titan_ledger import faults, rerun  # noqa: E402  ADDED (replay rerun, bitflip)
+from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
+from titan_ledger.components.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
+from titan_ledger.components.ledger import Ledger  # noqa: E402
+from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
+from titan_ledger.components import counterfactual  # noqa: E402  ADDED (replay rerun)
 
 
 class LedgerTrainer(Trainer):
@@ -53,10 +55,10 @@ class LedgerTrainer(Trainer):
 
     def __init__(self, config: Config):
         backend.check(config.ledger.device)
-        backend.adapt_config(config)
+        attention.adapt_config(config)
         if config.ledger.signals and config.ledger.max_logit:
-            backend.use_max_logit_attention(config)
-        self._dense_masks = backend.uses_cpu_attention(config.model_spec.model)
+            attention.use_max_logit_attention(config)
+        self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
         self._ledger_open = False
         self._pending_rollback: int | None = None
@@ -124,7 +126,7 @@ class LedgerTrainer(Trainer):
         )
 
     def train(self):
-        from titan_ledger import dashboards
+        from titan_ledger.components import dashboards
 
         dashboards.attach(self)  # W&B / TensorBoard: monotonic steps, identity, layout
         try:
@@ -143,7 +145,7 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # first step of this process, after the checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
-            rerun.apply_overrides(self)  # ADDED (replay rerun): --ledger.rerun lr_scale/eps after the load
+            counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rerun lr_scale/eps after the load
         if self._pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self._pending_rollback)
         window = ledger.skip_window_at(self.step)  # skipped steps train nothing
@@ -161,7 +163,7 @@ class LedgerTrainer(Trainer):
             ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
     def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rerun stop=N
-        return super().should_continue_training() and rerun.before_stop(self)
+        return super().should_continue_training() and counterfactual.before_stop(self)
 
     def batch_generator(self, data_iterable):
         """torchtitan's generator, plus fetch timing for the ledger and the rehearsal
@@ -407,7 +409,7 @@ class LedgerTrainer(Trainer):
         """
         import torch.distributed as dist
 
-        from titan_ledger.reader import checkpoints
+        from titan_ledger.format.reader import checkpoints
 
         cfg = self.config.ledger
         self._pending_rollback = None
@@ -441,7 +443,7 @@ class LedgerTrainer(Trainer):
             scale_lr(self.lr_schedulers, self._lr_scale)
         self.ledger.rewind(from_step=spike_step, to_step=load, window=window,
                            metrics_logger=self.metrics_processor.logger)
-        from titan_ledger.dashboards import log_rewind
+        from titan_ledger.components.dashboards import log_rewind
 
         log_rewind(self.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
         self.step = load + 1

@@ -60,7 +60,7 @@ def _brute_force_max(q, k, positions, scale) -> float:
 
 def run(device: str) -> tuple[dict, bool]:
     """The check on ``device`` ("cuda" or "cpu"); the backend must match (installed here)."""
-    from titan_ledger import backend
+    from titan_ledger.rehearsal import backend
 
     backend.install(device)
     import torch
@@ -70,7 +70,7 @@ def run(device: str) -> tuple[dict, bool]:
         get_efficient_causal_mask_mod_for_packed_document,
     )
 
-    from titan_ledger.attention import (
+    from titan_ledger.components.attention import (
         CpuAttention,
         LedgerFlexAttention,
         _max_scaled_score,
@@ -139,7 +139,7 @@ def run(device: str) -> tuple[dict, bool]:
 
 
 def main() -> int:
-    from titan_ledger import backend
+    from titan_ledger.rehearsal import backend
 
     device = backend.resolve(None)
     out, ok = run(device)

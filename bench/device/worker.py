@@ -27,7 +27,7 @@ documents), runs ``trainer.train()`` for W + T + S steps in one process
 Only the stable surfaces are used: ``load_config``, ``config.build()``,
 ``trainer.train()``, ``trainer.ledger``, torchtitan's ``train_step`` /
 ``post_dataloading_process`` methods, and the ledger files read with
-``titan_ledger.records.read_ledger``.
+``titan_ledger.format.records.read_ledger``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -90,7 +89,7 @@ def to_stock(config):
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.trainer import Trainer
 
-    from titan_ledger import backend
+    from titan_ledger.rehearsal import backend
 
     if backend.installed() == "cpu":  # CPU needs the backend's config adaptation + dense masks
         from bench.stock_cpu import StockCpuTrainer as cls
@@ -106,7 +105,7 @@ def per_doc_loss(dump: Path, ref: dict | None, exact: bool) -> dict | str:
     """The step-1 per-document losses the ledger wrote (``doc_loss`` in the data row)
     against the reference's per-token cross entropy summed per document segment.
     Their cost is inside the ledger's step time (the timing pairs)."""
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.format.reader import RunLedger
 
     try:
         row = RunLedger.at(dump).data.row(0, 1)
@@ -266,10 +265,9 @@ def ref_attention_class():
     import contextlib
     from dataclasses import dataclass
 
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from titan_ledger.attention import CpuAttention
+    from titan_ledger.components.attention import CpuAttention
 
     class RefAttention(CpuAttention):
         @dataclass(kw_only=True, slots=True)
@@ -317,7 +315,7 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-    from titan_ledger.attention import CpuAttention, MaxLogitRecorder, document_causal_mask
+    from titan_ledger.components.attention import CpuAttention, MaxLogitRecorder, document_causal_mask
 
     ref_cls = ref_attention_class()
     for cls in (FlexAttention.Config, VarlenAttention.Config, CpuAttention.Config):
@@ -359,7 +357,7 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
     gn = math.sqrt(sum(p.grad.double().square().sum().item() for p in params.values()))
     per_layer: dict[str, float] = {}
     try:
-        from titan_ledger.signals import layer_group
+        from titan_ledger.components.signals import layer_group
     except ImportError:  # only for the optional per-layer comparison
         layer_group = None
     if layer_group is not None:
@@ -434,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load(args)
-        from titan_ledger import backend
+        from titan_ledger.rehearsal import backend
 
         cuda = backend.installed() == "cuda"
         if args.variant == "stock":
@@ -454,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         out.update(probe.result())
         dump = Path(args.dump)
         if args.variant == "ledger":
-            from titan_ledger.records import read_ledger
+            from titan_ledger.format.records import read_ledger
 
             hist = read_ledger(dump / config.ledger.folder / "signals.jsonl").history
             out["ledger_rows"] = len(hist)

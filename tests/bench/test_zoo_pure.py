@@ -16,7 +16,7 @@ from helpers import ROOT, load_bench
 
 def test_copy_documents_repeat_one_phrase_of_one_token_words():
     zoo = load_bench("zoo")
-    from titan_ledger.prepare import load_tokenizer
+    from titan_ledger.data.prepare import load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
     docs = zoo.copy_documents(tok, seed=0)

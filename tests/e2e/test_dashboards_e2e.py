@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CONFIGS, explain, torchrun
-from titan_ledger.reader import RunLedger
+from titan_ledger.format.reader import RunLedger
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_tensorboard_layout_and_rewind_subrun(run):
 
 
 def test_incident_report_renders_in_chromium(run, tmp_path):
-    from titan_ledger.report import main
+    from titan_ledger.tools.report import main
 
     dump, _ = run
     out = tmp_path / "incident.html"

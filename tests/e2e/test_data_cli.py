@@ -13,7 +13,7 @@ import pytest
 
 from conftest import STEPS
 from helpers import cli, data_rows, error_lines, explain, py, signals_rows, torchrun
-from titan_ledger import lookup, replay
+from titan_ledger.tools import lookup, replay
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from conftest import KILL_AT, PARALLELISMS
 from helpers import (CONFIGS, cli, data_ids, data_rows, error_lines, explain, signals_ledger, signals_rows,
                      spike_events, torchrun)
 
-from titan_ledger import replay
+from titan_ledger.tools import replay
 
 pytestmark = pytest.mark.slow
 

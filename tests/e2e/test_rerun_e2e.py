@@ -18,7 +18,7 @@ import time
 import pytest
 
 from helpers import CONFIGS, cli, explain, py, torchrun
-from titan_ledger import diagnose, replay
+from titan_ledger.tools import diagnose, replay
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def same_and_skip_8(base, same_to_11):
 
 
 def test_the_original_run_flagged_both_faults(base):
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.format.reader import RunLedger
 
     assert RunLedger(base).spike_steps() == [8, 11]
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import KILL_AT, PARALLELISMS, STEPS
 from helpers import TB_GRAD_NORM, cli, data_spans, read_tb, signal_keys, signals_ledger, signals_rows
-from titan_ledger import replay
+from titan_ledger.tools import replay
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from helpers import (
     spike_events,
     torchrun,
 )
-from titan_ledger import diagnose, lookup, rollback
+from titan_ledger.tools import diagnose, lookup, rollback
 
 pytestmark = pytest.mark.slow
 

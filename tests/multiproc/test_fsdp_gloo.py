@@ -34,7 +34,7 @@ def _worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_ledger.backend import _sum_reduction
+    from titan_ledger.rehearsal.backend import _sum_reduction
 
     mesh = init_device_mesh("cpu", (world,))
 

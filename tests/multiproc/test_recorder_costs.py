@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ledger.recorder import SignalRecorder
-from titan_ledger.signals import ParamPlan
-from titan_ledger.topology import Topology
+from titan_ledger.components.recorder import SignalRecorder
+from titan_ledger.components.signals import ParamPlan
+from titan_ledger.components.topology import Topology
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def _worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_ledger import recorder as recorder_mod
+    from titan_ledger.components import recorder as recorder_mod
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))

@@ -16,10 +16,10 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import PARALLELISMS
 from helpers import data_rows, rank_losses, signal_keys, signals_ledger
-from titan_ledger import backend
-from titan_ledger.attention import CpuAttention, document_causal_mask
-from titan_ledger.signals import layer_group
-from titan_ledger.toml_frontend import parse, read_job
+from titan_ledger.components.attention import CpuAttention, document_causal_mask
+from titan_ledger.components import attention  # noqa: E402
+from titan_ledger.components.signals import layer_group
+from titan_ledger.config.toml_frontend import parse, read_job
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     from torchtitan.components.loss import IGNORE_INDEX
 
     config = parse(read_job(args))
-    backend.adapt_config(config)
+    attention.adapt_config(config)
     with torch.device("meta"):
         model = config.model_spec.model.build()
     model.to_empty(device="cpu")

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from titan_ledger import records
+from titan_ledger.format import records
 
 CORPUS = Path(__file__).resolve().parents[2] / "titan_ledger" / "assets" / "corpus"
 TOKENIZER = Path(__file__).resolve().parents[2] / "titan_ledger" / "assets" / "tokenizer"

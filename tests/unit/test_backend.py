@@ -2,8 +2,10 @@
 
 import pytest
 
-from titan_ledger import backend, config_registry
-from titan_ledger.attention import CpuAttention
+from titan_ledger.rehearsal import backend
+from titan_ledger import config_registry
+from titan_ledger.components.attention import CpuAttention
+from titan_ledger.components import attention  # noqa: E402
 
 
 def test_torchtitan_sees_cpu_everywhere():
@@ -34,15 +36,15 @@ def test_check_names_the_flag():
 
 def test_adapt_config_swaps_attention_and_reduction():
     config = config_registry.llama3_8b()
-    backend.adapt_config(config)
+    attention.adapt_config(config)
     inner = [c for _, c, _, _ in config.model_spec.model.traverse(CpuAttention.Config)]
     assert len(inner) == 32  # one per layer of the 8B model
     fn = config.model_spec.parallelize_fn
     assert fn._titan_ledger_sum_reduction
-    backend.adapt_config(config)  # idempotent: no double wrapping
+    attention.adapt_config(config)  # idempotent: no double wrapping
     assert config.model_spec.parallelize_fn is fn
     assert config.training.disable_cuda_graphs and not config.compile.enable
-    assert backend.uses_cpu_attention(config.model_spec.model)
+    assert attention.uses_cpu_attention(config.model_spec.model)
 
 
 def test_config_build_makes_a_ledger_trainer():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ledger import records
+from titan_ledger.format import records
 from titan_ledger.errors import ConfigError, TitanLedgerError, fail_line
 
 from .bad_input_ledgers import (
@@ -449,7 +449,7 @@ def test_lookup_into_a_pipe_closed_early_ends_quietly(tmp_path):
                                           ("global_batch", {"global_batch": 8}, 8),
                                           ("fingerprint", {"fingerprint": "fp-b"}, "fp-b")])
 def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw, value):
-    from titan_ledger.ledger import claim_dump_folder
+    from titan_ledger.components.ledger import claim_dump_folder
 
     make_run(tmp_path / "run", checkpoints=())  # nothing to resume: a second run would append
     layout = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a", **kw}
@@ -463,7 +463,7 @@ def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw,
 
 
 def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
-    from titan_ledger.ledger import claim_dump_folder
+    from titan_ledger.components.ledger import claim_dump_folder
 
     make_run(tmp_path / "run")
     same = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a"}
@@ -478,7 +478,7 @@ def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
 def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_batch(tmp_path):
     """With a complete checkpoint the launch resumes: a changed seq_len/fingerprint is refused
     by the checkpoint load (DataStateError naming --ledger.allow_data_change), the batch here."""
-    from titan_ledger.ledger import claim_dump_folder
+    from titan_ledger.components.ledger import claim_dump_folder
 
     make_run(tmp_path / "run")  # checkpoints step-10, step-20
     assert claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512, "fingerprint": "fp-b"}) == []
@@ -489,8 +489,8 @@ def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_
 
 
 def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
-    from titan_ledger.ledger import claim_dump_folder
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.format.reader import RunLedger
 
     dump = make_run(tmp_path / "run")
     moved = claim_dump_folder(dump, "ledger", {"seq_len": 512}, new_run=True)
@@ -502,7 +502,7 @@ def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
 
 
 def test_an_unreadable_old_ledger_does_not_block_a_resume(tmp_path):
-    from titan_ledger.ledger import claim_dump_folder
+    from titan_ledger.components.ledger import claim_dump_folder
 
     make_run(tmp_path / "run")
     (tmp_path / "run" / "ledger" / "data_dp0.jsonl").write_bytes(b"")

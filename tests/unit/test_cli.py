@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from titan_ledger.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.tools.cli import add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import LedgerError
 
 

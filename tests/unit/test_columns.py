@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from titan_ledger import columns, records
+from titan_ledger.format import columns, records
 
 KEYS = ("loss", "grad_norm")
 

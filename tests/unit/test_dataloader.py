@@ -17,8 +17,8 @@ import torch
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
 from titan_ledger.data.indexed import IndexedCorpus
 from titan_ledger.data.text import Cursor, TextStream
-from titan_ledger.dataloader import STATE_KEY, DataStateError, LedgerDataLoader
-from titan_ledger.prepare import load_tokenizer, prepare
+from titan_ledger.data.loader import STATE_KEY, DataStateError, LedgerDataLoader
+from titan_ledger.data.prepare import load_tokenizer, prepare
 
 SEQ = 64
 
@@ -226,7 +226,7 @@ class FakeDist:
 
 
 def test_a_failed_preparation_on_rank_0_stops_every_rank_with_its_message(tmp_path, tok, monkeypatch):
-    from titan_ledger import dataloader as dl_mod
+    from titan_ledger.data import loader as dl_mod
     from titan_ledger.data.indexed import CorpusError
 
     (tmp_path / "empty.jsonl").write_text("")
@@ -258,7 +258,7 @@ def test_blend_rule_is_in_the_fingerprint_and_header(tok, corpus, tmp_path):
     import shutil
 
     from titan_ledger.data.indexed import BLEND_RULE, Blend
-    from titan_ledger.dataloader import _fingerprint
+    from titan_ledger.data.loader import _fingerprint
 
     for suffix in (".bin", ".idx"):
         shutil.copy(corpus + suffix, str(tmp_path / "other") + suffix)
@@ -275,7 +275,7 @@ def test_blend_rule_is_in_the_fingerprint_and_header(tok, corpus, tmp_path):
 def test_tagging_work_is_in_profiler_spans(tok, corpus, source):
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_ledger.dataloader import TAGGING_SPAN
+    from titan_ledger.data.loader import TAGGING_SPAN
 
     dl = loader(tok, corpus if source == "indexed" else None)
     it = iter(dl)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ledger.data.layout import Segment, positions_of
-from titan_ledger.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
+from titan_ledger.components.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
 
 

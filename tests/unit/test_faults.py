@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from titan_ledger import faults
+from titan_ledger.rehearsal import faults
 from titan_ledger.errors import ConfigError
-from titan_ledger.ledger import parse_inject, parse_injects
+from titan_ledger.rehearsal.faults import parse_inject, parse_injects
 
 
 def test_flip_value_is_an_involution_and_flips_one_bit():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from titan_ledger import records
-from titan_ledger.guard import SpikeGuard
-from titan_ledger.reader import RunLedger
-from titan_ledger.recorder import Reduced
-from titan_ledger.spikes import SpikeDetector
-from titan_ledger.topology import Topology
+from titan_ledger.format import records
+from titan_ledger.components.guard import SpikeGuard
+from titan_ledger.format.reader import RunLedger
+from titan_ledger.components.recorder import Reduced
+from titan_ledger.components.spikes import SpikeDetector
+from titan_ledger.components.topology import Topology
 
 
 def _row(step, loss, gn):
@@ -51,7 +51,7 @@ def test_ladder_parsing_and_escalation():
     import pytest
 
     from titan_ledger.errors import ConfigError
-    from titan_ledger.guard import Ladder, Rung, parse_ladder
+    from titan_ledger.components.guard import Ladder, Rung, parse_ladder
 
     assert parse_ladder("rollback") == [Rung("rollback", 0)]  # one action: no limit
     rungs = parse_ladder("skip_update*2, rollback, rollback_lr:0.5, stop")

@@ -14,9 +14,9 @@ import torch
 from titan_ledger.config_registry import TOKENIZER_DIR
 from titan_ledger.data.hf import HFStream, HFStreaming, doc_id, split_id
 from titan_ledger.data.text import Cursor
-from titan_ledger.dataloader import DataStateError, LedgerDataLoader
+from titan_ledger.data.loader import DataStateError, LedgerDataLoader
 from titan_ledger.errors import ConfigError
-from titan_ledger.prepare import load_tokenizer
+from titan_ledger.data.prepare import load_tokenizer
 
 SEQ = 32
 ROWS = (13, 8)  # documents per file
@@ -181,7 +181,7 @@ def test_missing_files_and_text_key_are_one_line_errors(tok, shards):
 
 
 def test_any_base_config_takes_a_ledger_source():
-    from titan_ledger.toml_frontend import parse, read_job
+    from titan_ledger.config.toml_frontend import parse, read_job
 
     c = parse(read_job(["--module", "torchtitan.models.llama3", "--config", "llama3_debugmodel",
                         "--dataloader.source", "hf", "--dataloader.data_files", "a.parquet,b.parquet",
@@ -192,7 +192,7 @@ def test_any_base_config_takes_a_ledger_source():
 
 def test_a_recipe_switches_to_hf_from_the_command_line():
     from helpers import CONFIGS
-    from titan_ledger.toml_frontend import parse, read_job
+    from titan_ledger.config.toml_frontend import parse, read_job
 
     c = parse(read_job(["--job.config_file", str(CONFIGS / "llama3_8b.toml"), "--dataloader.source",
                         "hf", "--dataloader.data_files", "x.parquet", "--dataloader.paths", ""]))

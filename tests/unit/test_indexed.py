@@ -318,14 +318,13 @@ def test_blend_rule_enters_the_fingerprint_only_when_blending(tmp_path):
 # --------------------------------------------------------------------------- O(1) data-ledger rows
 def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
     """Real loaders + the real DataLedgerWriter for ``dp`` ranks of an indexed corpus."""
-    import itertools
 
-    from titan_ledger import records
+    from titan_ledger.format import records
     from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
-    from titan_ledger.data_writer import DataLedgerWriter
-    from titan_ledger.dataloader import LedgerDataLoader
-    from titan_ledger.prepare import load_tokenizer, prepare
-    from titan_ledger.topology import Topology
+    from titan_ledger.components.data_writer import DataLedgerWriter
+    from titan_ledger.data.loader import LedgerDataLoader
+    from titan_ledger.data.prepare import load_tokenizer, prepare
+    from titan_ledger.components.topology import Topology
 
     tok = load_tokenizer(TOKENIZER_DIR)
     prefix = str(tmp_path / "corpus" / "bundled")
@@ -357,7 +356,7 @@ def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
 def test_derived_rows_are_o1_and_read_back_exactly(tmp_path):
     import json
 
-    from titan_ledger.reader import DataLedger
+    from titan_ledger.format.reader import DataLedger
 
     led, trained, _ = _derived_ledger(tmp_path)
     raw = [json.loads(x) for x in (led / "data_dp1.jsonl").read_text().splitlines()[1:]]
@@ -372,7 +371,7 @@ def test_derived_rows_are_o1_and_read_back_exactly(tmp_path):
 
 def test_a_changed_corpus_is_caught_by_the_token_hash(tmp_path):
     from titan_ledger.errors import LedgerError
-    from titan_ledger.reader import DataLedger
+    from titan_ledger.format.reader import DataLedger
 
     led, _, prefix = _derived_ledger(tmp_path, steps=1)
     with open(prefix + ".bin", "r+b") as f:  # same length, other tokens
@@ -387,7 +386,7 @@ def test_a_changed_corpus_is_caught_by_the_token_hash(tmp_path):
 def test_explicit_rows_stay_readable(tmp_path):
     import json
 
-    from titan_ledger.reader import DataLedger
+    from titan_ledger.format.reader import DataLedger
 
     led, trained, _ = _derived_ledger(tmp_path, steps=2, derive=False)
     raw = json.loads((led / "data_dp0.jsonl").read_text().splitlines()[1])
@@ -398,15 +397,15 @@ def test_explicit_rows_stay_readable(tmp_path):
 def test_derived_rows_across_a_dp_change_use_their_segments_layout(tmp_path):
     """Steps 1-2 on 2 DP ranks (mbs 2), resumed at step 3 on 1 rank (mbs 4): each derived
     row is expanded with the layout of the segment that wrote it."""
-    from titan_ledger import records
-    from titan_ledger.data_writer import DataLedgerWriter
-    from titan_ledger.dataloader import LedgerDataLoader
-    from titan_ledger.reader import DataLedger
-    from titan_ledger.topology import Topology
+    from titan_ledger.format import records
+    from titan_ledger.components.data_writer import DataLedgerWriter
+    from titan_ledger.data.loader import LedgerDataLoader
+    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.components.topology import Topology
 
     led, trained, prefix = _derived_ledger(tmp_path, dp=2, mbs=2, accum=1, steps=2)
     from titan_ledger.config_registry import TOKENIZER_DIR
-    from titan_ledger.prepare import load_tokenizer
+    from titan_ledger.data.prepare import load_tokenizer
 
     dl = LedgerDataLoader(LedgerDataLoader.Config(source="indexed", paths=[prefix]), dp_world_size=1,
                           dp_rank=0, tokenizer=load_tokenizer(TOKENIZER_DIR), seq_len=64,

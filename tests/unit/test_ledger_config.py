@@ -3,8 +3,9 @@
 import pytest
 
 from titan_ledger.errors import ConfigError, SkipError, TitanLedgerError
-from titan_ledger.ledger import Ledger, parse_inject
-from titan_ledger.spikes import SpikeDetector
+from titan_ledger.components.ledger import Ledger
+from titan_ledger.rehearsal.faults import parse_inject
+from titan_ledger.components.spikes import SpikeDetector
 
 
 @pytest.mark.parametrize("kwargs, match", [

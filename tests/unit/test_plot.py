@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_ledger.plot import envelope, main, plot
+from titan_ledger.tools.plot import envelope, main, plot
 from tests.unit.test_columns import _signals
 
 
@@ -34,8 +34,8 @@ def test_missing_run_is_one_line_exit_2(tmp_path, capsys):
 def test_rolled_back_rows_max_norm_and_spike_labels(tmp_path):
     """Rows a resume superseded are drawn (faintly), the clip threshold is inferred
     from the clipped steps, and each spike is labelled with its rules and rank."""
-    from titan_ledger import records
-    from titan_ledger.plot import infer_max_norm, spike_labels
+    from titan_ledger.format import records
+    from titan_ledger.tools.plot import infer_max_norm, spike_labels
 
     (tmp_path / "ledger").mkdir()
     _signals(tmp_path / "ledger" / "signals.jsonl")

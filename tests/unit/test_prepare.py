@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from titan_ledger import prepare as prep
+from titan_ledger.data import prepare as prep
+from titan_ledger.tools import prepare as prep_cli
 from titan_ledger.config_registry import TOKENIZER_DIR
 from titan_ledger.data.indexed import IndexedCorpus
 from titan_ledger.errors import ConfigError, CorpusError
@@ -32,7 +33,7 @@ def _files(folder):
 
 
 def run(argv, capsys):
-    rc = prep.main(argv + ["--workers", "0"])
+    rc = prep_cli.main(argv + ["--workers", "0"])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -96,7 +97,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case,
             args += ["--workers", "-1"]
     argv = ["--input", str(src)] + args
     if case == "workers":
-        rc = prep.main(argv)
+        rc = prep_cli.main(argv)
         err = capsys.readouterr().err
     else:
         rc, _, err = run(argv, capsys)

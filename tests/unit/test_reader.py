@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from titan_ledger import records
+from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
-from titan_ledger.reader import DataLedger, RunLedger, checkpoints
+from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
 
 
 def _hdr(run, resumed, dp, t, mbs=2):

@@ -7,9 +7,9 @@ import pytest
 
 import numpy as np
 
-from titan_ledger import records
+from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
-from titan_ledger.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
+from titan_ledger.format.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
 
 
 def _rows(w, steps):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from titan_ledger import records
-from titan_ledger.report import main, report
+from titan_ledger.format import records
+from titan_ledger.tools.report import main, report
 
 
 def _run(tmp_path):

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from titan_ledger import rerun as rr
+from titan_ledger.components import counterfactual
+from titan_ledger.tools import rerun as rr
 from titan_ledger.errors import ConfigError
-from titan_ledger.rerun import RerunError, Variant, VariantResult
+from titan_ledger.tools.rerun import RerunError, Variant, VariantResult
 
 
 def test_parse_variant():
@@ -25,11 +26,11 @@ def test_parse_variant():
 
 
 def test_parse_overrides():
-    assert rr.parse_overrides("") == {}
-    assert rr.parse_overrides("stop=9,lr_scale=0.5,eps=1e-6") == {"stop": 9, "lr_scale": 0.5, "eps": 1e-6}
+    assert counterfactual.parse_overrides("") == {}
+    assert counterfactual.parse_overrides("stop=9,lr_scale=0.5,eps=1e-6") == {"stop": 9, "lr_scale": 0.5, "eps": 1e-6}
     for bad in ("stop=0", "stop=1.5", "lr=2", "lr_scale=-1", "eps=nan", "stop"):
         with pytest.raises(ConfigError):
-            rr.parse_overrides(bad)
+            counterfactual.parse_overrides(bad)
 
 
 def plan(**kw):
@@ -216,7 +217,7 @@ def test_write_summary_is_one_line_the_incident_page_finds(tmp_path):
 
 
 def test_cli_usage_errors_are_one_line(capsys):
-    from titan_ledger import replay
+    from titan_ledger.tools import replay
 
     for argv, needle in (
             (["rerun", "--dump-folder", "/nonexistent", "--step", "8"], "give the training flags"),
@@ -231,7 +232,7 @@ def test_cli_usage_errors_are_one_line(capsys):
 
 
 def test_help_has_examples(capsys):
-    from titan_ledger import replay
+    from titan_ledger.tools import replay
 
     with pytest.raises(SystemExit):
         replay.main(["rerun", "--help"])
@@ -290,12 +291,12 @@ def test_set_beta2_keeps_the_bias_corrected_second_moment():
         opt.step()
     t = float(opt.state[p]["step"])
     before = opt.state[p]["exp_avg_sq"] / (1 - 0.999 ** t)
-    rr.set_beta2(opt, 0.95)
+    counterfactual.set_beta2(opt, 0.95)
     assert opt.param_groups[0]["betas"] == (0.9, 0.95)
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"] / (1 - 0.95 ** t), before)
-    assert rr.parse_overrides("beta2=0.95") == {"beta2": 0.95}
+    assert counterfactual.parse_overrides("beta2=0.95") == {"beta2": 0.95}
     with pytest.raises(Exception):
-        rr.parse_overrides("beta2=1.5")
+        counterfactual.parse_overrides("beta2=1.5")
 
 
 def test_beta2_variant_applies_only_above_its_value():

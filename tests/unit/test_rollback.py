@@ -6,7 +6,7 @@ import pytest
 import tomli
 
 from titan_ledger.errors import PlanError
-from titan_ledger.rollback import main, overlay_toml, plan
+from titan_ledger.tools.rollback import main, overlay_toml, plan
 
 
 def test_rollback_plan_and_overlay():

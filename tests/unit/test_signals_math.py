@@ -3,8 +3,8 @@
 import math
 
 import torch
-from titan_ledger.attention import CpuAttention, document_causal_mask
-from titan_ledger.signals import ParamPlan, clipped_norm, layer_group, local_sums
+from titan_ledger.components.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.signals import ParamPlan, clipped_norm, layer_group, local_sums
 
 
 def test_layer_group():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from titan_ledger.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
 from tests.unit.test_diagnose import ledger
 
 

@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from titan_ledger import config_registry
-from titan_ledger.toml_frontend import (
+from titan_ledger.config.toml_frontend import (
     ConfigError,
     Job,
     assemble,

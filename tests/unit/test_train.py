@@ -8,7 +8,7 @@ import pytest
 
 from titan_ledger import train
 from titan_ledger.errors import ConfigError, TitanLedgerError
-from titan_ledger.records import DATA_SCHEMA, SIGNALS_SCHEMA, SPIKES_SCHEMA, RecordWriter
+from titan_ledger.format.records import DATA_SCHEMA, SIGNALS_SCHEMA, SPIKES_SCHEMA, RecordWriter
 
 
 def _write(path, schema, rows, **header):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from helpers import CONFIGS, ROOT
-from titan_ledger.toml_frontend import check_world_size, parse, read_job
+from titan_ledger.config.toml_frontend import check_world_size, parse, read_job
 from titan_ledger.trainer import LedgerTrainer
 
 # world size each config is written for
@@ -35,7 +35,7 @@ def test_config_parses_and_fits_its_world(name):
     check_world_size(config, WORLD[name])
     assert config.dump_folder.startswith("./outputs/")
     if name.startswith("llama3_"):  # the GPU recipes: titan_ledger's loader, indexed corpus
-        from titan_ledger.dataloader import LedgerDataLoader
+        from titan_ledger.data.loader import LedgerDataLoader
 
         assert isinstance(config.dataloader, LedgerDataLoader.Config)
         assert config.dataloader.source == "indexed" and config.dataloader.paths

@@ -458,7 +458,7 @@ def parse(job: Job) -> Any:
     if wants_ledger_dataloader(job):
         # [dataloader] source on a base built around torchtitan's own loader: swap in
         # LedgerDataLoader.Config, for the key checks here and in the config tyro parses
-        from titan_ledger.dataloader import as_ledger_dataloader
+        from titan_ledger.data.loader import as_ledger_dataloader
 
         as_ledger_dataloader(base)
         load = manager._load_config

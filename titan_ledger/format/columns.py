@@ -5,7 +5,7 @@ fixed schema, then applies :func:`records.supersession_masks` -- the same rule
 every other reader uses -- to numpy step arrays, so no row dicts are built. A torn
 line or a non-finite value stored as a string makes pyarrow fail; then the file
 is read exactly through :func:`records.read_ledger`. Used only through
-:meth:`titan_ledger.reader.RunLedger.signal_columns`.
+:meth:`titan_ledger.format.reader.RunLedger.signal_columns`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger import records
+from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
 
 

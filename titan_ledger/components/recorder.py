@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_ledger import records
-from titan_ledger.signals import ParamPlan, clip_coef, local_sums
-from titan_ledger.topology import Topology
+from titan_ledger.format import records
+from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums
+from titan_ledger.components.topology import Topology
 
 # columns of the local vector every rank contributes to the all-gather
 _LOSS, _TOK, _ZEROS, _PSQ, _LOGIT, _MASKED = range(6)

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from titan_ledger.errors import ConfigError
+
 BITFLIP = "bitflip"
 SWAP = "swap"
 #: largest magnitude a flipped element may take (its square stays finite in fp32)
@@ -165,6 +167,41 @@ def swap_batches(input_dict: dict, labels: torch.Tensor, group) -> tuple[dict, t
     return out, take(labels)
 
 
+INJECT_KINDS = ("repeat", "random", "bitflip", "swap")
+FAULT_KINDS = ("bitflip", "swap")  # not a batch replacement
+
+
+def parse_injects(spec: str) -> list[tuple[int, int, str]]:
+    """``"STEP:DP_RANK:KIND[,STEP:DP_RANK:KIND...]"`` -> [(step, dp_rank, kind)]; at most
+    one data kind (repeat/random), any number of faults (bitflip, swap)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        bits = part.split(":")
+        try:
+            step, rank, kind = int(bits[0]), int(bits[1]), bits[2]
+            if len(bits) != 3:
+                raise IndexError
+        except (IndexError, ValueError):
+            raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
+        if kind not in INJECT_KINDS or step < 1 or rank < 0:
+            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
+                              f"DP_RANK >= 0")
+        out.append((step, rank, kind))
+    if sum(k not in FAULT_KINDS for _, _, k in out) > 1:
+        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
+    return out
+
+
+def parse_inject(spec: str) -> tuple[int, int, str] | None:
+    """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind): the data injection of
+    :func:`parse_injects` (else its first fault), which the trainer applies."""
+    specs = parse_injects(spec) if spec else []
+    if not specs:
+        return None
+    return next((s for s in specs if s[2] not in FAULT_KINDS), specs[0])
+
+
+
 def arm(trainer) -> None:
     """Per step, from ``LedgerTrainer.train_step``: apply this step's fault injections.
 
@@ -180,8 +217,6 @@ def arm(trainer) -> None:
         return
     if io.inject in (BITFLIP, SWAP):
         io.inject = None  # not a batch replacement; the data ledger records no injection
-    from titan_ledger.ledger import parse_injects
-
     specs = parse_injects(trainer.config.ledger.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
     if any(s == step and k == SWAP for s, _, k in specs):

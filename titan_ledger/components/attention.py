@@ -20,7 +20,7 @@ stays on device: reading it is the ledger's business, once, packed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,8 @@ from torch.profiler import record_function
 from torchtitan.distributed.compile import maybe_regional_inductor
 from torchtitan.models.common.attention import FlexAttention
 from torchtitan.protocols.module import Module
+
+from titan_ledger.rehearsal import backend
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -233,3 +235,63 @@ def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"], 
                     f()
 
         stage._post_metadata_inference_cleanup = wrapped
+
+
+# --------------------------------------------------------------- choosing the attention
+def adapt_config(config) -> None:
+    """Rewrite a Trainer config in place for the installed backend (CPU only).
+
+    Swaps every FlexAttention/Varlen inner attention for the CPU masked attention,
+    wraps ``parallelize_fn`` so FSDP reduces with SUM (gloo), and turns off the
+    GPU-only features (CUDA graphs, compile, mixed-precision casts to bf16 that
+    CPU matmuls do not need).
+    """
+    if backend.installed() != "cpu":
+        return
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+
+    spec = config.model_spec
+    if spec is None:
+        raise ValueError("config.model_spec is not set; build configs via a config function")
+    model_cfg = spec.model
+    for cls in (FlexAttention.Config, VarlenAttention.Config):
+        for _fqn, _cfg, parent, attr in list(model_cfg.traverse(cls)):
+            if parent is not None:
+                if isinstance(parent, list):
+                    parent[attr] = CpuAttention.Config()
+                else:
+                    setattr(parent, attr, CpuAttention.Config())
+    fn = spec.parallelize_fn
+    if not getattr(fn, "_titan_ledger_sum_reduction", False):
+        spec = replace(spec, parallelize_fn=backend._sum_reduction(fn))
+    config.model_spec = spec
+    config.training.disable_cuda_graphs = True
+    config.compile.enable = False
+
+
+def use_max_logit_attention(config) -> None:
+    """GPU: swap FlexAttention for ``LedgerFlexAttention`` (Flex ``max_scores``)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+
+    model_cfg = config.model_spec.model
+    for _fqn, cfg, parent, attr in list(model_cfg.traverse(FlexAttention.Config)):
+        if parent is None or isinstance(cfg, LedgerFlexAttention.Config):
+            continue
+        if cfg.kernel_options.get("BACKEND") == "FLASH":
+            raise ValueError(
+                "--ledger.max_logit needs FlexAttention's Triton backend: torch 2.14 cannot "
+                "return max scores with BACKEND='FLASH' (attn_backend 'flex_flash'). Use "
+                "attn_backend 'flex' or set --ledger.no_max_logit."
+            )
+        new = LedgerFlexAttention.Config(block_size=cfg.block_size, kernel_options=cfg.kernel_options)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+
+
+def uses_cpu_attention(model_config) -> bool:
+
+    return any(True for _ in model_config.traverse(CpuAttention.Config))

@@ -7,11 +7,11 @@ fails when the config is parsed, before any process group). At run time it is a
 thin composition of three components, each built from a :class:`Topology` and
 unit-testable in-process without torchrun:
 
-* :class:`~titan_ledger.recorder.SignalRecorder` -- per-step signals, one
+* :class:`~titan_ledger.components.recorder.SignalRecorder` -- per-step signals, one
   collective, written a step late (``signals.jsonl``, ``rank<r>.jsonl``);
-* :class:`~titan_ledger.data_writer.DataLedgerWriter` -- the data ledger
+* :class:`~titan_ledger.components.data_writer.DataLedgerWriter` -- the data ledger
   (``data_dp<r>.jsonl``);
-* :class:`~titan_ledger.guard.SpikeGuard` -- the spike rules, events, and the
+* :class:`~titan_ledger.components.guard.SpikeGuard` -- the spike rules, events, and the
   host read the update guard / rollback need.
 
 ``Ledger`` itself owns what spans them: the run id and segment numbering (one
@@ -38,18 +38,20 @@ from torch.profiler import record_function
 
 from torchtitan.config import Configurable
 
-from titan_ledger import records
-from titan_ledger.attention import MaxLogitRecorder, forget_pp_metadata_inference
+from titan_ledger.format import records
+from titan_ledger.components.attention import MaxLogitRecorder, forget_pp_metadata_inference
 from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
-from titan_ledger.data_writer import DataLedgerWriter
+from titan_ledger.components.data_writer import DataLedgerWriter
 from titan_ledger.errors import ConfigError, TitanLedgerError
-from titan_ledger.guard import Ladder, SpikeGuard, parse_ladder
-from titan_ledger.reader import RunLedger
-from titan_ledger.recorder import SignalRecorder
-from titan_ledger.signals import ParamPlan, natural_key
-from titan_ledger.spikes import SpikeDetector
-from titan_ledger.topology import Topology
+from titan_ledger.components.guard import Ladder, SpikeGuard, parse_ladder
+from titan_ledger.format.reader import RunLedger
+from titan_ledger.components.recorder import SignalRecorder
+from titan_ledger.components.signals import ParamPlan, natural_key
+from titan_ledger.components.spikes import SpikeDetector
+from titan_ledger.components.topology import Topology
+from titan_ledger.components.counterfactual import parse_overrides
+from titan_ledger.rehearsal.faults import parse_inject
 
 
 class Ledger(Configurable):
@@ -224,7 +226,7 @@ class Ledger(Configurable):
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
         """Bind to a built trainer (after model, optimizer and dataloader exist)."""
-        from titan_ledger.dataloader import LedgerDataLoader
+        from titan_ledger.data.loader import LedgerDataLoader
 
         cfg = self.config
         self.enabled = cfg.signals
@@ -510,7 +512,7 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
         return []
     key, was, now = diffs[0]
     if not new_run:
-        from titan_ledger.reader import checkpoints
+        from titan_ledger.format.reader import checkpoints
 
         if checkpoint_enabled and checkpoints(dump, checkpoint_folder):
             diffs = [d for d in diffs if d[0] not in ("seq_len", "fingerprint")]
@@ -538,44 +540,8 @@ def _digest(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-INJECT_KINDS = ("repeat", "random", "bitflip", "swap")
-FAULT_KINDS = ("bitflip", "swap")  # titan_ledger.faults: not a batch replacement
-
-
-def parse_injects(spec: str) -> list[tuple[int, int, str]]:
-    """``"STEP:DP_RANK:KIND[,STEP:DP_RANK:KIND...]"`` -> [(step, dp_rank, kind)]; at most
-    one data kind (repeat/random), any number of faults (bitflip, swap)."""
-    out = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        bits = part.split(":")
-        try:
-            step, rank, kind = int(bits[0]), int(bits[1]), bits[2]
-            if len(bits) != 3:
-                raise IndexError
-        except (IndexError, ValueError):
-            raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
-        if kind not in INJECT_KINDS or step < 1 or rank < 0:
-            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
-                              f"DP_RANK >= 0")
-        out.append((step, rank, kind))
-    if sum(k not in FAULT_KINDS for _, _, k in out) > 1:
-        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
-    return out
-
-
-def parse_inject(spec: str) -> tuple[int, int, str] | None:
-    """``"STEP:DP_RANK:KIND"`` -> (step, dp_rank, kind): the data injection of
-    :func:`parse_injects` (else its first fault), which the trainer applies."""
-    specs = parse_injects(spec) if spec else []
-    if not specs:
-        return None
-    return next((s for s in specs if s[2] not in FAULT_KINDS), specs[0])
-
-
 def parse_rerun(spec: str) -> dict[str, float]:
     """``--ledger.rerun`` (set by ``replay rerun``): ``stop=N,lr_scale=X,eps=X``."""
-    from titan_ledger.rerun import parse_overrides
-
     return parse_overrides(spec)
 
 

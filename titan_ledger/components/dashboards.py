@@ -404,7 +404,7 @@ def ledger_info(trainer) -> dict[str, Any]:
 def run_identity(config, env: dict | None = None) -> dict[str, Any]:
     """Name, notes, tags, group for the W&B run (see the module doc for precedence)."""
     env = os.environ if env is None else env
-    from titan_ledger import backend
+    from titan_ledger.rehearsal import backend
 
     name = env.get("WANDB_RUN_NAME") or _job.get("name") or Path(str(config.dump_folder)).resolve().name
     notes = env.get("WANDB_RUN_NOTES") or _job.get("notes") or _job.get("description")
@@ -464,7 +464,7 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
     """A flagged step: ``spike/*`` scalars on every dashboard, an alert and a table row on W&B."""
     if metrics_logger is None:
         return
-    from titan_ledger.spikes import RULES
+    from titan_ledger.components.spikes import RULES
 
     metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
                         "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"]),

@@ -1,7 +1,7 @@
 """The spike guard: the spike rules on device, the event logs, and what a flag does.
 
 Design decision: detection is separated from recording. The rules
-(:class:`titan_ledger.spikes.SpikeDetector`) run on the reduced loss and grad norm
+(:class:`titan_ledger.components.spikes.SpikeDetector`) run on the reduced loss and grad norm
 every rank already holds after the recorder's one collective, so every rank
 reaches the same flag with no further collective and no host read; the flag's
 stats ride in the recorder's device->host copy and become an event in
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from titan_ledger import records
-from titan_ledger.spikes import RULES, SpikeDetector, describe
-from titan_ledger.topology import Topology
+from titan_ledger.format import records
+from titan_ledger.components.spikes import SpikeDetector, describe
+from titan_ledger.components.topology import Topology
 
 
 class SpikeGuard:
@@ -93,7 +93,7 @@ class SpikeGuard:
                    f"highest-loss DP rank {row['loss_max_rank']}; ")
                 + f"action: {self.on_spike}")
         if metrics_logger is not None:  # spike/* scalars; W&B: an alert and a spike/events table row
-            from titan_ledger.dashboards import log_spike
+            from titan_ledger.components.dashboards import log_spike
 
             log_spike(metrics_logger, row, ev)
 

@@ -101,7 +101,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titan_ledger.errors import ConfigError, TitanLedgerError
+from titan_ledger.errors import TitanLedgerError
 
 #: signals compared step by step
 KEYS = ("loss", "loss_max", "loss_max_rank", "grad_norm", "grad_norm_clipped", "num_zeros",
@@ -130,88 +130,6 @@ HUGE_INTERVAL = 1_000_000_000
 
 class RerunError(TitanLedgerError):
     """A rerun that cannot be planned, run or compared (one line, exit 2)."""
-
-
-# --------------------------------------------------------------------------- the trainer side
-def parse_overrides(spec: str) -> dict[str, float]:
-    """``--ledger.rerun "stop=9,lr_scale=0.5,eps=1e-6"`` -> {"stop": 9, ...}."""
-    out: dict[str, float] = {}
-    for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
-        key, _, val = part.partition("=")
-        try:
-            v = float(val)
-        except ValueError:
-            v = math.nan
-        if key not in ("stop", "lr_scale", "eps", "logit_cap", "beta2") or not math.isfinite(v) or v <= 0 \
-                or (key == "stop" and v != int(v)) or (key == "beta2" and v >= 1):
-            raise ConfigError(f"--ledger.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
-                              f"eps=X, logit_cap=X (X > 0), beta2=X (0 < X < 1), comma-separated; set by "
-                              f"python -m titan_ledger.replay rerun")
-        out[key] = int(v) if key == "stop" else v
-    return out
-
-
-def _overrides(trainer) -> dict[str, float]:
-    cached = getattr(trainer, "_rerun_overrides", None)
-    if cached is None:
-        cached = parse_overrides(trainer.config.ledger.rerun)
-        trainer._rerun_overrides = cached
-    return cached
-
-
-def before_stop(trainer) -> bool:
-    """``should_continue_training``: False once ``stop`` has trained."""
-    stop = _overrides(trainer).get("stop")
-    return stop is None or trainer.step < stop
-
-
-def apply_overrides(trainer) -> dict[str, float]:
-    """After the checkpoint load (first step of the process): scale the LR (the
-    optimizer's param groups, which the checkpoint restored, and the schedulers'
-    base LRs, which torchtitan rebuilt from the config) and set Adam's eps."""
-    o = _overrides(trainer)
-    scale, eps, cap, beta2 = o.get("lr_scale"), o.get("eps"), o.get("logit_cap"), o.get("beta2")
-    if beta2 is not None:
-        for opt in trainer.optimizers.optimizers:
-            set_beta2(opt, beta2)
-    if cap is not None:
-        from titan_ledger.attention import MaxLogitRecorder
-
-        for part in trainer.model_parts:
-            for m in part.modules():
-                if isinstance(m, MaxLogitRecorder):
-                    m.softcap = cap
-    if scale is None and eps is None:
-        return o
-    for sched in trainer.lr_schedulers.schedulers:
-        if scale is not None:
-            sched.base_lrs = [b * scale for b in sched.base_lrs]
-            sched._last_lr = [lr * scale for lr in sched.get_last_lr()]
-            for g in sched.optimizer.param_groups:
-                g["lr"] = g["lr"] * scale
-        if eps is not None:
-            for g in sched.optimizer.param_groups:
-                g["eps"] = eps
-    return o
-
-
-def set_beta2(opt, beta2: float) -> None:
-    """Adam's beta2 -> ``beta2`` for the steps after a checkpoint load, keeping each
-    parameter's bias-corrected second moment v / (1 - beta2^t) what it was (the rerun
-    changes how fast v follows the gradients from here on, not v itself)."""
-    import torch
-
-    for g in opt.param_groups:
-        b1, old = g["betas"]
-        g["betas"] = (b1, beta2)
-        for p in g["params"]:
-            st = opt.state.get(p, {})
-            v, t = st.get("exp_avg_sq"), st.get("step")
-            if v is None or t is None:
-                continue
-            t = float(t) if not isinstance(t, torch.Tensor) else float(t.item())
-            if t > 0:
-                v.mul_((1 - beta2 ** t) / (1 - old ** t))
 
 
 # --------------------------------------------------------------------------- variants
@@ -286,7 +204,7 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
         return v
     at = next((r for r in rows if r["step"] == step), {})
     if v.kind == "lr":
-        from titan_ledger.diagnose import Thresholds, lj_hit, lr_jump
+        from titan_ledger.tools.diagnose import Thresholds, lj_hit, lr_jump
 
         lj = lr_jump(rows, step, PRE)
         if lj_hit(lj, Thresholds().lr_jump):
@@ -295,7 +213,7 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
     if v.kind == "beta2":
         b2 = _beta2_of(config) if config is not None else 0.95
         return Variant("beta2", 0.95 if b2 > 0.95 else float(f"{1 - 2 * (1 - b2):.4g}"))
-    from titan_ledger.diagnose import Thresholds
+    from titan_ledger.tools.diagnose import Thresholds
 
     ml = _num(at.get("max_logit"))
     if ml is None or not math.isfinite(ml) or ml < Thresholds().logit_level:
@@ -592,7 +510,7 @@ def _signals_at(row: dict | None) -> dict | None:
 
 def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = None) -> VariantResult:
     """Compare a finished rerun (``RunLedger``) with the original over the plan's window."""
-    from titan_ledger.replay import step_ids
+    from titan_ledger.tools.replay import step_ids
 
     res = VariantResult(v.name, v.kind, str(folder) if folder else None)
     ho, hr = original.data.header(), rerun_led.data.header()
@@ -784,9 +702,9 @@ def _reusable(folder: Path, record: dict) -> bool:
 def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int, *, fresh: bool = False,
                 env=None, log=print) -> VariantResult:
     """Train one variant (or reuse an earlier identical rerun) and compare it."""
-    from titan_ledger.launch import validate
-    from titan_ledger.reader import RunLedger
-    from titan_ledger.replay import run_training
+    from titan_ledger.tools.launch import validate
+    from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.replay import run_training
 
     va = variant_args(v, plan.step, config)
     folder = plan.folder(v)
@@ -862,8 +780,8 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
             load_step: int | None = None, after: int = 1, nproc: int = 2,
             ledger_folder: str = "ledger") -> tuple[Plan, Any, list[str], int]:
     """Check the original run's flags and plan: (plan, config, rerun base flags, launches)."""
-    from titan_ledger.launch import validate
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.tools.launch import validate
+    from titan_ledger.format.reader import RunLedger
 
     dump = Path(dump)
     led = RunLedger(dump, ledger_folder)
@@ -954,12 +872,12 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     verdict calls for (:data:`PLAN_FOR`) within a training-step budget printed
     first, escalate through :data:`ESCALATION` when they leave it unexplained, and
     attach the report (``res["rerun"]``) with the proven cause."""
-    from titan_ledger.reader import RunLedger
+    from titan_ledger.format.reader import RunLedger
 
     if not train_args:
         raise RerunError("--rerun needs the original run's training flags after `--` (at least "
                          "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
-    from titan_ledger.diagnose import document_scores
+    from titan_ledger.tools.diagnose import document_scores
 
     led = RunLedger(dump, ledger_folder)
     jobs = []
@@ -1033,7 +951,7 @@ def resolve_variant(spec: str, led, step: int, load_step: int, config=None,
 
 
 def checkpoints_of(dump: Path, folder: str) -> list[int]:
-    from titan_ledger.reader import checkpoints
+    from titan_ledger.format.reader import checkpoints
 
     return checkpoints(dump, folder)
 

@@ -526,7 +526,7 @@ def _prepare_once(src: str, prefix: str, tokenizer) -> None:
     broadcast is also the wait of the other ranks, and every rank raises the same
     ``CorpusError`` if rank 0 failed, so no rank waits forever on a failed rank 0.
     """
-    from titan_ledger import prepare
+    from titan_ledger.data import prepare
 
     multi = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if dist.is_initialized() else 0

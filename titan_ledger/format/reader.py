@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from titan_ledger import records
+from titan_ledger.format import records
 from titan_ledger.data.layout import RowTag, round_size, sample_id
 from titan_ledger.errors import LedgerError
 
@@ -111,7 +111,7 @@ class RunLedger:
         """Numpy columns of the trained rows of the current history, and the skipped
         windows, for long ledgers (plot). Fast path with pyarrow; the same
         supersession rule."""
-        from titan_ledger.columns import read_columns
+        from titan_ledger.format.columns import read_columns
 
         return read_columns(self.folder / records.SIGNALS_FILE, keys)
 

@@ -9,8 +9,8 @@ titan_ledger entry point calls it before importing torchtitan.
 
 The other two CPU gaps are handled where torchtitan has a seam:
 
-* attention: :mod:`titan_ledger.attention` replaces FlexAttention (no CPU
-  backward) in the model config, see :func:`adapt_config`;
+* attention: :func:`titan_ledger.components.attention.adapt_config` replaces
+  FlexAttention (no CPU backward) in the model config and applies the reduction below;
 * FSDP reductions: torchtitan sets FSDP's divide factor to 1, which FSDP2 runs as ``ReduceOp.PREMUL_SUM``; gloo has none, so the model's
   ``parallelize_fn`` is wrapped to switch every FSDP module to sum reduction with
   a post-division (numerically the same average), see :func:`_sum_reduction`.
@@ -24,7 +24,6 @@ import os
 import platform
 import sys
 import types
-from dataclasses import replace
 
 ENV_VAR = "TITAN_LEDGER_DEVICE"
 
@@ -149,39 +148,6 @@ def _cpu_device_module() -> types.ModuleType:
     return mod
 
 
-def adapt_config(config) -> None:
-    """Rewrite a Trainer config in place for the installed backend (CPU only).
-
-    Swaps every FlexAttention/Varlen inner attention for the CPU masked attention,
-    wraps ``parallelize_fn`` so FSDP reduces with SUM (gloo), and turns off the
-    GPU-only features (CUDA graphs, compile, mixed-precision casts to bf16 that
-    CPU matmuls do not need).
-    """
-    if _installed != "cpu":
-        return
-    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-
-    from titan_ledger.attention import CpuAttention
-
-    spec = config.model_spec
-    if spec is None:
-        raise ValueError("config.model_spec is not set; build configs via a config function")
-    model_cfg = spec.model
-    for cls in (FlexAttention.Config, VarlenAttention.Config):
-        for _fqn, _cfg, parent, attr in list(model_cfg.traverse(cls)):
-            if parent is not None:
-                if isinstance(parent, list):
-                    parent[attr] = CpuAttention.Config()
-                else:
-                    setattr(parent, attr, CpuAttention.Config())
-    fn = spec.parallelize_fn
-    if not getattr(fn, "_titan_ledger_sum_reduction", False):
-        spec = replace(spec, parallelize_fn=_sum_reduction(fn))
-    config.model_spec = spec
-    config.training.disable_cuda_graphs = True
-    config.compile.enable = False
-
-
 def _sum_reduction(parallelize_fn):
     """Wrap ``parallelize_fn``: FSDP modules reduce with SUM + post-divide (gloo)."""
 
@@ -196,32 +162,3 @@ def _sum_reduction(parallelize_fn):
 
     wrapped._titan_ledger_sum_reduction = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def use_max_logit_attention(config) -> None:
-    """GPU: swap FlexAttention for ``LedgerFlexAttention`` (Flex ``max_scores``)."""
-    from torchtitan.models.common.attention import FlexAttention
-
-    from titan_ledger.attention import LedgerFlexAttention
-
-    model_cfg = config.model_spec.model
-    for _fqn, cfg, parent, attr in list(model_cfg.traverse(FlexAttention.Config)):
-        if parent is None or isinstance(cfg, LedgerFlexAttention.Config):
-            continue
-        if cfg.kernel_options.get("BACKEND") == "FLASH":
-            raise ValueError(
-                "--ledger.max_logit needs FlexAttention's Triton backend: torch 2.14 cannot "
-                "return max scores with BACKEND='FLASH' (attn_backend 'flex_flash'). Use "
-                "attn_backend 'flex' or set --ledger.no_max_logit."
-            )
-        new = LedgerFlexAttention.Config(block_size=cfg.block_size, kernel_options=cfg.kernel_options)
-        if isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
-
-
-def uses_cpu_attention(model_config) -> bool:
-    from titan_ledger.attention import CpuAttention
-
-    return any(True for _ in model_config.traverse(CpuAttention.Config))

@@ -5,7 +5,7 @@ line written with a single ``write`` (unbuffered). A process killed with -9 can
 tear at most the line it was writing; every reader counts a line that does not
 parse as torn and goes on. Every writer and every reader of ledger files goes
 through this module (writers through :class:`RecordWriter`, readers through
-:func:`read_ledger` or :class:`titan_ledger.reader.RunLedger`); no tool parses
+:func:`read_ledger` or :class:`titan_ledger.format.reader.RunLedger`); no tool parses
 ledger JSON itself.
 
 **Segments.** Each process launch (and each in-process rewind) starts a *segment*
@@ -45,9 +45,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TypedDict
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypedDict
 
 from titan_ledger.errors import LedgerError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # --------------------------------------------------------------------------- schemas
 

@@ -1,0 +1,1 @@
+"""The TOML front end: TOML files and overlays -> torchtitan's tyro flags."""

@@ -1,0 +1,1 @@
+"""The CPU rehearsal backend (torchtitan on CPU/gloo) and fault injection (bitflip, swap)."""

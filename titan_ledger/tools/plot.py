@@ -1,0 +1,209 @@
+"""``python -m titan_ledger.plot``: the signals ledger as one picture.
+
+Design decision: read the same ledger files as every other tool (signals.jsonl,
+spikes.jsonl) and draw six panels against step -- loss (average and worst DP
+rank), pre-clip grad norm, param norm, max attention logit, zeros in grads, LR --
+with spikes as red lines labelled with their rules and worst DP rank, skipped windows
+shaded, rows a rollback (or resume) superseded drawn faintly, and the clip threshold
+``max_norm`` as a dashed line on the grad-norm panel (pre- and post-clip norms). Long runs are decimated to
+a min/max envelope per pixel column, so a 10^6-row ledger draws as fast as a
+short one and a single-step spike is never averaged away.
+
+Examples::
+
+    python -m titan_ledger.plot outputs/debug_cpu -o signals.png
+    python -m titan_ledger.plot outputs/debug_cpu -o late.png --from-step 130000 --to-step 140000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
+from titan_ledger.errors import ConfigError, LedgerError
+from titan_ledger.format.reader import RunLedger
+
+PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
+          ("grad norm\n(global L2)", "log", ("grad_norm", "grad_norm_clipped")),
+          ("param norm\n(global L2)", "linear", ("param_norm",)),
+          ("max attention logit\n(q·k·scale)", "linear", ("max_logit",)),
+          ("zeros in grads\n(elements)", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
+KEYS = ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit", "num_zeros", "lr")
+LABELS = {"loss": "avg", "loss_max": "worst DP rank", "grad_norm": "pre-clip", "grad_norm_clipped": "post-clip"}
+
+
+def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """Min/max per bucket, interleaved, so peaks survive decimation."""
+    if len(x) <= 2 * buckets:
+        # break the line where steps are missing (skipped windows, rewinds)
+        gaps = np.flatnonzero(np.diff(x) > 1) + 1
+        return (np.insert(x.astype(np.float64), gaps, np.nan),
+                np.insert(y.astype(np.float64), gaps, np.nan))
+    edges = np.linspace(0, len(x), buckets + 1).astype(np.int64)
+    yy = np.where(np.isfinite(y), y, np.nan)
+    starts = edges[:-1]
+    with np.errstate(all="ignore"):
+        lo = np.fmin.reduceat(yy, starts)
+        hi = np.fmax.reduceat(yy, starts)
+    xs = x[starts]
+    return np.repeat(xs, 2), np.column_stack([lo, hi]).ravel()
+
+
+def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger",
+         from_step: int | None = None, to_step: int | None = None, width_px: int = 1600,
+         max_norm: float | None = None) -> dict:
+    """Draw the panels into ``out``; ``max_norm`` (the clip threshold) is inferred from
+    the clipped steps when not given (no line if the clip never acted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    led = RunLedger(dump_folder, ledger_folder)
+    cols, windows = led.signal_columns(KEYS)
+    max_norm = max_norm if max_norm is not None else infer_max_norm(cols)
+    sel = np.ones(len(cols["step"]), dtype=bool)
+    if from_step is not None:
+        sel &= cols["step"] >= from_step
+    if to_step is not None:
+        sel &= cols["step"] <= to_step
+    cols = {k: v[sel] for k, v in cols.items()}
+    from titan_ledger.format.records import rows_after
+
+    first = next((r for r in rows_after(led.folder / "signals.jsonl", 0) if not r.get("skipped")), None)
+    lacking = [k for k in ("loss", "grad_norm", "lr") if first is not None and k not in first]
+    if lacking:  # the columns would be all NaN: an empty picture that looks like a run
+        raise LedgerError(f"{led.folder / 'signals.jsonl'}: step {first['step']} has no "
+                          f"{', '.join(lacking)}: not a signals row of this titan_ledger (was the "
+                          f"file edited or written by another tool?)")
+    if not len(cols["step"]):
+        rng = "" if from_step is None and to_step is None else \
+            f" between --from-step {from_step} and --to-step {to_step}"
+        raise LedgerError(f"{led.folder / 'signals.jsonl'}: no trained step{rng} to draw (the run "
+                          f"died before its first step, every step was skipped, or the range is "
+                          f"outside the run)")
+    events = [e for e in led.spike_events()
+              if (from_step is None or e["step"] >= from_step) and (to_step is None or e["step"] <= to_step)]
+    spikes = sorted({int(e["step"]) for e in events})
+    old = rolled_back(led, from_step, to_step)
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(width_px / 100, 2.0 * len(PANELS)), sharex=True,
+                             dpi=100)
+    x = cols["step"]
+    for ax, (title, scale, keys) in zip(axes, PANELS):
+        for k in keys:
+            y = cols[k]
+            if not np.isfinite(y).any():
+                continue
+            ex, ey = envelope(x, y, width_px)
+            line, = ax.plot(ex, ey, lw=0.8, label=LABELS.get(k, k))
+            if k in old and np.isfinite(old[k]).any():  # rows a rollback or resume superseded
+                ax.plot(old["step"], old[k], ls="none", marker="o", ms=3, alpha=0.35,
+                        color=line.get_color(), label=f"{LABELS.get(k, k)}, rolled back")
+        if "grad_norm" in keys and max_norm is not None:
+            ax.axhline(max_norm, color="black", lw=0.8, ls="--", label=f"max_norm {max_norm:g}")
+        if scale == "log":
+            ax.set_yscale("log")
+        ax.set_ylabel(title, fontsize=8)
+        for a, b in windows:
+            ax.axvspan(a - 0.5, b + 0.5, color="0.8", alpha=0.6, lw=0)
+        for s in spikes:
+            ax.axvline(s, color="red", lw=0.8, alpha=0.7)
+        if len(keys) > 1 or any(k in old for k in keys):
+            ax.legend(fontsize=7, loc="upper right")
+    for label_step, text in spike_labels(events):
+        axes[0].annotate(text, (label_step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                         color="red", rotation=90, va="top", ha="right")
+    axes[-1].set_xlabel("step (one global batch each)")
+    axes[0].set_title(f"{dump_folder}: {len(x)} trained steps, {len(spikes)} spikes (red), "
+                      f"{len(windows)} skipped windows (grey), {len(old.get('step', ()))} rolled-back "
+                      f"rows (faint)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return {"rows": int(len(x)), "spikes": len(spikes), "skipped_windows": len(windows), "out": str(out),
+            "rolled_back_rows": int(len(old.get("step", ()))), "max_norm": max_norm}
+
+
+def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | None = None) -> dict:
+    """Columns of the trained rows a rollback or a resume superseded (``{}`` if none).
+
+    Only a ledger with more than one segment can have them; only then is the whole
+    file read exactly (the fast column path reads the current history only)."""
+    try:
+        launches = led.launches()  # no launch log (older ledgers): read the file to know
+        if launches and len(launches) < 2 and not led.rewinds():
+            return {}
+        rows = [r for r in led.signals.superseded if not r.get("skipped") and r.get("loss") is not None
+                and (from_step is None or r["step"] >= from_step) and (to_step is None or r["step"] <= to_step)]
+    except Exception:  # noqa: BLE001 - the faint rows are extra; never fail the plot
+        return {}
+    if not rows:
+        return {}
+    num = lambda v: float(v) if v is not None else np.nan  # noqa: E731
+    out = {"step": np.array([r["step"] for r in rows], dtype=np.float64)}
+    for k in KEYS:
+        out[k] = np.array([num(r.get(k)) for r in rows], dtype=np.float64)
+    return out
+
+
+def infer_max_norm(cols: dict) -> float | None:
+    """The clip threshold: the post-clip norm of the steps the clip scaled down."""
+    gn, gc = cols.get("grad_norm"), cols.get("grad_norm_clipped")
+    if gn is None or gc is None:
+        return None
+    with np.errstate(all="ignore"):
+        hit = np.isfinite(gn) & np.isfinite(gc) & (gn > gc * (1 + 1e-4))
+    return float(f"{np.median(gc[hit]):.4g}") if hit.any() else None
+
+
+def spike_labels(events: list[dict]) -> list[tuple[int, str]]:
+    """One label per flagged step: its rules and the worst DP rank."""
+    out = {}
+    for e in events:
+        rules = ",".join(e.get("rules", []))
+        out[int(e["step"])] = f"{e['step']}: {rules} (DP rank {e.get('loss_max_rank')})"
+    return sorted(out.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ToolParser(prog="python -m titan_ledger.plot",
+                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dump_folder(ap)
+    ap.add_argument("-o", "--out", default="signals.png")
+    ap.add_argument("--from-step", type=int)
+    ap.add_argument("--to-step", type=int)
+    ap.add_argument("--max-norm", type=float,
+                    help="the clip threshold to draw (default: inferred from the clipped steps)")
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.plot", lambda: _main(a))
+
+
+def _main(a) -> int:
+    if a.from_step is not None and a.to_step is not None and a.from_step > a.to_step:
+        raise ConfigError(f"--from-step {a.from_step} is after --to-step {a.to_step}")
+    out = Path(a.out)
+    if not out.parent.is_dir():
+        raise ConfigError(f"-o {a.out}: folder {out.parent} does not exist; create it first")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmts = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in fmts:
+        raise ConfigError(f"-o {a.out}: unknown image type {out.suffix or '(none)'!r}; end the name "
+                          f"in one of .{', .'.join(sorted(fmts))}")
+    info = plot(a.dump_folder, a.out, a.ledger_folder, a.from_step, a.to_step, max_norm=a.max_norm)
+    print(f"wrote {info['out']}: {info['rows']} steps, {info['spikes']} spikes, "
+          f"{info['skipped_windows']} skipped windows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""``python -m titan_ledger.report``: a one-page incident report per loss spike.
+
+Design decision: one self-contained HTML file per spike (no scripts, no external
+resources; images are PNGs inlined as base64), built only from what the run left on
+disk, read through :class:`titan_ledger.format.reader.RunLedger`: the signals around the
+spike (the ``plot`` panels, rolled-back rows faint), each rank's own loss
+(``rank<r>.jsonl``), the diagnosis (``diagnose.classify``, every question with its
+numbers), the documents of the worst DP rank at the spike (the data ledger, with
+per-document losses when the run recorded them), rerun results
+(``<ledger>/rerun/``, when present), and the rollback plan (``rollback.plan``) with
+the commands that apply it. A section whose input is missing says so instead of
+failing the page.
+
+Examples::
+
+    python -m titan_ledger.report outputs/debug_cpu -o incident.html
+    python -m titan_ledger.report outputs/debug_cpu --step 137000 -o incident.html --around 200
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
+from titan_ledger.errors import ConfigError, LedgerError, TitanLedgerError
+from titan_ledger.format.reader import RunLedger
+
+CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ccc;margin-top:28px}
+table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;
+vertical-align:top;font-size:13px}th{background:#f4f4f4}.yes{color:#b00;font-weight:bold}
+.verdict{font-size:18px;padding:8px 12px;background:#fff4e5;border:1px solid #f0b060;display:inline-block}
+code,pre{background:#f6f6f6;padding:2px 4px;font-size:12px}pre{padding:8px;overflow-x:auto}
+img{max-width:100%;border:1px solid #eee}.none{color:#777;font-style:italic}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else str(v)
+    return _e(v)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _img(b64: str, alt: str) -> str:
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, _Raw) else _num(c)}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+class _Raw(str):
+    """Already-escaped HTML for a table cell."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def signals_section(led: RunLedger, step: int, around: int) -> str:
+    from titan_ledger.tools.plot import plot
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "signals.png"
+        info = plot(led.dump_folder, out, led.folder.name, from_step=max(1, step - around),
+                    to_step=step + around, width_px=1100)
+        b64 = base64.b64encode(out.read_bytes()).decode()
+    return (f"<h2>Signals around step {step}</h2>" + _img(b64, f"signals around step {step}") +
+            f"<p>Steps {max(1, step - around)}-{step + around}: {info['rows']} trained steps, "
+            f"{info['rolled_back_rows']} rolled-back rows (faint), {info['skipped_windows']} skipped "
+            f"windows (grey), clip threshold max_norm {info['max_norm']}.</p>")
+
+
+def ranks_section(led: RunLedger, step: int, around: int) -> str:
+    per = led.rank_rows()
+    if not per:
+        return "<h2>Per-rank losses</h2><p class='none'>none recorded (no rank&lt;r&gt;.jsonl)</p>"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    at = []
+    for r, rows in sorted(per.items()):
+        sel = [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None]
+        if sel:
+            ax.plot([x["step"] for x in sel], [x["loss"] for x in sel], marker=".", lw=0.8, label=f"rank {r}")
+        hit = next((x for x in rows if x["step"] == step), None)
+        at.append([r, hit.get("loss") if hit else None, hit.get("tokens") if hit else None])
+    ax.axvline(step, color="red", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("local loss (nats/token)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    b64 = _png(fig)
+    plt.close(fig)
+    return ("<h2>Per-rank losses</h2>" + _img(b64, "per-rank losses") +
+            f"<p>Each loss-owning rank's own average loss (rank&lt;r&gt;.jsonl), at step {step}:</p>" +
+            _table(["rank", "loss", "tokens"], at))
+
+
+def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
+    from titan_ledger.tools.diagnose import classify
+
+    rows = led.rows_as_of(step)
+    if rows is None:
+        return f"<h2>Diagnosis</h2><p class='none'>step {step} is in no segment of the signals ledger</p>", None
+    try:
+        res = classify(rows, step)
+    except Exception as e:  # noqa: BLE001 - the page says why, the other sections still render
+        return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
+    extra = f" (DP rank {res['rank']})" if "rank" in res else ""
+    extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
+    rewound = " This step was later rolled back (the history as it stood then is used)." \
+        if rows is not led.signal_rows() else ""
+    out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)}</p>",
+           f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>"]
+    rows_t = []
+    for c in res["checks"]:
+        nums = ", ".join(f"{k}={_num(v)}" for k, v in c.items() if k not in ("question", "answer"))
+        ans = _Raw("<span class='yes'>YES</span>" if c["answer"] else "no")
+        rows_t.append([ans, c["question"], _Raw(_e(nums))])
+    out.append(_table(["answer", "question", "numbers"], rows_t))
+    return "".join(out), res
+
+
+def _row_losses(raw: dict) -> dict[tuple[int, int], tuple[float, int]]:
+    """(row, segment) -> (loss sum, tokens) from a data row's per-document losses."""
+    out = {}
+    dl = raw.get("doc_loss") or {}
+    for key in ("top", "bottom"):
+        for ent in dl.get(key, []) or []:
+            if len(ent) >= 4:
+                out[(int(ent[0]), int(ent[1]))] = (float(ent[2]), int(ent[3]))
+    return out
+
+
+def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
+    head = "<h2>Documents of the worst DP rank</h2>"
+    try:
+        data = led.data
+    except LedgerError as e:
+        return head + f"<p class='none'>no data ledger: {_e(e)}</p>"
+    rank = worst if worst is not None and worst in data.history else None
+    if rank is None:
+        return head + "<p class='none'>the worst DP rank is unknown at this step</p>"
+    raw = next((r for r in data.history[rank] if r.get("step") == step), None)
+    if raw is None:  # a rolled-back step: superseded rows of every rank; rank r holds the
+        # r-th lowest first sample id of its step (sample P + r*mbs + j)
+        cands = sorted((r for r in data.superseded if r.get("step") == step and r.get("rows")),
+                       key=lambda r: r["rows"][0][0])
+        raw = cands[rank] if len(cands) > rank else None
+    if raw is None:
+        return head + f"<p class='none'>DP rank {rank} has no data row for step {step}</p>"
+    if "rows" not in raw and "samples" in raw and "last_step" not in raw:
+        # a derived row (indexed corpus, data schema 2): rebuilt from the corpus, digest checked
+        try:
+            raw = {**raw, "rows": [t.to_json() for t in data.derived_tags(step, rank, raw)]}
+        except LedgerError as e:
+            return head + f"<p class='none'>{_e(e)}</p>"
+    losses = _row_losses(raw)
+    rows = []
+    for i, t in enumerate(raw.get("rows", [])):
+        sid, source, segs = t[0], t[1], t[2]
+        for j, seg in enumerate(segs):
+            doc, start, end = seg[0], seg[1], seg[2]
+            ls = losses.get((i, j))
+            if ls is None and isinstance(seg, dict):
+                ls = (seg.get("loss"), seg.get("tokens"))
+            loss = ls[0] / ls[1] if ls and ls[1] else None
+            rows.append([sid, source, doc, f"[{start}:{end})", loss, ls[1] if ls else None])
+    if isinstance(raw.get("loss"), (int, float)):
+        rows.append(["(row average)", "", "", "", raw["loss"], raw.get("tokens")])
+    rows.sort(key=lambda r: -(r[4] if isinstance(r[4], float) and math.isfinite(r[4]) else -math.inf))
+    note = ("per-document losses recorded (top/bottom documents of this rank; mean loss = loss sum / tokens)"
+            if losses else "no per-document losses in this run's data ledger")
+    dl = raw.get("doc_loss") or {}
+    median = f"; median document loss on this rank {_num(dl.get('median'))}" if "median" in dl else ""
+    inj = f"; <b>injected batch ({_e(raw['injected'])})</b>" if raw.get("injected") else ""
+    return (head + f"<p>DP rank {rank} at step {step}: {len(raw.get('rows', []))} rows; {note}{median}{inj}. "
+            f"Text: <code>python -m titan_ledger.lookup --dump-folder {_e(led.dump_folder)} --step {step} "
+            f"--rank {rank} --text</code></p>" +
+            _table(["sample id", "source", "document", "tokens span", "mean loss", "loss tokens"], rows))
+
+
+def rerun_section(led: RunLedger, step: int) -> str:
+    folder = led.folder / "rerun"
+    head = "<h2>Rerun results</h2>"
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+    if not files:
+        return head + f"<p class='none'>none ({_e(folder)} does not exist or is empty)</p>"
+    parts = []
+    for p in files[:20]:
+        text = p.read_text(errors="replace")
+        if p.suffix in (".json", ".jsonl"):
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            hits = [ln for ln in lines if f'"step": {step}' in ln or f'"step":{step}' in ln] or lines
+            text = "\n".join(hits)
+        parts.append(f"<p><code>{_e(p.relative_to(led.folder))}</code></p><pre>{_e(text[:5000])}</pre>")
+    return head + "".join(parts)
+
+
+def rollback_section(led: RunLedger, step: int, back: int, skip: int) -> str:
+    from titan_ledger.tools.rollback import existing_skips, plan
+
+    head = "<h2>Rollback plan</h2>"
+    try:
+        p = plan(led.checkpoints(), step, back, skip, existing=existing_skips(led))
+    except TitanLedgerError as e:
+        return head + f"<p class='none'>no plan: {_e(e)}</p>"
+    rewinds = [r for r in led.rewinds() if int(r["step"]) == step]
+    done = (f"<p>Already applied in process: rolled back to step-{rewinds[0]['rewind_to']}, skipping "
+            f"{rewinds[0]['skip_window'][0]}-{rewinds[0]['skip_window'][1]}.</p>") if rewinds else ""
+    launches = led.launches()
+    world = launches[-1].get("world_size", "N") if launches else "N"
+    overlay = led.dump_folder / f"rollback_step{step}.toml"
+    cmd1 = (f"python -m titan_ledger.rollback --dump-folder {led.dump_folder} --spike-step {step} "
+            f"--back {back} --skip {skip} --write {overlay}")
+    cmd2 = (f"torchrun --nproc_per_node {world} -m titan_ledger.train --job.config_file &lt;the run's TOML&gt; "
+            f"&lt;its other flags, unchanged&gt; --job.overlay {_e(overlay)}")
+    flags = " ".join(f'"{x}"' if "," in x else x for x in p["overrides"])
+    return (head + done + _table(["spike step", "load checkpoint", "skip window", "steps lost", "skip_steps"],
+                                 [[p["spike_step"], f"step-{p['load_step']}",
+                                   f"{p['skip_window'][0]}-{p['skip_window'][1]}", p["steps_lost"],
+                                   ", ".join(p["skip_steps"])]]) +
+            f"<p>Apply it (write the overlay, then relaunch the same command with it):</p>"
+            f"<pre>{_e(cmd1)}\n{cmd2}</pre><p>or add the overrides directly: <code>{_e(flags)}</code></p>")
+
+
+def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: str = "ledger",
+           around: int = 30, back: int = 100, skip: int = 200) -> dict:
+    """Write the incident page for the spike at ``step``; returns what it holds."""
+    led = RunLedger(dump_folder, ledger_folder)
+    if not led.trained_rows() and not led.signals.superseded:
+        raise LedgerError(f"{led.folder / 'signals.jsonl'}: no trained step recorded")
+    ev = next((e for e in led.spike_events() if int(e["step"]) == step), None)
+    diag, res = diagnosis_section(led, step)
+    hist = led.rows_as_of(step) or []
+    at = next((r for r in hist if r["step"] == step), {})
+    worst = at.get("loss_max_rank", ev.get("loss_max_rank") if ev else None)
+    if ev:
+        flagged = (f"flagged by {', '.join(ev.get('rules', []))}; action {ev.get('action')}; worst DP rank "
+                   f"{ev.get('loss_max_rank')}")
+    else:
+        flagged = "not flagged by the trainer (chosen with --step)"
+    summary = _table(["step", "loss", "worst DP rank loss", "worst DP rank", "grad norm", "max logit", "lr"],
+                     [[step, at.get("loss"), at.get("loss_max"), worst, at.get("grad_norm"),
+                       at.get("max_logit"), at.get("lr")]])
+    body = [f"<h1>Incident: loss spike at step {step}</h1>",
+            f"<p>Run <code>{_e(led.dump_folder)}</code>; {_e(flagged)}.</p>", summary,
+            signals_section(led, step, around), ranks_section(led, step, around), diag,
+            documents_section(led, step, worst), rerun_section(led, step),
+            rollback_section(led, step, back, skip)]
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            f"<title>titan_ledger incident: step {step}</title><style>{CSS}</style></head><body>"
+            + "".join(body) + "</body></html>")
+    Path(out).write_text(page, encoding="utf-8")
+    return {"step": step, "out": str(out), "cause": res["cause"] if res else None, "bytes": len(page)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ToolParser(prog="python -m titan_ledger.report",
+                    description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                    epilog="Examples:" + __doc__.split("Examples::", 1)[1],
+                    formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_dump_folder(ap)
+    ap.add_argument("--step", type=int, help="the spike step (default: every flagged spike, one page each)")
+    ap.add_argument("-o", "--out", default="incident.html",
+                    help="output page; with several spikes, NAME-step<T>.html per spike")
+    ap.add_argument("--around", type=int, default=30, help="steps shown before and after the spike")
+    ap.add_argument("--back", type=int, default=100, help="rollback plan: checkpoint at or before T - back")
+    ap.add_argument("--skip", type=int, default=200, help="rollback plan: steps to skip")
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.report", lambda: _main(a))
+
+
+def _main(a) -> int:
+    from titan_ledger.tools.diagnose import spike_steps
+
+    out = Path(a.out)
+    if not out.parent.is_dir():
+        raise ConfigError(f"-o {a.out}: folder {out.parent} does not exist; create it first")
+    if a.around < 1:
+        raise ConfigError(f"--around must be >= 1, got {a.around}")
+    led = RunLedger(a.dump_folder, a.ledger_folder)
+    steps = [a.step] if a.step is not None else spike_steps(led)
+    if not steps:
+        print("no spikes detected; give --step T for a page about any step")
+        return 0
+    for s in steps:
+        if led.rows_as_of(s) is None:
+            raise LedgerError(f"step {s} is in no segment of {led.folder / 'signals.jsonl'}")
+        path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
+        info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
+        print(f"wrote {info['out']}: spike at step {s}, diagnosis {info['cause']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``python -m titan_ledger.rollback``: plan the PaLM fix for a spike -- roll back, skip.
+
+Design decision: planning is pure (``plan``): from the checkpoints on disk, the
+spike step and the run's existing skip windows it picks the last complete
+checkpoint at or before ``T - back`` and a skip window of ``--skip`` steps that
+starts right after it (PaLM: restart ~100 steps before the spike and skip
+200-500 batches from there), and it prints the overrides. Nothing is launched;
+``--write FILE`` writes them as a TOML overlay for ``--job.overlay FILE``.
+Keep every other flag of the run unchanged: torchtitan restores the LR from the
+checkpoint, and a changed ``training.steps`` changes the schedule after it.
+
+Examples::
+
+    python -m titan_ledger.rollback --dump-folder outputs/run --spike-step 137000
+    python -m titan_ledger.rollback --dump-folder outputs/run --spike-step 137000 \\
+        --back 100 --skip 300 --write rollback.toml
+    torchrun ... -m titan_ledger.train --job.config_file X.toml --job.overlay rollback.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
+from titan_ledger.data.layout import parse_skip_steps
+from titan_ledger.errors import LedgerError, PlanError
+from titan_ledger.format.reader import RunLedger
+
+
+def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
+         skip_from: int | None = None, existing: list[str] | None = None) -> dict:
+    if spike_step < 1:
+        raise PlanError("--spike-step must be a 1-indexed step")
+    if back < 0 or skip < 1:
+        raise PlanError(f"--back must be >= 0 and --skip >= 1 (got --back {back}, --skip {skip})")
+    target = spike_step - back
+    usable = [c for c in ckpts if c <= target]
+    if not usable:
+        if not ckpts:
+            raise PlanError("no complete checkpoint to roll back to; the run needs --checkpoint.enable")
+        raise PlanError(f"no complete checkpoint at or before step {target} (= {spike_step} - "
+                        f"--back {back}); the earliest is step {ckpts[0]}. Use a smaller --back")
+    load = usable[-1]
+    first = skip_from if skip_from is not None else load + 1
+    if first <= load:
+        raise PlanError(f"--skip-from {first} is not after the checkpoint step {load}")
+    last = first + skip - 1
+    if not first <= spike_step <= last:
+        raise PlanError(f"the skip window {first}-{last} does not contain the spike step "
+                        f"{spike_step}; increase --skip or set --skip-from")
+    windows = parse_skip_steps(list(existing or []) + [f"{first}-{last}"])
+    skip_steps = [f"{a}-{b}" if a != b else str(a) for a, b in windows]
+    return {"spike_step": spike_step, "load_step": load, "skip_window": [first, last],
+            "skip_steps": skip_steps, "steps_lost": spike_step - load,
+            "overrides": ["--checkpoint.load_step", str(load),
+                          "--ledger.skip_steps", ",".join(skip_steps)]}
+
+
+def overlay_toml(p: dict) -> str:
+    items = ", ".join(f'"{s}"' for s in p["skip_steps"])
+    return (f"# titan_ledger.rollback: spike at step {p['spike_step']}; resume from checkpoint "
+            f"step-{p['load_step']},\n# skip steps {p['skip_window'][0]}-{p['skip_window'][1]}. "
+            f"Use with --job.overlay; keep every other flag unchanged.\n"
+            f"[checkpoint]\nload_step = {p['load_step']}\n\n[ledger]\nskip_steps = [{items}]\n")
+
+
+def existing_skips(led: RunLedger) -> list[str]:
+    """The skip windows the run already had (from its latest data-ledger header)."""
+    try:
+        hdr = led.data.header()
+    except LedgerError:
+        return []
+    return [f"{a}-{b}" for a, b in hdr.get("skip_steps", [])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ToolParser(prog="python -m titan_ledger.rollback",
+                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dump_folder(ap)
+    ap.add_argument("--spike-step", required=True, type=int)
+    ap.add_argument("--back", type=int, default=100, help="roll back to a checkpoint at or before T - back")
+    ap.add_argument("--skip", type=int, default=200, help="steps (global batches) to skip")
+    ap.add_argument("--skip-from", type=int, help="first skipped step (default: right after the checkpoint)")
+    ap.add_argument("--checkpoint-folder", default="checkpoint")
+    ap.add_argument("--write", type=Path, help="write the overrides as a TOML overlay")
+    ap.add_argument("--json", action="store_true")
+    a = parse_args(ap, argv)
+    return run_tool("titan_ledger.rollback", lambda: _main(a))
+
+
+def _main(a) -> int:
+    led = RunLedger(a.dump_folder, a.ledger_folder, a.checkpoint_folder)
+    ckpts = led.checkpoints()
+    if not ckpts:
+        raise PlanError(f"{led.dump_folder / a.checkpoint_folder}: no complete checkpoint "
+                        f"(step-N/.metadata); the run needs --checkpoint.enable to be rolled back")
+    if a.write is not None and not a.write.parent.is_dir():
+        raise PlanError(f"--write {a.write}: folder {a.write.parent} does not exist; create it first")
+    if (led.folder / "signals.jsonl").exists():
+        rows = led.signal_rows()
+        last = max((r.get("last_step", r["step"]) for r in rows), default=0)
+        if a.spike_step > last:
+            raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
+                            f"{led.folder / 'signals.jsonl'}; give the step the spike happened at")
+    p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
+    if a.write:
+        a.write.write_text(overlay_toml(p))
+        p["overlay"] = str(a.write)
+    if a.json:
+        print(json.dumps(p))
+        return 0
+    print(f"spike at step {p['spike_step']}: resume from checkpoint step-{p['load_step']} "
+          f"({p['steps_lost']} steps back), skip steps {p['skip_window'][0]}-{p['skip_window'][1]}")
+    print("relaunch the same command with:\n  " + " ".join(
+        f'"{x}"' if "," in x else x for x in p["overrides"]))
+    if a.write:
+        print(f"or with: --job.overlay {a.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
