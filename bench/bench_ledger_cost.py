@@ -268,7 +268,7 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
             else:
                 trainer.train()
             ok = True
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:
             errors.append(e)
         finally:
             baton.done(i, ok)

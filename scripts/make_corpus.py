@@ -46,17 +46,17 @@ os.environ["RAYON_NUM_THREADS"] = "1"
 os.environ["RAYON_RS_NUM_CPUS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import filecmp  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import ast
+import filecmp
+import inspect
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,8 +223,7 @@ def write_corpus(out_root: Path, root: Path) -> list[dict]:
 # tokenizer
 # --------------------------------------------------------------------------
 def train_tokenizer(texts: list[str]):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = None

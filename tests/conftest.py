@@ -23,7 +23,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
-from titan_ledger.rehearsal import backend  # noqa: E402
+from titan_ledger.rehearsal import backend
 
 backend.install("cpu")
 
@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
-
 from helpers import CONFIGS, cli, explain, py, torchrun  # noqa: E402
 
 # --------------------------------------------------------------------------- the shared runs
@@ -89,7 +88,7 @@ class Runs:
         if key not in self._done:
             try:
                 self._done[key] = make()
-            except BaseException as e:  # noqa: BLE001 - re-raised for every user
+            except BaseException as e:
                 if not isinstance(e, Exception):
                     raise
                 self._done[key] = e

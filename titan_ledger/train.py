@@ -36,8 +36,6 @@ import types
 import warnings
 from pathlib import Path
 
-from titan_ledger.rehearsal import backend
-from titan_ledger.errors import TitanLedgerError, fail_line
 from titan_ledger.config.toml_frontend import (
     ConfigError,
     check_world_size,
@@ -45,6 +43,8 @@ from titan_ledger.config.toml_frontend import (
     read_job,
     world_size_from_env,
 )
+from titan_ledger.errors import TitanLedgerError, fail_line
+from titan_ledger.rehearsal import backend
 
 PROG = "titan_ledger.train"
 LOG_RANKS_ENV = "TITAN_LEDGER_LOG_RANKS"

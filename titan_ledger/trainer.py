@@ -32,14 +32,13 @@ from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from titan_ledger.components import attention, counterfactual  # noqa: E402  ADDED (counterfactual: replay rerun)
 from titan_ledger.components.attention import document_causal_mask  # noqa: E402
-from titan_ledger.components import attention  # noqa: E402
-from titan_ledger.data.filters import mask_repetitive  # noqa: E402
-from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.components.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.components.ledger import Ledger  # noqa: E402
+from titan_ledger.data.filters import mask_repetitive  # noqa: E402
+from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
-from titan_ledger.components import counterfactual  # noqa: E402  ADDED (replay rerun)
 
 
 class LedgerTrainer(Trainer):
@@ -181,7 +180,7 @@ class LedgerTrainer(Trainer):
                 self._take_provenance(io, input_dict, labels)
             yield input_dict, labels
 
-    def _take_provenance(self, io: "_StepIO", input_dict, labels: torch.Tensor) -> None:
+    def _take_provenance(self, io: _StepIO, input_dict, labels: torch.Tensor) -> None:
         """This microbatch's rows' provenance, and the loss masks that use it (quarantine,
         repetition filter); the masked labels are then ignored like any other."""
         ledger = self.ledger

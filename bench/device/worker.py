@@ -109,7 +109,7 @@ def per_doc_loss(dump: Path, ref: dict | None, exact: bool) -> dict | str:
 
     try:
         row = RunLedger.at(dump).data.row(0, 1)
-    except Exception as e:  # noqa: BLE001 - report, never fail the pack on the reader
+    except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     dl = (row or {}).get("doc_loss")
     if not dl:
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             out["reference"]["precision"] = "float32 vs float32" if exact else "bf16 training vs float32 reference"
             t = phase("reference", t)
         out["ok"] = True
-    except BaseException as e:  # noqa: BLE001 - report, never hang the pack
+    except BaseException as e:
         out["ok"] = False
         out["error"] = f"{type(e).__name__}: {e}"[:2000]
         out["traceback"] = traceback.format_exc()[-4000:]
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             try:
                 trainer.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         out["total_s"] = round(time.perf_counter() - t0, 2)
         Path(args.out).write_text(json.dumps(out))
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     return 0 if out["ok"] else 1
 

@@ -9,9 +9,7 @@ import threading
 import time
 
 import pytest
-
 from helpers import ROOT, child_env, load_bench
-
 
 blc = load_bench("bench_ledger_cost")
 

@@ -13,7 +13,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import ROOT
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT, child_env, load_bench
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,6 @@ README's argument that the optimizer-state cause needs thousands of steps.
 import math
 
 import pytest
-
 from helpers import ROOT, load_bench
 
 

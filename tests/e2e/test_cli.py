@@ -8,9 +8,7 @@ import re
 import subprocess
 
 import pytest
-
 from helpers import CONFIGS, ROOT, child_env, error_lines, explain, free_port, read_tb, torchrun, train_cli
-
 
 # --------------------------------------------------------------------------- bad input
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import STEPS
 from helpers import cli, data_rows, error_lines, explain, py, signals_rows, torchrun
+
 from titan_ledger.tools import lookup, replay
 
 pytestmark = pytest.mark.slow

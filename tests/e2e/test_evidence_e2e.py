@@ -8,8 +8,18 @@ import json
 
 import pytest
 from conftest import KILL_AT, PARALLELISMS
-from helpers import (CONFIGS, cli, data_ids, data_rows, error_lines, explain, signals_ledger, signals_rows,
-                     spike_events, torchrun)
+from helpers import (
+    CONFIGS,
+    cli,
+    data_ids,
+    data_rows,
+    error_lines,
+    explain,
+    signals_ledger,
+    signals_rows,
+    spike_events,
+    torchrun,
+)
 
 from titan_ledger.tools import replay
 

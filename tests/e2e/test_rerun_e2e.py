@@ -16,8 +16,8 @@ import json
 import time
 
 import pytest
-
 from helpers import CONFIGS, cli, explain, py, torchrun
+
 from titan_ledger.tools import diagnose, replay
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ checkpoint), finish step 6. The matrix (text and indexed, 0 and 2 workers, DP 2 
 from __future__ import annotations
 
 import pytest
-
 from conftest import KILL_AT, PARALLELISMS, STEPS
 from helpers import TB_GRAD_NORM, cli, data_spans, read_tb, signal_keys, signals_ledger, signals_rows
+
 from titan_ledger.tools import replay
 
 pytestmark = pytest.mark.slow

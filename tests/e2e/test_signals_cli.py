@@ -6,7 +6,6 @@
 import math
 
 import pytest
-
 from helpers import (
     CONFIGS,
     explain,

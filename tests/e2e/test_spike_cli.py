@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-
 from helpers import (
     CONFIGS,
     cli,
@@ -24,6 +23,7 @@ from helpers import (
     spike_events,
     torchrun,
 )
+
 from titan_ledger.tools import diagnose, lookup, rollback
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import spawn_gloo
 
 pytestmark = pytest.mark.slow
@@ -60,7 +59,7 @@ def _worker(rank, world, port, out):
             (torch.nn.functional.mse_loss(model(x[part]), y[part], reduction="sum") / y.numel()).backward()
             # plain lists: a tensor in a Queue is shared by fd and dies with this process
             results[force_sum] = ("ok", {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()})
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except Exception as e:
             results[force_sum] = ("error", repr(e))
     if rank == 0:
         out.put(results)

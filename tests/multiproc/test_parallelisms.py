@@ -7,7 +7,6 @@ which ``test_signals_exact.py`` and the resume tests read too.
 import math
 
 import pytest
-
 from conftest import PARALLELISMS, STEPS
 from helpers import TB_GRAD_NORM, read_tb
 

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import PARALLELISMS
 from helpers import data_rows, rank_losses, signal_keys, signals_ledger
+
+from titan_ledger.components import attention
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
-from titan_ledger.components import attention  # noqa: E402
 from titan_ledger.components.signals import layer_group
 from titan_ledger.config.toml_frontend import parse, read_job
 

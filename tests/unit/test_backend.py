@@ -2,10 +2,10 @@
 
 import pytest
 
-from titan_ledger.rehearsal import backend
 from titan_ledger import config_registry
+from titan_ledger.components import attention
 from titan_ledger.components.attention import CpuAttention
-from titan_ledger.components import attention  # noqa: E402
+from titan_ledger.rehearsal import backend
 
 
 def test_torchtitan_sees_cpu_everywhere():

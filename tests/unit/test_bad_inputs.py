@@ -27,11 +27,18 @@ from pathlib import Path
 
 import pytest
 
-from titan_ledger.format import records
 from titan_ledger.errors import ConfigError, TitanLedgerError, fail_line
+from titan_ledger.format import records
 
 from .bad_input_ledgers import (
-    bump_schema, cut_after, data_header, data_rows, header_only, make_run, signal_row, write_lines,
+    bump_schema,
+    cut_after,
+    data_header,
+    data_rows,
+    header_only,
+    make_run,
+    signal_row,
+    write_lines,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from titan_ledger.tools.cli import add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import LedgerError
+from titan_ledger.tools.cli import add_dump_folder, parse_args, run_tool
 
 
 def _ap(positional=True):

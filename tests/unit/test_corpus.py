@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
+
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
 
 

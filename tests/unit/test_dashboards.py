@@ -38,7 +38,7 @@ class FakeWandb:
         assert not self.rows or step >= self.rows[-1][0], "W&B would drop this row"
         self.rows.append((step, dict(row)))
 
-    def Table(self, columns, data):  # noqa: N802 - wandb's spelling
+    def Table(self, columns, data):
         return ("table", tuple(columns), [tuple(r) for r in data])
 
     def finish(self, exit_code=None):

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_ledger.data.layout import (RowTag, Segment, SkipError, pack_span, parse_skip_steps,
-                                      sample_id, window_at)
+from titan_ledger.data.layout import RowTag, Segment, SkipError, pack_span, parse_skip_steps, sample_id, window_at
 
 
 # --------------------------------------------------------------------------- skip windows

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from titan_ledger.format import records
-from titan_ledger.data.layout import RowTag, Segment
 from titan_ledger.components.data_writer import DataLedgerWriter
-from titan_ledger.format.reader import DataLedger
 from titan_ledger.components.topology import Topology
+from titan_ledger.data.layout import RowTag, Segment
+from titan_ledger.format import records
+from titan_ledger.format.reader import DataLedger
 
 
 class _Loader:

@@ -16,9 +16,9 @@ import torch
 
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
 from titan_ledger.data.indexed import IndexedCorpus
-from titan_ledger.data.text import Cursor, TextStream
 from titan_ledger.data.loader import STATE_KEY, DataStateError, LedgerDataLoader
 from titan_ledger.data.prepare import load_tokenizer, prepare
+from titan_ledger.data.text import Cursor, TextStream
 
 SEQ = 64
 

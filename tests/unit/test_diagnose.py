@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from titan_ledger.format import records
 from titan_ledger.tools.diagnose import classify, main
 

@@ -7,10 +7,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from titan_ledger.data.layout import Segment, positions_of
-from titan_ledger.components.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+
+from titan_ledger.components.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
+from titan_ledger.data.layout import Segment, positions_of
 
 
 def _batch(seed=0, b=3, length=32, vocab=50):

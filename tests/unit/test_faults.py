@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from titan_ledger.rehearsal import faults
 from titan_ledger.errors import ConfigError
+from titan_ledger.rehearsal import faults
 from titan_ledger.rehearsal.faults import parse_inject, parse_injects
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from titan_ledger.format import records
 from titan_ledger.components.guard import SpikeGuard
-from titan_ledger.format.reader import RunLedger
 from titan_ledger.components.recorder import Reduced
 from titan_ledger.components.spikes import SpikeDetector
 from titan_ledger.components.topology import Topology
+from titan_ledger.format import records
+from titan_ledger.format.reader import RunLedger
 
 
 def _row(step, loss, gn):
@@ -50,8 +50,8 @@ def test_other_ranks_write_no_event_files(tmp_path):
 def test_ladder_parsing_and_escalation():
     import pytest
 
-    from titan_ledger.errors import ConfigError
     from titan_ledger.components.guard import Ladder, Rung, parse_ladder
+    from titan_ledger.errors import ConfigError
 
     assert parse_ladder("rollback") == [Rung("rollback", 0)]  # one action: no limit
     rungs = parse_ladder("skip_update*2, rollback, rollback_lr:0.5, stop")

@@ -13,10 +13,10 @@ import torch
 
 from titan_ledger.config_registry import TOKENIZER_DIR
 from titan_ledger.data.hf import HFStream, HFStreaming, doc_id, split_id
-from titan_ledger.data.text import Cursor
 from titan_ledger.data.loader import DataStateError, LedgerDataLoader
-from titan_ledger.errors import ConfigError
 from titan_ledger.data.prepare import load_tokenizer
+from titan_ledger.data.text import Cursor
+from titan_ledger.errors import ConfigError
 
 SEQ = 32
 ROWS = (13, 8)  # documents per file
@@ -192,6 +192,7 @@ def test_any_base_config_takes_a_ledger_source():
 
 def test_a_recipe_switches_to_hf_from_the_command_line():
     from helpers import CONFIGS
+
     from titan_ledger.config.toml_frontend import parse, read_job
 
     c = parse(read_job(["--job.config_file", str(CONFIGS / "llama3_8b.toml"), "--dataloader.source",

@@ -2,10 +2,10 @@
 
 import pytest
 
-from titan_ledger.errors import ConfigError, SkipError, TitanLedgerError
 from titan_ledger.components.ledger import Ledger
-from titan_ledger.rehearsal.faults import parse_inject
 from titan_ledger.components.spikes import SpikeDetector
+from titan_ledger.errors import ConfigError, SkipError, TitanLedgerError
+from titan_ledger.rehearsal.faults import parse_inject
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_ledger.tools.plot import envelope, main, plot
 from tests.unit.test_columns import _signals
+from titan_ledger.tools.plot import envelope, main, plot
 
 
 def test_envelope_keeps_single_step_peaks():

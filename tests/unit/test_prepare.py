@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from titan_ledger.data import prepare as prep
-from titan_ledger.tools import prepare as prep_cli
 from titan_ledger.config_registry import TOKENIZER_DIR
+from titan_ledger.data import prepare as prep
 from titan_ledger.data.indexed import IndexedCorpus
 from titan_ledger.errors import ConfigError, CorpusError
+from titan_ledger.tools import prepare as prep_cli
 
 TEXTS = ["def f():\n    return 1", "", "Return the singleton screen object. " * 20, "x"]
 

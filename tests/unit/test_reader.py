@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
 
 

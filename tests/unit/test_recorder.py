@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from titan_ledger.format import records
 from titan_ledger.components.recorder import NonFiniteLoss, SignalRecorder
 from titan_ledger.components.signals import ParamPlan
 from titan_ledger.components.topology import Topology
+from titan_ledger.format import records
+
 
 def _recorder(topo, model, per_layer=False):
     plan = ParamPlan.build(model.named_parameters(), topo.world, 1,

@@ -3,12 +3,11 @@ schema ids, the launch log, non-finite values."""
 
 import json
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
+from titan_ledger.format import records
 from titan_ledger.format.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
 
 

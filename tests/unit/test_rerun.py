@@ -8,8 +8,8 @@ import math
 import pytest
 
 from titan_ledger.components import counterfactual
-from titan_ledger.tools import rerun as rr
 from titan_ledger.errors import ConfigError
+from titan_ledger.tools import rerun as rr
 from titan_ledger.tools.rerun import RerunError, Variant, VariantResult
 
 
@@ -71,12 +71,12 @@ def test_strip_train_args_drops_bitflip_dump_folder_and_load_step():
 
 
 class _Cfg:
-    class ledger:  # noqa: N801
+    class ledger:
         skip_steps = ["2-3"]
         device = "cpu"
         inject = "8:1:repeat,11:0:bitflip"
 
-    class training:  # noqa: N801
+    class training:
         mixed_precision_param = "bfloat16"
 
 
@@ -295,7 +295,7 @@ def test_set_beta2_keeps_the_bias_corrected_second_moment():
     assert opt.param_groups[0]["betas"] == (0.9, 0.95)
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"] / (1 - 0.95 ** t), before)
     assert counterfactual.parse_overrides("beta2=0.95") == {"beta2": 0.95}
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="beta2"):
         counterfactual.parse_overrides("beta2=1.5")
 
 

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
 from titan_ledger.components.signals import ParamPlan, clipped_norm, layer_group, local_sums
 

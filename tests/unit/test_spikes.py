@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
 from tests.unit.test_diagnose import ledger
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
 
 
 def test_rules_flag_spikes_and_nan_and_keep_the_window_clean():

@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
+from titan_ledger.data.prepare import load_tokenizer
 from titan_ledger.data.text import Cursor, TextStream, contiguous_shard
 from titan_ledger.errors import ConfigError, CorpusError
-from titan_ledger.data.prepare import load_tokenizer
 
 SEQ = 64
 

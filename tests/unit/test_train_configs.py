@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import CONFIGS, ROOT
+
 from titan_ledger.config.toml_frontend import check_world_size, parse, read_job
 from titan_ledger.trainer import LedgerTrainer
 

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from torch.profiler import record_function
-
 from torchtitan.distributed.compile import maybe_regional_inductor
 from torchtitan.models.common.attention import FlexAttention
 from torchtitan.protocols.module import Module
@@ -208,7 +207,7 @@ def _softcap_mod(cap: float, inner=None):
     return mod
 
 
-def forget_pp_metadata_inference(schedule, recorders: list["MaxLogitRecorder"], also=()) -> None:
+def forget_pp_metadata_inference(schedule, recorders: list[MaxLogitRecorder], also=()) -> None:
     """Drop logits (and, via ``also``, anything else) seen during PP metadata inference.
 
     torch 2.14's pipeline schedules run one real forward/backward on made-up

@@ -237,7 +237,7 @@ class LedgerWandB:
                                               "grad_norm_median", "max_logit", "action"],
                                      data=[list(r) for r in self.spike_rows])
             self.wandb.log({"spike/events": table}, step=self._advance(step))
-        except Exception:  # noqa: BLE001 - a table is a convenience
+        except Exception:
             pass
         self._alert(f"loss spike at step {step}",
                     f"step {step}: loss {_fmt(row.get('loss'))} (worst DP rank {row.get('loss_max_rank')}: "
@@ -262,14 +262,14 @@ class LedgerWandB:
             self.run.summary["stop/reason"] = reason
             if self.train_step is not None:
                 self.run.summary["stop/step"] = self.train_step
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         self._alert("training stopped", reason, "ERROR")
 
     def _alert(self, title: str, text: str, level: str) -> None:
         try:
             self.run.alert(title=title, text=text[:1000], level=level, wait_duration=1)
-        except Exception:  # noqa: BLE001 - alerts need a W&B server to notify; never fail
+        except Exception:
             pass
 
     def close(self) -> None:
@@ -383,7 +383,7 @@ def attach(trainer) -> None:
                                          ledger_on=ledger_on, max_norm=max_norm)
             try:
                 setup_wandb(w, config, info)
-            except Exception as e:  # noqa: BLE001 - a dashboard must never stop training
+            except Exception as e:
                 from torchtitan.tools.logging import logger
 
                 logger.warning(f"titan_ledger: W&B setup incomplete ({type(e).__name__}: {e})")
@@ -425,7 +425,7 @@ def setup_wandb(w: LedgerWandB, config, info: dict[str, Any]) -> None:
     if ident["group"]:
         try:
             run.group = ident["group"]
-        except Exception:  # noqa: BLE001 - group is read-only in some wandb versions
+        except Exception:
             pass
     run.config.update({"titan_ledger": {**info, "wandb_step_start": w.wb_step + 1}}, allow_val_change=True)
     run.define_metric(STEP_KEY)
@@ -449,7 +449,7 @@ def config_text(config, info: dict[str, Any]) -> dict[str, str]:
     out["config/titan_ledger"] = _code(json.dumps(info, indent=1, default=str))
     try:
         full = json.dumps(config.to_dict(), indent=1, default=repr, sort_keys=True)
-    except Exception:  # noqa: BLE001
+    except Exception:
         full = repr(config)
     out["config/full"] = _code(full[:200_000])
     return out
@@ -484,5 +484,5 @@ def log_stop(metrics_logger, err: BaseException | str, exit_code: int = 1) -> No
     for x in _ours(metrics_logger):
         try:
             x.stop(reason, exit_code)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from torch.profiler import record_function
 
-from titan_ledger.format import records
-from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
 from titan_ledger.components.topology import Topology
+from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
+from titan_ledger.format import records
 
 
 class DataLedgerWriter:

@@ -40,7 +40,6 @@ from typing import Any
 import spmd_types as spmd
 import torch
 import torch.nn.functional as F
-
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss, _LossParallelCrossEntropy
 
 
@@ -54,7 +53,6 @@ def per_token_cross_entropy(pred: torch.Tensor, labels: torch.Tensor,
     """Per-token cross-entropy ``[B*L]`` (0 at ignored labels), mirroring torchtitan's
     ``cross_entropy_loss`` branches; None where only a fused sum is available."""
     from torch.distributed.tensor import DTensor, Shard
-
     from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
     from torchtitan.distributed.utils import get_spmd_backend
 

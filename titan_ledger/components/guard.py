@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from titan_ledger.format import records
 from titan_ledger.components.spikes import SpikeDetector, describe
 from titan_ledger.components.topology import Topology
+from titan_ledger.format import records
 
 
 class SpikeGuard:
@@ -180,7 +180,7 @@ def parse_ladder(spec: str) -> list[Rung]:
     return rungs
 
 
-class Ladder:  # noqa: D101 (docstring below)
+class Ladder:
     """Which response a flagged step gets: a spike within ``horizon`` steps of the
     previous one is a repeat and uses the next attempt, then the next rung; a spike
     after a quiet ``horizon`` starts again at the first rung. Past the last rung the

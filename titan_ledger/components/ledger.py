@@ -35,22 +35,21 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
-
 from torchtitan.config import Configurable
 
-from titan_ledger.format import records
 from titan_ledger.components.attention import MaxLogitRecorder, forget_pp_metadata_inference
-from titan_ledger.data.filters import Quarantine
-from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
+from titan_ledger.components.counterfactual import parse_overrides
 from titan_ledger.components.data_writer import DataLedgerWriter
-from titan_ledger.errors import ConfigError, TitanLedgerError
 from titan_ledger.components.guard import Ladder, SpikeGuard, parse_ladder
-from titan_ledger.format.reader import RunLedger
 from titan_ledger.components.recorder import SignalRecorder
 from titan_ledger.components.signals import ParamPlan, natural_key
 from titan_ledger.components.spikes import SpikeDetector
 from titan_ledger.components.topology import Topology
-from titan_ledger.components.counterfactual import parse_overrides
+from titan_ledger.data.filters import Quarantine
+from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
+from titan_ledger.errors import ConfigError, TitanLedgerError
+from titan_ledger.format import records
+from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
 
 

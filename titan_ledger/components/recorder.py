@@ -22,17 +22,18 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_ledger.format import records
 from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums
 from titan_ledger.components.topology import Topology
+from titan_ledger.format import records
 
 # columns of the local vector every rank contributes to the all-gather
 _LOSS, _TOK, _ZEROS, _PSQ, _LOGIT, _MASKED = range(6)
@@ -122,7 +123,7 @@ class SignalRecorder:
 
     # ------------------------------------------------------------------ per step
     def reduce(self, *, local_loss_sum: torch.Tensor | None, local_tokens: int,
-               grad_norm: torch.Tensor, masked_tokens: int = 0) -> "Reduced":
+               grad_norm: torch.Tensor, masked_tokens: int = 0) -> Reduced:
         """One all-gather; returns the reduced vector and what the spike rules read, on device.
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,

@@ -67,7 +67,7 @@ class ParamPlan:
 
     @classmethod
     def build(cls, named_params: Iterable[tuple[str, torch.Tensor]], world_size: int,
-              pp_degree: int, groups: list[str] | None = None) -> "ParamPlan":
+              pp_degree: int, groups: list[str] | None = None) -> ParamPlan:
         owned, names = [], []
         seen: set[int] = set()
         for fqn, p in named_params:

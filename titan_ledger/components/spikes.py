@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from torchtitan.config import Configurable
 
 from titan_ledger.errors import ConfigError
@@ -270,7 +269,7 @@ def describe(stats: list[float]) -> dict[str, Any]:
     return out
 
 
-def detect_offline(rows: list[dict], config: "SpikeDetector.Config") -> list[dict]:
+def detect_offline(rows: list[dict], config: SpikeDetector.Config) -> list[dict]:
     """Run the rules over ledger rows (trained steps only), as the trainer would have."""
     det = SpikeDetector(config)
     events = []

@@ -54,11 +54,11 @@ class Topology:
         return self.rank == 0
 
     @classmethod
-    def single(cls) -> "Topology":
+    def single(cls) -> Topology:
         return cls()
 
     @classmethod
-    def from_trainer(cls, trainer) -> "Topology":
+    def from_trainer(cls, trainer) -> Topology:
         import torch.distributed as dist
 
         pd = trainer.parallel_dims
@@ -86,7 +86,7 @@ class Topology:
         return cls.with_ranks(topo, every)
 
     @classmethod
-    def with_ranks(cls, topo: "Topology", every: list[tuple[int, bool]]) -> "Topology":
+    def with_ranks(cls, topo: Topology, every: list[tuple[int, bool]]) -> Topology:
         """``topo`` completed from every rank's (DP rank, owns tokens)."""
         loss_rank = [0] * topo.dp_size
         for r, (dp, owns) in enumerate(every):

@@ -73,7 +73,7 @@ AC_MODES = {"selective": "selective", "full": "full", "memory_budget": "memory-b
 AC_SUBCOMMAND_PREFIX = "activation-checkpoint:"
 
 
-from titan_ledger.errors import ConfigError  # noqa: E402,F401  (one error hierarchy)
+from titan_ledger.errors import ConfigError  # noqa: E402  (one error hierarchy)
 
 
 @dataclass

@@ -54,7 +54,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
 CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
-from titan_ledger.errors import CorpusError  # noqa: E402,F401  (one error hierarchy)
+from titan_ledger.errors import CorpusError  # noqa: E402  (one error hierarchy)
 
 
 def token_dtype(vocab_size: int) -> type:

@@ -64,7 +64,7 @@ class RowTag:
         return [self.sample_id, self.source, [[s.doc, s.start, s.end] for s in self.segments]]
 
     @staticmethod
-    def from_json(obj: list) -> "RowTag":
+    def from_json(obj: list) -> RowTag:
         sid, src, segs = obj
         return RowTag(int(sid), str(src), tuple(Segment(int(d), int(s), int(e)) for d, s, e in segs))
 
@@ -128,7 +128,7 @@ def pack_span(cum, start: int, length: int) -> list[tuple[int, int, int]]:
 
 
 # --------------------------------------------------------------------------- skip windows
-from titan_ledger.errors import SkipError  # noqa: E402,F401  (one error hierarchy)
+from titan_ledger.errors import SkipError  # noqa: E402  (one error hierarchy)
 
 
 def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[int, int]]:

@@ -51,21 +51,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
-
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from titan_ledger.data.indexed import Blend, IndexedCorpus
-from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
 from titan_ledger.data.layout import RowTag, positions_of, round_size, row_digest, sample_id
 from titan_ledger.data.text import Cursor, TextStream
+from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
 
 STATE_KEY = "titan_ledger_data"
 #: Profiler span around the data ledger's per-batch provenance work.
 TAGGING_SPAN = "titan_ledger.tagging"
 
 
-from titan_ledger.errors import DataStateError  # noqa: E402,F401  (one error hierarchy)
+from titan_ledger.errors import DataStateError  # noqa: E402  (one error hierarchy)
 
 
 @dataclass
@@ -353,7 +352,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
                            "restart at the consumed position after a skip or resume)")
 
     @staticmethod
-    def _build_blend(config: "LedgerDataLoader.Config", tokenizer, seq_len: int) -> Blend:
+    def _build_blend(config: LedgerDataLoader.Config, tokenizer, seq_len: int) -> Blend:
         config.validate()  # (a config changed after construction)
         weights = list(config.weights) or [1.0] * len(config.paths)
         if config.prepare_from:

@@ -38,7 +38,7 @@ class Cursor:
         return [self.epoch, self.index, self.offset]
 
     @staticmethod
-    def from_json(v) -> "Cursor":
+    def from_json(v) -> Cursor:
         return Cursor(*(int(x) for x in v))
 
 

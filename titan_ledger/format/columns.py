@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.format import records
 from titan_ledger.errors import LedgerError
+from titan_ledger.format import records
 
 
 def read_columns(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, np.ndarray], list[tuple[int, int]]]:
@@ -28,7 +28,7 @@ def read_columns(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, np.ndarra
         return _arrow(Path(path), keys)
     except LedgerError:
         raise
-    except Exception:  # noqa: BLE001 - any arrow failure: the exact (slower) path
+    except Exception:
         return _exact(Path(path), keys)
 
 

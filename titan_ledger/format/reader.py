@@ -24,9 +24,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from titan_ledger.format import records
 from titan_ledger.data.layout import RowTag, round_size, sample_id
 from titan_ledger.errors import LedgerError
+from titan_ledger.format import records
 
 DATA_FILE_RE = re.compile(r"data_dp(\d+)\.jsonl$")
 RANK_FILE_RE = re.compile(r"rank(\d+)\.jsonl$")
@@ -64,7 +64,7 @@ class RunLedger:
                               f"--dump_folder / --dump-folder)")
 
     @classmethod
-    def at(cls, folder: str | Path) -> "RunLedger":
+    def at(cls, folder: str | Path) -> RunLedger:
         """From the ledger folder itself (``<dump>/ledger``) or the dump folder."""
         folder = Path(folder)
         if (folder / records.SIGNALS_FILE).exists() or any(folder.glob("data_dp*.jsonl")):
@@ -156,7 +156,7 @@ class RunLedger:
 
     # ------------------------------------------------------------------ data
     @cached_property
-    def data(self) -> "DataLedger":
+    def data(self) -> DataLedger:
         return DataLedger(self.folder)
 
 

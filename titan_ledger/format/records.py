@@ -43,9 +43,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from titan_ledger.errors import LedgerError
 
@@ -183,7 +184,7 @@ class Header:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Header":
+    def from_json(cls, obj: dict[str, Any]) -> Header:
         known = {"schema", "run_id", "seq", "resumed_from", "time"}
         return cls(schema=obj["schema"], run_id=obj.get("run_id", ""), seq=obj.get("seq"),
                    resumed_from=obj.get("resumed_from"), time=float(obj.get("time") or 0.0),
@@ -376,7 +377,7 @@ def order_key(seg: FileSegment) -> tuple:
     return (0, h.time, seg.file_pos)
 
 
-def supersession_masks(entries: list[tuple[tuple, str, int | None, "np.ndarray"]]) -> list["np.ndarray"]:
+def supersession_masks(entries: list[tuple[tuple, str, int | None, np.ndarray]]) -> list[np.ndarray]:
     """THE supersession rule (see the module docstring), on step arrays.
 
     ``entries``: one per segment, ``(order_key, run_id, resumed_from, steps)``.

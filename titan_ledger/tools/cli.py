@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line
 

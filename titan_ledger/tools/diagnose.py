@@ -44,17 +44,17 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from titan_ledger.rehearsal import backend
 from titan_ledger.format import records
+from titan_ledger.rehearsal import backend
 
 # --rerun parses training configs in this process, so the device backend must be chosen
 # before spikes.py imports torchtitan (as trainer.py does)
 backend.ensure_installed()
 
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool  # noqa: E402
+from titan_ledger.components.spikes import SpikeDetector, detect_offline  # noqa: E402
 from titan_ledger.errors import LedgerError  # noqa: E402
 from titan_ledger.format.reader import RunLedger  # noqa: E402
-from titan_ledger.components.spikes import SpikeDetector, detect_offline  # noqa: E402
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool  # noqa: E402
 
 CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "transient")
 
@@ -495,7 +495,7 @@ def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3)
 
             text = text or TextSource(led.data)
             d["text"] = text.text(d["source"], d["doc"], d["start"], d["end"]).replace("\n", " ")
-        except Exception as e:  # noqa: BLE001 - an excerpt is a convenience; say why not
+        except Exception as e:
             d["text_error"] = f"{type(e).__name__}: {e}"
         out.append(d)
     return out

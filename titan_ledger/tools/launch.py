@@ -123,7 +123,7 @@ def default_nproc() -> int:
         import torch
 
         return torch.cuda.device_count() or 2
-    except Exception:  # noqa: BLE001 -- no torch/CUDA: the CPU rehearsal default
+    except Exception:
         return 2
 
 

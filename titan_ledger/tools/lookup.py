@@ -25,9 +25,9 @@ import json
 import sys
 
 from titan_ledger.data.layout import RowTag
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import LedgerError
 from titan_ledger.format.reader import DataLedger, RunLedger
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
 
 class TextSource:
@@ -182,7 +182,7 @@ def _top(a, ledger, text) -> int:
             try:
                 src = text or TextSource(ledger)
                 d["text"] = src.text(d["source"], d["doc"], d["start"], d["end"])
-            except Exception as e:  # noqa: BLE001 - an excerpt is a convenience; say why not
+            except Exception as e:
                 d["text"] = None
                 d["text_error"] = f"{type(e).__name__}: {e}"
     if a.json:

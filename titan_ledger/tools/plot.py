@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import ConfigError, LedgerError
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
 PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
           ("grad norm\n(global L2)", "log", ("grad_norm", "grad_norm_clipped")),
@@ -139,7 +139,7 @@ def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | Non
             return {}
         rows = [r for r in led.signals.superseded if not r.get("skipped") and r.get("loss") is not None
                 and (from_step is None or r["step"] >= from_step) and (to_step is None or r["step"] <= to_step)]
-    except Exception:  # noqa: BLE001 - the faint rows are extra; never fail the plot
+    except Exception:
         return {}
     if not rows:
         return {}

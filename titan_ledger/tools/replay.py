@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_ledger.format import records
-from titan_ledger.tools.cli import ToolParser, run_tool
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError, TitanLedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
+from titan_ledger.tools.cli import ToolParser, run_tool
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_ERROR = EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT
 

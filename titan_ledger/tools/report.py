@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.errors import ConfigError, LedgerError, TitanLedgerError
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
@@ -128,7 +128,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
         return f"<h2>Diagnosis</h2><p class='none'>step {step} is in no segment of the signals ledger</p>", None
     try:
         res = classify(rows, step)
-    except Exception as e:  # noqa: BLE001 - the page says why, the other sections still render
+    except Exception as e:
         return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
     extra = f" (DP rank {res['rank']})" if "rank" in res else ""
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""

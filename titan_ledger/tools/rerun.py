@@ -702,8 +702,8 @@ def _reusable(folder: Path, record: dict) -> bool:
 def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int, *, fresh: bool = False,
                 env=None, log=print) -> VariantResult:
     """Train one variant (or reuse an earlier identical rerun) and compare it."""
-    from titan_ledger.tools.launch import validate
     from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.launch import validate
     from titan_ledger.tools.replay import run_training
 
     va = variant_args(v, plan.step, config)
@@ -780,8 +780,8 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
             load_step: int | None = None, after: int = 1, nproc: int = 2,
             ledger_folder: str = "ledger") -> tuple[Plan, Any, list[str], int]:
     """Check the original run's flags and plan: (plan, config, rerun base flags, launches)."""
-    from titan_ledger.tools.launch import validate
     from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.launch import validate
 
     dump = Path(dump)
     led = RunLedger(dump, ledger_folder)

@@ -24,10 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import LedgerError, PlanError
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
 
 def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
