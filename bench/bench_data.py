@@ -86,7 +86,7 @@ def skip_bench() -> None:
                 "--dataloader.paths", prefix, "--dataloader.prepare_from", "", "--metrics.log_freq", "1"]
         for name, extra in (("6 steps", ["--training.steps", "6"]),
                             ("skip 3-1000002", ["--training.steps", "1000006",
-                                                "--ledger.skip_steps", "3-1000002"])):
+                                                "--ledger.skip.steps", "3-1000002"])):
             with tempfile.TemporaryDirectory() as out:
                 t0 = time.perf_counter()
                 p = torchrun(base + extra + ["--dump_folder", out])

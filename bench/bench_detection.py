@@ -5,7 +5,7 @@
 Real runs of the ``debug_cpu`` config (llama3 debugmodel, bundled corpus, 4 rows x
 256 tokens per DP rank, FSDP over gloo ranks): one clean run of ``--clean-steps``
 steps (false flags: every flagged step is false), and one run per injection --
-``--ledger.inject T:R:KIND`` replaces DP rank R's whole batch at step T by one
+``--ledger.rehearsal.inject T:R:KIND`` replaces DP rank R's whole batch at step T by one
 repeated token (``repeat``) or uniform random tokens (``random``) -- at DP 2 and DP
 4. An injection counts as detected when the trainer flags step T (``spikes.jsonl``);
 the table also says which rules fired, which DP rank the event named, and whether
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     for dp, step, rank, kind in cases:
         dump = base / f"inj_dp{dp}_{kind}_{step}"
         if not (dump / "ledger" / "signals.jsonl").exists():
-            train(dump, dp, step + 4, ["--ledger.inject", f"{step}:{rank}:{kind}"])
+            train(dump, dp, step + 4, ["--ledger.rehearsal.inject", f"{step}:{rank}:{kind}"])
         ev = RunLedger(dump).spike_events()
         at = [e for e in ev if e["step"] == step]
         verdict = diagnose_verdicts(dump).get(step, {})

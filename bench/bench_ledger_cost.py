@@ -76,7 +76,7 @@ VARIANTS = {
     "ledger_no_max_logit": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_max_logit"],
     "ledger_no_signals": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_signals"],
     "ledger_no_tagging": ["--module", "titan_ledger", "--config", "debug_cpu", "--dataloader.no_tagging"],
-    "ledger_no_doc_loss": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_doc_loss"],
+    "ledger_no_doc_loss": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.doc_loss.no_enable"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],

@@ -21,7 +21,7 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   the true step is the first step whose data ledger lists it); ``lr`` -- relaunched
   from the step-20 checkpoint with ``--optimizer.lr`` 30x (a mistyped relaunch; the
   true step is the first the ledger shows at >= 2x the LR of the step before);
-  ``hardware`` -- ``--ledger.inject 28:0:bitflip`` (one exponent bit of one gradient
+  ``hardware`` -- ``--ledger.rehearsal.inject 28:0:bitflip`` (one exponent bit of one gradient
   element, once; :mod:`titan_ledger.faults`). Round 2 added the first held-out round
   after it was run once: ``bad_data_chars`` (4000 ``=``, step 33),
   ``bad_data_repeat_late`` (another token, step 45), ``lr_x20`` (20x from step 30),
@@ -109,18 +109,18 @@ SCENARIOS = [
     Scenario("bad_data_repeat", "bad_data", 40, plant="repeat"),
     Scenario("bad_data_ngram", "bad_data", 45, plant="ngram", plant_step=36),
     Scenario("lr", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "2.4e-2"))),
-    Scenario("hardware", "hardware", 40, ("--ledger.inject", "28:0:bitflip"), true_step=28),
+    Scenario("hardware", "hardware", 40, ("--ledger.rehearsal.inject", "28:0:bitflip"), true_step=28),
     # the first held-out round: run once after tuning on the four above, then tuned on
     # (its misses changed the ratio rule and diagnose's document ranking; README)
     Scenario("bad_data_chars", "bad_data", 45, plant="chars", plant_step=33),
     Scenario("bad_data_repeat_late", "bad_data", 55, plant="repeat_and", plant_step=45),
     Scenario("lr_x20", "lr", 45, CONSTANT_LR, relaunch=(30, ("--optimizer.lr", "1.6e-2"))),
-    Scenario("hardware_rank1", "hardware", 40, ("--ledger.inject", "33:1:bitflip"), true_step=33),
+    Scenario("hardware_rank1", "hardware", 40, ("--ledger.rehearsal.inject", "33:1:bitflip"), true_step=33),
     # held out (round 2): run after every threshold was fixed, reported separately
     Scenario("bad_data_ngram_b", "bad_data", 50, plant="ngram_b", plant_step=40, set="held_out"),
     Scenario("bad_data_repeat_b", "bad_data", 40, plant="repeat_is", plant_step=30, set="held_out"),
     Scenario("lr_x10", "lr", 40, CONSTANT_LR, relaunch=(20, ("--optimizer.lr", "8e-3")), set="held_out"),
-    Scenario("hardware_step38", "hardware", 45, ("--ledger.inject", "38:0:bitflip"), true_step=38,
+    Scenario("hardware_step38", "hardware", 45, ("--ledger.rehearsal.inject", "38:0:bitflip"), true_step=38,
              set="held_out"),
     # the control: the runs above without their fault (same corpus order, default flags)
     Scenario("clean", None, 55, set="controls"),

@@ -180,7 +180,7 @@ class Runs:
         def make():
             dump = self.factory.mktemp("skip-freeze")
             args = ["--job.config_file", CONFIGS / "debug_cpu.toml", "--training.steps", STEPS, *CKPT,
-                    "--checkpoint.initial_load_path", self.seed(), "--ledger.skip_steps", "3-4",
+                    "--checkpoint.initial_load_path", self.seed(), "--ledger.skip.steps", "3-4",
                     "--job.dump_folder", dump]
             proc = torchrun([str(a) for a in args])
             assert proc.returncode == 0, explain(proc)

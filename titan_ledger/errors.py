@@ -43,7 +43,7 @@ class DataStateError(TitanLedgerError, ValueError):
 
 
 class SkipError(TitanLedgerError, ValueError):
-    """A bad ``--ledger.skip_steps`` window, or a skip the loader cannot do."""
+    """A bad ``--ledger.skip.steps`` window, or a skip the loader cannot do."""
 
 
 class PlanError(TitanLedgerError, ValueError):

@@ -90,22 +90,22 @@ def check_plan(config, world_size: int) -> None:
         from titan_ledger.data.layout import parse_skip_steps
         from titan_ledger.rehearsal.faults import parse_inject
 
-        late = [w for w in parse_skip_steps(led.skip_steps) if w[0] > t.steps]
-        if late and not led.auto_skip:
-            raise ConfigError(f"--ledger.skip_steps {late[0][0]}-{late[0][1]} starts after the last "
+        late = [w for w in parse_skip_steps(led.skip.steps) if w[0] > t.steps]
+        if late and not led.skip.auto:
+            raise ConfigError(f"--ledger.skip.steps {late[0][0]}-{late[0][1]} starts after the last "
                               f"step (--training.steps {t.steps}): it would skip nothing")
         from titan_ledger.components.guard import parse_ladder
 
-        if any(r.rolls_back for r in parse_ladder(led.on_spike)) and not config.checkpoint.enable:
-            raise ConfigError(f"--ledger.on_spike {led.on_spike}: a rollback reloads checkpoints: set "
+        if any(r.rolls_back for r in parse_ladder(led.on_spike.action)) and not config.checkpoint.enable:
+            raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action}: a rollback reloads checkpoints: set "
                               f"--checkpoint.enable")
-        inj = parse_inject(led.inject)
+        inj = parse_inject(led.rehearsal.inject)
         dp = dp_size_of(config, world_size)
         if inj is not None and inj[1] >= dp:
-            raise ConfigError(f"--ledger.inject {led.inject}: DP rank {inj[1]} does not exist (this "
+            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: DP rank {inj[1]} does not exist (this "
                               f"run has DP ranks 0-{dp - 1} on {world_size} processes)")
         if inj is not None and inj[0] > t.steps:
-            raise ConfigError(f"--ledger.inject {led.inject}: step {inj[0]} is after the last step "
+            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: step {inj[0]} is after the last step "
                               f"(--training.steps {t.steps})")
     ck = config.checkpoint
     if ck.enable and ck.load_step not in (-1, None):

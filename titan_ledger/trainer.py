@@ -68,14 +68,14 @@ class LedgerTrainer(Trainer):
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
             config.debug.seed = 0
-        doc_loss = config.ledger.signals and config.ledger.doc_loss and use_doc_loss(config)
+        doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with _meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
         self.doc_loss: DocLossTracker | None = None
         loss = find_doc_loss(self.loss_fn) if doc_loss else None
         if loss is not None and not self.parallel_dims.cp_enabled:  # CP splits documents over ranks
-            self.doc_loss = loss.tracker = DocLossTracker(config.ledger.doc_loss_k,
-                                                          config.ledger.doc_loss_min_tokens,
+            self.doc_loss = loss.tracker = DocLossTracker(config.ledger.doc_loss.k,
+                                                          config.ledger.doc_loss.min_tokens,
                                                           config.training.seq_len)
             self.ledger.doc_loss = self.doc_loss
         if self._dense_masks and config.validator.enable:
@@ -144,7 +144,7 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # first step of this process, after the checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
-            counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rerun lr_scale/eps after the load
+            counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rehearsal.rerun lr_scale/eps after the load
         if self._pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self._pending_rollback)
         window = ledger.skip_window_at(self.step)  # skipped steps train nothing
@@ -154,19 +154,19 @@ class LedgerTrainer(Trainer):
         inject = ledger.inject
         self._io = _StepIO(start=time.perf_counter(),
                            inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
-        faults.arm(self)  # ADDED (bitflip): --ledger.inject STEP:RANK:bitflip flips a grad bit before the clip
+        faults.arm(self)  # ADDED (bitflip): --ledger.rehearsal.inject STEP:RANK:bitflip flips a grad bit before the clip
         self._train_step(data_iterator)
         ck = self.config.checkpoint
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
             # a checkpoint follows: the ledgers must hold every step it covers
             ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
-    def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rerun stop=N
+    def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rehearsal.rerun stop=N
         return super().should_continue_training() and counterfactual.before_stop(self)
 
     def batch_generator(self, data_iterable):
         """torchtitan's generator, plus fetch timing for the ledger and the rehearsal
-        injection (``--ledger.inject``), applied before the step counts tokens."""
+        injection (``--ledger.rehearsal.inject``), applied before the step counts tokens."""
         inner = super().batch_generator(data_iterable)
         while True:
             t0 = time.perf_counter()
@@ -190,15 +190,15 @@ class LedgerTrainer(Trainer):
         base = len(io.tags)
         io.tags.extend(tags)
         cfg = self.config.ledger
-        if not (ledger.quarantine or cfg.repetition_filter) or not tags:
+        if not (ledger.quarantine or cfg.filter.repetition) or not tags:
             return
         valid = int((labels != IGNORE_INDEX).sum())
         if ledger.quarantine:
             hit = ledger.quarantine.mask(tags, labels)
             io.masked.setdefault("quarantine", []).extend([base + r, s] for r, s in hit)
-        if cfg.repetition_filter:
+        if cfg.filter.repetition:
             hit = mask_repetitive(input_dict["input"], input_dict["positions"], labels,
-                                  cfg.repetition_min, cfg.repetition_max_period)
+                                  cfg.filter.repetition_min, cfg.filter.repetition_max_period)
             io.masked.setdefault("repetition", []).extend([base + r, s] for r, s in hit)
         io.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
 
@@ -375,7 +375,7 @@ class LedgerTrainer(Trainer):
     def _skip_window(self, window: tuple[int, int]) -> None:
         """Consume the data of steps ``self.step..window end`` at once: no forward,
         backward or optimizer step; the LR schedule frozen or advanced per
-        ``--ledger.skip_lr``. torchtitan's loop then continues from the last
+        ``--ledger.skip.lr``. torchtitan's loop then continues from the last
         skipped step (its checkpoint/validation checks see that step)."""
         step_start = time.perf_counter()
         first = self.step
@@ -383,7 +383,7 @@ class LedgerTrainer(Trainer):
         n = last - first + 1
         info = self.ledger.loader.skip(
             n * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
-        if self.config.ledger.skip_lr == "advance":
+        if self.config.ledger.skip.lr == "advance":
             for sched in self.lr_schedulers.schedulers:
                 sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
                 sched.step()
@@ -392,7 +392,7 @@ class LedgerTrainer(Trainer):
                                 metrics_logger=self.metrics_processor.logger)
         logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
-                    f"LR schedule {self.config.ledger.skip_lr}")
+                    f"LR schedule {self.config.ledger.skip.lr}")
         self.step = last
 
 
@@ -413,24 +413,24 @@ class LedgerTrainer(Trainer):
         cfg = self.config.ledger
         self._pending_rollback = None
         unlimited = len(self.ledger.ladder.rungs) == 1  # a single action; a ladder sets its own limits
-        if unlimited and self.ledger.rewinds >= cfg.max_rollbacks:
+        if unlimited and self.ledger.rewinds >= cfg.on_spike.max_rollbacks:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {self.ledger.rewinds} "
-                               f"rollbacks (--ledger.max_rollbacks); stopping. See "
+                               f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
                                f"{self.ledger.folder / 'spikes.jsonl'}")
         self.checkpointer.maybe_wait_for_staging()
         decision = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:
             steps = [c for c in checkpoints(self.config.dump_folder, self.config.checkpoint.folder)
-                     if c <= spike_step - cfg.rollback_back]
+                     if c <= spike_step - cfg.on_spike.rollback_back]
             decision = [steps[-1] if steps else None]
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
         load = decision[0]
         if load is None:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
-                               f"step {spike_step - cfg.rollback_back} to roll back to "
-                               f"(--ledger.rollback_back, --checkpoint.interval)")
-        window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
+                               f"step {spike_step - cfg.on_spike.rollback_back} to roll back to "
+                               f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
+        window = (load + 1, load + max(cfg.on_spike.rollback_skip, spike_step - load))
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to checkpoint step-{load}; "
                        f"skipping steps {window[0]}-{window[1]}")
         self.ledger._keep_ladder = True  # the ladder's history is this process's, not the checkpoint's
@@ -476,7 +476,7 @@ def ladder_report(ledger, config, rec: dict) -> str:
                       for h in ledger.ladder.history) or "nothing"
     return "\n".join([
         f"the recovery ladder stopped training at step {rec['step']} "
-        f"(--ledger.on_spike {config.ledger.on_spike}, horizon {config.ledger.ladder_horizon} steps)",
+        f"(--ledger.on_spike.action {config.ledger.on_spike.action}, horizon {config.ledger.on_spike.ladder_horizon} steps)",
         f"  what happened: spikes kept coming back within the horizon; last at step {rec['step']}",
         f"  what was tried: {tried}",
         f"  evidence: {folder / 'spikes.jsonl'} (every flag and decision), {folder / 'signals.jsonl'}, "

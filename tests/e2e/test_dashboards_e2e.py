@@ -32,8 +32,8 @@ def run(tmp_path_factory):
     dump = d / "run"
     p = torchrun(["--job.config_file", str(toml), "--training.steps", "13", "--dump_folder", str(dump),
                   "--metrics.enable_wandb", "--metrics.enable_tensorboard", "--ledger.spike.window", "8",
-                  "--ledger.inject", "10:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "4",
-                  "--ledger.on_spike", "rollback", "--ledger.rollback_back", "1", "--ledger.rollback_skip", "2"],
+                  "--ledger.rehearsal.inject", "10:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "4",
+                  "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1", "--ledger.on_spike.rollback_skip", "2"],
                  WANDB_RUN_ID="")
     assert p.returncode == 0, explain(p)
     assert "less than the current step" not in p.stdout + p.stderr  # W&B dropped nothing

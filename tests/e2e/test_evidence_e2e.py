@@ -39,7 +39,7 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     # kill -9 when step 5 starts; relaunch with the quarantine added: it resumes from step 3
     first = replay.run_training(nproc, dump, args, tmp_path / "log", kill_at=KILL_AT)
     assert first["killed"], first
-    again = replay.run_training(nproc, dump, args + ["--ledger.quarantine", str(q)], tmp_path / "log")
+    again = replay.run_training(nproc, dump, args + ["--ledger.filter.quarantine", str(q)], tmp_path / "log")
     assert again["returncode"] == 0, (tmp_path / "log").read_text()[-6000:]
     # the same samples as the straight run, step by step and rank by rank
     assert data_ids(dump) == data_ids(straight)
@@ -64,8 +64,8 @@ def test_recovery_ladder_escalates_then_stops_with_a_report(tmp_path):
     proc = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
                      "--dump_folder", str(dump), "--checkpoint.enable", "--checkpoint.interval", "2",
                      "--ledger.spike.grad_jump", "1.1", "--ledger.spike.min_history", "2",
-                     "--ledger.on_spike", "skip_update,rollback,stop", "--ledger.rollback_back", "1",
-                     "--ledger.rollback_skip", "1"])
+                     "--ledger.on_spike.action", "skip_update,rollback,stop", "--ledger.on_spike.rollback_back", "1",
+                     "--ledger.on_spike.rollback_skip", "1"])
     assert proc.returncode == 1, explain(proc)
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "the recovery ladder stopped training" in lines[0], proc.stderr[-3000:]

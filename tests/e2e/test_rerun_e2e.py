@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
          "--ledger.spike.window", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
-         "--ledger.inject", "8:1:repeat,11:0:bitflip"]
+         "--ledger.rehearsal.inject", "8:1:repeat,11:0:bitflip"]
 TIMES: dict[str, float] = {}
 
 
@@ -35,7 +35,7 @@ def base(tmp_path_factory):
     p = torchrun(FLAGS + ["--job.dump_folder", str(d)])
     TIMES["base"] = time.monotonic() - t0
     assert p.returncode == 0, explain(p)
-    assert "--ledger.inject bitflip at step 11" in p.stdout + p.stderr
+    assert "--ledger.rehearsal.inject bitflip at step 11" in p.stdout + p.stderr
     return d
 
 

@@ -38,8 +38,8 @@ LONG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps"
 
 def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
     guard = tmp_path / "guard"
-    p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.inject", "10:1:repeat",
-                          "--ledger.on_spike", "skip_update", "--metrics.enable_tensorboard"])
+    p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.rehearsal.inject", "10:1:repeat",
+                          "--ledger.on_spike.action", "skip_update", "--metrics.enable_tensorboard"])
     assert p.returncode == 0, explain(p)
     assert "SPIKE at step 10" in p.stdout + p.stderr
     assert read_tb(guard, "spike/flag") == {10: 1.0}
@@ -52,7 +52,7 @@ def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
     assert rejected_steps(guard) == [10]
     # auto_skip: a new launch in the same folder (no checkpoints: it starts over) skips
     # the step listed in rejected_steps.jsonl, here with the LR schedule advancing.
-    p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.auto_skip", "--ledger.skip_lr", "advance"])
+    p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.skip.auto", "--ledger.skip.lr", "advance"])
     assert p.returncode == 0, explain(p)
     a = signals_rows(guard)
     assert a[10]["skipped"] and a[10]["last_step"] == 10 and a[10]["skip_lr"] == "advance"
@@ -102,8 +102,8 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
 
 
 def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_path):
-    flags = LONG + ["--ledger.inject", "24:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "8",
-                    "--ledger.on_spike", "rollback", "--ledger.rollback_back", "1", "--ledger.rollback_skip", "2"]
+    flags = LONG + ["--ledger.rehearsal.inject", "24:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "8",
+                    "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1", "--ledger.on_spike.rollback_skip", "2"]
     live = tmp_path / "live"
     p = torchrun(flags + ["--job.dump_folder", str(live)])
     assert p.returncode == 0, explain(p)

@@ -21,7 +21,7 @@ def test_skip_steps_parse_merge_and_cli_form():
 
 @pytest.mark.parametrize("bad", ["0", "7-3", "a-b", "1-", "-5"])
 def test_skip_steps_bad_entries_name_the_flag(bad):
-    with pytest.raises(SkipError, match="--ledger.skip_steps"):
+    with pytest.raises(SkipError, match="--ledger.skip.steps"):
         parse_skip_steps([bad])
 
 

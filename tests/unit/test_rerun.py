@@ -64,17 +64,23 @@ def test_plan_refusals():
 
 
 def test_strip_train_args_drops_bitflip_dump_folder_and_load_step():
-    got = rr.strip_train_args(["--job.config_file", "x.toml", "--ledger.inject", "8:1:repeat,11:0:bitflip",
+    got = rr.strip_train_args(["--job.config_file", "x.toml", "--ledger.rehearsal.inject", "8:1:repeat,11:0:bitflip",
                                "--job.dump_folder", "/a", "--checkpoint.load_step=4", "--training.steps", "12"])
-    assert got == ["--job.config_file", "x.toml", "--ledger.inject", "8:1:repeat", "--training.steps", "12"]
-    assert rr.strip_train_args(["--ledger.inject=3:0:bitflip", "--x"]) == ["--x"]
+    assert got == ["--job.config_file", "x.toml", "--ledger.rehearsal.inject", "8:1:repeat", "--training.steps", "12"]
+    assert rr.strip_train_args(["--ledger.rehearsal.inject=3:0:bitflip", "--x"]) == ["--x"]
+    # a flat flag of an earlier release is the same flag
+    assert rr.strip_train_args(["--ledger.inject=3:0:bitflip", "--ledger.rerun", "stop=3", "--x"]) == ["--x"]
 
 
 class _Cfg:
     class ledger:
-        skip_steps = ["2-3"]
         device = "cpu"
-        inject = "8:1:repeat,11:0:bitflip"
+
+        class skip:
+            steps = ["2-3"]
+
+        class rehearsal:
+            inject = "8:1:repeat,11:0:bitflip"
 
     class training:
         mixed_precision_param = "bfloat16"
@@ -83,7 +89,7 @@ class _Cfg:
 def test_variant_args():
     c = _Cfg()
     assert rr.variant_args(Variant("same"), 8, c) == ([], {})
-    assert rr.variant_args(Variant("skip"), 8, c) == (["--ledger.skip_steps", "2-3,8"], {})
+    assert rr.variant_args(Variant("skip"), 8, c) == (["--ledger.skip.steps", "2-3,8"], {})
     assert rr.variant_args(Variant("lr", 0.5), 8, c) == ([], {"lr_scale": 0.5})
     assert rr.variant_args(Variant("eps", 1e-6), 8, c) == ([], {"eps": 1e-6})
     assert rr.variant_args(Variant("clip", 0.25), 8, c) == (["--training.max_norm", "0.25"], {})
@@ -92,9 +98,9 @@ def test_variant_args():
     c.training = type("t", (), {"mixed_precision_param": "float32"})
     assert rr.variant_args(Variant("fp32"), 8, c) is None  # an fp32 run: not applicable
     assert rr.variant_args(Variant("logit_cap", 30.0), 8, c) == ([], {"logit_cap": 30.0})
-    assert rr.variant_args(Variant("skip", steps=(8, 9)), 8, c) == (["--ledger.skip_steps", "2-3,8,9"], {})
-    assert rr.variant_args(Variant("swap"), 8, c) == (["--ledger.inject", "8:1:repeat,8:0:swap"], {})
-    assert rr.strip_train_args(["--ledger.inject", "8:1:repeat", "--x"], drop_inject=True) == ["--x"]
+    assert rr.variant_args(Variant("skip", steps=(8, 9)), 8, c) == (["--ledger.skip.steps", "2-3,8,9"], {})
+    assert rr.variant_args(Variant("swap"), 8, c) == (["--ledger.rehearsal.inject", "8:1:repeat,8:0:swap"], {})
+    assert rr.strip_train_args(["--ledger.rehearsal.inject", "8:1:repeat", "--x"], drop_inject=True) == ["--x"]
 
 
 def test_rel_diff_and_compare_rows():

@@ -13,9 +13,9 @@ def test_rollback_plan_and_overlay():
     p = plan([100, 200, 300, 400], spike_step=390, back=100, skip=200, existing=["50-60"])
     assert p["load_step"] == 200 and p["skip_window"] == [201, 400]
     assert p["skip_steps"] == ["50-60", "201-400"]
-    assert p["overrides"] == ["--checkpoint.load_step", "200", "--ledger.skip_steps", "50-60,201-400"]
+    assert p["overrides"] == ["--checkpoint.load_step", "200", "--ledger.skip.steps", "50-60,201-400"]
     assert tomli.loads(overlay_toml(p)) == {"checkpoint": {"load_step": 200},
-                                            "ledger": {"skip_steps": ["50-60", "201-400"]}}
+                                            "ledger": {"skip": {"steps": ["50-60", "201-400"]}}}
     with pytest.raises(PlanError, match="smaller --back"):
         plan([100], spike_step=150, back=100)
     with pytest.raises(PlanError, match="does not contain the spike"):

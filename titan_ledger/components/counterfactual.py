@@ -1,4 +1,4 @@
-"""The trainer side of ``replay rerun``: ``--ledger.rerun stop=N,lr_scale=X,eps=X,logit_cap=X,beta2=X``.
+"""The trainer side of ``replay rerun``: ``--ledger.rehearsal.rerun stop=N,lr_scale=X,eps=X,logit_cap=X,beta2=X``.
 
 Design decision: a counterfactual rerun is an ordinary training run with a handful of
 overrides applied right after its checkpoint load (the checkpoint restores the LR, eps
@@ -15,7 +15,7 @@ from titan_ledger.errors import ConfigError
 
 
 def parse_overrides(spec: str) -> dict[str, float]:
-    """``--ledger.rerun "stop=9,lr_scale=0.5,eps=1e-6"`` -> {"stop": 9, ...}."""
+    """``--ledger.rehearsal.rerun "stop=9,lr_scale=0.5,eps=1e-6"`` -> {"stop": 9, ...}."""
     out: dict[str, float] = {}
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         key, _, val = part.partition("=")
@@ -25,7 +25,7 @@ def parse_overrides(spec: str) -> dict[str, float]:
             v = math.nan
         if key not in ("stop", "lr_scale", "eps", "logit_cap", "beta2") or not math.isfinite(v) or v <= 0 \
                 or (key == "stop" and v != int(v)) or (key == "beta2" and v >= 1):
-            raise ConfigError(f"--ledger.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
+            raise ConfigError(f"--ledger.rehearsal.rerun {spec!r}: entries are stop=STEP (>= 1), lr_scale=X, "
                               f"eps=X, logit_cap=X (X > 0), beta2=X (0 < X < 1), comma-separated; set by "
                               f"python -m titan_ledger.replay rerun")
         out[key] = int(v) if key == "stop" else v
@@ -35,7 +35,7 @@ def parse_overrides(spec: str) -> dict[str, float]:
 def _overrides(trainer) -> dict[str, float]:
     cached = getattr(trainer, "_rerun_overrides", None)
     if cached is None:
-        cached = parse_overrides(trainer.config.ledger.rerun)
+        cached = parse_overrides(trainer.config.ledger.rehearsal.rerun)
         trainer._rerun_overrides = cached
     return cached
 

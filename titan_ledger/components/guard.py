@@ -149,15 +149,15 @@ class Rung:
 
 
 def parse_ladder(spec: str) -> list[Rung]:
-    """``--ledger.on_spike`` -> rungs. One action repeats without limit (rollbacks
-    are capped by ``--ledger.max_rollbacks``); a comma-separated list escalates:
+    """``--ledger.on_spike.action`` -> rungs. One action repeats without limit (rollbacks
+    are capped by ``--ledger.on_spike.max_rollbacks``); a comma-separated list escalates:
     ``skip_update*2,rollback,rollback_lr:0.5,stop`` (``*N``: attempts of that rung,
     default 1; ``rollback_lr:X``: roll back and scale the LR by X from then on)."""
     from titan_ledger.errors import ConfigError
 
     entries = [e.strip() for e in str(spec).split(",") if e.strip()]
     if not entries:
-        raise ConfigError("--ledger.on_spike: give an action (none, skip_update, rollback, "
+        raise ConfigError("--ledger.on_spike.action: give an action (none, skip_update, rollback, "
                           "rollback_lr:X, stop) or a comma-separated ladder of them")
     rungs = []
     for e in entries:
@@ -171,12 +171,12 @@ def parse_ladder(spec: str) -> list[Rung]:
         bad = (action not in ACTIONS or attempts < 0 or (action == "rollback_lr") != (lr is not None)
                or (lr is not None and not 0 < lr < 1) or (action in ("none", "stop") and times))
         if bad:
-            raise ConfigError(f"--ledger.on_spike {spec!r}: {e!r} is not an action; use none, skip_update, "
+            raise ConfigError(f"--ledger.on_spike.action {spec!r}: {e!r} is not an action; use none, skip_update, "
                               f"rollback, rollback_lr:X (0 < X < 1) or stop, each optionally *N attempts, "
                               f"e.g. skip_update*2,rollback,rollback_lr:0.5,stop")
         rungs.append(Rung(action, attempts, lr))
     if any(r.action == "stop" for r in rungs[:-1]):
-        raise ConfigError(f"--ledger.on_spike {spec!r}: stop can only be the last rung")
+        raise ConfigError(f"--ledger.on_spike.action {spec!r}: stop can only be the last rung")
     return rungs
 
 

@@ -52,6 +52,162 @@ from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
 
+# ---------------------------------------------------------------------------- sections
+# Design decision: the [ledger] table groups its fields by what they control, each
+# group a nested dataclass (torchtitan's own nesting: ``--ledger.skip.steps``); the flat
+# names of earlier releases (``--ledger.skip_steps``, ``[ledger] inject = ...``) keep
+# working through RENAMED, which the TOML front end and the tools apply.
+
+
+@dataclass(kw_only=True, slots=True)
+class DocLossConfig:
+    enable: bool = True
+    """Per-document loss: attribute each token's loss to its document segment (in the
+    loss torchtitan already computes; no extra forward) and write each DP rank's
+    ``k`` highest- and lowest-loss segments per step to the data ledger."""
+
+    k: int = 4
+    """Segments kept per DP rank and step at each end (highest and lowest mean loss)."""
+
+    min_tokens: int = 16
+    """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.min_tokens < 1:
+            raise ConfigError(f"--ledger.doc_loss.k and --ledger.doc_loss.min_tokens must be >= 1 "
+                              f"(got {self.k}, {self.min_tokens})")
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterConfig:
+    quarantine: list[str] = field(default_factory=list)
+    """Quarantine files: one ``{"source": ..., "doc": ...}`` per line (``lookup --json``
+    names documents this way; ``diagnose --write-quarantine`` writes them). Those
+    documents' tokens are loss-masked wherever they appear; the sample sequence is
+    unchanged, so adding a file when resuming after a spike is not a data change."""
+
+    repetition: bool = False
+    """Mask document segments holding an n-gram repeated ``repetition_min`` times in
+    a row (OLMo-core's instance filter rule), counted per step in the ledgers."""
+
+    repetition_min: int = 32
+    """Repetition filter: repeats of one n-gram that mask its segment."""
+
+    repetition_max_period: int = 13
+    """Repetition filter: the longest n-gram period checked (1 = one token repeated)."""
+
+    def __post_init__(self) -> None:
+        if self.repetition_min < 2 or self.repetition_max_period < 1:
+            raise ConfigError(f"--ledger.filter.repetition_min must be >= 2 and "
+                              f"--ledger.filter.repetition_max_period >= 1 (got {self.repetition_min}, "
+                              f"{self.repetition_max_period})")
+        Quarantine(self.quarantine)  # the files exist and parse
+
+
+@dataclass(kw_only=True, slots=True)
+class SkipConfig:
+    steps: list[str] = field(default_factory=list)
+    """Steps whose data is consumed without forward/backward or update: absolute,
+    1-indexed, inclusive ranges or single steps, e.g. ``["137000-137300", "140001"]``
+    (on the command line also comma-separated). Needs LedgerDataLoader."""
+
+    lr: Literal["freeze", "advance"] = "freeze"
+    """LR schedule over skipped steps: ``freeze`` (Megatron: the schedule does not
+    advance) or ``advance`` (as if the steps had trained)."""
+
+    auto: bool = False
+    """Add the steps listed in ``<dump_folder>/ledger/rejected_steps.jsonl`` (every
+    flagged step of earlier launches) to ``steps`` (Megatron's tracker-file flow)."""
+
+    def __post_init__(self) -> None:
+        parse_skip_steps(self.steps)  # raises SkipError naming the entry
+
+
+@dataclass(kw_only=True, slots=True)
+class OnSpikeConfig:
+    action: str = "none"
+    """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
+    its optimizer update; Adam's step count does not advance; costs one
+    device->host read of the flag per step), ``rollback`` (reload the last
+    checkpoint at or before step - rollback_back, skip rollback_skip steps from
+    there and continue in the same process), ``rollback_lr:X`` (the same, and the
+    LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
+    repeats without limit (rollbacks capped by max_rollbacks); a comma-separated
+    **ladder** escalates when a spike repeats within ``ladder_horizon`` steps, each
+    rung ``*N`` attempts (default 1), e.g. ``skip_update*2,rollback,rollback_lr:0.5,stop``;
+    past the last rung the run stops. Every decision is recorded in spikes.jsonl."""
+
+    ladder_horizon: int = 100
+    """A spike within this many steps of the previous one is a repeat (next attempt
+    or next rung); after a quiet horizon the ladder starts again at its first rung."""
+
+    rollback_back: int = 100
+    """Rollbacks: go back to a checkpoint at or before spike - this many steps."""
+
+    rollback_skip: int = 200
+    """Rollbacks: steps skipped from the checkpoint on (the window is widened to
+    reach the spike step)."""
+
+    max_rollbacks: int = 3
+    """Rollbacks: stop with an error after this many rewinds in one run."""
+
+    def __post_init__(self) -> None:
+        parse_ladder(self.action)  # raises ConfigError naming the rung
+        if self.ladder_horizon < 1:
+            raise ConfigError(f"--ledger.on_spike.ladder_horizon must be >= 1, got {self.ladder_horizon}")
+        for name in ("rollback_back", "max_rollbacks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--ledger.on_spike.{name} must be >= 0, got {getattr(self, name)}")
+        if self.rollback_skip < 1:
+            raise ConfigError(f"--ledger.on_spike.rollback_skip must be >= 1, got {self.rollback_skip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalConfig:
+    inject: str = ""
+    """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
+    by a single repeated token (``repeat``) or uniform random tokens (``random``);
+    see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
+    rehearsal, :mod:`titan_ledger.rehearsal.faults`) flips one exponent bit of one gradient
+    element on that DP rank after the backward, before the clip; ``swap`` makes every DP
+    rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
+    Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
+
+    rerun: str = ""
+    """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.components.counterfactual`):
+    ``stop=N`` ends training after step N (the LR schedule still spans
+    ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
+    learning rate (scaled) and Adam epsilon from the first step on, e.g.
+    ``stop=9,lr_scale=0.5``."""
+
+    def __post_init__(self) -> None:
+        parse_inject(self.inject)
+        parse_overrides(self.rerun)  # raises ConfigError naming the entry
+
+
+#: Flat ``[ledger]`` names of earlier releases -> their nested path (TOML keys and flags).
+RENAMED: dict[str, str] = {
+    "doc_loss": "doc_loss.enable", "doc_loss_k": "doc_loss.k", "doc_loss_min_tokens": "doc_loss.min_tokens",
+    "quarantine": "filter.quarantine", "repetition_filter": "filter.repetition",
+    "repetition_min": "filter.repetition_min", "repetition_max_period": "filter.repetition_max_period",
+    "skip_steps": "skip.steps", "skip_lr": "skip.lr", "auto_skip": "skip.auto",
+    "on_spike": "on_spike.action", "ladder_horizon": "on_spike.ladder_horizon",
+    "rollback_back": "on_spike.rollback_back", "rollback_skip": "on_spike.rollback_skip",
+    "max_rollbacks": "on_spike.max_rollbacks", "inject": "rehearsal.inject", "rerun": "rehearsal.rerun",
+}
+#: ... of which these are booleans (``--ledger.no_doc_loss`` -> ``--ledger.doc_loss.no_enable``).
+RENAMED_BOOLS = ("doc_loss", "repetition_filter", "auto_skip")
+
+
+def renamed_flags() -> dict[str, str]:
+    """Old command-line spelling -> new, bool negations included."""
+    out = {f"--ledger.{old}": f"--ledger.{new}" for old, new in RENAMED.items()}
+    for old in RENAMED_BOOLS:
+        head, _, last = RENAMED[old].rpartition(".")
+        out[f"--ledger.no_{old}"] = f"--ledger.{head}.no_{last}"  # (hyphens: alias_cli folds them)
+    return out
+
+
 
 class Ledger(Configurable):
     """Per-step signals: computed on device, reduced packed, written a step late."""
@@ -77,44 +233,17 @@ class Ledger(Configurable):
         per_layer: bool = False
         """Also record the pre-clip grad norm of each layer (``grad_norm_per_layer``)."""
 
-        doc_loss: bool = True
-        """Per-document loss: attribute each token's loss to its document segment (in the
-        loss torchtitan already computes; no extra forward) and write each DP rank's
-        ``doc_loss_k`` highest- and lowest-loss segments per step to the data ledger."""
+        doc_loss: DocLossConfig = field(default_factory=lambda: DocLossConfig())
+        """Per-document loss (``[ledger.doc_loss]``)."""
 
-        doc_loss_k: int = 4
-        """Segments kept per DP rank and step at each end (highest and lowest mean loss)."""
-
-        doc_loss_min_tokens: int = 16
-        """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
-
-        quarantine: list[str] = field(default_factory=list)
-        """Quarantine files: one ``{"source": ..., "doc": ...}`` per line (``lookup --json``
-        names documents this way; ``diagnose --write-quarantine`` writes them). Those
-        documents' tokens are loss-masked wherever they appear; the sample sequence is
-        unchanged, so adding a file when resuming after a spike is not a data change."""
-
-        repetition_filter: bool = False
-        """Mask document segments holding an n-gram repeated ``repetition_min`` times in
-        a row (OLMo-core's instance filter rule), counted per step in the ledgers."""
-
-        repetition_min: int = 32
-        """Repetition filter: repeats of one n-gram that mask its segment."""
-
-        repetition_max_period: int = 13
-        """Repetition filter: the longest n-gram period checked (1 = one token repeated)."""
+        filter: FilterConfig = field(default_factory=lambda: FilterConfig())
+        """Document masks: quarantine files and the repetition filter (``[ledger.filter]``)."""
 
         folder: str = "ledger"
         """Ledger folder, relative to ``dump_folder``."""
 
-        skip_steps: list[str] = field(default_factory=list)
-        """Steps whose data is consumed without forward/backward or update: absolute,
-        1-indexed, inclusive ranges or single steps, e.g. ``["137000-137300", "140001"]``
-        (on the command line also comma-separated). Needs LedgerDataLoader."""
-
-        skip_lr: Literal["freeze", "advance"] = "freeze"
-        """LR schedule over skipped steps: ``freeze`` (Megatron: the schedule does not
-        advance) or ``advance`` (as if the steps had trained)."""
+        skip: SkipConfig = field(default_factory=lambda: SkipConfig())
+        """Steps whose data is consumed without training (``[ledger.skip]``)."""
 
         allow_data_change: bool = False
         """Resume even if the checkpoint's data fingerprint (source, tokenizer,
@@ -130,75 +259,20 @@ class Ledger(Configurable):
         spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)
         """Spike rules on loss and grad norm (on device, every step)."""
 
-        on_spike: str = "none"
-        """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
-        its optimizer update; Adam's step count does not advance; costs one
-        device->host read of the flag per step), ``rollback`` (reload the last
-        checkpoint at or before step - rollback_back, skip rollback_skip steps from
-        there and continue in the same process), ``rollback_lr:X`` (the same, and the
-        LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
-        repeats without limit (rollbacks capped by max_rollbacks); a comma-separated
-        **ladder** escalates when a spike repeats within ``ladder_horizon`` steps, each
-        rung ``*N`` attempts (default 1), e.g. ``skip_update*2,rollback,rollback_lr:0.5,stop``;
-        past the last rung the run stops. Every decision is recorded in spikes.jsonl."""
+        on_spike: OnSpikeConfig = field(default_factory=lambda: OnSpikeConfig())
+        """What a flagged step does: the action or recovery ladder and its limits
+        (``[ledger.on_spike]``)."""
 
-        ladder_horizon: int = 100
-        """A spike within this many steps of the previous one is a repeat (next attempt
-        or next rung); after a quiet horizon the ladder starts again at its first rung."""
-
-        rollback_back: int = 100
-        """``on_spike = "rollback"``: go back to a checkpoint at or before spike - this many steps."""
-
-        rollback_skip: int = 200
-        """``on_spike = "rollback"``: steps skipped from the checkpoint on (the window
-        is widened to reach the spike step)."""
-
-        max_rollbacks: int = 3
-        """``on_spike = "rollback"``: stop with an error after this many rewinds in one run."""
-
-        auto_skip: bool = False
-        """Add the steps listed in ``<dump_folder>/ledger/rejected_steps.jsonl`` (every
-        flagged step of earlier launches) to ``skip_steps`` (Megatron's tracker-file flow)."""
-
-        inject: str = ""
-        """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
-        by a single repeated token (``repeat``) or uniform random tokens (``random``);
-        see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
-        rehearsal, :mod:`titan_ledger.faults`) flips one exponent bit of one gradient
-        element on that DP rank after the backward, before the clip; ``swap`` makes every DP
-        rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
-        Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
-
-        rerun: str = ""
-        """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.rerun`):
-        ``stop=N`` ends training after step N (the LR schedule still spans
-        ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
-        learning rate (scaled) and Adam epsilon from the first step on, e.g.
-        ``stop=9,lr_scale=0.5``."""
+        rehearsal: RehearsalConfig = field(default_factory=lambda: RehearsalConfig())
+        """Fault injection and counterfactual reruns (``[ledger.rehearsal]``); rehearsal only."""
 
         def __post_init__(self) -> None:
             # every check that needs no trainer runs here, when the flags are parsed
-            parse_skip_steps(self.skip_steps)  # raises SkipError naming the entry
-            parse_inject(self.inject)
-            parse_rerun(self.rerun)  # ADDED (rerun): raises ConfigError naming the entry
-            ladder = parse_ladder(self.on_spike)
-            if self.ladder_horizon < 1:
-                raise ConfigError(f"--ledger.ladder_horizon must be >= 1, got {self.ladder_horizon}")
-            if any(r.action != "none" for r in ladder) and not (self.signals and self.spike.enable):
-                raise ConfigError(f"--ledger.on_spike {self.on_spike} needs --ledger.signals and "
-                                  f"--ledger.spike.enable")
-            for name in ("rollback_back", "max_rollbacks"):
-                if getattr(self, name) < 0:
-                    raise ConfigError(f"--ledger.{name} must be >= 0, got {getattr(self, name)}")
-            if self.repetition_min < 2 or self.repetition_max_period < 1:
-                raise ConfigError(f"--ledger.repetition_min must be >= 2 and --ledger.repetition_max_period "
-                                  f">= 1 (got {self.repetition_min}, {self.repetition_max_period})")
-            Quarantine(self.quarantine)  # the files exist and parse
-            if self.doc_loss_k < 1 or self.doc_loss_min_tokens < 1:
-                raise ConfigError(f"--ledger.doc_loss_k and --ledger.doc_loss_min_tokens must be >= 1 "
-                                  f"(got {self.doc_loss_k}, {self.doc_loss_min_tokens})")
-            if self.rollback_skip < 1:
-                raise ConfigError(f"--ledger.rollback_skip must be >= 1, got {self.rollback_skip}")
+            # (each section checks its own fields; these are the cross-section ones)
+            if any(r.action != "none" for r in parse_ladder(self.on_spike.action)) \
+                    and not (self.signals and self.spike.enable):
+                raise ConfigError(f"--ledger.on_spike.action {self.on_spike.action} needs --ledger.signals "
+                                  f"and --ledger.spike.enable")
             if not self.folder or Path(self.folder).is_absolute() or ".." in Path(self.folder).parts:
                 raise ConfigError(f"--ledger.folder {self.folder!r}: give a folder name inside "
                                   f"--dump_folder, e.g. ledger")
@@ -206,8 +280,8 @@ class Ledger(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.enabled = False  # until setup() binds a trainer
-        self.skip_windows = parse_skip_steps(config.skip_steps)
-        self.inject = parse_inject(config.inject)
+        self.skip_windows = parse_skip_steps(config.skip.steps)
+        self.inject = parse_inject(config.rehearsal.inject)
         self.topo = Topology.single()
         self.recorder: SignalRecorder | None = None
         self.data: DataLedgerWriter | None = None
@@ -219,8 +293,8 @@ class Ledger(Configurable):
         self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
         self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
-        self.quarantine = Quarantine(config.quarantine)
-        self.ladder = Ladder(parse_ladder(config.on_spike), config.ladder_horizon)
+        self.quarantine = Quarantine(config.filter.quarantine)
+        self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -237,30 +311,30 @@ class Ledger(Configurable):
         self.global_batch = (trainer.config.training.local_batch_size * topo.dp_size
                              * trainer.gradient_accumulation_steps)
         steps = trainer.config.training.steps
-        if cfg.auto_skip:
+        if cfg.skip.auto:
             rejected = RunLedger(trainer.config.dump_folder, cfg.folder).rejected_steps() \
                 if self.folder.exists() else []
             self.skip_windows = parse_skip_steps(
                 [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
         if self.ladder.rolls_back and not trainer.config.checkpoint.enable:
-            raise ConfigError(f"--ledger.on_spike {cfg.on_spike}: a rollback reloads checkpoints: set "
+            raise ConfigError(f"--ledger.on_spike.action {cfg.on_spike.action}: a rollback reloads checkpoints: set "
                               f"--checkpoint.enable")
-        if (self.quarantine or cfg.repetition_filter) and (self.loader is None or not self.loader.tagging):
-            raise ConfigError("--ledger.quarantine and --ledger.repetition_filter mask documents by the "
+        if (self.quarantine or cfg.filter.repetition) and (self.loader is None or not self.loader.tagging):
+            raise ConfigError("--ledger.filter.quarantine and --ledger.filter.repetition mask documents by the "
                               "rows' provenance: they need LedgerDataLoader with --dataloader.tagging")
         if self.skip_windows and self.loader is None:
-            raise ConfigError("--ledger.skip_steps needs LedgerDataLoader (a titan_ledger config "
+            raise ConfigError("--ledger.skip.steps needs LedgerDataLoader (a titan_ledger config "
                               "function such as debug_cpu); this run's dataloader is "
                               f"{type(loader).__name__}")
-        late = [w for w in self.skip_windows if w[0] > steps and not cfg.auto_skip]
+        late = [w for w in self.skip_windows if w[0] > steps and not cfg.skip.auto]
         if late:
-            raise ConfigError(f"--ledger.skip_steps {late[0][0]}-{late[0][1]} starts after the last "
+            raise ConfigError(f"--ledger.skip.steps {late[0][0]}-{late[0][1]} starts after the last "
                               f"step (--training.steps {steps}): it would skip nothing")
         if self.inject is not None and self.inject[1] >= topo.dp_size:
-            raise ConfigError(f"--ledger.inject {cfg.inject}: DP rank {self.inject[1]} does not exist "
+            raise ConfigError(f"--ledger.rehearsal.inject {cfg.rehearsal.inject}: DP rank {self.inject[1]} does not exist "
                               f"(this run has DP ranks 0-{topo.dp_size - 1})")
         if self.inject is not None and self.inject[0] > steps:
-            raise ConfigError(f"--ledger.inject {cfg.inject}: step {self.inject[0]} is after the last "
+            raise ConfigError(f"--ledger.rehearsal.inject {cfg.rehearsal.inject}: step {self.inject[0]} is after the last "
                               f"step (--training.steps {steps})")
         # rank 0 checks that the dump folder holds this run (or moves another run aside);
         # then one run id for all ranks (rank 0's) and the next segment number, agreed once
@@ -294,7 +368,7 @@ class Ledger(Configurable):
         self.param_dtype = str(trainer.config.training.mixed_precision_param)
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
-                                         skip_lr=cfg.skip_lr,
+                                         skip_lr=cfg.skip.lr,
                                          tokenizer=str(Path(trainer.config.hf_assets_path).resolve()))
         if not self.enabled:
             return
@@ -322,7 +396,7 @@ class Ledger(Configurable):
             global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
             doc_loss=self.doc_loss)
         if cfg.spike.enable:
-            self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike, self.device)
+            self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
         self._apply_state()
 
     # ------------------------------------------------------------------ segments
@@ -337,9 +411,9 @@ class Ledger(Configurable):
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
                                           "documents": len(self.quarantine.docs)}
-        if self.config.repetition_filter:
-            header.extra["repetition_filter"] = {"min_repeats": self.config.repetition_min,
-                                                 "max_period": self.config.repetition_max_period}
+        if self.config.filter.repetition:
+            header.extra["repetition_filter"] = {"min_repeats": self.config.filter.repetition_min,
+                                                 "max_period": self.config.filter.repetition_max_period}
         if rewind_from is not None:
             # a rewind is a new segment of the same process: its own run id and seq
             header.run_id = f"{self.run_id}.r{self.rewinds}"
@@ -427,7 +501,7 @@ class Ledger(Configurable):
             self.data.record_skip(first=first, last=last, info=info)
         if self.recorder is not None:
             self.recorder.record_skip(first=first, last=last, n_samples=info.position_after - info.position_before,
-                                      lr=lr, step_start=step_start, skip_lr=self.config.skip_lr,
+                                      lr=lr, step_start=step_start, skip_lr=self.config.skip.lr,
                                       metrics_logger=metrics_logger)
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger=None) -> None:
@@ -537,10 +611,3 @@ def _digest(config) -> str:
     blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
     blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def parse_rerun(spec: str) -> dict[str, float]:
-    """``--ledger.rerun`` (set by ``replay rerun``): ``stop=N,lr_scale=X,eps=X``."""
-    return parse_overrides(spec)
-
-

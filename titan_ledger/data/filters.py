@@ -32,7 +32,7 @@ IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX (not imported: no
 
 
 class Quarantine:
-    """The documents of ``--ledger.quarantine`` files."""
+    """The documents of ``--ledger.filter.quarantine`` files."""
 
     def __init__(self, paths: list[str]):
         self.paths = [str(p) for p in paths]
@@ -41,7 +41,7 @@ class Quarantine:
         for p in self.paths:
             path = Path(p)
             if not path.is_file():
-                raise ConfigError(f"--ledger.quarantine {p}: no such file (write one with "
+                raise ConfigError(f"--ledger.filter.quarantine {p}: no such file (write one with "
                                   f"python -m titan_ledger.diagnose DUMP --step T --write-quarantine {p})")
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
@@ -50,7 +50,7 @@ class Quarantine:
                     obj = json.loads(line)
                     key = (str(obj["source"]), int(obj["doc"]))
                 except (ValueError, KeyError, TypeError):
-                    raise ConfigError(f"--ledger.quarantine {p}:{n}: expected one JSON object "
+                    raise ConfigError(f"--ledger.filter.quarantine {p}:{n}: expected one JSON object "
                                       f'{{"source": ..., "doc": ...}} per line, got {line[:80]!r}') from None
                 self.docs.add(key)
         for source, doc in sorted(self.docs):

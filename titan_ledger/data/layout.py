@@ -148,11 +148,11 @@ def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[i
                 b = int(hi) if sep else a
             except ValueError:
                 raise SkipError(
-                    f"--ledger.skip_steps: {part!r} is not a step or an inclusive range; "
+                    f"--ledger.skip.steps: {part!r} is not a step or an inclusive range; "
                     f'write e.g. "137000-137300" or "140001"') from None
             if a < 1 or b < a:
                 raise SkipError(
-                    f"--ledger.skip_steps: {part!r} must be absolute 1-indexed steps with "
+                    f"--ledger.skip.steps: {part!r} must be absolute 1-indexed steps with "
                     f"first <= last")
             windows.append((a, b))
     windows.sort()

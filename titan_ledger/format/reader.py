@@ -284,7 +284,7 @@ class DataLedger:
 
     def doc_losses(self, step: int) -> tuple[list[dict[str, Any]], float | None]:
         """The per-document losses recorded at ``step`` on every DP rank (each rank's
-        highest- and lowest-loss segments, ``--ledger.doc_loss_k`` of each), as dicts
+        highest- and lowest-loss segments, ``--ledger.doc_loss.k`` of each), as dicts
         with the segment's provenance, and the step's median segment loss (the median
         of the DP ranks' medians). Empty when the run recorded none."""
         out, medians = [], []

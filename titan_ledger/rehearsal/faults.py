@@ -1,4 +1,4 @@
-"""Fault injection: one flipped bit in one gradient element (``--ledger.inject STEP:RANK:bitflip``).
+"""Fault injection: one flipped bit in one gradient element (``--ledger.rehearsal.inject STEP:RANK:bitflip``).
 
 Design decision: a hardware glitch (a flipped bit in HBM or an ALU) is the one
 cause of a loss spike that is *not* part of the run's recorded state: replaying
@@ -182,13 +182,13 @@ def parse_injects(spec: str) -> list[tuple[int, int, str]]:
             if len(bits) != 3:
                 raise IndexError
         except (IndexError, ValueError):
-            raise ConfigError(f"--ledger.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
+            raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
         if kind not in INJECT_KINDS or step < 1 or rank < 0:
-            raise ConfigError(f"--ledger.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
+            raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
                               f"DP_RANK >= 0")
         out.append((step, rank, kind))
     if sum(k not in FAULT_KINDS for _, _, k in out) > 1:
-        raise ConfigError(f"--ledger.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
+        raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
     return out
 
 
@@ -217,11 +217,11 @@ def arm(trainer) -> None:
         return
     if io.inject in (BITFLIP, SWAP):
         io.inject = None  # not a batch replacement; the data ledger records no injection
-    specs = parse_injects(trainer.config.ledger.inject or "")
+    specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
     if any(s == step and k == SWAP for s, _, k in specs):
         if trainer.parallel_dims.pp_enabled:
-            raise RuntimeError("--ledger.inject ...:swap: not supported under pipeline parallelism")
+            raise RuntimeError("--ledger.rehearsal.inject ...:swap: not supported under pipeline parallelism")
         inner_swap = trainer.forward_backward_step
         group = trainer.parallel_dims.get_mesh("batch").get_group()
 
@@ -245,7 +245,7 @@ def arm(trainer) -> None:
         done = flip_largest_grad(named)
         from torchtitan.tools.logging import logger
 
-        logger.warning(f"titan_ledger: --ledger.inject bitflip at step {trainer.step}: {done}")
+        logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip at step {trainer.step}: {done}")
         return loss
 
     trainer.forward_backward_step = flip_after_backward

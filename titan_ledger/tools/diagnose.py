@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-quarantine", metavar="FILE",
                     help="write the documents named by bad_data verdicts, one JSON object per line "
-                         "({\"source\", \"doc\"}), for --ledger.quarantine FILE")
+                         "({\"source\", \"doc\"}), for --ledger.filter.quarantine FILE")
     ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.rerun
                     help="prove the cause: rerun the steps before each spike from a checkpoint under "
                          "the variants the verdict calls for (titan_ledger.rerun.PLAN_FOR: bad_data: same, "
@@ -384,7 +384,7 @@ def _main(a) -> int:
             res["documents"] = offending_documents(led, s, res["rank"])
             res["quarantine_command"] = (
                 f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
-                f"quarantine.jsonl  # then resume with --ledger.quarantine quarantine.jsonl")
+                f"quarantine.jsonl  # then resume with --ledger.filter.quarantine quarantine.jsonl")
         results.append(res)
     if a.write_quarantine:
         docs = {(d["source"], d["doc"]) for r in results for d in r.get("documents", [])}
@@ -502,7 +502,7 @@ def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3)
 
 
 def write_quarantine(path: str, docs: list[tuple[str, int]]) -> None:
-    """``{"source", "doc"}`` per line, the format ``--ledger.quarantine`` reads; appends."""
+    """``{"source", "doc"}`` per line, the format ``--ledger.filter.quarantine`` reads; appends."""
     with open(path, "a") as f:
         for source, doc in docs:
             f.write(json.dumps({"source": source, "doc": doc}) + "\n")

@@ -171,7 +171,7 @@ def _top(a, ledger, text) -> int:
     docs, median = ledger.doc_losses(a.step)
     if not docs:
         raise LedgerError(f"{ledger.folder}: no per-document losses at step {a.step} (the run had "
-                          f"--ledger.doc_loss off, or the step was skipped)")
+                          f"--ledger.doc_loss.no_enable, or the step was skipped)")
     if a.rank is not None:
         docs = [d for d in docs if d["dp_rank"] == a.rank]
     ranked = sorted((d for d in docs if d["loss"] is not None), key=lambda d: -d["loss"])

@@ -25,7 +25,7 @@ Examples::
     # with step 8's data skipped (titan_ledger.rerun); the original run's flags after --
     python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --variant same --variant skip -- \\
         --job.config_file train_configs/debug_cpu.toml --training.steps 12 --checkpoint.enable \\
-        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.inject 8:1:repeat
+        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.rehearsal.inject 8:1:repeat
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def judge_injection(rows: list[dict], step: int, rank: int, min_ratio: float = 3
 def inject(nproc: int, dump: Path, step: int, rank: int, kind: str, train_args: list[str],
            min_ratio: float) -> dict:
     log = dump / "replay_inject.log"
-    run = run_training(nproc, dump, [*train_args, "--ledger.inject", f"{step}:{rank}:{kind}"], log)
+    run = run_training(nproc, dump, [*train_args, "--ledger.rehearsal.inject", f"{step}:{rank}:{kind}"], log)
     if run["returncode"] != 0:
         raise ReplayError(f"training failed (exit {run['returncode']}); log: {log}")
     return {"kind": kind, **judge_injection(_signals(dump), step, rank, min_ratio), "log": str(log)}
@@ -293,7 +293,7 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
     log = dump / "replay_drill.log"
     dump.mkdir(parents=True, exist_ok=True)
     out: dict = {"injected": {"step": step, "rank": rank, "kind": kind}}
-    for folder, extra in ((ref, []), (run, ["--ledger.inject", f"{step}:{rank}:{kind}"])):
+    for folder, extra in ((ref, []), (run, ["--ledger.rehearsal.inject", f"{step}:{rank}:{kind}"])):
         r = run_training(nproc, folder, args + extra, log)
         if r["returncode"] != 0:
             raise ReplayError(f"training in {folder} failed (exit {r['returncode']}); log: {log}")
@@ -311,9 +311,9 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
     load = usable[-1]
     window = (max(load + 1, spike - before), spike + after)
     out["rollback"] = {"load_step": load, "skip_window": list(window)}
-    r = run_training(nproc, run, args + ["--ledger.inject", f"{step}:{rank}:{kind}",
+    r = run_training(nproc, run, args + ["--ledger.rehearsal.inject", f"{step}:{rank}:{kind}",
                                          "--checkpoint.load_step", str(load),
-                                         "--ledger.skip_steps", f"{window[0]}-{window[1]}"], log)
+                                         "--ledger.skip.steps", f"{window[0]}-{window[1]}"], log)
     if r["returncode"] != 0:
         raise ReplayError(f"the rolled-back run failed (exit {r['returncode']}); log: {log}")
     # 3. pass: no spike after the rollback point, and the samples equal the
@@ -449,7 +449,7 @@ def _validate(a, train_args: list[str]) -> None:
     if a.cmd in ("inject", "drill"):
         if a.step < 1:
             raise ReplayError(f"--step {a.step}: steps start at 1")
-        extra += ["--ledger.inject", f"{a.step}:{a.rank}:{a.kind}"]
+        extra += ["--ledger.rehearsal.inject", f"{a.step}:{a.rank}:{a.kind}"]
     config = validate([*extra, *train_args, "--job.dump_folder", str(a.dump_folder)], a.nproc)
     if a.cmd == "resume" and not 1 < a.kill_at <= config.training.steps:
         raise ReplayError(f"--kill-at {a.kill_at}: pick a step after the first checkpoint and at most "

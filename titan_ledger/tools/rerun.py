@@ -15,24 +15,24 @@ incident page of ``titan_ledger.report`` shows it).
 Variants (``--variant``, repeatable; a counterfactual changes one thing):
 
   same        nothing (reproducibility)
-  skip        step T's data consumed without training (``--ledger.skip_steps T``); from
+  skip        step T's data consumed without training (``--ledger.skip.steps T``); from
               ``diagnose --rerun``, every step of the window whose rows hold the
               documents the verdict named (a planted document spans several steps)
   lr=X        the learning rate scaled by X over the window (the checkpoint restores
               the optimizer's param-group LR and torchtitan rebuilds the scheduler's
               base LR from the config, so a plain ``--optimizer.lr`` would only act
-              from the second step; ``--ledger.rerun lr_scale=X`` scales both right
+              from the second step; ``--ledger.rehearsal.rerun lr_scale=X`` scales both right
               after the load; the rows' ``lr`` shows it)
   eps=X       Adam epsilon (the checkpoint restores the param groups' eps, so it is
-              overridden after the load the same way: ``--ledger.rerun eps=X``)
+              overridden after the load the same way: ``--ledger.rehearsal.rerun eps=X``)
   beta2=X     Adam beta2 from the load on, each parameter's bias-corrected second
-              moment kept (``--ledger.rerun beta2=X``): does v lagging the gradients
+              moment kept (``--ledger.rehearsal.rerun beta2=X``): does v lagging the gradients
               make the spike? "not applicable" when the run's beta2 is <= X
   clip=X      ``--training.max_norm X``
   logit_cap=X every attention score soft-capped at X (``X * tanh(s / X)``, Gemma 2's
-              softcap) over the window (``--ledger.rerun logit_cap=X``): does the
+              softcap) over the window (``--ledger.rehearsal.rerun logit_cap=X``): does the
               spike need the attention logits to reach their level?
-  swap        step T's batches rotated across DP ranks (``--ledger.inject T:0:swap``:
+  swap        step T's batches rotated across DP ranks (``--ledger.rehearsal.inject T:0:swap``:
               DP rank r trains on rank (r+1) % dp's batch): does the anomaly (the
               spike event's suspect DP rank, else ``loss_max_rank``) follow the data
               to rank r-1 (bad_data) or stay on its rank (a rank-local fault)?
@@ -41,8 +41,8 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
               for fp32 runs (no launch)
 
 The rerun keeps ``--training.steps`` (the LR schedule depends on it) and stops after
-T+N with ``--ledger.rerun stop=T+N``; it writes no checkpoint of its own
-(``--checkpoint.interval`` is set past the end). ``--ledger.inject`` data kinds
+T+N with ``--ledger.rehearsal.rerun stop=T+N``; it writes no checkpoint of its own
+(``--checkpoint.interval`` is set past the end). ``--ledger.rehearsal.inject`` data kinds
 (repeat/random: they *are* the run's data) are kept; ``bitflip`` (a hardware
 fault, :mod:`titan_ledger.faults`) is dropped, so it is not reproduced.
 
@@ -84,7 +84,7 @@ Examples::
 
     python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --variant same --variant skip \\
         -- --job.config_file train_configs/debug_cpu.toml --training.steps 12 --checkpoint.enable \\
-        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.inject 8:1:repeat
+        --checkpoint.interval 4 --ledger.spike.window 8 --ledger.rehearsal.inject 8:1:repeat
     python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --from 4 --after 2 \\
         --variant lr=0.5 --variant eps=1e-6 --json -- <the original run's training flags>
 """
@@ -222,16 +222,16 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
 
 
 def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
-    """Extra training flags and ``--ledger.rerun`` overrides of a variant; None when it
+    """Extra training flags and ``--ledger.rehearsal.rerun`` overrides of a variant; None when it
     does not apply to this run (fp32 on an fp32 or CPU run)."""
     if v.kind == "same":
         return [], {}
     if v.kind == "skip":
-        windows = [*config.ledger.skip_steps, *(str(s) for s in v.skip_list(step))]
-        return ["--ledger.skip_steps", ",".join(windows)], {}
+        windows = [*config.ledger.skip.steps, *(str(s) for s in v.skip_list(step))]
+        return ["--ledger.skip.steps", ",".join(windows)], {}
     if v.kind == "swap":
-        kept = [p for p in (config.ledger.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
-        return ["--ledger.inject", ",".join([*kept, f"{step}:0:swap"])], {}
+        kept = [p for p in (config.ledger.rehearsal.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
+        return ["--ledger.rehearsal.inject", ",".join([*kept, f"{step}:0:swap"])], {}
     if v.kind == "lr":
         return [], {"lr_scale": v.value}
     if v.kind == "eps":
@@ -337,20 +337,23 @@ def _ranges(steps: list[int]) -> str:
 def strip_train_args(train_args: list[str], drop_inject: bool = False) -> list[str]:
     """The original's flags minus what the rerun sets itself: the dump folder, the
     checkpoint step to load, and ``bitflip`` injections (a fault is not data)."""
+    from titan_ledger.config.toml_frontend import alias_cli
+
+    train_args = alias_cli(train_args)  # the flat [ledger] flags of earlier releases, renamed
     out, i = [], 0
-    drop = {"--job.dump_folder", "--dump_folder", "--checkpoint.load_step", "--ledger.rerun"}
+    drop = {"--job.dump_folder", "--dump_folder", "--checkpoint.load_step", "--ledger.rehearsal.rerun"}
     while i < len(train_args):
         a = train_args[i]
         key, eq, val = a.partition("=")
         if key in drop:
             i += 1 if eq else 2
             continue
-        if key == "--ledger.inject":
+        if key == "--ledger.rehearsal.inject":
             spec = val if eq else (train_args[i + 1] if i + 1 < len(train_args) else "")
             i += 1 if eq else 2
             kept = [p for p in spec.split(",") if p.strip() and not p.strip().endswith(":bitflip")]
             if kept and not drop_inject:
-                out += ["--ledger.inject", ",".join(kept)]
+                out += ["--ledger.rehearsal.inject", ",".join(kept)]
             continue
         out.append(a)
         i += 1
@@ -719,12 +722,12 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
             note = "not applicable to this run"
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)
     extra, over = va
-    if "--ledger.inject" in extra:  # the variant's own --ledger.inject replaces the original's
+    if "--ledger.rehearsal.inject" in extra:  # the variant's own --ledger.rehearsal.inject replaces the original's
         base_args = strip_train_args(base_args, drop_inject=True)
     fixed = [*base_args, *extra, "--checkpoint.enable", "--checkpoint.load_step", str(plan.load_step),
              "--checkpoint.interval", str(HUGE_INTERVAL)]
     over_s = ",".join(f"{k}={val:g}" for k, val in over.items())
-    args = [*fixed, "--ledger.rerun", ",".join(x for x in (f"stop={plan.stop}", over_s) if x)]
+    args = [*fixed, "--ledger.rehearsal.rerun", ",".join(x for x in (f"stop={plan.stop}", over_s) if x)]
     # an earlier rerun of the same variant from the same checkpoint that trained at
     # least as far is the same computation (deterministic runs): reused
     record = {"variant": v.name, "load_step": plan.load_step, "stop": plan.stop, "train_args": fixed,
@@ -931,14 +934,14 @@ def resolve_variant(spec: str, led, step: int, load_step: int, config=None,
     ``lr`` / ``beta2`` / ``logit_cap`` values from the ledger and config
     (:func:`ledger_values`); ``skip`` widened to the steps from ``load_step + 1`` to
     ``step + reach`` whose rows hold one of ``documents`` (a planted document is cut
-    into rows that span several steps; not when ``--ledger.inject`` replaced the step's
+    into rows that span several steps; not when ``--ledger.rehearsal.inject`` replaced the step's
     tokens, whose tags then name documents that did not train). The caller extends the
     rerun window past the last skipped step, so that trained steps follow it."""
     v = ledger_values(parse_variant(spec, allow_open=True), led.signal_rows(), step, config)
     if v.kind != "skip" or not documents:
         return v
     if any((led.data.row(r, step) or {}).get("injected") for r in led.data.ranks_at(step)):
-        return v  # --ledger.inject replaced the step's tokens: its tags are not what trained
+        return v  # --ledger.rehearsal.inject replaced the step's tokens: its tags are not what trained
     named = {(d["source"], d["doc"]) for d in documents}
     steps = {step}
     for s in range(load_step + 1, min(step + reach, led.data.last_step) + 1):

@@ -56,7 +56,7 @@ def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
     return {"spike_step": spike_step, "load_step": load, "skip_window": [first, last],
             "skip_steps": skip_steps, "steps_lost": spike_step - load,
             "overrides": ["--checkpoint.load_step", str(load),
-                          "--ledger.skip_steps", ",".join(skip_steps)]}
+                          "--ledger.skip.steps", ",".join(skip_steps)]}
 
 
 def overlay_toml(p: dict) -> str:
@@ -64,7 +64,7 @@ def overlay_toml(p: dict) -> str:
     return (f"# titan_ledger.rollback: spike at step {p['spike_step']}; resume from checkpoint "
             f"step-{p['load_step']},\n# skip steps {p['skip_window'][0]}-{p['skip_window'][1]}. "
             f"Use with --job.overlay; keep every other flag unchanged.\n"
-            f"[checkpoint]\nload_step = {p['load_step']}\n\n[ledger]\nskip_steps = [{items}]\n")
+            f"[checkpoint]\nload_step = {p['load_step']}\n\n[ledger.skip]\nsteps = [{items}]\n")
 
 
 def existing_skips(led: RunLedger) -> list[str]:
