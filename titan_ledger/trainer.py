@@ -5,9 +5,10 @@ Design decision: subclass, do not fork. The subclass redeclares the nested
 adds the ``ledger`` section, and overrides the hooks torchtitan exposes:
 ``__init__`` (adapt the config to the backend before the model is built),
 ``post_dataloading_process`` (dense document mask for the CPU attention),
-``state_dict``/``load_state_dict`` (ledger counters in the checkpoint) and
-``train`` (close the ledger). ``train_step`` has no hook between the clip and
-``optimizers.step()``, which is exactly where the signals must be read, so it is
+``state_dict``/``load_state_dict`` (ledger counters in the checkpoint),
+``forward_backward_step`` (the step's provenance; the rehearsal faults ``swap`` and
+``bitflip`` around torchtitan's) and ``train`` (close the ledger). ``train_step``
+has no hook between the clip and ``optimizers.step()``, which is exactly where the signals must be read, so it is
 copied from torchtitan 0.3.0; every changed spot is marked ``# CHANGED``.
 """
 
@@ -154,7 +155,7 @@ class LedgerTrainer(Trainer):
         inject = ledger.inject
         self._io = _StepIO(start=time.perf_counter(),
                            inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
-        faults.arm(self)  # ADDED (bitflip): --ledger.rehearsal.inject STEP:RANK:bitflip flips a grad bit before the clip
+        self._io.step_faults = faults.plan(self)  # ADDED (bitflip, swap): --ledger.rehearsal.inject STEP:RANK:bitflip|swap
         self._train_step(data_iterator)
         ck = self.config.checkpoint
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
@@ -203,6 +204,8 @@ class LedgerTrainer(Trainer):
         io.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        # Called once per gradient-accumulation microbatch (under PP once per group of
+        # PP microbatches, with lists) by _train_step, keyword arguments only.
         # every batch of the step has been fetched by the first call: write the step's
         # provenance now, before any forward can fail
         io = self._io
@@ -210,7 +213,11 @@ class LedgerTrainer(Trainer):
             masked = {k: v for k, v in io.masked.items() if v} or None
             self.ledger.record_data(self.step, io.tags, injected=io.inject, masked=masked)
             io.data_recorded = True
-        return super().forward_backward_step(**kwargs)
+        step_faults = io.step_faults if io is not None else None
+        faults.before_forward(step_faults, kwargs)  # ADDED (swap): the next DP rank's batch, every microbatch
+        loss = super().forward_backward_step(**kwargs)
+        faults.after_backward(self, step_faults)  # ADDED (bitflip): one grad bit, after the step's first backward
+        return loss
 
     def _train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
         # Copied from torchtitan 0.3.0 Trainer.train_step (no hook sits between the
@@ -498,6 +505,7 @@ class _StepIO:
     tags: list = field(default_factory=list)  # the step's rows, in fetch order
     masked: dict = field(default_factory=dict)  # {"quarantine"|"repetition": [[row, segment]]}
     masked_tokens: int = 0  # label tokens those masks removed
+    step_faults: faults.StepFaults | None = None  # ADDED (bitflip, swap): this step's fault injections
 
 
 def _inject(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,

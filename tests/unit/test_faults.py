@@ -1,4 +1,4 @@
-"""The bitflip fault on tensors (no processes): which element, which bit, how large."""
+"""The bitflip fault on tensors (no processes): which element, which bit, how large; the per-step plan."""
 
 from __future__ import annotations
 
@@ -83,3 +83,46 @@ def test_parse_inject_accepts_bitflip_and_combinations():
 def test_rotate_takes_the_next_ranks_batch():
     assert [faults.rotate(["a", "b", "c"], r) for r in range(3)] == ["b", "c", "a"]
     assert [faults.rotate(["a", "b"], r) for r in range(2)] == ["b", "a"]
+
+
+def _fake_trainer(spec, step=3, dp_rank=1, pp=False, inject=None):
+    from types import SimpleNamespace as NS
+
+    model = torch.nn.Linear(4, 4)
+    return NS(_io=NS(inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec))), step=step,
+              ledger=NS(topo=NS(dp_rank=dp_rank)), model_parts=[model],
+              parallel_dims=NS(pp_enabled=pp, get_mesh=lambda name: NS(get_group=lambda: f"group:{name}")))
+
+
+def test_step_plan_swaps_every_microbatch_and_flips_after_the_first_backward_only(monkeypatch):
+    """What LedgerTrainer.forward_backward_step does per microbatch: before_forward,
+    torchtitan's forward/backward, after_backward."""
+    swapped = []
+    monkeypatch.setattr(faults, "swap_batches",
+                        lambda d, l, g: (swapped.append(g) or {**d, "input": d["input"] + 1}, l + 1))
+    t = _fake_trainer("3:1:bitflip,3:0:swap", inject="bitflip")
+    plan = faults.plan(t)
+    assert t._io.inject is None  # a fault is not a batch replacement
+    assert plan.swap_group == "group:batch" and plan.bitflip
+    flips = []
+    for mb in range(3):  # three gradient-accumulation microbatches
+        kwargs = {"input_dict": {"input": torch.zeros(2)}, "labels": torch.zeros(2), "global_valid_tokens": 4}
+        faults.before_forward(plan, kwargs)
+        assert float(kwargs["input_dict"]["input"][0]) == 1.0 and float(kwargs["labels"][0]) == 1.0
+        for p in t.model_parts[0].parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        faults.after_backward(t, plan)
+        flips.append(max(float(p.grad.abs().max()) for p in t.model_parts[0].parameters()) > 0.01)
+    assert swapped == ["group:batch"] * 3 and flips == [True, False, False]
+
+
+def test_step_plan_is_per_step_rank_and_swap_refuses_pp():
+    assert faults.plan(_fake_trainer("3:1:bitflip", step=4)) is None
+    assert faults.plan(_fake_trainer("3:1:bitflip", dp_rank=0)) is None  # another rank's flip
+    p = faults.plan(_fake_trainer("3:1:swap", dp_rank=0))  # swap: every rank, whatever the spec's
+    assert p.swap_group is not None and not p.bitflip
+    assert faults.plan(_fake_trainer("")) is None
+    faults.before_forward(None, {})  # no plan: nothing to do
+    assert faults.plan(_fake_trainer("3:0:bitflip", dp_rank=0, pp=True)).bitflip  # bitflip runs under PP
+    with pytest.raises(RuntimeError, match="pipeline parallelism"):
+        faults.plan(_fake_trainer("3:0:swap", pp=True))

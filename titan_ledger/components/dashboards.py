@@ -357,8 +357,21 @@ def _fmt(v) -> str:
 # --------------------------------------------------------------------------- #
 
 
+def _logger_list(container) -> list | None:
+    """The list of loggers inside torchtitan's ``LoggerContainer`` (None on a rank
+    whose ``metrics_processor.logger`` is a bare ``BaseLogger``); :func:`attach`
+    replaces entries in it in place."""
+    # CHANGED from torchtitan (no public hook: torchtitan.components.metrics.LoggerContainer
+    # offers only add_logger/log/number_of_loggers/close, nothing to list or replace a
+    # logger; MetricsProcessor._build_metric_logger creates WandBLogger/TensorBoardLogger
+    # (they call wandb.init / open the event file) and is called from
+    # MetricsProcessor.__init__, which Trainer.__init__ runs inline via config.metrics.build;
+    # no Config field selects the logger classes)
+    return getattr(container, "_loggers", None)
+
+
 def _ours(metrics_logger) -> list:
-    return [x for x in getattr(metrics_logger, "_loggers", []) if isinstance(x, (LedgerWandB, LedgerTensorBoard))]
+    return [x for x in _logger_list(metrics_logger) or [] if isinstance(x, (LedgerWandB, LedgerTensorBoard))]
 
 
 def attach(trainer) -> None:
@@ -366,8 +379,7 @@ def attach(trainer) -> None:
     rank only) and set up identity, config, summaries and the TB layout. Idempotent."""
     from torchtitan.components.metrics import TensorBoardLogger, WandBLogger
 
-    container = trainer.metrics_processor.logger
-    loggers = getattr(container, "_loggers", None)
+    loggers = _logger_list(trainer.metrics_processor.logger)
     if not loggers:
         return
     config = trainer.config

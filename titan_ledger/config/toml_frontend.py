@@ -159,6 +159,9 @@ def load_toml(path: str) -> dict[str, Any]:
             return tomli.load(f)
     except tomli.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (TOML is UTF-8 text); check "
+                          f"--job.config_file") from None
 
 
 def read_job(argv: list[str]) -> Job:
@@ -175,6 +178,10 @@ def read_job(argv: list[str]) -> Job:
     if config_file is not None:
         job.config_file = config_file
         job.doc = load_toml(config_file)
+        if not job.doc:  # a truncated or placeholder file must not train the base config silently
+            raise ConfigError(f"{config_file}: holds no settings (empty, or only comments); write the "
+                              f"keys to set (at least [job] config = \"...\"), or drop --job.config_file "
+                              f"to train the base config {DEFAULT_MODULE}.{DEFAULT_CONFIG}")
         jsec = job.doc.get("job", {})
         if not isinstance(jsec, dict):
             raise ConfigError(f"{config_file}: 'job' must be a table ([job])")
@@ -460,31 +467,18 @@ def assemble(tr: Translation, cli_args: list[str]) -> list[str]:
 
 def parse(job: Job) -> Any:
     """Build the final config through torchtitan's ConfigManager/tyro."""
-    from torchtitan.config import ConfigManager
     from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 
-    manager = ConfigManager()
+    # [dataloader] source on a base built around torchtitan's own loader: LedgerDataLoader.Config
+    # in its place, for the key checks here and in the config tyro parses
+    manager = _config_manager(swap_loader=wants_ledger_dataloader(job))
     where = job.where("job", "config") if job.config_file else "command line: --config"
     try:
         with _quiet_default_warning():
-            base, _ = manager._load_config(["--module", job.module, "--config", job.config])
+            base = manager.load_base(job.module, job.config)
     except (ImportError, ValueError) as e:
         raise ConfigError(f"{where}: cannot load base config {job.module}.{job.config}: {e}") from None
 
-    if wants_ledger_dataloader(job):
-        # [dataloader] source on a base built around torchtitan's own loader: swap in
-        # LedgerDataLoader.Config, for the key checks here and in the config tyro parses
-        from titan_ledger.data.loader import as_ledger_dataloader
-
-        as_ledger_dataloader(base)
-        load = manager._load_config
-
-        def _load_swapped(args):
-            config, rest = load(args)
-            as_ledger_dataloader(config)
-            return config, rest
-
-        manager._load_config = _load_swapped
     tr = translate(job, base, {"selective": SelectiveAC.Config(), "full": FullAC.Config(),
                                "memory_budget": MemoryBudgetAC.Config(), "none": None})
     argv = ["--module", job.module, "--config", job.config] + assemble(tr, job.cli_args)
@@ -501,6 +495,38 @@ def parse(job: Job) -> Any:
         cli = {a.split("=")[0].lstrip("-").replace("-", "_") for a in job.cli_args if a.startswith("--")}
         origins = {k: v for k, v in tr.origins.items() if k.replace("-", "_") not in cli}
         raise ConfigError(_explain_tyro(err.getvalue(), origins)) from None
+
+
+def _config_manager(swap_loader: bool) -> Any:
+    """torchtitan's ``ConfigManager``; with ``swap_loader`` every base config it loads
+    (``--module M --config fn``) has ``LedgerDataLoader.Config`` in place of its loader
+    config (``as_ledger_dataloader``) before tyro parses the flags against it.
+
+    tyro takes the loaded config's runtime types (``Trainer.Config.dataloader`` is
+    annotated ``BaseDataLoader.Config``), so the swap cannot wait until after
+    ``parse_args``: ``--dataloader.source`` and the other LedgerDataLoader fields would
+    be unknown flags. torchtitan's ``@override`` mechanism (``--override.imports``)
+    swaps a Configurable's Config too, but in ``Trainer.__init__``, after parsing.
+    """
+    from torchtitan.config import ConfigManager
+
+    class LedgerConfigManager(ConfigManager):
+        def load_base(self, module: str, config: str) -> Any:
+            """The base config ``parse_args`` starts from (the TOML keys are checked on it)."""
+            return self._load_config(["--module", module, "--config", config])[0]
+
+        # CHANGED from torchtitan (no public hook: ConfigManager.parse_args resolves
+        # --module/--config in _load_config and hands the result to tyro.cli as type and
+        # default in the same call; _load_config is the only step between the two)
+        def _load_config(self, args: list[str]) -> tuple[object, list[str]]:
+            config, rest = super()._load_config(args)
+            if swap_loader:
+                from titan_ledger.data.loader import as_ledger_dataloader
+
+                as_ledger_dataloader(config)
+            return config, rest
+
+    return LedgerConfigManager()
 
 
 def wants_ledger_dataloader(job: Job) -> bool:

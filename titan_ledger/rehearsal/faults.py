@@ -10,11 +10,13 @@ rules exactly as a real fault would). ``replay rerun`` never passes a bitflip on
 (it is not data), so ``rerun --variant same`` says "not reproduced" and
 ``diagnose --rerun`` names ``hardware``.
 
-Where: ``LedgerTrainer.train_step`` calls :func:`arm` once per step (one marked
-line). When the step is the injected one, :func:`arm` takes the injection off the
-step's data path (``bitflip`` is not a batch replacement) and wraps the trainer's
-``forward_backward_step`` *for this step only* (an instance attribute, removed
-after the first call): torchtitan's ``forward_backward_step`` returns after the
+Where: ``LedgerTrainer.train_step`` calls :func:`plan` once per step (one marked
+line): it takes the injection off the step's data path (``bitflip`` is not a batch
+replacement) and returns the step's :class:`StepFaults`, kept with the step's
+bookkeeping. ``LedgerTrainer.forward_backward_step`` (an override of torchtitan's)
+calls :func:`before_forward` (``swap``, every microbatch) and, once torchtitan's
+``forward_backward_step`` has returned, :func:`after_backward` (``bitflip``, the
+step's first call only): torchtitan's ``forward_backward_step`` returns after the
 backward, and FSDP2 has reduce-scattered the gradients by then, so the sharded
 ``param.grad`` that the clip reads is what is flipped.
 
@@ -32,6 +34,7 @@ the grad norm may then be inf, which the spike rules flag as non-finite).
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -202,50 +205,58 @@ def parse_inject(spec: str) -> tuple[int, int, str] | None:
 
 
 
-def arm(trainer) -> None:
-    """Per step, from ``LedgerTrainer.train_step``: apply this step's fault injections.
+@dataclass
+class StepFaults:
+    """One step's fault injections (:func:`plan`)."""
+
+    #: ``swap``: the DP ("batch") process group every microbatch of the step is rotated over
+    swap_group: Any = None
+    #: ``bitflip`` on this DP rank, not yet done: the step's first backward clears it
+    bitflip: bool = False
+
+
+def plan(trainer) -> StepFaults | None:
+    """Per step, from ``LedgerTrainer.train_step`` (after the step's bookkeeping
+    ``trainer._io`` is made): this step's fault injections, None without any.
 
     ``bitflip`` (this DP rank): flip one gradient bit after the first backward of the
     step, before the clip. ``swap`` (every DP rank, the spec's rank is ignored): DP rank
     r trains on rank (r+1) % dp's batch -- every rank consumed and recorded its own
     samples (the data ledger is unchanged), then the batches are rotated right before
-    the forward (after a ``repeat``/``random`` injection). Both wrap the trainer's
-    ``forward_backward_step`` as an instance attribute for this step only."""
-    trainer.__dict__.pop("forward_backward_step", None)  # the last step's wrappers
+    the forward (after a ``repeat``/``random`` injection). Neither is a batch
+    replacement: a fault spec is taken off ``trainer._io.inject``."""
     io = getattr(trainer, "_io", None)
     if io is None:
-        return
+        return None
     if io.inject in (BITFLIP, SWAP):
         io.inject = None  # not a batch replacement; the data ledger records no injection
     specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
+    out = StepFaults(bitflip=(step, dp_rank, BITFLIP) in specs)
     if any(s == step and k == SWAP for s, _, k in specs):
         if trainer.parallel_dims.pp_enabled:
             raise RuntimeError("--ledger.rehearsal.inject ...:swap: not supported under pipeline parallelism")
-        inner_swap = trainer.forward_backward_step
-        group = trainer.parallel_dims.get_mesh("batch").get_group()
+        out.swap_group = trainer.parallel_dims.get_mesh("batch").get_group()
+    return out if (out.swap_group is not None or out.bitflip) else None
 
-        def swapped(**kwargs):
-            kwargs["input_dict"], kwargs["labels"] = swap_batches(kwargs["input_dict"], kwargs["labels"], group)
-            return inner_swap(**kwargs)
 
-        trainer.forward_backward_step = swapped  # every microbatch of this step
-    if (step, dp_rank, BITFLIP) not in specs:
+def before_forward(faults: StepFaults | None, kwargs: dict[str, Any]) -> None:
+    """``swap``: replace this microbatch's ``input_dict``/``labels`` in the keyword
+    arguments of ``forward_backward_step`` by the next DP rank's (every microbatch)."""
+    if faults is None or faults.swap_group is None:
         return
-    layered = trainer.__dict__.get("forward_backward_step")
-    inner = trainer.forward_backward_step
+    kwargs["input_dict"], kwargs["labels"] = swap_batches(kwargs["input_dict"], kwargs["labels"],
+                                                          faults.swap_group)
 
-    def flip_after_backward(**kwargs):
-        if layered is None:  # once: the instance attribute goes away
-            del trainer.forward_backward_step
-        else:
-            trainer.forward_backward_step = layered
-        loss = inner(**kwargs)
-        named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
-        done = flip_largest_grad(named)
-        from torchtitan.tools.logging import logger
 
-        logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip at step {trainer.step}: {done}")
-        return loss
+def after_backward(trainer, faults: StepFaults | None) -> None:
+    """``bitflip``: after the step's first backward only, flip one bit of the largest
+    local gradient shard (before the clip reads it)."""
+    if faults is None or not faults.bitflip:
+        return
+    faults.bitflip = False  # once per step
+    named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
+    done = flip_largest_grad(named)
+    from torchtitan.tools.logging import logger
 
-    trainer.forward_backward_step = flip_after_backward
+    logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip at step {trainer.step}: {done}")
