@@ -38,6 +38,12 @@ class LedgerError(TitanLedgerError, ValueError):
     """Missing, torn, inconsistent or newer-schema ledger files."""
 
 
+class LedgerCorrupt(LedgerError):
+    """A ledger file that is there but cannot be trusted: a line that is not a ledger row
+    (named ``FILE:LINE``), or a file of another run. A tool that goes on without a
+    missing ledger (a report section, rollback's earlier skips) still stops at this."""
+
+
 class DataStateError(TitanLedgerError, ValueError):
     """A checkpointed data position that does not fit this run's data."""
 
@@ -50,6 +56,13 @@ class PlanError(TitanLedgerError, ValueError):
     """A rollback that cannot be planned from what is on disk."""
 
 
+class LedgerWarning(UserWarning):
+    """A ledger problem a tool reads past: a torn last line (kill -9 mid-write), skipped.
+    Library code ``warnings.warn``s it; each tool's entry point prints the run's
+    warnings as ONE line, ``titan_ledger.<tool>: warning: ...``, on stderr
+    (``tools.cli.run_tool``)."""
+
+
 class LedgerStop(TitanLedgerError):
     """Training stopped by the ledger (the recovery ladder): a report, exit 1."""
 
@@ -59,3 +72,31 @@ class LedgerStop(TitanLedgerError):
 def fail_line(prog: str, err: BaseException) -> str:
     """The one line a CLI prints for ``err``."""
     return f"{prog}: error: {err}"
+
+
+#: What to do about each filesystem error, by class (the path comes from the error).
+_OS_HINTS: tuple[tuple[type[OSError], str], ...] = (
+    (FileNotFoundError, "no such file or folder"),
+    (NotADirectoryError, "a file stands where a folder is needed (a part of this path is a file); "
+                         "give a folder path"),
+    (IsADirectoryError, "is a folder; give a file path"),
+    (PermissionError, "permission denied; choose a path you can write, or fix its owner/mode"),
+    (FileExistsError, "already exists"),
+)
+
+
+def os_error_line(err: OSError) -> str | None:
+    """A filesystem error (one that names its path) as the one-line form, or None for an
+    error that names no path (not a bad input the user can fix by a path: let it surface).
+
+    Design decision: one mapping for every entry point (``train.main``, every tool's
+    ``cli.run_tool``) instead of a try/except per call site: whatever opens the file,
+    the user sees which path and what is wrong with it."""
+    path = getattr(err, "filename", None)
+    if not path:
+        return None
+    path2 = getattr(err, "filename2", None)
+    what = next((hint for cls, hint in _OS_HINTS if isinstance(err, cls)), None)
+    if what is None:
+        what = (err.strerror or type(err).__name__).lower()
+    return f"{path}{' -> ' + str(path2) if path2 else ''}: {what}"

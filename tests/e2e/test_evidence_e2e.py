@@ -22,6 +22,7 @@ from helpers import (
 )
 
 from titan_ledger.tools import replay
+from titan_ledger.tools.runs import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,9 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     args = ["--checkpoint.enable", *runs.args("FSDP2")]
     nproc = PARALLELISMS["FSDP2"].nproc
     # kill -9 when step 5 starts; relaunch with the quarantine added: it resumes from step 3
-    first = replay.run_training(nproc, dump, args, tmp_path / "log", kill_at=KILL_AT)
+    first = run_training(nproc, dump, args, tmp_path / "log", kill_at=KILL_AT)
     assert first["killed"], first
-    again = replay.run_training(nproc, dump, args + ["--ledger.filter.quarantine", str(q)], tmp_path / "log")
+    again = run_training(nproc, dump, args + ["--ledger.filter.quarantine", str(q)], tmp_path / "log")
     assert again["returncode"] == 0, (tmp_path / "log").read_text()[-6000:]
     # the same samples as the straight run, step by step and rank by rank
     assert data_ids(dump) == data_ids(straight)

@@ -114,3 +114,65 @@ def bump_schema(path: Path, to: str) -> None:
 
 def cut_after(path: Path, n_bytes: int) -> None:
     path.write_bytes(path.read_bytes()[:n_bytes])
+
+
+# --------------------------------------------------------------------------- issue 26: rows, runs, ranges
+def replace_line(path: Path, lineno: int, raw: bytes) -> None:
+    """Line ``lineno`` (1-based) of ``path`` becomes ``raw`` (a corrupt row mid-file)."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[lineno - 1] = raw if raw.endswith(b"\n") else raw + b"\n"
+    path.write_bytes(b"".join(lines))
+
+
+def tear(path: Path, partial: bytes = b'{"step": 31, "skipped": fa') -> None:
+    """kill -9 mid-write: a row cut before its newline at the end of ``path``."""
+    with open(path, "ab") as f:
+        f.write(partial)
+
+
+def resume_after_tear(dump: Path, name: str, header: dict, rows: list[dict]) -> None:
+    """A torn last line, then the next launch (seq 2, resumed from step 20) appends its
+    segment after it, as the trainer does (the launch log gets its row too)."""
+    led = dump / "ledger"
+    tear(led / name)
+    hdr = {**header, "run_id": "run-a2", "seq": 2, "resumed_from": 20, "time": 2.0}
+    records.append_segment(led, records.Header.from_json({**hdr, "schema": ""}))
+    w = records.RecordWriter(led / name, hdr)
+    for r in rows:
+        w.write(r)
+    w.close()
+
+
+def other_run(path: Path, run_id: str = "run-b") -> None:
+    """``path`` as written by another run: every header names ``run_id``."""
+    out = []
+    for line in path.read_bytes().splitlines():
+        obj = json.loads(line)
+        if "schema" in obj:
+            obj["run_id"] = run_id
+        out.append(obj)
+    write_lines(path, *out)
+
+
+def make_indexed_run(dump: Path, corpus: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2) -> Path:
+    """A finished run (``make_run``) whose data ledger records an indexed corpus: a small
+    corpus prepared into ``corpus/c`` (rows written out), samples 0..steps*dp*mbs-1."""
+    from titan_ledger.data.prepare import load_tokenizer, prepare
+
+    corpus.mkdir(parents=True, exist_ok=True)
+    docs = corpus / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox jumps. " * 12})
+                            + "\n" for i in range(60)))
+    prepare([str(docs)], str(corpus / "c"), tokenizer=load_tokenizer(TOKENIZER), progress=False)
+    make_run(dump, steps=steps, dp=dp, mbs=mbs, data=False)
+    spec = {"paths": [str(corpus / "c")], "weights": [1.0], "seed": 1, "shuffle": True}
+    for r in range(dp):
+        rows = []
+        for s in range(1, steps + 1):
+            row = data_rows(s, r, dp, mbs)
+            row["rows"] = [[i, "c", [[i % 60, 0, 64]]] for i, _, _ in row["rows"]]
+            rows.append(row)
+        write_lines(dump / "ledger" / records.data_file(r),
+                    data_header(r, dp, mbs, seq_len=64, source_kind="indexed", source="indexed:c",
+                                spec=spec), *rows)
+    return dump

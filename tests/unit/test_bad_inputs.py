@@ -10,8 +10,11 @@ case runs the tool's ``main(argv)`` in-process on a small dump folder written th
 * the exit code from the one table (README "Exit codes"; ``titan_ledger.errors``):
   0 ok, 1 a negative answer, 2 bad input;
 * for 2: exactly ONE stderr line, ``titan_ledger.<tool>: error: ...``, naming the
-  file, flag or key (the case's substrings), no traceback, nothing on stdout;
-* for 0/1: the answer on stdout, at most one ``warning`` line on stderr.
+  file, flag or key (the case's substrings), no traceback, nothing on stdout, and
+  nothing written: no file under the case's folder is created or changed (an output,
+  a corpus epoch cache);
+* for 0/1: the answer on stdout, at most one ``warning`` line on stderr -- and exactly
+  that line, ``titan_ledger.<tool>: warning: ...``, for a substring ``warning:X``.
 
 The trainer's cases parse the config exactly as ``titan_ledger.train.main`` does
 (``load_config`` under WORLD_SIZE=2) with training replaced by a failure, so a
@@ -36,8 +39,13 @@ from .bad_input_ledgers import (
     data_header,
     data_rows,
     header_only,
+    make_indexed_run,
     make_run,
+    other_run,
+    replace_line,
+    resume_after_tear,
     signal_row,
+    tear,
     write_lines,
 )
 
@@ -121,12 +129,12 @@ def torn_last_line(L, t):
 
 
 def signals_without_keys(L, t):
-    write_lines(L / records.SIGNALS_FILE, {"schema": S, "run_id": "x", "seq": 1, "resumed_from": 0},
+    write_lines(L / records.SIGNALS_FILE, {"schema": S, "run_id": "run-a", "seq": 1, "resumed_from": 0},
                 *[{"step": s, "loss": 3.0} for s in range(1, 20)])
 
 
 def all_skipped(L, t):
-    write_lines(L / records.SIGNALS_FILE, {"schema": S, "run_id": "x", "seq": 1, "resumed_from": 0},
+    write_lines(L / records.SIGNALS_FILE, {"schema": S, "run_id": "run-a", "seq": 1, "resumed_from": 0},
                 {**{k: None for k in records.SIGNAL_KEYS}, "step": 1, "last_step": 30, "skipped": True,
                  "lr": 1e-3, "skip_lr": "freeze"})
 
@@ -169,6 +177,44 @@ def mkdir_run(t):
     (t / "run").mkdir()
 
 
+# issue 26: a corrupt row is an error naming FILE:LINE (line 1 is the header, step s is
+# line s + 1), a torn last line a warning, a file of another run is named
+GARBAGE = b'{"step": 11, "loss": 2.97\x00\x13 not json'
+
+
+def garbage_row(name, line=12, raw=GARBAGE):
+    return lambda L, t: replace_line(L / name, line, raw)
+
+
+def torn(name):
+    return lambda L, t: tear(L / name)
+
+
+def from_other_run(name):
+    return lambda L, t: other_run(L / name)
+
+
+def torn_then_resumed_data(L, t):
+    """DP rank 0 torn by kill -9 at step 31; the next launch resumed from step 20 on both ranks."""
+    resume_after_tear(t / "run", "data_dp0.jsonl", data_header(0), [data_rows(s, 0) for s in range(21, 31)])
+    w = records.RecordWriter(L / "data_dp1.jsonl", {**data_header(1), "run_id": "run-a2", "seq": 2,
+                                                    "resumed_from": 20, "time": 2.0})
+    for s in range(21, 31):
+        w.write(data_rows(s, 1))
+    w.close()
+
+
+def torn_then_resumed_signals(L, t):
+    hdr = {"schema": S, "run_id": "run-a", "seq": 1, "resumed_from": 0}
+    resume_after_tear(t / "run", records.SIGNALS_FILE, hdr,
+                      [signal_row(s, loss=3.6, grad_norm=10.0, spike=True) if s == 25 else signal_row(s)
+                       for s in range(21, 31)])
+
+
+def indexed_run(t):
+    make_indexed_run(t / "run", t / "corpus")
+
+
 # --------------------------------------------------------------------------- the table
 # (id, tool, setup, argv with {t} = the case's tmp folder, exit code, substrings of the
 #  error line -- or, for exit 0/1, of stdout)
@@ -205,14 +251,29 @@ CASES = [
     ("lookup-unknown-flag", "lookup", run, L_ + ["--step", "1", "--stepz", "2"], 2, ["--stepz"]),
     ("lookup-ledger-folder-wrong", "lookup", run, L_ + ["--step", "1", "--ledger-folder", "ledgr"], 2, ["ledgr", "no data ledger"]),
     ("lookup-ok", "lookup", run, L_ + ["--step", "5"], 0, ["DP rank 0", "DP rank 1"]),
-    ("lookup-torn-last-line-warns", "lookup", with_run(torn_last_line), L_ + ["--step", "5"], 0, ["DP rank 1"]),
+    ("lookup-torn-last-line-warns", "lookup", with_run(torn_last_line), L_ + ["--step", "5"], 0, ["DP rank 1", "warning:data_dp0.jsonl:32: torn last line skipped"]),
     ("lookup-json-past-end", "lookup", run, L_ + ["--step", "31", "--json"], 2, ["step 31"]),
+    # issue 26: corrupt rows name FILE:LINE, a torn last line warns, another run's file is named,
+    # samples/steps/ranks outside the run are refused before any answer or corpus cache file
+    ("lookup-dp1-garbage-mid-file", "lookup", with_run(garbage_row("data_dp1.jsonl")), L_ + ["--step", "5"], 2, ["data_dp1.jsonl:12", "not a ledger row", "not JSON"]),
+    ("lookup-dp0-row-not-an-object", "lookup", with_run(garbage_row("data_dp0.jsonl", 3, b"[1, 2, 3]")), L_ + ["--step", "5"], 2, ["data_dp0.jsonl:3", "not an object"]),
+    ("lookup-dp0-row-step-not-int", "lookup", with_run(garbage_row("data_dp0.jsonl", 4, b'{"step": "3", "skipped": false, "rows": []}')), L_ + ["--step", "5"], 2, ["data_dp0.jsonl:4", "'step' is '3'"]),
+    ("lookup-dp0-row-without-rows-mid-file", "lookup", with_run(garbage_row("data_dp0.jsonl", 8, b'{"step": 7, "skipped": false}')), L_ + ["--step", "5"], 2, ["data_dp0.jsonl:8", "'rows'"]),
+    ("lookup-dp0-torn-last-line", "lookup", with_run(torn("data_dp0.jsonl")), L_ + ["--step", "30"], 0, ["DP rank 0", "DP rank 1", "warning:data_dp0.jsonl:32: torn last line skipped (a kill -9 mid-write)"]),
+    ("lookup-dp0-torn-then-resumed", "lookup", with_run(torn_then_resumed_data), L_ + ["--step", "25"], 0, ["DP rank 0", "DP rank 1", "warning:data_dp0.jsonl: torn line 32 skipped"]),
+    ("lookup-dp1-other-run", "lookup", with_run(from_other_run("data_dp1.jsonl")), L_ + ["--step", "5"], 2, ["data_dp1.jsonl", "holds run 'run-b'", "segments.jsonl", "another run"]),
+    ("lookup-dp1-other-run-rank0", "lookup", with_run(from_other_run("data_dp1.jsonl")), L_ + ["--step", "5", "--rank", "0"], 2, ["data_dp1.jsonl", "holds run 'run-b'"]),
+    ("lookup-sample-far-past-run", "lookup", indexed_run, L_ + ["--sample", "1000000000000"], 2, ["sample 1000000000000", "samples 0-119"]),
+    ("lookup-sample-just-past-run", "lookup", indexed_run, L_ + ["--sample", "120", "--text"], 2, ["sample 120", "samples 0-119"]),
+    ("lookup-sample-in-run", "lookup", indexed_run, L_ + ["--sample", "119"], 0, ['"sample_id": 119']),
+    ("lookup-indexed-rank-past-dp-size", "lookup", indexed_run, L_ + ["--step", "5", "--rank", "2", "--text"], 2, ["DP rank 2", "[0, 1]"]),
+    ("lookup-indexed-step-past-end", "lookup", indexed_run, L_ + ["--step", "31", "--text"], 2, ["step 31", "1-30"]),
     # ---------------------------------------------------------------- diagnose
     ("diagnose-missing-dump", "diagnose", None, ["{t}/nope"], 2, ["nope", "no such dump folder"]),
     ("diagnose-no-signals", "diagnose", with_run(signals=False), ["{t}/run"], 2, ["signals.jsonl", "no signals ledger"]),
     ("diagnose-empty-signals", "diagnose", with_run(empty("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl", "empty"]),
     ("diagnose-header-only", "diagnose", with_run(hdr_only_signals), ["{t}/run"], 2, ["signals.jsonl", "no trained step"]),
-    ("diagnose-garbage", "diagnose", with_run(garbage("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl", "no header"]),
+    ("diagnose-garbage", "diagnose", with_run(garbage("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl:1", "not a ledger row"]),
     ("diagnose-torn-header", "diagnose", with_run(torn_header("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl"]),
     ("diagnose-newer-schema", "diagnose", with_run(newer("signals.jsonl", S)), ["{t}/run"], 2, ["signals.jsonl", "newer"]),
     ("diagnose-foreign-kind", "diagnose", with_run(foreign("signals.jsonl", D)), ["{t}/run"], 2, ["signals.jsonl", "not a signals ledger"]),
@@ -231,8 +292,18 @@ CASES = [
     ("diagnose-ordinary-step-json", "diagnose", run, ["{t}/run", "--step", "15", "--json"], 0, ['"is_spike": false']),
     ("diagnose-spike-step", "diagnose", run, ["{t}/run", "--step", "25"], 0, ["step 25: "]),
     ("diagnose-all-spikes", "diagnose", run, ["{t}/run"], 0, ["step 25: "]),
-    ("diagnose-no-spikes", "diagnose", with_run(spike_at=None), ["{t}/run"], 0, ["no spikes detected"]),
+    ("diagnose-no-spikes", "diagnose", with_run(spike_at=None), ["{t}/run"], 0, ["no spikes detected in 30 trained steps (1-30)", "need 8 steps: judged steps 9-30", "needs 64 (window 128 / 2): judged none of the 30"]),
+    ("diagnose-no-spikes-short-run", "diagnose", with_run(spike_at=None, steps=6), ["{t}/run"], 0, ["no spikes detected in 6 trained steps (1-6)", "need 8 steps: judged none of the 6"]),
     ("diagnose-nan-loss", "diagnose", with_run(nan_loss), ["{t}/run", "--step", "25"], 0, ["divergence"]),
+    ("diagnose-garbage-mid-file", "diagnose", with_run(garbage_row("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl:12", "not a ledger row", "not JSON"]),
+    ("diagnose-step-on-corrupt-row", "diagnose", with_run(garbage_row("signals.jsonl", 5)), ["{t}/run", "--step", "4"], 2, ["signals.jsonl:5", "not a ledger row"]),
+    ("diagnose-row-without-step", "diagnose", with_run(garbage_row("signals.jsonl", 9, b'{"loss": 2.9, "grad_norm": 1.0}')), ["{t}/run"], 2, ["signals.jsonl:9", "no integer 'step'"]),
+    ("diagnose-row-lacks-keys-mid-file", "diagnose", with_run(garbage_row("signals.jsonl", 9, b'{"step": 8, "loss": 2.9}')), ["{t}/run"], 2, ["signals.jsonl:9", "step 8 has no grad_norm"]),
+    ("diagnose-spikes-garbage-last-row", "diagnose", with_run(garbage_row("spikes.jsonl", 2, b'{"step": 25, "rul')), ["{t}/run"], 2, ["spikes.jsonl:2", "not a ledger row"]),
+    ("diagnose-torn-last-line", "diagnose", with_run(torn("signals.jsonl")), ["{t}/run"], 0, ["step 25: ", "warning:signals.jsonl:32: torn last line skipped"]),
+    ("diagnose-torn-then-resumed", "diagnose", with_run(torn_then_resumed_signals), ["{t}/run", "--step", "25"], 0, ["step 25: ", "warning:signals.jsonl: torn line 32 skipped"]),
+    ("diagnose-signals-other-run", "diagnose", with_run(from_other_run("signals.jsonl")), ["{t}/run"], 2, ["signals.jsonl", "holds run 'run-b'"]),
+    ("diagnose-spikes-other-run", "diagnose", with_run(from_other_run("spikes.jsonl")), ["{t}/run"], 2, ["spikes.jsonl", "holds run 'run-b'"]),
     # ---------------------------------------------------------------- plot
     ("plot-missing-dump", "plot", None, ["{t}/nope", "-o", "{t}/p.png"], 2, ["nope", "no such dump folder"]),
     ("plot-no-signals", "plot", with_run(signals=False), ["{t}/run", "-o", "{t}/p.png"], 2, ["signals.jsonl"]),
@@ -249,6 +320,18 @@ CASES = [
     ("plot-out-bad-type", "plot", run, ["{t}/run", "-o", "{t}/p.xyz"], 2, ["-o", "'.xyz'", ".png"]),
     ("plot-from-not-int", "plot", run, ["{t}/run", "--from-step", "x"], 2, ["--from-step"]),
     ("plot-ok", "plot", run, ["{t}/run", "-o", "{t}/p.png"], 0, ["wrote", "30 steps", "1 spikes"]),
+    ("plot-garbage-mid-file", "plot", with_run(garbage_row("signals.jsonl")), ["{t}/run", "-o", "{t}/p.png"], 2, ["signals.jsonl:12", "not a ledger row"]),
+    ("plot-row-without-step", "plot", with_run(garbage_row("signals.jsonl", 9, b'{"loss": 2.9}')), ["{t}/run", "-o", "{t}/p.png"], 2, ["signals.jsonl:9", "no integer 'step'"]),
+    ("plot-row-before-header", "plot", with_run(lambda L, t: replace_line(L / "signals.jsonl", 1, b'{"step": 0, "loss": 1.0}')), ["{t}/run", "-o", "{t}/p.png"], 2, ["signals.jsonl:1", "before the file's first header"]),
+    ("plot-torn-last-line", "plot", with_run(torn("signals.jsonl")), ["{t}/run", "-o", "{t}/p.png"], 0, ["wrote", "30 steps", "warning:signals.jsonl:32: torn last line skipped"]),
+    ("plot-signals-other-run", "plot", with_run(from_other_run("signals.jsonl")), ["{t}/run", "-o", "{t}/p.png"], 2, ["signals.jsonl", "holds run 'run-b'"]),
+    # ---------------------------------------------------------------- report
+    ("report-ok", "report", run, ["{t}/run", "--step", "25", "-o", "{t}/r.html"], 0, ["wrote", "step 25"]),
+    ("report-step-past-end", "report", run, ["{t}/run", "--step", "999", "-o", "{t}/r.html"], 2, ["step 999"]),
+    ("report-garbage-mid-file", "report", with_run(garbage_row("signals.jsonl")), ["{t}/run", "-o", "{t}/r.html"], 2, ["signals.jsonl:12", "not a ledger row"]),
+    ("report-data-garbage-mid-file", "report", with_run(garbage_row("data_dp1.jsonl")), ["{t}/run", "--step", "25", "-o", "{t}/r.html"], 2, ["data_dp1.jsonl:12", "not a ledger row"]),
+    ("report-data-other-run", "report", with_run(from_other_run("data_dp1.jsonl")), ["{t}/run", "--step", "25", "-o", "{t}/r.html"], 2, ["data_dp1.jsonl", "holds run 'run-b'"]),
+    ("report-torn-last-line", "report", with_run(torn("data_dp1.jsonl")), ["{t}/run", "--step", "25", "-o", "{t}/r.html"], 0, ["wrote", "warning:data_dp1.jsonl:32: torn last line skipped"]),
     # ---------------------------------------------------------------- rollback
     ("rollback-missing-dump", "rollback", None, ["{t}/nope", "--spike-step", "25"], 2, ["nope", "no such dump folder"]),
     ("rollback-no-checkpoints", "rollback", with_run(checkpoints=()), ["{t}/run", "--spike-step", "25"], 2, ["checkpoint", "--checkpoint.enable"]),
@@ -266,6 +349,10 @@ CASES = [
     ("rollback-spike-step-not-int", "rollback", run, ["{t}/run", "--spike-step", "x"], 2, ["--spike-step", "invalid int"]),
     ("rollback-checkpoint-folder-wrong", "rollback", run, ["{t}/run", "--spike-step", "25", "--checkpoint-folder", "ckpt"], 2, ["ckpt", "no complete checkpoint"]),
     ("rollback-ok", "rollback", run, ["{t}/run", "--spike-step", "25", "--back", "5"], 0, ["checkpoint step-20"]),
+    ("rollback-signals-garbage-mid-file", "rollback", with_run(garbage_row("signals.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 2, ["signals.jsonl:12", "not a ledger row"]),
+    ("rollback-data-garbage-mid-file", "rollback", with_run(garbage_row("data_dp0.jsonl", 7)), ["{t}/run", "--spike-step", "25", "--back", "5", "--write", "{t}/o.toml"], 2, ["data_dp0.jsonl:7", "not a ledger row"]),
+    ("rollback-data-other-run", "rollback", with_run(from_other_run("data_dp1.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 2, ["data_dp1.jsonl", "holds run 'run-b'"]),
+    ("rollback-torn-last-line", "rollback", with_run(torn("signals.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 0, ["checkpoint step-20", "warning:signals.jsonl:32: torn last line skipped"]),
     # ---------------------------------------------------------------- replay check
     ("check-a-missing", "replay", two_runs(), ["check", "{t}/nope", "{t}/b"], 2, ["nope", "no such dump folder"]),
     ("check-b-no-data-ledger", "replay", two_runs(data=False), ["check", "{t}/a", "{t}/b"], 2, ["no data ledger"]),
@@ -283,6 +370,9 @@ CASES = [
     ("check-equal", "replay", two_runs(), ["check", "{t}/a", "{t}/b"], 0, ["EQUAL"]),
     ("check-different-sample", "replay", two_runs(changed_id), ["check", "{t}/a", "{t}/b"], 1, ["DIFFERENT", "step 7"]),
     ("check-b-killed-early", "replay", two_runs(steps=20), ["check", "{t}/a", "{t}/b"], 1, ["DIFFERENT", "step 21 is missing from B"]),
+    ("check-b-garbage-mid-file", "replay", two_runs(garbage_row("data_dp1.jsonl")), ["check", "{t}/a", "{t}/b"], 2, ["b/ledger/data_dp1.jsonl:12", "not a ledger row"]),
+    ("check-b-torn-last-line", "replay", two_runs(torn("data_dp0.jsonl")), ["check", "{t}/a", "{t}/b"], 0, ["EQUAL", "warning:b/ledger/data_dp0.jsonl:32: torn last line skipped"]),
+    ("check-b-other-run", "replay", two_runs(from_other_run("data_dp1.jsonl")), ["check", "{t}/a", "{t}/b"], 2, ["b/ledger/data_dp1.jsonl", "holds run 'run-b'"]),
     # ---------------------------------------------------------------- replay resume/inject/drill: refused before training
     ("resume-no-train-flags", "replay", None, ["resume", "--kill-at", "3", "--dump-folder", "{t}/r"], 2, ["--job.config_file"]),
     ("resume-nproc-0", "replay", None, ["resume", "--nproc", "0", "--kill-at", "3", "--dump-folder", "{t}/r", "--", "--job.config_file", DEBUG], 2, ["--nproc 0"]),
@@ -409,6 +499,7 @@ def test_bad_input(cid, tool, setup, argv, code, must, tmp_path, capsys, no_trai
     if setup is not None:
         setup(tmp_path)
     argv = [a.replace("{t}", str(tmp_path)) for a in argv]
+    before = _files(tmp_path)
     got = call(tool, argv)
     out, err = capsys.readouterr()
     err_lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -421,17 +512,30 @@ def test_bad_input(cid, tool, setup, argv, code, must, tmp_path, capsys, no_trai
         for m in must:
             assert m.replace("{t}", str(tmp_path)) in line, f"{m!r} not in: {line}"
         assert out == "", f"partial output on stdout with an error:\n{out[:2000]}"
+        if tool not in ("prepare", "train", "launch"):  # their own checks below / no outputs
+            after = _files(tmp_path)
+            assert after == before, f"written with an error: {sorted(set(after.items()) ^ set(before.items()))}"
     else:
         assert len(err_lines) <= 1 and all("warning" in ln for ln in err_lines), err
         for m in must:
-            assert m in out, f"{m!r} not in stdout:\n{out[:3000]}"
+            if m.startswith("warning:"):
+                assert len(err_lines) == 1 and err_lines[0].startswith(f"titan_ledger.{tool}: warning: "), err
+                assert m.removeprefix("warning:") in err_lines[0], f"{m!r} not in: {err_lines[0]}"
+            else:
+                assert m in out, f"{m!r} not in stdout:\n{out[:3000]}"
     if tool == "prepare":  # a failed or finished prepare leaves no .tmp behind
         assert not list(tmp_path.rglob("*.tmp")), list(tmp_path.rglob("*.tmp"))
 
 
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder``: (size, mtime in ns)."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
 def test_the_table_is_big_and_covers_every_tool():
     tools = {c[1] for c in CASES}
-    assert tools == {"lookup", "diagnose", "plot", "rollback", "replay", "prepare", "train", "launch"}
+    assert tools == {"lookup", "diagnose", "plot", "report", "rollback", "replay", "prepare", "train", "launch"}
     assert len(CASES) >= 100
     assert len({c[0] for c in CASES}) == len(CASES)
 
@@ -449,6 +553,45 @@ def test_lookup_into_a_pipe_closed_early_ends_quietly(tmp_path):
     rc = p.wait(timeout=120)
     assert first.startswith(b"step 1: trained")
     assert rc == 0 and err == "", (rc, err)
+
+
+# --------------------------------------------------------------------------- issue 26 in real processes
+def _lookup(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "titan_ledger.lookup", *argv], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_a_process_warns_once_for_a_torn_last_line_and_refuses_a_corrupt_row(tmp_path):
+    """``python -m titan_ledger.lookup``: a torn last line answers with ONE warning line on
+    stderr; a garbage row mid-file is exit 2, ONE error line naming FILE:LINE."""
+    dump = make_run(tmp_path / "run", spike_at=None, checkpoints=())
+    tear(dump / "ledger" / "data_dp1.jsonl")
+    p = _lookup("--dump-folder", str(dump), "--step", "7")
+    assert p.returncode == 0 and p.stdout.startswith("step 7: trained"), (p.returncode, p.stderr)
+    assert p.stderr.splitlines() == [f"titan_ledger.lookup: warning: {dump}/ledger/data_dp1.jsonl:32: torn "
+                                     f"last line skipped (a kill -9 mid-write)"], p.stderr
+    replace_line(dump / "ledger" / "data_dp0.jsonl", 9, b"\x00garbage")
+    p = _lookup("--dump-folder", str(dump), "--step", "7")
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"titan_ledger.lookup: error: {dump}/ledger/data_dp0.jsonl:9: not a ledger row (not JSON)"), p.stderr
+
+
+def test_a_process_refuses_a_sample_outside_the_run_and_writes_no_cache(tmp_path):
+    """``lookup --sample N`` past the run's last sample: exit 2 naming the range, and no epoch
+    cache for N's epoch in the corpus folder (a sample inside the run answers)."""
+    dump = make_indexed_run(tmp_path / "run", tmp_path / "corpus")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*"))
+    p = _lookup("--dump-folder", str(dump), "--sample", "1000000000000")
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.splitlines() == [
+        f"titan_ledger.lookup: error: sample 1000000000000: outside the run: it consumed samples 0-119 "
+        f"(steps 1-30, {dump}/ledger); give a sample id in that range"], p.stderr
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*")) == before
+    p = _lookup("--dump-folder", str(dump), "--sample", "7", "--json")
+    assert p.returncode == 0 and '"sample_id": 7' in p.stdout and p.stderr == "", p.stderr
 
 
 # --------------------------------------------------------------------------- a dump folder belongs to one run

@@ -35,3 +35,30 @@ def test_errors_are_one_line_and_their_exit_code(capsys):
 
     assert run_tool("titan_ledger.t", body) == 2
     assert capsys.readouterr().err == "titan_ledger.t: error: x.jsonl: torn; do y\n"
+
+
+def test_ledger_warnings_are_one_line_after_an_answer_and_none_with_an_error(capsys):
+    """Issue 26: library code warns (LedgerWarning); run_tool prints them as ONE line."""
+    import warnings
+
+    from titan_ledger.errors import LedgerWarning
+
+    def answer():
+        for msg in ("a.jsonl:9: torn last line skipped", "b.jsonl:3: torn last line skipped",
+                    "a.jsonl:9: torn last line skipped"):  # a file read twice: one note
+            warnings.warn(LedgerWarning(msg), stacklevel=1)
+        print("the answer")
+        return 0
+
+    assert run_tool("titan_ledger.t", answer) == 0
+    out, err = capsys.readouterr()
+    assert out == "the answer\n"
+    assert err == ("titan_ledger.t: warning: a.jsonl:9: torn last line skipped; "
+                   "b.jsonl:3: torn last line skipped\n")
+
+    def fails():
+        warnings.warn(LedgerWarning("a.jsonl:9: torn last line skipped"), stacklevel=1)
+        raise LedgerError("c.jsonl:4: not a ledger row (not JSON)")
+
+    assert run_tool("titan_ledger.t", fails) == 2
+    assert capsys.readouterr().err == "titan_ledger.t: error: c.jsonl:4: not a ledger row (not JSON)\n"

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from titan_ledger.format import records
-from titan_ledger.tools.diagnose import classify, main
+from titan_ledger.tools.decision import classify
+from titan_ledger.tools.diagnose import main
 
 T = 80  # the spike step of every synthetic ledger
 
@@ -84,7 +85,7 @@ def test_a_linear_warmup_is_not_an_lr_jump():
     rows = ledger()
     for r in rows:
         r["lr"] = 3e-4 * min(r["step"], 200) / 200  # torchtitan's default 200 warmup steps
-    from titan_ledger.tools.diagnose import Thresholds
+    from titan_ledger.tools.decision import Thresholds
 
     got = classify(spike(rows), T, th=Thresholds(pre=100))  # the window reaches step 1
     assert got["checks"][2]["lr_ratio"] == pytest.approx(2.0, rel=0.03)  # 2x its median ...
@@ -146,7 +147,8 @@ def test_documents_are_ranked_against_the_median_document_not_the_median_segment
     the median over distinct documents it is the outlier (0.69x) and is named first."""
     from types import SimpleNamespace
 
-    from titan_ledger.tools.diagnose import document_scores, extreme_document_rank, offending_documents
+    from titan_ledger.tools.decision import document_scores, extreme_document_rank
+    from titan_ledger.tools.diagnose import offending_documents
 
     def seg(rank, doc, loss, tokens=256):
         return {"dp_rank": rank, "row": 0, "segment": 0, "sample_id": 0, "source": "zoo", "doc": doc,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_ledger.errors import LedgerError
+from titan_ledger.errors import LedgerError, LedgerWarning
 from titan_ledger.format import records
 from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
 
@@ -46,7 +46,7 @@ def test_an_empty_rank_file_is_an_error_not_a_missing_rank(tmp_path):
     w.write({"step": 1, "skipped": False, "rows": [[2, "c4", [[0, 0, 8]]]]})
     w.close()
     (tmp_path / "data_dp0.jsonl").write_bytes(b'{"schema": "titan_le')  # torn before its header
-    with pytest.raises(LedgerError, match="data_dp0.jsonl"):
+    with pytest.raises(LedgerError, match="data_dp0.jsonl"), pytest.warns(LedgerWarning, match="torn"):
         DataLedger(tmp_path)
 
 
@@ -89,3 +89,49 @@ def test_run_ledger_errors_name_the_folder(tmp_path):
     (tmp_path / "ledger" / records.SIGNALS_FILE).write_bytes(b"")
     with pytest.raises(LedgerError, match="died before its first step"):
         RunLedger(tmp_path).signal_rows()
+
+
+def test_a_file_of_another_run_is_named_and_a_launch_opening_now_is_not(tmp_path):
+    """Issue 26: every file of a run is checked against its launch log (run id, seq) on read."""
+    from titan_ledger.errors import LedgerCorrupt
+
+    def data_file(r, run, seq, resumed=0, steps=(1, 2)):
+        w = records.RecordWriter(tmp_path / f"data_dp{r}.jsonl",
+                                 {**_hdr(run, resumed, 2, float(seq)), "dp_rank": r, "seq": seq})
+        for s in steps:
+            w.write({"step": s, "skipped": False, "rows": [[(s - 1) * 4 + r * 2 + j, "c4", [[0, 0, 8]]]
+                                                           for j in range(2)]})
+        w.close()
+
+    data_file(0, "A", 1)
+    data_file(1, "Z", 1)  # copied in from another run
+    assert DataLedger(tmp_path).ranks() == [0, 1]  # no launch log (an older ledger): not checked
+    records.append_segment(tmp_path, records.Header(schema="", run_id="A", seq=1, resumed_from=0))
+    with pytest.raises(LedgerCorrupt, match=r"data_dp1.jsonl: holds run 'Z' \(segment 1\), but this run's "
+                                            r"launch log .*segments.jsonl records run 'A' at segment 1"):
+        DataLedger(tmp_path)
+    (tmp_path / "data_dp1.jsonl").unlink()
+    data_file(1, "A", 1)
+    data_file(1, "B", 2, resumed=1, steps=(2,))  # the next launch: rank 1 wrote its header first
+    assert DataLedger(tmp_path).ranks_at(2) == [1]  # a launch opening right now is not foreign
+    data_file(2, "B", 2, resumed=1, steps=(2,))
+    assert 2 in DataLedger(tmp_path).ranks()
+    records.append_segment(tmp_path, records.Header(schema="", run_id="B", seq=2, resumed_from=1))
+    data_file(3, "Y", 1)  # another run's rank 3, seq 1 of ITS run
+    with pytest.raises(LedgerCorrupt, match="data_dp3.jsonl: holds run 'Y'"):
+        DataLedger(tmp_path)
+
+
+def test_a_sample_is_checked_against_the_run_before_any_corpus_access(tmp_path):
+    w = records.RecordWriter(tmp_path / "data_dp0.jsonl", _hdr("A", 0, 1, 1.0))
+    w.write({"step": 1, "skipped": False, "rows": [[0, "c4", [[0, 0, 8]]], [1, "c4", [[0, 8, 16]]]]})
+    w.write({"step": 2, "last_step": 3, "skipped": True, "samples": [2, 6]})
+    w.close()
+    led = DataLedger(tmp_path)
+    assert led.sample_range == (0, 5)
+    for bad in (-1, 6, 10**12):
+        with pytest.raises(LedgerError, match=rf"sample {bad}: outside the run: it consumed samples 0-5 "
+                                              rf"\(steps 1-3, "):
+            led.sample(bad)
+    with pytest.raises(LedgerError, match="text stream"):  # in range: on to the corpus
+        led.sample(5)

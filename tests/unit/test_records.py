@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from titan_ledger.errors import LedgerError
+from titan_ledger.errors import LedgerCorrupt, LedgerError, LedgerWarning
 from titan_ledger.format import records
 from titan_ledger.format.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
 
@@ -35,13 +35,15 @@ def test_torn_last_line_is_skipped_and_repaired(tmp_path):
     w.close()
     with open(p, "ab") as f:  # kill -9 in the middle of a write
         f.write(b'{"step": 4, "lo')
-    led = read_ledger(p)
+    with pytest.warns(LedgerWarning, match=r"signals.jsonl:5: torn last line skipped \(a kill -9"):
+        led = read_ledger(p)
     assert [r["step"] for r in led.history] == [1, 2, 3] and led.torn_lines == 1
     # the next run resumes from a checkpoint at step 2; its header starts a new line
     w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "b", "resumed_from": 2})
     _rows(w, [3, 4])
     w.close()
-    led = read_ledger(p)
+    with pytest.warns(LedgerWarning, match="signals.jsonl: torn line 5 skipped"):  # its segment's last
+        led = read_ledger(p)
     assert [r["step"] for r in led.history] == [1, 2, 3, 4]
     assert [r["loss"] for r in led.history] == [1.0, 2.0, 3.0, 4.0]
     assert [(r["step"], r["superseded_by"]) for r in led.superseded] == [(3, "b")]
@@ -166,8 +168,57 @@ def test_launch_log_numbers_segments(tmp_path):
     with open(tmp_path / records.SEGMENTS_FILE, "ab") as f:
         f.write(b'{"seq": 3, "ru')  # killed mid-write: not a segment
     assert records.next_seq(tmp_path) == 3
-    rows = read_ledger(tmp_path / records.SEGMENTS_FILE, records.SEGMENTS).history
+    with pytest.warns(LedgerWarning, match="segments.jsonl:4: torn last line"):
+        rows = read_ledger(tmp_path / records.SEGMENTS_FILE, records.SEGMENTS).history
     assert [(r["run_id"], r["step"]) for r in rows] == [("A", 0), ("B", 4)]
+    # the next launch appends its row after the torn one: each launch log row is a launch,
+    # so the torn row was the last line of its launch
+    records.append_segment(tmp_path, records.Header(schema="x", run_id="C", seq=3, resumed_from=4))
+    with pytest.warns(LedgerWarning, match="torn line 4 skipped"):
+        rows = read_ledger(tmp_path / records.SEGMENTS_FILE, records.SEGMENTS).history
+    assert [r["run_id"] for r in rows] == ["A", "B", "C"]
+
+
+# --------------------------------------------------------------------------- issue 26: strict reading
+def _three_rows(p):
+    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    _rows(w, [1, 2, 3])
+    w.close()
+
+
+def _set_line(p, n, raw):
+    lines = p.read_bytes().splitlines(keepends=True)
+    lines[n - 1] = raw
+    p.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("line,raw,why", [
+    (3, b"garbage\n", "not JSON"),
+    (3, b'{"step": 2, "lo\n', "not JSON"),  # a cut row with a row after it: not a kill -9
+    (4, b"\x00\xff\n", "not JSON"),  # the last line, but with its newline
+    (3, b"[2, 3]\n", "a JSON list, not an object"),
+    (3, b'{"loss": 2.0}\n', "no integer 'step'"),
+    (3, b'{"step": "2"}\n', "'step' is '2', not an integer"),
+    (3, b'{"step": true}\n', "'step' is True"),
+    (3, b'{"step": 2, "last_step": 4.5}\n', "'last_step' is 4.5"),
+    (1, b'{"step": 0, "loss": 0.0}\n', "a row before the file's first header"),
+])
+def test_a_corrupt_line_is_an_error_naming_file_and_line(tmp_path, line, raw, why):
+    p = tmp_path / "signals.jsonl"
+    _three_rows(p)
+    _set_line(p, line, raw)
+    with pytest.raises(LedgerCorrupt) as e:
+        read_ledger(p, records.SIGNALS)
+    assert str(e.value).startswith(f"{p}:{line}: not a ledger row ({why}") and "\n" not in str(e.value)
+    assert isinstance(e.value, LedgerError)
+
+
+def test_only_torn_lines_are_skipped_and_the_rest_reads_silently(tmp_path, recwarn):
+    p = tmp_path / "signals.jsonl"
+    _three_rows(p)
+    assert [r["step"] for r in read_ledger(p).history] == [1, 2, 3] and not recwarn.list
+    p.write_bytes(p.read_bytes().rstrip(b"\n"))  # a complete last row without its newline
+    assert [r["step"] for r in read_ledger(p).history] == [1, 2, 3] and not recwarn.list
 
 
 def test_rows_after_an_offset(tmp_path):

@@ -25,11 +25,42 @@ from pathlib import Path
 from typing import Any
 
 from titan_ledger.data.layout import RowTag, round_size, sample_id
-from titan_ledger.errors import LedgerError
+from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format import records
 
 DATA_FILE_RE = re.compile(r"data_dp(\d+)\.jsonl$")
 RANK_FILE_RE = re.compile(r"rank(\d+)\.jsonl$")
+SIGNAL_ROW_KEYS = ("loss", "grad_norm", "lr", "skipped")  # what every reader of a signals row uses
+
+
+def launch_ids(folder: str | Path) -> dict[int, str]:
+    """``seq -> run id`` of every segment (launch or rewind) the run's launch log
+    (``segments.jsonl``) recorded; empty for ledgers written before it existed."""
+    path = Path(folder) / records.SEGMENTS_FILE
+    if not path.is_file():
+        return {}
+    rows = records.read_ledger(path, records.SEGMENTS).history
+    return {r["seq"]: str(r.get("run_id", "")) for r in rows if isinstance(r.get("seq"), int)}
+
+
+def same_run(path: Path, segments: list[records.FileSegment], launches: dict[int, str]) -> None:
+    """LedgerError naming ``path`` if its segments are of another run: none of its
+    ``(run id, seq)`` is a segment of this run's launch log (a file copied in from
+    another dump folder). Every file of a run is checked here once, on read. A file
+    whose only segment is one past the log is a launch opening right now; files
+    without ``seq`` (older writers) or runs without a launch log are not checked."""
+    numbered = [s.header for s in segments if s.header.seq is not None]
+    if not launches or not numbered or any(launches.get(h.seq) == h.run_id for h in numbered):
+        return
+    if len(segments) == 1 and numbered[0].seq > max(launches):
+        return
+    h = numbered[0]
+    ours = launches.get(h.seq)
+    theirs = f"run {ours!r} at segment {h.seq}" if ours is not None else f"no segment {h.seq}"
+    runs = ", ".join(repr(r) for r in dict.fromkeys(launches.values()))
+    raise LedgerCorrupt(f"{path}: holds run {h.run_id!r} (segment {h.seq}), but this run's launch log "
+                        f"{path.parent / records.SEGMENTS_FILE} records {theirs} (runs {runs}): a "
+                        f"file copied in from another run? Restore this run's own {path.name}")
 
 
 def checkpoints(dump_folder: str | Path, folder: str = "checkpoint") -> list[int]:
@@ -81,13 +112,20 @@ class RunLedger:
         led = records.read_ledger(path, records.SIGNALS)
         if not led.segments:
             raise LedgerError(f"{path}: empty (no header): the run died before its first step")
-        for row in led.history[:1] + led.history[-1:]:
-            lacking = [k for k in ("loss", "grad_norm", "lr", "skipped") if k not in row]
-            if lacking:
-                raise LedgerError(f"{path}: step {row['step']} has no {', '.join(lacking)}: not a "
-                                  f"signals row of this titan_ledger (was the file edited or "
-                                  f"written by another tool?)")
+        same_run(path, led.segments, self.launch_ids)
+        for seg in led.segments:  # every row, each named by its line
+            for row, n in zip(seg.rows, seg.lines):
+                if not all(k in row for k in SIGNAL_ROW_KEYS):
+                    lacking = [k for k in SIGNAL_ROW_KEYS if k not in row]
+                    raise LedgerCorrupt(f"{path}:{n}: step {row['step']} has no {', '.join(lacking)}: "
+                                        f"not a signals row of this titan_ledger (was the file edited "
+                                        f"or written by another tool?)")
         return led
+
+    @cached_property
+    def launch_ids(self) -> dict[int, str]:
+        """``seq -> run id`` of every segment in the run's launch log (:func:`launch_ids`)."""
+        return launch_ids(self.folder)
 
     def signal_rows(self) -> list[dict[str, Any]]:
         """Current history of ``signals.jsonl`` (superseded rows left out)."""
@@ -113,14 +151,21 @@ class RunLedger:
         supersession rule."""
         from titan_ledger.format.columns import read_columns
 
-        return read_columns(self.folder / records.SIGNALS_FILE, keys)
+        path = self.folder / records.SIGNALS_FILE
+        headers: list[records.Header] = []
+        out = read_columns(path, keys, headers)
+        same_run(path, [records.FileSegment(h) for h in headers], self.launch_ids)
+        return out
 
     # ------------------------------------------------------------------ events
     def _events(self, name: str, schema: records.Schema) -> list[dict[str, Any]]:
         path = self.folder / name
         if not path.exists():
             return []
-        return records.read_ledger(path, schema).history
+        led = records.read_ledger(path, schema)
+        if schema is not records.SEGMENTS:
+            same_run(path, led.segments, self.launch_ids)
+        return led.history
 
     def spike_events(self) -> list[dict[str, Any]]:
         """Every flagged step of every launch (rows with ``rules``), in order."""
@@ -148,6 +193,8 @@ class RunLedger:
         files = {int(RANK_FILE_RE.search(p.name).group(1)): p
                  for p in self.folder.glob("rank*.jsonl") if RANK_FILE_RE.search(p.name)}
         segs, _ = records.read_many(files, records.RANK)
+        for r, ss in segs.items():
+            same_run(files[r], ss, self.launch_ids)
         current, _ = records.resolve(segs)
         return current
 
@@ -157,7 +204,7 @@ class RunLedger:
     # ------------------------------------------------------------------ data
     @cached_property
     def data(self) -> DataLedger:
-        return DataLedger(self.folder)
+        return DataLedger(self.folder, self.launch_ids)
 
 
 @dataclass
@@ -179,7 +226,7 @@ class DataLedger:
     rows written out (``rows``) are read as they are.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, launches: dict[int, str] | None = None):
         self.folder = Path(folder)
         files = {int(DATA_FILE_RE.search(p.name).group(1)): p
                  for p in self.folder.glob("data_dp*.jsonl") if DATA_FILE_RE.search(p.name)}
@@ -194,16 +241,19 @@ class DataLedger:
                               f"first header; that rank's record is lost (was the folder copied "
                               f"while a run wrote it?)")
         self.torn = {r: n for r, n in torn.items() if n}
+        launches = launch_ids(self.folder) if launches is None else launches
+        for r, ss in segs.items():  # a file of another run is named, not blamed on its siblings
+            same_run(self.files[r], ss, launches)
         self._row_dp: dict[int, int] = {}  # id(row) -> the DP size of the segment that wrote it
         self._row_hdr: dict[int, Any] = {}  # id(row) -> the header of the segment that wrote it
         for r, ss in segs.items():
             for seg in ss:
                 dp = int(seg.header.get("dp_size") or 0)
-                for row in seg.rows:
+                for row, n in zip(seg.rows, seg.lines):
                     if not isinstance(row.get("rows", row.get("samples")), list):
-                        raise LedgerError(f"{self.files[r]}: step {row['step']} has neither 'rows' "
-                                          f"nor 'samples': not a data-ledger row of this titan_ledger "
-                                          f"(was the file edited?)")
+                        raise LedgerCorrupt(f"{self.files[r]}:{n}: step {row['step']} has neither "
+                                            f"'rows' nor 'samples': not a data-ledger row of this "
+                                            f"titan_ledger (was the file edited?)")
                     self._row_dp[id(row)] = dp
                     self._row_hdr[id(row)] = seg.header
         self.history, self.superseded = records.resolve(segs)
@@ -216,6 +266,35 @@ class DataLedger:
     def last_step(self) -> int:
         return max((row.get("last_step", row["step"]) for h in self.history.values() for row in h),
                    default=0)
+
+    @cached_property
+    def sample_range(self) -> tuple[int, int] | None:
+        """``(first, last)`` sample id the data ledger records as consumed (trained or
+        skipped, by any DP rank, rows of rolled-back launches included); None if none."""
+        lo = hi = None
+        for row in [*(x for h in self.history.values() for x in h), *self.superseded]:
+            got = row.get("samples")
+            if isinstance(got, list) and len(got) == 2 and all(isinstance(i, int) for i in got):
+                ids = (got[0], got[1] - 1)
+            else:
+                ids = [t[0] for t in row.get("rows") or () if isinstance(t, list) and t
+                       and isinstance(t[0], int)]
+            if ids:
+                lo = min(ids) if lo is None else min(lo, *ids)
+                hi = max(ids) if hi is None else max(hi, *ids)
+        return None if lo is None else (lo, hi)
+
+    def sample(self, sample_id: int) -> RowTag:
+        """What global sample ``sample_id`` holds, from the corpus the run read (indexed
+        corpora): the one way a sample id given by a user resolves to documents. The id
+        is checked against :attr:`sample_range` first, so a sample outside the run gets
+        no answer -- and no corpus epoch cache is written for it."""
+        rng = self.sample_range
+        if rng is None or not rng[0] <= sample_id <= rng[1]:
+            held = f"samples {rng[0]}-{rng[1]}" if rng else "no sample ids"
+            raise LedgerError(f"sample {sample_id}: outside the run: it consumed {held} (steps "
+                              f"1-{self.last_step}, {self.folder}); give a sample id in that range")
+        return self.blend().tag(sample_id)
 
     def header(self) -> records.Header:
         """The most recent segment header (any rank)."""
@@ -392,3 +471,24 @@ class DataLedger:
             # a ledger recorded before the Megatron-exact blend names rule 1 (or none)
             self._blend = Blend(corpora, spec["weights"], rule=spec.get("blend_rule") or 1)
         return self._blend
+
+
+EXPAND_LIMIT = 100_000  # steps of a skipped window expanded step by step when comparing
+
+
+def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
+    """{step: {dp_rank: sample ids}} of a whole data ledger (what ``replay check`` and the
+    rerun compare; per step, :meth:`DataLedger.ids_at`); a skipped window longer than
+    ``EXPAND_LIMIT`` steps stays one ``("window", last_step, samples)`` key."""
+    out: dict[int, dict[int, tuple]] = {}
+    for r, history in ledger.history.items():
+        for row in history:
+            step, last = row["step"], row.get("last_step", row["step"])
+            if last - step + 1 > EXPAND_LIMIT:
+                out.setdefault(step, {})[r] = ("window", last, tuple(row["samples"]))
+                continue
+            for s in range(step, last + 1):
+                ids = ledger.ids_at(s, r)
+                # a skipped step consumed its samples but trained none: not the same history
+                out.setdefault(s, {})[r] = ("skipped", *ids) if row.get("skipped") else ids
+    return out

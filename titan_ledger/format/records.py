@@ -2,8 +2,14 @@
 
 Design decision: one file per ledger, append-only, one JSON object per line, each
 line written with a single ``write`` (unbuffered). A process killed with -9 can
-tear at most the line it was writing; every reader counts a line that does not
-parse as torn and goes on. Every writer and every reader of ledger files goes
+tear at most the line it was writing: the file's last line, with no newline, or --
+after a resume appended a new segment behind it -- the last line of its segment
+(the writer ends it with a newline before its header). Reading is strict in one
+place (:func:`read_segments`): such a torn line is skipped, counted and reported as a
+:class:`~titan_ledger.errors.LedgerWarning` (each tool prints it as one ``warning:``
+line); any other line that is not a ledger row (not JSON, not an object, no
+integer ``step``, a row before the first header) is a ``LedgerError`` naming
+``FILE:LINE``. Every writer and every reader of ledger files goes
 through this module (writers through :class:`RecordWriter`, readers through
 :func:`read_ledger` or :class:`titan_ledger.format.reader.RunLedger`); no tool parses
 ledger JSON itself.
@@ -43,12 +49,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from titan_ledger.errors import LedgerError
+from titan_ledger.errors import LedgerCorrupt, LedgerError, LedgerWarning
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,6 +70,9 @@ class Schema:
     kind: str
     version: int
     event_log: bool = False  # events are never superseded
+    # every row is appended by another launch (the launch log): a torn row is the last
+    # line of its launch even when the next launch's row follows it
+    row_per_launch: bool = False
 
     @property
     def id(self) -> str:
@@ -74,7 +84,7 @@ RANK = Schema("rank", 1)
 DATA = Schema("data", 2)  # 2: a step row may hold only its sample range + digest (derived rows)
 SPIKES = Schema("spikes", 1, event_log=True)
 REJECTED = Schema("rejected", 1, event_log=True)
-SEGMENTS = Schema("segments", 1, event_log=True)
+SEGMENTS = Schema("segments", 1, event_log=True, row_per_launch=True)
 SCHEMAS = {s.kind: s for s in (SIGNALS, RANK, DATA, SPIKES, REJECTED, SEGMENTS)}
 
 # schema ids as strings (what headers carry)
@@ -300,18 +310,45 @@ class FileSegment:
     header: Header
     rows: list[dict[str, Any]] = field(default_factory=list)
     file_pos: int = 0  # index of this segment in its file
+    lines: list[int] = field(default_factory=list)  # the line number of each row (1-based)
+    line: int = 0  # the header's line number
 
 
-def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """(line number, parsed object or None if torn/corrupt) for each line."""
+def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, bool]]:
+    """``(line number, parsed JSON or _UNPARSED, ends with a newline)`` for each line;
+    blank lines carry nothing and are passed over (as the column reader's pyarrow does)."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                yield n, None
-                continue
-            yield n, obj if isinstance(obj, dict) else None
+                obj = _UNPARSED
+            yield n, obj, raw.endswith(b"\n")
+
+
+_UNPARSED = object()  # a line that is not JSON (torn, or garbage)
+
+
+def row_problem(obj: Any) -> str | None:
+    """Why a parsed line is not a ledger row (None: it is one). Every row of every kind
+    is a JSON object with an integer ``step`` (and an integer ``last_step`` if any)."""
+    if obj is _UNPARSED:
+        return "not JSON"
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    for key in ("step", "last_step"):
+        v = obj.get(key)
+        if (key == "step" or key in obj) and (not isinstance(v, int) or isinstance(v, bool)):
+            return f"no integer {key!r}" if v is None else f"{key!r} is {v!r}, not an integer"
+    return None
+
+
+def _corrupt(path: Path, n: int, why: str) -> LedgerCorrupt:
+    return LedgerCorrupt(f"{path}:{n}: not a ledger row ({why}); the file is corrupt (edited, or "
+                         f"written by another tool?): only a torn last line is skipped; restore the "
+                         f"file from the run's dump folder")
 
 
 def rows_after(path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]:
@@ -327,33 +364,77 @@ def rows_after(path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
+                continue  # live tail: the line being written now
             if isinstance(obj, dict) and "schema" not in obj and isinstance(obj.get("step"), int):
                 yield _from_json(obj)
 
 
 def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
                   ) -> tuple[list[FileSegment], int]:
-    """The segments of one file and its number of torn lines. Raises LedgerError if
-    the file is missing, of another kind, or of a newer schema version."""
+    """The segments of one file and its number of torn lines: THE strict reading.
+
+    A line that is not JSON is torn (a kill -9 mid-write) when it is the last line of
+    the file without its newline, or the last line of its segment: the next line is a
+    header (a resume appended after it; in the launch log, whose every row is one
+    launch, the next row). Torn lines are skipped and reported as ONE
+    :class:`LedgerWarning` for the file. Raises LedgerError for a missing file, one of
+    another kind or of a newer schema version, and -- naming ``FILE:LINE`` -- for any
+    other line that is not a ledger row (:func:`row_problem`, a row before the first
+    header)."""
     path = Path(path)
     if not path.is_file():
         raise LedgerError(f"{path}: no such ledger file")
     expected = _schema_of(schema)
     segments: list[FileSegment] = []
-    torn = 0
-    for _, obj in iter_lines(path):
-        if obj is None:
-            torn += 1
-        elif "schema" in obj:
+    torn: list[int] = []
+    pending: tuple[int, str] | None = None  # a line not JSON, ended by a newline
+    last = 0
+    for n, obj, complete in iter_lines(path):
+        last = n
+        is_header = isinstance(obj, dict) and "schema" in obj
+        if pending is not None:
+            if is_header or (segments and _kind(segments[-1], expected).row_per_launch):
+                torn.append(pending[0])  # the last line of its segment
+                pending = None
+            else:
+                raise _corrupt(path, *pending)
+        if obj is _UNPARSED:
+            if not complete:
+                torn.append(n)  # the file's last line, cut before its newline
+            else:
+                pending = (n, "not JSON")
+            continue
+        if is_header:
             if expected is not None:
                 check_schema(str(obj["schema"]), expected, path)
-            segments.append(FileSegment(Header.from_json(obj), file_pos=len(segments)))
-        elif segments and isinstance(obj.get("step"), int):
-            segments[-1].rows.append(_from_json(obj))
-        else:
-            torn += 1  # rows before any header, or rows without a step: not ours
-    return segments, torn
+            segments.append(FileSegment(Header.from_json(obj), file_pos=len(segments), line=n))
+            continue
+        why = row_problem(obj)
+        if why is None and not segments:
+            why = "a row before the file's first header"
+        if why is not None:
+            raise _corrupt(path, n, why)
+        segments[-1].rows.append(_from_json(obj))
+        segments[-1].lines.append(n)
+    if pending is not None:
+        raise _corrupt(path, *pending)
+    if torn:
+        warnings.warn(LedgerWarning(_torn_note(path, torn, last)), stacklevel=2)
+    return segments, len(torn)
+
+
+def _kind(seg: FileSegment, expected: Schema | None) -> Schema:
+    if expected is not None:
+        return expected
+    return SCHEMAS.get(str(seg.header.schema).split("/")[0].removeprefix("titan_ledger."), SIGNALS)
+
+
+def _torn_note(path: Path, torn: list[int], last: int) -> str:
+    if torn == [last]:
+        return f"{path}:{last}: torn last line skipped (a kill -9 mid-write)"
+    lines = ", ".join(map(str, torn))
+    return (f"{path}: torn line{'s' if len(torn) > 1 else ''} {lines} skipped (a kill -9 mid-write; "
+            f"each the last line of its launch's segment)")
 
 
 def _schema_of(schema: Schema | str | None) -> Schema | None:
@@ -504,8 +585,8 @@ def next_seq(folder: str | os.PathLike) -> int:
     if not path.exists():
         return 1
     best = 0
-    for _, obj in iter_lines(path):
-        if obj is not None and isinstance(obj.get("seq"), int):
+    for _, obj, _ in iter_lines(path):  # lenient: the tools, not the trainer, judge the file
+        if isinstance(obj, dict) and isinstance(obj.get("seq"), int):
             best = max(best, obj["seq"])
     return best + 1
 

@@ -6,7 +6,9 @@ name the run (``DUMP`` positionally, ``--dump-folder`` or the trainer's own
 spelling ``--dump_folder``; ``--ledger-folder`` for a non-default
 ``--ledger.folder``) and one way to fail: a :class:`TitanLedgerError` becomes one
 line on stderr and its exit code (:mod:`titan_ledger.errors`), a closed pipe
-(``| head``) ends quietly. Library code never exits.
+(``| head``) ends quietly. Library code never exits, and never prints a warning:
+it ``warnings.warn``s a :class:`LedgerWarning` (a torn last line), and a tool that
+answers prints them all as one ``warning:`` line (none with an error line).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
-from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line
+from titan_ledger.errors import EXIT_BAD_INPUT, LedgerWarning, TitanLedgerError, fail_line, os_error_line
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -54,9 +57,25 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None):
 
 
 def run_tool(prog: str, body: Callable[[], int]) -> int:
-    """Run a tool's body: errors become one stderr line and an exit code."""
+    """Run a tool's body: errors become one stderr line and an exit code; the
+    :class:`LedgerWarning` s of an answer become one ``warning:`` line after it."""
+    notes: list[str] = []
     try:
-        return body()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", LedgerWarning)
+            show = warnings.showwarning
+
+            def collect(message, category, *args, **kwargs):
+                if issubclass(category, LedgerWarning):
+                    notes.append(str(message))
+                else:
+                    show(message, category, *args, **kwargs)
+
+            warnings.showwarning = collect
+            code = body()
+        if notes:  # a file read twice is one note
+            print(f"{prog}: warning: {'; '.join(dict.fromkeys(notes))}", file=sys.stderr)
+        return code
     except TitanLedgerError as e:
         print(fail_line(prog, e), file=sys.stderr)
         return e.exit_code
@@ -66,6 +85,9 @@ def run_tool(prog: str, body: Callable[[], int]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except FileNotFoundError as e:
-        print(fail_line(prog, f"{e.filename or e}: no such file or folder"), file=sys.stderr)
+    except OSError as e:  # a path that cannot be read or written: one line naming it
+        line = os_error_line(e)
+        if line is None:
+            raise
+        print(fail_line(prog, line), file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -3,9 +3,10 @@
 Design decision: the design article's decision tree (§2.7), walked in its order
 -- the cause whose fingerprint is most distinctive and earliest visible first --
 over the signals ledger alone, printing the numbers that decided each question
-so a human can overrule it. Pure functions over ledger rows (``classify``); the
-CLI only reads files. Thresholds are the article's where it gives one (grad
-norm 3x, logit ~100) and stated constants otherwise (``Thresholds``).
+so a human can overrule it. Pure functions over ledger rows (``classify``, in
+:mod:`titan_ledger.tools.decision`); the CLI only reads files. Thresholds are
+the article's where it gives one (grad norm 3x, logit ~100) and stated constants
+otherwise (``Thresholds``).
 
 The questions, in order:
 
@@ -39,277 +40,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from titan_ledger.errors import LedgerError
 from titan_ledger.format import records
-from titan_ledger.rehearsal import backend
+from titan_ledger.format.reader import RunLedger
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
-# --rerun parses training configs in this process, so the device backend must be chosen
-# before spikes.py imports torchtitan (as trainer.py does)
-backend.ensure_installed()
-
-from titan_ledger.components.spikes import SpikeDetector, detect_offline  # noqa: E402
-from titan_ledger.errors import LedgerError  # noqa: E402
-from titan_ledger.format.reader import RunLedger  # noqa: E402
-from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool  # noqa: E402
-
-CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "transient")
-
-
-@dataclass
-class Thresholds:
-    pre: int = 50  # steps before the spike that describe "normal"
-    post: int = 10  # steps after it that say whether it recovered
-    loss_jump: float = 0.10  # "recovered" = back within 10% of the pre-spike median loss
-    logit_level: float = 100.0  # §2.4: bf16 danger from ~100
-    logit_rising: float = 0.7  # fraction of pre-spike steps where max_logit rose
-    param_accel: float = 1.5  # late/early param-norm growth-rate ratio
-    grad_trend: float = 0.10  # grad norm rose >= 10% across the pre window
-    rank_gap: float = 3.0  # (loss_max - loss) at the spike vs its pre-spike median
-    lr_jump: float = 2.0  # LR at the spike >= 2x its pre-spike median
-    rank_gap_rel: float = 0.05  # ... and at least 5% of the loss
-    plateau: float = 0.7  # last 10 pre steps' grad norm < 0.7 x the earlier median
-    fallback: float = 1.5  # next step's grad norm back under 1.5 x pre median
-    zeros: float = 3.0  # num_zeros off its pre median by > 3 MADs (or x2)
-    glitch: float = 4.0  # Q3/Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
-    doc_extreme: float = 3.0  # Q3: a document >= 3x its usual distance from its rank's median
-
-
-def _finite(xs):
-    return [x for x in xs if x is not None and isinstance(x, (int, float)) and math.isfinite(x)]
-
-
-def _slope(ys):
-    n = len(ys)
-    if n < 2:
-        return 0.0
-    mx = (n - 1) / 2
-    my = sum(ys) / n
-    den = sum((i - mx) ** 2 for i in range(n))
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den
-
-
-EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
-
-
-def classify(rows: list[dict], step: int, th: Thresholds | None = None,
-             evidence: dict | None = None, param_dtype: str | None = None) -> dict:
-    """Walk the decision tree for the spike at ``step`` over signals ``rows``.
-
-    ``param_dtype``: the run's compute dtype from the signals header (``float32``,
-    ``bfloat16``; None: unknown -- Q5 may then name bf16 and Q6 does not name
-    hardware, while Q1 names bf16 only for a known bf16 run)."""
-    bf16_run = param_dtype not in ("float32", "float64")
-    th = th or Thresholds()
-    trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
-    at = next((r for r in trained if r["step"] == step), None)
-    if at is None:
-        raise ValueError(f"step {step} is not a trained step of this ledger")
-    pre = [r for r in trained if step - th.pre <= r["step"] < step]
-    post = [r for r in trained if step < r["step"] <= step + th.post]
-    col = lambda rs, k: _finite([r.get(k) for r in rs])  # noqa: E731
-    pre_loss, pre_gn = col(pre, "loss"), col(pre, "grad_norm")
-    med_loss = statistics.median(pre_loss) if pre_loss else float("nan")
-    med_gn = statistics.median(pre_gn) if pre_gn else float("nan")
-    checks = []
-
-    def ask(q, answer, **numbers):
-        checks.append({"question": q, "answer": bool(answer), **{k: _round(v) for k, v in numbers.items()}})
-        return bool(answer)
-
-    loss = at["loss"]
-    post_loss = col(post, "loss")
-    diverged = (not math.isfinite(loss)) or (len(post_loss) >= 3 and math.isfinite(med_loss)
-                                             and min(post_loss) > med_loss * (1 + th.loss_jump))
-    d0 = ask("Q0 divergence: loss non-finite or not back after the spike", diverged, loss=loss,
-             pre_median_loss=med_loss, post_min_loss=min(post_loss) if post_loss else None,
-             post_steps=len(post_loss))
-
-    logits = col(pre + [at], "max_logit")
-    rises = sum(1 for a, b in zip(logits, logits[1:]) if b > a) / max(1, len(logits) - 1)
-    last_logit = logits[-1] if logits else None
-    q1 = ask("Q1 logit_growth: max logit rising before the spike and >= level",
-             len(logits) >= 5 and rises >= th.logit_rising and last_logit >= th.logit_level,
-             max_logit=last_logit, rising_fraction=rises, max_logit_slope=_slope(logits))
-
-    lr_at = at.get("lr")
-    lj = lr_jump(trained, step, th.pre)
-    med_lr, lr_ratio, lr_step_jump = lj["pre_median_lr"], lj["lr_ratio"], lj["step_ratio"]
-    pn = col(pre, "param_norm")
-    half = len(pn) // 2
-    early, late = _slope(pn[:half]), _slope(pn[half:])
-    accel = late / early if early > 0 else (math.inf if late > 0 else 0.0)
-    gn_trend = (statistics.mean(pre_gn[-5:]) / statistics.mean(pre_gn[:5]) - 1) if len(pre_gn) >= 10 else 0.0
-    q2 = ask("Q2 lr: the LR jumped (>= lr_jump x its pre-spike median), or param-norm growth "
-             "accelerating and grad norm creeping up",
-             lj_hit(lj, th.lr_jump)
-             or (len(pn) >= 10 and accel >= th.param_accel and gn_trend >= th.grad_trend),
-             lr=lr_at, pre_median_lr=med_lr, lr_ratio=lr_ratio, lr_step_jump=lr_step_jump,
-             lr_jump_step=lj["jump_step"],
-             param_norm_growth_early=early, param_norm_growth_late=late, accel=accel,
-             grad_norm_trend=gn_trend)
-
-    gaps = _finite([r.get("loss_max", math.nan) - r["loss"] for r in pre])
-    gap = (at.get("loss_max") or math.nan) - loss
-    med_gap = statistics.median(gaps) if gaps else 0.0
-    # per-rank and per-document evidence (the trainer's evidence rules at this step):
-    # bad data is two-sided, and a low-loss rank pushes a CLEAN rank to loss_max
-    ev = evidence or {}
-    ev_rules = [r for r in ev.get("rules", []) if r in EVIDENCE_RULES]
-    # a document this many times further from its rank's median than usual (the trainer's
-    # doc statistics at the step over their history median), with a finite grad norm: a
-    # document, not a flipped bit, moved the gradient (the zoo's held-out "=" run and a
-    # late repeated token: 4.1x and 9.5x; clean steps here reach 4.1x too, so only with
-    # a grad jump)
-    doc_x = max((ev[y] / ev[m] for y, m in (("doc_high_y", "doc_y_median_high"), ("doc_low_y", "doc_y_median_low"))
-                 if isinstance(ev.get(y), (int, float)) and isinstance(ev.get(m), (int, float)) and ev[m] > 0),
-                default=None)
-    gn_at = at.get("grad_norm")
-    doc_jump = (doc_x is not None and doc_x >= th.doc_extreme and isinstance(gn_at, (int, float))
-                and math.isfinite(gn_at) and math.isfinite(med_gn) and gn_at >= th.glitch * med_gn)
-    q3 = ask("Q3 bad_data: one DP rank's loss far above the average, or its documents far "
-             "from the others' (evidence rules)",
-             (math.isfinite(gap) and gap > th.rank_gap * max(med_gap, 1e-12)
-              and gap > th.rank_gap_rel * abs(loss)) or bool(ev_rules) or doc_jump,
-             loss_max_rank=at.get("loss_max_rank"), rank_loss=at.get("loss_max"), avg_loss=loss,
-             gap=gap, pre_median_gap=med_gap, evidence_rules=ev_rules or None,
-             suspect_dp_rank=ev.get("suspect_dp_rank"), document_vs_usual=doc_x,
-             finite_grad_jump=doc_jump)
-
-    recent, earlier = pre_gn[-10:], pre_gn[:-10]
-    plateau = (statistics.mean(recent) / statistics.median(earlier)) if len(earlier) >= 5 else math.nan
-    q4 = ask("Q4 optimizer_state: grad-norm plateau below normal before the spike",
-             math.isfinite(plateau) and plateau < th.plateau, plateau_ratio=plateau,
-             earlier_median_grad_norm=statistics.median(earlier) if earlier else None)
-
-    nxt = post[0]["grad_norm"] if post else None
-    zeros = col(pre, "num_zeros")
-    z_at = at.get("num_zeros")
-    z_med = statistics.median(zeros) if zeros else None
-    mad = statistics.median([abs(z - z_med) for z in zeros]) if zeros else None
-    z_off = (z_at is not None and z_med is not None
-             and (abs(z_at - z_med) > th.zeros * max(mad, 1.0)
-                  or (z_med > 0 and not 0.5 <= z_at / z_med <= 2)))
-    falls = nxt is not None and math.isfinite(med_gn) and nxt < th.fallback * med_gn
-    q5 = ask("Q5 bf16: one-step jump that falls back, num_zeros off its norm, in a bf16 run",
-             falls and z_off and bf16_run,
-             grad_norm=at["grad_norm"], next_grad_norm=nxt, pre_median_grad_norm=med_gn,
-             num_zeros=z_at, pre_median_num_zeros=z_med, param_dtype=param_dtype)
-
-    gn = at.get("grad_norm")
-    jump = isinstance(gn, (int, float)) and (not math.isfinite(gn) or (
-        math.isfinite(med_gn) and med_gn > 0 and gn >= th.glitch * med_gn))
-    loss_unmoved = math.isfinite(loss) and math.isfinite(med_loss) and loss <= med_loss * (1 + th.loss_jump)
-    q6 = ask("Q6 hardware: a one-step grad-norm jump that falls back, the loss unmoved, in an fp32 run",
-             jump and falls and loss_unmoved and not bf16_run,
-             grad_norm=gn, pre_median_grad_norm=med_gn, next_grad_norm=nxt, loss=loss,
-             pre_median_loss=med_loss, param_dtype=param_dtype)
-
-    if d0:
-        cause = "divergence"
-    elif q1:
-        cause = "bf16" if bf16_run and param_dtype is not None else "logit_growth"
-    elif q2:
-        cause = "lr"
-    elif q3:
-        cause = "bad_data"
-    elif q4:
-        cause = "optimizer_state"
-    elif q5:
-        cause = "bf16"
-    elif q6:
-        cause = "hardware"
-    else:
-        cause = "transient"
-    # divergence is the emergency; the tree still names what drove it
-    underlying = next((c for c, hit in (("logit_growth", q1), ("lr", q2), ("bad_data", q3),
-                                        ("optimizer_state", q4), ("bf16", q5), ("hardware", q6)) if hit),
-                      None)
-    out = {"step": step, "cause": cause, "checks": checks,
-           "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None}
-    if cause == "divergence":
-        out["underlying"] = underlying
-    if cause == "bad_data" or (cause == "divergence" and underlying == "bad_data"):
-        out["rank"] = ev.get("suspect_dp_rank", at.get("loss_max_rank"))
-    return out
-
-
-def lr_jump(rows: list[dict], step: int, pre: int = 50) -> dict:
-    """The LR's recorded jump before ``step`` (pure; shared by Q2 and the rerun's ``lr``
-    scale): the LR at ``step`` over the median LR of the ``pre`` trained steps before
-    it (``lr_ratio``), and the largest step-to-step ratio in that window and at
-    ``step`` (``step_ratio``, at ``jump_step``). Pairs starting at step 1 are left out:
-    a linear warmup doubles the LR from step 1 to 2 (and sits at exactly 2x its own
-    median), which is not a jump."""
-    trained = [r for r in rows if not r.get("skipped") and isinstance(r.get("lr"), (int, float))]
-    win = [r for r in trained if step - pre <= r["step"] <= step]
-    at = next((r for r in win if r["step"] == step), None)
-    lrs = [r["lr"] for r in win if r["step"] < step]
-    med = statistics.median(lrs) if lrs else None
-    out = {"pre_median_lr": med, "lr_ratio": None, "step_ratio": None, "jump_step": None}
-    if at is not None and med:
-        out["lr_ratio"] = at["lr"] / med
-    pairs = [(a, b) for a, b in zip(win, win[1:]) if a["step"] >= 2 and a["lr"] > 0]
-    if pairs:
-        a, b = max(pairs, key=lambda p: p[1]["lr"] / p[0]["lr"])
-        out["step_ratio"], out["jump_step"] = b["lr"] / a["lr"], b["step"]
-    return out
-
-
-def lj_hit(lj: dict, factor: float) -> bool:
-    """An LR jump: one step-to-step rise >= ``factor`` and the LR at the spike still
-    >= ``factor`` x its pre-spike median."""
-    return (lj["step_ratio"] is not None and lj["step_ratio"] >= factor
-            and lj["lr_ratio"] is not None and lj["lr_ratio"] >= factor)
-
-
-def _round(v):
-    return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
-
-
-def spike_check(rows: list[dict], step: int, flagged: bool, th: Thresholds | None = None,
-                det: SpikeDetector.Config | None = None) -> dict:
-    """Is ``step`` a spike at all? The spike rules' numbers at that step against the
-    ``th.pre`` trained steps before it (``diagnose --step`` on an ordinary step says
-    so before walking the tree)."""
-    th, det = th or Thresholds(), det or SpikeDetector.Config()
-    trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
-    at = next(r for r in trained if r["step"] == step)
-    pre = [r for r in trained if step - th.pre <= r["step"] < step]
-    out: dict = {"flagged": flagged}
-    fires = []
-    for key in ("loss", "grad_norm"):
-        xs = _finite([r.get(key) for r in pre])
-        v = at.get(key)
-        # the ratio rule compares the loss with its recent level (the last 2 x min_history steps)
-        ref = xs[-2 * det.min_history:] if key == "loss" else xs
-        med = statistics.median(ref) if ref else None
-        out[f"{key}_vs_median"] = _round(v / med) if med and isinstance(v, (int, float)) else None
-        sd = statistics.pstdev(xs) if len(xs) >= 2 else 0.0
-        z = (v - statistics.mean(xs)) / sd if sd > 0 and isinstance(v, (int, float)) else None
-        out[f"{key}_zscore"] = _round(z)
-        if isinstance(v, (int, float)) and not math.isfinite(v):
-            fires.append("non_finite")
-        elif det.zscore > 0 and z is not None and z > det.zscore:
-            fires.append(f"zscore_{key}")
-    gr, lr = out["grad_norm_vs_median"], out["loss_vs_median"]
-    if det.ratio > 0 and gr is not None and lr is not None and gr > det.ratio and lr > 1 + det.loss_jump:
-        fires.append("ratio")
-    out.update(rules_firing=fires, pre_steps=len(pre), ratio_needs=det.ratio,
-               loss_jump_needs=1 + det.loss_jump, zscore_needs=det.zscore)
-    out["is_spike"] = bool(flagged or fires)
-    return out
-
-
-def spike_steps(led: RunLedger) -> list[int]:
-    """Spikes the trainer flagged (spikes.jsonl), else the default rules run offline."""
-    steps = led.spike_steps()
-    if steps:
-        return steps
-    return [e["step"] for e in detect_offline(led.signal_rows(), SpikeDetector.Config())]
+# the decision tree (pure); importing it chooses the device backend before torchtitan
+# loads (--rerun parses training configs in this process)
+from titan_ledger.tools.decision import (
+    Thresholds,
+    classify,
+    document_scores,
+    extreme_document_rank,
+    spike_check,
+    spike_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +150,7 @@ def _main(a) -> int:
         print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
         return 0
     if not results:
-        print("no spikes detected")
+        print(no_spikes(led))
     for r in results:
         sc = r.get("spike_check")
         if sc is not None and not sc["is_spike"]:
@@ -436,50 +184,6 @@ def _main(a) -> int:
     return 0
 
 
-def document_scores(led: RunLedger, step: int) -> list[dict]:
-    """The documents recorded at ``step`` (each rank's highest- and lowest-loss
-    segments), one entry per distinct document, most extreme first.
-
-    A document's loss is the token-weighted mean over its recorded segments; the
-    reference is the median over the distinct documents, not over segments: a
-    degenerate document cut into many of a step's rows can BE the segment median (the
-    zoo's repeated token at step 46 sat at 0.99x it, and a normal document at 1.52x
-    was named instead), but it is one document among the few the step holds. Each
-    entry is the document's most extreme segment (row, span, rank) with ``loss`` (the
-    document's), ``vs_median`` (over the median document), ``segments`` and
-    ``tokens``; [] when the run recorded none."""
-    try:
-        docs, _ = led.data.doc_losses(step)
-    except LedgerError:
-        return []
-    by: dict[tuple[str, int], list[dict]] = {}
-    for d in docs:
-        if d.get("loss") and d.get("tokens"):
-            by.setdefault((d["source"], d["doc"]), []).append(d)
-    if not by:
-        return []
-    loss = {k: sum(x["loss_sum"] for x in v) / sum(x["tokens"] for x in v) for k, v in by.items()}
-    ref = statistics.median(loss.values())
-    out = []
-    for k, segs in by.items():
-        far = max(segs, key=lambda x: abs(math.log(x["loss"] / ref)))
-        ranks = {}
-        for x in segs:
-            ranks[x["dp_rank"]] = ranks.get(x["dp_rank"], 0) + x["tokens"]
-        out.append(dict(far, loss=loss[k], segment_loss=far["loss"], vs_median=loss[k] / ref,
-                        segments=len(segs), tokens=sum(x["tokens"] for x in segs),
-                        dp_rank=max(ranks, key=lambda r: (ranks[r], -r))))
-    out.sort(key=lambda d: -abs(math.log(d["vs_median"])))
-    return out
-
-
-def extreme_document_rank(led: RunLedger, step: int) -> int | None:
-    """The DP rank holding (most tokens of) the document furthest from the step's
-    median document, either way; None when the run recorded no document losses."""
-    scores = document_scores(led, step)
-    return scores[0]["dp_rank"] if scores else None
-
-
 def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:
     """Up to ``n`` distinct documents of ``rank`` (every rank's when it holds none)
     furthest from the step's median document, either way, with a text excerpt; []
@@ -499,6 +203,30 @@ def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3)
             d["text_error"] = f"{type(e).__name__}: {e}"
         out.append(d)
     return out
+
+
+def no_spikes(led: RunLedger) -> str:
+    """"no spikes detected", with what was judged: the trained steps, who looked (the
+    trainer's spikes.jsonl, the default rules offline) and which rules had the history
+    they need (``SpikeDetector.Config``: min_history, window / 2) -- a short run is not
+    a clean one."""
+    from titan_ledger.components.spikes import SpikeDetector
+
+    cfg, rows = SpikeDetector.Config(), led.trained_rows()
+    n, first, last = len(rows), rows[0]["step"], rows[-1]["step"]
+
+    def judged(after: int) -> str:  # a rule judges a step once `after` accepted steps precede it
+        return f"judged steps {rows[after]['step']}-{last}" if n > after else f"judged none of the {n}"
+
+    who = ("the trainer flagged none (spikes.jsonl)" if (led.folder / records.SPIKES_FILE).exists()
+           else "the run recorded no spike events (no spikes.jsonl)")
+    return (f"no spikes detected in {n} trained steps ({first}-{last}): {who}, and the default rules "
+            f"run offline over signals.jsonl fire on none.\n  history the rules had: ratio (grad norm > "
+            f"{cfg.ratio}x its median, loss > {1 + cfg.loss_jump:g}x its recent median) and grad jump (> {cfg.grad_jump}x) "
+            f"need {cfg.min_history} steps: {judged(cfg.min_history)}; z-score (> {cfg.zscore} std) "
+            f"needs {cfg.window // 2} (window {cfg.window} / 2): {judged(cfg.window // 2)}; non-finite "
+            f"loss or grad norm: every step; rank separation and document outliers: only the trainer "
+            f"(per-rank data). Give --step T for one step's numbers.")
 
 
 def write_quarantine(path: str, docs: list[tuple[str, int]]) -> None:

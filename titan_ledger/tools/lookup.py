@@ -112,7 +112,7 @@ def _main(a) -> int:
     if a.sample is not None:
         if a.sample < 0:
             raise LedgerError(f"--sample {a.sample}: sample ids start at 0")
-        tag = ledger.blend().tag(a.sample)
+        tag = ledger.sample(a.sample)  # checked against the samples the run consumed
         out = describe([tag], text)[0]
         print(json.dumps(out, indent=None if a.json else 1))
         return 0
@@ -131,9 +131,6 @@ def _main(a) -> int:
         raise LedgerError(f"{ledger.folder}: no data for step {a.step}"
                           + (f" on DP rank(s) {missing}" if missing else "")
                           + f" (the ledger covers steps 1-{ledger.last_step})")
-    if ledger.torn:
-        print(f"titan_ledger.lookup: warning: torn lines skipped in {ledger.folder} "
-              f"(DP rank: lines {ledger.torn}); a kill -9 mid-write", file=sys.stderr)
     if a.top is not None:
         return _top(a, ledger, text)
     skipped = any(g.skipped for g in got.values())

@@ -32,25 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError, TitanLedgerError
-from titan_ledger.format import records
-from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
+from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError
+from titan_ledger.format.reader import RunLedger, checkpoints, step_ids
 from titan_ledger.tools.cli import ToolParser, run_tool
+from titan_ledger.tools.runs import ReplayError, run_training
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_ERROR = EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT
-
-
-class ReplayError(TitanLedgerError):
-    """A drill/resume/inject run that could not do what was asked (its log is named)."""
 
 
 # --------------------------------------------------------------------------- check
@@ -68,26 +59,6 @@ class CheckResult:
                 "first_divergence": self.divergence, "overlaps": self.overlaps, "notes": self.notes}
 
 
-EXPAND_LIMIT = 100_000  # steps of a skipped window expanded step by step when comparing
-
-
-def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
-    """{step: {dp_rank: sample ids}}; a skipped window longer than ``EXPAND_LIMIT``
-    steps stays one ``("window", last_step, samples)`` key."""
-    out: dict[int, dict[int, tuple]] = {}
-    for r, history in ledger.history.items():
-        for row in history:
-            step, last = row["step"], row.get("last_step", row["step"])
-            if last - step + 1 > EXPAND_LIMIT:
-                out.setdefault(step, {})[r] = ("window", last, tuple(row["samples"]))
-                continue
-            for s in range(step, last + 1):
-                ids = ledger.ids_at(s, r)
-                # a skipped step consumed its samples but trained none: not the same history
-                out.setdefault(s, {})[r] = ("skipped", *ids) if row.get("skipped") else ids
-    return out
-
-
 def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -> CheckResult:
     la = RunLedger(dir_a, ledger_folder).data
     lb = RunLedger(dir_b, ledger_folder).data
@@ -101,8 +72,6 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
     a, b = step_ids(la), step_ids(lb)
     res = CheckResult(True, ranks=sorted(set(la.history) | set(lb.history)))
     for name, lg, ids in (("A", la, a), ("B", lb, b)):
-        if lg.torn:
-            res.notes.append(f"{name}: torn lines skipped (a kill -9 mid-write): {lg.torn}")
         for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
             seen: dict[int, int] = {}
             for r, key in per_rank.items():
@@ -164,70 +133,6 @@ def print_check(res: CheckResult, a: str, b: str) -> None:
               + (f": {d['reason']}" if "reason" in d else ""))
         print(f"{'  expected (A)':<18}{d['expected']}\n{'  got (B)':<18}{d['got']}")
     print(f"{'result':<18}{'EQUAL' if res.equal else 'DIFFERENT'}")
-
-
-# --------------------------------------------------------------------------- running training
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_cmd(nproc: int, dump: Path, train_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
-            "-m", "titan_ledger.train", *train_args, "--job.dump_folder", str(dump)]
-
-
-def kill9_tree(pid: int) -> list[int]:
-    """SIGKILL ``pid`` and every descendant at once (torchrun puts ranks in their own sessions)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return tree
-
-
-def _ledger_reached(path: Path, start: int, step: int) -> bool:
-    """Has a row covering ``step`` been appended to ``path`` after byte ``start``?"""
-    return any(r["step"] <= step <= r.get("last_step", r["step"]) for r in records.rows_after(path, start))
-
-
-def run_training(nproc: int, dump: Path, train_args: list[str], log: Path, env=None,
-                 kill_at: int | None = None, timeout: float = 3600) -> dict:
-    """One torchrun launch; with ``kill_at`` SIGKILL the whole tree when step ``kill_at`` starts."""
-    dump.mkdir(parents=True, exist_ok=True)
-    watch = dump / "ledger" / "data_dp0.jsonl"
-    start = watch.stat().st_size if watch.exists() else 0
-    t0 = time.monotonic()
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(train_cmd(nproc, dump, train_args), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
-        killed = False
-        while proc.poll() is None:
-            if kill_at is not None and _ledger_reached(watch, start, kill_at):
-                kill9_tree(proc.pid)
-                killed = True
-                break
-            if time.monotonic() - t0 > timeout:
-                kill9_tree(proc.pid)
-                raise ReplayError(f"training did not finish in {timeout} s; log: {log}")
-            time.sleep(0.02)
-        rc = proc.wait()
-    return {"returncode": rc, "killed": killed, "seconds": round(time.monotonic() - t0, 1)}
 
 
 def resume(nproc: int, kill_at: int, dump: Path, train_args: list[str]) -> dict:
@@ -410,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("rerun", help="re-execute the steps before a spike from a checkpoint, under "
                        "counterfactual variants", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description=rerun_mod.__doc__.split("Examples::")[0],
-                       epilog="Examples:" + rerun_mod.__doc__.split("Examples::", 1)[1])
+                       epilog="Examples:" + rerun_mod.__doc__.split("Examples::", 1)[1]
+                       .split("\nDesign decision:")[0])  # the module layout is not the user's
     p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder", type=Path,
                    required=True, help="the original run's dump folder (reruns go to DUMP/rerun/<variant>/)")
     p.add_argument("--step", type=int, required=True, help="the spike step T")

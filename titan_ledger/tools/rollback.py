@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from titan_ledger.data.layout import parse_skip_steps
-from titan_ledger.errors import LedgerError, PlanError
+from titan_ledger.errors import LedgerCorrupt, LedgerError, PlanError
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -71,6 +71,8 @@ def existing_skips(led: RunLedger) -> list[str]:
     """The skip windows the run already had (from its latest data-ledger header)."""
     try:
         hdr = led.data.header()
+    except LedgerCorrupt:
+        raise  # a corrupt data ledger is an error, not a run without earlier skips
     except LedgerError:
         return []
     return [f"{a}-{b}" for a, b in hdr.get("skip_steps", [])]

@@ -1,0 +1,272 @@
+"""Running reruns: each variant trained in its own folder from the original's
+checkpoint (or an identical earlier rerun reused), compared and judged
+(:func:`rerun`), the one-line summary the incident page reads
+(:func:`write_summary`), and ``diagnose --rerun``'s glue (:func:`for_diagnosis`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from titan_ledger.tools.rerun.comparison import VariantResult, compare
+from titan_ledger.tools.rerun.plan import Plan, checkpoints_of, make_plan, resolve_variant, strip_train_args
+from titan_ledger.tools.rerun.variants import (
+    ESCALATION,
+    PLAN_FOR,
+    RerunError,
+    Variant,
+    parse_variant,
+    variant_args,
+)
+from titan_ledger.tools.rerun.verdicts import verdict
+
+HUGE_INTERVAL = 1_000_000_000
+
+
+def _link_checkpoint(plan: Plan, folder: Path) -> None:
+    src = (plan.dump / plan.checkpoint_folder / f"step-{plan.load_step}").resolve()
+    dst = folder / plan.checkpoint_folder / f"step-{plan.load_step}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.symlink_to(src, target_is_directory=True)
+
+
+def _reusable(folder: Path, record: dict) -> bool:
+    f = folder / "rerun.json"
+    if not f.exists():
+        return False
+    try:
+        old = json.loads(f.read_text())
+    except ValueError:
+        return False
+    same = all(old.get(k) == record[k] for k in ("variant", "load_step", "train_args", "overrides", "nproc"))
+    return same and old.get("returncode") == 0 and old.get("stop", 0) >= record["stop"]
+
+
+def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int, *, fresh: bool = False,
+                env=None, log=print) -> VariantResult:
+    """Train one variant (or reuse an earlier identical rerun) and compare it."""
+    from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.launch import validate
+    from titan_ledger.tools.runs import run_training
+
+    va = variant_args(v, plan.step, config)
+    folder = plan.folder(v)
+    if va is None:
+        if v.kind == "fp32":
+            note = "the run trains in float32 already (--training.mixed_precision_param float32)"
+        elif v.kind == "beta2":
+            note = f"the run's Adam beta2 is already <= {v.value:g}"
+        elif v.kind == "logit_cap":
+            note = "the max logit at the spike is below the danger level (100): no growth to cap"
+        else:
+            note = "not applicable to this run"
+        return VariantResult(v.name, v.kind, None, applicable=False, note=note)
+    extra, over = va
+    if "--ledger.rehearsal.inject" in extra:  # the variant's own --ledger.rehearsal.inject replaces the original's
+        base_args = strip_train_args(base_args, drop_inject=True)
+    fixed = [*base_args, *extra, "--checkpoint.enable", "--checkpoint.load_step", str(plan.load_step),
+             "--checkpoint.interval", str(HUGE_INTERVAL)]
+    over_s = ",".join(f"{k}={val:g}" for k, val in over.items())
+    args = [*fixed, "--ledger.rehearsal.rerun", ",".join(x for x in (f"stop={plan.stop}", over_s) if x)]
+    # an earlier rerun of the same variant from the same checkpoint that trained at
+    # least as far is the same computation (deterministic runs): reused
+    record = {"variant": v.name, "load_step": plan.load_step, "stop": plan.stop, "train_args": fixed,
+              "overrides": over_s, "nproc": nproc}
+    reused = not fresh and _reusable(folder, record)
+    seconds = None
+    if not reused:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        _link_checkpoint(plan, folder)
+        validate([*args, "--job.dump_folder", str(folder)], nproc)
+        logf = folder / "rerun.log"
+        log(f"rerun {v.name}: training steps {plan.load_step + 1}-{plan.stop} in {folder} (log: {logf})")
+        t0 = time.monotonic()
+        out = run_training(nproc, folder, args, logf, env=env)
+        seconds = round(time.monotonic() - t0, 1)
+        (folder / "rerun.json").write_text(json.dumps({**record, "returncode": out["returncode"],
+                                                       "seconds": seconds}))
+        if out["returncode"] != 0:
+            tail = _last_error(logf)
+            raise RerunError(f"the {v.name} rerun failed (exit {out['returncode']}){': ' + tail if tail else ''}; "
+                             f"log: {logf}")
+    else:
+        log(f"rerun {v.name}: reusing {folder} (same checkpoint, flags and window)")
+    res = compare(RunLedger(plan.dump, plan.ledger_folder), RunLedger(folder, plan.ledger_folder), plan, v, folder)
+    res.reused, res.seconds = reused, seconds
+    if v.kind == "lr" and res.lr_ratio_at_step is not None and abs(res.lr_ratio_at_step - v.value) > 1e-6:
+        raise RerunError(f"the {v.name} rerun trained step {plan.step} with lr "
+                         f"{(res.at_step or {}).get('lr')} ({res.lr_ratio_at_step:g}x the original's, "
+                         f"not {v.value:g}x); log: {folder / 'rerun.log'}")
+    return res
+
+
+def _last_error(log: Path) -> str:
+    """The line that says why a rerun failed: titan_ledger's own error line, else the
+    last exception line of a traceback."""
+    import re
+
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for pat in (r"titan_ledger[.\w]*: error: .*", r"\b\w+(Error|Exception): .*"):
+        for line in reversed(lines):
+            m = re.search(pat, line)
+            if m:
+                return m.group(0).strip()[:300]
+    return ""
+
+
+def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
+            load_step: int | None = None, after: int = 1, nproc: int = 2,
+            ledger_folder: str = "ledger") -> tuple[Plan, Any, list[str], int]:
+    """Check the original run's flags and plan: (plan, config, rerun base flags, launches)."""
+    from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.launch import validate
+
+    dump = Path(dump)
+    led = RunLedger(dump, ledger_folder)
+    # the original run's flags: parsed as the ranks would, and checked against the
+    # dump folder's recorded layout (seq_len, global batch) before anything trains
+    config = validate([*train_args, "--job.dump_folder", str(dump)], nproc)
+    rows = led.signal_rows()
+    trained = [r["step"] for r in rows if not r.get("skipped") and r.get("loss") is not None]
+    last = max((r.get("last_step", r["step"]) for r in rows), default=0)
+    vs = [x if isinstance(x, Variant) else parse_variant(x) for x in variants]
+    plan = make_plan(dump, step, vs, load_step=load_step, after=after,
+                     checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
+                     last_step=last, checkpoint_folder=config.checkpoint.folder,
+                     ledger_folder=ledger_folder)
+    world = led.signals.segments[-1].header.get("world_size") if led.signals.segments else None
+    if world is not None and int(world) != nproc:
+        raise RerunError(f"--nproc {nproc}: the run trained on {world} processes ({led.folder}); a rerun "
+                         f"must see the same DP layout: pass --nproc {world}")
+    hdr = led.data.header()  # seq_len is not refused by the dump-folder check when checkpoints exist
+    if hdr.get("seq_len") is not None and hdr.get("seq_len") != config.training.seq_len:
+        raise RerunError(f"{dump}: the run trained with seq_len {hdr.get('seq_len')}, these flags give "
+                         f"--training.seq_len {config.training.seq_len}: give the original run's flags")
+    n_launch = sum(variant_args(v, step, config) is not None for v in plan.variants)
+    return plan, config, strip_train_args(train_args), n_launch
+
+
+def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
+          load_step: int | None = None, after: int = 1, nproc: int = 2, ledger_folder: str = "ledger",
+          fresh: bool = False, heuristic: str | None = None, log=print, prepared=None,
+          escalate: list[Variant] | None = None, max_steps: int | None = None) -> dict:
+    """Plan, run every variant, compare, judge. Returns the JSON-able report.
+
+    ``escalate``: variants to try one at a time, in order, when the plan's verdict is
+    ``unproven`` (reproduced under ``same``, removed by none), until one removes the
+    spike or ``max_steps`` training steps in all would be exceeded."""
+    plan, config, base, n_launch = prepared or prepare(
+        dump, step, variants, train_args, load_step=load_step, after=after, nproc=nproc,
+        ledger_folder=ledger_folder)
+    if prepared is None:  # for_diagnosis printed every spike's budget before running any
+        log(plan.budget_line(n_launch))
+    results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
+    spent = n_launch * plan.steps_per_variant
+    vd = verdict(results, step, heuristic)
+    escalated = []
+    for v in escalate or []:
+        if vd["cause"] != "unproven" or vd.get("not_a_spike"):
+            break
+        if any(r.kind == v.kind for r in results) or variant_args(v, step, config) is None:
+            continue
+        if max_steps is not None and spent + plan.steps_per_variant > max_steps:
+            log(f"rerun: escalation stops before {v.name}: it would exceed {max_steps} training steps")
+            break
+        log(f"rerun: {', '.join(r.variant for r in results)} left the spike at step {step} unexplained; "
+            f"escalating to {v.name}")
+        results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
+        spent += plan.steps_per_variant
+        escalated.append(v.name)
+        vd = verdict(results, step, heuristic)
+    if escalated:
+        vd["escalated"] = escalated
+    rep = {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
+           "budget_steps": spent, "variants": [r.to_json() for r in results], "verdict": vd}
+    write_summary(plan.dump / plan.ledger_folder, rep)
+    return rep
+
+
+def write_summary(ledger_dir: Path, rep: dict) -> Path:
+    """``<ledger>/rerun/step<T>.json``: one line, the verdict and each variant's row at T
+    (what ``titan_ledger.report``'s incident page shows); written whole (tmp + rename)."""
+    keep = ("variant", "applicable", "present", "original_spike", "at_step", "original_at_step", "flagged",
+            "bit_equal_steps", "first_difference", "max_rel_diff", "data_equal", "lr_ratio_at_step", "swap",
+            "folder", "note")
+    summary = {"step": rep["step"], "load_step": rep["load_step"], "stop": rep["stop"],
+               "verdict": rep["verdict"], "variants": [{k: v.get(k) for k in keep} for v in rep["variants"]]}
+    folder = Path(ledger_dir) / "rerun"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step{rep['step']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,
+                  max_steps: int = 200, ledger_folder: str = "ledger", fresh: bool = False,
+                  log=print, escalate: bool = True) -> None:
+    """``diagnose --rerun``: for each diagnosed spike, run the variants its heuristic
+    verdict calls for (:data:`PLAN_FOR`) within a training-step budget printed
+    first, escalate through :data:`ESCALATION` when they leave it unexplained, and
+    attach the report (``res["rerun"]``) with the proven cause."""
+    from titan_ledger.format.reader import RunLedger
+
+    if not train_args:
+        raise RerunError("--rerun needs the original run's training flags after `--` (at least "
+                         "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
+    from titan_ledger.tools.decision import document_scores
+
+    led = RunLedger(dump, ledger_folder)
+    jobs = []
+    for res in results:
+        step = res["step"]
+        p0 = prepare(dump, step, ["same"], train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
+        plan0, config = p0[0], p0[1]
+        # skip widens over the most extreme document only (the verdict's first; for any
+        # other heuristic, the step's most extreme recorded one, for the escalation)
+        docs = (res.get("documents") or document_scores(led, step))[:1]
+        resolve = lambda spec: resolve_variant(spec, led, step, plan0.load_step, config, docs)  # noqa: E731
+        variants = [resolve(v) for v in PLAN_FOR.get(res["cause"], ["same"])]
+        na = [v for v in variants if variant_args(v, step, config) is None]
+        if na:  # fp32 on an fp32 run: dropped; when nothing but `same` is left, test the data
+            variants = [v for v in variants if v not in na]
+            alone = all(v.kind == "same" for v in variants) and res["cause"] not in ("hardware", "transient")
+            log(f"  step {step}: {', '.join(v.name for v in na)} not applicable to this run"
+                + ("; testing skip instead" if alone else ""))
+            if alone:
+                variants.append(resolve("skip"))
+        esc = [resolve(v) for v in ESCALATION] if escalate else []
+        # the window reaches `after` steps past the last skipped one: a skip that ends the
+        # window would remove the spike by leaving nothing trained after it
+        last_skip = max((x for v in [*variants, *esc] if v.kind == "skip" for x in v.skip_list(step)),
+                        default=step)
+        p = prepare(dump, step, variants, train_args, after=after + (last_skip - step), nproc=nproc,
+                    ledger_folder=ledger_folder)
+        jobs.append((res, p, esc))
+    total = sum(p[0].steps_per_variant * p[3] for _, p, _ in jobs)
+    log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s), more only to escalate "
+        f"(--rerun-max-steps {max_steps})")
+    for res, p, esc in jobs:
+        log(f"  step {res['step']}: heuristic {res['cause']} -> variants "
+            f"{', '.join(v.name for v in p[0].variants)}: {p[0].budget_line(p[3])}")
+    if total > max_steps:
+        raise RerunError(f"--rerun: the reruns need {total} training steps, more than "
+                         f"--rerun-max-steps {max_steps}; raise it or pick one spike with --step")
+    # escalation may spend what the later spikes' planned reruns leave of max_steps
+    planned = [p[0].steps_per_variant * p[3] for _, p, _ in jobs]
+    left = max_steps
+    for i, (res, p, esc) in enumerate(jobs):
+        res["rerun"] = rerun(dump, res["step"], [], train_args, nproc=nproc, fresh=fresh,
+                             heuristic=res["cause"], log=log, prepared=p, escalate=esc,
+                             max_steps=left - sum(planned[i + 1:]))
+        left -= res["rerun"]["budget_steps"]

@@ -1,0 +1,173 @@
+"""The counterfactual variants of ``replay rerun``: parsing (``--variant``), open values
+filled in from the ledger and the run's config, the training flags and
+``--ledger.rehearsal.rerun`` overrides each one sets, and the cause each proves
+(:data:`CAUSE_OF`), the variants a heuristic verdict calls for (:data:`PLAN_FOR`) and
+the escalation order (:data:`ESCALATION`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_ledger.errors import TitanLedgerError
+from titan_ledger.tools.rerun.report import _ranges
+
+PRE = 50  # trained steps before T that describe "normal"
+#: a counterfactual that removes the spike -> the cause it proves (priority order)
+CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
+            "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip"}
+CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
+#: diagnose's heuristic verdict -> the variants that test it
+PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr"],
+            "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
+            "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "skip"],
+            "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
+#: after an unproven plan: the other counterfactuals, most specific first ("lr",
+#: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
+#: config: :func:`ledger_values`)
+ESCALATION = ("skip", "fp32", "beta2", "eps=1e-6", "logit_cap", "lr")
+
+
+class RerunError(TitanLedgerError):
+    """A rerun that cannot be planned, run or compared (one line, exit 2)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str  # same | skip | swap | lr | eps | clip | logit_cap | fp32
+    value: float | None = None
+    #: skip: the steps to skip (empty: the spike step alone)
+    steps: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        if self.kind == "skip" and self.steps:
+            return f"skip={_ranges(list(self.steps))}"
+        return self.kind if self.value is None else f"{self.kind}={self.value:g}"
+
+    def slug(self, step: int) -> str:
+        if self.kind == "skip":
+            return "skip" + (_ranges(list(self.steps)).replace(",", "_") if self.steps else str(step))
+        return self.name.replace("=", "_")
+
+    def skip_list(self, step: int) -> list[int]:
+        return sorted(self.steps) if self.steps else [step]
+
+
+#: kinds whose value ``diagnose --rerun`` may take from the ledger (:func:`ledger_values`)
+_VALUE_FROM_LEDGER = ("lr", "logit_cap", "beta2")
+
+
+def parse_variant(spec: str, allow_open: bool = False) -> Variant:
+    """``same``, ``skip``, ``skip=28-29``, ``lr=0.5``, ...; with ``allow_open``, ``lr``
+    and ``logit_cap`` without a value (filled in by :func:`ledger_values`)."""
+    kind, eq, val = spec.strip().partition("=")
+    if kind in ("same", "skip", "fp32", "swap") and not eq:
+        return Variant(kind)
+    if kind == "skip" and eq:
+        from titan_ledger.data.layout import parse_skip_steps
+        from titan_ledger.errors import TitanLedgerError as _E
+
+        try:
+            windows = parse_skip_steps(val)
+        except _E:
+            windows = []
+        if windows:
+            return Variant("skip", steps=tuple(s for a, b in windows for s in range(a, b + 1)))
+    if allow_open and kind in _VALUE_FROM_LEDGER and not eq:
+        return Variant(kind)
+    if kind in ("lr", "eps", "clip", "logit_cap", "beta2") and eq:
+        try:
+            v = float(val)
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v) and v > 0 and not (kind == "beta2" and v >= 1):
+            return Variant(kind, v)
+    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, beta2=X (< 1), "
+                     f"clip=X, logit_cap=X, fp32 (X > 0)")
+
+
+def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Variant:
+    """Fill in an open ``lr`` / ``logit_cap`` / ``beta2`` variant from the original's
+    signals and config (pure).
+
+    ``lr``: after an LR jump (``decision.lr_jump``: one step-to-step rise >= 2x and
+    the LR at the spike >= 2x its median over the ``PRE`` steps before), the scale that
+    undoes it (median / LR at T); otherwise 0.5.
+    ``logit_cap``: half the max attention logit at the spike, only when that logit is
+    >= diagnose's danger level (100); below it there is no growth to cap and a cap
+    at half an ordinary logit would remove almost any spike (value 0: not applicable).
+    ``beta2``: 0.95 for a run above it, else the run's (1 - beta2) doubled (0.9 for
+    torchtitan's default 0.95): v following the gradients twice as fast."""
+    if v.value is not None or v.kind not in _VALUE_FROM_LEDGER:
+        return v
+    at = next((r for r in rows if r["step"] == step), {})
+    if v.kind == "lr":
+        from titan_ledger.tools.decision import Thresholds, lj_hit, lr_jump
+
+        lj = lr_jump(rows, step, PRE)
+        if lj_hit(lj, Thresholds().lr_jump):
+            return Variant("lr", float(f"{1 / lj['lr_ratio']:.3g}"))
+        return Variant("lr", 0.5)
+    if v.kind == "beta2":
+        b2 = _beta2_of(config) if config is not None else 0.95
+        return Variant("beta2", 0.95 if b2 > 0.95 else float(f"{1 - 2 * (1 - b2):.4g}"))
+    from titan_ledger.tools.decision import Thresholds
+
+    ml = _num(at.get("max_logit"))
+    if ml is None or not math.isfinite(ml) or ml < Thresholds().logit_level:
+        return Variant("logit_cap", 0.0)  # no logit growth to cap: not applicable (variant_args)
+    return Variant("logit_cap", float(f"{0.5 * ml:.3g}"))
+
+
+def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
+    """Extra training flags and ``--ledger.rehearsal.rerun`` overrides of a variant; None when it
+    does not apply to this run (fp32 on an fp32 or CPU run)."""
+    if v.kind == "same":
+        return [], {}
+    if v.kind == "skip":
+        windows = [*config.ledger.skip.steps, *(str(s) for s in v.skip_list(step))]
+        return ["--ledger.skip.steps", ",".join(windows)], {}
+    if v.kind == "swap":
+        kept = [p for p in (config.ledger.rehearsal.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
+        return ["--ledger.rehearsal.inject", ",".join([*kept, f"{step}:0:swap"])], {}
+    if v.kind == "lr":
+        return [], {"lr_scale": v.value}
+    if v.kind == "eps":
+        return [], {"eps": v.value}
+    if v.kind == "logit_cap":
+        if not v.value:
+            return None  # ledger_values: the max logit at T is below the danger level
+        return [], {"logit_cap": v.value}
+    if v.kind == "beta2":
+        if v.value >= 1 or v.value >= _beta2_of(config):
+            return None  # the run's beta2 is already this low: nothing to change
+        return [], {"beta2": v.value}
+    if v.kind == "clip":
+        return ["--training.max_norm", f"{v.value:g}"], {}
+    if v.kind == "fp32":
+        if config.training.mixed_precision_param == "float32":
+            return None
+        return ["--training.mixed_precision_param", "float32"], {}
+    raise AssertionError(v)
+
+
+def _beta2_of(config) -> float:
+    """The first param group's Adam beta2 (torchtitan 0.3.0: optimizer_kwargs["betas"])."""
+    try:
+        return float(config.optimizer.param_groups[0].optimizer_kwargs.get("betas", (0.9, 0.999))[1])
+    except (AttributeError, IndexError, TypeError):
+        return 1.0
+
+
+def _num(x) -> float | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None

@@ -1,0 +1,93 @@
+"""The verdict: which cause the reruns' comparisons prove, with the evidence (pure)."""
+
+from __future__ import annotations
+
+from titan_ledger.tools.rerun.comparison import LOSS_EXCESS, MIN_RATIO, VariantResult
+from titan_ledger.tools.rerun.report import _fmt
+from titan_ledger.tools.rerun.variants import CAUSE_OF
+
+
+def verdict(results: list[VariantResult], step: int, heuristic: str | None = None) -> dict:
+    """Which cause the reruns prove, with the evidence (pure)."""
+    by = {r.kind: r for r in results if r.applicable and r.present is not None}
+    same = by.get("same")
+    evidence: list[str] = []
+    if any(r.original_spike is False for r in results):
+        # a counterfactual "removes" a spike only if there was one: at a quiet step every
+        # variant would look like a cure (skip first: "bad_data, proven")
+        o = next((r.original_at_step for r in results if r.original_at_step), None) or {}
+        evidence.append(f"step {step} is not a spike in the original run: not flagged, grad norm "
+                        f"{o.get('grad_norm')} under {MIN_RATIO:g}x its pre-spike median, loss {o.get('loss')} "
+                        f"under {1 + LOSS_EXCESS:g}x its median: there is nothing for a counterfactual to remove")
+        out = {"step": step, "cause": "unproven", "proven": False, "evidence": evidence, "not_a_spike": True}
+        if heuristic is not None:
+            out.update(heuristic=heuristic, heuristic_confirmed=False)
+        return out
+    for r in results:
+        if not r.applicable:
+            evidence.append(f"{r.variant}: not applicable ({r.note})")
+    cause, proven = None, False
+    if same is not None:
+        at, o = same.at_step or {}, same.original_at_step or {}
+        if not same.present:
+            cause, proven = "hardware", True
+            evidence.append(
+                f"same: NOT reproduced at step {step}: grad norm {at.get('grad_norm')} vs the original's "
+                f"{o.get('grad_norm')}; the rerun saw the same data from the same checkpoint"
+                + (f" and was bit-equal through step {_bit_equal_through(same)}" if same.bit_equal_steps else "")
+                + ": non-determinism or a hardware fault")
+        else:
+            evidence.append(f"same: reproduced at step {step} (grad norm {at.get('grad_norm')} vs "
+                            f"{o.get('grad_norm')}"
+                            + (", bit-equal" if step in same.bit_equal_steps else
+                               f", max relative difference {_fmt(same.max_rel_diff)}") + "): deterministic")
+    if cause is None:
+        gone = []
+        for kind, c in CAUSE_OF.items():
+            r = by.get(kind)
+            if r is None:
+                continue
+            at = r.at_step or {}
+            if r.present:
+                evidence.append(f"{r.variant}: still present (loss {at.get('loss')}, grad norm "
+                                f"{at.get('grad_norm')}, flagged {r.flagged or 'none'}): not {c}")
+            else:
+                gone.append(c)
+                what = ("step skipped; no spike in the steps after" if kind == "skip" else
+                        f"loss {at.get('loss')}, grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
+                evidence.append(f"{r.variant}: gone ({what}): {c}")
+        sw = by.get("swap")
+        if sw is not None and sw.swap:
+            f = sw.swap.get("follows")
+            evidence.append(f"swap: the anomaly (DP rank {sw.swap.get('original_rank')}) "
+                            + ("followed the data to DP rank " + str(sw.swap.get("rerun_rank")) + ": bad_data"
+                               if f == "data" else "stayed on DP rank " + str(sw.swap.get("rerun_rank"))
+                               + ": a rank-local fault (hardware)" if f == "rank"
+                               else f"went to DP rank {sw.swap.get('rerun_rank')}: inconclusive"))
+            if f == "data" and "bad_data" not in gone:
+                gone.append("bad_data")
+            elif f == "rank" and sw.present:
+                gone.append("hardware")
+        if gone:
+            cause = gone[0]
+            proven = same is not None and same.present
+            if same is None:
+                evidence.append("same was not run: the spike's reproducibility is not shown")
+        else:
+            cause = "unproven"
+    out = {"step": step, "cause": cause, "proven": proven, "evidence": evidence}
+    if heuristic is not None:
+        out["heuristic"] = heuristic
+        out["heuristic_confirmed"] = proven and cause == heuristic
+        if proven and cause != heuristic:
+            out["heuristic_wrong"] = True
+    return out
+
+
+def _bit_equal_through(r: VariantResult) -> int | None:
+    last = None
+    for row in r.steps:
+        if not row.get("bit_equal"):
+            break
+        last = row["step"]
+    return last
