@@ -28,8 +28,8 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-from titan_ledger.tools.replay import _free_port as free_port  # noqa: E402
-from titan_ledger.tools.replay import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
+from titan_ledger.tools.runs import _free_port as free_port  # noqa: E402
+from titan_ledger.tools.runs import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
 
 
 def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
@@ -121,8 +121,7 @@ def data_rows(dump: Path, dp_rank: int) -> dict[int, dict]:
 
 def data_ids(dump: Path) -> dict[int, dict[int, tuple]]:
     """{step: {dp_rank: sample ids}} (a skipped step: ``("skipped", *ids)``)."""
-    from titan_ledger.format.reader import DataLedger
-    from titan_ledger.tools.replay import step_ids
+    from titan_ledger.format.reader import DataLedger, step_ids
 
     return step_ids(DataLedger(Path(dump) / "ledger"))
 
@@ -149,7 +148,7 @@ def spike_events(dump: Path) -> list[dict]:
 
 
 def rejected_steps(dump: Path) -> list[int]:
-    """Steps listed in ``rejected_steps.jsonl`` (what ``--ledger.auto_skip`` reads)."""
+    """Steps listed in ``rejected_steps.jsonl`` (what ``--ledger.skip.auto`` reads)."""
     from titan_ledger.format.records import read_ledger
 
     return [r["step"] for r in read_ledger(Path(dump) / "ledger" / "rejected_steps.jsonl").history]
@@ -208,43 +207,38 @@ def logged_losses(text: str) -> dict[int, float]:
     return out
 
 
-def read_wandb_history(folder: Path) -> list[dict]:
-    """History rows of the W&B offline run(s) under ``folder``, read from the .wandb file.
+def wandb_files(folder: Path) -> list[Path]:
+    """The ``.wandb`` transaction logs of the W&B offline run(s) under ``folder``, in name order."""
+    return sorted(Path(folder).rglob("*.wandb"))
 
-    wandb 0.31 ships no reader, so this decodes its LevelDB-style log directly: a
-    7-byte file header, 32 KiB blocks of records (crc32 4, length 2, type 1:
-    1 full, 2 first, 3 middle, 4 last), each payload a ``wandb_internal_pb2.Record``.
-    """
+
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def wandb_records(path: Path) -> list[dict]:
+    """Every record of one W&B run, decoded by wandb's own reader: ``wandb leet inspect
+    --json PATH`` (PATH: a ``.wandb`` file or its run folder), one JSON object per record,
+    ``{"num": N, "type": T, T: payload}`` (a history payload: ``{"item": {key: value},
+    "step": {"num": N}}``, nested keys joined with ``.``; a summary: ``{"update": {...}}``)."""
     import json as _json
-    import struct
 
-    from wandb.proto import wandb_internal_pb2
+    wandb = Path(sys.executable).parent / "wandb"
+    p = subprocess.run([str(wandb), "leet", "inspect", "--json", str(path)], capture_output=True, text=True,
+                       timeout=120, env=child_env())
+    assert p.returncode == 0, f"wandb leet inspect --json {path}: rc={p.returncode}\n{p.stderr[-3000:]}"
+    recs = [_json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert recs and recs[0]["type"] == "header", (path, p.stdout[:500])
+    return recs
 
-    rows = []
-    for path in sorted(Path(folder).rglob("*.wandb")):
-        data = path.read_bytes()
-        assert data[:4] == b":W&B", path
-        pos, block, chunks = 7, 32768, []
-        while pos + 7 <= len(data):
-            left = block - pos % block
-            if left < 7:
-                pos += left
-                continue
-            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            payload = data[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind == 0 and length == 0:
-                pos += block - pos % block if pos % block else 0
-                continue
-            chunks.append(payload)
-            if kind in (1, 4):
-                rec = wandb_internal_pb2.Record()
-                rec.ParseFromString(b"".join(chunks))
-                chunks = []
-                if rec.WhichOneof("record_type") == "history":
-                    rows.append({(i.key or "/".join(i.nested_key)): _json.loads(i.value_json)
-                                 for i in rec.history.item})
-    return rows
+
+def read_wandb_history(folder: Path) -> list[dict]:
+    """History rows of the W&B offline run(s) under ``folder``, read with wandb's own reader
+    (:func:`wandb_records`). ``leet`` writes a non-finite number as the string ``"NaN"`` /
+    ``"Infinity"`` / ``"-Infinity"``: those come back as floats."""
+    files = wandb_files(folder)
+    assert files, f"no .wandb file under {folder}"
+    return [{k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in r["history"]["item"].items()}
+            for f in files for r in wandb_records(f) if r["type"] == "history"]
 
 
 def signal_keys() -> tuple[str, ...]:

@@ -84,18 +84,63 @@ def test_baton_runs_one_thread_at_a_time_in_schedule_order():
     assert seen == schedule
 
 
+BUSY_MS = 250.0  # the calibration's known cost: ~35% of a debug_cpu step, far above one step's noise
+
+
 @pytest.mark.slow
 def test_tiny_run_reports_both_instruments(tmp_path):
+    """Both instruments, one kept step each: every ledger span measured, and the paired
+    instrument finds the calibration's known cost (stock_busy: stock + BUSY_MS of CPU a
+    step; the third trainer adds no measurable time to the run)."""
     out = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ledger_cost.py"), "--repeats", "1",
-                           "--steps", "2", "--warmup", "1", "--direct-steps", "2", "--no-pin", "--json", str(out)],
+                           "--steps", "2", "--warmup", "1", "--direct-steps", "2", "--no-pin", "--variants",
+                           "stock_busy", "--busy-ms", str(BUSY_MS), "--json", str(out)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rep = json.loads(out.read_text())
-    comps = rep["direct"]["components"]
-    assert set(comps) == set(blc.COMPONENTS)
-    for c in comps.values():  # absent (None) or a real fraction
-        assert c is None or 0 <= c["fraction"] < 1
-    ratio = rep["paired"]["variants"]["ledger"]["cpu_ratio"]["ratio"]
-    assert 0.5 < ratio < 2
+    report = json.loads(out.read_text())
     assert "(a) direct" in proc.stdout and "(b) paired" in proc.stdout
+    assert f"calibration: {BUSY_MS:g} ms/step added" in proc.stdout
+    check_tiny_report(report)
+
+
+def check_tiny_report(report: dict) -> None:
+    """What the tiny run's report must hold (a function: it is also run on doctored reports)."""
+    # (a) direct: every component's span opened (all default features are on), each a real
+    # share of the step, and the union of the spans between the largest one and their sum
+    d = report["direct"]
+    assert d["steps"] == 1 and d["step_cpu_s_median"] > 0
+    comps = d["components"]
+    assert set(comps) == set(blc.COMPONENTS) and d["other_spans"] == []
+    absent = [c for c in blc.COMPONENTS if comps[c] is None]
+    assert not absent, f"spans that never opened: {absent}"
+    for name, c in comps.items():
+        assert 0 < c["fraction"] < 1 and c["calls"] >= 1, (name, c)
+        assert math.isclose(c["ms_per_step"], 1e3 * c["fraction"] * d["step_cpu_s_median"], rel_tol=1e-6), (name, c)
+    fractions = [c["fraction"] for c in comps.values()]
+    assert max(fractions) <= d["total_present"] <= sum(fractions) + 1e-9, (d["total_present"], fractions)
+    assert d["total_present"] < 0.5, d["total_present"]
+
+    # (b) paired: the numbers are the kept (post-warm-up) step's, the ratio is theirs, and the
+    # calibration's known added cost is found
+    p = report["paired"]
+    (rep,) = p["repeats"]
+    for v in ("stock", "ledger", "stock_busy"):
+        assert len(rep[v]["steps_cpu_s"]) == 2 and rep[v]["cpu_s"] == rep[v]["steps_cpu_s"][1], (v, rep[v])
+    var = p["variants"]
+    for v in ("ledger", "stock_busy"):
+        r = var[v]["cpu_ratio"]
+        assert r["n"] == 1 and "ci95_t" not in r  # one repeat: no interval claimed
+        assert math.isclose(r["ratio"], rep[v]["cpu_s"] / rep["stock"]["cpu_s"], rel_tol=1e-9), (v, r)
+        assert math.isclose(var[v]["step_pair_ratio"]["median"], r["ratio"], rel_tol=1e-9)
+    cal = var["stock_busy"]
+    assert cal["busy_ms"] == BUSY_MS
+    assert math.isclose(cal["expected_cpu_ratio"], 1 + BUSY_MS / 1e3 / var["stock"]["cpu_s_median"], rel_tol=1e-9)
+    found_ms = 1e3 * (rep["stock_busy"]["cpu_s"] - rep["stock"]["cpu_s"])
+    assert abs(found_ms - BUSY_MS) <= 0.25 * BUSY_MS, (found_ms, cal)  # (stock and stock_busy step alike)
+    assert abs(cal["cpu_ratio"]["ratio"] - cal["expected_cpu_ratio"]) <= 0.25 * (cal["expected_cpu_ratio"] - 1), cal
+    # the ledger does strictly more work than stock (max_logit alone is ~9% of a CPU step):
+    # one step's noise (a few %, as the calibration shows) cannot make it 5% cheaper; and the
+    # two instruments agree on its cost within 20 points
+    ratio = var["ledger"]["cpu_ratio"]["ratio"]
+    assert 0.95 <= ratio <= 1 + d["total_present"] + 0.2, (ratio, d["total_present"])

@@ -1,20 +1,21 @@
 """Dashboards end to end: ONE short run (W&B offline + TensorBoard, a spike injected at
 step 10, in-process rollback to checkpoint step-8), read back with wandb's own reader
-(``wandb leet inspect --json``), TensorBoard's EventAccumulator, and the incident page
-opened in headless chromium."""
+(``wandb leet inspect --json``, tests/helpers.py), TensorBoard's EventAccumulator, and the
+incident page opened in headless chromium (installed by .ci/run; its signals plot checked
+for legibility)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import CONFIGS, explain, torchrun
+from tests.helpers import CONFIGS, explain, torchrun, wandb_files, wandb_records
 from titan_ledger.format.reader import RunLedger
 
 pytestmark = pytest.mark.slow
@@ -40,25 +41,14 @@ def run(tmp_path_factory):
     return dump, toml
 
 
-def wandb_records(dump: Path) -> list[dict]:
-    """Every record of the offline run, decoded by wandb's own ``leet inspect --json``."""
-    (run_dir,) = list(dump.glob("tb/*/wandb/offline-run-*"))
-    wandb = Path(sys.executable).parent / "wandb"
-    p = subprocess.run([str(wandb), "leet", "inspect", "--json", str(run_dir)], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
-
-
 def test_wandb_steps_identity_summaries_alerts(run):
     dump, toml = run
-    recs = wandb_records(dump)
+    (log,) = wandb_files(dump)  # one offline run: the rollback resumed it, no second run
+    assert log.parent.parent.name == "wandb" and log.parent.name.startswith("offline-run-")
     kinds = {}
-    for r in recs:
+    for r in wandb_records(log):
         kinds.setdefault(r["type"], []).append(r[r["type"]])
-    hist = [{i.get("key") or "/".join(i.get("nested_key", [])): json.loads(i["value_json"])
-             for i in h["item"]} if "item" in h and isinstance(h["item"], list) else h["item"]
-            for h in kinds["history"]]
+    hist = [h["item"] for h in kinds["history"]]
     steps = [h["_step"] for h in hist]
     assert steps == sorted(set(steps)), steps  # strictly increasing
     led = RunLedger(dump)
@@ -72,18 +62,19 @@ def test_wandb_steps_identity_summaries_alerts(run):
     spike_row = next(h for h in hist if h.get("spike/flag") == 1.0)
     assert spike_row["train/step"] == 10 and spike_row["rollback/to_step"] == 8
     assert spike_row["rollback/skip_first"] == 9 and spike_row["spike/loss_max_rank"] == 1
-    assert any("spike/events" in h or "spike" in h and isinstance(h["spike"], dict) for h in hist) or \
-        any(f["path"].startswith("media/table/spike/events") for fs in kinds["files"] for f in fs["files"])
+    # the spike events table: logged on the spike's row, saved with the run, holding step 10
+    assert spike_row["spike/events._type"] == "table-file" and spike_row["spike/events.nrows"] == 1
+    table = spike_row["spike/events.path"]
+    assert table in {f["path"] for fs in kinds["files"] for f in fs["files"]}
+    events = json.loads((log.parent / "files" / table).read_text())
+    assert [r[events["columns"].index("step")] for r in events["data"]] == [10]
     keys = set().union(*hist)
     assert not keys & {"loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm"}
     assert not any(k.startswith("lr/") for k in keys) and "ledger/lr" in keys and "train/consumed_tokens" in keys
     # summaries: max grad norm is the spike's, not the last step's
     summary = {}
     for s in kinds["summary"]:
-        for it in s.get("update", []) if isinstance(s.get("update"), list) else []:
-            summary[it.get("key") or "/".join(it["nested_key"])] = json.loads(it["value_json"])
-        if isinstance(s.get("update"), dict):
-            summary.update(s["update"])
+        summary.update(s["update"])
     gmax = max(r["grad_norm"] for r in rows.history + rows.superseded if r.get("grad_norm") is not None)
     assert summary["ledger/grad_norm"] == {"max": pytest.approx(gmax)}
     assert "min" in summary["ledger/loss"] and "max" in summary["ledger/max_logit"]
@@ -124,27 +115,68 @@ def test_tensorboard_layout_and_rewind_subrun(run):
         [r["step"] for r in led.trained_rows() if r["step"] > last]
 
 
+PROBE = """<script>addEventListener('load', () => {
+  const pre = document.createElement('pre'); pre.id = 'probe';
+  pre.textContent = JSON.stringify([...document.images].map(i => {
+    const r = i.getBoundingClientRect(), cs = getComputedStyle(i);
+    const border = parseFloat(cs.borderLeftWidth) + parseFloat(cs.borderRightWidth);
+    return {alt: i.alt, complete: i.complete, natural: [i.naturalWidth, i.naturalHeight],
+            shown: [r.width - border, r.height - border]}; }));
+  document.body.appendChild(pre); });</script>"""
+
+
+def _png_size(b64: str) -> list[int]:
+    import base64
+    import struct
+
+    head = base64.b64decode(b64[:64])
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return list(struct.unpack(">II", head[16:24]))
+
+
 def test_incident_report_renders_in_chromium(run, tmp_path):
-    from titan_ledger.tools.report import main
+    """The page, and its signals plot legible: against the figure as saved (each panel's
+    height, legends off the data, spike labels short and in place) and as chromium shows it."""
+    from tests.unit.test_plot import MIN_PANEL_PX, assert_legible
+    from titan_ledger.tools.report import report
 
     dump, _ = run
     out = tmp_path / "incident.html"
-    assert main([str(dump), "--step", "10", "-o", str(out), "--back", "1", "--skip", "2"]) == 0
+    info = report(dump, 10, out, back=1, skip=2)
     page = out.read_text()
     assert "Incident: loss spike at step 10" in page and "injected batch" in page
     assert "--checkpoint.load_step 8" in page or "load checkpoint" in page
+    layout = info["signals_plot"]["layout"]
+    assert_legible(layout, [10])
+    assert all(p["lines"] for p in layout["panels"]), layout["panels"]  # every signal drawn
+    (signals_b64,) = re.findall(r'alt="signals around step 10" src="data:image/png;base64,([^"]+)"', page)
+    assert _png_size(signals_b64) == layout["size_px"]  # the layout is the embedded image's
     if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
         pytest.skip("chromium is not installed (apt-get install chromium); the page was checked as HTML only")
     flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
              f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
-    # images decoded: a script-free probe page would need JS; use the DOM + a screenshot instead
-    dom = subprocess.run(flags + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
+    # the page has no script; a copy with a probe reports each image's decoded and shown size
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    dom = subprocess.run(flags + ["--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "Rollback plan" in dom.stdout and len(re.findall(r"<img ", dom.stdout)) >= 2
+    m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
+    assert m, dom.stdout[-2000:]
+    imgs = {i["alt"]: i for i in json.loads(m.group(1))}
+    sig = imgs["signals around step 10"]
+    assert sig["complete"] and sig["natural"] == layout["size_px"], sig  # decoded, at its own size
+    scale = sig["shown"][1] / sig["natural"][1]
+    assert abs(sig["shown"][0] / sig["natural"][0] - scale) < 0.01, sig  # not distorted
+    assert scale > 0.95, sig  # shown at (about) its own size in a 1200 px window
+    assert_legible(layout, [10], scale=scale)  # each panel >= MIN_PANEL_PX CSS pixels on screen
+    assert min(p["axes"][3] - p["axes"][1] for p in layout["panels"]) * scale >= MIN_PANEL_PX
+    assert imgs["per-rank losses"]["complete"] and imgs["per-rank losses"]["natural"][0] > 0
     shot = tmp_path / "incident.png"
-    p = subprocess.run(flags + ["--window-size=1200,4000", f"--screenshot={shot}", out.as_uri()],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(flags + [f"--screenshot={shot}", out.as_uri()], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and shot.stat().st_size > 50_000, p.stderr[-2000:]
     console = [ln for ln in (dom.stderr + p.stderr).splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert not console, console

@@ -4,8 +4,11 @@ tests/e2e/test_dashboards_e2e.py (a real run's page in headless chromium)."""
 
 from __future__ import annotations
 
+import base64
 import re
+import struct
 
+from tests.unit.test_plot import assert_legible
 from titan_ledger.format import records
 from titan_ledger.tools.report import main, report
 
@@ -38,6 +41,13 @@ def test_page_has_every_section_and_inlined_images(tmp_path):
                   "Rerun results", "Rollback plan"):
         assert f"<h2>{title}</h2>" in page, title
     assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', page)) >= 1
+    # the signals plot embedded is the one plot() laid out, and it is legible
+    (b64,) = re.findall(r'alt="signals around step 5" src="data:image/png;base64,([^"]+)"', page)
+    png = base64.b64decode(b64)
+    layout = info["signals_plot"]["layout"]
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and list(struct.unpack(">II", png[16:24])) == layout["size_px"]
+    assert layout["size_px"][0] == 1100  # the page's width: shown at its own size
+    assert_legible(layout, [5])
     assert not re.search(r'(src|href)="(https?:|file:|/)', page)  # self-contained
     assert "Q0 divergence" in page and "Q5 bf16" in page  # every question, with numbers
     assert "no data ledger" in page and "does not exist or is empty" in page  # missing inputs said

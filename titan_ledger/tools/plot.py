@@ -3,10 +3,13 @@
 Design decision: read the same ledger files as every other tool (signals.jsonl,
 spikes.jsonl) and draw six panels against step -- loss (average and worst DP
 rank), pre-clip grad norm, param norm, max attention logit, zeros in grads, LR --
-with spikes as red lines labelled with their rules and worst DP rank, skipped windows
-shaded, rows a rollback (or resume) superseded drawn faintly, and the clip threshold
-``max_norm`` as a dashed line on the grad-norm panel (pre- and post-clip norms). Long runs are decimated to
-a min/max envelope per pixel column, so a 10^6-row ledger draws as fast as a
+with spikes as red lines (their steps in red above the first panel, their rules and worst
+DP rank in the title), skipped windows shaded, rows a rollback (or resume) superseded drawn
+faintly, and the clip threshold ``max_norm`` as a dashed line on the grad-norm panel (pre-
+and post-clip norms). Legibility: a fixed height per panel (the figure grows with the
+panels, constrained layout, no gaps) and legends right of the panels, never over the data;
+``plot`` returns where everything landed (``layout``), which the tests check. Long runs are
+decimated to a min/max envelope per pixel column, so a 10^6-row ledger draws as fast as a
 short one and a single-step spike is never averaged away.
 
 Examples::
@@ -34,6 +37,9 @@ PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
           ("zeros in grads\n(elements)", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
 KEYS = ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit", "num_zeros", "lr")
 LABELS = {"loss": "avg", "loss_max": "worst DP rank", "grad_norm": "pre-clip", "grad_norm_clipped": "post-clip"}
+DPI = 100
+PANEL_PX = 170  # figure height per panel (the axes get ~157 px of it: legible, no tall gaps)
+HEAD_PX = 90  # the two-line title and the x axis label
 
 
 def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -90,42 +96,119 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
               if (from_step is None or e["step"] >= from_step) and (to_step is None or e["step"] <= to_step)]
     spikes = sorted({int(e["step"]) for e in events})
     old = rolled_back(led, from_step, to_step)
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(width_px / 100, 2.0 * len(PANELS)), sharex=True,
-                             dpi=100)
+    fig, axes = plt.subplots(len(PANELS), 1, sharex=True, dpi=DPI, layout="constrained",
+                             figsize=(width_px / DPI, (PANEL_PX * len(PANELS) + HEAD_PX) / DPI))
     x = cols["step"]
+    series: list[list] = []  # per panel: the data lines drawn (what a legend must not cover)
     for ax, (title, scale, keys) in zip(axes, PANELS):
+        drawn = []
         for k in keys:
             y = cols[k]
             if not np.isfinite(y).any():
                 continue
             ex, ey = envelope(x, y, width_px)
-            line, = ax.plot(ex, ey, lw=0.8, label=LABELS.get(k, k))
+            line, = ax.plot(ex, ey, lw=0.8, label=_label(k))
+            drawn.append(line)
             if k in old and np.isfinite(old[k]).any():  # rows a rollback or resume superseded
-                ax.plot(old["step"], old[k], ls="none", marker="o", ms=3, alpha=0.35,
-                        color=line.get_color(), label=f"{LABELS.get(k, k)}, rolled back")
+                dots, = ax.plot(old["step"], old[k], ls="none", marker="o", ms=3, alpha=0.35,
+                                color=line.get_color(), label=f"{_label(k)}, rolled back")
+                drawn.append(dots)
         if "grad_norm" in keys and max_norm is not None:
             ax.axhline(max_norm, color="black", lw=0.8, ls="--", label=f"max_norm {max_norm:g}")
         if scale == "log":
             ax.set_yscale("log")
         ax.set_ylabel(title, fontsize=8)
+        ax.tick_params(labelsize=8)
         for a, b in windows:
             ax.axvspan(a - 0.5, b + 0.5, color="0.8", alpha=0.6, lw=0)
         for s in spikes:
             ax.axvline(s, color="red", lw=0.8, alpha=0.7)
-        if len(keys) > 1 or any(k in old for k in keys):
-            ax.legend(fontsize=7, loc="upper right")
-    for label_step, text in spike_labels(events):
-        axes[0].annotate(text, (label_step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
-                         color="red", rotation=90, va="top", ha="right")
-    axes[-1].set_xlabel("step (one global batch each)")
-    axes[0].set_title(f"{dump_folder}: {len(x)} trained steps, {len(spikes)} spikes (red), "
-                      f"{len(windows)} skipped windows (grey), {len(old.get('step', ()))} rolled-back "
-                      f"rows (faint)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out)
+        if len(ax.get_legend_handles_labels()[0]) > 1:
+            # outside the data, right of the panel: a legend never covers a line
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0,
+                      frameon=False)
+        series.append(drawn)
+    if spikes:
+        # each spike's step as a red tick label on the top edge of the first panel: short,
+        # attached to its line, outside the data; rules and ranks are in the title
+        top = axes[0].secondary_xaxis("top")
+        shown = thin_labels(spikes, x, width_px)
+        top.set_xticks(shown, labels=[str(s) for s in shown])
+        top.tick_params(axis="x", colors="red", labelsize=7, length=3, pad=1)
+    axes[-1].set_xlabel("step (one global batch each)", fontsize=8)
+    budget = int(width_px / 6.5)  # characters of 8-9 pt text that fit the figure's width
+    head = (f"{len(x)} trained steps, {len(spikes)} spikes (red), {len(windows)} skipped windows (grey), "
+            f"{len(old.get('step', ()))} rolled-back rows (faint dots)")
+    name = str(dump_folder)
+    if len(name) + len(head) + 2 > budget:
+        name = "..." + name[-max(8, budget - len(head) - 5):]
+    lines = [f"{name}: {head}"]
+    if events:
+        lines.append(_fit("spikes: " + "; ".join(t for _, t in spike_labels(events)), budget))
+    axes[0].set_title("\n".join(lines), fontsize=8)
+    fig.savefig(out, dpi=DPI)
+    layout = figure_layout(fig, axes, series)
     plt.close(fig)
     return {"rows": int(len(x)), "spikes": len(spikes), "skipped_windows": len(windows), "out": str(out),
-            "rolled_back_rows": int(len(old.get("step", ()))), "max_norm": max_norm}
+            "rolled_back_rows": int(len(old.get("step", ()))), "max_norm": max_norm, "layout": layout}
+
+
+def _label(key: str) -> str:
+    return LABELS.get(key, key.replace("_", " "))
+
+
+def _fit(text: str, budget: int) -> str:
+    return text if len(text) <= budget else text[:budget - 12].rsplit("; ", 1)[0] + "; ... (more)"
+
+
+def thin_labels(spikes: list[int], x: np.ndarray, width_px: int) -> list[int]:
+    """The spikes to label: at most one per label width (7 px a digit, plus a gap) of the
+    x axis, so no two labels overprint; every spike's red line is drawn regardless."""
+    lo, hi = float(np.nanmin(x)), float(np.nanmax(x))
+    min_px = 7 * len(str(int(max(spikes)))) + 10
+    gap = (hi - lo) * min_px / max(width_px, 1)
+    out: list[int] = []
+    for s in spikes:
+        if not out or s - out[-1] >= gap:
+            out.append(s)
+    return out
+
+
+def figure_layout(fig, axes, series: list[list]) -> dict:
+    """Where things landed in the saved image, in pixels from its top-left corner
+    (``[x0, y0, x1, y1]``): each panel's axes, its legend (``None`` if it has none),
+    the extent of each data line it draws, and the spike labels. What the tests check
+    legibility against: panel heights, legends off the data, labels inside the figure."""
+    renderer = fig.canvas.get_renderer()
+    height = fig.bbox.height
+
+    def box(b) -> list[float]:
+        return [round(float(v), 1) for v in (b.x0, height - b.y1, b.x1, height - b.y0)]
+
+    def extent(line) -> list[float] | None:
+        xy = np.column_stack([np.asarray(line.get_xdata(), dtype=np.float64),
+                              np.asarray(line.get_ydata(), dtype=np.float64)])
+        xy = xy[np.isfinite(xy).all(axis=1)]
+        if not len(xy):
+            return None
+        px = line.get_transform().transform(xy)
+        return [round(float(v), 1) for v in (px[:, 0].min(), height - px[:, 1].max(), px[:, 0].max(),
+                                             height - px[:, 1].min())]
+
+    panels = []
+    for ax, drawn, (title, _, _) in zip(axes, series, PANELS):
+        leg = ax.get_legend()
+        lines = {ln.get_label(): extent(ln) for ln in drawn}
+        panels.append({"name": title.split("\n")[0], "axes": box(ax.get_window_extent(renderer)),
+                       "legend": box(leg.get_window_extent(renderer)) if leg is not None else None,
+                       "lines": {k: v for k, v in lines.items() if v is not None}})
+    labels = []
+    for child in axes[0].child_axes:  # the spike labels' top axis
+        for t in child.xaxis.get_ticklabels():
+            if t.get_visible() and t.get_text():
+                labels.append({"text": t.get_text(), "box": box(t.get_window_extent(renderer))})
+    return {"size_px": [round(fig.bbox.width), round(height)], "panels": panels, "spike_labels": labels,
+            "title": box(axes[0].title.get_window_extent(renderer))}
 
 
 def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | None = None) -> dict:
@@ -164,7 +247,7 @@ def spike_labels(events: list[dict]) -> list[tuple[int, str]]:
     """One label per flagged step: its rules and the worst DP rank."""
     out = {}
     for e in events:
-        rules = ",".join(e.get("rules", []))
+        rules = ", ".join(e.get("rules", []))
         out[int(e["step"])] = f"{e['step']}: {rules} (DP rank {e.get('loss_max_rank')})"
     return sorted(out.items())
 

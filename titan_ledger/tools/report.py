@@ -4,7 +4,7 @@ Design decision: one self-contained HTML file per spike (no scripts, no external
 resources; images are PNGs inlined as base64), built only from what the run left on
 disk, read through :class:`titan_ledger.format.reader.RunLedger`: the signals around the
 spike (the ``plot`` panels, rolled-back rows faint), each rank's own loss
-(``rank<r>.jsonl``), the diagnosis (``diagnose.classify``, every question with its
+(``rank<r>.jsonl``), the diagnosis (``decision.classify``, every question with its
 numbers), the documents of the worst DP rank at the spike (the data ledger, with
 per-document losses when the run recorded them), rerun results
 (``<ledger>/rerun/``, when present), and the rollback plan (``rollback.plan``) with
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from titan_ledger.errors import ConfigError, LedgerError, TitanLedgerError
+from titan_ledger.errors import ConfigError, LedgerCorrupt, LedgerError, TitanLedgerError
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -77,7 +77,9 @@ class _Raw(str):
 # --------------------------------------------------------------------------- sections
 
 
-def signals_section(led: RunLedger, step: int, around: int) -> str:
+def signals_section(led: RunLedger, step: int, around: int) -> tuple[str, dict]:
+    """The signals panels around the spike (the PNG 1100 px wide, the page's width: shown at
+    its own size in a window that wide) and ``plot``'s info (its ``layout`` included)."""
     from titan_ledger.tools.plot import plot
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +90,7 @@ def signals_section(led: RunLedger, step: int, around: int) -> str:
     return (f"<h2>Signals around step {step}</h2>" + _img(b64, f"signals around step {step}") +
             f"<p>Steps {max(1, step - around)}-{step + around}: {info['rows']} trained steps, "
             f"{info['rolled_back_rows']} rolled-back rows (faint), {info['skipped_windows']} skipped "
-            f"windows (grey), clip threshold max_norm {info['max_norm']}.</p>")
+            f"windows (grey), clip threshold max_norm {info['max_norm']}.</p>"), info
 
 
 def ranks_section(led: RunLedger, step: int, around: int) -> str:
@@ -100,7 +102,7 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     at = []
     for r, rows in sorted(per.items()):
         sel = [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None]
@@ -111,8 +113,8 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     ax.axvline(step, color="red", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("local loss (nats/token)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0,
+              frameon=False)  # right of the data, as on the signals panels: never over a line
     b64 = _png(fig)
     plt.close(fig)
     return ("<h2>Per-rank losses</h2>" + _img(b64, "per-rank losses") +
@@ -121,7 +123,7 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
 
 
 def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
-    from titan_ledger.tools.diagnose import classify
+    from titan_ledger.tools.decision import classify
 
     rows = led.rows_as_of(step)
     if rows is None:
@@ -160,6 +162,8 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
     head = "<h2>Documents of the worst DP rank</h2>"
     try:
         data = led.data
+    except LedgerCorrupt:
+        raise  # a section may say its input is missing, never read around a corrupt one
     except LedgerError as e:
         return head + f"<p class='none'>no data ledger: {_e(e)}</p>"
     rank = worst if worst is not None and worst in data.history else None
@@ -267,16 +271,18 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
     summary = _table(["step", "loss", "worst DP rank loss", "worst DP rank", "grad norm", "max logit", "lr"],
                      [[step, at.get("loss"), at.get("loss_max"), worst, at.get("grad_norm"),
                        at.get("max_logit"), at.get("lr")]])
+    signals, plot_info = signals_section(led, step, around)
     body = [f"<h1>Incident: loss spike at step {step}</h1>",
             f"<p>Run <code>{_e(led.dump_folder)}</code>; {_e(flagged)}.</p>", summary,
-            signals_section(led, step, around), ranks_section(led, step, around), diag,
+            signals, ranks_section(led, step, around), diag,
             documents_section(led, step, worst), rerun_section(led, step),
             rollback_section(led, step, back, skip)]
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<title>titan_ledger incident: step {step}</title><style>{CSS}</style></head><body>"
             + "".join(body) + "</body></html>")
     Path(out).write_text(page, encoding="utf-8")
-    return {"step": step, "out": str(out), "cause": res["cause"] if res else None, "bytes": len(page)}
+    return {"step": step, "out": str(out), "cause": res["cause"] if res else None, "bytes": len(page),
+            "signals_plot": plot_info}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(a) -> int:
-    from titan_ledger.tools.diagnose import spike_steps
+    from titan_ledger.tools.decision import spike_steps
 
     out = Path(a.out)
     if not out.parent.is_dir():
