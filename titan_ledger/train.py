@@ -43,7 +43,7 @@ from titan_ledger.config.toml_frontend import (
     read_job,
     world_size_from_env,
 )
-from titan_ledger.errors import TitanLedgerError, fail_line
+from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line, os_error_line
 from titan_ledger.rehearsal import backend
 
 PROG = "titan_ledger.train"
@@ -53,17 +53,111 @@ LOG_RANKS_ENV = "TITAN_LEDGER_LOG_RANKS"
 log = logging.getLogger("titan_ledger.train")
 
 
-def load_config(argv: list[str]):
-    """Command line (+ TOML) -> validated LedgerTrainer config. Raises ConfigError."""
+def load_config(argv: list[str], *, files: bool = True):
+    """Command line (+ TOML) -> validated LedgerTrainer config. Raises ConfigError.
+
+    Every check of the launch is here, before anything is written (``run`` calls this
+    first). ``files=False`` leaves out :func:`check_files` (``titan_ledger.launch`` checks
+    the dump folder's lock first and then calls it)."""
     job = read_job(argv)
     backend.install(job.device)
     config = parse(job)
     check_world_size(config, world_size_from_env(config))
     check_plan(config, world_size_from_env(config))
+    check_ranks(config)
+    if files:
+        check_files(config, world_size_from_env(config))
     if config.comm.mode == "fake_backend" and backend.installed() == "cpu":
         # A dry run must not touch a GPU; it only builds.
         config.training.disable_cuda_graphs = True
     return config, job
+
+
+def check_ranks(config) -> None:
+    """A multi-process world needs its ranks started by torchrun (or the launcher), which
+    sets RANK and LOCAL_RANK; without them torchtitan fails deep in device selection."""
+    if config.comm.mode in ("fake_backend", "local_tensor"):
+        return
+    world = world_size_from_env(config)
+    missing = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
+    if world > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={world} is set but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not: start the {world} ranks with "
+                          f"python -m titan_ledger.launch --nproc {world} -- <these flags> (or torchrun)")
+
+
+def check_dump_folder_path(dump_folder) -> None:
+    """``--dump_folder`` must be a folder this process can create and write, checked
+    before anything is written there (structured logs, ledgers, checkpoints)."""
+    p = Path(dump_folder)
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == p else f"has a file in its path ({probe})"
+        raise ConfigError(f"--dump_folder {p}: {where}; give a folder path")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--dump_folder {p}: {probe} is not writable by this user; choose another "
+                          f"--dump_folder or fix its permissions")
+
+
+def check_files(config, world_size: int) -> None:
+    """What the ranks would otherwise refuse only after torchrun started them, checked
+    from files on every rank (and in ``titan_ledger.launch``) before any process group,
+    read-only: the tokenizer folder, every input file of the dataloader
+    (``LedgerDataLoader`` configs: ``loader.check_inputs``), and the run already in the
+    dump folder (:func:`check_dump_folder_run`)."""
+    from titan_ledger.data.loader import LedgerDataLoader, check_inputs
+
+    dry = config.comm.mode == "fake_backend"
+    check_tokenizer_path(config)
+    if isinstance(config.dataloader, LedgerDataLoader.Config):
+        check_inputs(config.dataloader, dry_run=dry)
+    if not dry and config.comm.mode != "local_tensor":
+        check_dump_folder_run(config, world_size)
+
+
+def check_tokenizer_path(config) -> None:
+    """``--hf_assets_path`` holds a tokenizer torchtitan's ``HuggingFaceTokenizer`` can load
+    (it raises a FileNotFoundError naming no file, on every rank, after the process group)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    if not isinstance(getattr(config, "tokenizer", None), HuggingFaceTokenizer.Config):
+        return
+    p = Path(config.hf_assets_path)
+    if not p.is_dir():
+        raise ConfigError(f"--hf_assets_path {p}: no such folder (it holds the tokenizer: "
+                          f"tokenizer.json)")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "vocab.txt")):
+        raise ConfigError(f"--hf_assets_path {p}: no tokenizer.json (nor vocab.json / vocab.txt) "
+                          f"in this folder")
+
+
+def check_dump_folder_run(config, world_size: int) -> None:
+    """The dump folder holds this run or none (``ledger.claim_dump_folder``, read-only, with
+    the rules of the check rank 0 repeats at setup): seq_len, global batch and the data
+    fingerprint (``loader.data_fingerprint``: source, tokenizer, seq_len, seed; computed
+    only when the folder holds a data ledger to compare with). ``--ledger.new_run`` (rank 0
+    moves the old run aside at setup) and ``--ledger.allow_data_change`` skip it."""
+    led = getattr(config, "ledger", None)
+    if led is None or led.new_run or led.allow_data_change:
+        return
+    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
+
+    t = config.training
+    dp = dp_size_of(config, world_size)
+    gb = t.global_batch_size if getattr(t, "global_batch_size", -1) > 0 else t.local_batch_size * dp
+    layout = {"seq_len": t.seq_len, "global_batch": gb}
+    if isinstance(config.dataloader, LedgerDataLoader.Config):
+        def fingerprint():
+            tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+            return data_fingerprint(config.dataloader, tokenizer, t.seq_len, dp)
+
+        layout["fingerprint"] = fingerprint
+    claim_dump_folder(config.dump_folder, led.folder, layout, read_only=True,
+                      checkpoint_folder=config.checkpoint.folder,
+                      checkpoint_enabled=config.checkpoint.enable)
 
 
 def dp_size_of(config, world_size: int) -> int:
@@ -81,6 +175,8 @@ def check_plan(config, world_size: int) -> None:
     """Checks of values against each other that tyro cannot make, before any process
     group (so torchrun, ``titan_ledger.launch`` and the tests see the same line)."""
     t = config.training
+    if config.comm.mode != "fake_backend":
+        check_dump_folder_path(config.dump_folder)
     for key in ("steps", "local_batch_size", "seq_len"):
         v = getattr(t, key, None)
         if isinstance(v, int) and v < 1:
@@ -357,6 +453,13 @@ def main(argv: list[str] | None = None) -> None:
         if _rank() == 0:  # every rank raises the same bad input; say it once
             print(fail_line(PROG, e), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except OSError as e:  # a dump folder, config or corpus path that cannot be used
+        line = os_error_line(e)
+        if line is None:
+            raise
+        if _rank() == 0:
+            print(fail_line(PROG, line), file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 def run(argv: list[str]) -> None:
@@ -392,7 +495,16 @@ def run(argv: list[str]) -> None:
 
     trainer = None
     trained = False
+    lock = None
     try:
+        if not dry_run and config.comm.mode != "local_tensor" and _rank() == 0:
+            # CHANGED from torchtitan: one live run per dump folder, before the first write
+            from titan_ledger.components import run_lock
+
+            lock, stale = run_lock.acquire(config.dump_folder)
+            if stale is not None:
+                log.warning(f"titan_ledger: took over the stale lock of {stale.describe()} in "
+                            f"{config.dump_folder} (that process is gone)")
         if config.comm.mode == "local_tensor":
             logger.info("Local tensor mode enabled - skipping training execution")
             return
@@ -418,9 +530,13 @@ def run(argv: list[str]) -> None:
     except Exception:  # CHANGED from torchtitan: TitanLedgerError goes up to main
         if trainer:
             trainer.close()
+        if lock is not None:
+            run_lock.release(lock)
         raise
     else:
         trainer.close()
+        if lock is not None:  # every file of this run is closed
+            run_lock.release(lock)
         if torch.distributed.is_initialized():
             if trained and is_ledger:  # CHANGED from torchtitan: every rank's rows are on disk
                 # NCCL warns about guessing the device unless it is named

@@ -72,6 +72,23 @@ def with_run(fn=None, **kw):
     return setup
 
 
+def debug_fingerprint() -> str:
+    """The data fingerprint debug_cpu.toml's run has (the bundled corpus and tokenizer, seq 256)."""
+    from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
+    from titan_ledger.data.prepare import default_tokenizer_dir, load_tokenizer
+
+    corpus = ROOT / "titan_ledger" / "assets" / "corpus"
+    return data_fingerprint(LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(corpus)),
+                            load_tokenizer(default_tokenizer_dir()), 256, 2)
+
+
+def with_debug_run(**kw):
+    """``with_run`` whose ledger holds debug_cpu's own data fingerprint (computed at setup)."""
+    def setup(t):
+        make_run(t / "run", fingerprint=debug_fingerprint(), **kw)
+    return setup
+
+
 def two_runs(fn=None, **kw_b):
     """Setup for ``replay check``: t/a complete, t/b complete (``make_run(**kw_b)``) then ``fn``."""
     def setup(t):
@@ -456,7 +473,8 @@ CASES = [
     ("launch-bad-nnodes", "launch", None, ["--nproc", "2", "--nnodes", "x", "--", "--job.config_file", DEBUG], 2, ["--nnodes"]),
     ("launch-dump-folder-other-seq-len", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128"], 2, ["{t}/run", "seq_len 256", "128", "--ledger.new_run"]),
     ("launch-dump-folder-other-global-batch", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.local_batch_size", "2"], 2, ["{t}/run", "global_batch 8", "4", "--ledger.new_run"]),
-    ("launch-dump-folder-same-layout", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 0, ["titan_ledger.train"]),
+    ("launch-dump-folder-same-layout", "launch", with_debug_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 0, ["titan_ledger.train"]),
+    ("launch-dump-folder-other-fingerprint", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run"], 2, ["{t}/run", "fingerprint 'fp-a'", "--ledger.new_run"]),
     ("launch-dump-folder-new-run", "launch", with_run(mbs=4, checkpoints=()), ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG, "--job.dump_folder", "{t}/run", "--training.seq_len", "128", "--ledger.new_run"], 0, ["--ledger.new_run"]),
     ("launch-ok-print", "launch", None, ["--nproc", "2", "--print", "--", "--job.config_file", DEBUG], 0, ["torch.distributed.run", "--nproc_per_node 2", "titan_ledger.train"]),
     ("launch-two-nodes-print", "launch", None, ["--nproc", "1", "--nnodes", "2", "--rdzv_endpoint", "h:1", "--print", "--", "--job.config_file", DEBUG], 0, ["--nnodes 2", "--rdzv_endpoint h:1"]),

@@ -557,41 +557,53 @@ LAYOUT_KEYS = {"seq_len": "--training.seq_len",
 
 def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *, new_run: bool = False,
                       allow_data_change: bool = False, checkpoint_folder: str = "checkpoint",
-                      checkpoint_enabled: bool = True) -> list[str]:
-    """A dump folder belongs to one run configuration (rank 0, at setup).
+                      checkpoint_enabled: bool = True, read_only: bool = False) -> list[str]:
+    """A dump folder belongs to one run configuration (every rank before the process
+    group, ``read_only``; rank 0 again at setup, where ``new_run`` moves an old run aside).
 
     Reads the run already in ``dump_folder`` through :class:`RunLedger` (the latest
     data-ledger header) and compares its layout with ``layout`` (:data:`LAYOUT_KEYS`).
-    Same layout: a resume, nothing to do. Another layout: ``ConfigError`` naming the
-    folder, the key and the fix -- or, with ``new_run``, the ledger and checkpoint
-    folders are renamed ``<name>.old-<n>`` (returned) so runs are never mixed.
-    ``allow_data_change`` accepts the change (a deliberate resume on other data).
-    A folder without a readable data ledger has no layout to compare. When the launch
-    will resume from a complete checkpoint, a changed seq_len or fingerprint is left to
-    the checkpoint load, which refuses it with its own line naming
-    ``--ledger.allow_data_change`` (``LedgerDataLoader.load_state_dict``).
+    A value of ``layout`` may be a function returning it (or None: unknown, not
+    compared), called only when there is a recorded value to compare it with and the
+    comparison can decide: the data fingerprint costs a tokenizer and the corpus index,
+    a fresh folder pays nothing. Same layout: a resume, nothing to do. Another layout:
+    ``ConfigError`` naming the folder, the key and the fix -- or, with ``new_run``, the
+    ledger and checkpoint folders are renamed ``<name>.old-<n>`` (returned) so runs are
+    never mixed; ``read_only`` (a check before the ranks start) renames nothing and
+    returns ``[]``. ``allow_data_change`` accepts the change (a deliberate resume on
+    other data). A folder without a readable data ledger has no layout to compare.
+    When the launch will resume from a complete checkpoint, a changed seq_len or
+    fingerprint is left to the checkpoint load, which refuses it with its own line
+    naming ``--ledger.allow_data_change`` (``LedgerDataLoader.load_state_dict``).
     """
     dump = Path(dump_folder)
     folder = dump / ledger_folder
-    if not folder.is_dir() or allow_data_change:
+    if not folder.is_dir() or allow_data_change or (new_run and read_only):
         return []
     try:
         old = RunLedger(dump, ledger_folder).data.header()
     except TitanLedgerError:
         return []
-    diffs = [(k, old.get(k), layout[k]) for k in LAYOUT_KEYS
-             if layout.get(k) is not None and old.get(k) is not None and old.get(k) != layout[k]]
+    resuming = None  # the launch will load a complete checkpoint (asked once, if needed)
+    diffs = []
+    for k in LAYOUT_KEYS:
+        if layout.get(k) is None or old.get(k) is None:
+            continue
+        if k in ("seq_len", "fingerprint") and not new_run:
+            if resuming is None:
+                from titan_ledger.format.reader import checkpoints
+
+                resuming = bool(checkpoint_enabled and checkpoints(dump, checkpoint_folder))
+            if resuming:
+                continue  # a resume: the checkpoint's data state decides
+        now = layout[k]() if callable(layout[k]) else layout[k]
+        if now is not None and now != old[k]:
+            diffs.append((k, old[k], now))
+            break  # the first difference is the one named
     if not diffs:
         return []
     key, was, now = diffs[0]
     if not new_run:
-        from titan_ledger.format.reader import checkpoints
-
-        if checkpoint_enabled and checkpoints(dump, checkpoint_folder):
-            diffs = [d for d in diffs if d[0] not in ("seq_len", "fingerprint")]
-            if not diffs:
-                return []  # a resume: the checkpoint's data state decides
-            key, was, now = diffs[0]
         raise ConfigError(
             f"{dump}: holds a run with {key} {was!r}, this run has {now!r} ({LAYOUT_KEYS[key]}); a "
             f"dump folder belongs to one run: use another --dump_folder, or pass --ledger.new_run "

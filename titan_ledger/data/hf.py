@@ -41,7 +41,14 @@ from pathlib import Path
 import numpy as np
 
 from titan_ledger.data.layout import Segment
-from titan_ledger.data.text import Cursor, TextStream, contiguous_shard
+from titan_ledger.data.text import (
+    Cursor,
+    TextStream,
+    check_local_input,
+    contiguous_shard,
+    has_text,
+    is_local_path,
+)
 from titan_ledger.errors import ConfigError, CorpusError
 
 #: bits of a document id that hold the row (a file may hold up to 2**40 rows)
@@ -289,6 +296,26 @@ class HFStreaming:
             else:
                 after = Cursor(epoch, doc, offset)
             yield tuple(segs), after, (inputs if b else None), (labels if b else None)
+
+
+def check_files(cfg) -> list[str]:
+    """What an hf source of ``cfg`` (a ``LedgerDataLoader.Config``) reads, checked on disk
+    without ``datasets`` or a process group (``LedgerDataLoader.check_inputs``): every
+    ``data_files`` entry matches files (as the loader expands them) and none is empty
+    (``datasets`` cannot load an empty JSON file); a local ``hf_path`` exists and, with no
+    ``data_files``, holds data files. Returns the data files; raises ``ConfigError`` /
+    ``CorpusError`` naming the flag and the path."""
+    spec = _Spec(cfg.hf_path, list(cfg.data_files), cfg.hf_name, cfg.split, cfg.text_key)
+    for f in spec.files:
+        if not has_text(Path(f)):
+            raise CorpusError(f"--dataloader.data_files {f}: empty file")
+    hf_path = cfg.hf_path
+    if hf_path and hf_path not in BUILDERS.values() and is_local_path(hf_path):
+        if not spec.files:
+            check_local_input("--dataloader.hf_path", hf_path, BUILDERS)
+        elif not Path(hf_path).expanduser().exists():
+            raise CorpusError(f"--dataloader.hf_path {hf_path}: no such file or folder")
+    return spec.files
 
 
 def open_source(cfg, tokenizer, seq_len: int, dp_rank: int, dp_size: int):

@@ -306,6 +306,23 @@ def fingerprint_files(prefix: str | os.PathLike) -> str:
     return h.hexdigest()[:16]
 
 
+def open_files(prefix: str | os.PathLike):
+    """``PREFIX.bin`` and ``PREFIX.idx`` exist and agree (``read_idx`` + ``check_bin``:
+    constant time, nothing written); returns ``read_idx``'s (header, lengths, pointers,
+    doc_indices). What ``IndexedCorpus`` opens first, and what a launch checks before
+    any process group (``titan_ledger.data.loader.check_inputs``)."""
+    prefix = Path(prefix)
+    for suffix in (".bin", ".idx"):
+        if not Path(str(prefix) + suffix).exists():
+            raise CorpusError(
+                f"{prefix}{suffix}: missing; prepare the corpus with `python -m "
+                f"titan_ledger.prepare --input FILES --output-prefix {prefix}` or fix "
+                f"--dataloader.paths")
+    hdr, lengths, pointers, doc_indices = read_idx(str(prefix) + ".idx")
+    check_bin(prefix, hdr, lengths, pointers)
+    return hdr, lengths, pointers, doc_indices
+
+
 class IndexedCorpus:
     """One Megatron corpus as a global sequence of fixed-length packed rows."""
 
@@ -314,17 +331,10 @@ class IndexedCorpus:
                  shuffle: bool = True):
         self.prefix = Path(prefix)
         self.name = name or self.prefix.name
-        for suffix in (".bin", ".idx"):
-            if not Path(str(self.prefix) + suffix).exists():
-                raise CorpusError(
-                    f"{self.prefix}{suffix}: missing; prepare the corpus with `python -m "
-                    f"titan_ledger.prepare --input FILES --output-prefix {self.prefix}` or fix "
-                    f"--dataloader.paths")
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        hdr, self.lengths, self.pointers, self.doc_indices = read_idx(str(self.prefix) + ".idx")
-        check_bin(self.prefix, hdr, self.lengths, self.pointers)
+        hdr, self.lengths, self.pointers, self.doc_indices = open_files(self.prefix)
         self.dtype = hdr.dtype
         self.tokens = np.memmap(str(self.prefix) + ".bin", dtype=self.dtype, mode="r")
         self.fingerprint = fingerprint_files(self.prefix)

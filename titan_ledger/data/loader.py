@@ -27,9 +27,13 @@ backend (a dry run) a missing indexed corpus is a warning, not an error.
 
 Bad input: ``Config.__post_init__`` checks every ``--dataloader.*`` value it can
 without I/O or a process group (``ConfigError`` naming the flag), so a bad flag
-stops before any process group starts. A bundled corpus prepared on first use
-(``prepare_from``) is prepared by global rank 0, which broadcasts success or its
-error message; every rank then raises the same ``CorpusError`` (none hangs).
+stops before any process group starts; so does a missing or empty input file
+(``check_inputs``) and, where the dump folder already holds a data ledger, another
+data fingerprint (``data_fingerprint``): the entry points call both before any
+process group, through the functions the constructor opens its source with. A
+bundled corpus prepared on first use (``prepare_from``) is prepared by global rank
+0, which broadcasts success or its error message; every rank then raises the same
+``CorpusError`` (none hangs).
 
 Profiling: the provenance work (building tags where it happens in this process,
 handing them to the trainer in ``__iter__`` / ``take_tags``) runs inside
@@ -54,7 +58,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from titan_ledger.data.indexed import Blend, IndexedCorpus
+from titan_ledger.data.indexed import Blend, IndexedCorpus, open_files
 from titan_ledger.data.layout import RowTag, positions_of, round_size, row_digest, sample_id
 from titan_ledger.data.text import Cursor, TextStream
 from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
@@ -289,28 +293,16 @@ class LedgerDataLoader(ParallelAwareDataloader):
         self.kind = config.source
         self.mbs = int(local_batch_size)
         self.seq_len = int(seq_len)
-        if config.source == "hf":
-            from titan_ledger.data import hf
-
-            config.validate()
-            source = hf.open_source(config, tokenizer, seq_len, dp_rank, dp_world_size)
-            described = source.describe()
-        elif config.source == "indexed":
-            try:
-                source = self._build_blend(config, tokenizer, seq_len)
-                described = f"indexed:{source.fingerprint()}"
-            except CorpusError as e:
-                if not _dry_run():
-                    raise
-                # torchtitan's fake backend builds, never iterates: a recipe checked on
-                # a laptop before its corpus is prepared still builds
-                logger.warning(f"titan_ledger: dry run: {e} -- the indexed loader is built "
-                               f"without its corpus; prepare it before training")
-                source, described = None, "indexed:unopened-dry-run"
-        else:
-            source = TextStream(config.dataset, config.dataset_path, tokenizer, seq_len,
-                                dp_rank, dp_world_size, config.seed)
-            described = source.describe()
+        try:
+            source, described = open_source(config, tokenizer, seq_len, dp_rank, dp_world_size)
+        except CorpusError as e:
+            if config.source != "indexed" or not _dry_run():
+                raise
+            # torchtitan's fake backend builds, never iterates: a recipe checked on
+            # a laptop before its corpus is prepared still builds
+            logger.warning(f"titan_ledger: dry run: {e} -- the indexed loader is built "
+                           f"without its corpus; prepare it before training")
+            source, described = None, "indexed:unopened-dry-run"
         self.source = source
         self.spec = {"dataset": (config.dataset if config.source != "hf"  # (hf: see spec["hf"])
                                  else f"hf:{source.name}"),
@@ -518,6 +510,105 @@ def _fingerprint(described: str, tokenizer, seq_len: int, seed: int) -> str:
     return h.hexdigest()[:16]
 
 
+# --------------------------------------------------------------------------- before the ranks
+# Design decision: what the loader's constructor opens is opened by the same functions
+# (``open_source``, ``indexed.open_files``, ``hf.check_files``, ``text.locate_dataset``) when
+# the entry points check a launch before any process group, so the files a run reads
+# are named in one place and a missing or empty one is refused before torchrun starts
+# the ranks (``titan_ledger.train.load_config``).
+
+
+def open_source(config: LedgerDataLoader.Config, tokenizer, seq_len: int, dp_rank: int,
+                dp_size: int):
+    """``(source, description)`` of a loader of ``config`` for ``dp_rank`` of ``dp_size``:
+    the description is the first part of the data fingerprint. Prepares a first-use
+    indexed corpus (``prepare_from``; global rank 0, with a process group)."""
+    if config.source == "hf":
+        from titan_ledger.data import hf
+
+        config.validate()
+        source = hf.open_source(config, tokenizer, seq_len, dp_rank, dp_size)
+        return source, source.describe()
+    if config.source == "indexed":
+        source = LedgerDataLoader._build_blend(config, tokenizer, seq_len)
+        return source, f"indexed:{source.fingerprint()}"
+    source = TextStream(config.dataset, config.dataset_path, tokenizer, seq_len,
+                        dp_rank, dp_size, config.seed)
+    return source, source.describe()
+
+
+def _unprepared(prefix: str) -> bool:
+    """``PREFIX.bin`` or ``PREFIX.idx`` is missing: ``prepare_from`` writes them first."""
+    return not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
+
+
+#: what ``titan_ledger.prepare`` reads from a folder (``prepare.iter_texts``)
+_PREPARE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def check_inputs(config: LedgerDataLoader.Config, *, dry_run: bool = False) -> None:
+    """Every input file of a loader of ``config`` exists and holds data, checked before
+    any process group: no tokenizer, no ``datasets`` loading, no write (constant time per
+    file). ``text``: the dataset's local path (``dataset_path`` or the registry's); ``hf``:
+    ``hf.check_files``; ``indexed``: each ``PREFIX.bin`` + ``.idx`` as the loader opens
+    them first (``indexed.open_files``), or, for a prefix not yet prepared,
+    ``prepare_from``. A dry run
+    (``dry_run``: the fake backend) builds an indexed loader without its corpus, so its
+    corpora are not checked. Raises ``ConfigError`` / ``CorpusError`` naming the flag and
+    the path."""
+    from titan_ledger.data import hf
+    from titan_ledger.data.text import check_local_input, is_local_path, locate_dataset
+
+    config.validate()
+    if config.source == "hf":
+        hf.check_files(config)
+    elif config.source == "indexed":
+        if dry_run:
+            return
+        if config.prepare_from and _unprepared(config.paths[0]):  # (validate: the one path)
+            src = Path(config.prepare_from).expanduser()
+            if not (src.is_dir() and ((src / "dataset_info.json").exists()
+                                      or (src / "state.json").exists())):  # a save_to_disk folder
+                check_local_input("--dataloader.prepare_from", config.prepare_from,
+                                  _PREPARE_SUFFIXES)
+            return
+        for prefix in config.paths:
+            open_files(prefix)
+    else:
+        path, _, _ = locate_dataset(config.dataset, config.dataset_path)
+        if is_local_path(path):
+            flag = ("--dataloader.dataset_path" if config.dataset_path else
+                    f"--dataloader.dataset {config.dataset} (no --dataloader.dataset_path: "
+                    f"torchtitan's path)")
+            check_local_input(flag, path, hf.BUILDERS)
+
+
+def data_fingerprint(config: LedgerDataLoader.Config, tokenizer, seq_len: int,
+                     dp_size: int) -> str | None:
+    """The data fingerprint (``LedgerDataLoader.fingerprint``: source description,
+    tokenizer, seq_len, seed) a loader of ``config`` will have, without a process group.
+    The description is the whole source's, the same on every DP rank; it is built for the
+    last DP rank, so a corpus with fewer documents than DP ranks is refused here too.
+    Costs what the loader's constructor costs (text/hf: ``load_dataset`` of the files,
+    memory-mapped; indexed: the .idx headers). ``None`` when it cannot be known before
+    training: an indexed corpus still to be prepared (``prepare_from``)."""
+    if config.source == "indexed" and config.prepare_from and _unprepared(config.paths[0]):
+        return None
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    bars, verbosity = datasets.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    datasets.disable_progress_bars()  # ("Generating train split": a check prints nothing)
+    ds_logging.set_verbosity_error()
+    try:
+        _, described = open_source(config, tokenizer, seq_len, dp_size - 1, dp_size)
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    return _fingerprint(described, tokenizer, seq_len, config.seed)
+
+
 def _prepare_once(src: str, prefix: str, tokenizer) -> None:
     """Tokenize ``src`` into ``prefix`` on global rank 0 if missing.
 
@@ -532,8 +623,7 @@ def _prepare_once(src: str, prefix: str, tokenizer) -> None:
     error: str | None = None
     cause: BaseException | None = None
     if rank == 0:
-        missing = not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
-        if missing:
+        if _unprepared(prefix):
             logger.info(f"titan_ledger: preparing {prefix}.bin/.idx from {src} (first use)")
             try:
                 prepare.prepare([src], prefix, tokenizer=tokenizer, workers=0, progress=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,18 +51,63 @@ def contiguous_shard(n: int, shards: int, index: int) -> tuple[int, int]:
     return start, start + div + (1 if index < mod else 0)
 
 
+def locate_dataset(dataset_name: str, dataset_path: str | None):
+    """torchtitan's dataset registry (``_validate_dataset``): ``(path, loader, processor)``
+    of ``--dataloader.dataset`` read from ``dataset_path`` (default: the registry's path).
+    Opens nothing; an unknown name is a ``ConfigError`` naming the flag."""
+    from torchtitan.hf_datasets.text_datasets import _validate_dataset
+
+    try:
+        return _validate_dataset(dataset_name.lower(), dataset_path)
+    except ValueError as e:
+        raise ConfigError(f"--dataloader.dataset {dataset_name!r}: {e}") from None
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``load_dataset`` will read ``path`` from disk: it exists, or it cannot be a
+    hub id (``name`` or ``org/name``): absolute, ``./``/``~`` relative, or deeper."""
+    p = str(path)
+    return (Path(p).expanduser().exists() or Path(p).is_absolute()
+            or p.startswith((".", "~")) or p.count("/") >= 2 or "\\" in p)
+
+
+def has_text(path: Path, probe: int = 1 << 16) -> bool:
+    """A non-empty file: more than whitespace in its first ``probe`` bytes, or larger than
+    ``probe`` (``datasets`` fails on an empty or blank JSON file with no useful message)."""
+    if path.stat().st_size > probe:
+        return True
+    with open(path, "rb") as f:
+        return bool(f.read(probe).strip())
+
+
+def check_local_input(flag: str, path: str, suffixes) -> list[Path]:
+    """A local corpus input: the file, or a folder's files with one of ``suffixes``
+    (recursive, as ``load_dataset`` and ``prepare`` find them), exists and holds text.
+    Returns the data files; raises ``CorpusError`` naming ``flag`` and ``path``."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CorpusError(f"{flag} {path}: no such file or folder")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and set(f.suffixes) & set(suffixes))
+        if not files:
+            raise CorpusError(f"{flag} {path}: no {'/'.join(sorted(suffixes))} files in this folder")
+        if not any(has_text(f) for f in files):
+            raise CorpusError(f"{flag} {path}: every data file in this folder is empty "
+                              f"({', '.join(f.name for f in files[:3])}{' ...' if len(files) > 3 else ''})")
+        return files
+    if not has_text(p):
+        raise CorpusError(f"{flag} {path}: empty file")
+    return [p]
+
+
 class TextStream:
     """The documents of one DP rank as a stream of packed rows."""
 
     def __init__(self, dataset_name: str, dataset_path: str | None, tokenizer, seq_len: int,
                  dp_rank: int, dp_size: int, seed: int):
         from datasets import Dataset
-        from torchtitan.hf_datasets.text_datasets import _validate_dataset
 
-        try:
-            path, loader, processor = _validate_dataset(dataset_name.lower(), dataset_path)
-        except ValueError as e:
-            raise ConfigError(f"--dataloader.dataset {dataset_name!r}: {e}") from None
+        path, loader, processor = locate_dataset(dataset_name, dataset_path)
         ds = loader(path)
         if not isinstance(ds, Dataset):
             raise ConfigError(

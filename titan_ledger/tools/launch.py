@@ -5,7 +5,9 @@ under plain ``torchrun -m titan_ledger.train`` every rank parses the config, ran
 prints the line, and torchrun then adds its own multi-line failure summary and
 exits 1. So this entry point parses the config once, in this process, before any
 rank starts (``titan_ledger.train.load_config`` with the world size the job will
-have: ``--nproc`` x ``--nnodes``), prints ``titan_ledger.launch: error: ...`` and
+have: ``--nproc`` x ``--nnodes``; with the checks from files, ``train.check_files``:
+tokenizer folder, corpus files, the run already in the dump folder and its data
+fingerprint), prints ``titan_ledger.launch: error: ...`` and
 exits 2 on bad input, and otherwise ``exec``s torchrun with the same arguments
 (``-m titan_ledger.train``). The ranks parse again (cheap) -- the check is a gate,
 not a second source of truth. ``launch/run.sh`` and ``launch/multinode.sh`` use it.
@@ -31,6 +33,9 @@ PROG = "titan_ledger.launch"
 
 def split_argv(argv: list[str]) -> tuple[int | None, bool, list[str], list[str]]:
     """-> (nproc, print_only, torchrun options, train flags)."""
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    if any(a in ("-h", "--help") for a in own):  # this tool's help (`-- --help`: the trainer's flags)
+        raise SystemExit(print(__doc__) or 0)
     if "--" not in argv:
         raise ConfigError("command line: put the training flags after `--`, e.g. "
                           f"python -m {PROG} --nproc 2 -- --job.config_file train_configs/debug_cpu.toml")
@@ -54,8 +59,6 @@ def split_argv(argv: list[str]) -> tuple[int | None, bool, list[str], list[str]]
                 raise ConfigError(f"command line: {name} {nproc}: give at least 1 process")
         elif a in ("--print", "--dry-run"):
             print_only = True
-        elif a in ("-h", "--help"):
-            raise SystemExit(print(__doc__) or 0)
         else:
             rest.append(a)
         k += 1
@@ -89,33 +92,29 @@ def validate(train_args: list[str], world_size: int):
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
     try:
         train.quiet_imports()
-        config, _ = train.load_config(list(train_args))
+        config, _ = train.load_config(list(train_args), files=False)
+        check_dump_folder(config)
+        # the checks the ranks repeat from files (train.check_files): the tokenizer folder,
+        # the corpus files, the run already in the dump folder (seq_len, global batch, data
+        # fingerprint), after the lock: a live run there is named as such
+        train.check_files(config, world_size)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    check_dump_folder(config, world_size)
     return config
 
 
-def check_dump_folder(config, world_size: int) -> None:
-    """The part of the trainer's dump-folder check (``ledger.claim_dump_folder``) that
-    needs no trainer: seq_len and global batch against the run already in the folder
-    (the data fingerprint needs the tokenizer and data source: the ranks check it)."""
-    led = getattr(config, "ledger", None)
-    if led is None or led.new_run or led.allow_data_change or config.comm.mode == "fake_backend":
+def check_dump_folder(config) -> None:
+    """Another live run in the dump folder (``run_lock``): refused before any rank starts
+    (the ranks cannot check it: rank 0 takes the lock while the others still parse)."""
+    if config.comm.mode == "fake_backend":
         return
-    from titan_ledger.components.ledger import claim_dump_folder
-    from titan_ledger.train import dp_size_of
+    from titan_ledger.components import run_lock
 
-    t = config.training
-    gb = t.global_batch_size if getattr(t, "global_batch_size", -1) > 0 else \
-        t.local_batch_size * dp_size_of(config, world_size)
-    claim_dump_folder(config.dump_folder, led.folder, {"seq_len": t.seq_len, "global_batch": gb},
-                      checkpoint_folder=config.checkpoint.folder,
-                      checkpoint_enabled=config.checkpoint.enable)
+    run_lock.check(config.dump_folder)
 
 
 def default_nproc() -> int:
