@@ -101,15 +101,20 @@ def header_only(path: Path, schema: str, **extra) -> None:
     write_lines(path, {"schema": schema, "run_id": "run-a", "seq": 1, "resumed_from": 0, **extra})
 
 
-def bump_schema(path: Path, to: str) -> None:
-    """Rewrite every header of ``path`` to schema ``to`` (a newer or foreign version)."""
+def rewrite_headers(path: Path, **changes) -> None:
+    """Set ``changes`` in every header line of ``path`` (rows unchanged)."""
     out = []
     for line in path.read_bytes().splitlines():
         obj = json.loads(line)
         if "schema" in obj:
-            obj["schema"] = to
+            obj.update(changes)
         out.append(obj)
     write_lines(path, *out)
+
+
+def bump_schema(path: Path, to: str) -> None:
+    """Rewrite every header of ``path`` to schema ``to`` (a newer or foreign version)."""
+    rewrite_headers(path, schema=to)
 
 
 def cut_after(path: Path, n_bytes: int) -> None:
@@ -145,13 +150,7 @@ def resume_after_tear(dump: Path, name: str, header: dict, rows: list[dict]) -> 
 
 def other_run(path: Path, run_id: str = "run-b") -> None:
     """``path`` as written by another run: every header names ``run_id``."""
-    out = []
-    for line in path.read_bytes().splitlines():
-        obj = json.loads(line)
-        if "schema" in obj:
-            obj["run_id"] = run_id
-        out.append(obj)
-    write_lines(path, *out)
+    rewrite_headers(path, run_id=run_id)
 
 
 def make_indexed_run(dump: Path, corpus: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2) -> Path:
