@@ -84,7 +84,7 @@ def test_baton_runs_one_thread_at_a_time_in_schedule_order():
     assert seen == schedule
 
 
-BUSY_MS = 250.0  # the calibration's known cost: ~35% of a debug_cpu step, far above one step's noise
+BUSY_MS = 1000.0  # a known CPU cost per step, large against one step's own noise on a loaded machine
 
 
 @pytest.mark.slow
@@ -137,8 +137,8 @@ def check_tiny_report(report: dict) -> None:
     assert cal["busy_ms"] == BUSY_MS
     assert math.isclose(cal["expected_cpu_ratio"], 1 + BUSY_MS / 1e3 / var["stock"]["cpu_s_median"], rel_tol=1e-9)
     found_ms = 1e3 * (rep["stock_busy"]["cpu_s"] - rep["stock"]["cpu_s"])
-    assert abs(found_ms - BUSY_MS) <= 0.25 * BUSY_MS, (found_ms, cal)  # (stock and stock_busy step alike)
-    assert abs(cal["cpu_ratio"]["ratio"] - cal["expected_cpu_ratio"]) <= 0.25 * (cal["expected_cpu_ratio"] - 1), cal
+    assert abs(found_ms - BUSY_MS) <= 0.35 * BUSY_MS, (found_ms, cal)  # (stock and stock_busy step alike)
+    assert abs(cal["cpu_ratio"]["ratio"] - cal["expected_cpu_ratio"]) <= 0.35 * (cal["expected_cpu_ratio"] - 1), cal
     # the ledger does strictly more work than stock (max_logit alone is ~9% of a CPU step):
     # one step's noise (a few %, as the calibration shows) cannot make it 5% cheaper; and the
     # two instruments agree on its cost within 20 points

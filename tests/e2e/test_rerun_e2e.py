@@ -89,7 +89,7 @@ def test_skip_removes_the_data_spike_and_proves_bad_data(same_and_skip_8):
     assert skip["bit_equal_steps"] == [5, 6, 7] and skip["data_equal"]  # same samples, 8 consumed untrained
     assert by["fp32"]["applicable"] is False  # debug_cpu trains in fp32
     v = rep["verdict"]
-    assert v["cause"] == "bad_data" and v["proven"]
+    assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and not v["proven"]
 
 
 def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, same_and_skip_8):
@@ -101,18 +101,21 @@ def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, sam
     names = [v["variant"] for v in rep["variants"]]
     assert names[0] == "same" and "skip" in names and all(v["reused"] for v in rep["variants"] if v["applicable"])
     v = rep["verdict"]
-    assert v["cause"] == "bad_data" and v["proven"]
+    assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and not v["proven"]
     # from the signals alone the heuristic reads this repeated-token batch as a flipped bit:
     # a one-step grad-norm jump that falls back, the loss unmoved, in an fp32 run (Q6 alone;
     # no DP rank's loss stands out, so Q3 bad_data does not fire). The run is bit-deterministic
     # on CPU, so this is the answer, not one of several; the reruns prove it wrong.
-    assert spike["cause"] == "hardware", spike
+    # the skip rerun backs bad_data: diagnose reports the cause the rerun showed (with how
+    # sure: a skip shows "something in this step", so evidence), and keeps the heuristic's
+    assert spike["cause"] == "bad_data" and spike["heuristic"] == "hardware", spike
+    assert spike["certainty"] == "evidence", spike
     assert [c["question"].split(":")[0] for c in spike["checks"] if c["answer"]] == ["Q6 hardware"], spike
     assert v["heuristic"] == "hardware" and v["heuristic_confirmed"] is False and v["heuristic_wrong"] is True, v
     # the CLI in its own process (the device backend must be chosen before torchtitan imports)
     p = py("-m", "titan_ledger.diagnose", base, "--step", "8", "--rerun", "--", *FLAGS)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.index("rerun budget:") < p.stdout.index("verdict: bad_data (proven)")
+    assert p.stdout.index("rerun budget:") < p.stdout.index("verdict: bad_data (evidence)")
     rc, out, err = cli(diagnose.main, [base, "--step", "8", "--rerun", "--rerun-max-steps", "3", "--", *FLAGS])
     assert rc == 2 and "--rerun-max-steps 3" in err
 

@@ -78,13 +78,15 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
     assert diag.returncode == 0, diag.stderr
     spikes = json.loads(diag.stdout)["spikes"]
     assert [(x["step"], x["cause"], x["rank"]) for x in spikes] == [(24, "bad_data", 1)]
-    # ... naming that rank's documents (per-document losses) and the quarantine command
-    docs = spikes[0]["documents"]
-    assert docs and all(x["dp_rank"] == 1 and x["tokens"] > 0 for x in docs), docs
-    assert "--write-quarantine" in spikes[0]["quarantine_command"]
+    # ... saying the batch was injected: the data ledger's documents of that rank never
+    # trained (the batch was replaced), so none is named and no quarantine is proposed
+    assert spikes[0]["injected"] == {"1": "repeat"} and spikes[0]["documents"] == [], spikes[0]
+    assert "quarantine_command" not in spikes[0]
+    assert "batch replaced by an injection (--ledger.rehearsal.inject)" in spikes[0]["documents_note"]
+    assert spikes[0]["certainty"] in ("evidence", "guess") and spikes[0]["certainty_rule"]
     q = tmp_path / "q.jsonl"
     rc, out, err = cli(diagnose.main, [str(d), "--step", "24", "--write-quarantine", str(q)])
-    assert rc == 0 and {json.loads(x)["doc"] for x in q.read_text().splitlines()} == {x["doc"] for x in docs}
+    assert rc == 2 and "no bad_data verdict named a document" in err and not q.exists()
     # lookup --top: the step's most extreme documents across ranks, against the median
     rc, out, err = cli(lookup.main, ["--dump-folder", str(d), "--step", "24", "--top", "2", "--json"])
     top = json.loads(out)

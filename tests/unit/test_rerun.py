@@ -151,7 +151,7 @@ def test_no_verdict_at_a_step_that_is_not_a_spike():
     assert v["cause"] == "unproven" and not v["proven"] and v["not_a_spike"], v
     assert not v["heuristic_confirmed"] and "not a spike" in v["evidence"][0]
     v = rr.verdict([res("same", True, original_spike=True), res("skip", False, original_spike=True)], 8)
-    assert v["cause"] == "bad_data" and v["proven"] and "not_a_spike" not in v
+    assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and not v["proven"] and "not_a_spike" not in v
 
 
 def res(kind, present, name=None, **kw):
@@ -164,7 +164,8 @@ def test_verdicts():
     v = rr.verdict([res("same", False)], 8)
     assert v["cause"] == "hardware" and v["proven"] and "NOT reproduced" in v["evidence"][0]
     v = rr.verdict([res("same", True), res("skip", False)], 8, heuristic="bad_data")
-    assert v["cause"] == "bad_data" and v["proven"] and v["heuristic_confirmed"]
+    assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and v["heuristic_confirmed"]
+    assert not v["proven"]  # a skip shows "something in this step", not which documents
     v = rr.verdict([res("same", True), res("skip", True), res("lr", False, "lr=0.5")], 8, heuristic="bad_data")
     assert v["cause"] == "lr" and v["proven"] and v.get("heuristic_wrong")
     v = rr.verdict([res("same", True), res("eps", False, "eps=1e-06")], 8)
@@ -181,7 +182,7 @@ def test_verdicts():
 
 
 def test_plan_for_heuristic_causes():
-    assert rr.PLAN_FOR["bad_data"] == ["same", "skip"]
+    assert rr.PLAN_FOR["bad_data"] == ["same", "quarantine", "skip"]  # quarantine: the sharp one
     assert rr.PLAN_FOR["lr"] == ["same", "lr"]  # the scale comes from the ledger
     assert rr.PLAN_FOR["optimizer_state"] == ["same", "beta2", "eps=1e-6"]  # beta2 from the run
     assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
@@ -205,7 +206,7 @@ def test_print_report(capsys):
 def test_swap_verdicts():
     sw = res("swap", True, swap={"original_rank": 0, "rerun_rank": 1, "data_moved_to": 1, "follows": "data"})
     v = rr.verdict([res("same", True), sw], 8)
-    assert v["cause"] == "bad_data" and v["proven"] and "followed the data" in v["evidence"][-1]
+    assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and "followed the data" in v["evidence"][-1]
     sw = res("swap", True, swap={"original_rank": 0, "rerun_rank": 0, "data_moved_to": 1, "follows": "rank"})
     v = rr.verdict([res("same", True), sw], 8)
     assert v["cause"] == "hardware" and "stayed on DP rank 0" in v["evidence"][-1]
@@ -226,7 +227,9 @@ def test_cli_usage_errors_are_one_line(capsys):
     from titan_ledger.tools import replay
 
     for argv, needle in (
-            (["rerun", "--dump-folder", "/nonexistent", "--step", "8"], "give the training flags"),
+            # no flags and no recorded launch to reuse (titan_ledger.tools.recorded)
+            (["rerun", "--dump-folder", "/nonexistent", "--step", "8"],
+             "needs the original run's training flags after `--`"),
             (["rerun", "--dump-folder", "/nonexistent", "--step", "8", "--variant", "swapp", "--",
               "--job.config_file", "x.toml"], "--variant 'swapp'"),
             (["rerun", "--step", "8", "--", "--job.config_file", "x.toml"], "--dump-folder")):
@@ -277,7 +280,7 @@ def test_parse_variant_forms_and_ledger_values():
 
 def test_escalation_order_and_verdict_priority():
     # the most specific counterfactual first, lr (damps anything) last
-    assert rr.ESCALATION[0] == "skip" and rr.ESCALATION[-1] == "lr"
+    assert rr.ESCALATION[:2] == ("quarantine", "skip") and rr.ESCALATION[-1] == "lr"
     same = rr.VariantResult("same", "same", None, present=True, at_step={}, original_at_step={})
     fp32 = rr.VariantResult("fp32", "fp32", None, present=False, at_step={})
     cap = rr.VariantResult("logit_cap=50", "logit_cap", None, present=False, at_step={})
@@ -323,3 +326,40 @@ def test_not_applicable_variants_say_why(tmp_path):
     notes = {v.kind: rr.run_variant(plan, v, [], c, 2).note
              for v in (Variant("fp32"), Variant("beta2", 0.95), Variant("logit_cap", 0.0))}
     assert "float32" in notes["fp32"] and "0.95" in notes["beta2"] and "danger level" in notes["logit_cap"]
+
+
+def test_bad_data_is_proven_only_by_the_quarantine_variant():
+    """Issue 24: a skip of the whole step that removes the spike shows "something in this
+    step" (certainty evidence); masking only the named documents proves bad data."""
+    same = rr.VariantResult("same", "same", None, present=True, at_step={}, original_at_step={})
+    skip = rr.VariantResult("skip", "skip", None, present=False, at_step={"skipped": True})
+    v = rr.verdict([same, skip], 8, heuristic="bad_data")
+    assert v["cause"] == "bad_data" and v["removed_by"] == "skip" and v["certainty"] == "evidence"
+    assert "something in step 8's data" in v["certainty_rule"]
+    q = rr.VariantResult("quarantine=c4_test:7", "quarantine", None, present=False, at_step={"loss": 2.0})
+    v = rr.verdict([same, q, skip], 8, heuristic="bad_data")
+    assert v["removed_by"] == "quarantine" and v["certainty"] == "proven" and v["proven"]
+    assert any("only the named documents masked (c4_test:7)" in e for e in v["evidence"])
+    q_kept = rr.VariantResult("quarantine=c4_test:7", "quarantine", None, present=True, at_step={})
+    v = rr.verdict([same, q_kept, skip], 8)  # the named documents were not it; the step's data was
+    assert v["removed_by"] == "skip" and v["certainty"] == "evidence"
+    v = rr.verdict([rr.VariantResult("same", "same", None, present=False, at_step={}, original_at_step={})], 8)
+    assert v["cause"] == "hardware" and v["certainty"] == "proven" and v["removed_by"] == "same"
+
+
+def test_the_quarantine_variant_masks_only_the_named_documents(tmp_path):
+    from types import SimpleNamespace
+
+    v = rr.parse_variant("quarantine=c4_test:236,c4_test:7")
+    assert v.docs == (("c4_test", 7), ("c4_test", 236)) and v.name == "quarantine=c4_test:7,c4_test:236"
+    assert rr.parse_variant("quarantine").docs == ()
+    with pytest.raises(rr.RerunError, match="quarantine=SOURCE:DOC"):
+        rr.parse_variant("quarantine=7")
+    cfg = SimpleNamespace(ledger=SimpleNamespace(filter=SimpleNamespace(quarantine=["old.jsonl"])))
+    assert rr.variant_args(rr.Variant("quarantine"), 8, cfg) is None  # none named: not applicable
+    extra, over = rr.variant_args(v, 8, cfg, tmp_path)
+    assert extra == ["--ledger.filter.quarantine", f"old.jsonl,{tmp_path}/quarantine.jsonl"] and over == {}
+    rr.write_quarantine(v, tmp_path)
+    from titan_ledger.data.filters import Quarantine
+
+    assert Quarantine([str(tmp_path / "quarantine.jsonl")]).docs == {("c4_test", 7), ("c4_test", 236)}

@@ -63,8 +63,13 @@ def default_tokenizer_dir() -> Path:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    # torchtitan's tokenizer binds no device: importing it here is safe before (or
-    # without) the CPU backend; an entry point that trains installs that first
+    # the one import of data/ above errors (an import-linter exception in pyproject.toml):
+    # torchtitan's tokenizer import pulls torchtitan modules that bind the device, and the
+    # backend must be chosen before that, or a later training or text-source import in this
+    # process cannot install it (lookup --text did exactly that)
+    from titan_ledger.rehearsal import backend
+
+    backend.ensure_installed()
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     if not (Path(path) / "tokenizer.json").exists() and not Path(path).is_file():

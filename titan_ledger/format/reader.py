@@ -131,11 +131,21 @@ class RunLedger:
         """Current history of ``signals.jsonl`` (superseded rows left out)."""
         return self.signals.history
 
-    def param_dtype(self) -> str | None:
-        """The compute dtype the last launch recorded (``float32``, ``bfloat16``), or
-        None for ledgers written before it was recorded."""
+    def param_dtype(self, step: int | None = None) -> str | None:
+        """The compute dtype the last launch recorded (``float32``, ``bfloat16``) --
+        with ``step``, the one of the launch that trained it -- or None for ledgers
+        written before it was recorded."""
+        seg = self.segment_of(step) if step is not None else None
         segs = self.signals.segments
-        return segs[-1].header.get("param_dtype") if segs else None
+        seg = seg or (segs[-1] if segs else None)
+        return seg.header.get("param_dtype") if seg else None
+
+    def segment_of(self, step: int) -> records.FileSegment | None:
+        """The signals segment that last trained ``step`` (None: no segment did)."""
+        for seg in reversed(sorted(self.signals.segments, key=records.order_key)):
+            if any(r["step"] == step and not r.get("skipped") for r in seg.rows):
+                return seg
+        return None
 
     def trained_rows(self) -> list[dict[str, Any]]:
         return [r for r in self.signals.history if not r.get("skipped") and r.get("loss") is not None]
@@ -175,6 +185,11 @@ class RunLedger:
         """In-process rollbacks (``rewind_to``) recorded in ``spikes.jsonl``."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rewind_to" in e]
 
+    def ladder_actions(self) -> list[dict[str, Any]]:
+        """The recovery ladder's decisions (``ladder``: the rung and action a flagged
+        step got), recorded in ``spikes.jsonl``."""
+        return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if e.get("ladder")]
+
     def spike_steps(self) -> list[int]:
         return sorted({int(e["step"]) for e in self.spike_events()})
 
@@ -197,6 +212,25 @@ class RunLedger:
             same_run(files[r], ss, self.launch_ids)
         current, _ = records.resolve(segs)
         return current
+
+    def rank_rows_at(self, step: int) -> dict[int, dict[str, Any]]:
+        """Per global rank: its own row of ``step`` as that step trained (the current
+        history's, else -- a step a rollback or resume superseded -- the row of the
+        last segment that trained it); ranks without one are left out."""
+        files = {int(RANK_FILE_RE.search(p.name).group(1)): p
+                 for p in self.folder.glob("rank*.jsonl") if RANK_FILE_RE.search(p.name)}
+        segs, _ = records.read_many(files, records.RANK)
+        current, _ = records.resolve(segs)
+        out = {}
+        for r, ss in segs.items():
+            same_run(files[r], ss, self.launch_ids)
+            row = next((x for x in current[r] if x["step"] == step and not x.get("skipped")), None)
+            if row is None:
+                for seg in sorted(ss, key=records.order_key):
+                    row = next((x for x in seg.rows if x["step"] == step and not x.get("skipped")), row)
+            if row is not None:
+                out[r] = row
+        return out
 
     def checkpoints(self) -> list[int]:
         return checkpoints(self.dump_folder, self.checkpoint_folder)
@@ -257,6 +291,7 @@ class DataLedger:
                     self._row_dp[id(row)] = dp
                     self._row_hdr[id(row)] = seg.header
         self.history, self.superseded = records.resolve(segs)
+        self._segs = segs
         self.headers = {r: s[-1].header for r, s in segs.items()}
         self._by_step = {r: {row["step"]: row for row in h} for r, h in self.history.items()}
         self._windows = {r: [row for row in h if "last_step" in row] for r, h in self.history.items()}
@@ -361,14 +396,41 @@ class DataLedger:
             tags = [self.blend(hdr).tag(i) for i in self.step_ids(hdr, row["samples"][0], k, dp_rank)]
         return StepData(step, dp_rank, True, tags, (row["step"], row["last_step"]))
 
+    def trained_row(self, dp_rank: int, step: int) -> dict | None:
+        """The raw row with which ``dp_rank`` TRAINED ``step``: the current history's,
+        else -- a step a rollback or resume superseded (now skipped, or trained again
+        on other data) -- the row of the last segment that trained it; None when no
+        segment trained it."""
+        row = self._by_step.get(dp_rank, {}).get(step)
+        if row is not None and not row.get("skipped") and "last_step" not in row:
+            return row
+        found = None
+        for seg in sorted(self._segs.get(dp_rank, []), key=records.order_key):
+            for x in seg.rows:
+                if x["step"] == step and not x.get("skipped") and "last_step" not in x:
+                    found = x
+        return found
+
+    def injected_at(self, step: int) -> dict[int, str]:
+        """``{dp_rank: kind}`` of the DP ranks whose batch at ``step`` (as it trained)
+        was replaced by ``--ledger.rehearsal.inject`` (repeat, random): its tags name
+        the documents the loader assigned, which never trained."""
+        out = {}
+        for r in sorted(self._segs):
+            row = self.trained_row(r, step)
+            if row is not None and row.get("injected"):
+                out[r] = str(row["injected"])
+        return out
+
     def doc_losses(self, step: int) -> tuple[list[dict[str, Any]], float | None]:
         """The per-document losses recorded at ``step`` on every DP rank (each rank's
         highest- and lowest-loss segments, ``--ledger.doc_loss.k`` of each), as dicts
         with the segment's provenance, and the step's median segment loss (the median
-        of the DP ranks' medians). Empty when the run recorded none."""
+        of the DP ranks' medians). Empty when the run recorded none. A step a rollback
+        superseded is read as it trained (:meth:`trained_row`)."""
         out, medians = [], []
-        for r in self.ranks_at(step):
-            row = self._row(r, step)
+        for r in sorted(self._segs):
+            row = self.trained_row(r, step)
             dl = row.get("doc_loss") if row is not None and "last_step" not in row else None
             if not dl:
                 continue

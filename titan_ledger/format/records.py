@@ -536,13 +536,22 @@ class LedgerFile:
         """The history as it stood when ``step`` ran: the current history if the
         step is in it, else -- for a step a later resume or rewind superseded -- the
         history of the segment that ran it (its last occurrence); None if no
-        segment ran it."""
-        if any(r["step"] == step for r in self.history):
+        segment ran it. A step that trained in an earlier segment and is now in a
+        skipped window (a rollback skipped it) is answered with the segment that
+        trained it, not the window."""
+        trained = lambda r: r["step"] == step and not r.get("skipped")  # noqa: E731
+        if any(trained(r) for r in self.history):
             return self.history
         last = None
         for i, seg in enumerate(self.segments):
-            if any(r["step"] == step for r in seg.rows):
+            if any(trained(r) for r in seg.rows):
                 last = i
+        if last is None:
+            if any(r["step"] == step for r in self.history):
+                return self.history  # never trained: the window (or skipped row) that holds it
+            for i, seg in enumerate(self.segments):
+                if any(r["step"] == step for r in seg.rows):
+                    last = i
         if last is None:
             return None
         hist, _ = resolve({0: self.segments[:last + 1]})

@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from titan_ledger.errors import LedgerError
+from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal import backend
 
@@ -317,6 +317,209 @@ def document_scores(led: RunLedger, step: int) -> list[dict]:
                         dp_rank=max(ranks, key=lambda r: (ranks[r], -r))))
     out.sort(key=lambda d: -abs(math.log(d["vs_median"])))
     return out
+
+
+CERTAINTIES = ("proven", "evidence", "guess")
+#: a document "stands out" against its step when its loss is >= this many times the
+#: step's median document or <= 1 / this: exp of the trainer's doc_outlier_floor (a
+#: log ratio of 0.7, i.e. 2x), the floor under which its document rules never fire --
+#: or when it is the step's most extreme document on a side (highest / lowest loss) that
+#: the trainer's document statistics at the flag put >= ``Thresholds.doc_extreme`` (3x)
+#: further from its rank's median than usual: the spike zoo's planted repeated document
+#: sat at 0.71x the median (a normal one reaches 1.5x) but 17.8x its usual distance, and
+#: masking it alone removed the spike
+DOC_STANDOUT = math.exp(SpikeDetector.Config().doc_outlier_floor)
+DOC_CRITERION = (f"document loss >= {DOC_STANDOUT:.2g}x the step's median document or <= 1/{DOC_STANDOUT:.2g} "
+                 f"of it (|log ratio| >= {SpikeDetector.Config().doc_outlier_floor:g}, the spike rules' "
+                 f"doc_outlier_floor), or the step's highest/lowest-loss document when the trainer's document "
+                 f"statistic on that side is >= {Thresholds().doc_extreme:g}x its usual distance from its rank's "
+                 f"median")
+
+
+def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int = 3) -> dict:
+    """THE verdict on ``step``, for ``diagnose`` and ``report`` alike (one code path).
+
+    The tree (:func:`classify`) walks the signals history as it stood when the step
+    ran (``rows_as_of``: a step a rollback later undid is judged on what the trainer
+    saw when it decided), with the trainer's own event for the step (its rules and
+    evidence stats, ``spikes.jsonl``) and the compute dtype of the launch that
+    trained it. Added: ``trainer`` (the flag: rules, action, suspect rank),
+    ``actions`` / ``done`` (what was done and what followed,
+    :func:`titan_ledger.tools.postmortem.actions_at`), ``rank_losses`` (each rank's
+    own loss at the step, as it trained), ``injected`` (DP ranks whose batch an
+    injection replaced), for a bad_data verdict the ``documents`` that stand out
+    (:data:`DOC_CRITERION`; none for an injected batch or an unflagged step) and
+    ``certainty`` (``proven`` / ``evidence`` / ``guess``) with ``certainty_rule``.
+    A rerun summary (``<ledger>/rerun/step<T>.json``) that proves a cause makes it
+    the verdict (the tree's answer kept as ``heuristic``)."""
+    from titan_ledger.format import records
+    from titan_ledger.tools.postmortem import actions_at
+
+    path = led.folder / records.SIGNALS_FILE
+    rows = led.rows_as_of(step)
+    cur = led.signal_rows()
+    win = next((r for r in cur if r.get("skipped") and r["step"] <= step <= r.get("last_step", r["step"])), None)
+    if win is not None and (rows is None or rows is cur):
+        raise LedgerError(f"--step {step}: not a trained step: it is in the skipped window "
+                          f"{win['step']}-{win.get('last_step', win['step'])} of {path} and no launch trained "
+                          f"it; nothing trained there to diagnose")
+    if rows is None:
+        last = max((r.get("last_step", r["step"]) for r in cur), default=0)
+        raise LedgerError(f"--step {step}: not a recorded step of {path} (it covers steps 1-{last})")
+    events = [e for e in led.spike_events() if int(e["step"]) == step]
+    event = events[-1] if events else None
+    dtype = led.param_dtype(step)
+    try:
+        res = classify(rows, step, th, evidence=event, param_dtype=dtype)
+    except ValueError as e:
+        raise LedgerError(f"--step {step}: {path}: {e}") from None
+    res["param_dtype"] = dtype
+    res["rewound"] = rows is not cur  # a later rollback or resume superseded this step
+    res["trainer"] = None if event is None else {
+        k: event.get(k) for k in ("rules", "action", "suspect_dp_rank", "loss_max_rank", "grad_norm_median",
+                                  "loss_median", "grad_jump_ratio", "separation_y", "separation_rank")
+        if event.get(k) is not None}
+    res["actions"] = actions_at(led, step)
+    res["done"] = res["actions"]["summary"]
+    res["rank_losses"] = {str(r): row.get("loss") for r, row in sorted(led.rank_rows_at(step).items())} or None
+    try:
+        injected = led.data.injected_at(step)
+    except LedgerCorrupt:
+        raise
+    except LedgerError:
+        injected = {}
+    res["injected"] = {str(r): k for r, k in injected.items()} or None
+    if injected:
+        where = ", ".join(f"DP rank {r} ({k})" for r, k in sorted(injected.items()))
+        res["documents_note"] = (f"batch replaced by an injection (--ledger.rehearsal.inject) on {where}: the "
+                                 f"data ledger's documents there never trained; no documents to quarantine")
+    bad = res["cause"] == "bad_data" or (res["cause"] == "divergence" and res.get("underlying") == "bad_data")
+    if bad:
+        if (event or {}).get("suspect_dp_rank") is None:
+            # no evidence rule named a rank: the rank holding the document furthest
+            # from the step's median (either way) is the evidence; loss_max_rank is
+            # not: a rank training repeated text pushes the OTHER rank to loss_max
+            by_doc = extreme_document_rank(led, step)
+            if by_doc is not None and not injected:
+                res["rank_from"] = "documents"
+                res["rank"] = by_doc
+        res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
+    res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
+    _apply_rerun(led, step, res)
+    return res
+
+
+def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) -> tuple[list[dict], str]:
+    """The documents a quarantine may name, and why (not) these: only on a step the
+    trainer flagged, never for an injected batch, and only documents that stand out
+    against their step (:data:`DOC_CRITERION`), the named rank's first."""
+    if injected:
+        where = ", ".join(f"DP rank {r} ({k})" for r, k in sorted(injected.items()))
+        return [], (f"batch replaced by an injection (--ledger.rehearsal.inject) on {where}: the "
+                    f"data ledger's documents there never trained; no documents to quarantine")
+    if event is None:
+        return [], ("the trainer did not flag this step (no acting rule): no documents are named and "
+                    "no quarantine is proposed")
+    scores = document_scores(led, step)
+    if not scores:
+        return [], "the run recorded no per-document losses at this step: no documents to name"
+    why: dict[tuple, str] = {}
+    for d in scores:
+        if d["vs_median"] >= DOC_STANDOUT or d["vs_median"] <= 1 / DOC_STANDOUT:
+            why[(d["source"], d["doc"])] = f"{d['vs_median']:.2f}x the step's median document"
+    th = Thresholds()
+    for side, y, m, rk in (("high", "doc_high_y", "doc_y_median_high", "doc_high_rank"),
+                           ("low", "doc_low_y", "doc_y_median_low", "doc_low_rank")):
+        yv, mv = event.get(y), event.get(m)
+        if not (isinstance(yv, (int, float)) and isinstance(mv, (int, float)) and mv > 0 and yv / mv >= th.doc_extreme):
+            continue
+        cands = [d for d in scores if event.get(rk) is None or d["dp_rank"] == int(event[rk])]
+        if not cands:
+            continue
+        pick = (max if side == "high" else min)(cands, key=lambda d: d["vs_median"])
+        if (pick["vs_median"] > 1) == (side == "high"):
+            why.setdefault((pick["source"], pick["doc"]),
+                           f"the {'highest' if side == 'high' else 'lowest'}-loss document of DP rank "
+                           f"{pick['dp_rank']}, whose {'high' if side == 'high' else 'low'} side sits "
+                           f"{yv / mv:.1f}x its usual distance from the rank's median (the trainer's statistic)")
+    out = [d for d in scores if (d["source"], d["doc"]) in why]
+    if not out:
+        return [], f"no document stands out against the step ({DOC_CRITERION}): nothing to quarantine"
+    mine = [d for d in out if rank is None or d["dp_rank"] == rank]
+    chosen = (mine or out)[:n]
+    return ([dict(d, criterion=DOC_CRITERION, stands_out=why[(d["source"], d["doc"])]) for d in chosen],
+            f"documents that stand out: {DOC_CRITERION}")
+
+
+def _certainty(res: dict, event: dict | None, injected: dict) -> tuple[str, str]:
+    """How sure the tree's verdict is, and the rule that says so: ``evidence`` when
+    the trainer flagged the step with a per-rank/per-document evidence rule and the
+    recorded per-rank and per-document data name the same DP rank (bad data); else
+    ``guess`` (heuristics on the recorded signals). ``proven`` only comes from a rerun
+    (:func:`_apply_rerun`)."""
+    cause = res["cause"]
+    decided = next((c["question"].split(":")[0] for c in res["checks"] if c["answer"]), None)
+    if event is None:
+        return "guess", (f"heuristics only ({decided or 'no question answered yes'}); the trainer did not "
+                         f"flag this step (no acting rule)")
+    rules = [r for r in event.get("rules", []) if r in EVIDENCE_RULES]
+    bad = cause == "bad_data" or res.get("underlying") == "bad_data"
+    if bad and rules:
+        named = event.get("suspect_dp_rank")
+        docs = res.get("documents") or []
+        doc_rank = docs[0]["dp_rank"] if docs else None
+        said = f"the trainer's {', '.join(rules)} named DP rank {named}"
+        if named is not None and named in injected:
+            return "evidence", (f"{said}, the rank whose batch the data ledger records as replaced by an "
+                                f"injection ({injected[named]})")
+        if named is not None and doc_rank == named:
+            d = docs[0]
+            return "evidence", (f"{said}, and the recorded per-document losses agree: {d['source']} doc "
+                                f"{d['doc']} on that rank at {d['vs_median']:.2f}x the step's median document")
+        return "guess", (f"{said}, but the recorded per-document data do not agree"
+                         + (f" (the document that stands out is on DP rank {doc_rank})" if doc_rank is not None
+                            else " (no document stands out)"))
+    return "guess", (f"heuristics only ({decided or 'no question answered yes'}); the trainer flagged the step "
+                     f"({', '.join(event.get('rules', []))}) but no evidence rule and per-rank/per-document data "
+                     f"agree on a cause")
+
+
+def _apply_rerun(led: RunLedger, step: int, res: dict) -> None:
+    """A rerun's verdict on ``step`` (``<ledger>/rerun/step<T>.json``) decides when it
+    proved something: ``proven`` (same reproduced it and a counterfactual removed it,
+    or same did not reproduce it: hardware); bad data is proven only by the
+    ``quarantine`` variant (only the named documents masked) -- a ``skip`` (or a
+    ``swap``) that removes it shows only "something in this step's data" (evidence)."""
+    import json
+
+    f = led.folder / "rerun" / f"step{step}.json"
+    try:
+        summary = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return
+    vd = summary.get("verdict") or {}
+    if not vd.get("proven") and vd.get("certainty") != "evidence":
+        if vd.get("cause"):
+            res["rerun_verdict"] = {"cause": vd.get("cause"), "proven": False, "file": str(f)}
+        return
+    heuristic = res["cause"]
+    cause, certainty = vd.get("cause"), vd.get("certainty") or "proven"
+    by = vd.get("removed_by")
+    if cause == "bad_data" and by != "quarantine":
+        certainty = "evidence"
+    if cause == "hardware":
+        rule = "a rerun from the checkpoint (same data, same state) did not reproduce it"
+    elif cause == "bad_data" and certainty == "evidence":
+        rule = (f"a rerun reproduced it and {by or 'skip'} removed it: something in this step's data "
+                f"(not which documents: the quarantine variant names them)")
+    else:
+        rule = f"a rerun reproduced it and the {by or 'counterfactual'} variant removed it"
+    if certainty == "evidence" and res.get("certainty") == "evidence" and heuristic == cause:
+        rule = res["certainty_rule"] + "; " + rule
+    res.update(cause=cause, certainty=certainty, certainty_rule=rule,
+               rerun_verdict={"cause": cause, "proven": certainty == "proven", "removed_by": by, "file": str(f)})
+    if heuristic != cause:
+        res["heuristic"] = heuristic
 
 
 def extreme_document_rank(led: RunLedger, step: int) -> int | None:

@@ -28,6 +28,13 @@ The questions, in order:
                      recorded state explains it (the rerun's `same` proves it)
   else transient
 
+Every verdict carries its certainty (``decision.judge``; ``report`` prints the same one):
+proven (a rerun reproduced and removed it; bad data only by the ``quarantine`` variant),
+evidence (the trainer's evidence rule and the recorded per-document data agree; or a
+``skip`` rerun removed it), guess (heuristics only); and what was done about the step
+(update skipped, rolled back to C and A-B skipped, what followed). A step a rollback undid
+is judged on the history as it stood when the trainer decided.
+
 Examples::
 
     python -m titan_ledger.diagnose outputs/debug_cpu
@@ -50,14 +57,7 @@ from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_
 
 # the decision tree (pure); importing it chooses the device backend before torchtitan
 # loads (--rerun parses training configs in this process)
-from titan_ledger.tools.decision import (
-    Thresholds,
-    classify,
-    document_scores,
-    extreme_document_rank,
-    spike_check,
-    spike_steps,
-)
+from titan_ledger.tools.decision import Thresholds, document_scores, judge, spike_check, spike_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.rerun
                     help="prove the cause: rerun the steps before each spike from a checkpoint under "
                          "the variants the verdict calls for (titan_ledger.rerun.PLAN_FOR: bad_data: same, "
-                         "skip over the named documents' steps; lr: same, lr undoing the jump; "
+                         "quarantine (only the named documents masked: proves it), skip over the named "
+                         "documents' steps (\"something in this step\"); lr: same, lr undoing the jump; "
                          "optimizer_state: same, beta2=0.95, eps=1e-6; bf16: same, fp32; logit_growth: "
                          "same, fp32, logit_cap; else same), escalating through the other "
-                         "counterfactuals when they leave the spike unexplained; give the original "
-                         "run's training flags after `--`")
-    ap.add_argument("--nproc", type=int, default=2, help="--rerun: processes per rerun")
+                         "counterfactuals when they leave the spike unexplained; the original run's "
+                         "training flags after `--` (default: the launch the ledger records, when it "
+                         "records its flags; flags given are checked against it)")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="--rerun: processes per rerun (default: the world size the ledger records)")
     ap.add_argument("--rerun-after", type=int, default=1, help="--rerun: steps after the spike to train")
     ap.add_argument("--rerun-max-steps", type=int, default=200,
                     help="--rerun: refuse when the reruns need more training steps than this")
@@ -98,38 +101,15 @@ def _main(a) -> int:
     if not led.trained_rows():
         raise LedgerError(f"{path}: no trained step recorded (the run died before its first "
                           f"step completed, or every step was skipped)")
-    steps = [a.step] if a.step is not None else spike_steps(led)
+    steps = [a.step] if a.step is not None else acted_steps(led)
     results = []
-    last = max(r.get("last_step", r["step"]) for r in led.signal_rows()) if led.signal_rows() else 0
+    flagged = set(spike_steps(led))
     for s in steps:
-        win = next((r for r in led.signal_rows() if r.get("skipped") and r["step"] <= s
-                    <= r.get("last_step", r["step"])), None)
-        if win is not None:
-            raise LedgerError(f"--step {s}: not a trained step: it is in the skipped window "
-                              f"{win['step']}-{win.get('last_step', win['step'])} of {path}; nothing "
-                              f"trained there to diagnose")
-        rows = led.rows_as_of(s)
-        if rows is None:
-            raise LedgerError(f"--step {s}: not a recorded step of {path} (it covers steps 1-{last})")
-        event = next((e for e in led.spike_events() if e["step"] == s), None)
-        try:
-            res = classify(rows, s, evidence=event, param_dtype=led.param_dtype())
-        except ValueError as e:
-            raise LedgerError(f"--step {s}: {path}: {e}") from None
+        res = judge(led, s)  # the one verdict (report calls it too)
         if a.step is not None:
-            res["spike_check"] = spike_check(rows, s, s in set(spike_steps(led)))
-        if rows is not led.signal_rows():
-            res["rewound"] = True  # a later rollback superseded this step
-        if "rank" in res:
-            if (event or {}).get("suspect_dp_rank") is None:
-                # no evidence rule named a rank: the rank holding the document furthest
-                # from the step's median (either way) is the evidence; loss_max_rank is
-                # not: a rank training repeated text pushes the OTHER rank to loss_max
-                by_doc = extreme_document_rank(led, s)
-                if by_doc is not None:
-                    res["rank_from"] = "documents"
-                    res["rank"] = by_doc
-            res["documents"] = offending_documents(led, s, res["rank"])
+            res["spike_check"] = spike_check(led.rows_as_of(s), s, s in flagged)
+        if res.get("documents"):
+            res["documents"] = with_text(led, res["documents"])
             res["quarantine_command"] = (
                 f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
                 f"quarantine.jsonl  # then resume with --ledger.filter.quarantine quarantine.jsonl")
@@ -142,10 +122,18 @@ def _main(a) -> int:
         write_quarantine(a.write_quarantine, sorted(docs))
     if getattr(a, "rerun", False):  # ADDED (--rerun): prove the cause by rerunning from a checkpoint
         from titan_ledger.tools import rerun
+        from titan_ledger.tools.recorded import launch_args
 
-        rerun.for_diagnosis(a.dump_folder, results, a.train_args, nproc=a.nproc, after=a.rerun_after,
+        train_args, nproc = launch_args(a.dump_folder, a.train_args, a.nproc, ledger_folder=a.ledger_folder,
+                                        what="diagnose --rerun")
+        rerun.for_diagnosis(a.dump_folder, results, train_args, nproc=nproc, after=a.rerun_after,
                             max_steps=a.rerun_max_steps, ledger_folder=a.ledger_folder,
                             log=(lambda m: print(m, file=sys.stderr)) if a.json else print)
+        led = RunLedger(a.dump_folder, a.ledger_folder)
+        for i, res in enumerate(results):  # the verdict again, now with the reruns' proof
+            again = judge(led, res["step"])
+            results[i] = {**again, **{k: res[k] for k in ("rerun", "spike_check", "documents",
+                                                           "quarantine_command") if k in res}}
     if a.json:
         print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
         return 0
@@ -160,21 +148,7 @@ def _main(a) -> int:
                   f"(needs > {sc['loss_jump_needs']}x), z-scores loss {sc['loss_zscore']} / grad norm "
                   f"{sc['grad_norm_zscore']} (need > {sc['zscore_needs']}). The tree below describes "
                   f"an ordinary step; its cause is not a finding.")
-        extra = f" (DP rank {r['rank']})" if "rank" in r else ""
-        extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
-        print(f"step {r['step']}: {r['cause']}{extra}   grad norm {r['grad_norm_ratio']}x pre-spike median")
-        for c in r["checks"]:
-            nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
-            print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
-        if r.get("documents"):
-            print(f"  documents on DP rank {r['rank']} (loss vs the step's median document):")
-            for d in r["documents"]:
-                print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']}, {d['segments']} segment(s), e.g. "
-                      f"[{d['start']}:{d['end']}))  loss {d['loss']:.4f} = {d['vs_median']:.2f}x median over "
-                      f"{d['tokens']} tokens")
-                if d.get("text"):
-                    print(f"      {d['text'][:160]!r}")
-            print(f"  quarantine: {r['quarantine_command']}")
+        print_verdict(r)
         if r.get("rerun"):  # ADDED (--rerun)
             from titan_ledger.tools.rerun import print_report
 
@@ -184,15 +158,68 @@ def _main(a) -> int:
     return 0
 
 
+def print_verdict(r: dict) -> None:
+    """One verdict as text: cause, certainty and its rule, the trainer's flag, what was
+    done, the questions with their numbers, the documents and the quarantine command."""
+    extra = f" (DP rank {r['rank']})" if r.get("rank") is not None else ""
+    extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
+    extra += f" (the tree said {r['heuristic']})" if r.get("heuristic") else ""
+    rewound = "   [judged on the history as it stood when the step ran]" if r.get("rewound") else ""
+    print(f"step {r['step']}: {r['cause']}{extra} -- {r['certainty']}   grad norm {r['grad_norm_ratio']}x "
+          f"pre-spike median{rewound}")
+    print(f"  certainty: {r['certainty']}: {r['certainty_rule']}")
+    t = r.get("trainer")
+    if t:
+        named = f", suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else ""
+        print(f"  trainer: rules {', '.join(t.get('rules', []))}{named}; on_spike {t.get('action')}")
+    print(f"  done: {r['done']}")
+    if r.get("rank_losses"):
+        print("  per-rank losses at the step: " + ", ".join(f"rank {k} {v:.4f}" if isinstance(v, float) else
+                                                          f"rank {k} {v}" for k, v in r["rank_losses"].items()))
+    for c in r["checks"]:
+        nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
+        print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")
+    if r.get("documents"):
+        print(f"  documents that stand out ({r['documents'][0]['criterion']}):")
+        for d in r["documents"]:
+            print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']}, {d['segments']} segment(s), e.g. "
+                  f"[{d['start']}:{d['end']}))  loss {d['loss']:.4f} = {d['vs_median']:.2f}x median over "
+                  f"{d['tokens']} tokens")
+            if d.get("stands_out"):
+                print(f"      stands out: {d['stands_out']}")
+            if d.get("text"):
+                print(f"      {d['text'][:160]!r}")
+    elif r.get("documents_note"):
+        print(f"  documents: {r['documents_note']}")
+    if r.get("quarantine_command"):
+        print(f"  quarantine: {r['quarantine_command']}")
+
+
+def acted_steps(led: RunLedger) -> list[int]:
+    """Every step the trainer flagged or acted on (spike events, update skips,
+    rollbacks: later rewound or skipped ones included), else the default rules run
+    offline (:func:`spike_steps`)."""
+    steps = set(led.spike_steps()) | {int(r["step"]) for r in led.rewinds()}
+    steps |= {int(r["step"]) for r in led.ladder_actions()}
+    steps |= {int(r["step"]) for r in led.signal_rows() if r.get("update_skipped")}
+    return sorted(steps) or spike_steps(led)
+
+
 def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3) -> list[dict]:
     """Up to ``n`` distinct documents of ``rank`` (every rank's when it holds none)
     furthest from the step's median document, either way, with a text excerpt; []
-    when the run recorded none."""
+    when the run recorded none. (A verdict names only those that stand out:
+    :func:`titan_ledger.tools.decision.judge`.)"""
     scores = document_scores(led, step)
     mine = [d for d in scores if rank is None or d["dp_rank"] == rank] or scores
+    return with_text(led, mine[:n])
+
+
+def with_text(led: RunLedger, docs: list[dict]) -> list[dict]:
+    """The documents with a text excerpt each (``text``, or ``text_error``)."""
     out = []
     text = None
-    for d in mine[:n]:
+    for d in docs:
         d = dict(d)
         try:
             from titan_ledger.tools.lookup import TextSource

@@ -28,6 +28,7 @@ from titan_ledger.data.layout import RowTag
 from titan_ledger.errors import LedgerError
 from titan_ledger.format.reader import DataLedger, RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
+from titan_ledger.tools.postmortem import actions_at
 
 
 class TextSource:
@@ -136,6 +137,16 @@ def _main(a) -> int:
     skipped = any(g.skipped for g in got.values())
     result = {"step": a.step, "skipped": skipped,
               "ranks": {str(r): describe(g.tags, text) for r, g in got.items()}}
+    # what the trainer did about the step (a rollback that undid it, a skipped update)
+    # and whose batch an injection replaced, as the step trained
+    run = RunLedger(a.dump_folder, a.ledger_folder)
+    facts = actions_at(run, a.step)
+    acted = facts["flagged"] or facts["rewind"] or facts["update_skipped"]
+    if acted:
+        result["actions"] = facts
+    injected = {r: k for r, k in ledger.injected_at(a.step).items() if r in got}
+    if injected:
+        result["injected"] = {str(r): k for r, k in injected.items()}
     # the per-document losses the run recorded (each rank's highest and lowest segments)
     docs, median = ledger.doc_losses(a.step)
     if median is not None:
@@ -150,8 +161,12 @@ def _main(a) -> int:
     window = next((g.window for g in got.values() if g.window), None)
     state = "SKIPPED" + (f" (window {window[0]}-{window[1]})" if window else "") if skipped else "trained"
     print(f"step {a.step}: {state}")
+    if acted:
+        print(f"  {facts['summary']}")
     for r, rows in result["ranks"].items():
-        print(f"DP rank {r}")
+        kind = injected.get(int(r))
+        print(f"DP rank {r}" + (f"  (batch replaced by an injection ({kind}, --ledger.rehearsal.inject): "
+                                f"these documents never trained)" if kind else ""))
         for row in rows:
             spans = "  ".join(f"doc {s['doc']} [{s['start']}:{s['end']})"
                               + (f" loss {s['loss']:.3f}" if s.get("loss") is not None else "")

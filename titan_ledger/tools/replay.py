@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="example: python -m titan_ledger.replay resume --nproc 2 --kill-at 6 "
                        "--dump-folder /tmp/b -- --job.config_file train_configs/debug_cpu.toml "
                        "--training.steps 10 --checkpoint.interval 4")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (default: the world size the folder's ledger records, else 2)")
     p.add_argument("--kill-at", type=int, required=True)
     p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder", type=Path,
                    required=True)
@@ -324,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint step C to load (default: the last complete one <= T-1)")
     p.add_argument("--after", type=int, default=1, help="steps after T to train too (default 1)")
     p.add_argument("--variant", action="append", default=None,
-                   help="same | skip | lr=X | eps=X | clip=X | fp32 | beta2=X | logit_cap=X "
-                        "(repeatable; default same)")
-    p.add_argument("--nproc", type=int, default=2)
+                   help="same | skip | quarantine[=SOURCE:DOC,...] | swap | lr=X | eps=X | clip=X | fp32 | "
+                        "beta2=X | logit_cap=X (repeatable; default same)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes per rerun (default: the world size the ledger records)")
     p.add_argument("--fresh", action="store_true",
                    help="train again even where an identical earlier rerun exists")
     p.add_argument("--ledger-folder", default="ledger")
@@ -339,9 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unrecognized arguments: {' '.join(unknown)}")
         train_args = unknown + train_args
     if a.cmd != "check":
-        if a.nproc < 1:
+        if a.nproc is not None and a.nproc < 1:
             parsers[a.cmd].error(f"--nproc {a.nproc}: give at least 1 process")
-        if not any(x.split("=")[0] in ("--job.config_file", "--config", "--module") for x in train_args):
+        # rerun and resume may reuse the launch the ledger records (titan_ledger.tools.recorded)
+        if (train_args or a.cmd not in ("rerun", "resume")) and \
+                not any(x.split("=")[0] in ("--job.config_file", "--config", "--module") for x in train_args):
             parsers[a.cmd].error("give the training flags, at least --job.config_file X.toml "
                                  "(after `--` or mixed with replay's own)")
     return run_tool("titan_ledger.replay", lambda: _run(a, train_args))
@@ -363,6 +367,14 @@ def _validate(a, train_args: list[str]) -> None:
 
 
 def _run(a, train_args: list[str]) -> int:
+    if a.cmd in ("rerun", "resume"):  # the recorded launch when no flags are given; flags given checked
+        from titan_ledger.tools.recorded import launch_args
+
+        train_args, a.nproc = launch_args(a.dump_folder, train_args, a.nproc,
+                                          ledger_folder=getattr(a, "ledger_folder", "ledger"),
+                                          what=f"replay {a.cmd}")
+    elif a.cmd != "check" and a.nproc is None:
+        a.nproc = 2
     if a.cmd == "rerun":
         return _rerun(a, train_args)
     if a.cmd != "check":

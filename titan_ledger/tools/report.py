@@ -123,21 +123,33 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
 
 
 def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
-    from titan_ledger.tools.decision import classify
+    """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
+    prints: cause, certainty and its rule, the trainer's flag, what was done, the
+    per-rank losses as the step trained, every question with its numbers."""
+    from titan_ledger.tools.decision import judge
 
-    rows = led.rows_as_of(step)
-    if rows is None:
-        return f"<h2>Diagnosis</h2><p class='none'>step {step} is in no segment of the signals ledger</p>", None
     try:
-        res = classify(rows, step)
+        res = judge(led, step)
+    except TitanLedgerError as e:
+        return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(e)}</p>", None
     except Exception as e:
         return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
-    extra = f" (DP rank {res['rank']})" if "rank" in res else ""
+    extra = f" (DP rank {res['rank']})" if res.get("rank") is not None else ""
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
+    extra += f" (the tree said {res['heuristic']})" if res.get("heuristic") else ""
     rewound = " This step was later rolled back (the history as it stood then is used)." \
-        if rows is not led.signal_rows() else ""
-    out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)}</p>",
-           f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>"]
+        if res.get("rewound") else ""
+    t = res.get("trainer")
+    flag = (f"rules {', '.join(t.get('rules', []))}; on_spike {t.get('action')}"
+            + (f"; suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else "")
+            if t else "not flagged")
+    losses = ", ".join(f"rank {k}: {_num(v)}" for k, v in (res.get("rank_losses") or {}).items()) or "none recorded"
+    out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)} &mdash; {_e(res['certainty'])}</p>",
+           f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
+           _table(["", ""], [["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
+                             ["trainer", flag], ["done", res["done"]],
+                             ["per-rank losses at the step", losses],
+                             ["documents", res.get("documents_note") or "(not a bad_data verdict)"]])]
     rows_t = []
     for c in res["checks"]:
         nums = ", ".join(f"{k}={_num(v)}" for k, v in c.items() if k not in ("question", "answer"))
@@ -281,7 +293,8 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
             f"<title>titan_ledger incident: step {step}</title><style>{CSS}</style></head><body>"
             + "".join(body) + "</body></html>")
     Path(out).write_text(page, encoding="utf-8")
-    return {"step": step, "out": str(out), "cause": res["cause"] if res else None, "bytes": len(page),
+    return {"step": step, "out": str(out), "cause": res["cause"] if res else None,
+            "certainty": res["certainty"] if res else None, "verdict": res, "bytes": len(page),
             "signals_plot": plot_info}
 
 
@@ -319,7 +332,8 @@ def _main(a) -> int:
             raise LedgerError(f"step {s} is in no segment of {led.folder / 'signals.jsonl'}")
         path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
         info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
-        print(f"wrote {info['out']}: spike at step {s}, diagnosis {info['cause']}")
+        print(f"wrote {info['out']}: spike at step {s}, diagnosis {info['cause']} ({info['certainty']})"
+              + (f"; {info['verdict']['done']}" if info.get("verdict") else ""))
     return 0
 
 

@@ -78,6 +78,18 @@ def existing_skips(led: RunLedger) -> list[str]:
     return [f"{a}-{b}" for a, b in hdr.get("skip_steps", [])]
 
 
+def _already(led: RunLedger, step: int) -> dict | None:
+    """What the trainer already did about ``step`` (rolled back, update skipped, or a
+    later launch skipped it); None when nothing was done or there is no signals ledger."""
+    from titan_ledger.tools.postmortem import actions_at
+
+    if not (led.folder / "signals.jsonl").exists():
+        return None
+    f = actions_at(led, step)
+    acted = f["rewind"] or f["update_skipped"] or f["now"] == "skipped"
+    return f if acted else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser(prog="python -m titan_ledger.rollback",
                                  description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -109,13 +121,21 @@ def _main(a) -> int:
         if a.spike_step > last:
             raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
                             f"{led.folder / 'signals.jsonl'}; give the step the spike happened at")
+    done = _already(led, a.spike_step)
     p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
+    if done is not None:
+        p["already"] = done
     if a.write:
         a.write.write_text(overlay_toml(p))
         p["overlay"] = str(a.write)
     if a.json:
         print(json.dumps(p))
         return 0
+    if done is not None:
+        what = ("already rolled back in process" if done["rewind"] else
+                "its update already skipped by the trainer" if done["update_skipped"] else "already handled")
+        print(f"step {a.spike_step}: {what}: {done['summary']}\n"
+              f"(the plan below is for a relaunch that rolls back further or skips more)")
     print(f"spike at step {p['spike_step']}: resume from checkpoint step-{p['load_step']} "
           f"({p['steps_lost']} steps back), skip steps {p['skip_window'][0]}-{p['skip_window'][1]}")
     print("relaunch the same command with:\n  " + " ".join(

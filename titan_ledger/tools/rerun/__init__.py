@@ -32,6 +32,12 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
   logit_cap=X every attention score soft-capped at X (``X * tanh(s / X)``, Gemma 2's
               softcap) over the window (``--ledger.rehearsal.rerun logit_cap=X``): does the
               spike need the attention logits to reach their level?
+  quarantine  only the documents the verdict names masked (``--ledger.filter.quarantine``
+              with a file the rerun writes into its folder), the rest of the batch
+              trained: the sharp counterfactual -- the one that PROVES bad data (a bare
+              ``quarantine`` takes the documents that stand out at a flagged step,
+              ``decision.judge``; ``quarantine=SOURCE:DOC,...`` names them; none named,
+              e.g. an injected batch: not applicable)
   swap        step T's batches rotated across DP ranks (``--ledger.rehearsal.inject T:0:swap``:
               DP rank r trains on rank (r+1) % dp's batch): does the anomaly (the
               spike event's suspect DP rank, else ``loss_max_rank``) follow the data
@@ -59,7 +65,8 @@ there when any later step of the window is flagged or meets the grad or loss tes
 Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
 hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
-the cause: ``skip`` -> bad_data, ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
+the cause: ``quarantine`` -> bad_data (proven), ``skip`` -> bad_data (certainty
+``evidence`` only: "something in this step's data"), ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
 -> optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip. None removes it ->
 ``unproven``. A step T that is no spike in the original (not flagged, and neither the
 grad nor the loss test holds for its own numbers) -> ``unproven`` with ``not_a_spike``:
@@ -134,13 +141,14 @@ from titan_ledger.tools.rerun.variants import (
     ledger_values,
     parse_variant,
     variant_args,
+    write_quarantine,
 )
 from titan_ledger.tools.rerun.verdicts import verdict
 
 __all__ = [
     # variants
     "CAUSES", "CAUSE_OF", "ESCALATION", "PLAN_FOR", "PRE", "RerunError", "Variant", "ledger_values",
-    "parse_variant", "variant_args",
+    "parse_variant", "variant_args", "write_quarantine",
     # plan
     "Plan", "checkpoints_of", "make_plan", "resolve_variant", "strip_train_args",
     # comparison

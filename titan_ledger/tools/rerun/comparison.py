@@ -171,7 +171,8 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
             raise RerunError(f"the rerun's data {key} {hr.get(key)!r} differs from the original's "
                              f"{ho.get(key)!r} ({original.folder}): give the original run's training "
                              f"flags (the rerun is in {rerun_led.dump_folder})")
-    orig_rows = original.signal_rows()
+    # a step a rollback undid: the original as it stood when the step ran
+    orig_rows = original.rows_as_of(plan.step) or original.signal_rows()
     o_by = {r["step"]: r for r in orig_rows}
     r_by: dict[int, dict] = {}
     for r in rerun_led.signal_rows():

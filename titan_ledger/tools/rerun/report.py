@@ -32,6 +32,8 @@ def _ranges(steps: list[int]) -> str:
 def print_report(rep: dict) -> None:
     print(f"spike at step {rep['step']}: reruns from checkpoint step-{rep['load_step']} to step "
           f"{rep['stop']} ({rep['budget_steps']} training steps)")
+    if rep.get("done"):
+        print(f"the trainer: {rep['done']}")
     hdr = ("variant", "spike@T", "loss", "grad_norm", "max_logit", "spread", "lr", "bit-equal",
            "max rel diff", "data")
     table = [hdr]
@@ -58,7 +60,8 @@ def print_report(rep: dict) -> None:
     for r in table:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
     vd = rep["verdict"]
-    print(f"verdict: {vd['cause']}{' (proven)' if vd['proven'] else ' (not proven)'}")
+    print(f"verdict: {vd['cause']} ({vd.get('certainty') or 'not proven'})"
+          + (f": {vd['certainty_rule']}" if vd.get("certainty_rule") else ""))
     for e in vd["evidence"]:
         print(f"  - {e}")
     if "heuristic" in vd:

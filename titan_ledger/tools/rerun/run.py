@@ -21,6 +21,7 @@ from titan_ledger.tools.rerun.variants import (
     Variant,
     parse_variant,
     variant_args,
+    write_quarantine,
 )
 from titan_ledger.tools.rerun.verdicts import verdict
 
@@ -53,10 +54,13 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
     from titan_ledger.tools.launch import validate
     from titan_ledger.tools.runs import run_training
 
-    va = variant_args(v, plan.step, config)
     folder = plan.folder(v)
+    va = variant_args(v, plan.step, config, folder)
     if va is None:
-        if v.kind == "fp32":
+        if v.kind == "quarantine":
+            note = ("no document to mask: the verdict names none that stands out at a flagged step "
+                    "(or the step's batch was injected)")
+        elif v.kind == "fp32":
             note = "the run trains in float32 already (--training.mixed_precision_param float32)"
         elif v.kind == "beta2":
             note = f"the run's Adam beta2 is already <= {v.value:g}"
@@ -83,6 +87,8 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         _link_checkpoint(plan, folder)
+        if v.kind == "quarantine":
+            write_quarantine(v, folder)  # only the named documents masked; the rest of the batch trains
         validate([*args, "--job.dump_folder", str(folder)], nproc)
         logf = folder / "rerun.log"
         log(f"rerun {v.name}: training steps {plan.load_step + 1}-{plan.stop} in {folder} (log: {logf})")
@@ -136,9 +142,18 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
     # dump folder's recorded layout (seq_len, global batch) before anything trains
     config = validate([*train_args, "--job.dump_folder", str(dump)], nproc)
     rows = led.signal_rows()
-    trained = [r["step"] for r in rows if not r.get("skipped") and r.get("loss") is not None]
+    # a step a rollback undid is rerun against the history as it stood when it ran
+    then = led.rows_as_of(step) or rows
+    ok = lambda r: not r.get("skipped") and r.get("loss") is not None  # noqa: E731
+    trained = sorted({r["step"] for r in rows if ok(r)} | {r["step"] for r in then if r["step"] == step and ok(r)})
     last = max((r.get("last_step", r["step"]) for r in rows), default=0)
     vs = [x if isinstance(x, Variant) else parse_variant(x) for x in variants]
+    if any(v.kind == "quarantine" and not v.docs for v in vs):
+        # a bare quarantine: the documents the verdict names (standing out at a flagged step)
+        from titan_ledger.tools.decision import judge
+
+        docs = tuple(sorted({(d["source"], int(d["doc"])) for d in judge(led, step).get("documents") or []}))
+        vs = [Variant("quarantine", docs=docs) if v.kind == "quarantine" and not v.docs else v for v in vs]
     plan = make_plan(dump, step, vs, load_step=load_step, after=after,
                      checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
                      last_step=last, checkpoint_folder=config.checkpoint.folder,
@@ -152,7 +167,24 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
         raise RerunError(f"{dump}: the run trained with seq_len {hdr.get('seq_len')}, these flags give "
                          f"--training.seq_len {config.training.seq_len}: give the original run's flags")
     n_launch = sum(variant_args(v, step, config) is not None for v in plan.variants)
-    return plan, config, strip_train_args(train_args), n_launch
+    base = strip_train_args(train_args)
+    if any(a in str(config.ledger.on_spike.action) for a in ("rollback", "stop")):
+        # the original rolled back (or stopped) at a flag: the rerun must train through the
+        # step to compare it (its update at T is applied; only T itself is compared then)
+        base = [*_drop_flag(base, "--ledger.on_spike.action"), "--ledger.on_spike.action", "none"]
+    return plan, config, base, n_launch
+
+
+def _drop_flag(args: list[str], flag: str) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        key, eq, _ = args[i].partition("=")
+        if key == flag:
+            i += 1 if eq else 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
@@ -191,6 +223,12 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
         vd["escalated"] = escalated
     rep = {"dump_folder": str(plan.dump), "step": step, "load_step": plan.load_step, "stop": plan.stop,
            "budget_steps": spent, "variants": [r.to_json() for r in results], "verdict": vd}
+    from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.postmortem import actions_at
+
+    acted = actions_at(RunLedger(plan.dump, plan.ledger_folder), step)
+    if acted["flagged"] or acted["rewind"] or acted["update_skipped"]:
+        rep["done"] = acted["summary"]  # what the trainer did about the step (the postmortem)
     write_summary(plan.dump / plan.ledger_folder, rep)
     return rep
 
@@ -235,7 +273,13 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
         # skip widens over the most extreme document only (the verdict's first; for any
         # other heuristic, the step's most extreme recorded one, for the escalation)
         docs = (res.get("documents") or document_scores(led, step))[:1]
-        resolve = lambda spec: resolve_variant(spec, led, step, plan0.load_step, config, docs)  # noqa: E731
+        named = tuple(sorted({(d["source"], int(d["doc"])) for d in res.get("documents") or []}))
+
+        def resolve(spec, docs=docs, named=named, step=step, load=plan0.load_step, config=config):
+            if spec == "quarantine":  # only the documents the verdict names (never a fallback)
+                return Variant("quarantine", docs=named)
+            return resolve_variant(spec, led, step, load, config, docs)
+
         variants = [resolve(v) for v in PLAN_FOR.get(res["cause"], ["same"])]
         na = [v for v in variants if variant_args(v, step, config) is None]
         if na:  # fp32 on an fp32 run: dropped; when nothing but `same` is left, test the data

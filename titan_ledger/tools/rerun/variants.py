@@ -13,19 +13,23 @@ from titan_ledger.errors import TitanLedgerError
 from titan_ledger.tools.rerun.report import _ranges
 
 PRE = 50  # trained steps before T that describe "normal"
-#: a counterfactual that removes the spike -> the cause it proves (priority order)
-CAUSE_OF = {"skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
+#: a counterfactual that removes the spike -> the cause it proves (priority order);
+#: bad data is PROVEN only by ``quarantine`` (only the named documents masked, the rest
+#: of the batch trained); ``skip`` (the whole step) shows "something in this step"
+CAUSE_OF = {"quarantine": "bad_data", "skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
             "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip"}
-CAUSES = ("hardware", *CAUSE_OF.values(), "unproven")
+CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
-PLAN_FOR = {"bad_data": ["same", "skip"], "lr": ["same", "lr"],
+PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
             "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
-            "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "skip"],
+            "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "quarantine", "skip"],
             "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
 #: after an unproven plan: the other counterfactuals, most specific first ("lr",
 #: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
 #: config: :func:`ledger_values`)
-ESCALATION = ("skip", "fp32", "beta2", "eps=1e-6", "logit_cap", "lr")
+ESCALATION = ("quarantine", "skip", "fp32", "beta2", "eps=1e-6", "logit_cap", "lr")
+#: the file a ``quarantine`` rerun writes into its folder (``--ledger.filter.quarantine``)
+QUARANTINE_FILE = "quarantine.jsonl"
 
 
 class RerunError(TitanLedgerError):
@@ -34,18 +38,24 @@ class RerunError(TitanLedgerError):
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | swap | lr | eps | clip | logit_cap | fp32
+    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | fp32
     value: float | None = None
     #: skip: the steps to skip (empty: the spike step alone)
     steps: tuple[int, ...] = ()
+    #: quarantine: the ``(source, doc)`` documents masked (empty: none named: not applicable)
+    docs: tuple[tuple[str, int], ...] = ()
 
     @property
     def name(self) -> str:
         if self.kind == "skip" and self.steps:
             return f"skip={_ranges(list(self.steps))}"
+        if self.kind == "quarantine" and self.docs:
+            return "quarantine=" + ",".join(f"{s}:{d}" for s, d in self.docs)
         return self.kind if self.value is None else f"{self.kind}={self.value:g}"
 
     def slug(self, step: int) -> str:
+        if self.kind == "quarantine":
+            return "quarantine" + ("_" + "_".join(str(d) for _, d in self.docs) if self.docs else "")
         if self.kind == "skip":
             return "skip" + (_ranges(list(self.steps)).replace(",", "_") if self.steps else str(step))
         return self.name.replace("=", "_")
@@ -59,11 +69,23 @@ _VALUE_FROM_LEDGER = ("lr", "logit_cap", "beta2")
 
 
 def parse_variant(spec: str, allow_open: bool = False) -> Variant:
-    """``same``, ``skip``, ``skip=28-29``, ``lr=0.5``, ...; with ``allow_open``, ``lr``
-    and ``logit_cap`` without a value (filled in by :func:`ledger_values`)."""
+    """``same``, ``skip``, ``skip=28-29``, ``quarantine``, ``quarantine=SOURCE:DOC,...``,
+    ``lr=0.5``, ...; with ``allow_open``, ``lr`` and ``logit_cap`` without a value (filled
+    in by :func:`ledger_values`). A bare ``quarantine`` masks the documents the verdict
+    names (:func:`titan_ledger.tools.decision.judge`: those that stand out at a flagged step)."""
     kind, eq, val = spec.strip().partition("=")
-    if kind in ("same", "skip", "fp32", "swap") and not eq:
+    if kind in ("same", "skip", "fp32", "swap", "quarantine") and not eq:
         return Variant(kind)
+    if kind == "quarantine" and eq:
+        docs = []
+        for part in val.split(","):
+            src, _, doc = part.strip().rpartition(":")
+            if not src or not doc.isdigit():
+                docs = []
+                break
+            docs.append((src, int(doc)))
+        if docs:
+            return Variant("quarantine", docs=tuple(sorted(set(docs))))
     if kind == "skip" and eq:
         from titan_ledger.data.layout import parse_skip_steps
         from titan_ledger.errors import TitanLedgerError as _E
@@ -83,8 +105,8 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
             v = math.nan
         if math.isfinite(v) and v > 0 and not (kind == "beta2" and v >= 1):
             return Variant(kind, v)
-    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, swap, lr=X, eps=X, beta2=X (< 1), "
-                     f"clip=X, logit_cap=X, fp32 (X > 0)")
+    raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, quarantine, quarantine=SOURCE:DOC[,...], "
+                     f"swap, lr=X, eps=X, beta2=X (< 1), clip=X, logit_cap=X, fp32 (X > 0)")
 
 
 def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Variant:
@@ -120,11 +142,17 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
     return Variant("logit_cap", float(f"{0.5 * ml:.3g}"))
 
 
-def variant_args(v: Variant, step: int, config) -> tuple[list[str], dict[str, float]] | None:
+def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str], dict[str, float]] | None:
     """Extra training flags and ``--ledger.rehearsal.rerun`` overrides of a variant; None when it
-    does not apply to this run (fp32 on an fp32 or CPU run)."""
+    does not apply to this run (fp32 on an fp32 or CPU run; quarantine naming no document).
+    ``folder``: the rerun's folder (a quarantine file is written there: :func:`write_quarantine`)."""
     if v.kind == "same":
         return [], {}
+    if v.kind == "quarantine":
+        if not v.docs:
+            return None
+        path = f"{folder}/{QUARANTINE_FILE}" if folder is not None else QUARANTINE_FILE
+        return ["--ledger.filter.quarantine", ",".join([*config.ledger.filter.quarantine, path])], {}
     if v.kind == "skip":
         windows = [*config.ledger.skip.steps, *(str(s) for s in v.skip_list(step))]
         return ["--ledger.skip.steps", ",".join(windows)], {}
@@ -171,3 +199,13 @@ def _num(x) -> float | None:
         except ValueError:
             return None
     return None
+
+
+def write_quarantine(v: Variant, folder) -> None:
+    """The ``quarantine`` variant's file in its rerun folder, one ``{"source", "doc"}`` per line."""
+    import json
+    from pathlib import Path
+
+    with open(Path(folder) / QUARANTINE_FILE, "w") as f:
+        for source, doc in v.docs:
+            f.write(json.dumps({"source": source, "doc": doc}) + "\n")

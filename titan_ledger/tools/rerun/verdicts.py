@@ -26,11 +26,11 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
     for r in results:
         if not r.applicable:
             evidence.append(f"{r.variant}: not applicable ({r.note})")
-    cause, proven = None, False
+    cause, proven, removed_by = None, False, None
     if same is not None:
         at, o = same.at_step or {}, same.original_at_step or {}
         if not same.present:
-            cause, proven = "hardware", True
+            cause, proven, removed_by = "hardware", True, "same"
             evidence.append(
                 f"same: NOT reproduced at step {step}: grad norm {at.get('grad_norm')} vs the original's "
                 f"{o.get('grad_norm')}; the rerun saw the same data from the same checkpoint"
@@ -42,7 +42,7 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                             + (", bit-equal" if step in same.bit_equal_steps else
                                f", max relative difference {_fmt(same.max_rel_diff)}") + "): deterministic")
     if cause is None:
-        gone = []
+        gone, kinds = [], []
         for kind, c in CAUSE_OF.items():
             r = by.get(kind)
             if r is None:
@@ -53,7 +53,11 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                                 f"{at.get('grad_norm')}, flagged {r.flagged or 'none'}): not {c}")
             else:
                 gone.append(c)
+                kinds.append(kind)
                 what = ("step skipped; no spike in the steps after" if kind == "skip" else
+                        f"only the named documents masked ({r.variant.split('=', 1)[-1]}), the rest of the "
+                        f"batch trained; loss {at.get('loss')}, grad norm {at.get('grad_norm')}"
+                        if kind == "quarantine" else
                         f"loss {at.get('loss')}, grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
                 evidence.append(f"{r.variant}: gone ({what}): {c}")
         sw = by.get("swap")
@@ -66,20 +70,37 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                                else f"went to DP rank {sw.swap.get('rerun_rank')}: inconclusive"))
             if f == "data" and "bad_data" not in gone:
                 gone.append("bad_data")
+                kinds.append("swap")
             elif f == "rank" and sw.present:
                 gone.append("hardware")
+                kinds.append("swap")
         if gone:
-            cause = gone[0]
+            cause, removed_by = gone[0], kinds[0]
             proven = same is not None and same.present
             if same is None:
                 evidence.append("same was not run: the spike's reproducibility is not shown")
         else:
             cause = "unproven"
-    out = {"step": step, "cause": cause, "proven": proven, "evidence": evidence}
+    # ``shown``: same reproduced it and a counterfactual removed it (or same did not
+    # reproduce it); how sure that makes the cause (issue 24): bad data is proven only by
+    # the sharp counterfactual -- masking only the named documents (quarantine) removes
+    # it; a skip of the whole step (or a swap that moves it with the batch) shows only
+    # "something in this step's data". ``proven`` is certainty == "proven", nothing else.
+    shown = proven
+    out = {"step": step, "cause": cause, "evidence": evidence, "removed_by": removed_by}
+    if shown and cause == "bad_data" and removed_by != "quarantine":
+        out["certainty"] = "evidence"
+        out["certainty_rule"] = (f"{removed_by} removed it: something in step {step}'s data, not which "
+                                 f"documents (the quarantine variant, only the named documents masked, proves that)")
+    elif shown:
+        out["certainty"] = "proven"
+        out["certainty_rule"] = ("same did not reproduce it from the same checkpoint and data" if removed_by == "same"
+                                 else f"same reproduced it and {removed_by} removed it")
+    out["proven"] = out.get("certainty") == "proven"
     if heuristic is not None:
         out["heuristic"] = heuristic
-        out["heuristic_confirmed"] = proven and cause == heuristic
-        if proven and cause != heuristic:
+        out["heuristic_confirmed"] = shown and cause == heuristic
+        if shown and cause != heuristic:
             out["heuristic_wrong"] = True
     return out
 

@@ -1,0 +1,140 @@
+"""The launch a run's ledger records: its training flags and world size, for the tools
+that train again (``replay rerun``, ``replay resume``, ``diagnose --rerun``).
+
+Design decision: the launch log (``segments.jsonl``, one row per launch or rewind)
+is the record. Every row holds the world size and the config digest; a row with
+``argv`` (the launch's training flags) lets a tool reuse the launch when the user
+gives no flags, and check flags given anyway against it: both are parsed as the
+ranks would parse them (:func:`titan_ledger.tools.launch.validate`) and the first
+setting that differs is named, in one line. The recorded ``config_digest`` is taken
+by the trainer after its setup has filled the model spec (sharding configs), so it
+cannot be recomputed from flags; until the ledger records ``argv`` the flags given are
+checked only by the existing layout checks (seq_len, global batch, data fingerprint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from titan_ledger.errors import ConfigError, LedgerCorrupt, LedgerError, TitanLedgerError
+
+#: settings a tool or a relaunch changes on purpose: not a mismatch
+VOLATILE = ("job.dump_folder", "checkpoint.load_step", "checkpoint.interval", "checkpoint.enable",
+            "ledger.rehearsal.rerun", "ledger.skip.steps", "ledger.filter.quarantine", "ledger.on_spike.action")
+DEFAULT_NPROC = 2
+
+
+def recorded_launches(dump, ledger_folder: str = "ledger") -> list[dict[str, Any]]:
+    """Every launch (and rewind) the run's launch log records, oldest first; [] when the
+    folder holds no ledger (a fresh ``replay resume`` folder)."""
+    from titan_ledger.format.reader import RunLedger
+
+    try:
+        led = RunLedger(dump, ledger_folder)
+        rows = led.launches()
+        if not rows:  # ledgers from before the launch log: the signals header
+            segs = led.signals.segments
+            rows = [{**s.header.as_dict(), "seq": s.header.seq} for s in segs]
+    except LedgerCorrupt:
+        raise
+    except LedgerError:
+        return []
+    return rows
+
+
+def launch_args(dump, given: list[str], nproc: int | None, *, ledger_folder: str = "ledger",
+                what: str = "the rerun") -> tuple[list[str], int]:
+    """The training flags and process count to train with: the ones given, else the
+    launch the ledger records (its ``argv`` and ``world_size``). Flags given anyway are
+    checked against the recorded launch (:func:`check_flags`). Raises ``ConfigError``
+    (one line) when no flags are given and the ledger records none."""
+    rows = recorded_launches(dump, ledger_folder)
+    last = rows[-1] if rows else {}
+    world = last.get("world_size")
+    if nproc is None:
+        nproc = int(world) if isinstance(world, int) and world > 0 else DEFAULT_NPROC
+    argv = last.get("argv")
+    log = Path(dump) / ledger_folder / "segments.jsonl"
+    if not given:
+        if not isinstance(argv, list):
+            held = (f"{log} records the launch's world size ({world}) and config digest "
+                    f"({last.get('config_digest')}), not its flags" if rows else f"{dump} holds no run ledger")
+            raise ConfigError(f"{what} needs the original run's training flags after `--` (at least "
+                              f"--job.config_file X.toml): {held}")
+        return strip_recorded(argv), nproc
+    if isinstance(argv, list):
+        check_flags(dump, given, [r for r in rows if isinstance(r.get("argv"), list)], nproc, log)
+    return given, nproc
+
+
+def strip_recorded(argv: list[str]) -> list[str]:
+    """A recorded launch's flags minus its dump folder (the tool sets its own)."""
+    out, i = [], 0
+    while i < len(argv):
+        key, eq, _ = str(argv[i]).partition("=")
+        if key in ("--job.dump_folder", "--dump_folder"):
+            i += 1 if eq else 2
+            continue
+        out.append(str(argv[i]))
+        i += 1
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    """``(key, a's value, b's value)`` of every setting that differs, volatile ones left out."""
+    fa, fb = _flat(a), _flat(b)
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
+            if fa.get(k) != fb.get(k) and not any(k == v or k.startswith(v + ".") for v in VOLATILE)]
+
+
+def _parsed(args: list[str], dump, nproc: int) -> dict:
+    import json
+    import re
+
+    from titan_ledger.tools.launch import validate
+
+    config = validate([*args, "--job.dump_folder", str(dump)], nproc)
+    # as the ledger's digest does: no object addresses (functions in the model spec)
+    return json.loads(re.sub(r" at 0x[0-9a-f]+", "", json.dumps(config.to_dict(), sort_keys=True, default=repr)))
+
+
+def check_flags(dump, given: list[str], recorded: list[dict], nproc: int, log: Path) -> None:
+    """ConfigError naming the first setting in which ``given`` differs from every
+    recorded launch's ``argv`` (compared with the latest)."""
+    if not recorded:
+        return
+    mine = _parsed(given, dump, nproc)
+    first = None
+    for row in reversed(recorded):
+        try:
+            theirs = _parsed(strip_recorded(row["argv"]), dump, nproc)
+        except TitanLedgerError:
+            continue  # a recorded launch this checkout no longer parses: not a reference
+        diff = config_diff(mine, theirs)
+        if not diff:
+            return
+        first = first or (row, diff)
+    if first is None:
+        return
+    row, diff = first
+    key, now, was = diff[0]
+    more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+    def short(v) -> str:
+        r = repr(v)
+        return r if len(r) <= 60 else r[:57] + "..."
+
+    raise ConfigError(f"the flags after `--` give --{key} {short(now)}, the run's launch (segment {row.get('seq')} "
+                      f"of {log}) had {short(was)}{more}: give the run's own flags, or none to reuse the "
+                      f"recorded launch")
