@@ -466,6 +466,9 @@ def run(argv: list[str]) -> None:
     """Parse, build, train. Raises TitanLedgerError on bad input."""
     quiet_imports()
     config, job = load_config(argv)
+    from titan_ledger.components.ledger import record_launch
+
+    record_launch(argv, os.getcwd())  # CHANGED from torchtitan: the tools reuse the recorded launch
 
     import torch
     from torchtitan.observability import structured_logger as sl

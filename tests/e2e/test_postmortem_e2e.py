@@ -66,10 +66,15 @@ def test_lookup_and_rollback_say_it_was_rolled_back(run):
 
 
 def test_replay_rerun_of_the_rewound_step_compares_the_rows_as_they_stood(run):
+    # no flags after `--`: the rerun reuses the launch the ledger recorded (flags, world size)
     rc, out, err = cli(replay.main, ["rerun", "--dump-folder", run, "--step", "10", "--variant", "same",
-                                     "--json", "--", *FLAGS])
+                                     "--json"])
     assert rc == 0, err
     rep = json.loads(out)
     (same,) = rep["variants"]
     assert rep["load_step"] == 8 and same["present"] and 10 in same["bit_equal_steps"], same
     assert "rolled back to checkpoint step-8" in rep["done"]
+    # flags given anyway are checked against the recorded launch: one line naming the difference
+    rc, out, err = cli(replay.main, ["rerun", "--dump-folder", run, "--step", "10", "--variant", "same", "--",
+                                     *FLAGS[:3], "13", *FLAGS[4:]])
+    assert rc == 2 and "--training.steps 13" in err and "had 14" in err, err

@@ -406,7 +406,8 @@ class Ledger(Configurable):
         header = records.Header(schema="", run_id=self.run_id, seq=self._seq, resumed_from=resumed_from,
                                 time=time.time(),
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
-                                       "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype})
+                                       "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
+                                       **_LAUNCH})
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
@@ -553,6 +554,18 @@ class Ledger(Configurable):
 LAYOUT_KEYS = {"seq_len": "--training.seq_len",
                "global_batch": "--training.local_batch_size x DP size x gradient accumulation",
                "fingerprint": "the data fingerprint: source, tokenizer, seq_len, seed"}
+
+
+#: The launch as the entry point received it (``train.run``): its training flags and
+#: working directory, recorded in every segment header so the tools (``replay rerun``,
+#: ``replay resume``, ``diagnose --rerun``) can reuse the run's own launch.
+_LAUNCH: dict[str, Any] = {}
+
+
+def record_launch(argv: list[str], cwd: str) -> None:
+    """Remember this process's launch flags for the segment headers (``train.run``)."""
+    _LAUNCH.clear()
+    _LAUNCH.update(argv=[str(a) for a in argv], cwd=str(cwd))
 
 
 def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *, new_run: bool = False,
