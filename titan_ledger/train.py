@@ -295,6 +295,11 @@ def quiet_imports() -> None:
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch; a
     # note for torchdata's developers, printed by every rank.
     warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
+    # On a resume, torchtitan's LR scheduler wrapper reads the scheduler's last LR the
+    # way torch 2.14 warns about ("use get_last_lr()"), once per rank: a note for
+    # torchtitan's developers; the LR the run uses is the recorded `lr` column.
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"To get the last learning rate computed by the scheduler")
     # Under TP, spmd_types (torchtitan's DTensor helpers) calls the c10d collectives
     # torch 2.14 deprecated; a note for spmd_types, printed by every rank.
     warnings.filterwarnings(

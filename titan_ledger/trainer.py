@@ -490,7 +490,7 @@ def ladder_report(ledger, config, rec: dict) -> str:
         f"{folder}/data_dp*.jsonl (documents and their losses), checkpoints in {dump}/checkpoint",
         f"  next: python -m titan_ledger.diagnose {dump} --step {rec['step']}",
         f"        python -m titan_ledger.report {dump} --step {rec['step']} -o incident.html",
-        f"        python -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']} -- <this run's flags>",
+        f"        python -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']}  (reuses this run's launch)",
     ])
 
 

@@ -323,17 +323,19 @@ CERTAINTIES = ("proven", "evidence", "guess")
 #: a document "stands out" against its step when its loss is >= this many times the
 #: step's median document or <= 1 / this: exp of the trainer's doc_outlier_floor (a
 #: log ratio of 0.7, i.e. 2x), the floor under which its document rules never fire --
-#: or when it is the step's most extreme document on a side (highest / lowest loss) that
-#: the trainer's document statistics at the flag put >= ``Thresholds.doc_extreme`` (3x)
-#: further from its rank's median than usual: the spike zoo's planted repeated document
-#: sat at 0.71x the median (a normal one reaches 1.5x) but 17.8x its usual distance, and
-#: masking it alone removed the spike
+#: or when the trainer's document statistic at the flag puts one DP rank's high or low
+#: side >= ``Thresholds.doc_extreme`` (3x) further from that rank's median than usual, and
+#: it is that rank's document furthest from the step's median document. The second route
+#: is the spike zoo's planted repeated document: it filled most of its rank's rows, so it
+#: *was* the rank's median (the statistic fired on the rank's other, normal documents,
+#: 17.8x the usual distance above it) and sat at 0.71x the step's median; masking it alone
+#: removed the spike
 DOC_STANDOUT = math.exp(SpikeDetector.Config().doc_outlier_floor)
 DOC_CRITERION = (f"document loss >= {DOC_STANDOUT:.2g}x the step's median document or <= 1/{DOC_STANDOUT:.2g} "
                  f"of it (|log ratio| >= {SpikeDetector.Config().doc_outlier_floor:g}, the spike rules' "
-                 f"doc_outlier_floor), or the step's highest/lowest-loss document when the trainer's document "
-                 f"statistic on that side is >= {Thresholds().doc_extreme:g}x its usual distance from its rank's "
-                 f"median")
+                 f"doc_outlier_floor), or the document furthest from the step's median on a DP rank whose "
+                 f"documents the trainer's statistic put >= {Thresholds().doc_extreme:g}x their usual distance "
+                 f"from the rank's median")
 
 
 def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int = 3) -> dict:
@@ -436,12 +438,13 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
         cands = [d for d in scores if event.get(rk) is None or d["dp_rank"] == int(event[rk])]
         if not cands:
             continue
-        pick = (max if side == "high" else min)(cands, key=lambda d: d["vs_median"])
-        if (pick["vs_median"] > 1) == (side == "high"):
-            why.setdefault((pick["source"], pick["doc"]),
-                           f"the {'highest' if side == 'high' else 'lowest'}-loss document of DP rank "
-                           f"{pick['dp_rank']}, whose {'high' if side == 'high' else 'low'} side sits "
-                           f"{yv / mv:.1f}x its usual distance from the rank's median (the trainer's statistic)")
+        # the rank's document furthest from the step's median: its own extreme document,
+        # or -- when one degenerate document fills the rank and is its median -- that one
+        pick = max(cands, key=lambda d: abs(math.log(d["vs_median"])))
+        why.setdefault((pick["source"], pick["doc"]),
+                       f"DP rank {pick['dp_rank']}'s document furthest from the step's median "
+                       f"({pick['vs_median']:.2f}x); the rank's {side} side sat {yv / mv:.1f}x its usual "
+                       f"distance from the rank's median (the trainer's statistic)")
     out = [d for d in scores if (d["source"], d["doc"]) in why]
     if not out:
         return [], f"no document stands out against the step ({DOC_CRITERION}): nothing to quarantine"
