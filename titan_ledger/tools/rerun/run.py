@@ -268,6 +268,9 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     jobs = []
     for res in results:
         step = res["step"]
+        # the tree's own answer plans the variants and is what a rerun confirms or refutes
+        # (a verdict already backed by an earlier rerun keeps it as ``heuristic``)
+        tree = res.get("heuristic") or res["cause"]
         p0 = prepare(dump, step, ["same"], train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
         plan0, config = p0[0], p0[1]
         # skip widens over the most extreme document only (the verdict's first; for any
@@ -280,11 +283,11 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
                 return Variant("quarantine", docs=named)
             return resolve_variant(spec, led, step, load, config, docs)
 
-        variants = [resolve(v) for v in PLAN_FOR.get(res["cause"], ["same"])]
+        variants = [resolve(v) for v in PLAN_FOR.get(tree, ["same"])]
         na = [v for v in variants if variant_args(v, step, config) is None]
         if na:  # fp32 on an fp32 run: dropped; when nothing but `same` is left, test the data
             variants = [v for v in variants if v not in na]
-            alone = all(v.kind == "same" for v in variants) and res["cause"] not in ("hardware", "transient")
+            alone = all(v.kind == "same" for v in variants) and tree not in ("hardware", "transient")
             log(f"  step {step}: {', '.join(v.name for v in na)} not applicable to this run"
                 + ("; testing skip instead" if alone else ""))
             if alone:
@@ -301,7 +304,7 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s), more only to escalate "
         f"(--rerun-max-steps {max_steps})")
     for res, p, esc in jobs:
-        log(f"  step {res['step']}: heuristic {res['cause']} -> variants "
+        log(f"  step {res['step']}: heuristic {res.get('heuristic') or res['cause']} -> variants "
             f"{', '.join(v.name for v in p[0].variants)}: {p[0].budget_line(p[3])}")
     if total > max_steps:
         raise RerunError(f"--rerun: the reruns need {total} training steps, more than "
@@ -311,6 +314,6 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     left = max_steps
     for i, (res, p, esc) in enumerate(jobs):
         res["rerun"] = rerun(dump, res["step"], [], train_args, nproc=nproc, fresh=fresh,
-                             heuristic=res["cause"], log=log, prepared=p, escalate=esc,
+                             heuristic=res.get("heuristic") or res["cause"], log=log, prepared=p, escalate=esc,
                              max_steps=left - sum(planned[i + 1:]))
         left -= res["rerun"]["budget_steps"]
