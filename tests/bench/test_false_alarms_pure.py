@@ -187,3 +187,16 @@ def test_warm_base_start_flags_and_hash(tmp_path):
     p = tmp_path / "s.jsonl"
     p.write_text('{"schema":"x"}\n{"step":1,"loss":2.0}\n{"step":2,"loss":1.5}\n{"schema":"x"}\n{"step":2,"loss":1.4}\n')
     assert wb.read_rows(p) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.4}]
+
+
+def test_parse_rules(fa):
+    assert fa.parse_rules(["doc_outlier_floor=1.0", "min_docs=4"]) == {"doc_outlier_floor": 1.0, "min_docs": 4}
+    assert fa.parse_rules([]) == {}
+    with pytest.raises(SystemExit):
+        fa.parse_rules(["nonsense=1"])
+    import dataclasses
+
+    from titan_ledger.components.spikes import SpikeDetector
+
+    fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
+    assert set(fa._float_fields()) | {"window", "min_docs", "min_history"} == fields - {"enable"}
