@@ -105,6 +105,19 @@ class Run:
                 f"{self.local_batch_size}x{self.seq_len}")
 
 
+def recorded_runs(folder: Path) -> list[Run]:
+    """Every run recorded under ``folder`` whatever grid trained it (by ``Run.name``)."""
+    import re
+
+    out = []
+    for d in sorted(folder.iterdir()) if folder.is_dir() else []:
+        m = re.fullmatch(r"([a-z]+)_dp(\d+)_(cold|warm)_s(\d+)_(\d+)st_(\d+)x(\d+)", d.name)
+        if m and d.is_dir():
+            c, dp, start, seed, steps, lbs, seq = m.groups()
+            out.append(Run(c, int(dp), start, int(seed), int(steps), int(lbs), int(seq)))
+    return out
+
+
 def grid(corpus, dps, starts, seeds, steps, lbs=4, seq=256) -> list[Run]:
     return [Run(c, d, s, seed, steps, lbs, seq) for c in corpus for d in dps for s in starts for seed in seeds]
 
@@ -167,7 +180,9 @@ def _f(x) -> float:
 
 
 def spike_events(dump: Path) -> list[dict]:
-    """spikes.jsonl's flag events (not the ladder's or a rewind's records)."""
+    """spikes.jsonl's rule events, both tiers (not the ladder's or a rewind's records):
+    ``rules`` (acting, [] on a note-only step) and ``notes`` ([] in ledgers from before
+    the tiers)."""
     path = dump / "ledger" / "spikes.jsonl"
     if not path.is_file():
         return []
@@ -175,8 +190,8 @@ def spike_events(dump: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            if "schema" not in r and "rules" in r and not r.get("ladder"):
-                out.append(r)
+            if "schema" not in r and ("rules" in r or "notes" in r) and not r.get("ladder"):
+                out.append({**r, "rules": r.get("rules", []), "notes": r.get("notes", [])})
     return out
 
 
@@ -186,6 +201,16 @@ def spike_header(dump: Path) -> dict:
         if "schema" in r:
             return r
     raise ValueError(f"{dump}: spikes.jsonl has no header")
+
+
+#: the rule settings that reproduce the detector before the tiers (every rule acts, rank
+#: separation on its constant alone): a ledger recorded then has neither field
+BEFORE_TIERS = {"notes": "", "separation_gate": 0.0, "zscore_min_ratio": 0.0}
+
+
+def recorded_rules(dump: Path) -> dict:
+    """The rule config the run was trained with (spikes.jsonl's header)."""
+    return {**BEFORE_TIERS, **spike_header(dump)["rules"]}
 
 
 def trained_rows(dump: Path) -> list[dict]:
@@ -224,7 +249,7 @@ def replay(dump: Path, rules: dict | None = None) -> list[dict]:
     backend.ensure_installed()  # before torchtitan's modules (spikes imports torchtitan.config)
     from titan_ledger.components.spikes import SpikeDetector, describe
 
-    cfg = SpikeDetector.Config(**(rules if rules is not None else spike_header(dump)["rules"]))
+    cfg = SpikeDetector.Config(**(rules if rules is not None else recorded_rules(dump)))
     dp = dp_size(dump)
     data = [{r["step"]: r for r in read_rows(dump / "ledger" / f"data_dp{k}.jsonl")} for k in range(dp)]
     tracked = any("doc_loss" in r for d in data for r in d.values())
@@ -234,25 +259,27 @@ def replay(dump: Path, rules: dict | None = None) -> list[dict]:
         doc = doc_matrix([d.get(row["step"]) for d in data]) if tracked else None
         stats = det.step(torch.tensor(_f(row["loss"]), dtype=torch.float64),
                          torch.tensor(_f(row["grad_norm"]), dtype=torch.float64), None, doc).tolist()
-        if stats[0]:
-            events.append({"step": row["step"], **describe(stats)})
+        ev = describe(stats)
+        if ev["rules"] or ev["notes"]:
+            events.append({"step": row["step"], **ev})
     return events
 
 
 def check_replay(dump: Path) -> dict:
     """Offline replay vs the online decision, step by step: the flag of every trained step
-    (signals ``spike``), the rules of every event (spikes.jsonl), and the largest
-    difference in the flagged steps' statistics."""
+    (signals ``spike``), the acting rules and the notes of every event (spikes.jsonl),
+    and the largest difference in the events' statistics."""
     online_flag = {r["step"]: bool(r.get("spike")) for r in trained_rows(dump)}
     online = {e["step"]: e for e in spike_events(dump)}
     offline = {e["step"]: e for e in replay(dump)}
     mismatches = []
     for step, flag in online_flag.items():
         a, b = online.get(step), offline.get(step)
-        if flag != (step in online):
+        if flag != bool(a and a["rules"]):
             mismatches.append({"step": step, "why": "signals spike field vs spikes.jsonl"})
-        if (a is None) != (b is None) or (a is not None and a["rules"] != b["rules"]):
-            mismatches.append({"step": step, "online": a and a["rules"], "offline": b and b["rules"]})
+        tiers = lambda e: e and (e["rules"], e["notes"])  # noqa: E731
+        if tiers(a) != tiers(b):
+            mismatches.append({"step": step, "online": tiers(a), "offline": tiers(b)})
     worst = 0.0
     for step, a in online.items():
         b = offline.get(step)
@@ -271,31 +298,45 @@ def per_1e4(flags: int, steps: int) -> float:
 
 
 def count(runs: list[dict]) -> dict:
-    """``runs``: ``{"name", "clean_steps", "events": [{"step", "rules"}]}`` each. Per rule
-    the flags, flags per 10^4 clean steps and ``run@step`` of each; ``acting_flags``:
-    flagged steps (each an alert today)."""
+    """``runs``: ``{"name", "clean_steps", "events": [{"step", "rules", "notes"}]}`` each
+    (``rules``: the acting rules that fired; ``notes``: those that fired as notes). Per
+    rule and tier the firings, per 10^4 clean steps and ``run@step`` of each;
+    ``acting_flags``: steps with an acting rule (each an alert, and with ``on_spike`` an
+    action); ``note_steps``: steps with notes only."""
     steps = sum(r["clean_steps"] for r in runs)
     by_rule = {rule: [] for rule in RULES}
-    flagged = []
+    noted = {rule: [] for rule in RULES}
+    flagged, notes_only = [], []
     for r in runs:
         for e in r["events"]:
-            flagged.append({"run": r["name"], "step": e["step"], "rules": list(e["rules"])})
-            for rule in e["rules"]:
-                by_rule.setdefault(rule, []).append(f"{r['name']}@{e['step']}")
+            acting, notes = list(e.get("rules", [])), list(e.get("notes", []))
+            where = f"{r['name']}@{e['step']}"
+            if acting:
+                flagged.append({"run": r["name"], "step": e["step"], "rules": acting, "notes": notes})
+            elif notes:
+                notes_only.append(where)
+            for rule in acting:
+                by_rule.setdefault(rule, []).append(where)
+            for rule in notes:
+                noted.setdefault(rule, []).append(where)
     return {"clean_steps": steps, "acting_flags": len(flagged), "per_1e4": per_1e4(len(flagged), steps),
+            "note_steps": len(notes_only), "notes_per_1e4": per_1e4(len(notes_only), steps),
             "flags_by_rule": {k: len(v) for k, v in by_rule.items()},
             "per_1e4_by_rule": {k: per_1e4(len(v), steps) for k, v in by_rule.items()},
             "flagged_by_rule": {k: v for k, v in by_rule.items() if v},
+            "notes_by_rule": {k: len(v) for k, v in noted.items()},
+            "noted_by_rule": {k: v for k, v in noted.items() if v},
             "steps": flagged}
 
 
 def table(res: dict) -> list[str]:
-    out = [f"{res['clean_steps']:,} clean steps, {res['acting_flags']} flagged ({res['per_1e4']} per 10^4 steps)",
-           f"{'rule':<18}{'flags':>6}{'per 1e4':>9}  steps"]
+    out = [f"{res['clean_steps']:,} clean steps: {res['acting_flags']} acting flags ({res['per_1e4']} per 10^4 "
+           f"steps), {res.get('note_steps', 0)} note-only steps ({res.get('notes_per_1e4', 0.0)} per 10^4)",
+           f"{'rule':<18}{'acts':>6}{'per 1e4':>9}{'notes':>7}  acting steps"]
     for rule, n in res["flags_by_rule"].items():
         steps = res["flagged_by_rule"].get(rule, [])
-        out.append(f"{rule:<18}{n:>6}{res['per_1e4_by_rule'][rule]:>9}  {', '.join(steps[:12])}"
-                   + (f" (+{len(steps) - 12})" if len(steps) > 12 else ""))
+        out.append(f"{rule:<18}{n:>6}{res['per_1e4_by_rule'][rule]:>9}{res.get('notes_by_rule', {}).get(rule, 0):>7}"
+                   f"  {', '.join(steps[:12])}" + (f" (+{len(steps) - 12})" if len(steps) > 12 else ""))
     return out
 
 
@@ -304,15 +345,16 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history") and key not in _float_fields():
+        if key not in ("window", "min_docs", "min_history", "notes") and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
-        out[key] = int(value) if key in ("window", "min_docs", "min_history") else float(value)
+        out[key] = value if key == "notes" else int(value) if key in ("window", "min_docs", "min_history") \
+            else float(value)
     return out
 
 
 def _float_fields() -> tuple[str, ...]:
     return ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier", "doc_outlier_floor",
-            "grad_jump")
+            "grad_jump", "separation_gate", "zscore_min_ratio")
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,
@@ -320,13 +362,39 @@ def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool
     """One run's counts; with ``rules`` (overrides of the recorded rule config) the flags are
     the offline replay's under those settings instead of the recorded ones."""
     rows = trained_rows(dump)
-    ev = replay(dump, {**spike_header(dump)["rules"], **rules}) if rules else spike_events(dump)
+    ev = replay(dump, {**recorded_rules(dump), **rules}) if rules else spike_events(dump)
     out = {"name": run.name, **asdict(run), "clean_steps": len(rows), "trained_now": fresh,
-           "seconds": round(seconds, 1), "events": [{"step": e["step"], "rules": e["rules"]} for e in ev],
+           "seconds": round(seconds, 1),
+           "events": [{"step": e["step"], "rules": e["rules"], "notes": e["notes"]} for e in ev],
            "first_loss": round(_f(rows[0]["loss"]), 3) if rows else None,
            "last_loss": round(sum(_f(r["loss"]) for r in rows[-20:]) / len(rows[-20:]), 3) if rows else None}
     if check:
         out["replay"] = check_replay(dump)
+    return out
+
+
+def compare_tiers(dumps: list[Path], rules: dict | None = None) -> list[dict]:
+    """Each run's flags under the detector before the tiers (:data:`BEFORE_TIERS`: every
+    rule acts) and with the tiers (the defaults, or ``rules``), replayed offline over
+    the same ledger: acting steps and note-only steps, with their rules."""
+    import dataclasses
+
+    from titan_ledger.rehearsal import backend
+
+    backend.ensure_installed()
+    from titan_ledger.components.spikes import SpikeDetector
+
+    defaults = {f.name: getattr(SpikeDetector.Config(), f.name) for f in dataclasses.fields(SpikeDetector.Config)}
+    out = []
+    for dump in dumps:
+        base = {**recorded_rules(dump)}
+        after_rules = {**base, **{k: defaults[k] for k in BEFORE_TIERS}, **(rules or {})}
+        before = replay(dump, {**base, **BEFORE_TIERS})
+        after = replay(dump, after_rules)
+        out.append({"run": dump.name,
+                    "before": [[e["step"], e["rules"]] for e in before if e["rules"]],
+                    "after": [[e["step"], e["rules"]] for e in after if e["rules"]],
+                    "after_notes": [[e["step"], e["notes"]] for e in after if not e["rules"]]})
     return out
 
 
@@ -345,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="retrain runs already recorded (quick always does)")
     ap.add_argument("--replay-only", action="store_true", help="train nothing: count and replay the recorded runs")
     ap.add_argument("--no-replay-check", action="store_true")
+    ap.add_argument("--recorded", action="store_true",
+                    help="with --replay-only: every run recorded under --folder, whatever grid trained it")
     ap.add_argument("--rules", nargs="+", default=[], metavar="KEY=VALUE",
                     help="with --replay-only: count the offline replay under these rule settings, e.g. "
                          "doc_outlier_floor=1.0 min_docs=4 (SpikeDetector.Config fields)")
@@ -352,10 +422,17 @@ def main(argv=None) -> int:
                     help="prepared corpora (cold starts; the warm base keeps its own under outputs/)")
     ap.add_argument("--warm-steps", type=int, default=warm_base.STEPS,
                     help="the warm base trained this many steps (bench/warm_base.py --steps)")
+    ap.add_argument("--compare-tiers", nargs="+", type=Path, metavar="DUMP",
+                    help="replay these recorded runs (any: zoo, detection, clean) before and with the tiers "
+                         "(--rules adjusts the tiers' side) and print one JSON line per run")
     a = ap.parse_args(argv)
     rules = parse_rules(a.rules)
-    if rules and not a.replay_only:
-        ap.error("--rules replays recorded runs: add --replay-only")
+    if a.compare_tiers:
+        for r in compare_tiers(a.compare_tiers, rules):
+            print(json.dumps(r))
+        return 0
+    if (rules or a.recorded) and not a.replay_only:
+        ap.error("--rules and --recorded replay recorded runs: add --replay-only")
     t0 = time.monotonic()
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
     folder = a.folder or OUT / ("quick" if a.quick else "full")
@@ -365,7 +442,8 @@ def main(argv=None) -> int:
         plan = quick_plan(base is not None)
         fresh = True
     else:
-        plan = grid(a.corpus, a.dp, a.start, a.seeds, a.steps, a.local_batch_size, a.seq_len)
+        plan = recorded_runs(folder) if a.recorded else \
+            grid(a.corpus, a.dp, a.start, a.seeds, a.steps, a.local_batch_size, a.seq_len)
         base = None
         if "warm" in a.start and not a.replay_only:
             base = warm_base.ensure(a.warm_steps, log=log)
@@ -382,7 +460,8 @@ def main(argv=None) -> int:
         r = summarize_run(run, dump, seconds, now, check=not a.no_replay_check, rules=rules)
         runs.append(r)
         log(f"{run.name}: {r['clean_steps']} steps, loss {r['first_loss']} -> {r['last_loss']}, "
-            f"{len(r['events'])} flags {[(e['step'], e['rules']) for e in r['events']]}"
+            f"acting {[(e['step'], e['rules']) for e in r['events'] if e['rules']]}, "
+            f"{sum(1 for e in r['events'] if not e['rules'])} note-only steps"
             + (f", replay identical {r['replay']['identical']}" if "replay" in r else ""))
     res = count(runs)
     res.update({
@@ -390,7 +469,7 @@ def main(argv=None) -> int:
         "rules_override": rules or None,
         "replay_identical": all(r["replay"]["identical"] for r in runs) if runs and "replay" in runs[0] else None,
         "warm_base": base and {k: base[k] for k in ("hash", "final_loss", "unigram_entropy", "checkpoint")},
-        "batch": {"local_batch_size": plan[0].local_batch_size, "seq_len": plan[0].seq_len} if plan else None,
+        "batch": sorted({f"{r.local_batch_size}x{r.seq_len}" for r in plan}),
         "seconds": round(time.monotonic() - t0, 1),
         "runs": [{k: v for k, v in r.items() if k not in ("events",)} for r in runs]})
     if not a.replay_only:  # a replay does not replace the record of the runs

@@ -37,22 +37,35 @@ def test_per_1e4(fa):
     assert math.isnan(fa.per_1e4(1, 0))
 
 
-def test_count_every_rule_separately(fa):
-    runs = [{"name": "a", "clean_steps": 6000, "events": [{"step": 12, "rules": ["doc_high"]},
-                                                          {"step": 40, "rules": ["zscore_loss", "ratio"]}]},
-            {"name": "b", "clean_steps": 4000, "events": [{"step": 7, "rules": ["doc_high"]}]},
+def test_count_every_rule_separately_and_each_tier(fa):
+    runs = [{"name": "a", "clean_steps": 6000, "events": [{"step": 12, "rules": ["doc_high"], "notes": []},
+                                                          {"step": 40, "rules": ["zscore_loss", "ratio"],
+                                                           "notes": ["doc_low"]},
+                                                          {"step": 41, "rules": [], "notes": ["doc_low"]}]},
+            {"name": "b", "clean_steps": 4000, "events": [{"step": 7, "rules": ["doc_high"], "notes": []}]},
             {"name": "c", "clean_steps": 0, "events": []}]
     res = fa.count(runs)
     assert res["clean_steps"] == 10_000
-    assert res["acting_flags"] == 3  # flagged steps, not rule firings
+    assert res["acting_flags"] == 3  # steps with an acting rule, not rule firings; not the note-only step
     assert res["per_1e4"] == 3.0
+    assert res["note_steps"] == 1 and res["notes_per_1e4"] == 1.0
     assert res["flags_by_rule"] == {"zscore_loss": 1, "zscore_grad_norm": 0, "ratio": 1, "non_finite": 0,
                                     "rank_separation": 0, "doc_high": 2, "doc_low": 0, "grad_jump": 0}
+    assert res["notes_by_rule"]["doc_low"] == 2 and res["noted_by_rule"] == {"doc_low": ["a@40", "a@41"]}
     assert res["per_1e4_by_rule"]["doc_high"] == 2.0
     assert res["flagged_by_rule"] == {"zscore_loss": ["a@40"], "ratio": ["a@40"], "doc_high": ["a@12", "b@7"]}
-    assert res["steps"][1] == {"run": "a", "step": 40, "rules": ["zscore_loss", "ratio"]}
+    assert res["steps"][1] == {"run": "a", "step": 40, "rules": ["zscore_loss", "ratio"], "notes": ["doc_low"]}
     assert fa.count([])["acting_flags"] == 0
     assert any("doc_high" in line and "a@12, b@7" in line for line in fa.table(res))
+    assert any(line.split()[0] == "doc_low" and line.split()[3] == "2" for line in fa.table(res)[2:])
+
+
+def test_recorded_runs_are_found_by_name(fa, tmp_path):
+    for name in ("text_dp2_cold_s0_300st_4x256", "hetero_dp4_warm_s1_500st_2x128", "notarun", "x.log"):
+        (tmp_path / name).mkdir()
+    runs = fa.recorded_runs(tmp_path)
+    assert [r.name for r in runs] == ["hetero_dp4_warm_s1_500st_2x128", "text_dp2_cold_s0_300st_4x256"]
+    assert runs[0] == fa.Run("hetero", 4, "warm", 1, 500, 2, 128)
 
 
 def test_grid_and_quick_plan(fa):
@@ -109,17 +122,31 @@ def test_replay_over_a_written_ledger_matches_the_detector(fa, tmp_path):
                                                     "bottom": [[1, 0, 4.5 * 100, 100]]}})
     dump = _ledger(tmp_path, rows, data, rules)
     ev = fa.replay(dump)
-    assert [(e["step"], e["rules"]) for e in ev] == [(25, ["doc_high"]), (30, ["grad_jump"])]
+    # the document is a note (the default tiers), the grad jump acts
+    assert [(e["step"], e["rules"], e["notes"]) for e in ev] == [(25, [], ["doc_high"]), (30, ["grad_jump"], [])]
     assert ev[0]["doc_high_rank"] == 1
+    before = fa.replay(dump, {**rules, **fa.BEFORE_TIERS})
+    assert [(e["step"], e["rules"]) for e in before] == [(25, ["doc_high"]), (30, ["grad_jump"])]
     # an online record that says the same passes; one that does not, fails
     for r in rows:
-        r["spike"] = r["step"] in (25, 30)
-    good = _ledger(tmp_path / "good", rows, data, rules, [{"step": e["step"], "loss": 1.0, **e} for e in ev])
+        r["spike"] = r["step"] == 30
+    online = [{"step": e["step"], "loss": 1.0, **{k: v for k, v in e.items() if k != "rules" or v}} for e in ev]
+    assert "rules" not in online[0]  # a note-only event as the guard writes it
+    good = _ledger(tmp_path / "good", rows, data, rules, online)
     chk = fa.check_replay(good)
-    assert chk["identical"] and chk["steps"] == 40 and chk["mismatches"] == []
-    bad = _ledger(tmp_path / "bad", rows, data, rules, [{"step": 25, "rules": ["doc_high"]}])
+    assert chk["identical"] and chk["steps"] == 40 and chk["mismatches"] == [], chk
+    bad = _ledger(tmp_path / "bad", rows, data, rules, [online[0]])
     chk = fa.check_replay(bad)
     assert not chk["identical"] and {m["step"] for m in chk["mismatches"]} == {30}
+    # a ledger from before the tiers (no notes, no separation_gate in its header) replays
+    # with the detector it ran: both steps act
+    old = {k: v for k, v in rules.items() if k not in fa.BEFORE_TIERS}
+    for r in rows:
+        r["spike"] = r["step"] in (25, 30)
+    legacy = _ledger(tmp_path / "legacy", rows, data, old,
+                     [{"step": e["step"], "loss": 1.0, **{k: v for k, v in e.items() if k != "notes"}}
+                      for e in before])
+    assert fa.check_replay(legacy)["identical"]
 
 
 def test_manifest_hash_is_deterministic_and_sensitive(corpora):
@@ -191,6 +218,7 @@ def test_warm_base_start_flags_and_hash(tmp_path):
 
 def test_parse_rules(fa):
     assert fa.parse_rules(["doc_outlier_floor=1.0", "min_docs=4"]) == {"doc_outlier_floor": 1.0, "min_docs": 4}
+    assert fa.parse_rules(["notes=", "separation_gate=0", "zscore_min_ratio=0"]) == fa.BEFORE_TIERS
     assert fa.parse_rules([]) == {}
     with pytest.raises(SystemExit):
         fa.parse_rules(["nonsense=1"])
@@ -199,4 +227,4 @@ def test_parse_rules(fa):
     from titan_ledger.components.spikes import SpikeDetector
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
-    assert set(fa._float_fields()) | {"window", "min_docs", "min_history"} == fields - {"enable"}
+    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "notes"} == fields - {"enable"}

@@ -40,6 +40,39 @@ def test_flags_become_events_and_rewinds_are_recorded(tmp_path):
     assert run.rewinds() == [{"step": 9, "rewind_to": 4, "skip_window": [5, 9], "action": "rollback"}]
 
 
+def test_a_note_is_recorded_and_charted_but_never_acted_on(tmp_path):
+    """A document outlier (a note by default) at step 12: an event without ``rules`` in
+    spikes.jsonl, no rejected step, no flag for the update guard, ``note/*`` scalars and
+    no W&B alert; the same step with every rule acting is a spike."""
+    from tests.unit.test_dashboards import _container, _wandb
+
+    def run(cfg, folder):
+        g = SpikeGuard(Topology(world=2, rank=0, dp_size=2, dp_rank=0, dp_rank_of=(0, 1)), cfg, "skip_update")
+        g.open(folder, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+        w, fake = _wandb(folder)
+        flags = []
+        for step in range(1, 15):
+            doc = torch.tensor([[3.0, 3.3, 2.7, 5], [3.0, 3.3 if step != 12 else 30.0, 2.7, 5]], dtype=torch.float64)
+            red = Reduced(None, torch.tensor(3.0, dtype=torch.float64), torch.tensor([3.0, 3.0]), doc)
+            stats = g.observe(red, torch.tensor(1.0, dtype=torch.float64))
+            flags.append(g.flag_now())
+            g.on_row(_row(step, 3.0, 1.0), stats.tolist(), _container(w))
+        g.close()
+        return g, flags, fake, RunLedger(folder.parent)
+
+    g, flags, fake, led = run(SpikeDetector.Config(window=8), tmp_path / "tiers" / "ledger")
+    assert not any(flags) and g.flagged == 0 and g.noted == 1
+    assert led.spike_events() == [] and led.rejected_steps() == []
+    (note,) = led.note_events()
+    assert note["step"] == 12 and note["notes"] == ["doc_high"] and "rules" not in note
+    assert note["suspect_dp_rank"] == 1 and "action" not in note
+    assert fake.run.alerts == []
+    assert any(r.get("note/flag") == 1.0 and r.get("note/doc_high") == 1.0 for _, r in fake.rows)
+    assert not any("spike/flag" in r for _, r in fake.rows)
+    g, flags, fake, led = run(SpikeDetector.Config(window=8, notes=""), tmp_path / "all" / "ledger")
+    assert flags[11] and g.flagged == 1 and led.rejected_steps() == [12] and fake.run.alerts[0][0] == "WARN"
+
+
 def test_other_ranks_write_no_event_files(tmp_path):
     g = SpikeGuard(Topology(world=2, rank=1, dp_size=2, dp_rank=1, dp_rank_of=(0, 1)), SpikeDetector.Config(), "none")
     g.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))

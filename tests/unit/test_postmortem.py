@@ -172,6 +172,37 @@ def test_bad_data_with_agreeing_evidence_names_standout_documents_only(tmp_path)
     assert "2x the step's median document" in res["documents"][0]["criterion"]
 
 
+def test_an_acting_rule_with_an_agreeing_document_note_is_evidence(tmp_path):
+    """The tiers: grad_jump acted, doc_high fired as a note on the same step (the trainer
+    records it in the spike's ``notes``): the document data agree with the flag."""
+    ev = {"notes": ["doc_high"], "doc_high_y": 1.1, "doc_y_median_high": 0.1, "doc_high_rank": 1,
+          "suspect_dp_rank": 1}
+    dump = make_rolled_back_run(tmp_path / "run", rules=("grad_jump",), evidence=ev, outlier=3.0)
+    res = judge(RunLedger(dump), T)
+    assert res["cause"] == "bad_data" and res["rank"] == 1 and res["trainer"]["notes"] == ["doc_high"]
+    assert res["certainty"] == "evidence" and "doc_high named DP rank 1" in res["certainty_rule"]
+
+
+def test_a_note_only_step_is_a_guess_that_says_it_was_never_acted_on(tmp_path, capsys):
+    dump = make_rolled_back_run(tmp_path / "run", action="none", outlier=4.0)
+    p = dump / "ledger" / records.SPIKES_FILE
+    lines = [ln for ln in p.read_text().splitlines() if '"rules"' not in ln and '"ladder"' not in ln]
+    lines.append(json.dumps({"step": T, "loss": 3.05, "grad_norm": 10.0, "loss_max_rank": 1, "notes": ["doc_high"],
+                             "doc_high_y": 1.1, "doc_y_median_high": 0.1, "doc_high_rank": 1}))
+    p.write_text("".join(ln + "\n" for ln in lines))
+    led = RunLedger(dump)
+    assert led.spike_events() == [] and [e["step"] for e in led.note_events()] == [T]
+    res = judge(led, T)
+    assert res["trainer"] is None and res["trainer_notes"] == ["doc_high"]
+    assert res["certainty"] == "guess" and "recorded a note (doc_high), which never acts" in res["certainty_rule"]
+    assert res.get("documents", []) == [] and "quarantine_command" not in res
+    assert diagnose.main([str(dump), "--step", str(T)]) == 0
+    out = capsys.readouterr().out
+    assert "trainer: not flagged; a note (doc_high): recorded, never acted on" in out
+    assert diagnose.main([str(dump)]) == 0  # no acting flag: the offline rules, and the notes line
+    assert f"notes (weaker evidence, recorded and never acted on): 1 step(s): {T}" in capsys.readouterr().out
+
+
 def test_no_document_stands_out_no_quarantine(tmp_path, capsys):
     # the rule fired, but the document is 1.5x the median and its side 2x its usual distance
     ev = {"doc_high_y": 0.2, "doc_y_median_high": 0.1, "doc_high_rank": 1, "suspect_dp_rank": 1}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.unit.test_diagnose import ledger
-from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline, is_note
+from titan_ledger.errors import ConfigError
 
 
 def test_rules_flag_spikes_and_nan_and_keep_the_window_clean():
@@ -61,12 +63,12 @@ def _doc(med=3.0, hi=3.3, lo=2.7, n=5):
     return [med, hi, lo, n]
 
 
-def test_evidence_rules_name_the_rank_and_do_not_lock_in():
+def _evidence_run(**cfg):
     import random
 
     rnd = random.Random(0)
-    det = SpikeDetector(SpikeDetector.Config(window=32))
-    fired = {}
+    det = SpikeDetector(SpikeDetector.Config(window=32, **cfg))
+    fired, noted = {}, {}
     for t in range(1, 61):
         doc = torch.tensor([_doc(hi=3.3 + rnd.gauss(0, 0.03), lo=2.7 + rnd.gauss(0, 0.03)), _doc(), _doc()],
                            dtype=torch.float64)
@@ -82,10 +84,96 @@ def test_evidence_rules_name_the_rank_and_do_not_lock_in():
         stats = det.step(dp.mean(), gn, dp, doc).tolist()
         if stats[0]:
             fired[t] = describe(stats)
-    assert sorted(fired) == [20, 30, 40], fired
+        elif is_note(stats):
+            noted[t] = describe(stats)
+    return fired, noted
+
+
+def test_evidence_rules_name_the_rank_and_do_not_lock_in():
+    # before the tiers (every rule acts)
+    fired, noted = _evidence_run(notes="")
+    assert sorted(fired) == [20, 30, 40] and noted == {}, fired
     assert fired[20]["rules"] == ["doc_low"] and fired[20]["doc_low_rank"] == 2
     assert "rank_separation" in fired[30]["rules"] and fired[30]["separation_rank"] == 1
     assert "grad_jump" in fired[40]["rules"]
+
+
+def test_document_outliers_are_notes_by_default_and_the_rest_still_acts():
+    fired, noted = _evidence_run()
+    assert sorted(fired) == [30, 40] and sorted(noted) == [20], (fired, noted)
+    assert noted[20]["rules"] == [] and noted[20]["notes"] == ["doc_low"] and noted[20]["doc_low_rank"] == 2
+    # rank 1's random batch is decisive: far past what the separation statistic has been
+    assert "rank_separation" in fired[30]["rules"] and fired[30]["separation_y"] > fired[30]["separation_bound"]
+    assert "grad_jump" in fired[40]["rules"] and fired[40]["notes"] == []
+
+
+def _sep_step(det, gap):
+    """One DP-2 step whose rank 0 sits ``gap`` (log) above rank 1 (documents spread 0.1)."""
+    import math
+
+    hi = math.exp(1.0 + gap + 0.1)
+    doc = torch.tensor([[math.exp(1.0 + gap + 0.05), hi, math.exp(1.0 + gap), 5],
+                        [math.exp(1.05), math.exp(1.1), math.exp(1.0), 5]], dtype=torch.float64)
+    return det.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.0]), doc).tolist()
+
+
+def test_rank_separation_acts_only_past_its_own_history_and_not_in_the_first_steps():
+    det = SpikeDetector(SpikeDetector.Config(window=64, min_history=8))
+    # step 1: separated by 4 spreads, but no history yet: a note, not a spike
+    first = _sep_step(det, 0.5)
+    assert not first[0] and is_note(first) and describe(first)["notes"] == ["rank_separation"]
+    # a run whose ranks often sit apart (separation 2-3.5 spreads): the statistic's upper
+    # tail is this run's normal, so a 3.6-spread separation is marginal (a note)
+    import random
+
+    rnd = random.Random(1)
+    for _ in range(40):
+        _sep_step(det, 0.1 * (2 + 1.5 * rnd.random()) + 0.1)
+    marginal = _sep_step(det, 0.46)
+    assert not marginal[0] and describe(marginal)["notes"] == ["rank_separation"], describe(marginal)
+    # far past that tail: it acts
+    decisive = _sep_step(det, 2.0)
+    ev = describe(decisive)
+    assert decisive[0] and ev["rules"] == ["rank_separation"] and ev["separation_y"] > ev["separation_bound"]
+    # separation_gate 0: the constant alone decides, as before the tiers
+    det0 = SpikeDetector(SpikeDetector.Config(window=64, separation_gate=0))
+    assert _sep_step(det0, 0.5)[0]
+
+
+def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
+    import random
+
+    rnd = random.Random(2)
+    det = SpikeDetector(SpikeDetector.Config(window=128))
+    for _ in range(128):  # a tight grad-norm history (CV 6%, as a clean run's)
+        det.step(torch.tensor(5.0 + 0.01 * rnd.random()), torch.tensor(0.82 * (1 + 0.06 * rnd.gauss(0, 1))))
+    small = det.step(torch.tensor(5.0), torch.tensor(1.3))  # ~9 std, 1.6x the median
+    assert not small[0] and describe(small)["notes"] == ["zscore_grad_norm"]
+    big = det.step(torch.tensor(5.0), torch.tensor(2.0))  # 2.4x: material
+    assert big[0] and "zscore_grad_norm" in describe(big)["rules"]
+    det0 = SpikeDetector(SpikeDetector.Config(window=128, zscore_min_ratio=0))
+    for _ in range(128):
+        det0.step(torch.tensor(5.0 + 0.01 * rnd.random()), torch.tensor(0.82 * (1 + 0.06 * rnd.gauss(0, 1))))
+    assert det0.step(torch.tensor(5.0), torch.tensor(1.3))[0]
+
+
+def test_notes_config_is_checked():
+    with pytest.raises(ConfigError, match="--ledger.spike.notes"):
+        SpikeDetector.Config(notes="doc_high,non_finite")
+    with pytest.raises(ConfigError, match="--ledger.spike.notes"):
+        SpikeDetector.Config(notes="doc_hi")
+    assert SpikeDetector.Config(notes=" doc_low ,").note_rules() == ("doc_low",)
+
+
+def test_a_checkpoint_from_before_the_tiers_loads():
+    det = SpikeDetector(SpikeDetector.Config(window=8))
+    for _ in range(5):
+        det.step(torch.tensor(3.0), torch.tensor(1.0))
+    old = det.state_dict()
+    old["ehist"], old["ecount"] = old["ehist"][:3], old["ecount"][:3]
+    again = SpikeDetector(SpikeDetector.Config(window=8))
+    again.load_state_dict(old)
+    assert again.ehist.shape[0] == 4 and int(again.ecount[3]) == 0 and int(again.count) == 5
 
 
 def test_rank_separation_at_dp2_names_the_rank_that_moved():

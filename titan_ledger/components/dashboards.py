@@ -38,7 +38,8 @@ dropped from both dashboards while the ledger records signals.
 
 *Ends.* A stop by a non-finite loss, by the ledger (``max_rollbacks``) or any other
 exception raises an ERROR alert and ends the run with ``finish(exit_code=1)``.
-Spikes raise a WARN alert each and are appended to the ``spike/events`` table.
+Spikes raise a WARN alert each and are appended to the ``spike/events`` table; notes
+(the weaker tier, :mod:`titan_ledger.components.spikes`) are ``note/*`` scalars only.
 
 *TensorBoard.* A custom-scalars layout (loss with ``loss_max``; grad norm before and
 after the clip with ``max_norm``; max logit; spikes) and the run's config as text. TB
@@ -81,6 +82,7 @@ TB_LAYOUT = {
         "max attention logit": ["Multiline", [r"^ledger/max_logit$"]],
         "param norm": ["Multiline", [r"^ledger/param_norm$"]],
         "spikes and rollbacks": ["Multiline", [r"^spike/flag$", r"^rollback/to_step$"]],
+        "notes (not acted on)": ["Multiline", [r"^note/flag$"]],
     }
 }
 
@@ -483,6 +485,15 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
                         "spike/loss_max_rank": float(row["loss_max_rank"])}, row["step"])
     for x in _ours(metrics_logger):
         x.spike(row, ev)
+
+
+def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
+    """A note (weaker evidence, no acting rule): ``note/*`` scalars only, no alert."""
+    if metrics_logger is None:
+        return
+    from titan_ledger.components.spikes import RULES
+
+    metrics_logger.log({"note/flag": 1.0, **{f"note/{r}": 1.0 for r in ev["notes"] if r in RULES}}, row["step"])
 
 
 def log_rewind(metrics_logger, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:

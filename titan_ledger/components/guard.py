@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from titan_ledger.components.spikes import SpikeDetector, describe
+from titan_ledger.components.spikes import SpikeDetector, describe, is_note
 from titan_ledger.components.topology import Topology
 from titan_ledger.format import records
 
@@ -34,6 +34,7 @@ class SpikeGuard:
         self.detector = SpikeDetector(config, device)
         self.last_flag: torch.Tensor | None = None
         self.flagged = 0
+        self.noted = 0
         self._spikes: records.RecordWriter | None = None
         self._rejected: records.RecordWriter | None = None
         self.folder: Path | None = None
@@ -67,7 +68,10 @@ class SpikeGuard:
         return bool(self.last_flag.item()) if self.last_flag is not None else False
 
     def on_row(self, row: dict[str, Any], stats: list[float] | None, metrics_logger=None) -> None:
-        """A written signals row: if it was flagged, record the event."""
+        """A written signals row: if it was flagged, record the event; a note (weaker
+        evidence, no acting rule) is recorded and charted, never alerted or acted on."""
+        if stats and is_note(stats):
+            self._note(row, stats, metrics_logger)
         if not stats or not stats[0]:
             return
         from torchtitan.tools.logging import logger
@@ -78,7 +82,8 @@ class SpikeGuard:
               "max_logit": row["max_logit"], **describe(stats), "action": self.on_spike}
         ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
                  "doc_low": ev.get("doc_low_rank")}
-        named = [ranks[r] for r in ev["rules"] if ranks.get(r) is not None]
+        # the evidence rules name a rank in either tier (a note that agrees with a spike)
+        named = [ranks[r] for r in (*ev["rules"], *ev["notes"]) if ranks.get(r) is not None]
         if named:
             ev["suspect_dp_rank"] = named[-1]  # the document rules name it most reliably
         if self._spikes is not None:
@@ -96,6 +101,28 @@ class SpikeGuard:
             from titan_ledger.components.dashboards import log_spike
 
             log_spike(metrics_logger, row, ev)
+
+    def _note(self, row: dict[str, Any], stats: list[float], metrics_logger) -> None:
+        from torchtitan.tools.logging import logger
+
+        self.noted += 1
+        ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
+              "loss_max_rank": row["loss_max_rank"], **describe(stats)}
+        del ev["rules"]  # a note event has no acting rules: readers tell the tiers apart by this key
+        ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
+                 "doc_low": ev.get("doc_low_rank")}
+        named = [ranks[r] for r in ev["notes"] if ranks.get(r) is not None]
+        if named:
+            ev["suspect_dp_rank"] = named[-1]
+        if self._spikes is not None:
+            self._spikes.write(ev)
+        if self.topo.is_rank0:
+            logger.info(f"titan_ledger: note at step {row['step']}: {', '.join(ev['notes'])} (recorded, "
+                        f"not acted on)")
+        if metrics_logger is not None:
+            from titan_ledger.components.dashboards import log_note
+
+            log_note(metrics_logger, row, ev)
 
     def record_action(self, rec: dict) -> None:
         """A recovery-ladder decision (what was done about a flagged step)."""

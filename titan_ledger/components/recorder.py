@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums
+from titan_ledger.components.spikes import is_note as spike_note
 from titan_ledger.components.topology import Topology
 from titan_ledger.format import records
 
@@ -250,6 +251,7 @@ class SignalRecorder:
             "skipped": False,
             "skipped_samples": self.skipped_samples,
             "spike": bool(p.extra[0]) if p.extra is not None else None,
+            "spike_note": spike_note(p.extra.tolist()) if p.extra is not None else None,
             "update_skipped": p.update_skipped,
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,

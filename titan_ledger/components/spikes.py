@@ -38,6 +38,22 @@ per-document values, which do not shrink with N):
 History-based statistics are compared with their own recent history (median and
 MAD of the last ``window`` steps, every step included, so a trend cannot lock
 them into flagging), active after ``min_history`` steps.
+
+Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a spike:
+an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
+in spikes.jsonl (``notes``) and on the dashboards, nothing else. Which rules may act
+is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs,
+and a rule acts only where its measured rate is below 1 per 10^4 clean steps. By
+default the document rules are notes (``notes``: a corpus whose documents are learned
+at different times makes clean outliers), and rank separation acts only when it is
+decisive for *this run*: past ``separation`` and past its own history's upper tail,
+``median + separation_gate x (q90 - median)`` of the statistic over the last
+``window`` steps (every step's value enters, so the bound is a quantile of what this
+run has seen), with at least ``min_history`` values behind it; a separation in the
+first steps, or one that only passes the constant, is a note. A z-score acts only on
+a material move (grad norm ``zscore_min_ratio`` x its window median, loss
+``loss_jump`` over its recent median): unusual but small moves are notes. The
+non-finite rule always acts.
 """
 
 from __future__ import annotations
@@ -52,11 +68,15 @@ from titan_ledger.errors import ConfigError
 
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
          "doc_low", "grad_jump")
-#: layout of the stats vector ``SpikeDetector.step`` returns (all float64)
-STAT_KEYS = ("flag", *RULES, "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
+#: layout of the stats vector ``SpikeDetector.step`` returns (all float64). ``flag``: an
+#: acting rule fired (the step is a spike); each RULES entry: that rule fired *and acts*;
+#: ``note``: a rule fired as a note only; ``note_mask``: which (bit i = RULES[i]).
+STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
              "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
-             "doc_low_rank", "grad_jump_ratio")
+             "doc_low_rank", "grad_jump_ratio", "separation_bound")
+#: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
+DEFAULT_NOTES = "doc_high,doc_low"
 
 
 class SpikeDetector(Configurable):
@@ -72,6 +92,11 @@ class SpikeDetector(Configurable):
 
         zscore: float = 6.0
         """z-score rule: value - mean > zscore * std (0 disables it)."""
+
+        zscore_min_ratio: float = 2.0
+        """...and it acts only when the move is material: the grad norm at least this many
+        times its window median (the loss: ``loss_jump`` over its recent median); a
+        smaller z-score move is a note."""
 
         ratio: float = 3.0
         """Ratio rule: grad norm > ratio x window median (0 disables it)..."""
@@ -106,6 +131,20 @@ class SpikeDetector(Configurable):
         """The evidence rules (rank spread, documents, grad jump) and the ratio rule start
         after this many steps (the z-score rule after window/2)."""
 
+        notes: str = DEFAULT_NOTES
+        """Rules recorded as notes only (comma-separated names of spikes.RULES): in
+        spikes.jsonl and on the dashboards, never an alert, an on_spike action or the
+        auto-skip list. Empty: every rule acts (the behaviour before the tiers);
+        non_finite always acts."""
+
+        separation_gate: float = 3.0
+        """Rank separation acts only past median + separation_gate x (q90 - median) of its
+        own last ``window`` values (and after ``min_history`` of them); below that bound,
+        or earlier, it is a note. 0: it acts whenever it passes ``separation``."""
+
+        def note_rules(self) -> tuple[str, ...]:
+            return tuple(r.strip() for r in self.notes.split(",") if r.strip())
+
         def __post_init__(self) -> None:
             # checked when the config is parsed, before any process group exists
             if self.window < 2:
@@ -114,8 +153,13 @@ class SpikeDetector(Configurable):
                 raise ConfigError(f"--ledger.spike.min_history must be >= 1, got {self.min_history}")
             if self.min_docs < 1:
                 raise ConfigError(f"--ledger.spike.min_docs must be >= 1, got {self.min_docs}")
+            bad = [r for r in self.note_rules() if r not in RULES or r == "non_finite"]
+            if bad:
+                raise ConfigError(f"--ledger.spike.notes {self.notes!r}: {', '.join(bad)} is not a rule that can "
+                                  f"be a note; give comma-separated names from "
+                                  f"{', '.join(r for r in RULES if r != 'non_finite')} (or '' for none)")
             for name in ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier",
-                         "doc_outlier_floor", "grad_jump"):
+                         "doc_outlier_floor", "grad_jump", "separation_gate", "zscore_min_ratio"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.spike.{name} must be >= 0 (0 switches the rule off), "
                                       f"got {getattr(self, name)}")
@@ -126,9 +170,14 @@ class SpikeDetector(Configurable):
         self.hist = torch.zeros(2, w, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         self._arange = torch.arange(w, device=device)
-        # evidence rules: histories of [log grad norm, doc high, doc low], their counts
-        self.ehist = torch.zeros(3, w, dtype=torch.float64, device=device)
-        self.ecount = torch.zeros(3, dtype=torch.int64, device=device)
+        # evidence rules: histories of [log grad norm, doc high, doc low, rank separation],
+        # their counts
+        self.ehist = torch.zeros(4, w, dtype=torch.float64, device=device)
+        self.ecount = torch.zeros(4, dtype=torch.int64, device=device)
+        notes = set(config.note_rules())
+        # static per rule: may its flag act? (a note rule's flag is only recorded)
+        self._acts = torch.tensor([r not in notes for r in RULES], dtype=torch.bool, device=device)
+        self._bits = torch.tensor([float(2 ** i) for i in range(len(RULES))], dtype=torch.float64, device=device)
 
     def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, dp_loss: torch.Tensor | None = None,
              doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,39 +202,53 @@ class SpikeDetector(Configurable):
         active = n >= (w // 2)
         finite = torch.isfinite(v)
         z = (v - mean > c.zscore * std) & active & finite if c.zscore > 0 else torch.zeros(2, dtype=torch.bool, device=v.device)
+        # a median is meaningful long before a std is: the ratio rule starts after
+        # min_history steps (the zoo's LR jump at step 21 spiked at 25, before window/2).
+        # Its loss reference is the median of the last 2 x min_history accepted steps:
+        # a window-long median lags a falling loss (the zoo's held-out LR ramp rose 15%
+        # over the recent level and stayed under 1.1 x the 128-step median)
+        age = (self.count - 1 - self._arange) % w
+        recent = valid & (age < 2 * c.min_history)
+        recent_loss = torch.where(recent, self.hist[0], torch.full_like(self.hist[0], float("nan"))).nanmedian()
+        loss_up = v[0] > (1 + c.loss_jump) * recent_loss
         if c.ratio > 0:
-            # a median is meaningful long before a std is: the ratio rule starts after
-            # min_history steps (the zoo's LR jump at step 21 spiked at 25, before window/2).
-            # Its loss reference is the median of the last 2 x min_history accepted steps:
-            # a window-long median lags a falling loss (the zoo's held-out LR ramp rose 15%
-            # over the recent level and stayed under 1.1 x the 128-step median)
-            age = (self.count - 1 - self._arange) % w
-            recent = valid & (age < 2 * c.min_history)
-            recent_loss = torch.where(recent, self.hist[0], torch.full_like(self.hist[0], float("nan"))).nanmedian()
-            ratio = (n >= c.min_history) & (v[1] > c.ratio * median[1]) & (v[0] > (1 + c.loss_jump) * recent_loss)
+            ratio = (n >= c.min_history) & (v[1] > c.ratio * median[1]) & loss_up
         else:
             ratio = torch.zeros((), dtype=torch.bool, device=v.device)
+        # a z-score acts only on a material move (the loss loss_jump over its recent
+        # median, the grad norm zscore_min_ratio x its window median): a tight history
+        # makes a 1.6x grad norm 9 std (measured on a clean DP-4 run); smaller moves are notes
+        material = torch.stack([loss_up, v[1] > c.zscore_min_ratio * median[1]])
         non_finite = ~finite.all()
-        ev, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
-        flag = z.any() | ratio | non_finite | ev.any()
-        # accepted steps enter the window; a flagged one does not
+        ev, sep_decisive, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev])
+        # the tiers: a rule acts if it may (``notes``), rank separation only when decisive
+        acts = self._acts.clone()
+        acts[RULES.index("rank_separation")] &= sep_decisive
+        acts[:2] &= material
+        acting = fired & acts
+        noted = fired & ~acts
+        flag = acting.any()
+        # accepted steps enter the window; a spike does not (a note does: it is not a spike)
         idx = self.count % w
         col = self.hist[:, idx]
         self.hist[:, idx] = torch.where(flag, col, v)
         self.count = self.count + (~flag).long()
-        return torch.cat([torch.stack([flag.double(), z[0].double(), z[1].double(), ratio.double(),
-                                       non_finite.double()]), ev.double(),
+        return torch.cat([flag.double().reshape(1), acting.double(),
+                          torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
                           torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
                           estats])
 
     def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
                   dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
-        """The rank-separation, document and grad-jump rules; (fired [4] bool, stats [10])."""
+        """The rank-separation, document and grad-jump rules; (fired [4] bool, rank
+        separation decisive (0-d bool), stats [11])."""
         c = self.config
         dev = self.ehist.device
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
         fired = torch.zeros(4, dtype=torch.bool, device=dev)
-        y = torch.full((3,), float("nan"), dtype=torch.float64, device=dev)  # history-based
+        # history-based: log grad norm, doc high, doc low, rank separation
+        y = torch.full((4,), float("nan"), dtype=torch.float64, device=dev)
         y[0] = grad_norm.double().reshape(()).log()
         sep, sep_rank = nan, nan
         ranks = torch.full((2,), float("nan"), dtype=torch.float64, device=dev)
@@ -211,12 +274,13 @@ class SpikeDetector(Configurable):
                 sep = gap.max() / spread
                 fired[0] = (sep > c.separation) & (gap.max() > c.separation_floor)
                 sep = torch.where(torch.isfinite(sep), sep, nan)
+                y[3] = sep
             if c.doc_outlier > 0:
                 h = (hi - med).nan_to_num(nan=-torch.inf)
                 l_ = (med - lo).nan_to_num(nan=-torch.inf)
                 y[1], ranks[0] = h.max(), h.argmax().double()
                 y[2], ranks[1] = l_.max(), l_.argmax().double()
-                y[1:] = torch.where(torch.isfinite(y[1:]), y[1:], nan)
+                y[1:3] = torch.where(torch.isfinite(y[1:3]), y[1:3], nan)
         w = self.ehist.shape[1]
         n_h = self.ecount.clamp(max=w)
         valid = self._arange[None, :] < n_h[:, None]
@@ -225,7 +289,12 @@ class SpikeDetector(Configurable):
         mad = (hist - hmed[:, None]).abs().nanmedian(1).values
         active = (n_h >= c.min_history) & torch.isfinite(y)
         if c.doc_outlier > 0:
-            fired[1:3] = active[1:] & (y[1:] > hmed[1:] + c.doc_outlier * mad[1:]) & (y[1:] > c.doc_outlier_floor)
+            fired[1:3] = active[1:3] & (y[1:3] > hmed[1:3] + c.doc_outlier * mad[1:3]) & (y[1:3] > c.doc_outlier_floor)
+        # rank separation's own upper tail in this run (a quantile, robust to its
+        # outliers); before min_history values there is no tail to be past
+        q90 = hist[3].nanquantile(0.9)  # NaN while the history is empty (no host read)
+        bound = hmed[3] + c.separation_gate * (q90 - hmed[3])
+        decisive = active[3] & (y[3] > bound) if c.separation_gate > 0 else torch.ones((), dtype=torch.bool, device=dev)
         jump = (y[0] - hmed[0]).exp()
         if c.grad_jump > 0:
             fired[3] = active[0] & (jump > c.grad_jump)
@@ -233,12 +302,12 @@ class SpikeDetector(Configurable):
         # and a statistic that trends cannot lock the rule into flagging
         take = torch.isfinite(y)
         idx = self.ecount % w
-        rows = torch.arange(3, device=dev)
+        rows = torch.arange(4, device=dev)
         self.ehist[rows, idx] = torch.where(take, y, self.ehist[rows, idx])
         self.ecount = self.ecount + take.long()
         stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
-                             torch.where(active[0], jump, nan)])
-        return fired, stats
+                             torch.where(active[0], jump, nan), torch.where(active[3], bound, nan)])
+        return fired, decisive, stats
 
     def state_dict(self) -> dict[str, Any]:
         return {"hist": self.hist.tolist(), "count": int(self.count),
@@ -253,24 +322,34 @@ class SpikeDetector(Configurable):
         self.hist = hist
         self.count = torch.tensor(int(state["count"]), device=self.count.device)
         if "ehist" in state:  # checkpoints before the evidence rules have none
-            self.ehist = torch.tensor(state["ehist"], dtype=torch.float64, device=self.hist.device)
-            self.ecount = torch.tensor(state["ecount"], dtype=torch.int64, device=self.hist.device)
+            eh = torch.tensor(state["ehist"], dtype=torch.float64, device=self.hist.device)
+            ec = torch.tensor(state["ecount"], dtype=torch.int64, device=self.hist.device)
+            k = eh.shape[0]  # checkpoints before the tiers have no separation history
+            self.ehist[:k], self.ecount[:k] = eh, ec
 
 
 def describe(stats: list[float]) -> dict[str, Any]:
-    """STAT_KEYS values (host floats) -> an event dict (rules that fired by name; NaN
-    statistics, e.g. the rank spread at DP 1, left out)."""
+    """STAT_KEYS values (host floats) -> an event dict: ``rules`` (the acting rules that
+    fired: the step is a spike when there is one), ``notes`` (rules that fired as notes
+    only), the statistics (NaN ones, e.g. the rank spread at DP 1, left out)."""
     d = dict(zip(STAT_KEYS, stats))
-    out = {"rules": [r for r in RULES if d[r]]}
-    for k in STAT_KEYS[1 + len(RULES):]:
+    mask = int(d["note_mask"])
+    out = {"rules": [r for r in RULES if d[r]], "notes": [r for i, r in enumerate(RULES) if mask >> i & 1]}
+    for k in STAT_KEYS[1 + len(RULES) + 2:]:
         v = d[k]
         if v == v:
             out[k] = int(v) if k.endswith("_rank") else v
     return out
 
 
+def is_note(stats: list[float]) -> bool:
+    """A step with notes and no acting rule (host floats, STAT_KEYS layout)."""
+    return bool(stats[STAT_KEYS.index("note")]) and not stats[0]
+
+
 def detect_offline(rows: list[dict], config: SpikeDetector.Config) -> list[dict]:
-    """Run the rules over ledger rows (trained steps only), as the trainer would have."""
+    """Run the rules over ledger rows (trained steps only), as the trainer would have
+    (acting flags only: the loss and grad-norm rules, which these rows carry)."""
     det = SpikeDetector(config)
     events = []
     for r in rows:

@@ -12,7 +12,8 @@ Example::
     led = RunLedger("outputs/debug_cpu")
     led.signal_rows()            # current history of signals.jsonl
     led.data.at(5, dp_rank=1)    # what DP rank 1 trained on at step 5
-    led.spike_events()           # flagged steps, never superseded
+    led.spike_events()           # flagged steps (acting rules), never superseded
+    led.note_events()            # note-only steps (recorded, not acted on)
     led.checkpoints()            # steps of complete DCP checkpoints
 """
 
@@ -180,6 +181,11 @@ class RunLedger:
     def spike_events(self) -> list[dict[str, Any]]:
         """Every flagged step of every launch (rows with ``rules``), in order."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rules" in e]
+
+    def note_events(self) -> list[dict[str, Any]]:
+        """Steps where only note-tier rules fired (``notes``, no ``rules``): recorded,
+        never acted on. A spike's own notes ride in its event."""
+        return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "notes" in e and "rules" not in e]
 
     def rewinds(self) -> list[dict[str, Any]]:
         """In-process rollbacks (``rewind_to``) recorded in ``spikes.jsonl``."""

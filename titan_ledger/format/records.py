@@ -127,6 +127,7 @@ SIGNAL_KEYS = (
     "skipped",
     "skipped_samples",
     "spike",
+    "spike_note",
     "update_skipped",
     "step_time_s",
     "data_loading_s",
@@ -152,7 +153,8 @@ class SignalRow(TypedDict, total=False):
     lr: float
     skipped: bool
     skipped_samples: int
-    spike: bool | None
+    spike: bool | None  # an acting rule fired: the step is a spike
+    spike_note: bool | None  # only note-tier rules fired (recorded, not acted on)
     update_skipped: bool
     step_time_s: float
     data_loading_s: float
@@ -173,10 +175,13 @@ class DataRow(TypedDict, total=False):
 
 
 class SpikeEvent(TypedDict, total=False):
-    """One event of ``spikes.jsonl``: a flagged step, or a rewind it caused."""
+    """One event of ``spikes.jsonl``: a flagged step (``rules``: the acting rules that
+    fired; ``notes``: rules that fired as notes), a note-only step (``notes``, no
+    ``rules``), a ladder decision, or a rewind a spike caused."""
 
     step: int
     rules: list
+    notes: list
     action: str
     rewind_to: int
     skip_window: list

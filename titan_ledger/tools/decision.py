@@ -128,7 +128,8 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     # per-rank and per-document evidence (the trainer's evidence rules at this step):
     # bad data is two-sided, and a low-loss rank pushes a CLEAN rank to loss_max
     ev = evidence or {}
-    ev_rules = [r for r in ev.get("rules", []) if r in EVIDENCE_RULES]
+    # (the evidence rules are read in both tiers: a note is weaker evidence, not none)
+    ev_rules = [r for r in (*ev.get("rules", []), *ev.get("notes", [])) if r in EVIDENCE_RULES]
     # a document this many times further from its rank's median than usual (the trainer's
     # doc statistics at the step over their history median), with a finite grad norm: a
     # document, not a flipped bit, moved the gradient (the zoo's held-out "=" run and a
@@ -378,9 +379,12 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     res["param_dtype"] = dtype
     res["rewound"] = rows is not cur  # a later rollback or resume superseded this step
     res["trainer"] = None if event is None else {
-        k: event.get(k) for k in ("rules", "action", "suspect_dp_rank", "loss_max_rank", "grad_norm_median",
-                                  "loss_median", "grad_jump_ratio", "separation_y", "separation_rank")
+        k: event.get(k) for k in ("rules", "notes", "action", "suspect_dp_rank", "loss_max_rank",
+                                  "grad_norm_median", "loss_median", "grad_jump_ratio", "separation_y",
+                                  "separation_bound", "separation_rank")
         if event.get(k) is not None}
+    note = next((e for e in reversed(led.note_events()) if int(e["step"]) == step), None)
+    res["trainer_notes"] = note and note["notes"]  # a note-only step: recorded, never acted on
     res["actions"] = actions_at(led, step)
     res["done"] = res["actions"]["summary"]
     res["rank_losses"] = {str(r): row.get("loss") for r, row in sorted(led.rank_rows_at(step).items())} or None
@@ -463,9 +467,13 @@ def _certainty(res: dict, event: dict | None, injected: dict) -> tuple[str, str]
     cause = res["cause"]
     decided = next((c["question"].split(":")[0] for c in res["checks"] if c["answer"]), None)
     if event is None:
+        noted = res.get("trainer_notes")
         return "guess", (f"heuristics only ({decided or 'no question answered yes'}); the trainer did not "
-                         f"flag this step (no acting rule)")
-    rules = [r for r in event.get("rules", []) if r in EVIDENCE_RULES]
+                         f"flag this step (no acting rule)"
+                         + (f"; it recorded a note ({', '.join(noted)}), which never acts" if noted else ""))
+    # an acting rule flagged the step; the per-rank/per-document evidence rules count in
+    # either tier (a note agreeing with an acting flag is evidence)
+    rules = [r for r in (*event.get("rules", []), *event.get("notes", [])) if r in EVIDENCE_RULES]
     bad = cause == "bad_data" or res.get("underlying") == "bad_data"
     if bad and rules:
         named = event.get("suspect_dp_rank")

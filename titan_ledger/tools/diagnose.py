@@ -135,7 +135,8 @@ def _main(a) -> int:
             results[i] = {**again, **{k: res[k] for k in ("rerun", "spike_check", "documents",
                                                            "quarantine_command") if k in res}}
     if a.json:
-        print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds())}))
+        print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds()),
+                          "notes": [{"step": int(e["step"]), "notes": e["notes"]} for e in led.note_events()]}))
         return 0
     if not results:
         print(no_spikes(led))
@@ -153,6 +154,8 @@ def _main(a) -> int:
             from titan_ledger.tools.rerun import print_report
 
             print_report(r["rerun"])
+    if results and a.step is None and _notes_line(led):
+        print(_notes_line(led).strip())
     if a.write_quarantine:
         print(f"wrote {a.write_quarantine}")
     return 0
@@ -171,7 +174,10 @@ def print_verdict(r: dict) -> None:
     t = r.get("trainer")
     if t:
         named = f", suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else ""
-        print(f"  trainer: rules {', '.join(t.get('rules', []))}{named}; on_spike {t.get('action')}")
+        notes = f"; notes {', '.join(t['notes'])}" if t.get("notes") else ""
+        print(f"  trainer: rules {', '.join(t.get('rules', []))}{notes}{named}; on_spike {t.get('action')}")
+    elif r.get("trainer_notes"):
+        print(f"  trainer: not flagged; a note ({', '.join(r['trainer_notes'])}): recorded, never acted on")
     print(f"  done: {r['done']}")
     if r.get("rank_losses"):
         print("  per-rank losses at the step: " + ", ".join(f"rank {k} {v:.4f}" if isinstance(v, float) else
@@ -253,7 +259,18 @@ def no_spikes(led: RunLedger) -> str:
             f"need {cfg.min_history} steps: {judged(cfg.min_history)}; z-score (> {cfg.zscore} std) "
             f"needs {cfg.window // 2} (window {cfg.window} / 2): {judged(cfg.window // 2)}; non-finite "
             f"loss or grad norm: every step; rank separation and document outliers: only the trainer "
-            f"(per-rank data). Give --step T for one step's numbers.")
+            f"(per-rank data). Give --step T for one step's numbers."
+            + _notes_line(led))
+
+
+def _notes_line(led: RunLedger) -> str:
+    notes = led.note_events()
+    if not notes:
+        return ""
+    steps = [int(e["step"]) for e in notes]
+    shown = ", ".join(map(str, steps[:10])) + (f" (+{len(steps) - 10})" if len(steps) > 10 else "")
+    return (f"\n  notes (weaker evidence, recorded and never acted on): {len(steps)} step(s): {shown}; "
+            f"--step T explains one")
 
 
 def write_quarantine(path: str, docs: list[tuple[str, int]]) -> None:

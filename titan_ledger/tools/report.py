@@ -140,9 +140,12 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     rewound = " This step was later rolled back (the history as it stood then is used)." \
         if res.get("rewound") else ""
     t = res.get("trainer")
-    flag = (f"rules {', '.join(t.get('rules', []))}; on_spike {t.get('action')}"
+    flag = (f"rules {', '.join(t.get('rules', []))}"
+            + (f"; notes {', '.join(t['notes'])}" if t.get("notes") else "")
+            + f"; on_spike {t.get('action')}"
             + (f"; suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else "")
-            if t else "not flagged")
+            if t else "not flagged" + (f" (a note: {', '.join(res['trainer_notes'])}; recorded, never acted on)"
+                                       if res.get("trainer_notes") else ""))
     losses = ", ".join(f"rank {k}: {_num(v)}" for k, v in (res.get("rank_losses") or {}).items()) or "none recorded"
     out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)} &mdash; {_e(res['certainty'])}</p>",
            f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
