@@ -43,6 +43,12 @@ def test_kill9_resume_trains_exactly_the_same_samples_and_losses(runs, case):
     led, ref = signals_ledger(b), signals_rows(a)
     assert [r["step"] for r in led.history] == list(range(1, STEPS + 1))
     assert led.segments[-1].header["resumed_from"] == 3
+    # the precision audit, read from the live objects, in every launch's header: all fp32
+    audit = {r["check"]: r for r in led.segments[-1].header["precision"]}
+    assert all(r["ok"] in (True, None) for r in audit.values()), audit
+    assert audit["compute dtype"]["found"] == "float32" and audit["attention softmax / accumulation"]["found"] == "cpu"
+    if PARALLELISMS[case].dp > 1:  # FSDP's policy, read from its parameter groups
+        assert "FSDP MixedPrecisionPolicy" in audit["gradient reduction"]["how"], audit["gradient reduction"]
     assert {r["step"] for r in led.superseded} >= {4} and led.torn_lines <= 1
     gb = 4 * PARALLELISMS[case].dp  # 4 rows per DP rank
     for row in led.history:

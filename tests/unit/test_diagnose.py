@@ -116,6 +116,20 @@ def test_the_run_precision_decides_bf16_against_logit_growth_and_hardware():
 
 
 
+def test_the_precision_audit_decides_the_run_precision_and_its_deviations_are_q5s_numbers():
+    rows = ledger()
+    rows[T - 1]["grad_norm"], rows[T - 1]["num_zeros"] = 40.0, 50000
+    fp32 = [{"check": "compute dtype", "found": "float32", "ok": None}]
+    bf16 = [{"check": "compute dtype", "found": "bfloat16", "ok": None},
+            {"check": "gradient reduction", "found": "bfloat16", "ok": False}]
+    # the config said bf16; the live model computed in fp32: a glitch in fp32 is hardware
+    assert classify(rows, T, param_dtype="bfloat16", precision=fp32)["cause"] == "hardware"
+    got = classify(rows, T, param_dtype="float32", precision=bf16)
+    assert got["cause"] == "bf16"
+    q5 = next(c for c in got["checks"] if c["question"].startswith("Q5"))
+    assert q5["precision_deviations"] == ["gradient reduction: bfloat16"] and q5["param_dtype"] == "bfloat16"
+
+
 def _write(folder, rows):
     w = records.RecordWriter(folder / "signals.jsonl", {"schema": records.SIGNALS_SCHEMA, "run_id": "a",
                                                        "resumed_from": 0, "seq": 1})

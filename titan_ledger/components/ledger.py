@@ -366,6 +366,7 @@ class Ledger(Configurable):
         # the compute dtype of the parameters: diagnose's precision question needs it
         # (a one-step glitch in an fp32 run cannot be bf16 rounding)
         self.param_dtype = str(trainer.config.training.mixed_precision_param)
+        self.precision = _precision_audit(trainer, topo)
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
                                          skip_lr=cfg.skip.lr,
@@ -407,7 +408,7 @@ class Ledger(Configurable):
                                 time=time.time(),
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
                                        "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
-                                       **_LAUNCH})
+                                       "precision": self.precision, **_LAUNCH})
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
@@ -554,6 +555,30 @@ class Ledger(Configurable):
 LAYOUT_KEYS = {"seq_len": "--training.seq_len",
                "global_batch": "--training.local_batch_size x DP size x gradient accumulation",
                "fingerprint": "the data fingerprint: source, tokenizer, seq_len, seed"}
+
+
+def _precision_audit(trainer, topo) -> list[dict] | None:
+    """The §3.5 checklist from the live model, optimizer and FSDP policy
+    (:mod:`titan_ledger.components.precision`): rank 0 prints the table, each deviation
+    is a warning; the rows go into every segment header. An audit that cannot run is
+    said once and never stops training."""
+    from torchtitan.tools.logging import logger
+
+    from titan_ledger.components import precision
+
+    try:
+        n_layers = len(getattr(trainer.config.model_spec.model, "layers", None) or []) or None
+        rows = precision.audit(trainer.model_parts, trainer.optimizers, trainer.loss_fn, n_layers=n_layers)
+    except Exception as e:  # a model this audit does not know: record why, train on
+        if topo.is_rank0:
+            logger.warning(f"titan_ledger: precision audit skipped ({type(e).__name__}: {e})")
+        return None
+    if topo.is_rank0:
+        logger.info("titan_ledger: precision (design article §3.5), checked on the live objects:\n"
+                    + precision.table(rows))
+        for r in precision.deviations(rows):
+            logger.warning(f"titan_ledger: precision: {r['check']} is {r['found']}, want {r['want']} ({r['how']})")
+    return rows
 
 
 #: The launch as the entry point received it (``train.run``): its training flags and

@@ -141,6 +141,14 @@ class RunLedger:
         seg = seg or (segs[-1] if segs else None)
         return seg.header.get("param_dtype") if seg else None
 
+    def precision(self, step: int | None = None) -> list[dict[str, Any]] | None:
+        """The precision audit's rows (``components.precision``) of the launch that
+        trained ``step`` (default: the last launch); None before it was recorded."""
+        seg = self.segment_of(step) if step is not None else None
+        segs = self.signals.segments
+        seg = seg or (segs[-1] if segs else None)
+        return seg.header.get("precision") if seg else None
+
     def segment_of(self, step: int) -> records.FileSegment | None:
         """The signals segment that last trained ``step`` (None: no segment did)."""
         for seg in reversed(sorted(self.signals.segments, key=records.order_key)):

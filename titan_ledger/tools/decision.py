@@ -66,12 +66,20 @@ EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
 
 
 def classify(rows: list[dict], step: int, th: Thresholds | None = None,
-             evidence: dict | None = None, param_dtype: str | None = None) -> dict:
+             evidence: dict | None = None, param_dtype: str | None = None,
+             precision: list[dict] | None = None) -> dict:
     """Walk the decision tree for the spike at ``step`` over signals ``rows``.
 
     ``param_dtype``: the run's compute dtype from the signals header (``float32``,
     ``bfloat16``; None: unknown -- Q5 may then name bf16 and Q6 does not name
-    hardware, while Q1 names bf16 only for a known bf16 run)."""
+    hardware, while Q1 names bf16 only for a known bf16 run). ``precision``: the launch's
+    precision audit (signals header): its compute dtype, measured on the live model,
+    overrides ``param_dtype``, and its deviations (bf16 master weights, moments or
+    gradient reduction, ...) are Q5's numbers."""
+    rows_p = {r["check"]: r for r in precision or []}
+    if "compute dtype" in rows_p:
+        param_dtype = rows_p["compute dtype"]["found"]
+    deviations = [f"{r['check']}: {r['found']}" for r in precision or [] if r.get("ok") is False] or None
     bf16_run = param_dtype not in ("float32", "float64")
     th = th or Thresholds()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
@@ -168,7 +176,8 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     q5 = ask("Q5 bf16: one-step jump that falls back, num_zeros off its norm, in a bf16 run",
              falls and z_off and bf16_run,
              grad_norm=at["grad_norm"], next_grad_norm=nxt, pre_median_grad_norm=med_gn,
-             num_zeros=z_at, pre_median_num_zeros=z_med, param_dtype=param_dtype)
+             num_zeros=z_at, pre_median_num_zeros=z_med, param_dtype=param_dtype,
+             precision_deviations=deviations)
 
     gn = at.get("grad_norm")
     jump = isinstance(gn, (int, float)) and (not math.isfinite(gn) or (
@@ -373,7 +382,7 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     event = events[-1] if events else None
     dtype = led.param_dtype(step)
     try:
-        res = classify(rows, step, th, evidence=event, param_dtype=dtype)
+        res = classify(rows, step, th, evidence=event, param_dtype=dtype, precision=led.precision(step))
     except ValueError as e:
         raise LedgerError(f"--step {step}: {path}: {e}") from None
     res["param_dtype"] = dtype
