@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,6 +86,10 @@ class LedgerTrainer(Trainer):
             self.dataloader.allow_data_change = config.ledger.allow_data_change
         if not dry_run:
             self.ledger.setup(self)
+        else:  # a dry run builds everything the audit reads (its norm probe cannot run on meta)
+            from titan_ledger.components.ledger import precision_audit
+
+            precision_audit(self, int(os.environ.get("RANK", "0")) == 0)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

@@ -366,7 +366,7 @@ class Ledger(Configurable):
         # the compute dtype of the parameters: diagnose's precision question needs it
         # (a one-step glitch in an fp32 run cannot be bf16 rounding)
         self.param_dtype = str(trainer.config.training.mixed_precision_param)
-        self.precision = _precision_audit(trainer, topo)
+        self.precision = precision_audit(trainer, topo.is_rank0)
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
                                          skip_lr=cfg.skip.lr,
@@ -557,7 +557,7 @@ LAYOUT_KEYS = {"seq_len": "--training.seq_len",
                "fingerprint": "the data fingerprint: source, tokenizer, seq_len, seed"}
 
 
-def _precision_audit(trainer, topo) -> list[dict] | None:
+def precision_audit(trainer, is_rank0: bool) -> list[dict] | None:
     """The §3.5 checklist from the live model, optimizer and FSDP policy
     (:mod:`titan_ledger.components.precision`): rank 0 prints the table, each deviation
     is a warning; the rows go into every segment header. An audit that cannot run is
@@ -570,10 +570,10 @@ def _precision_audit(trainer, topo) -> list[dict] | None:
         n_layers = len(getattr(trainer.config.model_spec.model, "layers", None) or []) or None
         rows = precision.audit(trainer.model_parts, trainer.optimizers, trainer.loss_fn, n_layers=n_layers)
     except Exception as e:  # a model this audit does not know: record why, train on
-        if topo.is_rank0:
+        if is_rank0:
             logger.warning(f"titan_ledger: precision audit skipped ({type(e).__name__}: {e})")
         return None
-    if topo.is_rank0:
+    if is_rank0:
         logger.info("titan_ledger: precision (design article §3.5), checked on the live objects:\n"
                     + precision.table(rows))
         for r in precision.deviations(rows):
