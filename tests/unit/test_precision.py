@@ -86,6 +86,16 @@ def test_bf16_weights_and_moments_a_bf16_norm_and_another_loss_are_deviations():
     assert rows["attention softmax / accumulation"]["ok"] is False  # no attention module found
     bad = {r["check"] for r in precision.deviations(list(rows.values()))}
     assert {"master weights", "Adam moments", "norm statistics", "logits into the loss"} <= bad
+    # moments that a step pre-hook will create in bf16 (torchtitan's fused_opt_states_bf16)
+    m32 = Model()
+    opt32 = torch.optim.AdamW(m32.parameters())
+
+    def _bf16_state_init_hook(optimizer, args, kwargs):
+        return None
+
+    opt32.register_step_pre_hook(_bf16_state_init_hook)
+    row = _by_check(precision.audit([m32], opt32, _loss()))["Adam moments"]
+    assert row["ok"] is False and row["found"] == "bfloat16" and "pre-hook" in row["how"]
     # the probe itself: torch's RMSNorm in bf16 keeps float32 statistics
     ok, err = precision.norm_accumulates_in_fp32(nn.RMSNorm(256, eps=1e-6).to(torch.bfloat16), 256,
                                                  torch.bfloat16, "cpu")

@@ -133,10 +133,18 @@ def audit(model_parts: list[nn.Module], optimizers, loss_fn, n_layers: int | Non
                 if isinstance(st.get(k), torch.Tensor):
                     moments.add(_local(st[k]).dtype)
                     created = True
-    if not created:
+    # torchtitan's implementation="fused_opt_states_bf16" creates them in bf16 from a step
+    # pre-hook: look for that hook on the live optimizers
+    bf16_hook = any("bf16" in getattr(h, "__name__", "")
+                    for opt in [optimizers, *getattr(optimizers, "optimizers", [])]
+                    for h in getattr(opt, "_optimizer_step_pre_hooks", {}).values())
+    how = "exp_avg / exp_avg_sq"
+    if not created and bf16_hook:
+        moments, how = {torch.bfloat16}, "created in bfloat16 by a step pre-hook (fused_opt_states_bf16)"
+    elif not created:
         moments = {p.dtype for _, p in params if p.is_floating_point()}
-    rows.append(_row("Adam moments", "float32", _names(moments), moments <= {FP32},
-                     "exp_avg / exp_avg_sq" if created else "created like the parameters at the first step"))
+        how = "created like the parameters at the first step"
+    rows.append(_row("Adam moments", "float32", _names(moments), moments <= {FP32}, how))
     pols = fsdp_policies(model_parts)
     compute = compute_dtype(model_parts)
     if pols:
