@@ -24,6 +24,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402
 
@@ -32,11 +33,20 @@ CORPUS_DIR = ASSETS / "corpus"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 
+def _ledger_optimizer(opt) -> LedgerOptimizers.Config:
+    """torchtitan's ``OptimizersContainer.Config`` as ``LedgerOptimizers.Config`` (the same
+    fields, plus the weight-decay presets)."""
+    if isinstance(opt, LedgerOptimizers.Config):
+        return opt
+    return LedgerOptimizers.Config(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(type(opt)) if f.init})
+
+
 def _as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
-    """Re-home a torchtitan ``Trainer.Config`` in ``LedgerTrainer.Config``."""
-    return LedgerTrainer.Config(
-        **{f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
-    )
+    """Re-home a torchtitan ``Trainer.Config`` in ``LedgerTrainer.Config`` (its optimizer
+    config in ``LedgerOptimizers.Config``)."""
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+    fields["optimizer"] = _ledger_optimizer(fields["optimizer"])
+    return LedgerTrainer.Config(**fields)
 
 
 def _use_bundled_data(config: LedgerTrainer.Config) -> None:
@@ -118,7 +128,7 @@ def llama3_405b() -> LedgerTrainer.Config:
         loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
     )
     config.hf_assets_path = "./assets/hf/Llama-3.1-405B"
-    config.optimizer = default_adamw(lr=8e-5)
+    config.optimizer = _ledger_optimizer(default_adamw(lr=8e-5))
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=600)
     config.training = TrainingConfig(local_batch_size=2, seq_len=8192, steps=3000)
     config.compile = compile_config
@@ -144,7 +154,7 @@ def llama3_1b_bench() -> LedgerTrainer.Config:
     )
     _use_bundled_data(config)
     config.dump_folder = "./outputs/llama3_1b_bench"
-    config.optimizer = default_adamw(lr=3e-4)
+    config.optimizer = _ledger_optimizer(default_adamw(lr=3e-4))
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=10)
     config.training = TrainingConfig(local_batch_size=2, seq_len=4096, steps=40,
                                      mixed_precision_param="bfloat16")

@@ -38,6 +38,7 @@ from titan_ledger.components import attention, counterfactual  # noqa: E402  ADD
 from titan_ledger.components.attention import document_causal_mask  # noqa: E402
 from titan_ledger.components.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.components.ledger import Ledger  # noqa: E402
+from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
 from titan_ledger.data.filters import mask_repetitive  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
@@ -50,6 +51,10 @@ class LedgerTrainer(Trainer):
 
         ledger: Ledger.Config = field(default_factory=Ledger.Config)
         """titan_ledger settings: signals, data ledger, spike response."""
+
+        optimizer: LedgerOptimizers.Config = field(default_factory=LedgerOptimizers.Config)
+        """torchtitan's optimizers (parameter groups by FQN pattern) plus the weight-decay
+        presets (``no_decay``)."""
 
     config: Config
     ledger: Ledger

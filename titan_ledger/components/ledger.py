@@ -367,6 +367,10 @@ class Ledger(Configurable):
         # (a one-step glitch in an fp32 run cannot be bf16 rounding)
         self.param_dtype = str(trainer.config.training.mixed_precision_param)
         self.precision = precision_audit(trainer, topo.is_rank0)
+        from titan_ledger.components.optimizer import describe_groups
+
+        # the optimizer's parameter groups and their weight decay (the no_decay presets)
+        self.param_groups = describe_groups(trainer.optimizers)
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
                                          skip_lr=cfg.skip.lr,
@@ -408,7 +412,8 @@ class Ledger(Configurable):
                                 time=time.time(),
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
                                        "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
-                                       "precision": self.precision, **_LAUNCH})
+                                       "precision": self.precision, "param_groups": self.param_groups,
+                                       **_LAUNCH})
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,

@@ -1,0 +1,83 @@
+"""Weight-decay presets on torchtitan's parameter groups (design article §3.4), in this
+process: which parameters each preset exempts, the groups' kwargs, and that a checkpoint
+written without the split resumes into the split (and back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torchtitan.components.optimizer import ParamGroupConfig
+
+from titan_ledger.components.optimizer import LedgerOptimizers, describe_groups
+from titan_ledger.errors import ConfigError
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.norm = nn.RMSNorm(8)
+        self.proj = nn.Linear(8, 8, bias=True)
+        self.output = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x):
+        return self.output(self.proj(self.norm(self.tok_embeddings(x))))
+
+
+def _build(preset: str, model: nn.Module) -> LedgerOptimizers:
+    cfg = LedgerOptimizers.Config(
+        no_decay=preset, implementation="for-loop",
+        param_groups=[ParamGroupConfig(pattern=r"^output\.", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.2}),
+                      ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 2e-3, "weight_decay": 0.1})])
+    return cfg.build(model_parts=[model])
+
+
+def _decay(opt) -> dict[str, float]:
+    return {n: g["weight_decay"] for o in opt.optimizers for g in o.param_groups for n in g["param_names"]}
+
+
+@pytest.mark.parametrize("preset, exempt", [
+    ("none", set()),
+    ("megatron", {"norm.weight", "proj.bias"}),
+    ("olmo2", {"norm.weight", "proj.bias", "tok_embeddings.weight"}),
+])
+def test_each_preset_exempts_its_parameters_and_keeps_the_groups_kwargs(preset, exempt):
+    opt = _build(preset, Tiny())
+    decay = _decay(opt)
+    assert set(decay) == {"tok_embeddings.weight", "norm.weight", "proj.weight", "proj.bias", "output.weight"}
+    assert {n for n, wd in decay.items() if wd == 0.0} == exempt
+    assert decay["output.weight"] == 0.2 and decay["proj.weight"] == 0.1  # first match wins, as torchtitan
+    lrs = {n: g["lr"] for o in opt.optimizers for g in o.param_groups for n in g["param_names"]}
+    assert lrs["output.weight"] == 1e-3 and all(lrs[n] == 2e-3 for n in exempt)  # the group's other kwargs
+    groups = describe_groups(opt)
+    assert sum(g["params"] for g in groups) == 5 and len(groups) == (2 if preset == "none" else 3)
+    assert sum(g["numel"] for g in groups if g["weight_decay"] == 0.0) == sum(
+        p.numel() for n, p in Tiny().named_parameters() if n in exempt)
+
+
+def test_a_checkpoint_without_the_split_resumes_into_it_and_back():
+    torch.manual_seed(0)
+    a = Tiny()
+    opt = _build("none", a)
+    a(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    b = Tiny()
+    b.load_state_dict(a.state_dict())
+    split = _build("olmo2", b)
+    split.load_state_dict(sd)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        sa, sb = opt.optimizers[0].state[pa], split.optimizers[0].state[pb]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]), na
+    assert _decay(split)["norm.weight"] == 0.0  # the preset's decay, not the checkpoint's
+    back = _build("none", Tiny())
+    back.load_state_dict(split.state_dict())
+    assert _decay(back)["norm.weight"] == 0.1
+
+
+def test_an_unknown_preset_names_the_flag():
+    with pytest.raises(ConfigError, match="--optimizer.no_decay 'olmo'"):
+        LedgerOptimizers.Config(no_decay="olmo")

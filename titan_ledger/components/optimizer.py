@@ -1,0 +1,124 @@
+"""Weight-decay exceptions (design article §3.4) as named presets on torchtitan's
+parameter groups.
+
+Design decision: torchtitan 0.3.0 groups parameters by FQN regex
+(``ParamGroupConfig.pattern``), which cannot say "one-dimensional". So each configured
+group is split after torchtitan matched it, on the live parameters: the exceptions get
+a copy of the group's optimizer kwargs with ``weight_decay = 0``. Everything else --
+the patterns, first-match-wins, one optimizer per type, the FQN-keyed checkpoint state
+-- stays torchtitan's (the state is keyed per parameter, so a split group resumes a
+checkpoint written without the split, and the reverse).
+
+Presets (``[optimizer] no_decay``):
+
+* ``none``: torchtitan's behaviour, one weight decay for every parameter of a group.
+* ``megatron``: no decay on 1-D parameters (norm gains) and on biases
+  (``get_standard_config_overrides``: ``wd_mult = 0`` for ``ndim == 1`` or ``.bias``).
+* ``olmo2``: ``megatron`` and no decay on the token embedding (OLMo 2: keeps the
+  embedding norm from shrinking, which would inflate the first layer's relative update).
+
+:func:`describe_groups` is what the signals header records (``param_groups``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
+
+from titan_ledger.errors import ConfigError
+
+PRESETS = ("none", "megatron", "olmo2")
+
+
+def no_decay_reason(name: str, param: nn.Parameter, embeddings: set[str], preset: str) -> str | None:
+    """Why ``preset`` exempts the parameter ``name`` from weight decay (None: it decays)."""
+    if preset == "none":
+        return None
+    if param.ndim <= 1:
+        return "1-D"
+    if name.endswith(".bias"):
+        return "bias"
+    if preset == "olmo2" and name in embeddings:
+        return "embedding"
+    return None
+
+
+def embedding_params(model: nn.Module) -> set[str]:
+    """FQNs of the weights of the model's ``nn.Embedding`` modules."""
+    return {f"{mod_name}.{p_name}" if mod_name else p_name
+            for mod_name, m in model.named_modules() if isinstance(m, nn.Embedding)
+            for p_name, _ in m.named_parameters(recurse=False)}
+
+
+class LedgerOptimizers(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` with the weight-decay presets."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        no_decay: str = "none"
+        """Weight-decay exceptions (design article §3.4): none | megatron (no decay on 1-D
+        parameters and biases) | olmo2 (megatron, and none on the token embedding). The
+        groups and their decay are recorded in the signals header (param_groups)."""
+
+        def __post_init__(self) -> None:
+            if self.no_decay not in PRESETS:
+                raise ConfigError(f"--optimizer.no_decay {self.no_decay!r}: use one of {', '.join(PRESETS)}")
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        # read by _build_param_groups, which torchtitan's __init__ calls per model part
+        self._no_decay = config.no_decay
+        super().__init__(config, model_parts=model_parts)
+        # each group's weight decay as this launch's config and preset give it
+        self._decay = [[g["weight_decay"] for g in o.param_groups] for o in self.optimizers]
+
+    def load_state_dict(self, state_dict) -> None:
+        # ADDED: torchtitan restores every group's kwargs from the checkpoint, so a preset
+        # set on resume would silently not apply; the config decides the decay, the
+        # checkpoint the optimizer state (moments, step) and the LR (its scheduler's)
+        super().load_state_dict(state_dict)
+        for opt, decays in zip(self.optimizers, self._decay):
+            for g, wd in zip(opt.param_groups, decays):
+                g["weight_decay"] = wd
+
+    # CHANGED from torchtitan (a staticmethod there, called as self._build_param_groups):
+    # each matched group is split into the parameters that decay and the exceptions
+    def _build_param_groups(self, model: nn.Module, param_group_configs, impl_kwargs):
+        groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        if self._no_decay == "none":
+            return groups, patterns
+        embeddings = embedding_params(model)
+        # the model's own names by object (param_names are canonical FQNs, aligned with params)
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        out_groups: dict[str, list[dict[str, Any]]] = {}
+        out_patterns: dict[str, list[str]] = {}
+        for opt_name, gs in groups.items():
+            og, op = out_groups.setdefault(opt_name, []), out_patterns.setdefault(opt_name, [])
+            for g, pattern in zip(gs, patterns[opt_name]):
+                keep, drop = ([], []), ([], [])
+                for p, fqn in zip(g["params"], g["param_names"]):
+                    side = drop if no_decay_reason(by_id.get(id(p), fqn), p, embeddings, self._no_decay) else keep
+                    side[0].append(p)
+                    side[1].append(fqn)
+                if keep[0]:
+                    og.append({**g, "params": keep[0], "param_names": keep[1]})
+                    op.append(pattern)
+                if drop[0]:
+                    og.append({**g, "params": drop[0], "param_names": drop[1], "weight_decay": 0.0})
+                    op.append(f"{pattern} [no_decay={self._no_decay}]")
+        return out_groups, out_patterns
+
+
+def describe_groups(optimizers) -> list[dict[str, Any]]:
+    """Each optimizer parameter group: optimizer, weight decay, lr, parameters, their
+    elements (full sizes, sharded or not) and a few names (under PP a stage's own)."""
+    out = []
+    for opt in getattr(optimizers, "optimizers", []):
+        for g in opt.param_groups:
+            names = list(g.get("param_names") or [])
+            out.append({"optimizer": type(opt).__name__, "weight_decay": g.get("weight_decay"), "lr": g.get("lr"),
+                        "params": len(g["params"]), "numel": int(sum(p.numel() for p in g["params"])),
+                        "examples": names[:3]})
+    return out
