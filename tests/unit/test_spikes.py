@@ -186,3 +186,28 @@ def test_rank_separation_at_dp2_names_the_rank_that_moved():
                      torch.tensor([_doc(med=1.0, hi=1.02, lo=0.98), _doc()], dtype=torch.float64)).tolist()
     ev = describe(stats)
     assert "rank_separation" in ev["rules"] and ev["separation_rank"] == 0
+
+
+def test_a_degenerate_document_history_is_judged_by_its_upper_tail():
+    """At 2 rows per rank doc_low's statistic is 0 on most steps (median of two = the
+    lower): its MAD is 0 and a clean 2.2x step passes median + 6 x MAD. With the tail
+    spread it does not; a 20x document still does."""
+    import random
+
+    rnd = random.Random(3)
+
+    def run(tail: bool, lows: list[float]) -> list[int]:
+        det = SpikeDetector(SpikeDetector.Config(window=64, doc_tail_spread=tail, notes=""))
+        out = []
+        for t, lo_ratio in enumerate(lows, start=1):
+            med = 3.0
+            doc = torch.tensor([[med, med * 1.1, med / lo_ratio, 2], [med, med * 1.1, med, 2]], dtype=torch.float64)
+            if describe(det.step(torch.tensor(3.0), torch.tensor(1.0), None, doc).tolist())["rules"]:
+                out.append(t)
+        return out
+
+    # 60 clean steps: ratio 1 (the degenerate zero) on 80%, up to 2.3x on the rest
+    lows = [1.0 if rnd.random() < 0.8 else 1.5 + 0.8 * rnd.random() for _ in range(60)]
+    clean = lows + [2.2]
+    assert 61 in run(False, clean) and 61 not in run(True, clean)
+    assert 61 in run(True, lows + [20.0])

@@ -31,7 +31,8 @@ per-document values, which do not shrink with N):
 * document outliers (any DP size): per DP rank, the highest-loss document's log
   mean loss over the rank's median segment loss (``doc_high``), and the median
   over the lowest-loss document (``doc_low``); the maximum over ranks > its own
-  history's median + ``doc_outlier`` x MAD, and > ``doc_outlier_floor``.
+  history's median + ``doc_outlier`` x its spread (the MAD, or (q90 - median) / 1.9
+  where the MAD is degenerate), and > ``doc_outlier_floor``.
 * grad jump: grad norm > ``grad_jump`` x the median of the last accepted steps
   (a skewed gradient: repeated tokens), active after ``min_history`` steps instead
   of the z-score rule's window/2.
@@ -123,6 +124,11 @@ class SpikeDetector(Configurable):
 
         doc_outlier_floor: float = 0.7
         """...and > this log ratio (0.7: a document at 2x or 1/2 its batch's median loss)."""
+
+        doc_tail_spread: bool = True
+        """Document rules: the history's spread is max(MAD, (q90 - median) / 1.9), so a
+        degenerate history (MAD 0: at 2 rows per rank doc_low is 0 on most steps) is
+        judged by its upper tail; False: the MAD alone (before the tiers)."""
 
         grad_jump: float = 4.0
         """Grad-jump rule: grad norm > grad_jump x the median of recent steps (0 disables)."""
@@ -289,7 +295,14 @@ class SpikeDetector(Configurable):
         mad = (hist - hmed[:, None]).abs().nanmedian(1).values
         active = (n_h >= c.min_history) & torch.isfinite(y)
         if c.doc_outlier > 0:
-            fired[1:3] = active[1:3] & (y[1:3] > hmed[1:3] + c.doc_outlier * mad[1:3]) & (y[1:3] > c.doc_outlier_floor)
+            # the spread is the MAD, or where the history is degenerate (at 2 rows a rank's
+            # median of two is its lower document: doc_low is 0 on most steps and its MAD
+            # 0) the upper tail's (q90 - median) / 1.9, the same number for normal data
+            scale = mad[1:3]
+            if c.doc_tail_spread:
+                q90d = hist[1:3].nanquantile(0.9, dim=1)
+                scale = torch.maximum(scale, (q90d - hmed[1:3]) / 1.9)
+            fired[1:3] = active[1:3] & (y[1:3] > hmed[1:3] + c.doc_outlier * scale) & (y[1:3] > c.doc_outlier_floor)
         # rank separation's own upper tail in this run (a quantile, robust to its
         # outliers); before min_history values there is no tail to be past
         q90 = hist[3].nanquantile(0.9)  # NaN while the history is empty (no host read)
