@@ -20,12 +20,13 @@ records) over the grid {corpus} x {DP size} x {start} x {seed}:
   optimizer, LR schedule and detector history);
 * seed.
 
-Every flagged step is false (there is nothing to find). Per rule (``spikes.RULES``;
-a step flagged by two rules counts once for each) it prints the flags, the flags per
-10^4 clean steps and the flagged steps (``run@step``); ``acting_flags`` counts flagged
-steps (today every flag is an alert). ``clean_steps`` counts trained steps, all of
-them (the history rules abstain for their first steps: ``min_history`` 8, the
-z-score rule ``window/2`` = 64).
+Every flag is false (there is nothing to find). Per rule and tier (``spikes.RULES``;
+a step flagged by two rules counts once for each) it prints the acting flags, their
+rate per 10^4 clean steps and the steps (``run@step``), and the notes. ``acting_flags``
+counts steps with an acting rule (an alert each, and with ``on_spike`` an action);
+``note_steps`` the steps with notes only (recorded, never acted on). ``clean_steps``
+counts trained steps, all of them (the history rules abstain for their first steps:
+``min_history`` 8, the z-score rule ``window/2`` = 64).
 
 Offline replay: ``replay(dump)`` runs ``SpikeDetector`` over the recorded ledger with
 the run's own rule config (spikes.jsonl's header) -- the global loss and grad norm
@@ -39,8 +40,12 @@ the document summary (median to 1e-6, loss sums to 1e-4), so replayed statistics
 can differ from the online ones in the 7th significant digit; the check reports
 the largest difference in the flagged steps' statistics. Once proven identical on
 the recorded runs, other rule settings can be measured on the same ledgers
-without training: ``--replay-only`` re-reads a folder, ``--rules
-doc_outlier_floor=1.0 ...`` counts the replay under changed settings.
+without training: ``--replay-only`` re-reads a folder (``--recorded``: every run in it,
+whatever grid trained it), ``--rules doc_outlier_floor=1.0 ...`` counts the replay
+under changed settings; ``--rules notes= separation_gate=0 zscore_min_ratio=0
+doc_tail_spread=false`` is the detector before the tiers (``BEFORE_TIERS``).
+``--compare-tiers DUMP ...`` replays any recorded runs (clean, zoo, detection) before
+and with the tiers and prints one JSON line per run.
 
 ``--quick --json``: DP 2 on each corpus (warm where the warm base is already built,
 else cold) and one DP 4 run, ``--training.local_batch_size 2 --training.seq_len 128``

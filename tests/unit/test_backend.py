@@ -56,4 +56,13 @@ def test_config_build_makes_a_ledger_trainer():
     assert config.ledger.device == "auto"
     # every Trainer field survives the re-homing, with the same values
     base = config_registry.llama3.llama3_debugmodel()
-    assert config.optimizer == base.optimizer and config.lr_scheduler == base.lr_scheduler
+    # the optimizer config is re-homed too (LedgerOptimizers adds the weight-decay presets):
+    # every torchtitan field the same, the preset off
+    import dataclasses
+
+    from titan_ledger.components.optimizer import LedgerOptimizers
+
+    assert type(config.optimizer) is LedgerOptimizers.Config and config.optimizer.no_decay == "none"
+    assert all(getattr(config.optimizer, f.name) == getattr(base.optimizer, f.name)
+               for f in dataclasses.fields(type(base.optimizer)))
+    assert config.lr_scheduler == base.lr_scheduler
