@@ -200,28 +200,3 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory)
 
-
-# --------------------------------------------------------------------------- two workers
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's test command): every
-    test that reads the session's shared runs goes to one worker (``runs``: each worker
-    would otherwise train them again), every slow module stays on one worker (its
-    module-scoped run is trained once), the unit tests spread one by one. The shared
-    runs go first, then the slow modules, so the longest lane starts at once. Without
-    xdist the markers do nothing and the order is the same."""
-    import pytest
-
-    def group(item) -> str | None:
-        if "runs" in getattr(item, "fixturenames", ()):
-            return "runs"
-        if item.get_closest_marker("slow") or "/unit/" not in str(item.path):
-            return item.module.__name__
-        return None
-
-    rank = {}
-    for item in items:
-        g = group(item)
-        if g is not None:
-            item.add_marker(pytest.mark.xdist_group(g))
-        rank[item.nodeid] = 0 if g == "runs" else 1 if g is not None else 2
-    items.sort(key=lambda it: rank[it.nodeid])  # stable: collection order within a lane
