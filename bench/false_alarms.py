@@ -353,10 +353,11 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history", "notes", "doc_tail_spread") and key not in _float_fields():
+        if key not in ("window", "min_docs", "min_history", "separation_warmup", "notes", "doc_tail_spread") \
+                and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
         out[key] = value if key == "notes" else value.lower() in ("1", "true") if key == "doc_tail_spread" \
-            else int(value) if key in ("window", "min_docs", "min_history") else float(value)
+            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup") else float(value)
     return out
 
 

@@ -228,5 +228,6 @@ def test_parse_rules(fa):
     from titan_ledger.components.spikes import SpikeDetector
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
-    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "notes", "doc_tail_spread"} \
+    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "notes",
+                                      "doc_tail_spread"} \
         == fields - {"enable"}

@@ -67,7 +67,7 @@ def _evidence_run(**cfg):
     import random
 
     rnd = random.Random(0)
-    det = SpikeDetector(SpikeDetector.Config(window=32, **cfg))
+    det = SpikeDetector(SpikeDetector.Config(window=32, **{"separation_warmup": 8, **cfg}))
     fired, noted = {}, {}
     for t in range(1, 61):
         doc = torch.tensor([_doc(hi=3.3 + rnd.gauss(0, 0.03), lo=2.7 + rnd.gauss(0, 0.03)), _doc(), _doc()],
@@ -118,7 +118,7 @@ def _sep_step(det, gap):
 
 
 def test_rank_separation_acts_only_past_its_own_history_and_not_in_the_first_steps():
-    det = SpikeDetector(SpikeDetector.Config(window=64, min_history=8))
+    det = SpikeDetector(SpikeDetector.Config(window=64, min_history=8, separation_warmup=8))
     # step 1: separated by 4 spreads, but no history yet: a note, not a spike
     first = _sep_step(det, 0.5)
     assert not first[0] and is_note(first) and describe(first)["notes"] == ["rank_separation"]
@@ -138,6 +138,12 @@ def test_rank_separation_acts_only_past_its_own_history_and_not_in_the_first_ste
     # separation_gate 0: the constant alone decides, as before the tiers
     det0 = SpikeDetector(SpikeDetector.Config(window=64, separation_gate=0))
     assert _sep_step(det0, 0.5)[0]
+    # the default warm-up (64 values): after 42 steps even a decisive separation is a note
+    early = SpikeDetector(SpikeDetector.Config(window=128))
+    for _ in range(41):
+        _sep_step(early, 0.1 * (2 + 1.5 * rnd.random()) + 0.1)
+    got = _sep_step(early, 2.0)
+    assert not got[0] and describe(got)["notes"] == ["rank_separation"]
 
 
 def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
@@ -179,7 +185,7 @@ def test_a_checkpoint_from_before_the_tiers_loads():
 
 
 def test_rank_separation_at_dp2_names_the_rank_that_moved():
-    det = SpikeDetector(SpikeDetector.Config(window=16))
+    det = SpikeDetector(SpikeDetector.Config(window=16, separation_warmup=8))
     for _ in range(10):
         det.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.0]),
                  torch.tensor([_doc(), _doc()], dtype=torch.float64))
