@@ -80,12 +80,7 @@ class SpikeGuard:
         ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
               "loss_max": row["loss_max"], "loss_max_rank": row["loss_max_rank"],
               "max_logit": row["max_logit"], **describe(stats), "action": self.on_spike}
-        ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
-                 "doc_low": ev.get("doc_low_rank")}
-        # the evidence rules name a rank in either tier (a note that agrees with a spike)
-        named = [ranks[r] for r in (*ev["rules"], *ev["notes"]) if ranks.get(r) is not None]
-        if named:
-            ev["suspect_dp_rank"] = named[-1]  # the document rules name it most reliably
+        _name_suspect(ev)
         if self._spikes is not None:
             self._spikes.write(ev)
             self._rejected.write({"step": row["step"], "rules": ev["rules"]})
@@ -109,11 +104,7 @@ class SpikeGuard:
         ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
               "loss_max_rank": row["loss_max_rank"], **describe(stats)}
         del ev["rules"]  # a note event has no acting rules: readers tell the tiers apart by this key
-        ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
-                 "doc_low": ev.get("doc_low_rank")}
-        named = [ranks[r] for r in ev["notes"] if ranks.get(r) is not None]
-        if named:
-            ev["suspect_dp_rank"] = named[-1]
+        _name_suspect(ev)
         if self._spikes is not None:
             self._spikes.write(ev)
         if self.topo.is_rank0:
@@ -144,6 +135,16 @@ class SpikeGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.detector.load_state_dict(state)
+
+
+def _name_suspect(ev: dict[str, Any]) -> None:
+    """``suspect_dp_rank``: the rank an evidence rule named, in either tier (a note that
+    agrees with a spike names it too); the document rules name it most reliably."""
+    ranks = {"rank_separation": ev.get("separation_rank"), "doc_high": ev.get("doc_high_rank"),
+             "doc_low": ev.get("doc_low_rank")}
+    named = [ranks[r] for r in (*ev.get("rules", []), *ev.get("notes", [])) if ranks.get(r) is not None]
+    if named:
+        ev["suspect_dp_rank"] = named[-1]
 
 
 def _asdict(cfg) -> dict:

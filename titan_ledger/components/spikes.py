@@ -43,8 +43,8 @@ them into flagging), active after ``min_history`` steps.
 Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a spike:
 an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
 in spikes.jsonl (``notes``) and on the dashboards, nothing else. Which rules may act
-is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs,
-and a rule acts only where its measured rate is below 1 per 10^4 clean steps. By
+is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs
+(7,550 clean steps with these defaults: no acting flag; before the tiers: 365). By
 default the document rules are notes (``notes``: a corpus whose documents are learned
 at different times makes clean outliers), and rank separation acts only when it is
 decisive for *this run*: past ``separation`` and past its own history's upper tail,
@@ -147,8 +147,8 @@ class SpikeDetector(Configurable):
 
         separation_gate: float = 3.0
         """Rank separation acts only past median + separation_gate x (q90 - median) of its
-        own last ``window`` values (and after ``min_history`` of them); below that bound,
-        or earlier, it is a note. 0: it acts whenever it passes ``separation``."""
+        own last ``window`` values (and after ``separation_warmup`` of them); below that
+        bound, or earlier, it is a note. 0: it acts whenever it passes ``separation``."""
 
         separation_warmup: int = 64
         """...and only with at least this many values of its history (half the default
