@@ -50,15 +50,19 @@ class Parallelism:
     source: str  # text | indexed
     workers: int  # dataloader workers
     resume: bool  # has a kill -9 + resume run
+    qk_norm: bool = False  # [model] qk_norm (its own seed checkpoint: two more weights a layer)
+    z_loss: float = 0.0  # [loss] z_loss_weight
 
 
 # One straight run per parallelism; one kill -9 resume for FSDP2, TP and PP. Across
-# the resumes: text and indexed, 0 and 2 workers, DP 2 and 1.
+# the resumes: text and indexed, 0 and 2 workers, DP 2 and 1. FSDP2xTP runs with
+# QK-norm (its norms are TP-replicated weights on head-sharded activations); TP and PP
+# with the z-loss (loss-parallel and last-stage losses, chunked).
 PARALLELISMS = {
     "FSDP2": Parallelism("debug_cpu.toml", 2, 2, "text", 2, True),
-    "TP": Parallelism("debug_cpu_tp.toml", 2, 1, "indexed", 0, True),
-    "PP": Parallelism("debug_cpu_pp.toml", 2, 1, "text", 2, True),
-    "FSDP2xTP": Parallelism("debug_cpu_fsdp_tp.toml", 4, 2, "text", 0, False),
+    "TP": Parallelism("debug_cpu_tp.toml", 2, 1, "indexed", 0, True, z_loss=0.01),
+    "PP": Parallelism("debug_cpu_pp.toml", 2, 1, "text", 2, True, z_loss=0.01),
+    "FSDP2xTP": Parallelism("debug_cpu_fsdp_tp.toml", 4, 2, "text", 0, False, qk_norm=True),
 }
 
 
@@ -109,16 +113,18 @@ class Runs:
             return prefix
         return self._once("corpus", make)
 
-    def seed(self) -> Path:
-        """A seed checkpoint (DCP, one rank) every parallelism loads, resharded."""
+    def seed(self, qk_norm: bool = False) -> Path:
+        """A seed checkpoint (DCP, one rank) every parallelism loads, resharded (with
+        ``qk_norm``: of the model with QK-norm)."""
         def make():
             out = self.factory.mktemp("seed")
             proc = torchrun(["--job.config_file", CONFIGS / "debug_cpu.toml",
                              "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+                             *(["--model.qk_norm"] if qk_norm else []),
                              "--checkpoint.create_seed_checkpoint", "--dump_folder", out], nproc=1)
             assert proc.returncode == 0, explain(proc)
             return out / "checkpoint" / "step-0"
-        return self._once("seed", make)
+        return self._once(f"seed-qk_norm={qk_norm}", make)
 
     # ---- per parallelism
     def args(self, case: str) -> list[str]:
@@ -127,7 +133,9 @@ class Runs:
         corpus = self.corpus() if p.source == "indexed" else None
         return [str(a) for a in [
             "--job.config_file", CONFIGS / p.toml, "--training.steps", STEPS, *CKPT,
-            "--checkpoint.initial_load_path", self.seed(), "--ledger.per_layer",
+            "--checkpoint.initial_load_path", self.seed(p.qk_norm), "--ledger.per_layer",
+            *(["--model.qk_norm"] if p.qk_norm else []),
+            *(["--loss.z_loss_weight", p.z_loss] if p.z_loss else []),
             "--metrics.enable_tensorboard", *(VALIDATE if case == "FSDP2" else []),
             *data_args(p.source, p.workers, corpus)]]
 

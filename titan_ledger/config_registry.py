@@ -16,7 +16,6 @@ from titan_ledger.rehearsal import backend
 
 backend.ensure_installed()
 
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.components.quantization import Float8LinearConverter  # noqa: E402
 from torchtitan.config import CompileConfig, TrainingConfig  # noqa: E402
@@ -24,6 +23,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from titan_ledger.components.doc_loss import ChunkedDocLoss, DocLossCrossEntropy, as_ledger_loss  # noqa: E402
 from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402
@@ -46,6 +46,7 @@ def _as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
     config in ``LedgerOptimizers.Config``)."""
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
     fields["optimizer"] = _ledger_optimizer(fields["optimizer"])
+    fields["loss"] = as_ledger_loss(fields["loss"])  # the same loss, plus --loss.z_loss_weight
     return LedgerTrainer.Config(**fields)
 
 
@@ -124,8 +125,8 @@ def llama3_405b() -> LedgerTrainer.Config:
     )
     config = _as_ledger_config(llama3.llama3_70b())  # CHANGED: same recipe fields as 405B below
     config.model_spec = model_spec
-    config.loss = ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
+    config.loss = ChunkedDocLoss.Config(  # CHANGED: our chunked loss (--loss.z_loss_weight), same CE
+        loss_fn=DocLossCrossEntropy.Config(global_vocab_size=decoder_vocab_size(model_spec))
     )
     config.hf_assets_path = "./assets/hf/Llama-3.1-405B"
     config.optimizer = _ledger_optimizer(default_adamw(lr=8e-5))
@@ -149,8 +150,8 @@ def llama3_1b_bench() -> LedgerTrainer.Config:
     model_spec = llama3.model_registry("1B")
     config = _as_ledger_config(llama3.llama3_8b())  # the recipe's optimizer/schedule shapes
     config.model_spec = model_spec
-    config.loss = ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
+    config.loss = ChunkedDocLoss.Config(
+        loss_fn=DocLossCrossEntropy.Config(global_vocab_size=decoder_vocab_size(model_spec))
     )
     _use_bundled_data(config)
     config.dump_folder = "./outputs/llama3_1b_bench"

@@ -36,9 +36,10 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger.components import attention, counterfactual  # noqa: E402  ADDED (counterfactual: replay rerun)
 from titan_ledger.components.attention import document_causal_mask  # noqa: E402
-from titan_ledger.components.doc_loss import DocLossTracker, find_doc_loss, use_doc_loss  # noqa: E402
+from titan_ledger.components.doc_loss import DocLossTracker, LogZStats, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.components.ledger import Ledger  # noqa: E402
 from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
+from titan_ledger.components.prevention import ModelOptions, apply_qk_norm  # noqa: E402
 from titan_ledger.data.filters import mask_repetitive  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
@@ -56,12 +57,18 @@ class LedgerTrainer(Trainer):
         """torchtitan's optimizers (parameter groups by FQN pattern) plus the weight-decay
         presets (``no_decay``)."""
 
+        model: ModelOptions = field(default_factory=ModelOptions)
+        """Model switches applied to the config function's model before it is built
+        (``qk_norm``)."""
+
     config: Config
     ledger: Ledger
 
     def __init__(self, config: Config):
         backend.check(config.ledger.device)
         attention.adapt_config(config)
+        if config.model.qk_norm:
+            apply_qk_norm(config.model_spec.model)
         if config.ledger.signals and config.ledger.max_logit:
             attention.use_max_logit_attention(config)
         self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
@@ -79,7 +86,10 @@ class LedgerTrainer(Trainer):
         with _meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
         self.doc_loss: DocLossTracker | None = None
-        loss = find_doc_loss(self.loss_fn) if doc_loss else None
+        ours = find_doc_loss(self.loss_fn)
+        if ours is not None and config.ledger.signals:  # log Z: the output-logit drift signal
+            self.ledger.logz = ours.logz = LogZStats()
+        loss = ours if doc_loss else None
         if loss is not None and not self.parallel_dims.cp_enabled:  # CP splits documents over ranks
             self.doc_loss = loss.tracker = DocLossTracker(config.ledger.doc_loss.k,
                                                           config.ledger.doc_loss.min_tokens,

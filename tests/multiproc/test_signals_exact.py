@@ -18,6 +18,7 @@ from helpers import data_rows, rank_losses, signal_keys, signals_ledger
 
 from titan_ledger.components import attention
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.prevention import apply_qk_norm
 from titan_ledger.components.signals import layer_group
 from titan_ledger.config.toml_frontend import parse, read_job
 
@@ -30,6 +31,8 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
 
     config = parse(read_job(args))
     attention.adapt_config(config)
+    if config.model.qk_norm:
+        apply_qk_norm(config.model_spec.model)
     with torch.device("meta"):
         model = config.model_spec.model.build()
     model.to_empty(device="cpu")
@@ -62,6 +65,10 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                            reduction="none", ignore_index=IGNORE_INDEX).view(labels.shape)
     valid = (labels != IGNORE_INDEX)
+    # log Z per token, and the z-loss (--loss.z_loss_weight) the run added to its objective
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    w = getattr(config.loss, "z_loss_weight", 0.0)
+    objective = ce + w * torch.where(valid, lse.square(), 0.0)
     # per DP rank, per (row within the rank's step, document segment): loss sum and tokens
     seg = torch.cumsum((positions == 0).long(), dim=1) - 1
     doc_sums: list[dict] = []
@@ -75,11 +82,12 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
                 d[(i, sg)] = (float(ce[g][m].detach().double().sum()), int(valid[g][m].sum()))
         doc_sums.append(d)
         start += r[1].shape[0]
-    per_rank = ce.split([r[1].shape[0] for r in rows])
+    per_rank = objective.split([r[1].shape[0] for r in rows])
     per_rank_tok = valid.split([r[1].shape[0] for r in rows])
     local_avg = [(c.sum() / t.sum()).item() for c, t in zip(per_rank, per_rank_tok)]
     tokens = int(valid.sum())
-    (ce.sum() / tokens).backward()
+    (objective.sum() / tokens).backward()
+    lse_valid = lse[valid].detach().double()
 
     params = dict(model.named_parameters())
     grad_sq = sum(p.grad.double().square().sum() for p in params.values())
@@ -91,7 +99,10 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     return {
         "consumed_samples": inputs.shape[0],
         "consumed_tokens": tokens,
-        "loss": (ce.sum() / tokens).item(),
+        "loss": (objective.sum() / tokens).item(),
+        "z_loss": float(lse_valid.square().mean()),
+        "logz_mean": float(lse_valid.mean()),
+        "logz_max": float(lse_valid.max()),
         "loss_max": max(local_avg),
         "loss_max_rank": max(range(dp), key=lambda i: local_avg[i]),
         "grad_norm": gn,
@@ -101,6 +112,7 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
         "max_logit": max(m.take_max_logit(torch.device("cpu")).item() for m in attn),
         "grad_norm_per_layer": {k: math.sqrt(v) for k, v in per_layer.items()},
         "doc_sums": doc_sums,
+        "param_names": set(params),
     }
 
 
@@ -111,10 +123,13 @@ def test_signals_equal_unsharded_reference(runs, case):
     assert ledger.torn_lines == 0 and [r["step"] for r in ledger.history] == list(range(1, 7))
     row = ledger.history[0]
     assert set(row) == set(signal_keys()) | {"grad_norm_per_layer"}
-    ref = reference(runs.args(case), runs.seed(), PARALLELISMS[case].dp)
+    ref = reference(runs.args(case), runs.seed(PARALLELISMS[case].qk_norm), PARALLELISMS[case].dp)
+    if PARALLELISMS[case].qk_norm:  # the run's model had the norms (and the reference too)
+        assert "layers.0.attention.q_norm.weight" in ref["param_names"]
     for key in ("consumed_samples", "consumed_tokens", "loss_max_rank", "num_zeros"):
         assert row[key] == ref[key], (key, row[key], ref[key])
-    for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit"):
+    for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit",
+                "z_loss", "logz_mean", "logz_max"):
         assert row[key] == pytest.approx(ref[key], rel=1e-4), (key, row[key], ref[key])
     assert row["grad_norm_per_layer"] == pytest.approx(ref["grad_norm_per_layer"], rel=1e-4)
     assert row["skipped"] is False and row["step"] == 1

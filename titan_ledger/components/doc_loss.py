@@ -29,18 +29,32 @@ label tokens, the median segment mean, and counts. Fixed size keeps the ledger r
 and the recorder's one collective O(1) in the batch size; both sides matter,
 because bad data is two-sided (random text: a very high loss; repeated tokens: a
 very low one).
+
+**z-loss and log Z.** The same pass also yields log Z = logsumexp(logits) per token
+(the cross-entropy is log Z minus the label's logit), so the output-logit drift signal
+costs no second read of the logits: ``ce_and_logz`` computes both (plainly, or with
+:class:`_VocabParallelCE` on a TP vocab shard: the max and the sum of exponentials
+all-reduced once, as torchtitan's loss-parallel CE does), :class:`LogZStats` sums
+log Z and log Z^2 and keeps the max over the valid (unmasked) label tokens for the
+recorder, and with ``[loss] z_loss_weight`` w > 0 the loss adds w * log Z^2 per valid
+token to the summed cross-entropy before torchtitan divides by the global valid
+tokens (PaLM's auxiliary loss; OLMo-core's ``z_loss_multiplier``). Validation (no
+grad) computes the plain cross-entropy, without the penalty.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import spmd_types as spmd
 import torch
-import torch.nn.functional as F
-from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss, _LossParallelCrossEntropy
+import torch.distributed as dist
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
+
+from titan_ledger.errors import ConfigError
 
 
 def segment_index(positions: torch.Tensor) -> torch.Tensor:
@@ -48,10 +62,58 @@ def segment_index(positions: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((positions == 0).to(torch.int64), dim=1) - 1
 
 
-def per_token_cross_entropy(pred: torch.Tensor, labels: torch.Tensor,
-                            global_vocab_size: int | None = None) -> torch.Tensor | None:
-    """Per-token cross-entropy ``[B*L]`` (0 at ignored labels), mirroring torchtitan's
-    ``cross_entropy_loss`` branches; None where only a fused sum is available."""
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy and log Z from this TP rank's vocab shard ``[N, V/tp]``.
+
+    Forward: two TP all-reduces for log Z (max, sum of exponentials) and one for the
+    label's logit, as torchtitan's ``_LossParallelCrossEntropy`` does; the label logit
+    comes from the rank whose shard holds it. Backward has no collective: every TP
+    rank holds the same per-token gradients, and the local logits' gradient is
+    ``softmax_local * (g_ce + g_lse)`` minus ``g_ce`` at the label (on its owner).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, global_vocab: int):
+        x = logits.float()
+        n_local = x.shape[-1]
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = (global_vocab + world - 1) // world  # torchtitan's (uneven) vocab split
+        start = min(global_vocab, chunk * rank)
+        if n_local != max(0, min(global_vocab, start + chunk) - start):
+            raise ValueError(f"vocab shard of {n_local} classes for a {global_vocab}-class vocab on TP rank "
+                             f"{rank}/{world}")
+        m = x.amax(-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - m.unsqueeze(-1))
+        s = e.sum(-1)
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+        lse = m + torch.log(s)
+        valid = labels != IGNORE_INDEX
+        local = labels - start
+        mine = valid & (local >= 0) & (local < n_local)
+        idx = torch.where(mine, local, 0)
+        target = torch.where(mine, x.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
+        dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+        ce = torch.where(valid, lse - target, 0.0)
+        e.div_(s.unsqueeze(-1))  # the local softmax, kept for backward
+        ctx.save_for_backward(e, idx, mine, valid)
+        ctx.in_dtype = logits.dtype
+        return ce, lse
+
+    @staticmethod
+    def backward(ctx, g_ce: torch.Tensor, g_lse: torch.Tensor):
+        softmax, idx, mine, valid = ctx.saved_tensors
+        g_ce = torch.where(valid, g_ce, 0.0)
+        grad = softmax * (g_ce + g_lse).unsqueeze(-1)
+        grad.scatter_add_(-1, idx.unsqueeze(-1), torch.where(mine, -g_ce, 0.0).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def ce_and_logz(pred: torch.Tensor, labels: torch.Tensor,
+                global_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(per-token cross-entropy [N], log Z [N])`` in one pass over the logits (the
+    cross-entropy 0 at ignored labels), on the branches of torchtitan's
+    ``cross_entropy_loss``; None where only its fused form is available (CP)."""
     from torch.distributed.tensor import DTensor, Shard
     from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
     from torchtitan.distributed.utils import get_spmd_backend
@@ -60,16 +122,49 @@ def per_token_cross_entropy(pred: torch.Tensor, labels: torch.Tensor,
         return None  # torchtitan's local_map path (CP): no per-token form here
     if isinstance(pred, DTensor):
         if pred.placements == (Shard(pred.ndim - 1),):
-            return _LossParallelCrossEntropy.apply(
-                pred.to_local().flatten(0, 1).float(), labels.flatten(0, 1),
-                pred.device_mesh.get_group("tp"), pred.shape[-1], "none")
+            return _VocabParallelCE.apply(pred.to_local().flatten(0, 1), labels.flatten(0, 1),
+                                          pred.device_mesh.get_group("tp"), pred.shape[-1])
         return None
     if get_spmd_backend() == "spmd_types" and spmd_mesh_size("tp") > 1:
-        return _LossParallelCrossEntropy.apply(
-            pred.flatten(0, 1).float(), labels.flatten(0, 1),
-            current_spmd_mesh().get_group("tp"), global_vocab_size, "none")
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none",
-                           ignore_index=IGNORE_INDEX)
+        return _VocabParallelCE.apply(pred.flatten(0, 1), labels.flatten(0, 1),
+                                      current_spmd_mesh().get_group("tp"), global_vocab_size)
+    x = pred.flatten(0, 1).float()
+    flat = labels.flatten(0, 1)
+    valid = flat != IGNORE_INDEX
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(-1, torch.where(valid, flat, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lse - target, 0.0), lse
+
+
+class LogZStats:
+    """This step's log Z over the valid label tokens, on device: ``[sum log Z^2, sum
+    log Z, max log Z, tokens]`` (what the recorder reduces over DP ranks)."""
+
+    SIZE = 4
+
+    def __init__(self):
+        self._acc: torch.Tensor | None = None
+
+    def add(self, lse: torch.Tensor, valid: torch.Tensor) -> None:
+        lse = lse.detach().double()
+        part = torch.stack([torch.where(valid, lse.square(), 0.0).sum(), torch.where(valid, lse, 0.0).sum(),
+                            torch.where(valid, lse, -torch.inf).amax(), valid.sum().double()])
+        if self._acc is None:
+            self._acc = part
+        else:
+            self._acc = torch.cat([self._acc[:2] + part[:2], torch.maximum(self._acc[2:3], part[2:3]),
+                                   self._acc[3:] + part[3:]])
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The step's vector (zeros and -inf when no loss ran here), then reset."""
+        out = self._acc if self._acc is not None else torch.tensor([0.0, 0.0, -math.inf, 0.0],
+                                                                    dtype=torch.float64, device=device)
+        self._acc = None
+        return out
+
+    def rewind_step(self) -> None:
+        """Forget this step's loss calls (the PP schedule's shape inference ran the loss)."""
+        self._acc = None
 
 
 @dataclass
@@ -192,24 +287,47 @@ class DocLossTracker:
 
 
 class DocLossCrossEntropy(CrossEntropyLoss):
-    """torchtitan's cross-entropy, also attributing each token's loss to its document."""
+    """torchtitan's cross-entropy, also attributing each token's loss to its document,
+    measuring log Z, and adding the z-loss when its weight is set."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CrossEntropyLoss.Config):
-        pass
+        z_loss_weight: float = 0.0
+        """z-loss: add this weight times the mean over valid label tokens of
+        logsumexp(logits)^2 to the training loss (PaLM uses 1e-4; OLMo-core's
+        ``z_loss_multiplier``). 0 adds nothing; log Z is recorded either way."""
+
+        def __post_init__(self):
+            if not (self.z_loss_weight >= 0 and math.isfinite(self.z_loss_weight)):
+                raise ConfigError(f"--loss.z_loss_weight must be a finite number >= 0, got {self.z_loss_weight}")
 
     tracker: DocLossTracker | None = None
+    logz: LogZStats | None = None
+
+    def __init__(self, config: Config, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        self.z_loss_weight = float(getattr(config, "z_loss_weight", 0.0))
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor,
                  global_valid_tokens: torch.Tensor | None = None, **kwargs: Any):
-        tracker = self.tracker
-        if tracker is None or not tracker.enabled or not torch.is_grad_enabled():
+        tracker = self.tracker if self.tracker is not None and self.tracker.enabled else None
+        if not torch.is_grad_enabled() or (tracker is None and self.logz is None and not self.z_loss_weight):
             return super().__call__(pred, labels, global_valid_tokens, **kwargs)
-        per_token = per_token_cross_entropy(pred, labels, self.global_vocab_size)
-        if per_token is None:
+        got = ce_and_logz(pred, labels, self.global_vocab_size)
+        if got is None:
+            if self.z_loss_weight:
+                raise NotImplementedError("--loss.z_loss_weight with context parallelism: the loss has no "
+                                          "per-token form there; set --loss.z_loss_weight 0")
             return super().__call__(pred, labels, global_valid_tokens, **kwargs)
-        tracker.add(per_token, labels)
+        per_token, lse = got
+        valid = labels.reshape(-1) != IGNORE_INDEX
+        if tracker is not None:
+            tracker.add(per_token, labels)
+        if self.logz is not None:
+            self.logz.add(lse, valid)
         loss = per_token.sum()
+        if self.z_loss_weight:
+            loss = loss + self.z_loss_weight * torch.where(valid, lse.square(), 0.0).sum()
         if global_valid_tokens is not None:
             # as torchtitan's CrossEntropyLoss.__call__
             is_type_checking = spmd.is_type_checking()
@@ -220,18 +338,47 @@ class DocLossCrossEntropy(CrossEntropyLoss):
         return loss, {}
 
 
+class ChunkedDocLoss(ChunkedLossWrapper):
+    """torchtitan's chunked loss around :class:`DocLossCrossEntropy`, with the z-loss
+    weight at the top (``--loss.z_loss_weight``), as for an unchunked loss."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        z_loss_weight: float = 0.0
+        """z-loss: add this weight times the mean over valid label tokens of
+        logsumexp(logits)^2 to the training loss (every chunk's share). 0 adds nothing."""
+
+    def __init__(self, config: Config, **kwargs: Any):
+        inner = config.loss_fn
+        if isinstance(inner, DocLossCrossEntropy.Config) and inner.z_loss_weight not in (0.0, config.z_loss_weight):
+            raise ConfigError("set the z-loss weight with --loss.z_loss_weight ([loss] z_loss_weight), not "
+                              "--loss.loss_fn.z_loss_weight")
+        super().__init__(config, **kwargs)
+        if not isinstance(self.loss_fn, DocLossCrossEntropy):
+            if config.z_loss_weight:
+                raise ConfigError(f"--loss.z_loss_weight needs titan_ledger's cross-entropy inside the chunked "
+                                  f"loss, not {type(self.loss_fn).__name__}")
+            return
+        self.loss_fn.z_loss_weight = config.z_loss_weight
+
+
+def as_ledger_loss(loss):
+    """torchtitan's loss config -> ours (the same fields plus ``z_loss_weight``):
+    ``CrossEntropyLoss`` -> :class:`DocLossCrossEntropy`, a ``ChunkedLossWrapper`` of it
+    -> :class:`ChunkedDocLoss`; anything else is returned unchanged."""
+    if type(loss) is CrossEntropyLoss.Config:
+        return DocLossCrossEntropy.Config(global_vocab_size=loss.global_vocab_size)
+    if type(loss) is ChunkedLossWrapper.Config and type(loss.loss_fn) in (CrossEntropyLoss.Config,
+                                                                          DocLossCrossEntropy.Config):
+        return ChunkedDocLoss.Config(num_chunks=loss.num_chunks, loss_fn=as_ledger_loss(loss.loss_fn))
+    return loss
+
+
 def use_doc_loss(config) -> bool:
     """Swap torchtitan's CrossEntropyLoss config for ours (also inside a chunked
     wrapper). Returns False when the loss is something else (then no per-doc loss)."""
-    from torchtitan.components.loss import ChunkedLossWrapper
-
+    config.loss = as_ledger_loss(config.loss)
     loss = config.loss
-    if type(loss) is CrossEntropyLoss.Config:
-        config.loss = DocLossCrossEntropy.Config(global_vocab_size=loss.global_vocab_size)
-        return True
-    if isinstance(loss, ChunkedLossWrapper.Config) and type(loss.loss_fn) is CrossEntropyLoss.Config:
-        loss.loss_fn = DocLossCrossEntropy.Config(global_vocab_size=loss.loss_fn.global_vocab_size)
-        return True
     return isinstance(loss, DocLossCrossEntropy.Config) or (
         isinstance(loss, ChunkedLossWrapper.Config) and isinstance(loss.loss_fn, DocLossCrossEntropy.Config))
 

@@ -293,6 +293,7 @@ class Ledger(Configurable):
         self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
         self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
+        self.logz = None  # a LogZStats (set by the trainer when the loss is titan_ledger's)
         self.quarantine = Quarantine(config.filter.quarantine)
         self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
 
@@ -394,12 +395,12 @@ class Ledger(Configurable):
             m.record_max_logit = cfg.max_logit
         if trainer.parallel_dims.pp_enabled:
             forget_pp_metadata_inference(trainer.pp_schedule, attn,
-                                         also=[self.doc_loss.rewind_step] if self.doc_loss else [])
+                                         also=[x.rewind_step for x in (self.doc_loss, self.logz) if x])
         self.recorder = SignalRecorder(
             topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
             max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
             global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
-            doc_loss=self.doc_loss)
+            doc_loss=self.doc_loss, logz=self.logz)
         if cfg.spike.enable:
             self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
         self._apply_state()

@@ -38,7 +38,8 @@ from titan_ledger.format import records
 
 # columns of the local vector every rank contributes to the all-gather
 _LOSS, _TOK, _ZEROS, _PSQ, _LOGIT, _MASKED = range(6)
-_FIXED = 6
+_LOGZ = 6  # LogZStats: sum log Z^2, sum log Z, max log Z, tokens (loss-owning ranks)
+_FIXED = 10
 
 
 @dataclass
@@ -74,7 +75,7 @@ class _Pending:
 class SignalRecorder:
     def __init__(self, topo: Topology, *, device: torch.device, plan: ParamPlan, attn: list,
                  per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int,
-                 doc_loss=None):
+                 doc_loss=None, logz=None):
         self.topo = topo
         self.device = device
         self.plan = plan
@@ -96,6 +97,7 @@ class SignalRecorder:
         self._rank_writer: records.RecordWriter | None = None
         self.collectives_per_step = 1 if topo.world > 1 else 0
         self.doc_loss = doc_loss  # a DocLossTracker, when per-document losses are on
+        self.logz = logz  # a LogZStats, when the loss is titan_ledger's
         self._n_layers = len(plan.groups) if per_layer else 0
 
     # ------------------------------------------------------------------ files
@@ -129,7 +131,8 @@ class SignalRecorder:
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
         param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens, masked_tokens,
-        grad_sq per layer..., this DP rank's per-document summary...]``.
+        sum log Z^2, sum log Z, max log Z, log Z tokens, grad_sq per layer..., this DP
+        rank's per-document summary...]``.
         """
         topo, dev = self.topo, self.device
         sums = local_sums(self.plan, self.per_layer, dev)
@@ -144,6 +147,11 @@ class SignalRecorder:
         loc[_ZEROS] = sums["num_zeros"].double()
         loc[_PSQ] = sums["param_sq"].double()
         loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
+        loc[_LOGZ + 2] = float("-inf")
+        if self.logz is not None:
+            z = self.logz.take(dev)  # every call of this step, also on ranks that own no loss
+            if topo.owns_loss:
+                loc[_LOGZ:_LOGZ + 4] = z
         if self.per_layer:
             loc[_FIXED:_FIXED + self._n_layers] = sums["grad_sq"].double()
         if n_doc:
@@ -167,6 +175,8 @@ class SignalRecorder:
             loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
             table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
             self._consumed_tokens.reshape(1), table[:, _MASKED].sum().reshape(1),
+            table[:, _LOGZ:_LOGZ + 2].sum(0), table[:, _LOGZ + 2].amax().reshape(1),
+            table[:, _LOGZ + 3].sum().reshape(1),
             table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
             # the per-document summary of this rank's DP group, from the rank that owns its loss
             table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
@@ -228,7 +238,7 @@ class SignalRecorder:
         dp = self.topo.dp_size
         v = p.host.tolist()
         loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
-        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked = v[2 * dp:2 * dp + 7]
+        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok = v[2 * dp:2 * dp + 11]
         tokens = sum(tok_by_dp)
         loss = sum(loss_by_dp) / tokens if tokens else float("nan")
         local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
@@ -247,6 +257,9 @@ class SignalRecorder:
             "masked_tokens": int(masked),
             "param_norm": math.sqrt(param_sq),
             "max_logit": max_logit if self.max_logit else None,
+            "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
+            "logz_mean": zsum / ztok if ztok else None,
+            "logz_max": zmax if ztok else None,
             "lr": p.lr,
             "skipped": False,
             "skipped_samples": self.skipped_samples,
@@ -256,7 +269,7 @@ class SignalRecorder:
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
-        rest = v[2 * dp + 7:]
+        rest = v[2 * dp + 11:]
         if self.per_layer:
             row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, rest)}
         if self._rank_writer is not None:

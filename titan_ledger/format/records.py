@@ -123,6 +123,9 @@ SIGNAL_KEYS = (
     "masked_tokens",
     "param_norm",
     "max_logit",
+    "z_loss",
+    "logz_mean",
+    "logz_max",
     "lr",
     "skipped",
     "skipped_samples",
@@ -150,6 +153,9 @@ class SignalRow(TypedDict, total=False):
     masked_tokens: int | None  # label tokens the quarantine / repetition filter masked (all ranks)
     param_norm: float | None
     max_logit: float | None
+    z_loss: float | None  # mean over valid label tokens of log Z^2 (unweighted; None: not measured)
+    logz_mean: float | None  # mean log Z = logsumexp(logits) over valid label tokens
+    logz_max: float | None  # its max (the output-logit drift signal)
     lr: float
     skipped: bool
     skipped_samples: int
