@@ -77,6 +77,9 @@ VARIANTS = {
     "ledger_no_signals": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.no_signals"],
     "ledger_no_tagging": ["--module", "titan_ledger", "--config", "debug_cpu", "--dataloader.no_tagging"],
     "ledger_no_doc_loss": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.doc_loss.no_enable"],
+    # prevention (design article §3): what each feature costs on top of the ledger
+    "ledger_zloss": ["--module", "titan_ledger", "--config", "debug_cpu", "--loss.z_loss_weight", "1e-4"],
+    "ledger_qk_norm": ["--module", "titan_ledger", "--config", "debug_cpu", "--model.qk_norm"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],
