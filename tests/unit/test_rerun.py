@@ -98,6 +98,7 @@ def test_variant_args():
     c.training = type("t", (), {"mixed_precision_param": "float32"})
     assert rr.variant_args(Variant("fp32"), 8, c) is None  # an fp32 run: not applicable
     assert rr.variant_args(Variant("logit_cap", 30.0), 8, c) == ([], {"logit_cap": 30.0})
+    assert rr.variant_args(Variant("zloss", 1e-4), 8, c) == (["--loss.z_loss_weight", "0.0001"], {})
     assert rr.variant_args(Variant("skip", steps=(8, 9)), 8, c) == (["--ledger.skip.steps", "2-3,8,9"], {})
     assert rr.variant_args(Variant("swap"), 8, c) == (["--ledger.rehearsal.inject", "8:1:repeat,8:0:swap"], {})
     assert rr.strip_train_args(["--ledger.rehearsal.inject", "8:1:repeat", "--x"], drop_inject=True) == ["--x"]
@@ -253,6 +254,10 @@ def test_parse_variant_forms_and_ledger_values():
     assert rr.parse_variant("skip=28-29") == Variant("skip", steps=(28, 29))
     assert rr.parse_variant("skip=28-29").name == "skip=28-29"
     assert rr.parse_variant("logit_cap=50") == Variant("logit_cap", 50.0)
+    assert rr.parse_variant("zloss=1e-4") == Variant("zloss", 1e-4) and rr.CAUSE_OF["zloss"] == "output_drift"
+    assert rr.parse_variant("zloss=1e-4").name == "zloss=0.0001"
+    with pytest.raises(rr.RerunError, match="zloss=X"):
+        rr.parse_variant("zloss=-1")
     with pytest.raises(rr.RerunError):
         rr.parse_variant("lr")  # a value is needed on the command line
     assert rr.parse_variant("lr", allow_open=True) == Variant("lr")

@@ -17,7 +17,7 @@ PRE = 50  # trained steps before T that describe "normal"
 #: bad data is PROVEN only by ``quarantine`` (only the named documents masked, the rest
 #: of the batch trained); ``skip`` (the whole step) shows "something in this step"
 CAUSE_OF = {"quarantine": "bad_data", "skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
-            "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip"}
+            "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip", "zloss": "output_drift"}
 CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
@@ -38,7 +38,7 @@ class RerunError(TitanLedgerError):
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | fp32
+    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | zloss | fp32
     value: float | None = None
     #: skip: the steps to skip (empty: the spike step alone)
     steps: tuple[int, ...] = ()
@@ -98,7 +98,7 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
             return Variant("skip", steps=tuple(s for a, b in windows for s in range(a, b + 1)))
     if allow_open and kind in _VALUE_FROM_LEDGER and not eq:
         return Variant(kind)
-    if kind in ("lr", "eps", "clip", "logit_cap", "beta2") and eq:
+    if kind in ("lr", "eps", "clip", "logit_cap", "beta2", "zloss") and eq:
         try:
             v = float(val)
         except ValueError:
@@ -106,7 +106,7 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
         if math.isfinite(v) and v > 0 and not (kind == "beta2" and v >= 1):
             return Variant(kind, v)
     raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, quarantine, quarantine=SOURCE:DOC[,...], "
-                     f"swap, lr=X, eps=X, beta2=X (< 1), clip=X, logit_cap=X, fp32 (X > 0)")
+                     f"swap, lr=X, eps=X, beta2=X (< 1), clip=X, logit_cap=X, zloss=X, fp32 (X > 0)")
 
 
 def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Variant:
@@ -173,6 +173,9 @@ def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str],
         return [], {"beta2": v.value}
     if v.kind == "clip":
         return ["--training.max_norm", f"{v.value:g}"], {}
+    if v.kind == "zloss":
+        # the z-loss has no weights: a checkpoint written without it loads with it
+        return ["--loss.z_loss_weight", f"{v.value:g}"], {}
     if v.kind == "fp32":
         if config.training.mixed_precision_param == "float32":
             return None
