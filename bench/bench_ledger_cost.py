@@ -42,8 +42,8 @@ half-width is the smallest cost the instrument resolves at that number of repeat
 ``--only paired`` runs one instrument; ``--snapshot`` measures the committed HEAD (a
 ``git archive`` copy) instead of a working tree others may be editing; ``--variants``
 adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
-``ledger_no_doc_loss`` to the
-paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
+``ledger_no_doc_loss`` and the prevention features ``ledger_zloss`` (``--loss.z_loss_weight
+1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
 """

@@ -6,6 +6,7 @@
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from helpers import CONFIGS, ROOT, child_env, error_lines, explain, free_port, read_tb, torchrun, train_cli
@@ -76,19 +77,34 @@ def test_bad_input_under_torchrun_prints_once(tmp_path):
 GPU_CONFIGS = {"llama3_8b.toml": 8, "llama3_70b.toml": 64, "llama3_405b.toml": 512}
 
 
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """The three dry runs, started together: each is mostly the import of torch and
+    torchtitan, which two cores do side by side."""
+    procs = {}
+    for toml, world in GPU_CONFIGS.items():
+        dump = tmp_path_factory.mktemp(toml.removesuffix(".toml"))
+        argv = [sys.executable, "-m", "titan_ledger.train", "--job.config_file", str(CONFIGS / toml),
+                "--comm.mode", "fake_backend", "--dump_folder", str(dump),
+                # the recipes' HF tokenizer / C4 need a download; the build does not care
+                "--hf_assets_path", str(ROOT / "titan_ledger/assets/tokenizer"),
+                "--dataloader.dataset", "c4_test",
+                "--dataloader.dataset_path", str(ROOT / "titan_ledger/assets/corpus")]
+        env = child_env(NGPU=str(world), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+        procs[toml] = (argv, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+    out = {}
+    for toml, (argv, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        out[toml] = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("toml,world", list(GPU_CONFIGS.items()))
-def test_gpu_config_dry_run(tmp_path, toml, world):
+def test_gpu_config_dry_run(dry_runs, toml, world):
     """Build each GPU config at its world size on torchtitan's fake backend (rank 0)."""
-    proc = train_cli(
-        ["--job.config_file", str(CONFIGS / toml), "--comm.mode", "fake_backend",
-         "--dump_folder", str(tmp_path),
-         # the recipes' HF tokenizer / C4 need a download; the build does not care
-         "--hf_assets_path", str(ROOT / "titan_ledger/assets/tokenizer"),
-         "--dataloader.dataset", "c4_test",
-         "--dataloader.dataset_path", str(ROOT / "titan_ledger/assets/corpus")],
-        NGPU=str(world), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), timeout=600,
-    )
+    proc = dry_runs[toml]
     assert proc.returncode == 0, explain(proc)
     assert f"dry run: built LedgerTrainer for world size {world}" in proc.stdout + proc.stderr
 
