@@ -7,6 +7,7 @@ for legibility)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -78,6 +79,7 @@ def test_wandb_steps_identity_summaries_alerts(run):
     gmax = max(r["grad_norm"] for r in rows.history + rows.superseded if r.get("grad_norm") is not None)
     assert summary["ledger/grad_norm"] == {"max": pytest.approx(gmax)}
     assert "min" in summary["ledger/loss"] and "max" in summary["ledger/max_logit"]
+    assert "max" in summary["ledger/logz_max"]  # the output-logit drift signal (log Z of the CE's pass)
     assert summary["spike/count"] == {"max": len(led.spike_events())}
     defined = {m.get("name") or m.get("glob_name"): m for m in kinds["metric"]}
     assert defined["*"]["step_metric"] == "train/step" and "ledger/loss_max" in defined
@@ -105,6 +107,8 @@ def test_tensorboard_layout_and_rewind_subrun(run):
     assert [e.step for e in ea.Scalars("ledger/grad_norm")] == list(range(1, 11))  # spike kept
     assert "custom_scalars__config__" in ea.Tags()["tensors"]
     assert "config/toml/text_summary" in ea.Tags()["tensors"] and "ledger/max_norm" in ea.Tags()["scalars"]
+    logz = [e.value for e in ea.Scalars("ledger/logz_max")]  # recorded at z_loss_weight 0 too
+    assert len(logz) == 10 and all(math.log(2048) - 2 < v < 20 for v in logz), logz
     led = RunLedger(dump)
     subs = sorted(tb.glob("rewind-*"))
     assert len(subs) == len(led.rewinds()) >= 1  # one TB sub-run per rewind
