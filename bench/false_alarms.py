@@ -353,17 +353,17 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history", "separation_warmup", "notes", "doc_tail_spread") \
+        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_gate_warmup", "notes", "doc_tail_spread") \
                 and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
         out[key] = value if key == "notes" else value.lower() in ("1", "true") if key == "doc_tail_spread" \
-            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup") else float(value)
+            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup", "grad_gate_warmup") else float(value)
     return out
 
 
 def _float_fields() -> tuple[str, ...]:
     return ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier", "doc_outlier_floor",
-            "grad_jump", "separation_gate", "zscore_min_ratio")
+            "grad_jump", "separation_gate", "zscore_min_ratio", "grad_gate")
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,

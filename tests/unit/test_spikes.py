@@ -165,6 +165,29 @@ def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
     assert det0.step(torch.tensor(5.0), torch.tensor(1.3))[0]
 
 
+def test_grad_gate_makes_a_grad_norm_move_inside_its_own_tail_a_note():
+    import random
+
+    def run(gate):
+        rnd = random.Random(3)
+        det = SpikeDetector(SpikeDetector.Config(window=128, grad_gate=gate))
+        for i in range(128):  # a heavy-tailed clean history: every 5th step 3x the others
+            g = 0.5 * (1 + 0.1 * rnd.gauss(0, 1)) * (3.0 if i % 5 == 0 else 1.0)
+            det.step(torch.tensor(0.6 + 0.1 * rnd.gauss(0, 1)), torch.tensor(g))
+        # the loss up 17% (the ratio rule needs a rising loss), within its noise: no z-score
+        inside = det.step(torch.tensor(0.7), torch.tensor(2.0))  # 4x the median, as the copy corpus's
+        beyond = det.step(torch.tensor(0.7), torch.tensor(20.0))  # 40x: past any tail it has seen
+        return describe(inside), describe(beyond)
+
+    (inside, beyond) = run(0.0)  # off (the default): the ratio and grad-jump bars alone
+    assert inside["rules"] and set(inside["rules"]) <= {"zscore_grad_norm", "ratio", "grad_jump"}
+    (inside, beyond) = run(3.0)
+    assert inside["rules"] == [] and set(inside["notes"]) <= {"zscore_grad_norm", "ratio", "grad_jump"}
+    assert inside["notes"] and ({"ratio", "grad_jump"} & set(beyond["rules"]))
+    with pytest.raises(ConfigError, match="grad_gate"):
+        SpikeDetector.Config(grad_gate=-1)
+
+
 def test_notes_config_is_checked():
     with pytest.raises(ConfigError, match="--ledger.spike.notes"):
         SpikeDetector.Config(notes="doc_high,non_finite")
