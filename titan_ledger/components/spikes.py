@@ -44,8 +44,9 @@ Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a 
 an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
 in spikes.jsonl (``notes``) and on the dashboards, nothing else. Which rules may act
 is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs
-(12,300 recorded clean steps with these defaults: 8 acting flags, all grad-norm rules in
-one copy-corpus run from the warm base, see ``grad_gate``; before the tiers: hundreds). By
+(15,200 recorded clean steps with these defaults: 11 acting flags, all grad-norm rules,
+8 of them in one copy-corpus run from the warm base, see ``grad_gate``; before the
+tiers: 585). By
 default the document rules are notes (``notes``: a corpus whose documents are learned
 at different times makes clean outliers), and rank separation acts only when it is
 decisive for *this run*: past ``separation`` and past its own history's upper tail,
