@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
-from helpers import CONFIGS, cli, explain, py, torchrun  # noqa: E402
+from helpers import CONFIGS, cli, explain, py, torchrun, unsharded_model  # noqa: E402
 
 # --------------------------------------------------------------------------- the shared runs
 
@@ -210,22 +210,10 @@ class Runs:
 def _with_qk_norm(seed: Path, folder: Path) -> Path:
     """``seed``'s weights in the debug model with ``[model] qk_norm``, saved as a DCP
     checkpoint (the norms' weights as the model initializes them: ones)."""
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from titan_ledger.components import attention
-    from titan_ledger.components.prevention import apply_qk_norm
-    from titan_ledger.config.toml_frontend import parse, read_job
-
-    config = parse(read_job(["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--model.qk_norm"]))
-    attention.adapt_config(config)
-    apply_qk_norm(config.model_spec.model)
-    with torch.device("meta"):
-        model = config.model_spec.model.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
+    _, model = unsharded_model(["--job.config_file", CONFIGS / "debug_cpu.toml", "--model.qk_norm"])
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=str(seed), planner=DefaultLoadPlanner(allow_partial_load=True))
     assert {k for k in sd if "q_norm" in k or "k_norm" in k}, "the model has no QK-norm weights"

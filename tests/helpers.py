@@ -266,3 +266,25 @@ def load_bench(name: str):
     sys.modules[name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def unsharded_model(args: list[str]):
+    """``(config, model)``: the training config of ``args`` and its model built in this
+    process, unsharded, on the CPU attention (with ``[model] qk_norm`` when set), with
+    the model's own initial weights (the exactness reference and the QK-norm seed)."""
+    import torch
+
+    from titan_ledger.components import attention
+    from titan_ledger.components.prevention import apply_qk_norm
+    from titan_ledger.config.toml_frontend import parse, read_job
+
+    config = parse(read_job([str(a) for a in args]))
+    attention.adapt_config(config)
+    if config.model.qk_norm:
+        apply_qk_norm(config.model_spec.model)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    return config, model

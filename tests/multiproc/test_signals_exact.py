@@ -14,13 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import PARALLELISMS
-from helpers import data_rows, rank_losses, signal_keys, signals_ledger
+from helpers import data_rows, rank_losses, signal_keys, signals_ledger, unsharded_model
 
-from titan_ledger.components import attention
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
-from titan_ledger.components.prevention import apply_qk_norm
 from titan_ledger.components.signals import layer_group
-from titan_ledger.config.toml_frontend import parse, read_job
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +26,7 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     """Signals of step 1 computed on one unsharded model over the global batch."""
     from torchtitan.components.loss import IGNORE_INDEX
 
-    config = parse(read_job(args))
-    attention.adapt_config(config)
-    if config.model.qk_norm:
-        apply_qk_norm(config.model_spec.model)
-    with torch.device("meta"):
-        model = config.model_spec.model.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
+    config, model = unsharded_model(args)
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=str(seed_path))
     model.load_state_dict(sd)
