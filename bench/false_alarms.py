@@ -213,12 +213,20 @@ def spike_header(dump: Path) -> dict:
 
 #: the rule settings that reproduce the detector before the tiers (every rule acts, rank
 #: separation on its constant alone): a ledger recorded then has neither field
-BEFORE_TIERS = {"notes": "", "separation_gate": 0.0, "zscore_min_ratio": 0.0, "doc_tail_spread": False}
+BEFORE_TIERS = {"notes": "", "separation_gate": 0.0, "zscore_min_ratio": 0.0, "doc_tail_spread": False,
+                "grad_novelty": 0.0}
+#: fields of ledgers recorded before grad_novelty replaced them, and the value that was "off"
+RETIRED = {"grad_gate": 0.0, "grad_gate_warmup": None}
 
 
 def recorded_rules(dump: Path) -> dict:
     """The rule config the run was trained with (spikes.jsonl's header)."""
-    return {**BEFORE_TIERS, **spike_header(dump)["rules"]}
+    rules = {**BEFORE_TIERS, **spike_header(dump)["rules"]}
+    for key, off in RETIRED.items():
+        value = rules.pop(key, off)
+        if off is not None and value != off:
+            raise SystemExit(f"{dump}: recorded with {key}={value}, a rule this detector no longer has")
+    return rules
 
 
 def trained_rows(dump: Path) -> list[dict]:
@@ -353,17 +361,17 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_gate_warmup", "notes", "doc_tail_spread") \
+        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes", "doc_tail_spread") \
                 and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
         out[key] = value if key == "notes" else value.lower() in ("1", "true") if key == "doc_tail_spread" \
-            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup", "grad_gate_warmup") else float(value)
+            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory") else float(value)
     return out
 
 
 def _float_fields() -> tuple[str, ...]:
     return ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier", "doc_outlier_floor",
-            "grad_jump", "separation_gate", "zscore_min_ratio", "grad_gate")
+            "grad_jump", "separation_gate", "zscore_min_ratio", "grad_novelty")
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,

@@ -228,6 +228,6 @@ def test_parse_rules(fa):
     from titan_ledger.components.spikes import SpikeDetector
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
-    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "grad_gate_warmup", "notes",
+    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes",
                                       "doc_tail_spread"} \
         == fields - {"enable"}

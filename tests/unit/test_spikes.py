@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -150,7 +151,9 @@ def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
     import random
 
     rnd = random.Random(2)
-    det = SpikeDetector(SpikeDetector.Config(window=128))
+    # grad_novelty off: the two notes below would be remembered and make 3.2x no novelty
+    # (that gate has its own test)
+    det = SpikeDetector(SpikeDetector.Config(window=128, grad_novelty=0))
     for _ in range(128):  # a tight grad-norm history (CV 6%, as a clean run's)
         det.step(torch.tensor(5.0 + 0.01 * rnd.random()), torch.tensor(0.82 * (1 + 0.06 * rnd.gauss(0, 1))))
     small = det.step(torch.tensor(5.0), torch.tensor(1.3))  # ~9 std, 1.6x the median
@@ -159,33 +162,47 @@ def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
     assert not also_small[0] and describe(also_small)["notes"] == ["zscore_grad_norm"]
     big = det.step(torch.tensor(5.0), torch.tensor(2.6))  # 3.2x: material
     assert big[0] and "zscore_grad_norm" in describe(big)["rules"]
-    det0 = SpikeDetector(SpikeDetector.Config(window=128, zscore_min_ratio=0))
+    det0 = SpikeDetector(SpikeDetector.Config(window=128, zscore_min_ratio=0, grad_novelty=0))
     for _ in range(128):
         det0.step(torch.tensor(5.0 + 0.01 * rnd.random()), torch.tensor(0.82 * (1 + 0.06 * rnd.gauss(0, 1))))
     assert det0.step(torch.tensor(5.0), torch.tensor(1.3))[0]
 
 
-def test_grad_gate_makes_a_grad_norm_move_inside_its_own_tail_a_note():
+def test_grad_novelty_makes_a_move_the_run_has_already_shown_a_note():
     import random
 
-    def run(gate):
+    def history(novelty, steps=400):
         rnd = random.Random(3)
-        det = SpikeDetector(SpikeDetector.Config(window=128, grad_gate=gate))
-        for i in range(128):  # a heavy-tailed clean history: every 5th step 3x the others
-            g = 0.5 * (1 + 0.1 * rnd.gauss(0, 1)) * (3.0 if i % 5 == 0 else 1.0)
+        det = SpikeDetector(SpikeDetector.Config(window=128, grad_novelty=novelty))
+        for i in range(steps):  # a heavy-tailed clean run: every 50th step 3x its neighbours
+            g = 0.5 * (1 + 0.1 * rnd.gauss(0, 1)) * (3.0 if i % 50 == 25 else 1.0)
             det.step(torch.tensor(0.6 + 0.1 * rnd.gauss(0, 1)), torch.tensor(g))
-        # the loss up 17% (the ratio rule needs a rising loss), within its noise: no z-score
-        inside = det.step(torch.tensor(0.7), torch.tensor(2.0))  # 4x the median, as the copy corpus's
-        beyond = det.step(torch.tensor(0.7), torch.tensor(20.0))  # 40x: past any tail it has seen
-        return describe(inside), describe(beyond)
+        return det
 
-    (inside, beyond) = run(0.0)  # off (the default): the ratio and grad-jump bars alone
+    # the loss up 17% (the ratio rule needs a rising loss), within its noise: no z-score
+    det = history(0.0)  # off: the ratio and grad-jump bars alone act on a 4x move
+    inside = describe(det.step(torch.tensor(0.7), torch.tensor(2.0)))
     assert inside["rules"] and set(inside["rules"]) <= {"zscore_grad_norm", "ratio", "grad_jump"}
-    (inside, beyond) = run(3.0)
-    assert inside["rules"] == [] and set(inside["notes"]) <= {"zscore_grad_norm", "ratio", "grad_jump"}
-    assert inside["notes"] and ({"ratio", "grad_jump"} & set(beyond["rules"]))
-    with pytest.raises(ConfigError, match="grad_gate"):
-        SpikeDetector.Config(grad_gate=-1)
+    det = history(2.0)
+    inside = det.step(torch.tensor(0.7), torch.tensor(2.0))  # 4x: under 2 x the 3x it has shown
+    ev = describe(inside)
+    assert ev["rules"] == [] and set(ev["notes"]) <= {"zscore_grad_norm", "ratio", "grad_jump"} and ev["notes"]
+    assert 5.5 < ev["grad_jump_bound"] < 7.0  # 2 x the largest remembered ratio (about 3x)
+    beyond = describe(det.step(torch.tensor(0.7), torch.tensor(20.0)))  # 40x: past anything it has shown
+    assert {"ratio", "grad_jump"} & set(beyond["rules"])
+    # the spike did not enter the memory: the same move acts again, a remembered note does not raise the bar
+    state = det.state_dict()
+    again = SpikeDetector(SpikeDetector.Config(window=128, grad_novelty=2.0))
+    again.load_state_dict(json.loads(json.dumps(state)))  # as the checkpoint stores it
+    assert describe(again.step(torch.tensor(0.7), torch.tensor(20.0)))["rules"]
+    assert describe(det.step(torch.tensor(0.7), torch.tensor(20.0)))["rules"]
+    # early training: no memory yet (from the warm-up on), the bars alone act
+    early = history(2.0, steps=100)
+    assert describe(early.step(torch.tensor(0.7), torch.tensor(2.0)))["rules"]
+    with pytest.raises(ConfigError, match="grad_novelty"):
+        SpikeDetector.Config(grad_novelty=-1)
+    with pytest.raises(ConfigError, match="grad_memory"):
+        SpikeDetector.Config(grad_memory=0)
 
 
 def test_notes_config_is_checked():
@@ -242,3 +259,12 @@ def test_a_degenerate_document_history_is_judged_by_its_upper_tail():
     clean = lows + [2.2]
     assert 61 in run(False, clean) and 61 not in run(True, clean)
     assert 61 in run(True, lows + [20.0])
+
+
+def test_diagnose_says_why_a_grad_norm_move_stayed_a_note():
+    from titan_ledger.tools.decision import _why_noted
+
+    why = _why_noted({"notes": ["ratio", "grad_jump"], "grad_jump_ratio": 4.1, "grad_jump_bound": 6.5})
+    assert why and "4.10x" in why and "6.50x" in why
+    assert _why_noted({"notes": ["doc_low"], "grad_jump_ratio": 4.1, "grad_jump_bound": 6.5}) is None
+    assert _why_noted({"notes": ["ratio"], "grad_jump_ratio": 4.1}) is None  # warm-up: no bound yet

@@ -44,9 +44,8 @@ Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a 
 an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
 in spikes.jsonl (``notes``) and on the dashboards, nothing else. Which rules may act
 is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs
-(15,200 recorded clean steps with these defaults: 11 acting flags, all grad-norm rules,
-8 of them in one copy-corpus run from the warm base, see ``grad_gate``; before the
-tiers: 585). By
+(docs/benchmarks.md, "False alarms": 585 acting flags on 15,200 clean steps before the
+tiers; 11 with the tiers but no ``grad_novelty``, all grad-norm rules; 0 with it). By
 default the document rules are notes (``notes``: a corpus whose documents are learned
 at different times makes clean outliers), and rank separation acts only when it is
 decisive for *this run*: past ``separation`` and past its own history's upper tail,
@@ -56,6 +55,11 @@ run has seen), with at least ``separation_warmup`` (64) values behind it; a sepa
 in early training, or one that only passes the constant, is a note. A z-score acts only on
 a material move (grad norm ``zscore_min_ratio`` (3) x its window median, loss
 ``loss_jump`` over its recent median): unusual but small moves are notes. The
+grad-norm rules (z-score, ratio, grad jump) act only on a move the run has not shown:
+more than ``grad_novelty`` (2) x the largest grad-jump ratio of its last ``grad_memory``
+(1,024) accepted steps, once 64 are remembered (clean training has a heavy tail of its
+own: a copy-corpus run from the warm base moved 3.4-5.5x at a dozen clean steps, the
+zoo's faults 3-21x; no constant separates them, the run's own history does). The
 non-finite rule always acts.
 """
 
@@ -77,7 +81,7 @@ RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separat
 STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
              "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
-             "doc_low_rank", "grad_jump_ratio", "separation_bound")
+             "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound")
 #: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
 DEFAULT_NOTES = "doc_high,doc_low"
 
@@ -158,16 +162,24 @@ class SpikeDetector(Configurable):
         (2.81 at step 16 of a clean DP-2 run, with injected random batches at 2.6-2.9),
         so an early separation is a note."""
 
-        grad_gate: float = 0.0
-        """The grad-norm rules (``zscore_grad_norm``, ``ratio``, ``grad_jump``) act only past
-        median + grad_gate x (q90 - median) of the log grad norm's own last ``window``
-        values, else they are notes. 0 (default): off, they act on their own bars. Built to
-        be measured offline (``bench/false_alarms.py --rules grad_gate=X``): clean copy-corpus
-        training from the warm base made 8 acting grad-norm flags in 1,450 steps."""
+        grad_novelty: float = 2.0
+        """The grad-norm rules (``zscore_grad_norm``, ``ratio``, ``grad_jump``) act only on a
+        move this many times larger than any this run has shown: the grad norm over its
+        recent median (the grad-jump ratio) must exceed ``grad_novelty`` x the largest such
+        ratio of the last ``grad_memory`` accepted steps; a smaller move is a note. 0: off,
+        they act on their own bars. Clean training has a heavy tail of its own (copy-corpus
+        training from the warm base: 3.4-5.5x moves at steps 591-1333 of a clean run; a
+        heterogeneous one 3.0-3.3x), which no constant bar separates from a fault's 3-6x."""
 
-        grad_gate_warmup: int = 64
-        """...and only with at least this many values of that history: before, the grad-norm
-        rules act on their own bars (an early LR spike has no tail to be past yet)."""
+        grad_memory: int = 1024
+        """...the accepted steps whose grad-jump ratios ``grad_novelty`` remembers (8 windows:
+        a run's clean tail recurs over hundreds of steps)."""
+
+        grad_novelty_warmup: int = 64
+        """...remembered from this many accepted steps on, and used once this many are
+        remembered (from about step 2 x 64): before, the grad-norm rules act on their own bars
+        (early training's descent is no tail to compare with: a cold start's 3.2x moves at
+        steps 9-11 would double the bar for 1,000 steps)."""
 
         def note_rules(self) -> tuple[str, ...]:
             return tuple(r.strip() for r in self.notes.split(",") if r.strip())
@@ -178,10 +190,11 @@ class SpikeDetector(Configurable):
                 raise ConfigError(f"--ledger.spike.window must be >= 2, got {self.window}")
             if self.min_history < 1:
                 raise ConfigError(f"--ledger.spike.min_history must be >= 1, got {self.min_history}")
-            if self.separation_warmup < 0 or self.grad_gate_warmup < 0:
-                raise ConfigError("--ledger.spike.separation_warmup and --ledger.spike.grad_gate_warmup must be >= 0")
-            if self.separation_warmup < 0:
-                raise ConfigError(f"--ledger.spike.separation_warmup must be >= 0, got {self.separation_warmup}")
+            for name in ("separation_warmup", "grad_novelty_warmup"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(f"--ledger.spike.{name} must be >= 0, got {getattr(self, name)}")
+            if self.grad_memory < 1:
+                raise ConfigError(f"--ledger.spike.grad_memory must be >= 1, got {self.grad_memory}")
             if self.min_docs < 1:
                 raise ConfigError(f"--ledger.spike.min_docs must be >= 1, got {self.min_docs}")
             bad = [r for r in self.note_rules() if r not in RULES or r == "non_finite"]
@@ -190,7 +203,7 @@ class SpikeDetector(Configurable):
                                   f"be a note; give comma-separated names from "
                                   f"{', '.join(r for r in RULES if r != 'non_finite')} (or '' for none)")
             for name in ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier",
-                         "doc_outlier_floor", "grad_jump", "separation_gate", "zscore_min_ratio", "grad_gate"):
+                         "doc_outlier_floor", "grad_jump", "separation_gate", "zscore_min_ratio", "grad_novelty"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.spike.{name} must be >= 0 (0 switches the rule off), "
                                       f"got {getattr(self, name)}")
@@ -207,6 +220,9 @@ class SpikeDetector(Configurable):
         self.ecount = torch.zeros(4, dtype=torch.int64, device=device)
         notes = set(config.note_rules())
         # static per rule: may its flag act? (a note rule's flag is only recorded)
+        # grad_novelty's memory: the log grad-jump ratios of the last grad_memory accepted steps
+        self.jhist = torch.full((int(config.grad_memory),), -torch.inf, dtype=torch.float64, device=device)
+        self.jcount = torch.zeros((), dtype=torch.int64, device=device)
         self._acts = torch.tensor([r not in notes for r in RULES], dtype=torch.bool, device=device)
         self._bits = torch.tensor([float(2 ** i) for i in range(len(RULES))], dtype=torch.float64, device=device)
 
@@ -251,7 +267,15 @@ class SpikeDetector(Configurable):
         # makes a 1.6x grad norm 9 std (measured on a clean DP-4 run); smaller moves are notes
         material = torch.stack([loss_up, v[1] > c.zscore_min_ratio * median[1]])
         non_finite = ~finite.all()
-        ev, sep_decisive, grad_decisive, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        ev, sep_decisive, log_jump, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        # grad_novelty: a grad-norm move acts only past the largest this run has shown
+        c_j = self.jcount.clamp(max=self.jhist.shape[0])
+        if c.grad_novelty > 0:
+            jbound = self.jhist.max() + torch.log(torch.tensor(c.grad_novelty, dtype=torch.float64, device=v.device))
+            grad_decisive = (c_j < c.grad_novelty_warmup) | ~(log_jump <= jbound)  # NaN jump: the bars alone
+        else:
+            jbound = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
+            grad_decisive = torch.ones((), dtype=torch.bool, device=v.device)
         fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev])
         # the tiers: a rule acts if it may (``notes``), rank separation only when decisive
         acts = self._acts.clone()
@@ -267,16 +291,25 @@ class SpikeDetector(Configurable):
         col = self.hist[:, idx]
         self.hist[:, idx] = torch.where(flag, col, v)
         self.count = self.count + (~flag).long()
+        # ...and so does its grad-jump ratio into grad_novelty's memory
+        # (from the grad_novelty_warmup-th accepted step on: early training's descent is
+        # no part of the run's clean tail, and would halve the rules' reach for 1,000 steps)
+        keep = ~flag & torch.isfinite(log_jump) & (self.count > c.grad_novelty_warmup)
+        jdx = self.jcount % self.jhist.shape[0]
+        self.jhist[jdx] = torch.where(keep, log_jump, self.jhist[jdx])
+        self.jcount = self.jcount + keep.long()
+        shown = torch.where((c_j >= c.grad_novelty_warmup) & torch.isfinite(jbound), jbound.exp(),
+                            torch.tensor(float("nan"), dtype=torch.float64, device=v.device))
         return torch.cat([flag.double().reshape(1), acting.double(),
                           torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
                           torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
-                          estats])
+                          estats, shown.reshape(1)])
 
     def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
                   dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
         """The rank-separation, document and grad-jump rules; (fired [4] bool, rank
-        separation decisive (0-d bool), grad norm past its own tail (0-d bool, ``grad_gate``),
-        stats [11])."""
+        separation decisive (0-d bool), the log grad-jump ratio (0-d, NaN before
+        ``min_history``), stats [10])."""
         c = self.config
         dev = self.ehist.device
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
@@ -337,11 +370,6 @@ class SpikeDetector(Configurable):
         bound = hmed[3] + c.separation_gate * (q90 - hmed[3])
         decisive = active[3] & (n_h[3] >= c.separation_warmup) & (y[3] > bound) if c.separation_gate > 0 \
             else torch.ones((), dtype=torch.bool, device=dev)
-        if c.grad_gate > 0:  # the log grad norm past its own history's upper tail
-            q90g = hist[0].nanquantile(0.9)
-            grad_decisive = (n_h[0] < c.grad_gate_warmup) | (y[0] > hmed[0] + c.grad_gate * (q90g - hmed[0]))
-        else:
-            grad_decisive = torch.ones((), dtype=torch.bool, device=dev)
         jump = (y[0] - hmed[0]).exp()
         if c.grad_jump > 0:
             fired[3] = active[0] & (jump > c.grad_jump)
@@ -354,11 +382,13 @@ class SpikeDetector(Configurable):
         self.ecount = self.ecount + take.long()
         stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
                              torch.where(active[0], jump, nan), torch.where(active[3], bound, nan)])
-        return fired, decisive, grad_decisive, stats
+        log_jump = torch.where(active[0], y[0] - hmed[0], nan)
+        return fired, decisive, log_jump, stats
 
     def state_dict(self) -> dict[str, Any]:
         return {"hist": self.hist.tolist(), "count": int(self.count),
-                "ehist": self.ehist.tolist(), "ecount": self.ecount.tolist()}
+                "ehist": self.ehist.tolist(), "ecount": self.ecount.tolist(),
+                "jhist": self.jhist.tolist(), "jcount": int(self.jcount)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -373,6 +403,9 @@ class SpikeDetector(Configurable):
             ec = torch.tensor(state["ecount"], dtype=torch.int64, device=self.hist.device)
             k = eh.shape[0]  # checkpoints before the tiers have no separation history
             self.ehist[:k], self.ecount[:k] = eh, ec
+        if "jhist" in state and len(state["jhist"]) == self.jhist.shape[0]:  # before grad_novelty: none
+            self.jhist = torch.tensor(state["jhist"], dtype=torch.float64, device=self.hist.device)
+            self.jcount = torch.tensor(int(state["jcount"]), device=self.hist.device)
 
 
 def describe(stats: list[float]) -> dict[str, Any]:

@@ -389,11 +389,12 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     res["rewound"] = rows is not cur  # a later rollback or resume superseded this step
     res["trainer"] = None if event is None else {
         k: event.get(k) for k in ("rules", "notes", "action", "suspect_dp_rank", "loss_max_rank",
-                                  "grad_norm_median", "loss_median", "grad_jump_ratio", "separation_y",
+                                  "grad_norm_median", "loss_median", "grad_jump_ratio", "grad_jump_bound", "separation_y",
                                   "separation_bound", "separation_rank")
         if event.get(k) is not None}
     note = next((e for e in reversed(led.note_events()) if int(e["step"]) == step), None)
     res["trainer_notes"] = note and note["notes"]  # a note-only step: recorded, never acted on
+    res["trainer_notes_why"] = note and _why_noted(note)
     res["actions"] = actions_at(led, step)
     res["done"] = res["actions"]["summary"]
     res["rank_losses"] = {str(r): row.get("loss") for r, row in sorted(led.rank_rows_at(step).items())} or None
@@ -465,6 +466,17 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
     chosen = (mine or out)[:n]
     return ([dict(d, criterion=DOC_CRITERION, stands_out=why[(d["source"], d["doc"])]) for d in chosen],
             f"documents that stand out: {DOC_CRITERION}")
+
+
+def _why_noted(note: dict) -> str | None:
+    """Why a grad-norm rule's flag stayed a note, from the event's own statistics: the
+    move was not past ``grad_novelty`` x the largest this run had shown (spikes.py)."""
+    grad = {"zscore_grad_norm", "ratio", "grad_jump"} & set(note.get("notes", []))
+    ratio, bound = note.get("grad_jump_ratio"), note.get("grad_jump_bound")
+    if not grad or ratio is None or bound is None or ratio > bound:
+        return None
+    return (f"grad norm {ratio:.2f}x its recent median, under the {bound:.2f}x this run had already "
+            f"come within (grad_novelty x its largest remembered move)")
 
 
 def _certainty(res: dict, event: dict | None, injected: dict) -> tuple[str, str]:

@@ -178,6 +178,8 @@ def print_verdict(r: dict) -> None:
         print(f"  trainer: rules {', '.join(t.get('rules', []))}{notes}{named}; on_spike {t.get('action')}")
     elif r.get("trainer_notes"):
         print(f"  trainer: not flagged; a note ({', '.join(r['trainer_notes'])}): recorded, never acted on")
+        if r.get("trainer_notes_why"):
+            print(f"    why a note: {r['trainer_notes_why']}")
     print(f"  done: {r['done']}")
     if r.get("rank_losses"):
         print("  per-rank losses at the step: " + ", ".join(f"rank {k} {v:.4f}" if isinstance(v, float) else
