@@ -43,7 +43,7 @@ the recorded runs, other rule settings can be measured on the same ledgers
 without training: ``--replay-only`` re-reads a folder (``--recorded``: every run in it,
 whatever grid trained it), ``--rules doc_outlier_floor=1.0 ...`` counts the replay
 under changed settings; ``--rules notes= separation_gate=0 zscore_min_ratio=0
-doc_tail_spread=false`` is the detector before the tiers (``BEFORE_TIERS``).
+doc_tail_spread=false grad_novelty=0`` is the detector before the tiers (``BEFORE_TIERS``).
 ``--compare-tiers DUMP ...`` replays any recorded runs (clean, zoo, detection) before
 and with the tiers and prints one JSON line per run.
 

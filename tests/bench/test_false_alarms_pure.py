@@ -218,7 +218,8 @@ def test_warm_base_start_flags_and_hash(tmp_path):
 
 def test_parse_rules(fa):
     assert fa.parse_rules(["doc_outlier_floor=1.0", "min_docs=4"]) == {"doc_outlier_floor": 1.0, "min_docs": 4}
-    assert fa.parse_rules(["notes=", "separation_gate=0", "zscore_min_ratio=0", "doc_tail_spread=false"]) \
+    assert fa.parse_rules(["notes=", "separation_gate=0", "zscore_min_ratio=0", "doc_tail_spread=false",
+                           "grad_novelty=0"]) \
         == fa.BEFORE_TIERS
     assert fa.parse_rules([]) == {}
     with pytest.raises(SystemExit):
