@@ -155,11 +155,10 @@ class LogZStats:
             self._acc = torch.cat([self._acc[:2] + part[:2], torch.maximum(self._acc[2:3], part[2:3]),
                                    self._acc[3:] + part[3:]])
 
-    def take(self, device: torch.device) -> torch.Tensor:
-        """The step's vector (zeros and -inf when no loss ran here), then reset."""
-        out = self._acc if self._acc is not None else torch.tensor([0.0, 0.0, -math.inf, 0.0],
-                                                                    dtype=torch.float64, device=device)
-        self._acc = None
+    def take(self) -> torch.Tensor | None:
+        """The step's vector, or None when no loss ran here (PP's non-last stages: the
+        recorder's defaults stand, with no tensor built from host floats), then reset."""
+        out, self._acc = self._acc, None
         return out
 
     def rewind_step(self) -> None:

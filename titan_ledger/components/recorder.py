@@ -149,8 +149,8 @@ class SignalRecorder:
         loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
         loc[_LOGZ + 2] = float("-inf")
         if self.logz is not None:
-            z = self.logz.take(dev)  # every call of this step, also on ranks that own no loss
-            if topo.owns_loss:
+            z = self.logz.take()  # every call of this step, also on ranks that own no loss
+            if z is not None and topo.owns_loss:
                 loc[_LOGZ:_LOGZ + 4] = z
         if self.per_layer:
             loc[_FIXED:_FIXED + self._n_layers] = sums["grad_sq"].double()
