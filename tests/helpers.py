@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train_configs"
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(warm: bool = True, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         TITAN_LEDGER_DEVICE="cpu",
@@ -25,16 +26,52 @@ def child_env(**extra: str) -> dict[str, str]:
     # the venv's torchrun/python first, as for a user who activated it
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(extra)
+    if warm and _warm_socket():  # the tools' own launches (drill, rerun) go warm too
+        env[TORCHRUN_ENV] = shlex.join(_warm_client())
     return env
 
 
+# ---- the warm launcher (tests/warm_launch.py): one server per test session
+_WARM: dict = {}
+
+
+def _warm_socket() -> str | None:
+    """The warm launcher's socket, its server started on first use (TITAN_LEDGER_TESTS_COLD=1:
+    none, every launch cold)."""
+    if os.environ.get("TITAN_LEDGER_TESTS_COLD") == "1":
+        return None
+    if "path" not in _WARM:
+        import atexit
+        import tempfile
+        import time
+
+        folder = tempfile.mkdtemp(prefix="titan_ledger_warm_")
+        path = os.path.join(folder, "sock")
+        log = open(os.path.join(folder, "server.log"), "wb")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_launch.py"), "serve", path], cwd=ROOT,
+                                env=child_env(warm=False), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(proc.kill)
+        t0 = time.monotonic()
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() - t0 > 120:
+                raise RuntimeError(f"the warm launcher did not start: {folder}/server.log")
+            time.sleep(0.05)
+        _WARM.update(path=path, proc=proc)
+    return _WARM["path"]
+
+
+def _warm_client() -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "warm_launch.py"), "client", _WARM["path"]]
+
+
+from titan_ledger.tools.runs import TORCHRUN_ENV, kill9_tree  # noqa: E402,F401  (kill9_tree: re-exported for the tests)
 from titan_ledger.tools.runs import _free_port as free_port  # noqa: E402
-from titan_ledger.tools.runs import kill9_tree  # noqa: E402,F401  (re-exported for the tests)
 
 
-def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
+def _torchrun_cmd(args: list[str], nproc: int, warm: bool = False) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *(_warm_client() if warm and _warm_socket() else [sys.executable, "-m", "torch.distributed.run"]),
         "--nproc_per_node", str(nproc),
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
         "-m", "titan_ledger.train", *args,
@@ -43,7 +80,7 @@ def _torchrun_cmd(args: list[str], nproc: int) -> list[str]:
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N -m titan_ledger.train ARGS`` on localhost."""
-    return subprocess.run(_torchrun_cmd(args, nproc), cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
+    return subprocess.run(_torchrun_cmd(args, nproc, warm=True), cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -4,11 +4,16 @@
 Design decision: ``replay`` (resume, inject, drill) and ``rerun`` both launch
 training; the launch lives here, below both, so neither tool imports the other for
 it (no import cycles among the tools, enforced by import-linter).
+
+``TITAN_LEDGER_TORCHRUN`` (a command line, split as a shell would) replaces
+``python -m torch.distributed.run`` in these launches: a site's wrapper, or the test
+suite's warm launcher (``tests/warm_launch.py``), which takes torchrun's arguments.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -30,8 +35,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TORCHRUN_ENV = "TITAN_LEDGER_TORCHRUN"
+
+
+def torchrun_prefix() -> list[str]:
+    """The command a launch starts with: ``$TITAN_LEDGER_TORCHRUN`` or this Python's torchrun."""
+    given = os.environ.get(TORCHRUN_ENV, "").strip()
+    return shlex.split(given) if given else [sys.executable, "-m", "torch.distributed.run"]
+
+
 def train_cmd(nproc: int, dump: Path, train_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    return [*torchrun_prefix(), "--nproc_per_node", str(nproc),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
             "-m", "titan_ledger.train", *train_args, "--job.dump_folder", str(dump)]
 
