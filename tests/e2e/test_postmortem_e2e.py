@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 # the reported run: step 10's batch on DP rank 1 replaced by a repeated token, flagged,
 # rolled back to step-8 (checkpoints every 4), steps 9-10 skipped
 FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "14",
+         "--training.local_batch_size", "2", "--training.seq_len", "128",  # a quarter of the TOML's rows
          "--ledger.spike.window", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--ledger.rehearsal.inject", "10:1:repeat", "--ledger.on_spike.action", "rollback",
          "--ledger.on_spike.rollback_back", "1", "--ledger.on_spike.rollback_skip", "2"]

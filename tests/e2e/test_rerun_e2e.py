@@ -24,6 +24,7 @@ from titan_ledger.tools import diagnose, replay
 pytestmark = pytest.mark.slow
 
 FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
+         "--training.local_batch_size", "2", "--training.seq_len", "128",  # a quarter of the TOML's rows
          "--ledger.spike.window", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--ledger.rehearsal.inject", "8:1:repeat,11:0:bitflip"]
 TIMES: dict[str, float] = {}
@@ -140,7 +141,7 @@ def test_a_quiet_step_gets_no_cause(base, same_to_11):
 def test_rerun_refuses_other_flags_before_training(base, same_to_11):
     for flag, key in (("--training.seq_len", "seq_len"), ("--training.local_batch_size", "global_batch")):
         rc, out, err = cli(replay.main, ["rerun", "--dump-folder", base, "--step", "8", "--", *FLAGS,
-                                         flag, "128" if key == "seq_len" else "2"])
+                                         flag, "256" if key == "seq_len" else "4"])  # the TOML's, not the run's
         assert rc == 2 and key in err and len(err.strip().splitlines()) == 1, err
     rc, out, err = cli(replay.main, ["rerun", "--dump-folder", base, "--step", "3", "--", *FLAGS])
     assert rc == 2 and "no complete checkpoint at or before step 2" in err

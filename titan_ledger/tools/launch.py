@@ -11,6 +11,8 @@ fingerprint), prints ``titan_ledger.launch: error: ...`` and
 exits 2 on bad input, and otherwise ``exec``s torchrun with the same arguments
 (``-m titan_ledger.train``). The ranks parse again (cheap) -- the check is a gate,
 not a second source of truth. ``launch/run.sh`` and ``launch/multinode.sh`` use it.
+``$TITAN_LEDGER_TORCHRUN`` replaces ``python -m torch.distributed.run`` (as in every
+launch of the tools: ``titan_ledger/tools/runs.py``).
 
 Examples::
 
@@ -27,6 +29,7 @@ import shlex
 import sys
 
 from titan_ledger.errors import EXIT_BAD_INPUT, ConfigError, TitanLedgerError, fail_line
+from titan_ledger.tools.runs import torchrun_prefix
 
 PROG = "titan_ledger.launch"
 
@@ -131,7 +134,7 @@ def torchrun_argv(nproc: int, torchrun_opts: list[str], train_args: list[str]) -
     if not any(o.partition("=")[0] in ("--standalone", "--rdzv_endpoint", "--rdzv-endpoint",
                                         "--master_addr", "--master-addr") for o in opts):
         opts = ["--standalone", *opts]  # one node, a free port
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *opts,
+    return [*torchrun_prefix(), "--nproc_per_node", str(nproc), *opts,  # $TITAN_LEDGER_TORCHRUN or torchrun
             "-m", "titan_ledger.train", *train_args]
 
 
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; no torchrun banner
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
+    os.execvp(cmd[0], cmd)
     return 0  # not reached
 
 
