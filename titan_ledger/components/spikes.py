@@ -44,8 +44,8 @@ Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a 
 an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
 in spikes.jsonl (``notes``) and on the dashboards, nothing else. Which rules may act
 is measured, not assumed: ``bench/false_alarms.py`` counts every rule on clean runs
-(docs/benchmarks.md, "False alarms": 585 acting flags on 15,200 clean steps before the
-tiers; 11 with the tiers but no ``grad_novelty``, all grad-norm rules; 0 with it). By
+(docs/benchmarks.md, "False alarms", 21,000 recorded clean steps: 796 acting flags before
+the tiers; 18 with the tiers but no ``grad_novelty``, all grad-norm rules; 1 with it). By
 default the document rules are notes (``notes``: a corpus whose documents are learned
 at different times makes clean outliers), and rank separation acts only when it is
 decisive for *this run*: past ``separation`` and past its own history's upper tail,
