@@ -325,3 +325,23 @@ def unsharded_model(args: list[str]):
     with torch.no_grad():
         model.init_weights()
     return config, model
+
+
+def first_batches(config, dp: int) -> list[tuple]:
+    """Each DP rank's step-1 rows ``(input, labels, positions)``, rebuilt with the run's
+    own dataloader config (the unsharded references' input)."""
+    import torch
+
+    tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+    pp = config.parallelism.pipeline_parallel_degree > 1
+    batch = config.parallelism.pipeline_parallel_microbatch_size if pp else config.training.local_batch_size
+    n_batches = config.training.local_batch_size // batch
+    rows = []
+    for r in range(dp):
+        loader = config.dataloader.build(dp_world_size=dp, dp_rank=r, tokenizer=tokenizer,
+                                         seq_len=config.training.seq_len, local_batch_size=batch)
+        it = iter(loader)
+        got = [next(it) for _ in range(n_batches)]
+        rows.append((torch.cat([g[0]["input"] for g in got]), torch.cat([g[1] for g in got]),
+                     torch.cat([g[0]["positions"] for g in got])))
+    return rows

@@ -40,6 +40,7 @@ from titan_ledger.components.doc_loss import DocLossTracker, LogZStats, find_doc
 from titan_ledger.components.ledger import Ledger  # noqa: E402
 from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
 from titan_ledger.components.prevention import ModelOptions, apply_qk_norm  # noqa: E402
+from titan_ledger.components.qk_clip import QKClipConfig  # noqa: E402
 from titan_ledger.data.filters import mask_repetitive  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
@@ -60,6 +61,10 @@ class LedgerTrainer(Trainer):
         model: ModelOptions = field(default_factory=ModelOptions)
         """Model switches applied to the config function's model before it is built
         (``qk_norm``)."""
+
+        qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
+        """QK-clip (MuonClip, Megatron ``qk_clip``): after each update, scale the Q and K
+        rows of the heads whose max attention logit passed a threshold."""
 
     config: Config
     ledger: Ledger
@@ -314,6 +319,7 @@ class LedgerTrainer(Trainer):
             self.checkpointer.maybe_wait_for_staging()
             if not self._update_rejected:  # CHANGED: the update guard (on_spike)
                 self.optimizers.step()
+            self.ledger.after_update(applied=not self._update_rejected)  # CHANGED: QK-clip
             self.lr_schedulers.step()
 
         if not should_log:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import PARALLELISMS
-from helpers import data_rows, rank_losses, signal_keys, signals_ledger, unsharded_model
+from helpers import data_rows, first_batches, rank_losses, signal_keys, signals_ledger, unsharded_model
 
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
 from titan_ledger.components.signals import layer_group
@@ -35,18 +35,7 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
     for m in attn:
         m.record_max_logit = True
 
-    tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
-    pp = config.parallelism.pipeline_parallel_degree > 1
-    batch = config.parallelism.pipeline_parallel_microbatch_size if pp else config.training.local_batch_size
-    n_batches = config.training.local_batch_size // batch
-    rows = []  # per DP rank: (input, labels, positions)
-    for r in range(dp):
-        loader = config.dataloader.build(dp_world_size=dp, dp_rank=r, tokenizer=tokenizer,
-                                         seq_len=config.training.seq_len, local_batch_size=batch)
-        it = iter(loader)
-        got = [next(it) for _ in range(n_batches)]
-        rows.append((torch.cat([g[0]["input"] for g in got]), torch.cat([g[1] for g in got]),
-                     torch.cat([g[0]["positions"] for g in got])))
+    rows = first_batches(config, dp)  # per DP rank: (input, labels, positions)
     inputs = torch.cat([r[0] for r in rows])
     labels = torch.cat([r[1] for r in rows])
     positions = torch.cat([r[2] for r in rows])

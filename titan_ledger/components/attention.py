@@ -58,13 +58,17 @@ class MaxLogitRecorder:
     #: ``X * tanh(s / X)``) before the softmax; the recorded max is the capped one
     #: (what the softmax saw, as Flex's ``max_scores`` after a ``score_mod``)
     softcap: float | None = None
+    #: QK-clip (``[qk_clip] enable``): keep one max per head (this rank's heads) instead of
+    #: one scalar; the ledger places them at their (layer, head) slots
+    per_head: bool = False
 
     def _record(self, value: torch.Tensor) -> None:
         value = value.detach().float()
         self.max_logit = value if self.max_logit is None else torch.maximum(self.max_logit, value)
 
     def take_max_logit(self, device: torch.device) -> torch.Tensor:
-        """The max since the last call (``-inf`` if none), and reset."""
+        """The max since the last call (``-inf`` if none), and reset: a scalar, or this
+        rank's ``[heads]`` maxima when ``per_head``."""
         v = self.max_logit
         self.max_logit = None
         return v if v is not None else torch.full((), float("-inf"), device=device)
@@ -113,7 +117,8 @@ class CpuAttention(MaxLogitRecorder, Module):
             )
         if self.record_max_logit and self.training:  # validation (eval mode) is not a train signal
             with record_function("titan_ledger.max_logit"):
-                m = _max_scaled_score(q, k, attention_masks, scale)
+                m = (_max_scaled_score_per_head if self.per_head else _max_scaled_score)(
+                    q, k, attention_masks, scale)
                 self._record(m if self.softcap is None else self.softcap * torch.tanh(m / self.softcap))
         return out.transpose(1, 2)
 
@@ -145,6 +150,17 @@ def _max_scaled_score(q, k, mask, scale) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pair_max = torch.matmul(q.float(), k.float().transpose(-1, -2)).amax(dim=1)
     return pair_max.masked_fill_(~mask[:, 0], float("-inf")).amax() * scale
+
+
+@torch.no_grad()
+def _max_scaled_score_per_head(q, k, mask, scale) -> torch.Tensor:
+    """``[N]``: per head, the max over unmasked (b, i, j) of q_i . k_j * scale (QK-clip's
+    input; it materialises the [B, N, L, L] scores, as the CPU attention does anyway)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2))
+    return s.masked_fill_(~mask, float("-inf")).amax(dim=(0, 2, 3)) * scale
 
 
 class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
@@ -190,7 +206,8 @@ class LedgerFlexAttention(MaxLogitRecorder, FlexAttention):
             )
         if self.record_max_logit and self.training:  # CHANGED from torchtitan
             with record_function("titan_ledger.max_logit"):
-                self._record(aux.max_scores.amax())
+                ms = aux.max_scores  # [B, N, L]
+                self._record(ms.amax(dim=(0, 2)) if self.per_head else ms.amax())
         out_BLNH = out_BNLH.transpose(1, 2)
         if out_transform is None:
             return out_BLNH

@@ -294,6 +294,7 @@ class Ledger(Configurable):
         self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
         self.logz = None  # a LogZStats (set by the trainer when the loss is titan_ledger's)
+        self.qk_clip = None  # a QKClip when [qk_clip] enable (built in setup)
         self.quarantine = Quarantine(config.filter.quarantine)
         self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
 
@@ -377,6 +378,9 @@ class Ledger(Configurable):
                                          skip_lr=cfg.skip.lr,
                                          tokenizer=str(Path(trainer.config.hf_assets_path).resolve()))
         if not self.enabled:
+            if getattr(getattr(trainer.config, "qk_clip", None), "enable", False):
+                raise ConfigError("--qk_clip.enable reads the ledger's per-head max logits: it needs "
+                                  "--ledger.signals (drop --ledger.no_signals)")
             return
         named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
         groups = None
@@ -393,6 +397,19 @@ class Ledger(Configurable):
         attn = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
         for m in attn:
             m.record_max_logit = cfg.max_logit
+        qk_cfg = getattr(trainer.config, "qk_clip", None)
+        if qk_cfg is not None and qk_cfg.enable:
+            if not cfg.max_logit:
+                raise ConfigError("--qk_clip.enable reads the ledger's max attention logits: drop "
+                                  "--ledger.no_max_logit (or --qk_clip.enable)")
+            from torchtitan.models.common.attention import GQAttention
+
+            from titan_ledger.components.qk_clip import QKClip
+
+            pd = trainer.parallel_dims
+            self.qk_clip = QKClip(qk_cfg, trainer.model_parts,
+                                  n_layers=sum(1 for _ in trainer.config.model_spec.model.traverse(GQAttention.Config)),
+                                  tp_rank=topo.tp_rank, tp_size=pd.tp if pd.tp_enabled else 1)
         if trainer.parallel_dims.pp_enabled:
             forget_pp_metadata_inference(trainer.pp_schedule, attn,
                                          also=[x.rewind_step for x in (self.doc_loss, self.logz) if x])
@@ -400,7 +417,7 @@ class Ledger(Configurable):
             topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
             max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
             global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
-            doc_loss=self.doc_loss, logz=self.logz)
+            doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip)
         if cfg.spike.enable:
             self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
         self._apply_state()
@@ -462,6 +479,15 @@ class Ledger(Configurable):
         with record_function("titan_ledger.signals"):
             self.recorder.queue(step=step, reduced=reduced, extra=stats, lr=lr, step_start=step_start,
                                 data_loading_s=data_loading_s, tags=tags, injected=injected, masked=masked)
+
+    def after_update(self, applied: bool) -> None:
+        """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
+        logits put over the threshold (not when the guard rejected the update)."""
+        if self.qk_clip is not None:
+            if applied:
+                with record_function("titan_ledger.qk_clip"):
+                    self.qk_clip.apply()
+            self.qk_clip.head_max = None
 
     def spike_flag_now(self) -> bool:
         return self.guard.flag_now() if self.guard is not None else False

@@ -75,7 +75,7 @@ class _Pending:
 class SignalRecorder:
     def __init__(self, topo: Topology, *, device: torch.device, plan: ParamPlan, attn: list,
                  per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int,
-                 doc_loss=None, logz=None):
+                 doc_loss=None, logz=None, qk_clip=None):
         self.topo = topo
         self.device = device
         self.plan = plan
@@ -99,6 +99,7 @@ class SignalRecorder:
         self.doc_loss = doc_loss  # a DocLossTracker, when per-document losses are on
         self.logz = logz  # a LogZStats, when the loss is titan_ledger's
         self._n_layers = len(plan.groups) if per_layer else 0
+        self.qk_clip = qk_clip  # a QKClip: per-head maxima ride along in the all-gather
 
     # ------------------------------------------------------------------ files
     def open(self, folder: Path, header: records.Header) -> None:
@@ -131,14 +132,18 @@ class SignalRecorder:
 
         Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
         param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens, masked_tokens,
-        sum log Z^2, sum log Z, max log Z, log Z tokens, grad_sq per layer..., this DP
-        rank's per-document summary...]``.
+        sum log Z^2, sum log Z, max log Z, log Z tokens, QK-clip heads, QK-clip min eta,
+        grad_sq per layer..., this DP rank's per-document summary...]``. With QK-clip the
+        local vector also carries this rank's per-head max logits (``QKClip.place``).
         """
         topo, dev = self.topo, self.device
         sums = local_sums(self.plan, self.per_layer, dev)
-        logits = [m.take_max_logit(dev) for m in self.attn]
+        taken = [(m, m.take_max_logit(dev)) for m in self.attn]
+        logits = [v.amax() for _, v in taken]
         n_doc = self.doc_loss.size if self.doc_loss is not None else 0
-        loc = torch.zeros(_FIXED + self._n_layers + n_doc, dtype=torch.float64, device=dev)
+        doc0 = _FIXED + self._n_layers  # this rank's per-document summary, then QK-clip's heads
+        qk0 = doc0 + n_doc
+        loc = torch.zeros(qk0 + (self.qk_clip.size if self.qk_clip else 0), dtype=torch.float64, device=dev)
         if topo.owns_loss and local_loss_sum is not None:
             loc[_LOSS] = local_loss_sum.detach().double()
         if topo.owns_tokens:
@@ -156,7 +161,9 @@ class SignalRecorder:
             loc[_FIXED:_FIXED + self._n_layers] = sums["grad_sq"].double()
         if n_doc:
             with record_function("titan_ledger.doc_loss"):
-                loc[_FIXED + self._n_layers:] = self.doc_loss.summary(dev)
+                loc[doc0:qk0] = self.doc_loss.summary(dev)
+        if self.qk_clip is not None:
+            self.qk_clip.place(loc[qk0:], taken)
         if topo.world > 1:
             table = torch.empty(topo.world * loc.numel(), dtype=torch.float64, device=dev)
             dist.all_gather_single(table, loc)  # the step's one collective (all_gather_into_tensor)
@@ -169,6 +176,8 @@ class SignalRecorder:
         self._consumed_tokens = self._consumed_tokens + tok_by_dp.sum()
         gn = grad_norm.detach().double().reshape(1)
         coef = clip_coef(gn, self.max_norm)
+        qk = (self.qk_clip.reduce(table[:, qk0:]) if self.qk_clip is not None
+              else torch.full((2,), float("nan"), dtype=torch.float64, device=dev))
         # the gradients were read after the clip: per-layer sums of squares are
         # scaled back to their pre-clip values (the global norm is the clip's own)
         reduced = torch.cat([
@@ -176,13 +185,13 @@ class SignalRecorder:
             table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
             self._consumed_tokens.reshape(1), table[:, _MASKED].sum().reshape(1),
             table[:, _LOGZ:_LOGZ + 2].sum(0), table[:, _LOGZ + 2].amax().reshape(1),
-            table[:, _LOGZ + 3].sum().reshape(1),
+            table[:, _LOGZ + 3].sum().reshape(1), qk,
             table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
             # the per-document summary of this rank's DP group, from the rank that owns its loss
-            table[topo.loss_rank_of_dp[topo.dp_rank], _FIXED + self._n_layers:]])
+            table[topo.loss_rank_of_dp[topo.dp_rank], doc0:qk0]])
         doc = None
         if n_doc:
-            d = table.index_select(0, self._loss_rows)[:, _FIXED + self._n_layers:]
+            d = table.index_select(0, self._loss_rows)[:, doc0:qk0]
             h, k = self.doc_loss.HEAD, self.doc_loss.k
             doc = torch.stack([d[:, 2], d[:, h + 1] / d[:, h + 2],
                                d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1]], dim=1)
@@ -238,7 +247,8 @@ class SignalRecorder:
         dp = self.topo.dp_size
         v = p.host.tolist()
         loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
-        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok = v[2 * dp:2 * dp + 11]
+        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok, qk_heads, qk_eta = \
+            v[2 * dp:2 * dp + 13]
         tokens = sum(tok_by_dp)
         loss = sum(loss_by_dp) / tokens if tokens else float("nan")
         local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
@@ -260,6 +270,9 @@ class SignalRecorder:
             "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
             "logz_mean": zsum / ztok if ztok else None,
             "logz_max": zmax if ztok else None,
+            # QK-clip (None when off): query heads whose rows this step's clip scales, smallest eta
+            "qk_clip_heads": int(qk_heads) if self.qk_clip is not None else None,
+            "qk_clip_eta_min": qk_eta if self.qk_clip is not None else None,
             "lr": p.lr,
             "skipped": False,
             "skipped_samples": self.skipped_samples,
@@ -269,7 +282,7 @@ class SignalRecorder:
             "step_time_s": p.step_time_s,
             "data_loading_s": p.data_loading_s,
         }
-        rest = v[2 * dp + 11:]
+        rest = v[2 * dp + 13:]
         if self.per_layer:
             row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, rest)}
         if self._rank_writer is not None:

@@ -126,6 +126,8 @@ SIGNAL_KEYS = (
     "z_loss",
     "logz_mean",
     "logz_max",
+    "qk_clip_heads",
+    "qk_clip_eta_min",
     "lr",
     "skipped",
     "skipped_samples",
@@ -156,6 +158,8 @@ class SignalRow(TypedDict, total=False):
     z_loss: float | None  # mean over valid label tokens of log Z^2 (unweighted; None: not measured)
     logz_mean: float | None  # mean log Z = logsumexp(logits) over valid label tokens
     logz_max: float | None  # its max (the output-logit drift signal)
+    qk_clip_heads: int | None  # [qk_clip]: query heads whose Q/K rows this step's clip scaled
+    qk_clip_eta_min: float | None  # [qk_clip]: the smallest factor eta (1: nothing clipped)
     lr: float
     skipped: bool
     skipped_samples: int

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=int, default=1, help="steps after T to train too (default 1)")
     p.add_argument("--variant", action="append", default=None,
                    help="same | skip | quarantine[=SOURCE:DOC,...] | swap | lr=X | eps=X | clip=X | fp32 | "
-                        "beta2=X | logit_cap=X | zloss=X (repeatable; default same)")
+                        "beta2=X | logit_cap=X | qk_clip=X | zloss=X (repeatable; default same)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes per rerun (default: the world size the ledger records)")
     p.add_argument("--fresh", action="store_true",

@@ -32,6 +32,9 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
   logit_cap=X every attention score soft-capped at X (``X * tanh(s / X)``, Gemma 2's
               softcap) over the window (``--ledger.rehearsal.rerun logit_cap=X``): does the
               spike need the attention logits to reach their level?
+  qk_clip=X   QK-clip at threshold X from the load on (``--qk_clip.enable
+              --qk_clip.threshold X``): the Q/K rows of heads whose max logit passed X
+              scaled back after each update -- the prevention the run can keep
   zloss=X     the z-loss at weight X over the window (``--loss.z_loss_weight X``; PaLM's
               1e-4): does the spike need the output logits' log Z to drift? (cause
               ``output_drift``; never in the escalation: ask for it)
@@ -70,7 +73,7 @@ hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
 the cause: ``quarantine`` -> bad_data (proven), ``skip`` -> bad_data (certainty
 ``evidence`` only: "something in this step's data"), ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
--> optimizer_state, ``logit_cap`` -> logit_growth, ``clip`` -> clip, ``zloss`` -> output_drift. None removes it ->
+-> optimizer_state, ``logit_cap`` / ``qk_clip`` -> logit_growth, ``clip`` -> clip, ``zloss`` -> output_drift. None removes it ->
 ``unproven``. A step T that is no spike in the original (not flagged, and neither the
 grad nor the loss test holds for its own numbers) -> ``unproven`` with ``not_a_spike``:
 a counterfactual cannot remove what is not there (``skip`` would look like a cure).

@@ -64,8 +64,10 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
             note = "the run trains in float32 already (--training.mixed_precision_param float32)"
         elif v.kind == "beta2":
             note = f"the run's Adam beta2 is already <= {v.value:g}"
-        elif v.kind == "logit_cap":
+        elif v.kind in ("logit_cap", "qk_clip") and not v.value:
             note = "the max logit at the spike is below the danger level (100): no growth to cap"
+        elif v.kind == "qk_clip":
+            note = "the run has QK-norm (the clip would change nothing) or clips already (--qk_clip.enable)"
         else:
             note = "not applicable to this run"
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)

@@ -17,7 +17,8 @@ PRE = 50  # trained steps before T that describe "normal"
 #: bad data is PROVEN only by ``quarantine`` (only the named documents masked, the rest
 #: of the batch trained); ``skip`` (the whole step) shows "something in this step"
 CAUSE_OF = {"quarantine": "bad_data", "skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
-            "eps": "optimizer_state", "logit_cap": "logit_growth", "clip": "clip", "zloss": "output_drift"}
+            "eps": "optimizer_state", "logit_cap": "logit_growth", "qk_clip": "logit_growth", "clip": "clip",
+            "zloss": "output_drift"}
 CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
@@ -38,7 +39,7 @@ class RerunError(TitanLedgerError):
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | zloss | fp32
+    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | qk_clip | zloss | fp32
     value: float | None = None
     #: skip: the steps to skip (empty: the spike step alone)
     steps: tuple[int, ...] = ()
@@ -65,7 +66,7 @@ class Variant:
 
 
 #: kinds whose value ``diagnose --rerun`` may take from the ledger (:func:`ledger_values`)
-_VALUE_FROM_LEDGER = ("lr", "logit_cap", "beta2")
+_VALUE_FROM_LEDGER = ("lr", "logit_cap", "qk_clip", "beta2")
 
 
 def parse_variant(spec: str, allow_open: bool = False) -> Variant:
@@ -98,7 +99,7 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
             return Variant("skip", steps=tuple(s for a, b in windows for s in range(a, b + 1)))
     if allow_open and kind in _VALUE_FROM_LEDGER and not eq:
         return Variant(kind)
-    if kind in ("lr", "eps", "clip", "logit_cap", "beta2", "zloss") and eq:
+    if kind in ("lr", "eps", "clip", "logit_cap", "qk_clip", "beta2", "zloss") and eq:
         try:
             v = float(val)
         except ValueError:
@@ -106,7 +107,7 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
         if math.isfinite(v) and v > 0 and not (kind == "beta2" and v >= 1):
             return Variant(kind, v)
     raise RerunError(f"--variant {spec!r}: one of same, skip, skip=A-B, quarantine, quarantine=SOURCE:DOC[,...], "
-                     f"swap, lr=X, eps=X, beta2=X (< 1), clip=X, logit_cap=X, zloss=X, fp32 (X > 0)")
+                     f"swap, lr=X, eps=X, beta2=X (< 1), clip=X, logit_cap=X, qk_clip=X, zloss=X, fp32 (X > 0)")
 
 
 def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Variant:
@@ -119,6 +120,8 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
     ``logit_cap``: half the max attention logit at the spike, only when that logit is
     >= diagnose's danger level (100); below it there is no growth to cap and a cap
     at half an ordinary logit would remove almost any spike (value 0: not applicable).
+    ``qk_clip``: the same threshold, for QK-clip from the checkpoint on (the logits the
+    run's weights grew, held at half the spike's).
     ``beta2``: 0.95 for a run above it, else the run's (1 - beta2) doubled (0.9 for
     torchtitan's default 0.95): v following the gradients twice as fast."""
     if v.value is not None or v.kind not in _VALUE_FROM_LEDGER:
@@ -138,8 +141,8 @@ def ledger_values(v: Variant, rows: list[dict], step: int, config=None) -> Varia
 
     ml = _num(at.get("max_logit"))
     if ml is None or not math.isfinite(ml) or ml < Thresholds().logit_level:
-        return Variant("logit_cap", 0.0)  # no logit growth to cap: not applicable (variant_args)
-    return Variant("logit_cap", float(f"{0.5 * ml:.3g}"))
+        return Variant(v.kind, 0.0)  # no logit growth to cap: not applicable (variant_args)
+    return Variant(v.kind, float(f"{0.5 * ml:.3g}"))
 
 
 def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str], dict[str, float]] | None:
@@ -167,6 +170,11 @@ def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str],
         if not v.value:
             return None  # ledger_values: the max logit at T is below the danger level
         return [], {"logit_cap": v.value}
+    if v.kind == "qk_clip":
+        if not v.value or config.model.qk_norm or config.qk_clip.enable:
+            return None  # no logit growth; QK-norm runs (the clip would change nothing); already clipping
+        # QK-clip has no weights and no state: the checkpoint loads
+        return ["--qk_clip.enable", "--qk_clip.threshold", f"{v.value:g}"], {}
     if v.kind == "beta2":
         if v.value >= 1 or v.value >= _beta2_of(config):
             return None  # the run's beta2 is already this low: nothing to change
