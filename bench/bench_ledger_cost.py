@@ -43,7 +43,7 @@ half-width is the smallest cost the instrument resolves at that number of repeat
 ``git archive`` copy) instead of a working tree others may be editing; ``--variants``
 adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
 ``ledger_no_doc_loss`` and the prevention features ``ledger_zloss`` (``--loss.z_loss_weight
-1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
+1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
 """
@@ -80,6 +80,7 @@ VARIANTS = {
     # prevention (design article §3): what each feature costs on top of the ledger
     "ledger_zloss": ["--module", "titan_ledger", "--config", "debug_cpu", "--loss.z_loss_weight", "1e-4"],
     "ledger_qk_norm": ["--module", "titan_ledger", "--config", "debug_cpu", "--model.qk_norm"],
+    "ledger_qk_clip": ["--module", "titan_ledger", "--config", "debug_cpu", "--qk_clip.enable"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],

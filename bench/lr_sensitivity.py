@@ -3,7 +3,7 @@ training instabilities"): how much final loss a prevention feature saves across 
 of learning rates.
 
     python bench/lr_sensitivity.py [--corpus copy hetero] [--lr 1e-3 3e-3 1e-2 3e-2 1e-1]
-        [--variant baseline qk_norm z_loss qk_norm+z_loss] [--steps 200] [--folder DIR] [--json]
+        [--variant baseline qk_norm z_loss qk_norm+z_loss qk_clip] [--steps 200] [--folder DIR] [--json]
 
 Definition (their §3.1): for a grid of LRs, LR sensitivity =
 mean over the grid of ``min(final loss(lr), loss at init) - min over the grid of final loss``:
@@ -18,7 +18,8 @@ model, 2 x 128 tokens a step, ``--debug.seed 0``, the indexed bench corpus from
 ``bench/corpora.py``, warm-up 10% of the steps, torchtitan's schedule otherwise),
 recorded under ``--folder`` and reused when complete (``--fresh`` retrains). Variants:
 ``baseline``; ``qk_norm`` (``--model.qk_norm``); ``z_loss`` (``--loss.z_loss_weight
-1e-4``); ``qk_norm+z_loss``. QK-clip is not built yet, so it is not offered. The table
+1e-4``); ``qk_norm+z_loss``; ``qk_clip`` (``--qk_clip.enable --qk_clip.threshold 100``,
+Kimi K2's and Megatron's threshold). The table
 per variant: final loss at each LR, the largest max attention logit and log Z seen
 (``max_logit``, ``logz_max``), and the sensitivity.
 """
@@ -49,6 +50,7 @@ VARIANTS = {
     "qk_norm": ["--model.qk_norm"],
     "z_loss": ["--loss.z_loss_weight", "1e-4"],
     "qk_norm+z_loss": ["--model.qk_norm", "--loss.z_loss_weight", "1e-4"],
+    "qk_clip": ["--qk_clip.enable", "--qk_clip.threshold", "100"],
 }
 
 

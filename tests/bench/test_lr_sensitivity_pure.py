@@ -37,3 +37,5 @@ def test_each_variant_trains_with_its_flags_and_the_lr():
     assert cmd[cmd.index("--loss.z_loss_weight") + 1] == "1e-4"
     assert cmd[cmd.index("--lr_scheduler.warmup_steps") + 1] == "20"
     assert "--model.qk_norm" not in lrs.train_cmd(lrs.ROOT / "c", lrs.ROOT / "d", "baseline", 1e-3, 200)
+    clip = lrs.train_cmd(lrs.ROOT / "c", lrs.ROOT / "d", "qk_clip", 1e-1, 200)
+    assert "--qk_clip.enable" in clip and clip[clip.index("--qk_clip.threshold") + 1] == "100"

@@ -187,7 +187,7 @@ def test_plan_for_heuristic_causes():
     assert rr.PLAN_FOR["lr"] == ["same", "lr"]  # the scale comes from the ledger
     assert rr.PLAN_FOR["optimizer_state"] == ["same", "beta2", "eps=1e-6"]  # beta2 from the run
     assert rr.PLAN_FOR["bf16"] == ["same", "fp32"]
-    assert rr.PLAN_FOR["logit_growth"] == ["same", "fp32", "logit_cap"]  # fp32 first: bf16 runs
+    assert rr.PLAN_FOR["logit_growth"] == ["same", "fp32", "logit_cap", "qk_clip"]  # fp32 first: bf16 runs
     assert rr.PLAN_FOR["hardware"] == rr.PLAN_FOR["transient"] == ["same"]
     for plan_ in [*rr.PLAN_FOR.values(), rr.ESCALATION]:
         [rr.parse_variant(x, allow_open=True) for x in plan_]

@@ -67,7 +67,7 @@ DUPLICATE_PREFIXES = ("lr/",)
 
 #: W&B summaries (``define_metric(summary=...)``).
 SUMMARIES = {"ledger/grad_norm": "max", "ledger/grad_norm_clipped": "max", "ledger/max_logit": "max",
-             "ledger/logz_max": "max",
+             "ledger/logz_max": "max", "ledger/qk_clip_heads": "max", "ledger/qk_clip_eta_min": "min",
              "ledger/loss_max": "max", "ledger/loss": "min", "spike/count": "max",
              "rollback/count": "max"}
 
@@ -81,6 +81,7 @@ TB_LAYOUT = {
         "grad norm (pre-clip, post-clip, max_norm)": [
             "Multiline", [r"^ledger/grad_norm$", r"^ledger/grad_norm_clipped$", r"^ledger/max_norm$"]],
         "max attention logit": ["Multiline", [r"^ledger/max_logit$"]],
+        "QK-clip (heads scaled, smallest eta)": ["Multiline", [r"^ledger/qk_clip_heads$", r"^ledger/qk_clip_eta_min$"]],
         "output logits: log Z (mean, max)": ["Multiline", [r"^ledger/logz_mean$", r"^ledger/logz_max$"]],
         "param norm": ["Multiline", [r"^ledger/param_norm$"]],
         "spikes and rollbacks": ["Multiline", [r"^spike/flag$", r"^rollback/to_step$"]],

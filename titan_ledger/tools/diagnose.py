@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                          "quarantine (only the named documents masked: proves it), skip over the named "
                          "documents' steps (\"something in this step\"); lr: same, lr undoing the jump; "
                          "optimizer_state: same, beta2=0.95, eps=1e-6; bf16: same, fp32; logit_growth: "
-                         "same, fp32, logit_cap; else same), escalating through the other "
+                         "same, fp32, logit_cap, qk_clip (the fix a run can keep); else same), escalating through the other "
                          "counterfactuals when they leave the spike unexplained; the original run's "
                          "training flags after `--` (default: the launch the ledger records, when it "
                          "records its flags; flags given are checked against it)")

@@ -23,7 +23,7 @@ CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
             "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
-            "logit_growth": ["same", "fp32", "logit_cap"], "divergence": ["same", "quarantine", "skip"],
+            "logit_growth": ["same", "fp32", "logit_cap", "qk_clip"], "divergence": ["same", "quarantine", "skip"],
             "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
 #: after an unproven plan: the other counterfactuals, most specific first ("lr",
 #: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
