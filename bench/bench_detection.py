@@ -1,6 +1,6 @@
 """Does the online detector see one bad DP rank? Detection rate and false flags, measured.
 
-    python bench/bench_detection.py [--quick] [--json FILE]
+    python bench/bench_detection.py [--quick] [--start cold|warm] [--json FILE]
 
 Real runs of the ``debug_cpu`` config (llama3 debugmodel, bundled corpus, 4 rows x
 256 tokens per DP rank, FSDP over gloo ranks): one clean run of ``--clean-steps``
@@ -11,6 +11,11 @@ repeated token (``repeat``) or uniform random tokens (``random``) -- at DP 2 and
 the table also says which rules fired, which DP rank the event named, and whether
 ``diagnose`` (without ``--step``) calls step T ``bad_data``. Flags at other steps of an
 injection run count as false flags too.
+
+``--start warm``: every run (the clean one too) starts from the warm base's weights
+(``bench/warm_base.py``, built first if missing; fresh optimizer, LR schedule and detector
+history), where a random or repeated batch is far from what the model predicts; the
+cold start's model is at the unigram level, where a random batch scores like text.
 
 Takes about 20 minutes on 2 cores (``--quick``: DP 2 only, fewer steps).
 """
@@ -62,9 +67,17 @@ def main(argv=None) -> int:
     ap.add_argument("--clean-steps", type=int, default=300)
     ap.add_argument("--folder", type=Path, help="keep the runs here (default: a temp folder)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--start", choices=("cold", "warm"), default="cold",
+                    help="cold: fresh init; warm: the warm base's weights (bench/warm_base.py)")
     a = ap.parse_args(argv)
     base = a.folder or Path(tempfile.mkdtemp(prefix="bench_detection_"))
     base.mkdir(parents=True, exist_ok=True)
+    start: list[str] = []
+    pre = ""
+    if a.start == "warm":
+        from bench import warm_base
+
+        start, pre = warm_base.start_flags(warm_base.ensure(log=print)), "warm_"
     cases = [(2, step, rank, kind) for step in (12, 30, 80) for kind in ("repeat", "random") for rank in (1,)]
     if not a.quick:
         cases += [(4, step, 2, kind) for step in (30,) for kind in ("repeat", "random")]
@@ -72,18 +85,18 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c[1] != 80]
         a.clean_steps = min(a.clean_steps, 100)
     results = {"clean": None, "injections": []}
-    dump = base / f"clean_dp2_{a.clean_steps}"
+    dump = base / f"{pre}clean_dp2_{a.clean_steps}"
     if not (dump / "ledger" / "signals.jsonl").exists():
-        train(dump, 2, a.clean_steps, [])
+        train(dump, 2, a.clean_steps, start)
     flags = RunLedger(dump).spike_events()
-    results["clean"] = {"dp": 2, "steps": a.clean_steps, "false_flags": len(flags),
+    results["clean"] = {"dp": 2, "steps": a.clean_steps, "start": a.start, "false_flags": len(flags),
                         "flagged": [(e["step"], e["rules"]) for e in flags]}
     print(f"clean DP 2, {a.clean_steps} steps: {len(flags)} false flags {results['clean']['flagged']}",
           flush=True)
     for dp, step, rank, kind in cases:
-        dump = base / f"inj_dp{dp}_{kind}_{step}"
+        dump = base / f"{pre}inj_dp{dp}_{kind}_{step}"
         if not (dump / "ledger" / "signals.jsonl").exists():
-            train(dump, dp, step + 4, ["--ledger.rehearsal.inject", f"{step}:{rank}:{kind}"])
+            train(dump, dp, step + 4, [*start, "--ledger.rehearsal.inject", f"{step}:{rank}:{kind}"])
         ev = RunLedger(dump).spike_events()
         at = [e for e in ev if e["step"] == step]
         verdict = diagnose_verdicts(dump).get(step, {})

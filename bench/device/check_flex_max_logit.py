@@ -5,8 +5,8 @@
 
 CUDA: ``LedgerFlexAttention`` (torchtitan's compiled FlexAttention asking for
 ``AuxRequest(max_scores=True)``) gives the same max logit as an eager dense fp32
-reference, in fp32 and bf16, with the block-causal packed-document mask; and the
-forward+backward time of Flex with and without ``max_scores`` (median of 30).
+reference, in fp32 and bf16, with the block-causal packed-document mask, also per head (QK-clip's input);
+and the forward+backward time of Flex with and without ``max_scores`` (median of 30).
 
 CPU (Flex has no CPU backward and torch 2.14 refuses ``max_scores`` on CPU): the CPU
 rehearsal attention (``CpuAttention``) gives the same output as eager Flex with the
@@ -74,6 +74,7 @@ def run(device: str) -> tuple[dict, bool]:
         CpuAttention,
         LedgerFlexAttention,
         _max_scaled_score,
+        _max_scaled_score_per_head,
         document_causal_mask,
     )
 
@@ -124,6 +125,15 @@ def run(device: str) -> tuple[dict, bool]:
         name = str(dtype).removeprefix("torch.")
         out[f"max_logit_{name}"] = {"flex": got, "eager": ref, "rel_err": rel, "ok": rel <= tol}
         ok &= rel <= tol
+        # QK-clip's input: Flex's max_scores per head (amax over batch and rows)
+        attn.per_head = True
+        attn(q, k, v, attention_masks=bm, enable_gqa=True)
+        heads = attn.take_max_logit(dev).float()
+        attn.per_head = False
+        ref_h = _max_scaled_score_per_head(q.transpose(1, 2), k.transpose(1, 2), dense, None).float()
+        rel_h = ((heads - ref_h).abs() / ref_h.abs()).max().item() if heads.shape == ref_h.shape else float("inf")
+        out[f"max_logit_per_head_{name}"] = {"heads": list(heads.shape), "max_rel_err": rel_h, "ok": rel_h <= tol}
+        ok &= rel_h <= tol
 
         def fwd_bwd(record: bool) -> None:
             attn.record_max_logit = record
