@@ -20,8 +20,9 @@ recorded under ``--folder`` and reused when complete (``--fresh`` retrains). Var
 ``baseline``; ``qk_norm`` (``--model.qk_norm``); ``z_loss`` (``--loss.z_loss_weight
 1e-4``); ``qk_norm+z_loss``; ``qk_clip`` (``--qk_clip.enable --qk_clip.threshold 100``,
 Kimi K2's and Megatron's threshold). The table
-per variant: final loss at each LR, the largest max attention logit and log Z seen
-(``max_logit``, ``logz_max``), and the sensitivity.
+per variant: final loss at each LR, the largest max attention logit, its median over
+the last half of the steps (``late_max_logit``: where the logits sit, not one step's
+excursion) and the largest log Z seen (``logz_max``), and the sensitivity.
 """
 
 from __future__ import annotations
@@ -125,8 +126,11 @@ def summarize(rows: list[dict], steps: int) -> dict:
         losses = losses + [math.inf]
     ml = [_num(r.get("max_logit")) for r in rows]
     lz = [_num(r.get("logz_max")) for r in rows]
+    late = sorted(x for x in ml[len(ml) // 2:] if math.isfinite(x))
     return {"init": losses[0], "final": final_loss(losses), "steps": len(rows),
             "max_logit": max((x for x in ml if math.isfinite(x)), default=math.nan),
+            # where the logits sit, not one step's excursion (QK-clip's hold)
+            "late_max_logit": late[len(late) // 2] if late else math.nan,
             "max_logz": max((x for x in lz if math.isfinite(x)), default=math.nan)}
 
 
@@ -134,13 +138,15 @@ def table(res: dict) -> list[str]:
     lines = []
     for corpus, by_variant in res.items():
         lrs = sorted({lr for v in by_variant.values() for lr in v["runs"]})
-        lines.append(f"{corpus}: final loss at each LR (max logit / max log Z seen); sensitivity")
-        lines.append("  " + "variant".ljust(16) + "".join(f"{lr:>22g}" for lr in lrs) + "   sensitivity")
+        lines.append(f"{corpus}: final loss at each LR (largest max logit / its median over the last half "
+                     f"of the steps / largest log Z); sensitivity")
+        lines.append("  " + "variant".ljust(16) + "".join(f"{lr:>29g}" for lr in lrs) + "   sensitivity")
         for variant, v in by_variant.items():
             cells = []
             for lr in lrs:
                 r = v["runs"][lr]
-                cells.append(f"{r['final']:>7.3f} ({r['max_logit']:>5.1f}/{r['max_logz']:>5.1f})".rjust(22))
+                cells.append(f"{r['final']:>7.3f} ({r['max_logit']:>5.0f}/{r['late_max_logit']:>5.0f}/"
+                             f"{r['max_logz']:>5.1f})".rjust(29))
             lines.append("  " + variant.ljust(16) + "".join(cells) + f"   {v['sensitivity']:.3f}")
     return lines
 
