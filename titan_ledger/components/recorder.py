@@ -100,6 +100,8 @@ class SignalRecorder:
         self.logz = logz  # a LogZStats, when the loss is titan_ledger's
         self._n_layers = len(plan.groups) if per_layer else 0
         self.qk_clip = qk_clip  # a QKClip: per-head maxima ride along in the all-gather
+        # QK-clip off: its two row values are NaN (made once, not a fill kernel every step)
+        self._qk_off = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
 
     # ------------------------------------------------------------------ files
     def open(self, folder: Path, header: records.Header) -> None:
@@ -176,8 +178,7 @@ class SignalRecorder:
         self._consumed_tokens = self._consumed_tokens + tok_by_dp.sum()
         gn = grad_norm.detach().double().reshape(1)
         coef = clip_coef(gn, self.max_norm)
-        qk = (self.qk_clip.reduce(table[:, qk0:]) if self.qk_clip is not None
-              else torch.full((2,), float("nan"), dtype=torch.float64, device=dev))
+        qk = self.qk_clip.reduce(table[:, qk0:]) if self.qk_clip is not None else self._qk_off
         # the gradients were read after the clip: per-layer sums of squares are
         # scaled back to their pre-clip values (the global norm is the clip's own)
         reduced = torch.cat([
