@@ -36,10 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from titan_ledger.format.reader import RunLedger  # noqa: E402
 
+# the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
+from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
+
 
 def train(dump: Path, nproc: int, steps: int, extra: list[str]) -> float:
     env = dict(os.environ, TITAN_LEDGER_DEVICE="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+    cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(nproc),
            "-m", "titan_ledger.train", "--job.config_file",
            str(ROOT / "train_configs/debug_cpu.toml"), "--training.steps", str(steps),
            "--dump_folder", str(dump), *extra]

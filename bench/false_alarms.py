@@ -87,6 +87,9 @@ if str(ROOT) not in sys.path:
 from bench import corpora, warm_base  # noqa: E402
 from bench.warm_base import read_rows  # noqa: E402
 
+# the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
+from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
+
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
          "doc_low", "grad_jump")  # titan_ledger.components.spikes.RULES (checked in the tests)
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
@@ -141,7 +144,7 @@ def quick_plan(warm: bool) -> list[Run]:
 
 # --------------------------------------------------------------------------- training
 def train_cmd(run: Run, prefix: Path, dump: Path, base: dict | None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(run.dp),
+    cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(run.dp),
            "-m", "titan_ledger.train", "--job.config_file", str(CONFIG), "--training.steps", str(run.steps),
            "--training.local_batch_size", str(run.local_batch_size), "--training.seq_len", str(run.seq_len),
            "--parallelism.data_parallel_shard_degree", str(run.dp),

@@ -43,6 +43,9 @@ if str(ROOT) not in sys.path:
 from bench import corpora  # noqa: E402
 from bench.warm_base import read_rows  # noqa: E402
 
+# the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
+from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
+
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 OUT = ROOT / "outputs" / "lr_sensitivity"
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
@@ -81,7 +84,7 @@ def run_name(corpus: str, variant: str, lr: float, steps: int) -> str:
 
 
 def train_cmd(prefix: Path, dump: Path, variant: str, lr: float, steps: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    return [*torchrun_prefix(), "--standalone", "--nproc_per_node", "1",
             "-m", "titan_ledger.train", "--job.config_file", str(CONFIG), "--training.steps", str(steps),
             "--training.local_batch_size", "2", "--training.seq_len", "128",
             "--parallelism.data_parallel_shard_degree", "1", "--optimizer.lr", f"{lr:g}",

@@ -76,6 +76,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
+from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
+
 TOKENS_PER_STEP = 2 * 4 * 256  # DP 2 x 4 rows x 256 tokens
 CORPUS = ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl"
 MATCH_AFTER = 5  # a flag up to 5 steps after the true step is the same spike (an LR jump needs a few)
@@ -225,7 +228,7 @@ def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:
 
 
 def train(args: list[str], dump: Path, log: Path) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", "2",
            "-m", "titan_ledger.train", *args, "--dump_folder", str(dump)]
     with open(log, "a") as f:
         return subprocess.run(cmd, cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT).returncode

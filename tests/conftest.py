@@ -10,6 +10,7 @@ so one torchrun launch serves every assertion about it; see ``Runs``.
 """
 
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -226,3 +227,17 @@ def _with_qk_norm(seed: Path, folder: Path) -> Path:
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory)
 
+
+
+@pytest.fixture(autouse=True)
+def _tools_launch_warm(request, monkeypatch):
+    """The tools a slow test calls in this process (``replay resume``'s kill -9 runs,
+    ``replay rerun``, ``diagnose --rerun``) launch through the warm launcher, as their
+    subprocess forms do (``helpers.child_env``). A kill -9 still SIGKILLs every rank:
+    killing the client makes the launch's fork SIGKILL its process group. The fast set
+    never starts the launcher."""
+    if request.node.get_closest_marker("slow") is not None:
+        from helpers import TORCHRUN_ENV, _warm_client, _warm_socket
+
+        if _warm_socket():
+            monkeypatch.setenv(TORCHRUN_ENV, shlex.join(_warm_client()))
