@@ -219,7 +219,7 @@ def spike_header(dump: Path) -> dict:
 #: the rule settings that reproduce the detector before the tiers (every rule acts, rank
 #: separation on its constant alone): a ledger recorded then has neither field
 BEFORE_TIERS = {"notes": "", "separation_gate": 0.0, "zscore_min_ratio": 0.0, "doc_tail_spread": False,
-                "grad_novelty": 0.0}
+                "grad_novelty": 0.0, "one_doc_spread": False}
 #: fields of ledgers recorded before grad_novelty replaced them, and the value that was "off"
 RETIRED = {"grad_gate": 0.0, "grad_gate_warmup": None}
 
@@ -242,27 +242,41 @@ def dp_size(dump: Path) -> int:
     return len(list((dump / "ledger").glob("data_dp*.jsonl")))
 
 
-def doc_matrix(data_rows: list[dict | None]):
-    """The detector's ``doc`` input ``[dp, 4]`` (median segment loss, highest and lowest
-    document mean loss, ranked documents) from the step's data-ledger rows, NaN where absent."""
+#: the per-document loss's default ``min_tokens`` (``--ledger.doc_loss.min_tokens``): what
+#: ``--infer-docs`` counts documents with on ledgers recorded before the count was
+DOC_MIN_TOKENS = 16
+
+
+def doc_matrix(data_rows: list[dict | None], infer_docs: bool = False):
+    """The detector's ``doc`` input ``[dp, 5]`` (median segment loss, highest and lowest
+    segment mean loss, ranked segments, distinct documents) from the step's data-ledger
+    rows, NaN where absent. The document count is the one the trainer recorded
+    (``doc_loss.docs``); ledgers from before it have none (NaN: the detector as it was
+    then), unless ``infer_docs`` counts them from the rows' sample ids."""
     import torch
+
+    from titan_ledger.data.layout import distinct_documents
 
     nan = float("nan")
     out = []
     for r in data_rows:
         d = (r or {}).get("doc_loss")
         if not d:
-            out.append([nan, nan, nan, nan])
+            out.append([nan] * 5)
             continue
         top, bot = d.get("top") or [], d.get("bottom") or []
+        docs = d.get("docs")
+        if docs is None and infer_docs and r.get("rows"):
+            docs = distinct_documents(r["rows"], DOC_MIN_TOKENS)
         out.append([_f(d.get("median")), top[0][2] / top[0][3] if top else nan,
-                    bot[0][2] / bot[0][3] if bot else nan, float(d.get("n_valid", nan))])
+                    bot[0][2] / bot[0][3] if bot else nan, float(d.get("n_valid", nan)), _f(docs)])
     return torch.tensor(out, dtype=torch.float64)
 
 
-def replay(dump: Path, rules: dict | None = None) -> list[dict]:
+def replay(dump: Path, rules: dict | None = None, infer_docs: bool = False) -> list[dict]:
     """The spike rules over the recorded ledger, as the trainer ran them; returns the
-    flag events (``step``, ``rules`` and the statistics ``describe`` names)."""
+    flag events (``step``, ``rules`` and the statistics ``describe`` names).
+    ``infer_docs``: see ``doc_matrix``."""
     import torch
 
     from titan_ledger.rehearsal import backend
@@ -277,7 +291,7 @@ def replay(dump: Path, rules: dict | None = None) -> list[dict]:
     det = SpikeDetector(cfg)
     events = []
     for row in trained_rows(dump):
-        doc = doc_matrix([d.get(row["step"]) for d in data]) if tracked else None
+        doc = doc_matrix([d.get(row["step"]) for d in data], infer_docs) if tracked else None
         stats = det.step(torch.tensor(_f(row["loss"]), dtype=torch.float64),
                          torch.tensor(_f(row["grad_norm"]), dtype=torch.float64), None, doc).tolist()
         ev = describe(stats)
@@ -366,12 +380,15 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes", "doc_tail_spread") \
+        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes", *_BOOLS) \
                 and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
-        out[key] = value if key == "notes" else value.lower() in ("1", "true") if key == "doc_tail_spread" \
+        out[key] = value if key == "notes" else value.lower() in ("1", "true") if key in _BOOLS \
             else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory") else float(value)
     return out
+
+
+_BOOLS = ("doc_tail_spread", "one_doc_spread")
 
 
 def _float_fields() -> tuple[str, ...]:
@@ -380,11 +397,11 @@ def _float_fields() -> tuple[str, ...]:
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,
-                  rules: dict | None = None) -> dict:
+                  rules: dict | None = None, infer_docs: bool = False) -> dict:
     """One run's counts; with ``rules`` (overrides of the recorded rule config) the flags are
     the offline replay's under those settings instead of the recorded ones."""
     rows = trained_rows(dump)
-    ev = replay(dump, {**recorded_rules(dump), **rules}) if rules else spike_events(dump)
+    ev = replay(dump, {**recorded_rules(dump), **rules}, infer_docs) if rules else spike_events(dump)
     out = {"name": run.name, **asdict(run), "clean_steps": len(rows), "trained_now": fresh,
            "seconds": round(seconds, 1),
            "events": [{"step": e["step"], "rules": e["rules"], "notes": e["notes"]} for e in ev],
@@ -395,7 +412,7 @@ def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool
     return out
 
 
-def compare_tiers(dumps: list[Path], rules: dict | None = None) -> list[dict]:
+def compare_tiers(dumps: list[Path], rules: dict | None = None, infer_docs: bool = False) -> list[dict]:
     """Each run's flags under the detector before the tiers (:data:`BEFORE_TIERS`: every
     rule acts) and with the tiers (the defaults, or ``rules``), replayed offline over
     the same ledger: acting steps and note-only steps, with their rules."""
@@ -412,7 +429,7 @@ def compare_tiers(dumps: list[Path], rules: dict | None = None) -> list[dict]:
         base = {**recorded_rules(dump)}
         after_rules = {**base, **{k: defaults[k] for k in BEFORE_TIERS}, **(rules or {})}
         before = replay(dump, {**base, **BEFORE_TIERS})
-        after = replay(dump, after_rules)
+        after = replay(dump, after_rules, infer_docs)
         out.append({"run": dump.name,
                     "before": [[e["step"], e["rules"]] for e in before if e["rules"]],
                     "after": [[e["step"], e["rules"]] for e in after if e["rules"]],
@@ -447,10 +464,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-tiers", nargs="+", type=Path, metavar="DUMP",
                     help="replay these recorded runs (any: zoo, detection, clean) before and with the tiers "
                          "(--rules adjusts the tiers' side) and print one JSON line per run")
+    ap.add_argument("--infer-docs", action="store_true",
+                    help="with --rules or --compare-tiers: count each rank's distinct documents from the "
+                         "rows' sample ids where a ledger recorded none (before one_doc_spread)")
     a = ap.parse_args(argv)
     rules = parse_rules(a.rules)
     if a.compare_tiers:
-        for r in compare_tiers(a.compare_tiers, rules):
+        for r in compare_tiers(a.compare_tiers, rules, a.infer_docs):
             print(json.dumps(r))
         return 0
     if (rules or a.recorded) and not a.replay_only:
@@ -479,7 +499,8 @@ def main(argv=None) -> int:
                 continue
         else:
             dump, seconds, now = train(run, folder, base, fresh, log, a.corpora_dir)
-        r = summarize_run(run, dump, seconds, now, check=not a.no_replay_check, rules=rules)
+        r = summarize_run(run, dump, seconds, now, check=not a.no_replay_check, rules=rules,
+                          infer_docs=a.infer_docs)
         runs.append(r)
         log(f"{run.name}: {r['clean_steps']} steps, loss {r['first_loss']} -> {r['last_loss']}, "
             f"acting {[(e['step'], e['rules']) for e in r['events'] if e['rules']]}, "

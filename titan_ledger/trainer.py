@@ -376,6 +376,8 @@ class LedgerTrainer(Trainer):
         """Between the clip and ``optimizers.step()``: record the step's signals from the
         gradients about to be applied, and decide whether the update is applied."""
         ledger = self.ledger
+        if self.doc_loss is not None:  # the step's distinct documents (rank separation), a host count
+            self.doc_loss.set_documents(self._io.tags)
         ledger.record(
             step=self.step,
             local_loss_sum=(accumulated_loss * global_valid_tokens).sum() if accumulated_loss is not None else None,

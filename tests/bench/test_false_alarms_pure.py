@@ -85,9 +85,15 @@ def test_doc_matrix_from_data_rows(fa):
             {"step": 3},  # no tracked loss
             {"step": 3, "doc_loss": {"n": 1, "n_valid": 0, "median": None, "top": [], "bottom": []}}]
     m = fa.doc_matrix(rows + [None]).tolist()
-    assert m[0] == [2.5, 4.0, 0.5, 4.0]
+    assert m[0][:4] == [2.5, 4.0, 0.5, 4.0] and math.isnan(m[0][4])  # no document count recorded
     assert all(math.isnan(x) for x in m[1] + m[3])
     assert all(math.isnan(x) for x in m[2][:3]) and m[2][3] == 0.0
+    # the trainer's count (``doc_loss.docs``); or, for a ledger from before it, counted from
+    # the rows' sample ids on request (segments of 16+ tokens, as the tracker ranks them)
+    counted = {**rows[0], "doc_loss": {**rows[0]["doc_loss"], "docs": 2}}
+    assert fa.doc_matrix([counted])[0, 4] == 2.0
+    sliced = {**rows[0], "rows": [[0, "c4", [[7, 0, 256]]], [1, "c4", [[7, 256, 512]]], [2, "c4", [[8, 0, 9]]]]}
+    assert math.isnan(fa.doc_matrix([sliced])[0, 4]) and fa.doc_matrix([sliced], infer_docs=True)[0, 4] == 1.0
 
 
 def _ledger(tmp_path, rows, data, rules, events=()):
@@ -219,7 +225,7 @@ def test_warm_base_start_flags_and_hash(tmp_path):
 def test_parse_rules(fa):
     assert fa.parse_rules(["doc_outlier_floor=1.0", "min_docs=4"]) == {"doc_outlier_floor": 1.0, "min_docs": 4}
     assert fa.parse_rules(["notes=", "separation_gate=0", "zscore_min_ratio=0", "doc_tail_spread=false",
-                           "grad_novelty=0"]) \
+                           "grad_novelty=0", "one_doc_spread=false"]) \
         == fa.BEFORE_TIERS
     assert fa.parse_rules([]) == {}
     with pytest.raises(SystemExit):
@@ -230,5 +236,5 @@ def test_parse_rules(fa):
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
     assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes",
-                                      "doc_tail_spread"} \
+                                      *fa._BOOLS} \
         == fields - {"enable"}

@@ -18,6 +18,8 @@ from helpers import data_rows, first_batches, rank_losses, signal_keys, signals_
 
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
 from titan_ledger.components.signals import layer_group
+from titan_ledger.data.layout import distinct_documents
+from titan_ledger.format.reader import DataLedger
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +121,10 @@ def test_signals_equal_unsharded_reference(runs, case):
         dl = data_rows(dump, r)[1]["doc_loss"]
         entries = dl["top"] + dl["bottom"]
         assert entries and dl["n"] == len(ref["doc_sums"][r])
+        # the distinct documents rank separation reads: the host's count from the sample ids,
+        # carried by the rank that owns the loss (a TP rank, the last PP stage)
+        tags = DataLedger(dump / "ledger").at(1, r).tags  # explicit rows, or derived (indexed)
+        assert dl["docs"] == distinct_documents(tags, 16) >= 1
         for row, sg, loss_sum, tokens in entries:
             want_sum, want_tokens = ref["doc_sums"][r][(row, sg)]
             assert tokens == want_tokens, (r, row, sg)

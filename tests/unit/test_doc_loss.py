@@ -61,8 +61,13 @@ def test_top_and_bottom_k_and_the_min_tokens_floor():
     loss_fn.tracker = tracker = DocLossTracker(k=2, min_tokens=8)
     tracker.push(positions)
     loss_fn(pred, labels, None)
+    tracker.set_documents([[0, "c4", [[3, 0, 20], [4, 0, 5]]], [1, "c4", [[3, 20, 52]]]])
     s = tracker.decode(tracker.summary(torch.device("cpu")).tolist())
     assert s["n"] == 6 and s["n_valid"] == 4  # the 5- and 7-token segments are not ranked
+    assert s["docs"] == 1  # document 3 sliced over two rows; document 4's 5 tokens are not ranked
+    tracker.push(positions)
+    loss_fn(pred, labels, None)  # the next step, its documents not given: no count (not the last one)
+    assert "docs" not in tracker.decode(tracker.summary(torch.device("cpu")).tolist())
     assert s["bottom"][0][:2] == [1, 0]  # the lowest-loss document is named
     assert all(t >= 8 for *_, t in s["top"] + s["bottom"]) and len(s["top"]) == 2
 

@@ -147,6 +147,51 @@ def test_rank_separation_acts_only_past_its_own_history_and_not_in_the_first_ste
     assert not got[0] and describe(got)["notes"] == ["rank_separation"]
 
 
+def _docs_step(det, rank0, rank1, docs):
+    """One DP-2 step: each rank's (lowest, highest) segment log loss, and distinct documents."""
+    import math
+
+    doc = torch.tensor([[math.exp((lo + hi) / 2), math.exp(hi), math.exp(lo), 4, n]
+                        for (lo, hi), n in zip((rank0, rank1), docs)], dtype=torch.float64)
+    return describe(det.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.0]), doc).tolist())
+
+
+def test_one_document_per_rank_is_measured_with_the_runs_between_document_spread():
+    # the clean warm run's false alarm: each rank's four rows slice ONE long document (its
+    # segments differ by ~0.1), the two documents 0.3 apart: 3 "spreads" by the ranks' own
+    import random
+
+    rnd = random.Random(3)
+    cfg = {"window": 64, "min_history": 8, "separation_warmup": 8}
+    for one_doc_spread, want in ((False, ["rank_separation"]), (True, [])):
+        det = SpikeDetector(SpikeDetector.Config(one_doc_spread=one_doc_spread, **cfg))
+        for _ in range(40):  # several documents per rank: segments spread ~0.3 and overlap
+            a = 1.0 + 0.05 * rnd.random()
+            _docs_step(det, (a, a + 0.3), (a + 0.02, a + 0.32), (3, 4))
+        ev = _docs_step(det, (1.0, 1.1), (1.4, 1.5), (1, 1))
+        assert ev["rules"] + ev["notes"] == want, (one_doc_spread, ev)
+        if one_doc_spread:  # 0.3 apart in units of the run's 0.3 between-document spread
+            assert ev["separation_y"] < 1.5
+    # a rank whose one "document" is random text still stands out by far (the warm
+    # injections: 3.1-7.4 against the clean run's 1.9 at most, docs/benchmarks.md)
+    ev = _docs_step(det, (1.0, 1.1), (2.5, 2.55), (1, 1))
+    assert ev["rules"] == ["rank_separation"] and ev["separation_rank"] == 1 and ev["separation_y"] > 4
+    # no document counts (NaN: ledgers recorded before them): the detector as before
+    det = SpikeDetector(SpikeDetector.Config(**cfg))
+    for _ in range(40):
+        _docs_step(det, (1.0, 1.3), (1.02, 1.32), (float("nan"), float("nan")))
+    assert _docs_step(det, (1.0, 1.1), (1.4, 1.5), (float("nan"),) * 2)["rules"] == ["rank_separation"]
+
+
+def test_distinct_documents_count_a_sliced_document_once():
+    from titan_ledger.data.layout import distinct_documents
+
+    rows = [[0, "c4", [[7, 0, 256]]], [1, "c4", [[7, 256, 512]]], [2, "c4", [[7, 512, 700], [8, 0, 10]]],
+            [3, "other", [[7, 0, 256]]]]
+    assert distinct_documents(rows) == 3  # doc 7 of c4 (three rows), doc 8, doc 7 of another source
+    assert distinct_documents(rows, min_tokens=16) == 2  # doc 8's 10 tokens are not ranked
+
+
 def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
     import random
 
@@ -221,7 +266,12 @@ def test_a_checkpoint_from_before_the_tiers_loads():
     old["ehist"], old["ecount"] = old["ehist"][:3], old["ecount"][:3]
     again = SpikeDetector(SpikeDetector.Config(window=8))
     again.load_state_dict(old)
-    assert again.ehist.shape[0] == 4 and int(again.ecount[3]) == 0 and int(again.count) == 5
+    assert again.ehist.shape[0] == 5 and int(again.ecount[3]) == 0 and int(again.count) == 5
+    # ...and one from before one_doc_spread (no between-document history): it starts empty
+    old = det.state_dict()
+    old["ehist"], old["ecount"] = old["ehist"][:4], old["ecount"][:4]
+    again.load_state_dict(old)
+    assert int(again.ecount[4]) == 0 and int(again.ecount[0]) == 5
 
 
 def test_rank_separation_at_dp2_names_the_rank_that_moved():

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 
+from titan_ledger.data.layout import distinct_documents
 from titan_ledger.errors import ConfigError
 
 
@@ -175,8 +176,9 @@ class _Pending:
 class DocLossTracker:
     """Per-step (sum, tokens) per document segment, on device; a fixed-size summary."""
 
-    #: summary layout: [n_segments, n_valid, median_mean, (key, sum, tokens) x k hi, x k lo]
-    HEAD = 3
+    #: summary layout: [n_segments, n_valid, median_mean, documents, (key, sum, tokens) x k hi,
+    #: x k lo]; ``documents`` is a host count (``set_documents``), NaN when not given
+    HEAD = 4
 
     def __init__(self, k: int = 4, min_tokens: int = 16, seq_len: int = 0):
         self.k = k
@@ -186,6 +188,7 @@ class DocLossTracker:
         self._queue: deque[_Pending] = deque()
         self._pushed: list[torch.Tensor] = []  # this step's microbatches, for rewind_step
         self._acc: list[torch.Tensor] = []
+        self._documents = float("nan")
 
     @property
     def size(self) -> int:
@@ -222,6 +225,14 @@ class DocLossTracker:
             self._queue.popleft()
 
     # ------------------------------------------------------------------ per step
+    def set_documents(self, tags: list) -> None:
+        """This step's rows' provenance (``RowTag`` s, every microbatch): how many distinct
+        documents they hold (segments of ``min_tokens`` or more, as ranked). The device
+        sees segments, not documents: four rows sliced from one long document are four
+        segments and one document, which rank separation must know
+        (``spikes.SpikeDetector``); a host count, so no device work."""
+        self._documents = float(distinct_documents(tags, self.min_tokens)) if tags else float("nan")
+
     def summary(self, device: torch.device) -> torch.Tensor:
         """This step's fixed-size summary (float64, on device), then reset.
 
@@ -229,6 +240,7 @@ class DocLossTracker:
         row index within the step's fetched rows, in the order the data ledger lists them.
         """
         out = torch.full((self.size,), float("nan"), dtype=torch.float64, device=device)
+        out[3] = self._documents
         if not self._acc:
             self._reset()
             return out
@@ -261,6 +273,7 @@ class DocLossTracker:
             t.zero_()
 
     def _reset(self) -> None:
+        self._documents = float("nan")
         self._queue.clear()
         self._pushed = []
         self._acc = []
@@ -281,8 +294,11 @@ class DocLossTracker:
                     out.append([int(key) // length, int(key) % length, round(s, 4), int(t)])
             return out
 
-        return {"n": int(v[0]), "n_valid": int(v[1]), "median": round(v[2], 6) if v[2] == v[2] else None,
-                "top": trips(self.HEAD), "bottom": trips(self.HEAD + 3 * self.k)}
+        out = {"n": int(v[0]), "n_valid": int(v[1]), "median": round(v[2], 6) if v[2] == v[2] else None,
+               "top": trips(self.HEAD), "bottom": trips(self.HEAD + 3 * self.k)}
+        if v[3] == v[3]:
+            out["docs"] = int(v[3])  # distinct documents (rank separation reads it offline too)
+        return out
 
 
 class DocLossCrossEntropy(CrossEntropyLoss):

@@ -49,7 +49,8 @@ class Reduced:
     vector: torch.Tensor  # the row's values (see SignalRecorder.reduce)
     loss: torch.Tensor  # global mean loss
     dp_loss: torch.Tensor  # [dp] each DP rank's mean loss
-    doc: torch.Tensor | None  # [dp, 4] median segment loss, highest and lowest document mean, ranked docs
+    doc: torch.Tensor | None  # [dp, 5] median segment loss, highest and lowest segment mean, ranked
+    # segments, distinct documents (see spikes.SpikeDetector.step)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -195,7 +196,7 @@ class SignalRecorder:
             d = table.index_select(0, self._loss_rows)[:, doc0:qk0]
             h, k = self.doc_loss.HEAD, self.doc_loss.k
             doc = torch.stack([d[:, 2], d[:, h + 1] / d[:, h + 2],
-                               d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1]], dim=1)
+                               d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1], d[:, 3]], dim=1)
         return Reduced(reduced, loss_by_dp.sum() / tok_by_dp.sum(), loss_by_dp / tok_by_dp, doc)
 
     def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,

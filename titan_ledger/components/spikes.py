@@ -27,7 +27,10 @@ per-document values, which do not shrink with N):
   ``separation`` times the ranks' own document spread (and ``separation_floor``).
   Clean ranks' document losses overlap; a batch of random text (high) or of
   repeated text (low) does not, and its documents hardly differ from each other.
-  Each rank needs ``min_docs`` ranked documents.
+  Each rank needs ``min_docs`` ranked documents. A rank whose rows are all slices of one
+  document (the host counts distinct documents from the sample ids) is measured with the
+  run's between-document spread, not its own (``one_doc_spread``): a long document barely
+  differs from itself, and two such ranks looked "separated" on clean training.
 * document outliers (any DP size): per DP rank, the highest-loss document's log
   mean loss over the rank's median segment loss (``doc_high``), and the median
   over the lowest-loss document (``doc_low``); the maximum over ranks > its own
@@ -126,6 +129,15 @@ class SpikeDetector(Configurable):
         min_docs: int = 3
         """Rank separation: ranked documents each rank needs (fewer: the rule abstains)."""
 
+        one_doc_spread: bool = True
+        """Rank separation: a DP rank whose rows are all slices of ONE document (counted from
+        the sample ids) is measured with the run's between-document spread (the median of the
+        spread of ranks holding several documents), not its own: its own is how much a
+        document differs from itself. Measured: a clean warm DP-2 run at 4 x 256 tokens per
+        rank, each rank holding one long document, separated by 3.1-3.4 and acted twice in 300
+        steps. False: every rank's own spread (before; also for ledgers recorded without
+        document counts)."""
+
         doc_outlier: float = 6.0
         """Document rule: a rank's highest (or lowest) document log loss over its median
         segment log loss > history median + doc_outlier x history MAD (0 disables)."""
@@ -214,10 +226,10 @@ class SpikeDetector(Configurable):
         self.hist = torch.zeros(2, w, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         self._arange = torch.arange(w, device=device)
-        # evidence rules: histories of [log grad norm, doc high, doc low, rank separation],
-        # their counts
-        self.ehist = torch.zeros(4, w, dtype=torch.float64, device=device)
-        self.ecount = torch.zeros(4, dtype=torch.int64, device=device)
+        # evidence rules: histories of [log grad norm, doc high, doc low, rank separation,
+        # between-document spread], their counts
+        self.ehist = torch.zeros(5, w, dtype=torch.float64, device=device)
+        self.ecount = torch.zeros(5, dtype=torch.int64, device=device)
         notes = set(config.note_rules())
         # static per rule: may its flag act? (a note rule's flag is only recorded)
         # grad_novelty's memory: the log grad-jump ratios of the last grad_memory accepted steps
@@ -232,8 +244,9 @@ class SpikeDetector(Configurable):
 
         ``loss``, ``grad_norm``: the global values (0-d). ``dp_loss``: each DP rank's
         mean loss ``[dp]``. ``doc``: per DP rank ``[dp, 4]`` = (median segment loss,
-        highest document mean loss, lowest document mean loss, ranked documents),
-        NaN where absent.
+        highest segment mean loss, lowest segment mean loss, ranked segments), NaN where
+        absent, optionally a 5th column: distinct documents (NaN: unknown, taken as several).
+        (The rules call a segment -- a document's span in one row -- a document.)
         """
         c = self.config
         w = self.hist.shape[1]
@@ -314,9 +327,15 @@ class SpikeDetector(Configurable):
         dev = self.ehist.device
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
         fired = torch.zeros(4, dtype=torch.bool, device=dev)
-        # history-based: log grad norm, doc high, doc low, rank separation
-        y = torch.full((4,), float("nan"), dtype=torch.float64, device=dev)
+        # history-based: log grad norm, doc high, doc low, rank separation, between-doc spread
+        y = torch.full((5,), float("nan"), dtype=torch.float64, device=dev)
         y[0] = grad_norm.double().reshape(()).log()
+        w = self.ehist.shape[1]
+        n_h = self.ecount.clamp(max=w)
+        valid = self._arange[None, :] < n_h[:, None]
+        hist = torch.where(valid, self.ehist, nan)
+        hmed = hist.nanmedian(1).values
+        mad = (hist - hmed[:, None]).abs().nanmedian(1).values
         sep, sep_rank = nan, nan
         ranks = torch.full((2,), float("nan"), dtype=torch.float64, device=dev)
         if doc is not None:
@@ -331,13 +350,23 @@ class SpikeDetector(Configurable):
                 gap = torch.maximum(lo - others_hi, others_lo - hi)
                 # in units of the ranks' own document spread (natural text varies a lot from
                 # document to document; random or repeated text hardly at all)
-                spread = (hi - lo).nanmean().clamp(min=1e-6)
+                own = hi - lo
+                if d.shape[1] > 4:
+                    # ...but a rank holding ONE document (its rows slice one long document)
+                    # shows how much a document differs from itself: the run's between-document
+                    # spread stands in where it is larger (fmax: its own until one is known). So
+                    # the spread only grows: this never makes a separation larger
+                    one = d[:, 4] < 2  # NaN (not counted): several
+                    y[4] = torch.where(one, nan, own).nanmean()
+                    if c.one_doc_spread:
+                        own = torch.where(one, torch.fmax(own, hmed[4]), own)
+                spread = own.nanmean().clamp(min=1e-6)
                 enough = (n >= c.min_docs).all()
                 gap = torch.where(enough, gap.nan_to_num(nan=-torch.inf), -torch.inf)
                 # DP 2: both ranks are "separated" by the same gap; the suspect is the one
                 # whose documents hardly differ from each other (random or repeated text)
-                own = (hi - lo).nan_to_num(nan=torch.inf)
-                sep_rank = (gap - 1e-9 * own).argmax().double()
+                own_raw = (hi - lo).nan_to_num(nan=torch.inf)
+                sep_rank = (gap - 1e-9 * own_raw).argmax().double()
                 sep = gap.max() / spread
                 fired[0] = (sep > c.separation) & (gap.max() > c.separation_floor)
                 sep = torch.where(torch.isfinite(sep), sep, nan)
@@ -348,13 +377,7 @@ class SpikeDetector(Configurable):
                 y[1], ranks[0] = h.max(), h.argmax().double()
                 y[2], ranks[1] = l_.max(), l_.argmax().double()
                 y[1:3] = torch.where(torch.isfinite(y[1:3]), y[1:3], nan)
-        w = self.ehist.shape[1]
-        n_h = self.ecount.clamp(max=w)
-        valid = self._arange[None, :] < n_h[:, None]
-        hist = torch.where(valid, self.ehist, nan)
-        hmed = hist.nanmedian(1).values
-        mad = (hist - hmed[:, None]).abs().nanmedian(1).values
-        active = (n_h >= c.min_history) & torch.isfinite(y)
+        active = (n_h[:4] >= c.min_history) & torch.isfinite(y[:4])
         if c.doc_outlier > 0:
             # the spread is the MAD, or where the history is degenerate (at 2 rows a rank's
             # median of two is its lower document: doc_low is 0 on most steps and its MAD
@@ -377,7 +400,7 @@ class SpikeDetector(Configurable):
         # and a statistic that trends cannot lock the rule into flagging
         take = torch.isfinite(y)
         idx = self.ecount % w
-        rows = torch.arange(4, device=dev)
+        rows = torch.arange(5, device=dev)
         self.ehist[rows, idx] = torch.where(take, y, self.ehist[rows, idx])
         self.ecount = self.ecount + take.long()
         stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],

@@ -73,6 +73,19 @@ class RowTag:
                 "segments": [{"doc": s.doc, "start": s.start, "end": s.end} for s in self.segments]}
 
 
+def distinct_documents(tags, min_tokens: int = 1) -> int:
+    """How many documents a batch's rows hold (``RowTag`` s or their JSON form), counting a
+    document once however many rows slice it, and only its segments of at least
+    ``min_tokens`` tokens (the per-document loss ranks no shorter segment). The spike
+    rules' rank separation needs it: four slices of one long document are one document."""
+    docs = set()
+    for t in tags:
+        if not isinstance(t, RowTag):
+            t = RowTag.from_json(t)
+        docs.update((t.source, s.doc) for s in t.segments if len(s) >= min_tokens)
+    return len(docs)
+
+
 def row_digest(inputs, labels) -> int:
     """64-bit blake2b of a row's input and label token ids (int64 numpy arrays)."""
     h = hashlib.blake2b(digest_size=8)
