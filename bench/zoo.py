@@ -126,6 +126,11 @@ SCENARIOS = [
     Scenario("hardware_step38", "hardware", 45, ("--ledger.rehearsal.inject", "38:0:bitflip"), true_step=38,
              set="held_out"),
     # the control: the runs above without their fault (same corpus order, default flags)
+    # not a measurement (in no set but "smoke"): the hardware fault at a quarter of the rows,
+    # 16 steps, for tests/bench/test_zoo.py (the bench's plumbing end to end, ~4x cheaper)
+    Scenario("hardware_smoke", "hardware", 16, ("--ledger.rehearsal.inject", "12:0:bitflip",
+                                                "--training.local_batch_size", "2", "--training.seq_len", "128"),
+             true_step=12, set="smoke"),
     Scenario("clean", None, 55, set="controls"),
     Scenario("clean_lr", None, 40, CONSTANT_LR, relaunch=(20, ()), set="controls"),
     # sharp (not in ``all``): the copy-corpus model, run once, nothing tuned on it; an LR
@@ -368,7 +373,7 @@ def confusion(results: list[Result], key: str) -> list[str]:
 
 def summary(results: list[Result]) -> list[str]:
     out = []
-    for s in ("tuned", "held_out", "sharp"):
+    for s in ("tuned", "held_out", "sharp", "smoke"):
         rs = [r for r in results if r.set == s and r.true_cause]
         if not rs:
             continue
@@ -400,8 +405,9 @@ def summary(results: list[Result]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
-    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "all"), default="all",
-                    help="all: tuned, held_out and controls (sharp and attempted only by name or --set)")
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "smoke", "all"),
+                    default="all", help="all: tuned, held_out and controls (sharp, attempted and the test's "
+                                        "smoke scenario only by name or --set)")
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
     ap.add_argument("--json", action="store_true", help="one JSON object per scenario, then the summary")
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_zoo"))
@@ -416,7 +422,7 @@ def main(argv=None) -> int:
         return 0
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
-        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted"))]
+        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "smoke"))]
     results = []
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun)

@@ -115,6 +115,38 @@ def cli(main, argv: list[str]) -> tuple[int, str, str]:
     return int(rc or 0), out.getvalue(), err.getvalue()
 
 
+def launch_here(*train_args, nproc: int = 2, opts=()) -> subprocess.CompletedProcess:
+    """``python -m titan_ledger.launch [opts] --nproc N -- TRAIN_ARGS`` through its ``main`` in
+    this process, as a CompletedProcess (a refusal or ``--print`` never reaches torchrun).
+    The process forms are smoke-tested in tests/e2e/test_launch_e2e.py."""
+    from titan_ledger.tools import launch
+
+    argv = [*map(str, opts), "--nproc", str(nproc), "--", *map(str, train_args)]
+    rc, out, err = cli(launch.main, argv)
+    return subprocess.CompletedProcess(["titan_ledger.launch", *argv], rc, out, err)
+
+
+def train_refused_here(*train_args, **env: str) -> subprocess.CompletedProcess:
+    """``python -m titan_ledger.train TRAIN_ARGS`` through its ``main`` in this process, for
+    input it must refuse while parsing (``load_config``, before any process group); ``env``
+    for the call (e.g. ``WORLD_SIZE="1"``). An accepted config fails the test instead of
+    training in the test process."""
+    from unittest import mock
+
+    from titan_ledger import train
+
+    def load_then_stop(*a, **k):
+        real_load(*a, **k)
+        raise AssertionError(f"titan_ledger.train accepted {train_args}: it would train in the test process")
+
+    real_load = train.load_config
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    with mock.patch.dict(os.environ, {**clean, **env}, clear=True), \
+            mock.patch.object(train, "load_config", load_then_stop):
+        rc, out, err = cli(lambda argv: train.main(argv) or 0, list(train_args))
+    return subprocess.CompletedProcess(["titan_ledger.train", *map(str, train_args)], rc, out, err)
+
+
 def py(*args, timeout: int = 900) -> subprocess.CompletedProcess:
     """``python ARGS`` in the repository (the subprocess smoke tests of the CLIs)."""
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=child_env(), capture_output=True,

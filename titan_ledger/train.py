@@ -455,16 +455,33 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(argv)
     except TitanLedgerError as e:
-        if _rank() == 0:  # every rank raises the same bad input; say it once
-            print(fail_line(PROG, e), file=sys.stderr, flush=True)
+        _say_once(fail_line(PROG, e))
         sys.exit(e.exit_code)
     except OSError as e:  # a dump folder, config or corpus path that cannot be used
         line = os_error_line(e)
         if line is None:
             raise
-        if _rank() == 0:
-            print(fail_line(PROG, line), file=sys.stderr, flush=True)
+        _say_once(fail_line(PROG, line))
         sys.exit(EXIT_BAD_INPUT)
+
+
+#: how long a rank other than 0 waits before it says a bad-input error itself
+SAY_ONCE_WAIT_S = 10.0
+
+
+def _say_once(line: str) -> None:
+    """Every rank raises the same bad input; rank 0 says it. Another rank waits first:
+    torchrun stops every rank when the first one exits, so a rank 1 that exited at once
+    could take rank 0 down before its line was printed (seen on a loaded machine: exit 2
+    and no line). Still alive after ``SAY_ONCE_WAIT_S``, the error was this rank's own
+    (rank 0 went on), so it says it."""
+    if _rank() != 0:
+        if os.environ.get("TORCHELASTIC_RUN_ID") is None:  # not torchrun: rank 0 says it
+            return
+        import time
+
+        time.sleep(SAY_ONCE_WAIT_S)
+    print(line, file=sys.stderr, flush=True)
 
 
 def run(argv: list[str]) -> None:

@@ -1,6 +1,9 @@
-"""The launcher and the training entry as a user meets them, in real processes: every
-refusal is ONE stderr line and exit 2, before any rank starts, with nothing written
-into the dump folder; ``launch --help`` is help (exit 0)."""
+"""The launcher and the training entry as a user meets them: every refusal is ONE stderr
+line and exit 2, before any rank starts, with nothing written into the dump folder;
+``launch --help`` is help (exit 0). ``--help`` and a refusal by ``train`` run as real
+processes (a launch refusal does in test_preflight_e2e.py), a live run's lock is held by
+another process; the other refusals call the entries' ``main`` in this process (``helpers.launch_here``,
+``train_refused_here``; a fresh interpreter imports torch and torchtitan for ~10 s)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import CONFIGS
+from helpers import CONFIGS, launch_here, train_refused_here
 
 pytestmark = pytest.mark.slow  # each case imports torch + torchtitan in a fresh process (~5 s)
 
@@ -49,8 +52,7 @@ def test_a_second_launch_into_a_live_runs_folder_is_refused(tmp_path):
     try:
         assert hold.stdout.readline().strip() == "held"
         before = _files(dump)
-        p = _run("titan_ledger.launch", "--nproc", "2", "--", "--job.config_file", DEBUG,
-                 "--job.dump_folder", str(dump))
+        p = launch_here("--job.config_file", DEBUG, "--job.dump_folder", dump)
         _one_line(p, "launch", "another run is training there", f"PID {hold.pid}")
         assert _files(dump) == before  # nothing written by the refused launch
     finally:
@@ -61,20 +63,18 @@ def test_a_second_launch_into_a_live_runs_folder_is_refused(tmp_path):
 def test_a_dump_folder_that_is_a_file_and_a_binary_config_are_one_line(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("x")
-    _one_line(_run("titan_ledger.launch", "--nproc", "2", "--", "--job.config_file", DEBUG,
-                   "--job.dump_folder", str(f / "run")), "launch", str(f), "give a folder path")
+    _one_line(launch_here("--job.config_file", DEBUG, "--job.dump_folder", f / "run"), "launch", str(f),
+              "give a folder path")
     binary = tmp_path / "x.toml"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
-    _one_line(_run("titan_ledger.launch", "--nproc", "2", "--", "--job.config_file", str(binary)),
-              "launch", str(binary), "not a text file")
+    _one_line(launch_here("--job.config_file", binary), "launch", str(binary), "not a text file")
     empty = tmp_path / "empty.toml"
     empty.write_text("# nothing yet\n")
     _one_line(_run("titan_ledger.train", "--job.config_file", str(empty)), "train", "holds no settings")
 
 
 def test_train_without_torchrun_on_a_two_process_world(tmp_path):
-    p = _run("titan_ledger.train", "--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "d"),
-             env={"WORLD_SIZE": "2"})
+    p = train_refused_here("--job.config_file", DEBUG, "--job.dump_folder", tmp_path / "d", WORLD_SIZE="2")
     _one_line(p, "train", "RANK and LOCAL_RANK are not", "titan_ledger.launch --nproc 2")
     assert not (tmp_path / "d").exists()
 
@@ -83,7 +83,6 @@ def test_a_missing_tokenizer_folder_is_one_line_before_the_ranks(tmp_path):
     """torchtitan's tokenizer raises a FileNotFoundError naming no file, on every rank, after
     the process group; ``train.check_files`` names the flag first."""
     none = tmp_path / "no_tokenizer"
-    p = _run("titan_ledger.launch", "--nproc", "2", "--", "--job.config_file", DEBUG,
-             "--job.dump_folder", str(tmp_path / "d"), "--hf_assets_path", str(none))
+    p = launch_here("--job.config_file", DEBUG, "--job.dump_folder", tmp_path / "d", "--hf_assets_path", none)
     _one_line(p, "launch", f"--hf_assets_path {none}: no such folder")
     assert not (tmp_path / "d").exists()

@@ -5,11 +5,14 @@ holds a run with another data fingerprint are ONE stderr line and exit 2 from
 itself (``load_config``, before any process group), and the refused launch writes
 nothing into the dump folder (no ``structured_logs/``, no lock, no ledger line).
 
-Real processes (``slow``); one 2-step training run (module-scoped) is the run already
-in the folder. Its data fingerprint hashes the seed, so ``--dataloader.seed 7`` is
-"another run's data" at the same seq_len and global batch. The variants of each check
-are called in this process (``loader.check_inputs``, ``loader.data_fingerprint``,
-``ledger.claim_dump_folder``)."""
+One 2-step training run (module-scoped, ``slow``) is the run already in the folder. Its
+data fingerprint hashes the seed, so ``--dataloader.seed 7`` is "another run's data" at
+the same seq_len and global batch. One refusal of each entry runs as a real process (the
+missing corpus through ``launch``, the other fingerprint through ``train``: one line on
+the process's stderr, exit 2); the others call the entries' ``main`` in this process
+(``helpers.launch_here``, ``train_refused_here``: a fresh interpreter imports torch and
+torchtitan for ~10 s), and the variants of each check the functions themselves
+(``loader.check_inputs``, ``loader.data_fingerprint``, ``ledger.claim_dump_folder``)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CONFIGS, ROOT, child_env, explain, py
+from helpers import CONFIGS, ROOT, child_env, explain, launch_here, py, train_refused_here
 
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
 from titan_ledger.data.loader import LedgerDataLoader, check_inputs, data_fingerprint
@@ -91,8 +94,9 @@ def test_an_empty_corpus_is_one_line_before_the_ranks(tmp_path):
     (corpus / "data.jsonl").write_text("")  # datasets would raise a bare StopIteration on the ranks
     dump = tmp_path / "run"
     args = ["--job.config_file", DEBUG, "--job.dump_folder", dump, "--dataloader.dataset_path", corpus]
-    _one_line(_launch(*args), "launch", f"--dataloader.dataset_path {corpus}", "empty")
-    _one_line(_train(*args, *ONE_PROCESS), "train", f"--dataloader.dataset_path {corpus}", "empty")
+    _one_line(launch_here(*args), "launch", f"--dataloader.dataset_path {corpus}", "empty")
+    _one_line(train_refused_here(*args, *ONE_PROCESS, WORLD_SIZE="1"), "train",
+              f"--dataloader.dataset_path {corpus}", "empty")
     assert not dump.exists()
 
 
@@ -100,8 +104,8 @@ def test_an_empty_corpus_is_one_line_before_the_ranks(tmp_path):
 def test_a_missing_hf_data_file_is_one_line_before_the_ranks(tmp_path):
     dump = tmp_path / "run"
     missing = tmp_path / "shards" / "*.parquet"
-    _one_line(_launch("--job.config_file", DEBUG, "--job.dump_folder", dump, "--dataloader.source", "hf",
-                      "--dataloader.data_files", missing),
+    _one_line(launch_here("--job.config_file", DEBUG, "--job.dump_folder", dump, "--dataloader.source", "hf",
+                          "--dataloader.data_files", missing),
               "launch", "--dataloader.data_files", str(missing), "no such file")
     assert not dump.exists()
 
@@ -111,7 +115,7 @@ def test_a_folder_holding_another_data_fingerprint_is_refused_and_left_untouched
     before = _files(trained)
     needles = [trained, "fingerprint", "--ledger.new_run", "--dump_folder"]
     other = ["--job.config_file", DEBUG, "--job.dump_folder", trained, "--dataloader.seed", "7"]
-    _one_line(_launch(*other), "launch", *needles)
+    _one_line(launch_here(*other), "launch", *needles)
     assert _files(trained) == before  # no structured_logs/, no lock, no new ledger line
     _one_line(_train(*other, *ONE_PROCESS), "train", *needles)
     assert _files(trained) == before
@@ -121,7 +125,7 @@ def test_a_folder_holding_another_data_fingerprint_is_refused_and_left_untouched
 def test_the_same_data_resumes_and_new_run_is_accepted(trained):
     same = ["--job.config_file", DEBUG, "--job.dump_folder", trained]
     for extra in ([], ["--dataloader.seed", "7", "--ledger.new_run"]):  # (--print: no run)
-        p = py("-m", "titan_ledger.launch", "--nproc", "2", "--print", "--", *map(str, same + extra))
+        p = launch_here(*same, *extra, opts=["--print"])
         assert p.returncode == 0 and "titan_ledger.train" in p.stdout, explain(p)
 
 

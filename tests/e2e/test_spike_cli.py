@@ -24,7 +24,7 @@ from helpers import (
     torchrun,
 )
 
-from titan_ledger.tools import diagnose, lookup, rollback
+from titan_ledger.tools import diagnose, lookup, replay, rollback
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +72,11 @@ def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
 
 def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
     d = tmp_path / "inj"
-    p = py("-m", "titan_ledger.replay", "inject", "--step", "24", "--rank", "1", "--kind", "repeat",
-           "--dump-folder", d, "--json", "--", *LONG)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    out = json.loads(p.stdout)
+    # in process (replay's subprocess smoke tests: test_data_cli.py's check, test_rerun_e2e.py's rerun)
+    rc, out, err = cli(replay.main, ["inject", "--step", "24", "--rank", "1", "--kind", "repeat",
+                                     "--dump-folder", d, "--json", "--", *LONG])
+    assert rc == 0, out + err[-3000:]
+    out = json.loads(out)
     assert out["shown"] and out["loss_max_rank"] == 1 and out["grad_norm_ratio"] > 3
     # diagnose: its subprocess smoke test
     diag = py("-m", "titan_ledger.diagnose", d, "--json")
@@ -144,10 +145,10 @@ def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_pa
 
 
 def test_drill(tmp_path):
-    p = py("-m", "titan_ledger.replay", "drill", "--step", "10", "--rank", "1", "--dump-folder",
-           tmp_path, "--json", "--", *SHORT, "--checkpoint.interval", "4")
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    out = json.loads(p.stdout)
+    rc, out, err = cli(replay.main, ["drill", "--step", "10", "--rank", "1", "--dump-folder", tmp_path,
+                                     "--json", "--", *SHORT, "--checkpoint.interval", "4"])
+    assert rc == 0, out + err[-3000:]
+    out = json.loads(out)
     assert out["passed"] and out["located"]["step"] == 10
     assert out["rollback"] == {"load_step": 8, "skip_window": [9, 11]}
     assert out["spikes_after_rollback"] == [] and out["steps_compared"] == 12

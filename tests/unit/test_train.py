@@ -157,3 +157,16 @@ def test_main_uses_the_error_exit_code(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         train.main([])
     assert e.value.code == 1
+
+
+def test_a_bad_input_error_is_said_by_rank_0_or_by_a_rank_left_alive(monkeypatch, capsys):
+    # rank 0 says it at once; under torchrun another rank says it only if it is still alive
+    # after the wait (torchrun stops every rank when rank 0 exits); elsewhere it stays silent
+    monkeypatch.setattr(train, "SAY_ONCE_WAIT_S", 0.0)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for rank, torchrun, said in (("0", False, True), ("1", False, False), ("1", True, True)):
+        monkeypatch.setenv("RANK", rank)
+        if torchrun:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+        train._say_once("titan_ledger.train: error: x")
+        assert (capsys.readouterr().err == "titan_ledger.train: error: x\n") is said, (rank, torchrun)
