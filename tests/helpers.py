@@ -90,9 +90,18 @@ def torchrun_popen(args: list[str], nproc: int = 2, **env) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def train_cli(args: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
-    """``python -m titan_ledger.train ARGS`` without torchrun (config errors, dry runs)."""
-    return subprocess.run([sys.executable, "-m", "titan_ledger.train", *args], cwd=ROOT,
+def train_argv(warm: bool = True) -> list[str]:
+    """``python -m titan_ledger.train`` (one process, no torchrun): forked from the warm
+    launcher when it runs (``warm_launch.py train``), else a fresh interpreter."""
+    if warm and _warm_socket():
+        return [sys.executable, str(ROOT / "tests" / "warm_launch.py"), "train", _WARM["path"]]
+    return [sys.executable, "-m", "titan_ledger.train"]
+
+
+def train_cli(args: list[str], timeout: int = 300, warm: bool = False, **env) -> subprocess.CompletedProcess:
+    """``python -m titan_ledger.train ARGS`` without torchrun (config errors, dry runs;
+    ``warm``: see ``train_argv``)."""
+    return subprocess.run([*train_argv(warm), *map(str, args)], cwd=ROOT,
                           env=child_env(**env), capture_output=True, text=True, timeout=timeout)
 
 

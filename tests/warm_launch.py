@@ -11,6 +11,10 @@ fork --run-path`` so that its ranks are forks too. What a rank runs is
 ``titan_ledger.train.main`` with the launch's argv, environment and working
 directory, as under a cold torchrun.
 
+``python tests/warm_launch.py train SOCKET <train args>`` is the same for one process
+without torchrun (``python -m titan_ledger.train``: the GPU configs' dry runs on the fake
+backend, each otherwise ~10 s of imports).
+
 The client (``python tests/warm_launch.py client SOCKET <torchrun args>``) is what a
 test or a tool starts instead of ``python -m torch.distributed.run``: it hands its
 stdout/stderr, environment, cwd and argv to the server and exits with torchrun's exit
@@ -64,11 +68,18 @@ def _agent(conn: socket.socket, req: dict) -> None:
     os.chdir(req["cwd"])
     code = 1
     try:
-        import torch.distributed.run as run
+        if req.get("train"):  # one process, no torchrun (a dry run on the fake backend)
+            from titan_ledger.train import main
 
-        sys.argv = ["torchrun", *_torchrun_argv(req["argv"])]
-        run.main(sys.argv[1:])
-        code = 0
+            sys.argv = ["titan_ledger.train", *req["argv"]]
+            main(req["argv"])
+            code = 0
+        else:
+            import torch.distributed.run as run
+
+            sys.argv = ["torchrun", *_torchrun_argv(req["argv"])]
+            run.main(sys.argv[1:])
+            code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # torchrun's failure (ChildFailedError): its traceback, exit 1 as torchrun
@@ -132,13 +143,16 @@ def serve(path: str) -> None:
         conn.close()
 
 
-def client(path: str, argv: list[str]) -> int:
+def client(path: str, argv: list[str], train: bool = False) -> int:
+    """``train``: ``python -m titan_ledger.train ARGV`` in one process (no torchrun)."""
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
     except OSError:  # no server: the cold launch
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
-    req = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode() + b"\n"
+        cold = ["-m", "titan_ledger.train"] if train else ["-m", "torch.distributed.run"]
+        os.execv(sys.executable, [sys.executable, *cold, *argv])
+    req = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                      "train": train}).encode() + b"\n"
     socket.send_fds(conn, [req], [0, 1, 2])
     got = b""
     while len(got) < 4:
@@ -163,5 +177,7 @@ if __name__ == "__main__":
         serve(sys.argv[2])
     elif sys.argv[1] == "client":
         sys.exit(client(sys.argv[2], sys.argv[3:]))
+    elif sys.argv[1] == "train":
+        sys.exit(client(sys.argv[2], sys.argv[3:], train=True))
     elif sys.argv[1] == "rank":
         rank_main()

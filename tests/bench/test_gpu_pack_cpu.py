@@ -86,7 +86,7 @@ def test_llama3_1b_bench_dry_run(tmp_path):
 
     proc = train_cli(["--module", "titan_ledger", "--config", "llama3_1b_bench", "--comm.mode", "fake_backend",
                       "--dump_folder", str(tmp_path)],
-                     NGPU="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", timeout=300)
+                     NGPU="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", timeout=300, warm=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, explain(proc)
     assert "dry run: built LedgerTrainer for world size 1" in out

@@ -6,10 +6,9 @@
 import os
 import re
 import subprocess
-import sys
 
 import pytest
-from helpers import CONFIGS, ROOT, child_env, error_lines, explain, free_port, read_tb, torchrun, train_cli
+from helpers import CONFIGS, ROOT, child_env, error_lines, explain, free_port, read_tb, torchrun, train_argv, train_cli
 
 # --------------------------------------------------------------------------- bad input
 
@@ -79,12 +78,12 @@ GPU_CONFIGS = {"llama3_8b.toml": 8, "llama3_70b.toml": 64, "llama3_405b.toml": 5
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory):
-    """The three dry runs, started together: each is mostly the import of torch and
-    torchtitan, which two cores do side by side."""
+    """The three dry runs, started together, forked from the warm launcher (a fresh
+    interpreter's import of torch and torchtitan was most of each)."""
     procs = {}
     for toml, world in GPU_CONFIGS.items():
         dump = tmp_path_factory.mktemp(toml.removesuffix(".toml"))
-        argv = [sys.executable, "-m", "titan_ledger.train", "--job.config_file", str(CONFIGS / toml),
+        argv = [*train_argv(), "--job.config_file", str(CONFIGS / toml),
                 "--comm.mode", "fake_backend", "--dump_folder", str(dump),
                 # the recipes' HF tokenizer / C4 need a download; the build does not care
                 "--hf_assets_path", str(ROOT / "titan_ledger/assets/tokenizer"),
