@@ -228,6 +228,25 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory)
 
 
+# --------------------------------------------------------------------------- two workers
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) every fixture
+    is built once per worker, so the groups follow the fixtures: a module is one group
+    (its module-scoped runs), and every module with a test that uses the session's
+    ``runs`` joins one ``runs`` group, on one worker. That group goes first: it is the
+    longest (about a third of the suite), and the other worker fills in around it.
+
+    Why two workers on two cores: the suite alone keeps the cores about half busy
+    (in-process CLIs and unit tests use one; launches wait on rendezvous, files and
+    sleeps), and a gloo rank waiting in a collective sleeps rather than spins (measured:
+    0.03 s of CPU over a 5 s wait)."""
+    shared = {it.nodeid.split("::")[0] for it in items if "runs" in getattr(it, "fixturenames", ())}
+    for it in items:
+        module = it.nodeid.split("::")[0]
+        it.add_marker(pytest.mark.xdist_group("runs" if module in shared else module))
+    items.sort(key=lambda it: it.nodeid.split("::")[0] not in shared)  # stable: order kept within each
+
+
 
 @pytest.fixture(autouse=True)
 def _tools_launch_warm(request, monkeypatch):
