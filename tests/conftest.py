@@ -9,7 +9,9 @@ and launched on first use (``runs.straight("FSDP2")``, ``runs.resumed("PP")``, .
 so one torchrun launch serves every assertion about it; see ``Runs``.
 """
 
+import functools
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -229,23 +231,47 @@ def runs(tmp_path_factory) -> Runs:
 
 
 # --------------------------------------------------------------------------- two workers
+# Under pytest-xdist (``-n 2 --dist loadscope --no-loadscope-reorder``, pyproject's
+# addopts) every fixture is built once per worker, so the work units follow the
+# fixtures: a module is one unit (its module-scoped runs), and every module that uses
+# the session's ``runs`` joins one ``runs`` unit, on one worker. That unit goes first:
+# it is the longest (about a third of the suite), and the other worker fills in around
+# it. (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer allows: its
+# markers are ignored, and shared runs and module fixtures were built on both workers.)
+#
+# Why two workers on two cores: the suite alone keeps the cores about two-thirds busy
+# (in-process CLIs and unit tests use one; launches wait on rendezvous, files and
+# sleeps), and a gloo rank waiting in a collective sleeps rather than spins (measured:
+# 0.03 s of CPU over a 5 s wait).
+_USES_RUNS = re.compile(r"def \w+\([^)]*\bruns\b", re.S)  # a test or fixture taking ``runs``
+
+
+@functools.cache
+def _unit(module: str) -> str:
+    """The xdist work unit of a test module (a rootdir-relative path)."""
+    return "runs" if _USES_RUNS.search((ROOT / module).read_text()) else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FixtureUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::")[0])
+
+    return FixtureUnits(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) every fixture
-    is built once per worker, so the groups follow the fixtures: a module is one group
-    (its module-scoped runs), and every module with a test that uses the session's
-    ``runs`` joins one ``runs`` group, on one worker. That group goes first: it is the
-    longest (about a third of the suite), and the other worker fills in around it.
-
-    Why two workers on two cores: the suite alone keeps the cores about half busy
-    (in-process CLIs and unit tests use one; launches wait on rendezvous, files and
-    sleeps), and a gloo rank waiting in a collective sleeps rather than spins (measured:
-    0.03 s of CPU over a 5 s wait)."""
+    """The ``runs`` modules first (order kept within each); and a check that the
+    scheduler's reading of the sources (``_unit``) agrees with the fixtures."""
     shared = {it.nodeid.split("::")[0] for it in items if "runs" in getattr(it, "fixturenames", ())}
-    for it in items:
-        module = it.nodeid.split("::")[0]
-        it.add_marker(pytest.mark.xdist_group("runs" if module in shared else module))
-    items.sort(key=lambda it: it.nodeid.split("::")[0] not in shared)  # stable: order kept within each
-
+    missed = sorted(m for m in shared if _unit(m) != "runs")
+    if missed:
+        raise pytest.UsageError(f"tests/conftest.py: {missed} use the shared `runs` through a fixture "
+                                "_USES_RUNS does not see: take `runs` as an argument in that module")
+    items.sort(key=lambda it: _unit(it.nodeid.split("::")[0]) != "runs")  # stable
 
 
 @pytest.fixture(autouse=True)
