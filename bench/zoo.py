@@ -1,6 +1,6 @@
 """Spike zoo (issue 14): spikes produced for real, and how often ``diagnose`` names their cause.
 
-    python bench/zoo.py [--only NAME ...] [--set tuned|held_out|controls|all] [--json] [--folder DIR]
+    python bench/zoo.py [--only NAME ...] [--set tuned|held_out|controls|sharp|attempted|smoke|all] [--json] [--folder DIR]
 
 Design decision: every spike here comes out of a real training run of the
 ``debug_cpu`` model (llama3 debug, FSDP over 2 gloo ranks, 4 rows x 256 tokens per
@@ -49,6 +49,9 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   ``precision_sharp`` (the same base relaunched in bf16: no spike).
   ``--adam-bound`` prints why the optimizer-state mechanism needs far longer runs
   (``adam_peak``).
+* smoke (``--set smoke``; not in ``all``): ``hardware_smoke``, the CI test's scenario
+  (``tests/bench/test_zoo.py``): a bit flip at step 12 of 16 steps at a quarter of the
+  rows; it measures nothing.
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,

@@ -127,7 +127,8 @@ def cli(main, argv: list[str]) -> tuple[int, str, str]:
 def launch_here(*train_args, nproc: int = 2, opts=()) -> subprocess.CompletedProcess:
     """``python -m titan_ledger.launch [opts] --nproc N -- TRAIN_ARGS`` through its ``main`` in
     this process, as a CompletedProcess (a refusal or ``--print`` never reaches torchrun).
-    The process forms are smoke-tested in tests/e2e/test_launch_e2e.py."""
+    The process forms are smoke-tested in tests/e2e/test_launch_e2e.py (``--help``) and
+    tests/e2e/test_preflight_e2e.py (a refusal)."""
     from titan_ledger.tools import launch
 
     argv = [*map(str, opts), "--nproc", str(nproc), "--", *map(str, train_args)]
