@@ -196,7 +196,6 @@ def test_source_and_licence_selection_is_sorted_and_deduplicated(corpora, tmp_pa
                    ("z/COPYING", "GPL " * 100), ("z/licensing.py", "not a licence " * 50),
                    ("pytest_xdist-3.8.0.dist-info/licenses/LICENSE", "MIT " * 100),  # the dev extra's runner:
                    ("execnet-2.1.2.dist-info/licenses/LICENSE", "MIT, too " * 100)):  # left out
-
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(t)
     (lib / "LICENSE.txt").write_text("PSF " * 100)
