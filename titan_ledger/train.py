@@ -43,7 +43,7 @@ from titan_ledger.config.toml_frontend import (
     read_job,
     world_size_from_env,
 )
-from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line, os_error_line
+from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line, os_error_line, python_command
 from titan_ledger.rehearsal import backend
 
 PROG = "titan_ledger.train"
@@ -84,6 +84,19 @@ def check_ranks(config) -> None:
         raise ConfigError(f"WORLD_SIZE={world} is set but {' and '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not: start the {world} ranks with "
                           f"python -m titan_ledger.launch --nproc {world} -- <these flags> (or torchrun)")
+
+
+def check_launched(config) -> None:
+    """The process was started as a rank: torchtitan reads LOCAL_RANK when it picks the
+    device and fails with a bare traceback when it is unset (a plain ``python -m
+    titan_ledger.train``). Checked in :func:`run` only, after the config is accepted, so
+    the in-process refusals of bad input keep their own lines; ``local_tensor`` needs no rank."""
+    if config.comm.mode == "local_tensor" or "LOCAL_RANK" in os.environ:
+        return
+    raise ConfigError("LOCAL_RANK is not set: this process was not started as a rank; run "
+                      "python -m titan_ledger.launch --nproc 1 -- <these flags> (or torchrun "
+                      "--nproc_per_node 1 -m titan_ledger.train <these flags>), or for a dry run "
+                      "set RANK=0 LOCAL_RANK=0 WORLD_SIZE=<the world size>")
 
 
 def check_dump_folder_path(dump_folder) -> None:
@@ -435,11 +448,12 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
 
     opt = f" --ledger-folder {ledger_folder}" if str(ledger_folder) != "ledger" else ""
     look = spike_steps[0] if spike_steps else (max(steps) if steps else 1)
+    py = python_command()  # the interpreter that trained: the commands run as printed
     lines += [
         "  look at it:",
-        f"    python -m titan_ledger.plot {dump} -o signals.png{opt}",
-        f"    python -m titan_ledger.diagnose {dump}{opt}",
-        f"    python -m titan_ledger.lookup --dump-folder {dump} --step {look}{opt}",
+        f"    {py} -m titan_ledger.plot {dump} -o signals.png{opt}",
+        f"    {py} -m titan_ledger.diagnose {dump}{opt}",
+        f"    {py} -m titan_ledger.lookup --dump-folder {dump} --step {look}{opt}",
     ]
     return "\n".join(lines)
 
@@ -488,6 +502,7 @@ def run(argv: list[str]) -> None:
     """Parse, build, train. Raises TitanLedgerError on bad input."""
     quiet_imports()
     config, job = load_config(argv)
+    check_launched(config)
     from titan_ledger.components.ledger import record_launch
 
     record_launch(argv, os.getcwd())  # CHANGED from torchtitan: the tools reuse the recorded launch

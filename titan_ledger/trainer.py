@@ -506,8 +506,11 @@ def scale_lr(lr_schedulers, factor: float) -> None:
 
 def ladder_report(ledger, config, rec: dict) -> str:
     """One screen: what happened, what was tried, where the evidence is, what to run."""
+    from titan_ledger.errors import python_command
+
     folder = ledger.folder
     dump = config.dump_folder
+    py = python_command()  # the interpreter that trained: the commands run as printed
     tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
                       for h in ledger.ladder.history) or "nothing"
     return "\n".join([
@@ -517,9 +520,9 @@ def ladder_report(ledger, config, rec: dict) -> str:
         f"  what was tried: {tried}",
         f"  evidence: {folder / 'spikes.jsonl'} (every flag and decision), {folder / 'signals.jsonl'}, "
         f"{folder}/data_dp*.jsonl (documents and their losses), checkpoints in {dump}/checkpoint",
-        f"  next: python -m titan_ledger.diagnose {dump} --step {rec['step']}",
-        f"        python -m titan_ledger.report {dump} --step {rec['step']} -o incident.html",
-        f"        python -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']}  (reuses this run's launch)",
+        f"  next: {py} -m titan_ledger.diagnose {dump} --step {rec['step']}",
+        f"        {py} -m titan_ledger.report {dump} --step {rec['step']} -o incident.html",
+        f"        {py} -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']}  (reuses this run's launch)",
     ])
 
 

@@ -150,6 +150,12 @@ def test_incident_report_renders_in_chromium(run, tmp_path):
     page = out.read_text()
     assert "Incident: loss spike at step 10" in page and "injected batch" in page
     assert "--checkpoint.load_step 8" in page or "load checkpoint" in page
+    # the per-rank table of the rolled-back step holds the rank files' rows as it trained,
+    # and the caption counts this run's own steps
+    ranks = page.split("<h2>Per-rank losses</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "before a rollback or resume superseded it" in ranks and "None" not in ranks, ranks
+    last = max(int(r.get("last_step") or r["step"]) for r in RunLedger(dump).signals.history)
+    assert f"<p>Steps 1-{last}: " in page, re.findall(r"<p>Steps [^:]*:", page)
     layout = info["signals_plot"]["layout"]
     assert_legible(layout, [10])
     assert all(p["lines"] for p in layout["panels"]), layout["panels"]  # every signal drawn

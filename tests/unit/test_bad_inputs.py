@@ -207,6 +207,11 @@ def torn(name):
     return lambda L, t: tear(L / name)
 
 
+def torn_last_step(name):
+    """kill -9 mid-write of a step's own row: the file's last line (step 30) cut short."""
+    return lambda L, t: cut_after(L / name, (L / name).stat().st_size - 9)
+
+
 def from_other_run(name):
     return lambda L, t: other_run(L / name)
 
@@ -389,6 +394,8 @@ CASES = [
     ("check-b-killed-early", "replay", two_runs(steps=20), ["check", "{t}/a", "{t}/b"], 1, ["DIFFERENT", "step 21 is missing from B"]),
     ("check-b-garbage-mid-file", "replay", two_runs(garbage_row("data_dp1.jsonl")), ["check", "{t}/a", "{t}/b"], 2, ["b/ledger/data_dp1.jsonl:12", "not a ledger row"]),
     ("check-b-torn-last-line", "replay", two_runs(torn("data_dp0.jsonl")), ["check", "{t}/a", "{t}/b"], 0, ["EQUAL", "warning:b/ledger/data_dp0.jsonl:32: torn last line skipped"]),
+    ("check-b-torn-last-step", "replay", two_runs(torn_last_step("data_dp0.jsonl")), ["check", "{t}/a", "{t}/b"], 0, ["EQUAL", "B's record ends at step 29", "steps compared    29"]),
+    ("check-b-torn-then-different", "replay", two_runs(lambda L, t: (changed_id(L, t), torn_last_step("data_dp0.jsonl")(L, t))), ["check", "{t}/a", "{t}/b"], 1, ["DIFFERENT", "step 7"]),
     ("check-b-other-run", "replay", two_runs(from_other_run("data_dp1.jsonl")), ["check", "{t}/a", "{t}/b"], 2, ["b/ledger/data_dp1.jsonl", "holds run 'run-b'"]),
     # ---------------------------------------------------------------- replay resume/inject/drill: refused before training
     ("resume-no-train-flags", "replay", None, ["resume", "--kill-at", "3", "--dump-folder", "{t}/r"], 2, ["--job.config_file"]),

@@ -208,5 +208,9 @@ def test_overlays_merge_in_order_and_errors_name_the_overlay(tmp_path):
     bad = _write(tmp_path, "[ledger]\nskip_stepz = [\"1\"]\n", "bad.toml")
     with pytest.raises(ConfigError, match=r"bad.toml: \[ledger\] skip_stepz: unknown key"):
         parse(read_job(["--job.config_file", base, "--job.overlay", bad]))
+    with pytest.raises(ConfigError, match=r"nope.toml: no such config file \(check --job.overlay;"):
+        read_job(["--job.config_file", base, "--job.overlay", str(tmp_path / "nope.toml")])
+    with pytest.raises(ConfigError, match=r"nope.toml: no such config file \(check --job.config_file;"):
+        read_job(["--job.config_file", str(tmp_path / "nope.toml")])
     with pytest.raises(ConfigError, match="cannot set \\[job\\]"):
         read_job(["--job.config_file", base, "--job.overlay", _write(tmp_path, "[job]\nconfig='x'\n", "j.toml")])

@@ -170,3 +170,43 @@ def test_a_bad_input_error_is_said_by_rank_0_or_by_a_rank_left_alive(monkeypatch
             monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
         train._say_once("titan_ledger.train: error: x")
         assert (capsys.readouterr().err == "titan_ledger.train: error: x\n") is said, (rank, torchrun)
+
+
+def test_a_plain_python_launch_is_one_line_naming_the_launcher(tmp_path, monkeypatch):
+    """``python -m titan_ledger.train`` without torchrun: no LOCAL_RANK, one line, exit 2
+    (torchtitan's own ``ValueError: LOCAL_RANK must be set`` traceback before)."""
+    from helpers import CONFIGS, cli
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    rc, out, err = cli(train.main, ["--job.config_file", str(CONFIGS / "debug_cpu.toml"),
+                                    "--parallelism.data_parallel_shard_degree", "-1",
+                                    "--dump_folder", str(tmp_path / "run")])
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("titan_ledger.train: error: LOCAL_RANK is not set"), err
+    assert "python -m titan_ledger.launch --nproc 1" in lines[0] and "RANK=0 LOCAL_RANK=0" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_printed_commands_name_the_interpreter_that_runs(monkeypatch, tmp_path):
+    """The summary's next commands run as printed: ``python`` when it is this interpreter,
+    else this interpreter's path (relative below the working directory)."""
+    import sys
+
+    from titan_ledger.errors import python_command
+
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert python_command() == ".venv/bin/python"
+    assert ".venv/bin/python -m titan_ledger.diagnose" in train.run_summary(tmp_path)
+    monkeypatch.setenv("PATH", str(venv))  # the venv activated
+    assert python_command() == "python"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # not below: the absolute path
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert python_command() == str(venv / "python")

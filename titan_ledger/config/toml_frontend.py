@@ -148,20 +148,22 @@ def _merge(base: dict, over: dict, origins: dict, path: str, section: str | None
             origins[(section, key)] = path
 
 
-def load_toml(path: str) -> dict[str, Any]:
+def load_toml(path: str, flag: str = "--job.config_file") -> dict[str, Any]:
+    """Read one TOML file; errors name ``flag``, the flag that gave the path (a config
+    file, or an ``--job.overlay``)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(
-            f"{path}: no such config file (check --job.config_file; configs live in train_configs/)"
-        )
+        where = "configs live in train_configs/" if flag == "--job.config_file" else \
+            "an overlay is a TOML file of config sections, e.g. the one rollback --write wrote"
+        raise ConfigError(f"{path}: no such config file (check {flag}; {where})")
     try:
         with p.open("rb") as f:
             return tomli.load(f)
     except tomli.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+        raise ConfigError(f"{path}: malformed TOML: {e} (check {flag})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (TOML is UTF-8 text); check "
-                          f"--job.config_file") from None
+                          f"{flag}") from None
 
 
 def read_job(argv: list[str]) -> Job:
@@ -198,7 +200,7 @@ def read_job(argv: list[str]) -> Job:
         job.config = jsec.get("config", job.config)
         job.description = jsec.get("description")
     for path in overlays:  # e.g. titan_ledger.rollback --write: later files win
-        over = load_toml(path)
+        over = load_toml(path, "--job.overlay")
         if "job" in over:
             raise ConfigError(f"{path}: an overlay cannot set [job]; it only overrides config sections")
         _merge(job.doc, over, job.key_files, path, None)

@@ -71,6 +71,24 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
                               f"{hb.get(key)!r}; compare runs of the same config")
     a, b = step_ids(la), step_ids(lb)
     res = CheckResult(True, ranks=sorted(set(la.history) | set(lb.history)))
+    # A torn last line (kill -9 mid-write) ends that run's record: its steps after the
+    # last one every DP rank completed are not compared, and the other run's steps
+    # past that end are not "missing" from it (README: a cut file is not a divergence).
+    end = None
+    for name, lg, ids in (("A", la, a), ("B", lb, b)):
+        if not lg.torn:
+            continue
+        last = _last_complete_step(ids, set(lg.torn))  # the torn ranks lost their last step
+        for s in [s for s in ids if s > last]:
+            del ids[s]
+        end = last if end is None else min(end, last)
+        files = ", ".join(str(lg.files[r].name) for r in sorted(lg.torn))
+        res.notes.append(f"{name}'s record ends at step {last} (the last line of {files} is torn: "
+                         f"a kill mid-write); steps after {last} are not compared")
+    if end is not None:
+        for ids in (a, b):
+            for s in [s for s in ids if s > end]:
+                del ids[s]
     for name, lg, ids in (("A", la, a), ("B", lb, b)):
         for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
             seen: dict[int, int] = {}
@@ -108,6 +126,13 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
     if res.overlaps:
         res.equal = False
     return res
+
+
+def _last_complete_step(ids: dict[int, dict], ranks: set[int]) -> int:
+    """The last step of ``ids`` (step -> {DP rank: ids}) that every rank in ``ranks`` (the
+    ranks whose file is torn) recorded before its torn line (0: none)."""
+    per_rank = [max((s for s, pr in ids.items() if r in pr), default=0) for r in ranks]
+    return min(per_rank, default=0)
 
 
 def _show(v):

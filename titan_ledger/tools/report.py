@@ -88,9 +88,16 @@ def signals_section(led: RunLedger, step: int, around: int) -> tuple[str, dict]:
                     to_step=step + around, width_px=1100)
         b64 = base64.b64encode(out.read_bytes()).decode()
     return (f"<h2>Signals around step {step}</h2>" + _img(b64, f"signals around step {step}") +
-            f"<p>Steps {max(1, step - around)}-{step + around}: {info['rows']} trained steps, "
+            f"<p>Steps {max(1, step - around)}-{min(step + around, _last_step(led, step))}: "
+            f"{info['rows']} trained steps, "
             f"{info['rolled_back_rows']} rolled-back rows (faint), {info['skipped_windows']} skipped "
             f"windows (grey), clip threshold max_norm {info['max_norm']}.</p>"), info
+
+
+def _last_step(led: RunLedger, step: int) -> int:
+    """The run's last recorded step (a skipped window counts to its end), at least ``step``."""
+    rows = led.signals.history + led.signals.superseded
+    return max([step, *(int(r.get("last_step") or r["step"]) for r in rows)])
 
 
 def ranks_section(led: RunLedger, step: int, around: int) -> str:
@@ -108,8 +115,6 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
         sel = [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None]
         if sel:
             ax.plot([x["step"] for x in sel], [x["loss"] for x in sel], marker=".", lw=0.8, label=f"rank {r}")
-        hit = next((x for x in rows if x["step"] == step), None)
-        at.append([r, hit.get("loss") if hit else None, hit.get("tokens") if hit else None])
     ax.axvline(step, color="red", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("local loss (nats/token)")
@@ -117,9 +122,18 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
               frameon=False)  # right of the data, as on the signals panels: never over a line
     b64 = _png(fig)
     plt.close(fig)
-    return ("<h2>Per-rank losses</h2>" + _img(b64, "per-rank losses") +
-            f"<p>Each loss-owning rank's own average loss (rank&lt;r&gt;.jsonl), at step {step}:</p>" +
-            _table(["rank", "loss", "tokens"], at))
+    # the step as it trained: a rolled-back step's rows are in a superseded segment
+    hits = led.rank_rows_at(step)
+    current = {r for r, rows in per.items() if any(x["step"] == step and not x.get("skipped") for x in rows)}
+    at = [[r, hits[r].get("loss"), hits[r].get("tokens")] for r in sorted(hits)]
+    if not at:
+        table = f"<p class='none'>no rank file holds a trained row of step {step}</p>"
+    else:
+        when = "" if set(hits) <= current else \
+            " (as it trained before a rollback or resume superseded it: the run trained on without that step)"
+        table = (f"<p>Each loss-owning rank's own average loss (rank&lt;r&gt;.jsonl), at step {step}"
+                 f"{when}:</p>" + _table(["rank", "loss", "tokens"], at))
+    return "<h2>Per-rank losses</h2>" + _img(b64, "per-rank losses") + table
 
 
 def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
