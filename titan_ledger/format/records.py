@@ -110,6 +110,16 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.jsonl"
 
 
+#: ``<ledger>/rerun/``: the rerun summaries (one ``step<T>.json`` per proven step), and
+#: ``<dump>/rerun/``: the rerun variants' own dump folders
+RERUN_FOLDER = "rerun"
+
+
+def rerun_summary_file(ledger_folder: str | os.PathLike, step: int) -> Path:
+    """``<ledger>/rerun/step<T>.json``: the verdict of ``replay rerun`` at step T."""
+    return Path(ledger_folder) / RERUN_FOLDER / f"step{step}.json"
+
+
 SIGNAL_KEYS = (
     "step",
     "consumed_samples",

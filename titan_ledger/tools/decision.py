@@ -4,10 +4,14 @@ Design decision: the questions (``classify``), the LR-jump test the rerun's ``lr
 variant shares (``lr_jump``, ``lj_hit``), "is this step a spike at all"
 (``spike_check``, ``spike_steps``) and the documents of a step ranked by how far
 they sit from its median (``document_scores``) are functions of ledger rows and the
-data ledger, importing no other tool: :mod:`titan_ledger.tools.diagnose` (its CLI,
+data ledger, importing no other tool but :mod:`titan_ledger.tools.postmortem` (as pure:
+the recorded actions at a step): :mod:`titan_ledger.tools.diagnose` (its CLI,
 printing and the ``--rerun`` glue), :mod:`titan_ledger.tools.report` and
 :mod:`titan_ledger.tools.rerun` all build on them, and none of those is imported
-here. The questions themselves are listed in ``diagnose``'s docstring (its ``--help``).
+here. Importing it costs no torch: the spike rules (torch, torchtitan's Configurable)
+are imported by the functions that run them offline (``_spikes``), so ``diagnose
+--help`` and a read of recorded flags start in 0.15 s, not 3.3 s. The questions
+themselves are listed in ``diagnose``'s docstring (its ``--help``).
 """
 
 from __future__ import annotations
@@ -15,16 +19,27 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format.reader import RunLedger
-from titan_ledger.rehearsal import backend
 
-# diagnose --rerun and the rerun parse training configs in this process, so the device
-# backend must be chosen before spikes.py imports torchtitan (as trainer.py does)
-backend.ensure_installed()
+if TYPE_CHECKING:
+    from titan_ledger.components.spikes import SpikeDetector
 
-from titan_ledger.components.spikes import SpikeDetector, detect_offline  # noqa: E402
+
+def _spikes():
+    """The spike rules (torch and torchtitan), imported when a decision needs them: a
+    reader of JSONL (``diagnose --help``, ``report``, a ledger that recorded its flags)
+    does not pay for torch. The device backend is chosen first, as trainer.py does:
+    ``diagnose --rerun`` parses training configs in this process."""
+    from titan_ledger.rehearsal import backend
+
+    backend.ensure_installed()
+    from titan_ledger.components import spikes
+
+    return spikes
 
 CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "transient")
 
@@ -255,7 +270,7 @@ def spike_check(rows: list[dict], step: int, flagged: bool, th: Thresholds | Non
     """Is ``step`` a spike at all? The spike rules' numbers at that step against the
     ``th.pre`` trained steps before it (``diagnose --step`` on an ordinary step says
     so before walking the tree)."""
-    th, det = th or Thresholds(), det or SpikeDetector.Config()
+    th, det = th or Thresholds(), det or _spikes().SpikeDetector.Config()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
     at = next(r for r in trained if r["step"] == step)
     pre = [r for r in trained if step - th.pre <= r["step"] < step]
@@ -289,7 +304,8 @@ def spike_steps(led: RunLedger) -> list[int]:
     steps = led.spike_steps()
     if steps:
         return steps
-    return [e["step"] for e in detect_offline(led.signal_rows(), SpikeDetector.Config())]
+    spikes = _spikes()
+    return [e["step"] for e in spikes.detect_offline(led.signal_rows(), spikes.SpikeDetector.Config())]
 
 
 def document_scores(led: RunLedger, step: int) -> list[dict]:
@@ -340,12 +356,29 @@ CERTAINTIES = ("proven", "evidence", "guess")
 #: *was* the rank's median (the statistic fired on the rank's other, normal documents,
 #: 17.8x the usual distance above it) and sat at 0.71x the step's median; masking it alone
 #: removed the spike
-DOC_STANDOUT = math.exp(SpikeDetector.Config().doc_outlier_floor)
-DOC_CRITERION = (f"document loss >= {DOC_STANDOUT:.2g}x the step's median document or <= 1/{DOC_STANDOUT:.2g} "
-                 f"of it (|log ratio| >= {SpikeDetector.Config().doc_outlier_floor:g}, the spike rules' "
-                 f"doc_outlier_floor), or the document furthest from the step's median on a DP rank whose "
-                 f"documents the trainer's statistic put >= {Thresholds().doc_extreme:g}x their usual distance "
-                 f"from the rank's median")
+@cache
+def _doc_standout() -> float:
+    """``DOC_STANDOUT``: exp of the spike rules' default ``doc_outlier_floor`` (their one owner)."""
+    return math.exp(_spikes().SpikeDetector.Config().doc_outlier_floor)
+
+
+@cache
+def _doc_criterion() -> str:
+    """``DOC_CRITERION``: the rule above in words (quarantine records carry it)."""
+    x = _doc_standout()
+    return (f"document loss >= {x:.2g}x the step's median document or <= 1/{x:.2g} "
+            f"of it (|log ratio| >= {math.log(x):g}, the spike rules' "
+            f"doc_outlier_floor), or the document furthest from the step's median on a DP rank whose "
+            f"documents the trainer's statistic put >= {Thresholds().doc_extreme:g}x their usual distance "
+            f"from the rank's median")
+
+
+def __getattr__(name: str):  # DOC_STANDOUT / DOC_CRITERION, computed on first use (PEP 562)
+    if name == "DOC_STANDOUT":
+        return _doc_standout()
+    if name == "DOC_CRITERION":
+        return _doc_criterion()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int = 3) -> dict:
@@ -441,7 +474,7 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
         return [], "the run recorded no per-document losses at this step: no documents to name"
     why: dict[tuple, str] = {}
     for d in scores:
-        if d["vs_median"] >= DOC_STANDOUT or d["vs_median"] <= 1 / DOC_STANDOUT:
+        if d["vs_median"] >= _doc_standout() or d["vs_median"] <= 1 / _doc_standout():
             why[(d["source"], d["doc"])] = f"{d['vs_median']:.2f}x the step's median document"
     th = Thresholds()
     for side, y, m, rk in (("high", "doc_high_y", "doc_y_median_high", "doc_high_rank"),
@@ -461,11 +494,11 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
                        f"distance from the rank's median (the trainer's statistic)")
     out = [d for d in scores if (d["source"], d["doc"]) in why]
     if not out:
-        return [], f"no document stands out against the step ({DOC_CRITERION}): nothing to quarantine"
+        return [], f"no document stands out against the step ({_doc_criterion()}): nothing to quarantine"
     mine = [d for d in out if rank is None or d["dp_rank"] == rank]
     chosen = (mine or out)[:n]
-    return ([dict(d, criterion=DOC_CRITERION, stands_out=why[(d["source"], d["doc"])]) for d in chosen],
-            f"documents that stand out: {DOC_CRITERION}")
+    return ([dict(d, criterion=_doc_criterion(), stands_out=why[(d["source"], d["doc"])]) for d in chosen],
+            f"documents that stand out: {_doc_criterion()}")
 
 
 def _why_noted(note: dict) -> str | None:
@@ -524,7 +557,9 @@ def _apply_rerun(led: RunLedger, step: int, res: dict) -> None:
     ``swap``) that removes it shows only "something in this step's data" (evidence)."""
     import json
 
-    f = led.folder / "rerun" / f"step{step}.json"
+    from titan_ledger.format import records
+
+    f = records.rerun_summary_file(led.folder, step)
     try:
         summary = json.loads(f.read_text())
     except (OSError, ValueError):

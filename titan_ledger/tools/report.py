@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_ledger.errors import ConfigError, LedgerCorrupt, LedgerError, TitanLedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -238,7 +239,7 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
 
 
 def rerun_section(led: RunLedger, step: int) -> str:
-    folder = led.folder / "rerun"
+    folder = led.folder / records.RERUN_FOLDER
     head = "<h2>Rerun results</h2>"
     files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
     if not files:

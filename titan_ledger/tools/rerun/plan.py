@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_ledger.format import records
 from titan_ledger.tools.rerun.report import _ranges
 from titan_ledger.tools.rerun.variants import RerunError, Variant, ledger_values, parse_variant
 
@@ -27,7 +28,7 @@ class Plan:
         return self.stop - self.load_step
 
     def folder(self, v: Variant) -> Path:
-        return self.dump / "rerun" / v.slug(self.step)
+        return self.dump / records.RERUN_FOLDER / v.slug(self.step)
 
     def budget_line(self, n_launch: int | None = None) -> str:
         n = len(self.variants) if n_launch is None else n_launch

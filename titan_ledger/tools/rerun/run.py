@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from titan_ledger.format import records
 from titan_ledger.tools.rerun.comparison import VariantResult, compare
 from titan_ledger.tools.rerun.plan import Plan, checkpoints_of, make_plan, resolve_variant, strip_train_args
 from titan_ledger.tools.rerun.variants import (
@@ -243,9 +244,8 @@ def write_summary(ledger_dir: Path, rep: dict) -> Path:
             "folder", "note")
     summary = {"step": rep["step"], "load_step": rep["load_step"], "stop": rep["stop"],
                "verdict": rep["verdict"], "variants": [{k: v.get(k) for k in keep} for v in rep["variants"]]}
-    folder = Path(ledger_dir) / "rerun"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step{rep['step']}.json"
+    path = records.rerun_summary_file(ledger_dir, rep["step"])
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary) + "\n")
     os.replace(tmp, path)
