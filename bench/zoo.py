@@ -9,7 +9,7 @@ configuration or data carries one cause; nothing is drawn or written into a
 ledger by hand. Each scenario is then judged twice: ``diagnose --json`` (the
 heuristic decision tree over the ledger) and ``diagnose --rerun --json`` (reruns
 from the last checkpoint before the flagged step under the counterfactuals,
-:mod:`titan_ledger.rerun`). Truth is what the scenario planted, read back from the
+:mod:`titan_ledger.tools.rerun`). Truth is what the scenario planted, read back from the
 run's own ledger where it can be (the step whose rows hold the planted document).
 
 The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
@@ -22,7 +22,7 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   from the step-20 checkpoint with ``--optimizer.lr`` 30x (a mistyped relaunch; the
   true step is the first the ledger shows at >= 2x the LR of the step before);
   ``hardware`` -- ``--ledger.rehearsal.inject 28:0:bitflip`` (one exponent bit of one gradient
-  element, once; :mod:`titan_ledger.faults`). Round 2 added the first held-out round
+  element, once; :mod:`titan_ledger.rehearsal.faults`). Round 2 added the first held-out round
   after it was run once: ``bad_data_chars`` (4000 ``=``, step 33),
   ``bad_data_repeat_late`` (another token, step 45), ``lr_x20`` (20x from step 30),
   ``hardware_rank1`` (step 33, DP rank 1).

@@ -1,7 +1,7 @@
 """titan_ledger: stability signals and a replayable data ledger on torchtitan 0.3.0.
 
 Importing the package does not import torchtitan: the device backend has to be
-chosen first (see :mod:`titan_ledger.backend`). ``titan_ledger.LedgerTrainer``
+chosen first (see :mod:`titan_ledger.rehearsal.backend`). ``titan_ledger.LedgerTrainer``
 is resolved lazily and installs the default backend if none was chosen.
 """
 

@@ -1,4 +1,4 @@
-"""titan_ledger.cli: one way to name the run, one way to fail."""
+"""titan_ledger.tools.cli: one way to name the run, one way to fail."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Column reads for plot (titan_ledger.columns): the fast path and the exact path agree,
+"""Column reads for plot (titan_ledger.format.columns): the fast path and the exact path agree,
 and both apply the one supersession rule."""
 
 from __future__ import annotations

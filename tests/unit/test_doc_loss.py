@@ -1,4 +1,4 @@
-"""Per-document loss (titan_ledger.doc_loss): the loss is torchtitan's, and every
+"""Per-document loss (titan_ledger.components.doc_loss): the loss is torchtitan's, and every
 segment's (sum, tokens) equals a direct per-document recomputation."""
 
 from __future__ import annotations

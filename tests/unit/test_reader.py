@@ -1,4 +1,4 @@
-"""RunLedger / DataLedger (titan_ledger.reader): every tool's one way in."""
+"""RunLedger / DataLedger (titan_ledger.format.reader): every tool's one way in."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The on-disk format (titan_ledger.records): torn lines, segments, THE supersession rule,
+"""The on-disk format (titan_ledger.format.records): torn lines, segments, THE supersession rule,
 schema ids, the launch log, non-finite values."""
 
 import json

@@ -4,7 +4,7 @@ Design decision: lookup, replay, rollback, diagnose, plot (and the trainer, for
 checkpoint lists and ``auto_skip``) read a dump folder only through this module.
 It owns the *views* (signals history, per-DP-rank data, spike events, checkpoints,
 the history as a superseded step saw it); the on-disk format and the
-supersession rule belong to :mod:`titan_ledger.records`, the sample-id math to
+supersession rule belong to :mod:`titan_ledger.format.records`, the sample-id math to
 :mod:`titan_ledger.data.layout`. Files are parsed lazily and once.
 
 Example::

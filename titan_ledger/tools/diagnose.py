@@ -39,7 +39,7 @@ Examples::
 
     python -m titan_ledger.diagnose outputs/debug_cpu
     python -m titan_ledger.diagnose --dump-folder outputs/debug_cpu --step 137000 --json
-    # prove the cause: rerun from the last checkpoint before each spike (titan_ledger.rerun)
+    # prove the cause: rerun from the last checkpoint before each spike (titan_ledger.tools.rerun)
     python -m titan_ledger.diagnose outputs/debug_cpu --rerun -- --job.config_file X.toml <the run's flags>
 """
 
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-quarantine", metavar="FILE",
                     help="write the documents named by bad_data verdicts, one JSON object per line "
                          "({\"source\", \"doc\"}), for --ledger.filter.quarantine FILE")
-    ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.rerun
+    ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.tools.rerun
                     help="prove the cause: rerun the steps before each spike from a checkpoint under "
-                         "the variants the verdict calls for (titan_ledger.rerun.PLAN_FOR: bad_data: same, "
+                         "the variants the verdict calls for (titan_ledger.tools.rerun.PLAN_FOR: bad_data: same, "
                          "quarantine (only the named documents masked: proves it), skip over the named "
                          "documents' steps (\"something in this step\"); lr: same, lr undoing the jump; "
                          "optimizer_state: same, beta2=0.95, eps=1e-6; bf16: same, fp32; logit_growth: "

@@ -8,7 +8,7 @@ at a step the user picks, then a plain relaunch that resumes from the latest
 checkpoint. ``inject`` corrupts one rank's batch at one step (to rehearse spike
 forensics), ``drill`` runs the PaLM procedure end to end, and ``rerun``
 re-executes the steps before a spike from a checkpoint under counterfactual
-variants and names the cause they prove (:mod:`titan_ledger.rerun`).
+variants and names the cause they prove (:mod:`titan_ledger.tools.rerun`).
 
 Examples::
 
@@ -22,7 +22,7 @@ Examples::
     python -m titan_ledger.replay drill --nproc 2 --dump-folder /tmp/d -- \\
         --job.config_file train_configs/debug_cpu.toml
     # re-execute the steps before the spike at step 8 from the last checkpoint, as is and
-    # with step 8's data skipped (titan_ledger.rerun); the original run's flags after --
+    # with step 8's data skipped (titan_ledger.tools.rerun); the original run's flags after --
     python -m titan_ledger.replay rerun --dump-folder /tmp/a --step 8 --variant same --variant skip -- \\
         --job.config_file train_configs/debug_cpu.toml --training.steps 12 --checkpoint.enable \\
         --checkpoint.interval 4 --ledger.spike.window 8 --ledger.rehearsal.inject 8:1:repeat
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--back", type=int, default=1, help="checkpoint at or before spike - back")
             p.add_argument("--skip-before", type=int, default=1)
             p.add_argument("--skip-after", type=int, default=1)
-    from titan_ledger.tools import rerun as rerun_mod  # rerun: titan_ledger.rerun
+    from titan_ledger.tools import rerun as rerun_mod
 
     p = sub.add_parser("rerun", help="re-execute the steps before a spike from a checkpoint, under "
                        "counterfactual variants", formatter_class=argparse.RawDescriptionHelpFormatter,

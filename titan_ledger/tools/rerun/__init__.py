@@ -56,7 +56,7 @@ The rerun keeps ``--training.steps`` (the LR schedule depends on it) and stops a
 T+N with ``--ledger.rehearsal.rerun stop=T+N``; it writes no checkpoint of its own
 (``--checkpoint.interval`` is set past the end). ``--ledger.rehearsal.inject`` data kinds
 (repeat/random: they *are* the run's data) are kept; ``bitflip`` (a hardware
-fault, :mod:`titan_ledger.faults`) is dropped, so it is not reproduced.
+fault, :mod:`titan_ledger.rehearsal.faults`) is dropped, so it is not reproduced.
 
 "Spike present at T" in a rerun: its signals at T equal the original's (bit-equal
 or within ``REL_TOL``: the original's numbers are the spike, whether or not a rule
