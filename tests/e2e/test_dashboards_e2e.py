@@ -149,7 +149,12 @@ def test_incident_report_renders_in_chromium(run, tmp_path):
     info = report(dump, 10, out, back=1, skip=2)
     page = out.read_text()
     assert "Incident: loss spike at step 10" in page and "injected batch" in page
-    assert "--checkpoint.load_step 8" in page or "load checkpoint" in page
+    from titan_ledger.tools.rollback import existing_skips, plan
+
+    led = RunLedger(dump)
+    p = plan(led.checkpoints(), 10, 1, 2, existing=existing_skips(led))  # the page's own plan
+    assert p["load_step"] <= 9 and p["load_step"] in led.checkpoints()
+    assert f"--checkpoint.load_step {p['load_step']}" in page and f"<td>step-{p['load_step']}</td>" in page
     # the per-rank table of the rolled-back step holds the rank files' rows as it trained,
     # and the caption counts this run's own steps
     ranks = page.split("<h2>Per-rank losses</h2>", 1)[1].split("<h2>", 1)[0]
