@@ -24,6 +24,10 @@ from titan_ledger.format.reader import DataLedger
 pytestmark = pytest.mark.slow
 
 
+#: elements a float cancellation may make exactly zero on one side only (see the test)
+NUM_ZEROS_SLACK = 2
+
+
 def reference(args: list[str], seed_path, dp: int) -> dict:
     """Signals of step 1 computed on one unsharded model over the global batch."""
     from torchtitan.components.loss import IGNORE_INDEX
@@ -106,8 +110,14 @@ def test_signals_equal_unsharded_reference(runs, case):
     ref = reference(runs.args(case), runs.seed(PARALLELISMS[case].qk_norm), PARALLELISMS[case].dp)
     if PARALLELISMS[case].qk_norm:  # the run's model had the norms (and the reference too)
         assert "layers.0.attention.q_norm.weight" in ref["param_names"]
-    for key in ("consumed_samples", "consumed_tokens", "loss_max_rank", "num_zeros"):
+    for key in ("consumed_samples", "consumed_tokens", "loss_max_rank"):
         assert row[key] == ref[key], (key, row[key], ref[key])
+    # num_zeros counts gradient elements that are exactly 0.0: the structural zeros (rows of
+    # tokens no batch holds, masked positions) are the same in any layout, but an element
+    # whose terms cancel can be exactly 0.0 in one reduction order and ~1e-10 in another.
+    # Fresh-clone CI at e7a10f5 saw FSDP2xTP at 427,776 against the reference's 427,777 (also seen
+    # at 128-token rows, 2026-12-02), so the count is equal up to NUM_ZEROS_SLACK elements.
+    assert abs(row["num_zeros"] - ref["num_zeros"]) <= NUM_ZEROS_SLACK, (row["num_zeros"], ref["num_zeros"])
     for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit",
                 "z_loss", "logz_mean", "logz_max"):
         assert row[key] == pytest.approx(ref[key], rel=1e-4), (key, row[key], ref[key])
