@@ -79,8 +79,6 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -
         if not lg.torn:
             continue
         last = _last_complete_step(ids, set(lg.torn))  # the torn ranks lost their last step
-        for s in [s for s in ids if s > last]:
-            del ids[s]
         end = last if end is None else min(end, last)
         files = ", ".join(str(lg.files[r].name) for r in sorted(lg.torn))
         res.notes.append(f"{name}'s record ends at step {last} (the last line of {files} is torn: "
