@@ -28,7 +28,7 @@ def signal_row(step: int, *, loss: float | None = None, grad_norm: float | None 
 
 def data_header(dp_rank: int, dp: int = 2, mbs: int = 2, seq_len: int = 256, fingerprint: str = "fp-a",
                 run_id: str = "run-a", seq: int = 1, resumed_from: int = 0, **over) -> dict:
-    hdr = {"schema": records.DATA_SCHEMA, "run_id": run_id, "seq": seq, "resumed_from": resumed_from,
+    hdr = {"schema": records.DATA.id, "run_id": run_id, "seq": seq, "resumed_from": resumed_from,
            "time": 1.0, "config_digest": "d1", "world_size": dp, "dp_size": dp, "dp_rank": dp_rank,
            "source_kind": "text", "source": f"text:c4_test@{CORPUS}", "fingerprint": fingerprint,
            "mbs": mbs, "seq_len": seq_len,
@@ -55,7 +55,7 @@ def make_run(dump: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2, spike_at
     records.append_segment(led, hdr)
     if signals:
         w = records.RecordWriter(led / records.SIGNALS_FILE,
-                                 {**hdr.to_json(), "schema": records.SIGNALS_SCHEMA})
+                                 {**hdr.to_json(), "schema": records.SIGNALS.id})
         s = 1
         while s <= steps:
             if skip and s == skip[0]:
@@ -73,7 +73,7 @@ def make_run(dump: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2, spike_at
         w.close()
         if spike_at:
             e = records.RecordWriter(led / records.SPIKES_FILE,
-                                     {**hdr.to_json(), "schema": records.SPIKES_SCHEMA})
+                                     {**hdr.to_json(), "schema": records.SPIKES.id})
             e.write({"step": spike_at, "rules": ["ratio"], "loss_max_rank": 1, "action": "none"})
             e.close()
     if data:

@@ -51,7 +51,7 @@ from .bad_input_ledgers import (
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "train_configs" / "debug_cpu.toml")
-D, S = records.DATA_SCHEMA, records.SIGNALS_SCHEMA
+D, S = records.DATA.id, records.SIGNALS.id
 
 
 # --------------------------------------------------------------------------- setups

@@ -15,7 +15,7 @@ KEYS = ("loss", "grad_norm")
 
 
 def _signals(path, torn=False, nan=False):
-    w = records.RecordWriter(path, {"schema": records.SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    w = records.RecordWriter(path, {"schema": records.SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     for s in range(1, 11):
         row = {k: None for k in records.SIGNAL_KEYS}
         row.update(step=s, loss=float(s), grad_norm=1.0, skipped=False, lr=1e-3)
@@ -24,7 +24,7 @@ def _signals(path, torn=False, nan=False):
         w.write(row)
     w.write({**{k: None for k in records.SIGNAL_KEYS}, "step": 11, "last_step": 14, "skipped": True})
     w.close()
-    w = records.RecordWriter(path, {"schema": records.SIGNALS_SCHEMA, "run_id": "b", "resumed_from": 6, "seq": 2})
+    w = records.RecordWriter(path, {"schema": records.SIGNALS.id, "run_id": "b", "resumed_from": 6, "seq": 2})
     for s in range(7, 9):
         row = {k: None for k in records.SIGNAL_KEYS}
         row.update(step=s, loss=100.0 + s, grad_norm=2.0, skipped=False, lr=1e-3)

@@ -131,7 +131,7 @@ def test_the_precision_audit_decides_the_run_precision_and_its_deviations_are_q5
 
 
 def _write(folder, rows):
-    w = records.RecordWriter(folder / "signals.jsonl", {"schema": records.SIGNALS_SCHEMA, "run_id": "a",
+    w = records.RecordWriter(folder / "signals.jsonl", {"schema": records.SIGNALS.id, "run_id": "a",
                                                        "resumed_from": 0, "seq": 1})
     for r in rows:
         w.write({**{k: None for k in records.SIGNAL_KEYS}, **r})

@@ -42,7 +42,7 @@ def test_rolled_back_rows_max_norm_and_spike_labels(tmp_path):
     (tmp_path / "ledger").mkdir()
     _signals(tmp_path / "ledger" / "signals.jsonl")
     w = records.RecordWriter(tmp_path / "ledger" / records.SPIKES_FILE,
-                             {"schema": records.SPIKES_SCHEMA, "run_id": "a", "seq": 1})
+                             {"schema": records.SPIKES.id, "run_id": "a", "seq": 1})
     w.write({"step": 9, "rules": ["zscore_grad_norm", "ratio"], "loss_max_rank": 1, "loss": 9.0,
              "grad_norm": 1.0})
     w.close()
@@ -108,7 +108,7 @@ def _drill(tmp_path, spikes=(9,)):
     (tmp_path / "ledger").mkdir()
     _signals(tmp_path / "ledger" / "signals.jsonl")
     w = records.RecordWriter(tmp_path / "ledger" / records.SPIKES_FILE,
-                             {"schema": records.SPIKES_SCHEMA, "run_id": "a", "seq": 1})
+                             {"schema": records.SPIKES.id, "run_id": "a", "seq": 1})
     for s in spikes:
         w.write({"step": s, "rules": ["zscore_loss", "zscore_grad_norm", "grad_jump", "ratio"], "loss_max_rank": 1,
                  "loss": 9.0, "grad_norm": 1.0})
@@ -131,14 +131,14 @@ def test_spike_labels_never_overprint(tmp_path):
 
     (tmp_path / "ledger").mkdir()
     w = records.RecordWriter(tmp_path / "ledger" / "signals.jsonl",
-                             {"schema": records.SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+                             {"schema": records.SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     for s in range(1, 3001):
         w.write({**{k: None for k in records.SIGNAL_KEYS}, "step": s, "loss": 5.0 + (s % 20 == 0), "lr": 1e-3,
                  "grad_norm": 1.0, "skipped": False})
     w.close()
     spikes = list(range(20, 3001, 20))
     w = records.RecordWriter(tmp_path / "ledger" / records.SPIKES_FILE,
-                             {"schema": records.SPIKES_SCHEMA, "run_id": "a", "seq": 1})
+                             {"schema": records.SPIKES.id, "run_id": "a", "seq": 1})
     for s in spikes:
         w.write({"step": s, "rules": ["zscore_loss"], "loss_max_rank": 0, "loss": 6.0, "grad_norm": 1.0})
     w.close()

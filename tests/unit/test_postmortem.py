@@ -53,7 +53,7 @@ def make_rolled_back_run(dump: Path, *, rules=("grad_jump",), evidence: dict | N
     if rolled:
         records.append_segment(led, records.Header(schema="", run_id="a.r1", seq=2, resumed_from=LOAD, time=2.0,
                                                    extra={"config_digest": "d1", "rewind_from": T}))
-    w = records.RecordWriter(led / records.SIGNALS_FILE, {"schema": records.SIGNALS_SCHEMA, **_hdr(1, 0, "a")})
+    w = records.RecordWriter(led / records.SIGNALS_FILE, {"schema": records.SIGNALS.id, **_hdr(1, 0, "a")})
     for s in range(1, (T if rolled else steps) + 1):
         if s == T:
             w.write(signal_row(s, loss=3.05, grad_norm=10.0, spike=True, loss_max=3.4, loss_max_rank=1,
@@ -63,7 +63,7 @@ def make_rolled_back_run(dump: Path, *, rules=("grad_jump",), evidence: dict | N
     w.close()
     if rolled:
         w = records.RecordWriter(led / records.SIGNALS_FILE,
-                                 {"schema": records.SIGNALS_SCHEMA, **_hdr(2, LOAD, "a.r1", rewind_from=T)})
+                                 {"schema": records.SIGNALS.id, **_hdr(2, LOAD, "a.r1", rewind_from=T)})
         w.write({**{k: None for k in records.SIGNAL_KEYS}, "step": WIN[0], "last_step": WIN[1], "skip_lr": "freeze",
                  "skipped": True, "lr": 1e-3, "consumed_samples": 4 * WIN[1], "consumed_tokens": 0,
                  "skipped_samples": 4 * (WIN[1] - WIN[0] + 1), "update_skipped": False, "step_time_s": 0.0,
@@ -71,7 +71,7 @@ def make_rolled_back_run(dump: Path, *, rules=("grad_jump",), evidence: dict | N
         for s in range(WIN[1] + 1, steps + 1):
             w.write(signal_row(s))
         w.close()
-    e = records.RecordWriter(led / records.SPIKES_FILE, {"schema": records.SPIKES_SCHEMA, **_hdr(1, 0, "a")})
+    e = records.RecordWriter(led / records.SPIKES_FILE, {"schema": records.SPIKES.id, **_hdr(1, 0, "a")})
     e.write({"step": T, "rung": 0, "action": action, "attempt": 1, "repeat_within_horizon": False, "ladder": True})
     e.write({"step": T, "loss": 3.05, "grad_norm": 10.0, "loss_max": 3.4, "loss_max_rank": 1, "rules": list(rules),
              "grad_norm_median": 1.0, "loss_median": 2.96, **(evidence or {}), "action": action})
@@ -98,7 +98,7 @@ def make_rolled_back_run(dump: Path, *, rules=("grad_jump",), evidence: dict | N
                 w.write({"step": s, "skipped": False, "rows": _tags(s, r)})
             w.close()
     for r in range(DP):  # each rank's own loss (rank<r>.jsonl), the rewound step included
-        w = records.RecordWriter(led / records.rank_file(r), {"schema": records.RANK_SCHEMA, **_hdr(1, 0, "a")})
+        w = records.RecordWriter(led / records.rank_file(r), {"schema": records.RANK.id, **_hdr(1, 0, "a")})
         for s in range(1, (T if rolled else steps) + 1):
             w.write({"step": s, "loss": 3.4 if (s == T and r == 1) else 2.9, "tokens": 1024})
         w.close()

@@ -10,7 +10,7 @@ from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
 
 
 def _hdr(run, resumed, dp, t, mbs=2):
-    return {"schema": records.DATA_SCHEMA, "run_id": run, "resumed_from": resumed, "time": t,
+    return {"schema": records.DATA.id, "run_id": run, "resumed_from": resumed, "time": t,
             "dp_size": dp, "dp_rank": 0, "mbs": mbs, "global_batch": 4, "source_kind": "text"}
 
 
@@ -52,7 +52,7 @@ def test_an_empty_rank_file_is_an_error_not_a_missing_rank(tmp_path):
 
 def _signals(folder, steps, resumed=0, run="a", seq=1):
     w = records.RecordWriter(folder / records.SIGNALS_FILE,
-                             {"schema": records.SIGNALS_SCHEMA, "run_id": run, "resumed_from": resumed, "seq": seq})
+                             {"schema": records.SIGNALS.id, "run_id": run, "resumed_from": resumed, "seq": seq})
     for s in steps:
         w.write({**{k: None for k in records.SIGNAL_KEYS}, "step": s, "loss": float(s), "skipped": False})
     w.close()
@@ -63,7 +63,7 @@ def test_run_ledger_views(tmp_path):
     led_dir.mkdir()
     _signals(led_dir, [1, 2, 3, 4])
     _signals(led_dir, [3], resumed=2, run="b", seq=2)
-    w = records.RecordWriter(led_dir / records.SPIKES_FILE, {"schema": records.SPIKES_SCHEMA, "run_id": "a"})
+    w = records.RecordWriter(led_dir / records.SPIKES_FILE, {"schema": records.SPIKES.id, "run_id": "a"})
     w.write({"step": 4, "rules": ["ratio"]})
     w.write({"step": 4, "rewind_to": 2, "skip_window": [3, 4], "action": "rollback"})
     w.close()

@@ -22,7 +22,7 @@ FLAGS = ["--job.config_file", CONFIG, "--training.steps", "14", "--ledger.spike.
 
 def _launch_log(led, rows):
     (led / records.SEGMENTS_FILE).write_text(
-        json.dumps({"schema": records.SEGMENTS_SCHEMA}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
+        json.dumps({"schema": records.SEGMENTS.id}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_the_recorded_world_size_is_the_default_and_flags_are_still_needed_without_argv(tmp_path):

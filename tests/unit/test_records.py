@@ -8,7 +8,7 @@ import pytest
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError, LedgerWarning
 from titan_ledger.format import records
-from titan_ledger.format.records import SIGNALS_SCHEMA, RecordWriter, read_ledger
+from titan_ledger.format.records import SIGNALS, RecordWriter, read_ledger
 
 
 def _rows(w, steps):
@@ -18,19 +18,19 @@ def _rows(w, steps):
 
 def test_round_trip_and_nonfinite(tmp_path):
     p = tmp_path / "signals.jsonl"
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0})
     w.write({"step": 1, "loss": float("nan"), "x": float("inf")})
     w.close()
     for line in p.read_text().splitlines():
         json.loads(line)  # strict JSON: no bare NaN
-    led = read_ledger(p, SIGNALS_SCHEMA)
+    led = read_ledger(p, SIGNALS.id)
     row = led.history[0]
     assert row["loss"] != row["loss"] and row["x"] == float("inf")
 
 
 def test_torn_last_line_is_skipped_and_repaired(tmp_path):
     p = tmp_path / "signals.jsonl"
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0})
     _rows(w, [1, 2, 3])
     w.close()
     with open(p, "ab") as f:  # kill -9 in the middle of a write
@@ -39,7 +39,7 @@ def test_torn_last_line_is_skipped_and_repaired(tmp_path):
         led = read_ledger(p)
     assert [r["step"] for r in led.history] == [1, 2, 3] and led.torn_lines == 1
     # the next run resumes from a checkpoint at step 2; its header starts a new line
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "b", "resumed_from": 2})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "b", "resumed_from": 2})
     _rows(w, [3, 4])
     w.close()
     with pytest.warns(LedgerWarning, match="signals.jsonl: torn line 5 skipped"):  # its segment's last
@@ -54,7 +54,7 @@ def test_torn_last_line_is_skipped_and_repaired(tmp_path):
 def test_fresh_run_in_old_folder_supersedes_everything(tmp_path):
     p = tmp_path / "signals.jsonl"
     for run in ("a", "b"):
-        w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": run, "resumed_from": 0})
+        w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": run, "resumed_from": 0})
         _rows(w, [1, 2])
         w.close()
     led = read_ledger(p)
@@ -63,7 +63,7 @@ def test_fresh_run_in_old_folder_supersedes_everything(tmp_path):
 
 
 def test_rows_cannot_pose_as_headers(tmp_path):
-    w = RecordWriter(tmp_path / "x.jsonl", {"schema": SIGNALS_SCHEMA})
+    w = RecordWriter(tmp_path / "x.jsonl", {"schema": SIGNALS.id})
     with pytest.raises(ValueError):
         w.write({"schema": "x", "step": 1})
     with pytest.raises(ValueError):
@@ -74,7 +74,7 @@ def test_wrong_schema_and_missing_file(tmp_path):
     p = tmp_path / "r.jsonl"
     RecordWriter(p, {"schema": "titan_ledger.rank/1"}).close()
     with pytest.raises(LedgerError, match="not a signals ledger"):
-        read_ledger(p, SIGNALS_SCHEMA)
+        read_ledger(p, SIGNALS.id)
     with pytest.raises(LedgerError, match="no such ledger file"):
         read_ledger(tmp_path / "nope.jsonl")
 
@@ -90,7 +90,7 @@ def test_newer_schema_is_refused_older_reads(tmp_path):
 
 
 def _seg(path, run, resumed, steps, **hdr):
-    w = RecordWriter(path, {"schema": records.DATA_SCHEMA, "run_id": run, "resumed_from": resumed, **hdr})
+    w = RecordWriter(path, {"schema": records.DATA.id, "run_id": run, "resumed_from": resumed, **hdr})
     _rows(w, steps)
     w.close()
 
@@ -141,7 +141,7 @@ def test_resolve_and_masks_are_one_rule(tmp_path):
 def test_event_logs_are_never_superseded(tmp_path):
     p = tmp_path / "spikes.jsonl"
     for run, resumed in (("A", 0), ("B", 2)):
-        w = RecordWriter(p, {"schema": records.SPIKES_SCHEMA, "run_id": run, "resumed_from": resumed})
+        w = RecordWriter(p, {"schema": records.SPIKES.id, "run_id": run, "resumed_from": resumed})
         w.write({"step": 5, "rules": ["zscore"]})
         w.close()
     assert [e["step"] for e in read_ledger(p, records.SPIKES).history] == [5, 5]
@@ -149,10 +149,10 @@ def test_event_logs_are_never_superseded(tmp_path):
 
 def test_history_as_of_a_rewound_step(tmp_path):
     p = tmp_path / "signals.jsonl"
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     _rows(w, [1, 2, 3, 4, 5])
     w.close()
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a.r1", "resumed_from": 2, "seq": 2})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a.r1", "resumed_from": 2, "seq": 2})
     _rows(w, [6, 7])  # steps 3-5 skipped after the rewind
     w.close()
     led = read_ledger(p, records.SIGNALS)
@@ -181,7 +181,7 @@ def test_launch_log_numbers_segments(tmp_path):
 
 # --------------------------------------------------------------------------- issue 26: strict reading
 def _three_rows(p):
-    w = RecordWriter(p, {"schema": SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     _rows(w, [1, 2, 3])
     w.close()
 

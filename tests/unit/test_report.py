@@ -16,7 +16,7 @@ from titan_ledger.tools.report import main, report
 def _run(tmp_path):
     (tmp_path / "ledger").mkdir()
     w = records.RecordWriter(tmp_path / "ledger" / "signals.jsonl",
-                             {"schema": records.SIGNALS_SCHEMA, "run_id": "a", "resumed_from": 0, "seq": 1})
+                             {"schema": records.SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     for s in range(1, 13):
         row = {k: None for k in records.SIGNAL_KEYS}
         row.update(step=s, loss=8.0 - s / 10 + (2.0 if s == 5 else 0), loss_max=8.1 - s / 10, loss_max_rank=s % 2,
@@ -25,7 +25,7 @@ def _run(tmp_path):
         w.write(row)
     w.close()
     w = records.RecordWriter(tmp_path / "ledger" / records.SPIKES_FILE,
-                             {"schema": records.SPIKES_SCHEMA, "run_id": "a", "seq": 1})
+                             {"schema": records.SPIKES.id, "run_id": "a", "seq": 1})
     w.write({"step": 5, "rules": ["zscore_loss"], "loss_max_rank": 0, "loss": 5.0, "grad_norm": 1.0,
              "action": "none"})
     w.close()

@@ -8,7 +8,7 @@ import pytest
 
 from titan_ledger import train
 from titan_ledger.errors import ConfigError, TitanLedgerError
-from titan_ledger.format.records import DATA_SCHEMA, SIGNALS_SCHEMA, SPIKES_SCHEMA, RecordWriter
+from titan_ledger.format.records import DATA, SIGNALS, SPIKES, RecordWriter
 
 
 def _write(path, schema, rows, **header):
@@ -20,14 +20,14 @@ def _write(path, schema, rows, **header):
 
 def _tiny_ledger(dump, *, spike_at=None, dp=2, steps=3):
     led = dump / "ledger"
-    _write(led / "signals.jsonl", SIGNALS_SCHEMA,
+    _write(led / "signals.jsonl", SIGNALS.id,
            [{"step": s, "loss": 8.0, "spike": s == spike_at} for s in range(1, steps + 1)])
     for r in range(dp):
-        _write(led / f"data_dp{r}.jsonl", DATA_SCHEMA,
+        _write(led / f"data_dp{r}.jsonl", DATA.id,
                [{"step": s, "skipped": False, "rows": [[s * 10 + r, 0, [[1, 0, 5]]]]}
                 for s in range(1, steps + 1)], dp_rank=r)
     if spike_at is not None:
-        _write(led / "spikes.jsonl", SPIKES_SCHEMA, [{"step": spike_at, "rules": ["zscore"]}])
+        _write(led / "spikes.jsonl", SPIKES.id, [{"step": spike_at, "rules": ["zscore"]}])
     return led
 
 
@@ -52,7 +52,7 @@ def test_run_summary_counts_rows_spikes_checkpoints_and_names_commands(tmp_path)
 
 def test_run_summary_without_spikes_or_checkpoints_and_uneven_ranks(tmp_path):
     led = _tiny_ledger(tmp_path, steps=4)
-    _write(led / "data_dp2.jsonl", DATA_SCHEMA, [{"step": 1, "skipped": False, "rows": []}], dp_rank=2)
+    _write(led / "data_dp2.jsonl", DATA.id, [{"step": 1, "skipped": False, "rows": []}], dp_rank=2)
     text = train.run_summary(tmp_path, "ledger")
     assert "spikes       none flagged" in text
     assert "checkpoints  none" in text

@@ -48,7 +48,7 @@ class DataLedgerWriter:
                  "skip_steps": [list(w) for w in skip_windows]}
         self._writer = records.RecordWriter(
             folder / records.data_file(self.topo.dp_rank),
-            records.Header(**{**header.__dict__, "schema": records.DATA_SCHEMA, "extra": extra}))
+            records.Header(**{**header.__dict__, "schema": records.DATA.id, "extra": extra}))
 
     @property
     def rows_written(self) -> int:

@@ -45,13 +45,13 @@ class SpikeGuard:
             return
         # event logs, not step histories: no resumed_from, so no event is ever superseded
         extra = {**header.extra, "started_after_step": header.resumed_from}
-        hdr = records.Header(schema=records.SPIKES_SCHEMA, run_id=header.run_id, seq=header.seq,
+        hdr = records.Header(schema=records.SPIKES.id, run_id=header.run_id, seq=header.seq,
                              time=header.time, extra={**extra, "rules": _asdict(self.config),
                                                       "on_spike": self.on_spike})
         self._spikes = records.RecordWriter(folder / records.SPIKES_FILE, hdr)
         self._rejected = records.RecordWriter(
             folder / records.REJECTED_FILE,
-            records.Header(schema=records.REJECTED_SCHEMA, run_id=header.run_id, seq=header.seq,
+            records.Header(schema=records.REJECTED.id, run_id=header.run_id, seq=header.seq,
                            time=header.time, extra=extra))
 
     def observe(self, red, grad_norm: torch.Tensor) -> torch.Tensor:

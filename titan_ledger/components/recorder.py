@@ -109,13 +109,13 @@ class SignalRecorder:
         if self.topo.is_rank0:
             self._writer = records.RecordWriter(
                 folder / records.SIGNALS_FILE,
-                records.Header(**{**header.__dict__, "schema": records.SIGNALS_SCHEMA,
+                records.Header(**{**header.__dict__, "schema": records.SIGNALS.id,
                                   "extra": {**header.extra, "keys": list(records.SIGNAL_KEYS),
                                             "per_layer": self.plan.groups if self.per_layer else None}}))
         if self.topo.owns_tokens:
             self._rank_writer = records.RecordWriter(
                 folder / records.rank_file(self.topo.rank),
-                records.Header(**{**header.__dict__, "schema": records.RANK_SCHEMA,
+                records.Header(**{**header.__dict__, "schema": records.RANK.id,
                                   "extra": {**header.extra, "rank": self.topo.rank,
                                             "dp_rank": self.topo.dp_rank}}))
 

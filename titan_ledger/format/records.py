@@ -87,13 +87,6 @@ REJECTED = Schema("rejected", 1, event_log=True)
 SEGMENTS = Schema("segments", 1, event_log=True, row_per_launch=True)
 SCHEMAS = {s.kind: s for s in (SIGNALS, RANK, DATA, SPIKES, REJECTED, SEGMENTS)}
 
-# schema ids as strings (what headers carry)
-SIGNALS_SCHEMA = SIGNALS.id
-RANK_SCHEMA = RANK.id
-DATA_SCHEMA = DATA.id
-SPIKES_SCHEMA = SPIKES.id
-REJECTED_SCHEMA = REJECTED.id
-SEGMENTS_SCHEMA = SEGMENTS.id
 
 #: file names inside the ledger folder (``<dump_folder>/<ledger.folder>``)
 SIGNALS_FILE = "signals.jsonl"
@@ -632,7 +625,7 @@ def append_segment(folder: str | os.PathLike, header: Header) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab", buffering=0) as f:
         if fresh:
-            f.write((json.dumps({"schema": SEGMENTS_SCHEMA}) + "\n").encode())
+            f.write((json.dumps({"schema": SEGMENTS.id}) + "\n").encode())
         elif not _ends_with_newline(path):
             f.write(b"\n")
         row = {k: v for k, v in header.to_json().items() if k != "schema"}
