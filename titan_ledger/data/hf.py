@@ -7,7 +7,7 @@ in the sorted ``data_files`` list (0 for one file or a hub dataset without
 row index. Ids are therefore stable across loaders, DP sizes and map-style vs
 streaming, and ``RowTag`` / per-document loss / quarantine use them unchanged.
 
-Two modes, both packed exactly like the text stream (``titan_ledger.data.text``:
+Two modes, both packed by the text stream's loop (``titan_ledger.data.layout.pack_rows``:
 BOS + tokens + EOS per document, next-token shift inside a document, positions
 restart per document) and both per DP rank (the position is a per-rank cursor, so
 the DP size is fixed on resume, as for ``text``):
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.data.layout import Segment
+from titan_ledger.data.layout import pack_rows
 from titan_ledger.data.text import (
     Cursor,
     TextStream,
@@ -259,43 +259,21 @@ class HFStreaming:
             yield from batch[self.spec.text_key]
 
     def rows(self, cursor: Cursor, build=True) -> Iterator[tuple]:
-        """``(segments, cursor_after, inputs, labels)`` from ``cursor`` on (as ``TextStream``)."""
+        """``(segments, cursor_after, inputs, labels)`` from ``cursor`` on (as ``TextStream``:
+        ``layout.pack_rows``)."""
         if cursor == Cursor():
             cursor = self.start()
-        L = self.seq_len
-        wants = build if callable(build) else (lambda k, _b=bool(build): _b)
-        docs = self._docs(cursor.epoch, cursor.index)
-        epoch, doc, text = next(docs)
-        toks = self.tokenizer.encode(text, add_bos=True, add_eos=True)
-        offset = cursor.offset
-        k = -1
-        while True:
-            k += 1
-            b = wants(k)
-            segs: list[Segment] = []
-            inputs: list[int] = []
-            labels: list[int] = []
-            need = L
-            while need:
-                avail = len(toks) - 1 - offset
-                if avail <= 0:
-                    epoch, doc, text = next(docs)
-                    toks = self.tokenizer.encode(text, add_bos=True, add_eos=True)
-                    offset = 0
-                    continue
-                take = min(avail, need)
-                segs.append(Segment(doc, offset, offset + take))
-                if b:
-                    inputs.extend(toks[offset:offset + take])
-                    labels.extend(toks[offset + 1:offset + take + 1])
-                offset += take
-                need -= take
-            if offset >= len(toks) - 1:  # the next row starts at the next document
-                f, row = split_id(doc)
-                after = Cursor(epoch, doc_id(f, row + self.dp_size), 0)
-            else:
-                after = Cursor(epoch, doc, offset)
-            yield tuple(segs), after, (inputs if b else None), (labels if b else None)
+        docs = ((epoch, doc, self.tokenizer.encode(text, add_bos=True, add_eos=True))
+                for epoch, doc, text in self._docs(cursor.epoch, cursor.index))
+        yield from pack_rows(docs, self.seq_len, cursor.offset, build, self._after)
+
+    def _after(self, epoch: int, doc: int, offset: int, done: bool) -> Cursor:
+        """The cursor after a row that ends ``offset`` input tokens into ``doc`` (``done``:
+        all of them, so the next row starts at this rank's next row of the file)."""
+        if done:
+            f, row = split_id(doc)
+            return Cursor(epoch, doc_id(f, row + self.dp_size), 0)
+        return Cursor(epoch, doc, offset)
 
 
 def check_files(cfg) -> list[str]:

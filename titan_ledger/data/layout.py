@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -116,6 +117,9 @@ def positions_of(segments: tuple[Segment, ...] | list[Segment]) -> list[int]:
 
 
 # --------------------------------------------------------------------------- packing
+# The indexed corpus packs by arithmetic on a global token stream (``pack_span``); the
+# streamed sources walk their documents (``pack_rows``); unshuffled at one DP rank, the
+# two give the same rows.
 def pack_span(cum, start: int, length: int) -> list[tuple[int, int, int]]:
     """Split the stream interval ``[start, start+length)`` into per-document pieces.
 
@@ -138,6 +142,53 @@ def pack_span(cum, start: int, length: int) -> list[tuple[int, int, int]]:
         pos += take
         i += 1
     return out
+
+
+def pack_rows(documents, seq_len: int, offset: int, build, after) -> Iterator[tuple]:
+    """THE packing loop of the streamed sources (``text``, ``hf`` map-style and streaming):
+    documents, one after the other, cut into rows of ``seq_len`` input tokens.
+
+    ``documents`` yields ``(where, doc, tokens)`` in stream order, starting with the
+    document the stream resumes in, of which ``offset`` input tokens are already used:
+    ``tokens`` the document's token ids (BOS ... EOS), ``doc`` its id, ``where`` whatever
+    the caller needs to say where it is. A document's inputs are ``tokens[:-1]`` and its
+    labels ``tokens[1:]`` (the next-token shift stays inside the document); a row takes
+    what is left of the current document and goes on with the next one; a document with
+    no input token gives no segment. A document is drawn only when a row needs it (never
+    one ahead). ``build`` is a bool or a function of the row count; where it is false the
+    token lists are not assembled (``inputs`` and ``labels`` are None).
+
+    Yields ``(segments, after(where, doc, offset, done), inputs, labels)`` per row:
+    ``where`` and ``doc`` of the row's last document, ``offset`` its input tokens used
+    after the row, ``done`` whether that is all of them (the next row starts at the next
+    document). ``after`` makes the caller's cursor out of them.
+    """
+    wants = build if callable(build) else (lambda k, _b=bool(build): _b)
+    docs = iter(documents)
+    where, doc, toks = next(docs)
+    k = -1
+    while True:
+        k += 1
+        b = wants(k)
+        segs: list[Segment] = []
+        inputs: list[int] = []
+        labels: list[int] = []
+        need = seq_len
+        while need:
+            avail = len(toks) - 1 - offset
+            if avail <= 0:
+                where, doc, toks = next(docs)
+                offset = 0
+                continue
+            take = min(avail, need)
+            segs.append(Segment(doc, offset, offset + take))
+            if b:
+                inputs.extend(toks[offset:offset + take])
+                labels.extend(toks[offset + 1:offset + take + 1])
+            offset += take
+            need -= take
+        yield (tuple(segs), after(where, doc, offset, offset >= len(toks) - 1),
+               inputs if b else None, labels if b else None)
 
 
 # --------------------------------------------------------------------------- skip windows

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.data.layout import Segment
+from titan_ledger.data.layout import pack_rows
 from titan_ledger.errors import ConfigError, CorpusError
 
 
@@ -150,43 +150,32 @@ class TextStream:
         self._cache = (doc, toks)
         return toks
 
+    def documents(self, epoch: int, index: int) -> Iterator[tuple[tuple[int, int], int, list[int]]]:
+        """``((epoch, index), doc, tokens)`` of this rank's documents from ``index`` of
+        ``epoch``'s order on, epoch after epoch (``layout.pack_rows``'s input)."""
+        while True:
+            order = self.order(epoch)
+            if index >= len(order):
+                epoch, index = epoch + 1, 0
+                continue
+            doc = int(order[index])
+            yield (epoch, index), doc, self.doc_tokens(doc)
+            index += 1
+
     def rows(self, cursor: Cursor, build=True) -> Iterator[tuple]:
-        """Yield ``(segments, cursor_after, inputs, labels)`` from ``cursor`` on.
+        """Yield ``(segments, cursor_after, inputs, labels)`` from ``cursor`` on
+        (``layout.pack_rows``).
 
         ``build`` is a bool or a function of the row count since ``cursor``; where
         it is false the token lists are not assembled (``inputs`` and ``labels``
         are None): what a skip, or a worker passing another worker's rows, needs.
         """
-        epoch, index, offset = cursor.epoch, cursor.index, cursor.offset
-        L = self.seq_len
-        wants = build if callable(build) else (lambda k, _b=bool(build): _b)
-        k = -1
-        while True:
-            k += 1
-            build = wants(k)
-            segs: list[Segment] = []
-            inputs: list[int] = []
-            labels: list[int] = []
-            need = L
-            while need:
-                order = self.order(epoch)
-                if index >= len(order):
-                    epoch, index, offset = epoch + 1, 0, 0
-                    continue
-                doc = int(order[index])
-                toks = self.doc_tokens(doc)
-                avail = len(toks) - 1 - offset
-                if avail <= 0:
-                    index, offset = index + 1, 0
-                    continue
-                take = min(avail, need)
-                segs.append(Segment(doc, offset, offset + take))
-                if build:
-                    inputs.extend(toks[offset:offset + take])
-                    labels.extend(toks[offset + 1:offset + take + 1])
-                offset += take
-                need -= take
-                if offset >= len(toks) - 1:
-                    index, offset = index + 1, 0
-            yield (tuple(segs), Cursor(epoch, index, offset),
-                   inputs if build else None, labels if build else None)
+        yield from pack_rows(self.documents(cursor.epoch, cursor.index), self.seq_len,
+                             cursor.offset, build, _after)
+
+
+def _after(where: tuple[int, int], doc: int, offset: int, done: bool) -> Cursor:
+    """The cursor after a row that ends ``offset`` input tokens into the document at
+    ``where`` (``done``: all of them, so the next row starts at the next index)."""
+    epoch, index = where
+    return Cursor(epoch, index + 1, 0) if done else Cursor(epoch, index, offset)

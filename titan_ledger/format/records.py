@@ -113,6 +113,46 @@ def rerun_summary_file(ledger_folder: str | os.PathLike, step: int) -> Path:
     return Path(ledger_folder) / RERUN_FOLDER / f"step{step}.json"
 
 
+#: the ledger folder inside the dump folder when ``[ledger] folder`` is not set (the
+#: tools' ``--ledger-folder`` default)
+LEDGER_FOLDER = "ledger"
+
+#: glob patterns matching every DP rank's data file (:func:`data_file`) and every
+#: rank's loss file (:func:`rank_file`)
+DATA_GLOB = "data_dp*.jsonl"
+RANK_GLOB = "rank*.jsonl"
+
+#: with W&B on: the W&B run id and last ``_step`` (``components.dashboards``)
+WANDB_STATE_FILE = "wandb.json"
+
+#: in each rerun variant's own dump folder (``<dump>/rerun/<variant>/``): the launch's
+#: record (what it ran, its return code)
+RERUN_RECORD_FILE = "rerun.json"
+#: a quarantine file's name: a ``quarantine`` variant's, in its folder, and the one
+#: ``diagnose`` suggests writing (``--write-quarantine``, ``--ledger.filter.quarantine``)
+QUARANTINE_FILE = "quarantine.jsonl"
+
+
+def _files_by_rank(ledger_folder: str | os.PathLike, pattern: str) -> dict[int, Path]:
+    head, tail = pattern.split("*")
+    found = {}
+    for p in Path(ledger_folder).glob(pattern):
+        r = p.name[len(head):len(p.name) - len(tail)]
+        if r.isdigit():
+            found[int(r)] = p
+    return dict(sorted(found.items()))
+
+
+def data_files(ledger_folder: str | os.PathLike) -> dict[int, Path]:
+    """Every ``data_dp<r>.jsonl`` in the ledger folder, by DP rank (ascending)."""
+    return _files_by_rank(ledger_folder, DATA_GLOB)
+
+
+def rank_files(ledger_folder: str | os.PathLike) -> dict[int, Path]:
+    """Every ``rank<r>.jsonl`` in the ledger folder, by rank (ascending)."""
+    return _files_by_rank(ledger_folder, RANK_GLOB)
+
+
 SIGNAL_KEYS = (
     "step",
     "consumed_samples",

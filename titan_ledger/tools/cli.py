@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 
 from titan_ledger.errors import EXIT_BAD_INPUT, LedgerWarning, TitanLedgerError, fail_line, os_error_line
+from titan_ledger.format import records
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -40,7 +41,7 @@ def add_dump_folder(ap: argparse.ArgumentParser, positional: bool = True) -> Non
         ap.add_argument("dump_pos", nargs="?", metavar="DUMP", help="the run's dump folder")
     ap.add_argument("--dump-folder", "--dump_folder", dest="dump_opt", metavar="DUMP",
                     help="the run's dump folder (the trainer's --dump_folder)")
-    ap.add_argument("--ledger-folder", default="ledger",
+    ap.add_argument("--ledger-folder", default=records.LEDGER_FOLDER,
                     help="ledger folder inside the dump folder (the trainer's --ledger.folder)")
 
 

@@ -112,7 +112,8 @@ def _main(a) -> int:
             res["documents"] = with_text(led, res["documents"])
             res["quarantine_command"] = (
                 f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
-                f"quarantine.jsonl  # then resume with --ledger.filter.quarantine quarantine.jsonl")
+                f"{records.QUARANTINE_FILE}  # then resume with --ledger.filter.quarantine "
+                f"{records.QUARANTINE_FILE}")
         results.append(res)
     if a.write_quarantine:
         docs = {(d["source"], d["doc"]) for r in results for d in r.get("documents", [])}
@@ -253,10 +254,10 @@ def no_spikes(led: RunLedger) -> str:
     def judged(after: int) -> str:  # a rule judges a step once `after` accepted steps precede it
         return f"judged steps {rows[after]['step']}-{last}" if n > after else f"judged none of the {n}"
 
-    who = ("the trainer flagged none (spikes.jsonl)" if (led.folder / records.SPIKES_FILE).exists()
-           else "the run recorded no spike events (no spikes.jsonl)")
+    who = (f"the trainer flagged none ({records.SPIKES_FILE})" if (led.folder / records.SPIKES_FILE).exists()
+           else f"the run recorded no spike events (no {records.SPIKES_FILE})")
     return (f"no spikes detected in {n} trained steps ({first}-{last}): {who}, and the default rules "
-            f"run offline over signals.jsonl fire on none.\n  history the rules had: ratio (grad norm > "
+            f"run offline over {records.SIGNALS_FILE} fire on none.\n  history the rules had: ratio (grad norm > "
             f"{cfg.ratio}x its median, loss > {1 + cfg.loss_jump:g}x its recent median) and grad jump (> {cfg.grad_jump}x) "
             f"need {cfg.min_history} steps: {judged(cfg.min_history)}; z-score (> {cfg.zscore} std) "
             f"needs {cfg.window // 2} (window {cfg.window} / 2): {judged(cfg.window // 2)}; non-finite "

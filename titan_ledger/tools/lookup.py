@@ -26,6 +26,7 @@ import sys
 
 from titan_ledger.data.layout import RowTag
 from titan_ledger.errors import LedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import DataLedger, RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.tools.postmortem import actions_at
@@ -124,7 +125,7 @@ def _main(a) -> int:
     missing = [r for r, g in got.items() if g is None]
     lost = ledger.missing_ranks(a.step) if a.rank is None and got else []
     if lost:  # never show a partial step as if it were the whole step
-        names = ", ".join(str(ledger.folder / f"data_dp{r}.jsonl") for r in lost)
+        names = ", ".join(str(ledger.folder / records.data_file(r)) for r in lost)
         raise LedgerError(f"{names}: no row for step {a.step}, but the run had {len(lost) + len(got)} "
                           f"DP ranks (the file is missing, empty or cut); restore it, or pass --rank "
                           f"{min(got)} to see the ranks that have it")

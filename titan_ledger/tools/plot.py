@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_ledger.errors import ConfigError, LedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -59,7 +60,7 @@ def envelope(x: np.ndarray, y: np.ndarray, buckets: int) -> tuple[np.ndarray, np
     return np.repeat(xs, 2), np.column_stack([lo, hi]).ravel()
 
 
-def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger",
+def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.LEDGER_FOLDER,
          from_step: int | None = None, to_step: int | None = None, width_px: int = 1600,
          max_norm: float | None = None) -> dict:
     """Draw the panels into ``out``; ``max_norm`` (the clip threshold) is inferred from
@@ -78,18 +79,16 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = "ledger"
     if to_step is not None:
         sel &= cols["step"] <= to_step
     cols = {k: v[sel] for k, v in cols.items()}
-    from titan_ledger.format.records import rows_after
-
-    first = next((r for r in rows_after(led.folder / "signals.jsonl", 0) if not r.get("skipped")), None)
+    first = next((r for r in records.rows_after(led.folder / records.SIGNALS_FILE, 0) if not r.get("skipped")), None)
     lacking = [k for k in ("loss", "grad_norm", "lr") if first is not None and k not in first]
     if lacking:  # the columns would be all NaN: an empty picture that looks like a run
-        raise LedgerError(f"{led.folder / 'signals.jsonl'}: step {first['step']} has no "
+        raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: step {first['step']} has no "
                           f"{', '.join(lacking)}: not a signals row of this titan_ledger (was the "
                           f"file edited or written by another tool?)")
     if not len(cols["step"]):
         rng = "" if from_step is None and to_step is None else \
             f" between --from-step {from_step} and --to-step {to_step}"
-        raise LedgerError(f"{led.folder / 'signals.jsonl'}: no trained step{rng} to draw (the run "
+        raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: no trained step{rng} to draw (the run "
                           f"died before its first step, every step was skipped, or the range is "
                           f"outside the run)")
     events = [e for e in led.spike_events()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_ledger.errors import ConfigError, LedgerCorrupt, LedgerError, TitanLedgerError
+from titan_ledger.format import records
 
 #: settings a tool or a relaunch changes on purpose: not a mismatch
 VOLATILE = ("job.dump_folder", "checkpoint.load_step", "checkpoint.interval", "checkpoint.enable",
@@ -25,7 +26,7 @@ VOLATILE = ("job.dump_folder", "checkpoint.load_step", "checkpoint.interval", "c
 DEFAULT_NPROC = 2
 
 
-def recorded_launches(dump, ledger_folder: str = "ledger") -> list[dict[str, Any]]:
+def recorded_launches(dump, ledger_folder: str = records.LEDGER_FOLDER) -> list[dict[str, Any]]:
     """Every launch (and rewind) the run's launch log records, oldest first; [] when the
     folder holds no ledger (a fresh ``replay resume`` folder)."""
     from titan_ledger.format.reader import RunLedger
@@ -43,7 +44,7 @@ def recorded_launches(dump, ledger_folder: str = "ledger") -> list[dict[str, Any
     return rows
 
 
-def launch_args(dump, given: list[str], nproc: int | None, *, ledger_folder: str = "ledger",
+def launch_args(dump, given: list[str], nproc: int | None, *, ledger_folder: str = records.LEDGER_FOLDER,
                 what: str = "the rerun") -> tuple[list[str], int]:
     """The training flags and process count to train with: the ones given, else the
     launch the ledger records (its ``argv`` and ``world_size``). Flags given anyway are
@@ -55,7 +56,7 @@ def launch_args(dump, given: list[str], nproc: int | None, *, ledger_folder: str
     if nproc is None:
         nproc = int(world) if isinstance(world, int) and world > 0 else DEFAULT_NPROC
     argv = last.get("argv")
-    log = Path(dump) / ledger_folder / "segments.jsonl"
+    log = Path(dump) / ledger_folder / records.SEGMENTS_FILE
     if not given:
         if not isinstance(argv, list):
             held = (f"{log} records the launch's world size ({world}) and config digest "

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError
+from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger, checkpoints, step_ids
 from titan_ledger.tools.cli import ToolParser, run_tool
 from titan_ledger.tools.runs import ReplayError, run_training
@@ -59,7 +60,7 @@ class CheckResult:
                 "first_divergence": self.divergence, "overlaps": self.overlaps, "notes": self.notes}
 
 
-def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = "ledger") -> CheckResult:
+def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LEDGER_FOLDER) -> CheckResult:
     la = RunLedger(dir_a, ledger_folder).data
     lb = RunLedger(dir_b, ledger_folder).data
     for lg in (la, lb):  # a lost rank file is a missing ledger (exit 2), not a difference
@@ -228,7 +229,7 @@ def drill(nproc: int, dump: Path, step: int, rank: int, kind: str, back: int, be
     # 1. locate the spike from the ledger (what the trainer flagged)
     events = RunLedger(run).spike_events()
     if not events:
-        out.update(passed=False, reason="the trainer flagged no spike (spikes.jsonl is empty)")
+        out.update(passed=False, reason=f"the trainer flagged no spike ({records.SPIKES_FILE} is empty)")
         return out
     spike = events[0]["step"]
     out["located"] = {"step": spike, "rules": events[0]["rules"], "loss_max_rank": events[0]["loss_max_rank"]}
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dump_a")
     p.add_argument("dump_b")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--ledger-folder", default="ledger")
+    p.add_argument("--ledger-folder", default=records.LEDGER_FOLDER)
     parsers = {}
     p = sub.add_parser("resume", help="train, kill -9 every rank at a step, resume, finish",
                        description="Training arguments follow `--`. Checkpointing is switched on; "
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
              "pre-step median and loss_max_rank == R), 1 when not, 2 on error."),
             ("drill", "rehearse PaLM's rollback + skip on an injected spike",
              "Trains an uninterrupted reference and a run with an injected bad batch, locates the "
-             "spike from the trainer's spikes.jsonl, rolls back to the last checkpoint at or before "
+             f"spike from the trainer's {records.SPIKES_FILE}, rolls back to the last checkpoint at or before "
              "spike - --back, skips [spike - --skip-before, spike + --skip-after], runs on. Exit 0 "
              "when no spike remains and the samples equal the reference's except the skipped window.")):
         p = sub.add_parser(name, help=helptext, description=desc,
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="Examples:" + rerun_mod.__doc__.split("Examples::", 1)[1]
                        .split("\nDesign decision:")[0])  # the module layout is not the user's
     p.add_argument("--dump-folder", "--dump_folder", "--job.dump_folder", dest="dump_folder", type=Path,
-                   required=True, help="the original run's dump folder (reruns go to DUMP/rerun/<variant>/)")
+                   required=True, help=f"the original run's dump folder (reruns go to DUMP/{records.RERUN_FOLDER}/<variant>/)")
     p.add_argument("--step", type=int, required=True, help="the spike step T")
     p.add_argument("--from", dest="from_step", type=int, default=None,
                    help="checkpoint step C to load (default: the last complete one <= T-1)")
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes per rerun (default: the world size the ledger records)")
     p.add_argument("--fresh", action="store_true",
                    help="train again even where an identical earlier rerun exists")
-    p.add_argument("--ledger-folder", default="ledger")
+    p.add_argument("--ledger-folder", default=records.LEDGER_FOLDER)
     p.add_argument("--json", action="store_true")
     parsers["rerun"] = p
     # training flags follow `--`, or are simply the flags replay does not know
@@ -394,7 +395,7 @@ def _run(a, train_args: list[str]) -> int:
         from titan_ledger.tools.recorded import launch_args
 
         train_args, a.nproc = launch_args(a.dump_folder, train_args, a.nproc,
-                                          ledger_folder=getattr(a, "ledger_folder", "ledger"),
+                                          ledger_folder=getattr(a, "ledger_folder", records.LEDGER_FOLDER),
                                           what=f"replay {a.cmd}")
     elif a.cmd != "check" and a.nproc is None:
         a.nproc = 2

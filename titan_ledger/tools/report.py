@@ -104,7 +104,7 @@ def _last_step(led: RunLedger, step: int) -> int:
 def ranks_section(led: RunLedger, step: int, around: int) -> str:
     per = led.rank_rows()
     if not per:
-        return "<h2>Per-rank losses</h2><p class='none'>none recorded (no rank&lt;r&gt;.jsonl)</p>"
+        return "<h2>Per-rank losses</h2><p class='none'>none recorded (no " + _e(records.RANK_GLOB) + ")</p>"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +132,7 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     else:
         when = "" if set(hits) <= current else \
             " (as it trained before a rollback or resume superseded it: the run trained on without that step)"
-        table = (f"<p>Each loss-owning rank's own average loss (rank&lt;r&gt;.jsonl), at step {step}"
+        table = (f"<p>Each loss-owning rank's own average loss ({_e(records.RANK_GLOB)}), at step {step}"
                  f"{when}:</p>" + _table(["rank", "loss", "tokens"], at))
     return "<h2>Per-rank losses</h2>" + _img(b64, "per-rank losses") + table
 
@@ -282,12 +282,12 @@ def rollback_section(led: RunLedger, step: int, back: int, skip: int) -> str:
             f"<pre>{_e(cmd1)}\n{cmd2}</pre><p>or add the overrides directly: <code>{_e(flags)}</code></p>")
 
 
-def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: str = "ledger",
+def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: str = records.LEDGER_FOLDER,
            around: int = 30, back: int = 100, skip: int = 200) -> dict:
     """Write the incident page for the spike at ``step``; returns what it holds."""
     led = RunLedger(dump_folder, ledger_folder)
     if not led.trained_rows() and not led.signals.superseded:
-        raise LedgerError(f"{led.folder / 'signals.jsonl'}: no trained step recorded")
+        raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: no trained step recorded")
     ev = next((e for e in led.spike_events() if int(e["step"]) == step), None)
     diag, res = diagnosis_section(led, step)
     hist = led.rows_as_of(step) or []
@@ -347,7 +347,7 @@ def _main(a) -> int:
         return 0
     for s in steps:
         if led.rows_as_of(s) is None:
-            raise LedgerError(f"step {s} is in no segment of {led.folder / 'signals.jsonl'}")
+            raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
         path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
         info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
         print(f"wrote {info['out']}: spike at step {s}, diagnosis {info['cause']} ({info['certainty']})"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import LedgerCorrupt, LedgerError, PlanError
+from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -83,7 +84,7 @@ def _already(led: RunLedger, step: int) -> dict | None:
     later launch skipped it); None when nothing was done or there is no signals ledger."""
     from titan_ledger.tools.postmortem import actions_at
 
-    if not (led.folder / "signals.jsonl").exists():
+    if not (led.folder / records.SIGNALS_FILE).exists():
         return None
     f = actions_at(led, step)
     acted = f["rewind"] or f["update_skipped"] or f["now"] == "skipped"
@@ -115,12 +116,12 @@ def _main(a) -> int:
                         f"(step-N/.metadata); the run needs --checkpoint.enable to be rolled back")
     if a.write is not None and not a.write.parent.is_dir():
         raise PlanError(f"--write {a.write}: folder {a.write.parent} does not exist; create it first")
-    if (led.folder / "signals.jsonl").exists():
+    if (led.folder / records.SIGNALS_FILE).exists():
         rows = led.signal_rows()
         last = max((r.get("last_step", r["step"]) for r in rows), default=0)
         if a.spike_step > last:
             raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
-                            f"{led.folder / 'signals.jsonl'}; give the step the spike happened at")
+                            f"{led.folder / records.SIGNALS_FILE}; give the step the spike happened at")
     done = _already(led, a.spike_step)
     p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
     if done is not None:

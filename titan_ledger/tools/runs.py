@@ -81,7 +81,7 @@ def run_training(nproc: int, dump: Path, train_args: list[str], log: Path, env=N
                  kill_at: int | None = None, timeout: float = 3600) -> dict:
     """One torchrun launch; with ``kill_at`` SIGKILL the whole tree when step ``kill_at`` starts."""
     dump.mkdir(parents=True, exist_ok=True)
-    watch = dump / "ledger" / "data_dp0.jsonl"
+    watch = dump / records.LEDGER_FOLDER / records.data_file(0)
     start = watch.stat().st_size if watch.exists() else 0
     t0 = time.monotonic()
     with open(log, "ab") as out:

@@ -37,7 +37,7 @@ def _link_checkpoint(plan: Plan, folder: Path) -> None:
 
 
 def _reusable(folder: Path, record: dict) -> bool:
-    f = folder / "rerun.json"
+    f = folder / records.RERUN_RECORD_FILE
     if not f.exists():
         return False
     try:
@@ -98,7 +98,7 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
         t0 = time.monotonic()
         out = run_training(nproc, folder, args, logf, env=env)
         seconds = round(time.monotonic() - t0, 1)
-        (folder / "rerun.json").write_text(json.dumps({**record, "returncode": out["returncode"],
+        (folder / records.RERUN_RECORD_FILE).write_text(json.dumps({**record, "returncode": out["returncode"],
                                                        "seconds": seconds}))
         if out["returncode"] != 0:
             tail = _last_error(logf)
@@ -134,7 +134,7 @@ def _last_error(log: Path) -> str:
 
 def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
             load_step: int | None = None, after: int = 1, nproc: int = 2,
-            ledger_folder: str = "ledger") -> tuple[Plan, Any, list[str], int]:
+            ledger_folder: str = records.LEDGER_FOLDER) -> tuple[Plan, Any, list[str], int]:
     """Check the original run's flags and plan: (plan, config, rerun base flags, launches)."""
     from titan_ledger.format.reader import RunLedger
     from titan_ledger.tools.launch import validate
@@ -191,7 +191,7 @@ def _drop_flag(args: list[str], flag: str) -> list[str]:
 
 
 def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list[str], *,
-          load_step: int | None = None, after: int = 1, nproc: int = 2, ledger_folder: str = "ledger",
+          load_step: int | None = None, after: int = 1, nproc: int = 2, ledger_folder: str = records.LEDGER_FOLDER,
           fresh: bool = False, heuristic: str | None = None, log=print, prepared=None,
           escalate: list[Variant] | None = None, max_steps: int | None = None) -> dict:
     """Plan, run every variant, compare, judge. Returns the JSON-able report.
@@ -253,7 +253,7 @@ def write_summary(ledger_dir: Path, rep: dict) -> Path:
 
 
 def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,
-                  max_steps: int = 200, ledger_folder: str = "ledger", fresh: bool = False,
+                  max_steps: int = 200, ledger_folder: str = records.LEDGER_FOLDER, fresh: bool = False,
                   log=print, escalate: bool = True) -> None:
     """``diagnose --rerun``: for each diagnosed spike, run the variants its heuristic
     verdict calls for (:data:`PLAN_FOR`) within a training-step budget printed

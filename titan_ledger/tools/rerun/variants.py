@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from titan_ledger.errors import TitanLedgerError
+from titan_ledger.format import records
 from titan_ledger.tools.rerun.report import _ranges
 
 PRE = 50  # trained steps before T that describe "normal"
@@ -29,8 +30,6 @@ PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
 #: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
 #: config: :func:`ledger_values`)
 ESCALATION = ("quarantine", "skip", "fp32", "beta2", "eps=1e-6", "logit_cap", "lr")
-#: the file a ``quarantine`` rerun writes into its folder (``--ledger.filter.quarantine``)
-QUARANTINE_FILE = "quarantine.jsonl"
 
 
 class RerunError(TitanLedgerError):
@@ -154,7 +153,7 @@ def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str],
     if v.kind == "quarantine":
         if not v.docs:
             return None
-        path = f"{folder}/{QUARANTINE_FILE}" if folder is not None else QUARANTINE_FILE
+        path = f"{folder}/{records.QUARANTINE_FILE}" if folder is not None else records.QUARANTINE_FILE
         return ["--ledger.filter.quarantine", ",".join([*config.ledger.filter.quarantine, path])], {}
     if v.kind == "skip":
         windows = [*config.ledger.skip.steps, *(str(s) for s in v.skip_list(step))]
@@ -217,6 +216,6 @@ def write_quarantine(v: Variant, folder) -> None:
     import json
     from pathlib import Path
 
-    with open(Path(folder) / QUARANTINE_FILE, "w") as f:
+    with open(Path(folder) / records.QUARANTINE_FILE, "w") as f:
         for source, doc in v.docs:
             f.write(json.dumps({"source": source, "doc": doc}) + "\n")
