@@ -43,6 +43,7 @@ from titan_ledger.config.toml_frontend import (
     read_job,
     world_size_from_env,
 )
+from titan_ledger.config.validate import dp_size_of, validate
 from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line, os_error_line, python_command
 from titan_ledger.rehearsal import backend
 
@@ -63,7 +64,7 @@ def load_config(argv: list[str], *, files: bool = True):
     backend.install(job.device)
     config = parse(job)
     check_world_size(config, world_size_from_env(config))
-    check_plan(config, world_size_from_env(config))
+    validate(config, world_size_from_env(config))  # every launch check of values against each other
     check_ranks(config)
     if files:
         check_files(config, world_size_from_env(config))
@@ -99,21 +100,6 @@ def check_launched(config) -> None:
                       "set RANK=0 LOCAL_RANK=0 WORLD_SIZE=<the world size>")
 
 
-def check_dump_folder_path(dump_folder) -> None:
-    """``--dump_folder`` must be a folder this process can create and write, checked
-    before anything is written there (structured logs, ledgers, checkpoints)."""
-    p = Path(dump_folder)
-    probe = p
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        where = "is a file" if probe == p else f"has a file in its path ({probe})"
-        raise ConfigError(f"--dump_folder {p}: {where}; give a folder path")
-    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--dump_folder {p}: {probe} is not writable by this user; choose another "
-                          f"--dump_folder or fix its permissions")
-
-
 def check_files(config, world_size: int) -> None:
     """What the ranks would otherwise refuse only after torchrun started them, checked
     from files on every rank (and in ``titan_ledger.launch``) before any process group,
@@ -147,7 +133,7 @@ def check_tokenizer_path(config) -> None:
 
 
 def check_dump_folder_run(config, world_size: int) -> None:
-    """The dump folder holds this run or none (``ledger.claim_dump_folder``, read-only, with
+    """The dump folder holds this run or none (``run_folder.claim_dump_folder``, read-only, with
     the rules of the check rank 0 repeats at setup): seq_len, global batch and the data
     fingerprint (``loader.data_fingerprint``: source, tokenizer, seq_len, seed; computed
     only when the folder holds a data ledger to compare with). ``--ledger.new_run`` (rank 0
@@ -155,7 +141,7 @@ def check_dump_folder_run(config, world_size: int) -> None:
     led = getattr(config, "ledger", None)
     if led is None or led.new_run or led.allow_data_change:
         return
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
     from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
 
     t = config.training
@@ -171,59 +157,6 @@ def check_dump_folder_run(config, world_size: int) -> None:
     claim_dump_folder(config.dump_folder, led.folder, layout, read_only=True,
                       checkpoint_folder=config.checkpoint.folder,
                       checkpoint_enabled=config.checkpoint.enable)
-
-
-def dp_size_of(config, world_size: int) -> int:
-    """The data-parallel size the parallel degrees give for ``world_size`` ranks."""
-    p = config.parallelism
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        others = (p.data_parallel_replicate_degree * p.context_parallel_degree
-                  * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-        shard = max(1, world_size // max(1, others))
-    return p.data_parallel_replicate_degree * shard
-
-
-def check_plan(config, world_size: int) -> None:
-    """Checks of values against each other that tyro cannot make, before any process
-    group (so torchrun, ``titan_ledger.launch`` and the tests see the same line)."""
-    t = config.training
-    if config.comm.mode != "fake_backend":
-        check_dump_folder_path(config.dump_folder)
-    for key in ("steps", "local_batch_size", "seq_len"):
-        v = getattr(t, key, None)
-        if isinstance(v, int) and v < 1:
-            raise ConfigError(f"--training.{key} {v}: must be >= 1")
-    led = getattr(config, "ledger", None)
-    if led is not None:
-        from titan_ledger.data.layout import parse_skip_steps
-        from titan_ledger.rehearsal.faults import parse_inject
-
-        late = [w for w in parse_skip_steps(led.skip.steps) if w[0] > t.steps]
-        if late and not led.skip.auto:
-            raise ConfigError(f"--ledger.skip.steps {late[0][0]}-{late[0][1]} starts after the last "
-                              f"step (--training.steps {t.steps}): it would skip nothing")
-        from titan_ledger.components.guard import parse_ladder
-
-        if any(r.rolls_back for r in parse_ladder(led.on_spike.action)) and not config.checkpoint.enable:
-            raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action}: a rollback reloads checkpoints: set "
-                              f"--checkpoint.enable")
-        inj = parse_inject(led.rehearsal.inject)
-        dp = dp_size_of(config, world_size)
-        if inj is not None and inj[1] >= dp:
-            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: DP rank {inj[1]} does not exist (this "
-                              f"run has DP ranks 0-{dp - 1} on {world_size} processes)")
-        if inj is not None and inj[0] > t.steps:
-            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: step {inj[0]} is after the last step "
-                              f"(--training.steps {t.steps})")
-    ck = config.checkpoint
-    if ck.enable and ck.load_step not in (-1, None):
-        step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
-        if not (step_dir / ".metadata").is_file():
-            state = "is incomplete (no .metadata: killed while saving)" if step_dir.is_dir() \
-                else "does not exist"
-            raise ConfigError(f"--checkpoint.load_step {ck.load_step}: {step_dir} {state}; pick a "
-                              f"complete one (a step-N folder holding .metadata) or drop the flag")
 
 
 # --------------------------------------------------------------------------- #
@@ -503,10 +436,6 @@ def run(argv: list[str]) -> None:
     quiet_imports()
     config, job = load_config(argv)
     check_launched(config)
-    from titan_ledger.components.ledger import record_launch
-
-    record_launch(argv, os.getcwd())  # CHANGED from torchtitan: the tools reuse the recorded launch
-
     import torch
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
@@ -554,6 +483,10 @@ def run(argv: list[str]) -> None:
             dashboards.prepare(config, job, is_metrics_rank=_rank() == metrics_rank(
                 config, world_size_from_env(config)))
         trainer = config.build()
+        if is_ledger:  # CHANGED from torchtitan: the tools reuse the recorded launch (segment headers)
+            from titan_ledger.components.run_folder import Launch
+
+            trainer.ledger.launch = Launch(list(argv), os.getcwd())
         if dry_run:  # CHANGED from torchtitan: build-only dry run
             log.info(
                 f"titan_ledger dry run: built {type(trainer).__name__} for world size "

@@ -1,15 +1,21 @@
 """``LedgerTrainer``: torchtitan 0.3.0's ``Trainer`` with the ledger attached.
 
-Design decision: subclass, do not fork. The subclass redeclares the nested
-``Config`` (otherwise ``config.build()`` would silently build a plain ``Trainer``),
-adds the ``ledger`` section, and overrides the hooks torchtitan exposes:
-``__init__`` (adapt the config to the backend before the model is built),
-``post_dataloading_process`` (dense document mask for the CPU attention),
+Design decision: subclass, do not fork, and keep this file a seam. The subclass
+redeclares the nested ``Config`` (otherwise ``config.build()`` would silently build a
+plain ``Trainer``), adds the ``ledger`` section, and overrides the hooks torchtitan
+exposes: ``__init__`` (launch checks, adapt the config to the backend before the model
+is built), ``post_dataloading_process`` (dense document mask for the CPU attention),
 ``state_dict``/``load_state_dict`` (ledger counters in the checkpoint),
-``forward_backward_step`` (the step's provenance; the rehearsal faults ``swap`` and
-``bitflip`` around torchtitan's) and ``train`` (close the ledger). ``train_step``
-has no hook between the clip and ``optimizers.step()``, which is exactly where the signals must be read, so it is
-copied from torchtitan 0.3.0; every changed spot is marked ``# CHANGED``.
+``batch_generator`` and ``forward_backward_step`` (the step's provenance; the
+rehearsal faults) and ``train`` (close the ledger). ``train_step`` has no hook between
+the clip and ``optimizers.step()``, which is exactly where the signals must be read,
+so its body is copied from torchtitan 0.3.0 as ``_train_step``; every changed spot is
+marked ``# CHANGED``.
+
+A step's facts travel in one object, a :class:`StepRecord` made in ``train_step`` and
+handed whole to ``Ledger.record``; what a flagged step does is
+:class:`~titan_ledger.components.recovery.Recovery`'s. The policy lives in
+``components``; this file only calls it at the right spot.
 """
 
 from __future__ import annotations
@@ -31,19 +37,22 @@ backend.ensure_installed()
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.observability import structured_logger as sl  # noqa: E402
-from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.components import attention, counterfactual  # noqa: E402  ADDED (counterfactual: replay rerun)
+from titan_ledger.components import attention, counterfactual, patches  # noqa: E402  ADDED (counterfactual: replay rerun)
 from titan_ledger.components.attention import document_causal_mask  # noqa: E402
 from titan_ledger.components.doc_loss import DocLossTracker, LogZStats, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.components.ledger import Ledger  # noqa: E402
 from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
+from titan_ledger.components.precision import audit_trainer  # noqa: E402
 from titan_ledger.components.prevention import ModelOptions, apply_qk_norm  # noqa: E402
 from titan_ledger.components.qk_clip import QKClipConfig  # noqa: E402
-from titan_ledger.data.filters import mask_repetitive  # noqa: E402
+from titan_ledger.components.recovery import Recovery  # noqa: E402
+from titan_ledger.components.step_record import StepRecord  # noqa: E402
+from titan_ledger.config.toml_frontend import world_size_from_env  # noqa: E402
+from titan_ledger.config.validate import validate  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
-from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap)
+from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap, repeat, random)
 
 
 class LedgerTrainer(Trainer):
@@ -71,6 +80,7 @@ class LedgerTrainer(Trainer):
 
     def __init__(self, config: Config):
         backend.check(config.ledger.device)
+        validate(config, world_size_from_env(config))  # the launch checks (train.load_config ran them too)
         attention.adapt_config(config)
         if config.model.qk_norm:
             apply_qk_norm(config.model_spec.model)
@@ -78,17 +88,15 @@ class LedgerTrainer(Trainer):
             attention.use_max_logit_attention(config)
         self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
+        self.recovery = Recovery(self)
         self._ledger_open = False
-        self._pending_rollback: int | None = None
-        self._io: _StepIO | None = None  # per-step bookkeeping the hooks share
-        self._lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
-        self._update_rejected = False
+        self.step_record: StepRecord | None = None  # the step being trained, filled by the hooks
         dry_run = config.comm.mode == "fake_backend"
         if dry_run and config.debug.seed is None:
             # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
             config.debug.seed = 0
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
-        with _meta_materialization() if dry_run else contextlib.nullcontext():
+        with patches.meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
         self.doc_loss: DocLossTracker | None = None
         ours = find_doc_loss(self.loss_fn)
@@ -101,15 +109,13 @@ class LedgerTrainer(Trainer):
                                                           config.training.seq_len)
             self.ledger.doc_loss = self.doc_loss
         if self._dense_masks and config.validator.enable:
-            self._give_validator_dense_masks()
+            attention.give_validator_dense_masks(self.validator)
         if isinstance(self.dataloader, LedgerDataLoader):
             self.dataloader.allow_data_change = config.ledger.allow_data_change
         if not dry_run:
             self.ledger.setup(self)
         else:  # a dry run builds everything the audit reads (its norm probe cannot run on meta)
-            from titan_ledger.components.ledger import precision_audit
-
-            precision_audit(self, int(os.environ.get("RANK", "0")) == 0)
+            audit_trainer(self, int(os.environ.get("RANK", "0")) == 0)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
@@ -125,18 +131,6 @@ class LedgerTrainer(Trainer):
         if self.doc_loss is not None and "positions" in extra_kwargs:
             self.doc_loss.push(extra_kwargs["positions"])  # the loss attributes tokens by position
         return inputs, labels, extra_kwargs
-
-    def _give_validator_dense_masks(self) -> None:
-        """The Validator builds its own inputs (masks only for Flex/Varlen configs):
-        extend its ``post_dataloading_process`` the way ours is extended."""
-        build = self.validator.post_dataloading_process
-
-        def with_dense_mask(input_dict, labels, model_parts, _build=build):
-            inputs, labels, extra_kwargs = _build(input_dict, labels, model_parts)
-            extra_kwargs["attention_masks"] = document_causal_mask(extra_kwargs["positions"])
-            return inputs, labels, extra_kwargs
-
-        self.validator.post_dataloading_process = with_dense_mask
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -155,7 +149,7 @@ class LedgerTrainer(Trainer):
 
         dashboards.attach(self)  # W&B / TensorBoard: monotonic steps, identity, layout
         try:
-            with _no_final_sleep_on_cpu():
+            with patches.no_final_sleep_on_cpu():
                 super().train()
         except BaseException as e:  # a stop (non-finite loss, max_rollbacks, ...): exit code 1
             dashboards.log_stop(self.metrics_processor.logger, e)
@@ -172,16 +166,13 @@ class LedgerTrainer(Trainer):
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
             counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rehearsal.rerun lr_scale/eps after the load
-        if self._pending_rollback is not None:  # in-process rollback (on_spike)
-            self._rollback(self._pending_rollback)
-        window = ledger.skip_window_at(self.step)  # skipped steps train nothing
-        if window is not None:
-            self._skip_window(window)
+        if self.recovery.before_step():  # a pending rollback ran, or a skip window consumed the step
             return
         inject = ledger.inject
-        self._io = _StepIO(start=time.perf_counter(),
-                           inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
-        self._io.step_faults = faults.plan(self)  # ADDED (bitflip, swap): --ledger.rehearsal.inject STEP:RANK:bitflip|swap
+        rec = self.step_record = StepRecord(
+            step=self.step, start=time.perf_counter(),
+            inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
+        rec.faults = faults.plan(self, rec)  # ADDED (bitflip, swap): --ledger.rehearsal.inject STEP:RANK:bitflip|swap
         self._train_step(data_iterator)
         ck = self.config.checkpoint
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
@@ -192,54 +183,29 @@ class LedgerTrainer(Trainer):
         return super().should_continue_training() and counterfactual.before_stop(self)
 
     def batch_generator(self, data_iterable):
-        """torchtitan's generator, plus fetch timing for the ledger and the rehearsal
-        injection (``--ledger.rehearsal.inject``), applied before the step counts tokens."""
+        """torchtitan's generator, plus fetch timing and provenance for the step's record and
+        the rehearsal batch replacement, applied before the step counts tokens."""
         inner = super().batch_generator(data_iterable)
         while True:
             t0 = time.perf_counter()
             input_dict, labels = next(inner)
-            io = self._io
-            if io is not None:
-                io.data_loading_s += time.perf_counter() - t0
-                if io.inject is not None:
-                    labels = _inject(input_dict, labels, io.inject, self.tokenizer.get_vocab_size(),
-                                     seed=self.step)
-                self._take_provenance(io, input_dict, labels)
+            rec = self.step_record
+            if rec is not None:
+                rec.data_loading_s += time.perf_counter() - t0
+                if rec.inject is not None:  # ADDED (repeat, random)
+                    labels = faults.replace_batch(input_dict, labels, rec.inject, self.tokenizer.get_vocab_size(),
+                                                  seed=self.step)
+                self.ledger.take_provenance(rec, input_dict, labels)
             yield input_dict, labels
-
-    def _take_provenance(self, io: _StepIO, input_dict, labels: torch.Tensor) -> None:
-        """This microbatch's rows' provenance, and the loss masks that use it (quarantine,
-        repetition filter); the masked labels are then ignored like any other."""
-        ledger = self.ledger
-        if ledger.loader is None:
-            return
-        tags = ledger.loader.take_tags()
-        base = len(io.tags)
-        io.tags.extend(tags)
-        cfg = self.config.ledger
-        if not (ledger.quarantine or cfg.filter.repetition) or not tags:
-            return
-        valid = int((labels != IGNORE_INDEX).sum())
-        if ledger.quarantine:
-            hit = ledger.quarantine.mask(tags, labels)
-            io.masked.setdefault("quarantine", []).extend([base + r, s] for r, s in hit)
-        if cfg.filter.repetition:
-            hit = mask_repetitive(input_dict["input"], input_dict["positions"], labels,
-                                  cfg.filter.repetition_min, cfg.filter.repetition_max_period)
-            io.masked.setdefault("repetition", []).extend([base + r, s] for r, s in hit)
-        io.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         # Called once per gradient-accumulation microbatch (under PP once per group of
-        # PP microbatches, with lists) by _train_step, keyword arguments only.
-        # every batch of the step has been fetched by the first call: write the step's
-        # provenance now, before any forward can fail
-        io = self._io
-        if io is not None and not io.data_recorded and self.ledger.loader is not None:
-            masked = {k: v for k, v in io.masked.items() if v} or None
-            self.ledger.record_data(self.step, io.tags, injected=io.inject, masked=masked)
-            io.data_recorded = True
-        step_faults = io.step_faults if io is not None else None
+        # PP microbatches, with lists) by _train_step, keyword arguments only; every batch
+        # of the step has been fetched by the first call
+        rec = self.step_record
+        if rec is not None:
+            self.ledger.provenance_ready(rec)
+        step_faults = rec.faults if rec is not None else None
         faults.before_forward(step_faults, kwargs)  # ADDED (swap): the next DP rank's batch, every microbatch
         loss = super().forward_backward_step(**kwargs)
         faults.after_backward(self, step_faults)  # ADDED (bitflip): one grad bit, after the step's first backward
@@ -314,12 +280,21 @@ class LedgerTrainer(Trainer):
                 pp_mesh=parallel_dims.get_optional_mesh("pp"),
                 ep_enabled=parallel_dims.ep_enabled,
             )
-            self._record_and_guard(grad_norm, accumulated_loss, global_valid_tokens,  # CHANGED
-                                   int(local_valid_tokens), lr_metrics)
+            # CHANGED: record the step's signals from the gradients about to be applied,
+            # then the recovery decides whether they are applied
+            rec = self.step_record
+            self.step_record = None
+            if self.doc_loss is not None:  # the step's distinct documents (rank separation), a host count
+                self.doc_loss.set_documents(rec.tags)
+            rec.lr = next(iter(lr_metrics.values()), float("nan"))
+            self.ledger.record(rec, grad_norm=grad_norm, local_tokens=int(local_valid_tokens),
+                               local_loss_sum=(accumulated_loss * global_valid_tokens).sum()
+                               if accumulated_loss is not None else None)
+            applied = self.recovery.decide(rec)
             self.checkpointer.maybe_wait_for_staging()
-            if not self._update_rejected:  # CHANGED: the update guard (on_spike)
+            if applied:  # CHANGED: the update guard (on_spike)
                 self.optimizers.step()
-            self.ledger.after_update(applied=not self._update_rejected)  # CHANGED: QK-clip
+            self.ledger.after_update(applied)  # CHANGED: QK-clip
             self.lr_schedulers.step()
 
         if not should_log:
@@ -370,232 +345,3 @@ class LedgerTrainer(Trainer):
             float(grad_norm.item()),
             extra_metrics=extra_metrics,
         )
-
-    def _record_and_guard(self, grad_norm, accumulated_loss, global_valid_tokens, local_tokens: int,
-                          lr_metrics) -> None:
-        """Between the clip and ``optimizers.step()``: record the step's signals from the
-        gradients about to be applied, and decide whether the update is applied."""
-        ledger = self.ledger
-        if self.doc_loss is not None:  # the step's distinct documents (rank separation), a host count
-            self.doc_loss.set_documents(self._io.tags)
-        ledger.record(
-            step=self.step,
-            local_loss_sum=(accumulated_loss * global_valid_tokens).sum() if accumulated_loss is not None else None,
-            local_tokens=local_tokens,
-            grad_norm=grad_norm,
-            lr=next(iter(lr_metrics.values()), float("nan")),
-            step_start=self._io.start,
-            data_loading_s=self._io.data_loading_s,
-            masked_tokens=self._io.masked_tokens,
-        )
-        self._io = None
-        # A flagged step's update is not applied when the guard is on. Not calling
-        # optimizers.step() leaves params, moments and Adam's step count as they were
-        # (OLMo-core PR 309/317: the count must not advance).
-        self._update_rejected = False
-        if not (ledger.ladder.acts and ledger.spike_flag_now()):
-            return
-        rung, rec = ledger.ladder.on_spike(self.step)  # the recovery ladder decides
-        ledger.record_action(rec)
-        if rung is not None and rung.action == "none":
-            return
-        self._update_rejected = True
-        ledger.mark_update_skipped()
-        if rung is None or rung.action == "stop":
-            self._stop_with_report(rec)
-        if rung.rolls_back:
-            self._pending_rollback = self.step
-            if rung.lr is not None:
-                self._lr_scale *= rung.lr  # kept across every later checkpoint load
-
-    def _skip_window(self, window: tuple[int, int]) -> None:
-        """Consume the data of steps ``self.step..window end`` at once: no forward,
-        backward or optimizer step; the LR schedule frozen or advanced per
-        ``--ledger.skip.lr``. torchtitan's loop then continues from the last
-        skipped step (its checkpoint/validation checks see that step)."""
-        step_start = time.perf_counter()
-        first = self.step
-        last = min(window[1], self.config.training.steps)
-        n = last - first + 1
-        info = self.ledger.loader.skip(
-            n * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
-        if self.config.ledger.skip.lr == "advance":
-            for sched in self.lr_schedulers.schedulers:
-                sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
-                sched.step()
-        lr = next(iter(self.lr_schedulers.get_metrics().values()), float("nan"))
-        self.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
-                                metrics_logger=self.metrics_processor.logger)
-        logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
-                    f"[{info.position_before}, {info.position_after}) consumed without training, "
-                    f"LR schedule {self.config.ledger.skip.lr}")
-        self.step = last
-
-
-    def _rollback(self, spike_step: int) -> None:
-        """Reload the last checkpoint at or before ``spike - rollback_back`` in this
-        process and skip from there past the spike (PaLM's fix, no relaunch).
-
-        What makes this safe on torchtitan 0.3.0: the checkpoint load is the same
-        DCP in-place load a relaunch does (model, optimizer, LR schedulers,
-        dataloader position, train state, ledger counters); the spiked step's update
-        was not applied; the data iterator restarts at the restored position; the
-        ledgers open a new segment that supersedes the rewound steps.
-        """
-        import torch.distributed as dist
-
-        from titan_ledger.format.reader import checkpoints
-
-        cfg = self.config.ledger
-        self._pending_rollback = None
-        unlimited = len(self.ledger.ladder.rungs) == 1  # a single action; a ladder sets its own limits
-        if unlimited and self.ledger.rewinds >= cfg.on_spike.max_rollbacks:
-            raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {self.ledger.rewinds} "
-                               f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
-                               f"{self.ledger.folder / 'spikes.jsonl'}")
-        self.checkpointer.maybe_wait_for_staging()
-        decision = [None]
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            steps = [c for c in checkpoints(self.config.dump_folder, self.config.checkpoint.folder)
-                     if c <= spike_step - cfg.on_spike.rollback_back]
-            decision = [steps[-1] if steps else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(decision, src=0)
-        load = decision[0]
-        if load is None:
-            raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
-                               f"step {spike_step - cfg.on_spike.rollback_back} to roll back to "
-                               f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
-        window = (load + 1, load + max(cfg.on_spike.rollback_skip, spike_step - load))
-        logger.warning(f"titan_ledger: rolling back from step {spike_step} to checkpoint step-{load}; "
-                       f"skipping steps {window[0]}-{window[1]}")
-        self.ledger._keep_ladder = True  # the ladder's history is this process's, not the checkpoint's
-        try:
-            self.checkpointer.load(step=load)  # sets self.step = load via the train state
-        finally:
-            self.ledger._keep_ladder = False
-        if self._lr_scale != 1.0:
-            scale_lr(self.lr_schedulers, self._lr_scale)
-        self.ledger.rewind(from_step=spike_step, to_step=load, window=window,
-                           metrics_logger=self.metrics_processor.logger)
-        from titan_ledger.components.dashboards import log_rewind
-
-        log_rewind(self.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
-        self.step = load + 1
-
-
-    def _stop_with_report(self, rec: dict) -> None:
-        """The ladder is exhausted (or says stop): write what is pending, then stop with
-        a one-screen report (exit 1)."""
-        from titan_ledger.errors import LedgerStop
-
-        ledger = self.ledger
-        ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
-        raise LedgerStop(ladder_report(ledger, self.config, rec))
-
-
-def scale_lr(lr_schedulers, factor: float) -> None:
-    """Scale the LR from now on: the schedulers' base LRs (torchtitan rebuilds them
-    from the config) and the optimizer's current ones (a checkpoint restores those)."""
-    for sched in lr_schedulers.schedulers:
-        sched.base_lrs = [b * factor for b in sched.base_lrs]
-        sched._last_lr = [lr * factor for lr in sched.get_last_lr()]
-        for g in sched.optimizer.param_groups:
-            g["lr"] = g["lr"] * factor
-
-
-def ladder_report(ledger, config, rec: dict) -> str:
-    """One screen: what happened, what was tried, where the evidence is, what to run."""
-    from titan_ledger.errors import python_command
-
-    folder = ledger.folder
-    dump = config.dump_folder
-    py = python_command()  # the interpreter that trained: the commands run as printed
-    tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
-                      for h in ledger.ladder.history) or "nothing"
-    return "\n".join([
-        f"the recovery ladder stopped training at step {rec['step']} "
-        f"(--ledger.on_spike.action {config.ledger.on_spike.action}, horizon {config.ledger.on_spike.ladder_horizon} steps)",
-        f"  what happened: spikes kept coming back within the horizon; last at step {rec['step']}",
-        f"  what was tried: {tried}",
-        f"  evidence: {folder / 'spikes.jsonl'} (every flag and decision), {folder / 'signals.jsonl'}, "
-        f"{folder}/data_dp*.jsonl (documents and their losses), checkpoints in {dump}/checkpoint",
-        f"  next: {py} -m titan_ledger.diagnose {dump} --step {rec['step']}",
-        f"        {py} -m titan_ledger.report {dump} --step {rec['step']} -o incident.html",
-        f"        {py} -m titan_ledger.replay rerun --dump-folder {dump} --step {rec['step']}  (reuses this run's launch)",
-    ])
-
-
-@contextlib.contextmanager
-def _no_final_sleep_on_cpu():
-    """On the CPU rehearsal backend, skip the 2 s that rank 0 of torchtitan 0.3.0's
-    ``Trainer.train`` sleeps after the last step ("for other ranks to complete"): on CPU
-    nothing is in flight, and every launch of the test suite paid them (a CPU launch of a
-    few steps takes 15-20 s).
-    torchtitan has no hook for it: its module's ``time`` is swapped for the call only
-    (CHANGED spot: ``torchtitan/trainer.py`` ``time.sleep(2)``); on CUDA nothing changes."""
-    import torchtitan.trainer as tt
-
-    if backend.installed() != "cpu" or getattr(tt, "time", None) is not time:
-        yield
-        return
-
-    class _Time:
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-        @staticmethod
-        def sleep(seconds):
-            pass
-
-    tt.time = _Time()
-    try:
-        yield
-    finally:
-        tt.time = time
-
-
-@dataclass
-class _StepIO:
-    """What the step's hooks (batch_generator, forward_backward_step, the copy) share."""
-
-    start: float
-    inject: str | None = None
-    data_loading_s: float = 0.0
-    data_recorded: bool = False
-    tags: list = field(default_factory=list)  # the step's rows, in fetch order
-    masked: dict = field(default_factory=dict)  # {"quarantine"|"repetition": [[row, segment]]}
-    masked_tokens: int = 0  # label tokens those masks removed
-    step_faults: faults.StepFaults | None = None  # ADDED (bitflip, swap): this step's fault injections
-
-
-def _inject(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
-            seed: int) -> torch.Tensor:
-    """Rehearsal: this batch becomes one repeated (rare) token or uniform random tokens."""
-    inputs = input_dict["input"]
-    if kind == "repeat":
-        inputs.fill_(vocab - 1)
-        return torch.full_like(labels, vocab - 1)
-    g = torch.Generator().manual_seed(seed)
-    inputs.copy_(torch.randint(3, vocab, inputs.shape, generator=g))
-    return torch.randint(3, vocab, labels.shape, generator=g)
-
-
-@contextlib.contextmanager
-def _meta_materialization():
-    """Dry run: build every shard on the meta device instead of allocating it.
-
-    torchtitan's fake backend moves no data, so real weights would only cost time
-    (initialising 70B / 64 ranks of fp32 takes many minutes on a CPU). Trainer
-    reads ``utils.device_type`` when it picks the init device; pointing it at
-    "meta" for the duration of ``__init__`` keeps every other step real: meshes,
-    TP/FSDP/PP wrapping, init functions, optimizer, dataloader, checkpointer.
-    """
-    import torchtitan.tools.utils as tt_utils
-
-    saved = tt_utils.device_type
-    tt_utils.device_type = "meta"
-    try:
-        yield
-    finally:
-        tt_utils.device_type = saved

@@ -54,7 +54,8 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     assert [x["variant"] for x in st["runs"]][:2] == ["stock", "ledger"]
     assert st["stock_step_s"]["median"] > 0 and st["ledger_step_s"]["median"] > 0
     # (c) the counting wrappers saw each of the ledger's per-step calls once per counted step:
-    # the data row (record_data), the signals row (record), the drain. (The sync counts are
+    # the rows' provenance (take_provenance, provenance_ready), the step's record (record),
+    # the drain. (The sync counts are
     # CUDA-only: 0 here by construction, and the pack says it is no measurement.)
     sy = r["syncs"]
     assert sy["counted"] and sy["meaningful"] is False and "CUDA-only" in sy["note"], sy
@@ -62,7 +63,7 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     assert counted >= 1 and len(sy["ledger_trainer_step_per_step"]) == counted, sy
     assert sy["in_ledger_calls_per_step"] == [0] * counted and sy["added_by_ledger_per_step"] == 0, sy
     calls = sy["ledger_calls"]
-    assert {"record_data", "record", "drain"} <= set(calls), calls
+    assert {"take_provenance", "provenance_ready", "record", "drain"} <= set(calls), calls
     assert set(calls.values()) == {counted} and sy["ledger_calls_per_step"] == len(calls), sy  # once each
     # (d) every signal against the fp32 reference, with values
     sig = r["signals"]

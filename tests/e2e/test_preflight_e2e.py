@@ -12,7 +12,7 @@ missing corpus through ``launch``, the other fingerprint through ``train``: one 
 the process's stderr, exit 2); the others call the entries' ``main`` in this process
 (``helpers.launch_here``, ``train_refused_here``: a fresh interpreter imports torch and
 torchtitan for ~10 s), and the variants of each check the functions themselves
-(``loader.check_inputs``, ``loader.data_fingerprint``, ``ledger.claim_dump_folder``)."""
+(``loader.check_inputs``, ``loader.data_fingerprint``, ``run_folder.claim_dump_folder``)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_the_fingerprint_costs_nothing_in_a_fresh_folder_and_none_when_resuming(
     """``claim_dump_folder`` calls a layout function only when it can decide."""
     import shutil
 
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
 
     calls = []
 

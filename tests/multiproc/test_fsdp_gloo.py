@@ -1,7 +1,7 @@
 """FSDP2 over gloo with the rehearsal's SUM reduction equals unsharded gradients.
 
 gloo has no PREMUL_SUM, which FSDP2 uses once torchtitan sets the divide factor to
-1 (the loss is already normalised by global tokens); ``backend._sum_reduction``
+1 (the loss is already normalised by global tokens); ``backend.sum_reduction``
 switches every FSDP module to SUM + post-divide. Two real gloo processes each take
 half of a batch; the unsharded reference takes the whole batch in one process.
 Both variants (with and without the wrapper) run in one pair of processes.
@@ -33,7 +33,7 @@ def _worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_ledger.rehearsal.backend import _sum_reduction
+    from titan_ledger.rehearsal.backend import sum_reduction
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -51,7 +51,7 @@ def _worker(rank, world, port, out):
 
     results = {}
     for force_sum in (True, False):  # the failing variant last
-        model = (_sum_reduction(parallelize) if force_sum else parallelize)(_model())
+        model = (sum_reduction(parallelize) if force_sum else parallelize)(_model())
         x, y = _batch()
         part = slice(rank * 3, rank * 3 + 3)
         try:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from titan_ledger.components.recorder import SignalRecorder
 from titan_ledger.components.signals import ParamPlan
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 
 pytestmark = pytest.mark.slow
@@ -74,7 +75,7 @@ def _worker(rank, world, port, out):
         setattr(torch.Tensor, n, counting(n))
     try:
         red = rec.reduce(local_loss_sum=torch.tensor(2.0 + rank), local_tokens=4, grad_norm=grad_norm)
-        rec.queue(step=1, reduced=red.vector, extra=None, lr=1e-3, step_start=time.perf_counter(), data_loading_s=0.0)
+        rec.queue(StepRecord(step=1, start=time.perf_counter(), lr=1e-3), red.vector, None)
     finally:
         for n, f in real.items():
             setattr(recorder_mod.dist, n, f)

@@ -438,6 +438,9 @@ CASES = [
     ("train-toml-steps-negative", "train", lambda t: (t / "x.toml").write_text("[training]\nsteps = -1\n"), ["--job.config_file", "{t}/x.toml"], 2, ["--training.steps -1"]),
     ("train-steps-negative", "train", None, ["--job.config_file", DEBUG, "--training.steps", "-1"], 2, ["--training.steps -1", ">= 1"]),
     ("train-steps-zero", "train", None, ["--job.config_file", DEBUG, "--training.steps", "0"], 2, ["--training.steps 0"]),
+    ("train-on-spike-without-signals", "train", None, ["--job.config_file", DEBUG, "--ledger.on_spike.action", "skip_update", "--ledger.no_signals"], 2, ["--ledger.on_spike.action skip_update", "needs --ledger.signals"]),
+    ("train-on-spike-without-rules", "train", None, ["--job.config_file", DEBUG, "--ledger.on_spike.action", "skip_update", "--ledger.spike.no_enable"], 2, ["--ledger.spike.enable"]),
+    ("train-old-flat-ledger-key", "train", lambda t: (t / "x.toml").write_text("[ledger]\ninject = '3:0:random'\n"), ["--job.config_file", "{t}/x.toml"], 2, ["x.toml", "unknown key 'inject'"]),
     ("train-steps-not-int", "train", None, ["--job.config_file", DEBUG, "--training.steps", "ten"], 2, ["--training.steps"]),
     ("train-local-batch-zero", "train", None, ["--job.config_file", DEBUG, "--training.local_batch_size", "0"], 2, ["--training.local_batch_size 0"]),
     ("train-seq-len-zero", "train", None, ["--job.config_file", DEBUG, "--training.seq_len", "0"], 2, ["--training.seq_len 0"]),
@@ -624,7 +627,7 @@ def test_a_process_refuses_a_sample_outside_the_run_and_writes_no_cache(tmp_path
                                           ("global_batch", {"global_batch": 8}, 8),
                                           ("fingerprint", {"fingerprint": "fp-b"}, "fp-b")])
 def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw, value):
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run", checkpoints=())  # nothing to resume: a second run would append
     layout = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a", **kw}
@@ -638,7 +641,7 @@ def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw,
 
 
 def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")
     same = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a"}
@@ -653,7 +656,7 @@ def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
 def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_batch(tmp_path):
     """With a complete checkpoint the launch resumes: a changed seq_len/fingerprint is refused
     by the checkpoint load (DataStateError naming --ledger.allow_data_change), the batch here."""
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")  # checkpoints step-10, step-20
     assert claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512, "fingerprint": "fp-b"}) == []
@@ -664,7 +667,7 @@ def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_
 
 
 def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
     from titan_ledger.format.reader import RunLedger
 
     dump = make_run(tmp_path / "run")
@@ -677,7 +680,7 @@ def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
 
 
 def test_an_unreadable_old_ledger_does_not_block_a_resume(tmp_path):
-    from titan_ledger.components.ledger import claim_dump_folder
+    from titan_ledger.components.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")
     (tmp_path / "run" / "ledger" / "data_dp0.jsonl").write_bytes(b"")

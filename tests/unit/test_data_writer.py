@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from titan_ledger.components.data_writer import DataLedgerWriter
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 from titan_ledger.data.layout import RowTag, Segment
 from titan_ledger.format import records
@@ -24,8 +25,8 @@ def test_rows_and_windows_read_back(tmp_path):
                          global_batch=4, skip_lr="freeze", tokenizer="tok")
     w.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0, extra={"dp_size": 2}), [(3, 4)])
     tags = [RowTag(2, "c4", (Segment(7, 0, 4),)), RowTag(3, "c4", (Segment(7, 4, 8),))]
-    w.record(1, tags)
-    w.record(2, tags, injected="repeat")
+    w.record(StepRecord(step=1, start=0.0, tags=tags))
+    w.record(StepRecord(step=2, start=0.0, tags=tags, inject="repeat"))
     w.record_skip(first=3, last=4, info=SimpleNamespace(position_before=8, position_after=16, tags=None))
     w.close()
     assert w.rows_written == 3
@@ -38,6 +39,6 @@ def test_only_the_first_stage_tp0_rank_writes(tmp_path):
     w = DataLedgerWriter(Topology(world=2, rank=1, tp_rank=1, dp_rank_of=(0, 0)), _Loader(), global_batch=4,
                          skip_lr="freeze", tokenizer="tok")
     w.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0), [])
-    w.record(1, [])
+    w.record(StepRecord(step=1, start=0.0))
     w.close()
     assert not any(tmp_path.iterdir())

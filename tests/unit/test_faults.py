@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.errors import ConfigError
 from titan_ledger.rehearsal import faults
 from titan_ledger.rehearsal.faults import parse_inject, parse_injects
@@ -85,11 +86,15 @@ def test_rotate_takes_the_next_ranks_batch():
     assert [faults.rotate(["a", "b"], r) for r in range(2)] == ["b", "a"]
 
 
+def _plan(t):
+    return faults.plan(t, t.rec)
+
+
 def _fake_trainer(spec, step=3, dp_rank=1, pp=False, inject=None):
     from types import SimpleNamespace as NS
 
     model = torch.nn.Linear(4, 4)
-    return NS(_io=NS(inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec))), step=step,
+    return NS(rec=StepRecord(step=step, start=0.0, inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec))), step=step,
               ledger=NS(topo=NS(dp_rank=dp_rank)), model_parts=[model],
               parallel_dims=NS(pp_enabled=pp, get_mesh=lambda name: NS(get_group=lambda: f"group:{name}")))
 
@@ -101,8 +106,8 @@ def test_step_plan_swaps_every_microbatch_and_flips_after_the_first_backward_onl
     monkeypatch.setattr(faults, "swap_batches",
                         lambda d, l, g: (swapped.append(g) or {**d, "input": d["input"] + 1}, l + 1))
     t = _fake_trainer("3:1:bitflip,3:0:swap", inject="bitflip")
-    plan = faults.plan(t)
-    assert t._io.inject is None  # a fault is not a batch replacement
+    plan = faults.plan(t, t.rec)
+    assert t.rec.inject is None  # a fault is not a batch replacement
     assert plan.swap_group == "group:batch" and plan.bitflip
     flips = []
     for mb in range(3):  # three gradient-accumulation microbatches
@@ -117,12 +122,12 @@ def test_step_plan_swaps_every_microbatch_and_flips_after_the_first_backward_onl
 
 
 def test_step_plan_is_per_step_rank_and_swap_refuses_pp():
-    assert faults.plan(_fake_trainer("3:1:bitflip", step=4)) is None
-    assert faults.plan(_fake_trainer("3:1:bitflip", dp_rank=0)) is None  # another rank's flip
-    p = faults.plan(_fake_trainer("3:1:swap", dp_rank=0))  # swap: every rank, whatever the spec's
+    assert _plan(_fake_trainer("3:1:bitflip", step=4)) is None
+    assert _plan(_fake_trainer("3:1:bitflip", dp_rank=0)) is None  # another rank's flip
+    p = _plan(_fake_trainer("3:1:swap", dp_rank=0))  # swap: every rank, whatever the spec's
     assert p.swap_group is not None and not p.bitflip
-    assert faults.plan(_fake_trainer("")) is None
+    assert _plan(_fake_trainer("")) is None
     faults.before_forward(None, {})  # no plan: nothing to do
-    assert faults.plan(_fake_trainer("3:0:bitflip", dp_rank=0, pp=True)).bitflip  # bitflip runs under PP
+    assert _plan(_fake_trainer("3:0:bitflip", dp_rank=0, pp=True)).bitflip  # bitflip runs under PP
     with pytest.raises(RuntimeError, match="pipeline parallelism"):
-        faults.plan(_fake_trainer("3:0:swap", pp=True))
+        _plan(_fake_trainer("3:0:swap", pp=True))

@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.data import indexed
 from titan_ledger.data.indexed import (
     BLEND_RULE,
@@ -355,7 +356,7 @@ def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
                 next(it)
             tags = dl.take_tags()
             trained[step, r] = [t.to_json() for t in tags]
-            w.record(step, tags, doc_loss={"n": 1, "top": [[len(tags) - 1, 0, 3.5, 7]], "bottom": []})
+            w.record(StepRecord(step=step, start=0.0, tags=tags), doc_loss={"n": 1, "top": [[len(tags) - 1, 0, 3.5, 7]], "bottom": []})
         w.close()
     return led, trained, prefix
 
@@ -424,7 +425,7 @@ def test_derived_rows_across_a_dp_change_use_their_segments_layout(tmp_path):
     it = iter(dl)
     next(it)
     tags = dl.take_tags()
-    w.record(3, tags)
+    w.record(StepRecord(step=3, start=0.0, tags=tags))
     w.close()
     data = DataLedger(led)
     assert [t.to_json() for t in data.at(3, 0).tags] == [t.to_json() for t in tags]

@@ -10,7 +10,7 @@ from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
 
 
 def _hdr(run, resumed, dp, t, mbs=2):
-    return {"schema": records.DATA.id, "run_id": run, "resumed_from": resumed, "time": t,
+    return {"schema": records.DATA.id, "run_id": run, "resumed_from": resumed, "time": t, "seq": int(t),
             "dp_size": dp, "dp_rank": 0, "mbs": mbs, "global_batch": 4, "source_kind": "text"}
 
 
@@ -63,7 +63,7 @@ def test_run_ledger_views(tmp_path):
     led_dir.mkdir()
     _signals(led_dir, [1, 2, 3, 4])
     _signals(led_dir, [3], resumed=2, run="b", seq=2)
-    w = records.RecordWriter(led_dir / records.SPIKES_FILE, {"schema": records.SPIKES.id, "run_id": "a"})
+    w = records.RecordWriter(led_dir / records.SPIKES_FILE, {"schema": records.SPIKES.id, "run_id": "a", "seq": 1})
     w.write({"step": 4, "rules": ["ratio"]})
     w.write({"step": 4, "rewind_to": 2, "skip_window": [3, 4], "action": "rollback"})
     w.close()

@@ -8,10 +8,18 @@ import time
 
 import torch
 
-from titan_ledger.components.recorder import NonFiniteLoss, SignalRecorder
+from titan_ledger.components.recorder import NonFiniteLoss, SignalRecorder, check_finite
 from titan_ledger.components.signals import ParamPlan
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 from titan_ledger.format import records
+
+
+def _write(rec, block):
+    """What Ledger.drain does with the recorder's part of a completed step."""
+    for done in rec.completed(block):
+        rec.write(done)
+        check_finite(done.row, rec.path)
 
 
 def _recorder(topo, model, per_layer=False):
@@ -30,8 +38,8 @@ def test_rows_from_a_single_process(tmp_path):
     gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     red = rec.reduce(local_loss_sum=torch.tensor(6.0), local_tokens=4, grad_norm=gn)
     assert float(red.loss) == 1.5
-    rec.queue(step=1, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
-    rec.drain(block=False)
+    rec.queue(StepRecord(step=1, start=time.perf_counter(), lr=0.1), red.vector, None)
+    _write(rec, block=False)
     rec.close()
     row = records.read_ledger(tmp_path / "signals.jsonl", records.SIGNALS).history[0]
     assert set(row) == set(records.SIGNAL_KEYS)
@@ -51,9 +59,9 @@ def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
     rec = _recorder(Topology.single(), model)
     rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
     red = rec.reduce(local_loss_sum=torch.tensor(float("nan")), local_tokens=2, grad_norm=torch.tensor(1.0))
-    rec.queue(step=3, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
+    rec.queue(StepRecord(step=3, start=time.perf_counter(), lr=0.1), red.vector, None)
     try:
-        rec.drain(block=True)
+        _write(rec, block=True)
         raise AssertionError("a NaN loss must stop training")
     except NonFiniteLoss as e:
         assert "step 3" in str(e)
@@ -75,8 +83,8 @@ def test_per_layer_norms_are_pre_clip_although_read_after_the_clip(tmp_path):
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the trainer does
     assert float(gn) > 10  # the clip is active
     red = rec.reduce(local_loss_sum=torch.tensor(1.0), local_tokens=1, grad_norm=gn)
-    rec.queue(step=1, reduced=red.vector, extra=None, lr=0.1, step_start=time.perf_counter(), data_loading_s=0.0)
-    rec.drain(block=True)
+    rec.queue(StepRecord(step=1, start=time.perf_counter(), lr=0.1), red.vector, None)
+    _write(rec, block=True)
     rec.close()
     row = records.read_ledger(tmp_path / "signals.jsonl").history[0]
     per_layer = row[records.PER_LAYER_KEY]

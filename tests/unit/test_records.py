@@ -18,7 +18,7 @@ def _rows(w, steps):
 
 def test_round_trip_and_nonfinite(tmp_path):
     p = tmp_path / "signals.jsonl"
-    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     w.write({"step": 1, "loss": float("nan"), "x": float("inf")})
     w.close()
     for line in p.read_text().splitlines():
@@ -30,7 +30,7 @@ def test_round_trip_and_nonfinite(tmp_path):
 
 def test_torn_last_line_is_skipped_and_repaired(tmp_path):
     p = tmp_path / "signals.jsonl"
-    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "a", "resumed_from": 0, "seq": 1})
     _rows(w, [1, 2, 3])
     w.close()
     with open(p, "ab") as f:  # kill -9 in the middle of a write
@@ -39,7 +39,7 @@ def test_torn_last_line_is_skipped_and_repaired(tmp_path):
         led = read_ledger(p)
     assert [r["step"] for r in led.history] == [1, 2, 3] and led.torn_lines == 1
     # the next run resumes from a checkpoint at step 2; its header starts a new line
-    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "b", "resumed_from": 2})
+    w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": "b", "resumed_from": 2, "seq": 2})
     _rows(w, [3, 4])
     w.close()
     with pytest.warns(LedgerWarning, match="signals.jsonl: torn line 5 skipped"):  # its segment's last
@@ -53,8 +53,8 @@ def test_torn_last_line_is_skipped_and_repaired(tmp_path):
 
 def test_fresh_run_in_old_folder_supersedes_everything(tmp_path):
     p = tmp_path / "signals.jsonl"
-    for run in ("a", "b"):
-        w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": run, "resumed_from": 0})
+    for seq, run in enumerate(("a", "b"), 1):
+        w = RecordWriter(p, {"schema": SIGNALS.id, "run_id": run, "resumed_from": 0, "seq": seq})
         _rows(w, [1, 2])
         w.close()
     led = read_ledger(p)
@@ -85,7 +85,7 @@ def test_newer_schema_is_refused_older_reads(tmp_path):
     with pytest.raises(LedgerError, match="newer titan_ledger"):
         read_ledger(p, records.SIGNALS)
     q = tmp_path / "old.jsonl"
-    RecordWriter(q, {"schema": "titan_ledger.signals/1", "run_id": "a", "resumed_from": 0}).close()
+    RecordWriter(q, {"schema": "titan_ledger.signals/1", "run_id": "a", "resumed_from": 0, "seq": 1}).close()
     assert read_ledger(q, records.SIGNALS).segments[0].header.run_id == "a"
 
 
@@ -110,13 +110,10 @@ def test_supersession_follows_seq_not_wall_clock(tmp_path):
     cur, sup = _current(tmp_path, 2)
     assert cur == {0: [1, 2, 3, 4, 5], 1: [1, 2]}
     assert sorted((x["step"], x["superseded_by"]) for x in sup) == [(3, "B"), (3, "B"), (4, "B"), (4, "B")]
-    # the same files written by an older version (no seq): ordered by time
-    for f in tmp_path.glob("d*.jsonl"):
-        f.unlink()
-    for r in (0, 1):
-        _seg(tmp_path / f"d{r}.jsonl", "A", 0, [1, 2, 3, 4], time=100.0 + r * 0.01)
-    _seg(tmp_path / "d0.jsonl", "B", 2, [3, 4, 5], time=200.0)
-    assert _current(tmp_path, 2)[0] == {0: [1, 2, 3, 4, 5], 1: [1, 2]}
+    # a header without seq (an edited file) is refused, naming the line
+    _seg(tmp_path / "d1.jsonl", "C", 4, [5])
+    with pytest.raises(LedgerError, match=r"d1.jsonl:6: .*without an integer 'seq'"):
+        _current(tmp_path, 2)
 
 
 def test_sibling_ranks_of_one_launch_do_not_supersede_each_other(tmp_path):
@@ -140,8 +137,8 @@ def test_resolve_and_masks_are_one_rule(tmp_path):
 
 def test_event_logs_are_never_superseded(tmp_path):
     p = tmp_path / "spikes.jsonl"
-    for run, resumed in (("A", 0), ("B", 2)):
-        w = RecordWriter(p, {"schema": records.SPIKES.id, "run_id": run, "resumed_from": resumed})
+    for seq, (run, resumed) in enumerate((("A", 0), ("B", 2)), 1):
+        w = RecordWriter(p, {"schema": records.SPIKES.id, "run_id": run, "resumed_from": resumed, "seq": seq})
         w.write({"step": 5, "rules": ["zscore"]})
         w.close()
     assert [e["step"] for e in read_ledger(p, records.SPIKES).history] == [5, 5]

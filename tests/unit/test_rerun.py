@@ -68,8 +68,7 @@ def test_strip_train_args_drops_bitflip_dump_folder_and_load_step():
                                "--job.dump_folder", "/a", "--checkpoint.load_step=4", "--training.steps", "12"])
     assert got == ["--job.config_file", "x.toml", "--ledger.rehearsal.inject", "8:1:repeat", "--training.steps", "12"]
     assert rr.strip_train_args(["--ledger.rehearsal.inject=3:0:bitflip", "--x"]) == ["--x"]
-    # a flat flag of an earlier release is the same flag
-    assert rr.strip_train_args(["--ledger.inject=3:0:bitflip", "--ledger.rerun", "stop=3", "--x"]) == ["--x"]
+    assert rr.strip_train_args(["--ledger.rehearsal.rerun", "stop=3", "--x"]) == ["--x"]
 
 
 class _Cfg:

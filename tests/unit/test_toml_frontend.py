@@ -191,22 +191,22 @@ def test_overlays_merge_in_order_and_errors_name_the_overlay(tmp_path):
     base = _write(tmp_path, """
         [training]
         steps = 10
-        [ledger]
-        skip_steps = ["3"]
+        [ledger.skip]
+        steps = ["3"]
         """)
     o1 = _write(tmp_path, """
         [checkpoint]
         load_step = 16
-        [ledger]
-        skip_steps = ["17-24"]
+        [ledger.skip]
+        steps = ["17-24"]
         """, "o1.toml")
     o2 = _write(tmp_path, "[training]\nsteps = 30\n", "o2.toml")
     cfg = parse(read_job(["--job.config_file", base, "--job.overlay", o1, "--job.overlay=" + o2,
                           "--training.seq_len", "64"]))
     assert (cfg.training.steps, cfg.checkpoint.load_step, cfg.ledger.skip.steps) == (30, 16, ["17-24"])
     assert cfg.training.seq_len == 64
-    bad = _write(tmp_path, "[ledger]\nskip_stepz = [\"1\"]\n", "bad.toml")
-    with pytest.raises(ConfigError, match=r"bad.toml: \[ledger\] skip_stepz: unknown key"):
+    bad = _write(tmp_path, "[ledger.skip]\nstepz = [\"1\"]\n", "bad.toml")
+    with pytest.raises(ConfigError, match=r"bad.toml: \[ledger.skip\] stepz: unknown key"):
         parse(read_job(["--job.config_file", base, "--job.overlay", bad]))
     with pytest.raises(ConfigError, match=r"nope.toml: no such config file \(check --job.overlay;"):
         read_job(["--job.config_file", base, "--job.overlay", str(tmp_path / "nope.toml")])

@@ -12,7 +12,7 @@ from titan_ledger.format.records import DATA, SIGNALS, SPIKES, RecordWriter
 
 
 def _write(path, schema, rows, **header):
-    w = RecordWriter(path, {"schema": schema, "run_id": "r1", "resumed_from": 0, **header})
+    w = RecordWriter(path, {"schema": schema, "run_id": "r1", "resumed_from": 0, "seq": 1, **header})
     for r in rows:
         w.write(r)
     w.close()

@@ -280,7 +280,7 @@ def adapt_config(config) -> None:
                     setattr(parent, attr, CpuAttention.Config())
     fn = spec.parallelize_fn
     if not getattr(fn, "_titan_ledger_sum_reduction", False):
-        spec = replace(spec, parallelize_fn=backend._sum_reduction(fn))
+        spec = replace(spec, parallelize_fn=backend.sum_reduction(fn))
     config.model_spec = spec
     config.training.disable_cuda_graphs = True
     config.compile.enable = False
@@ -311,3 +311,16 @@ def use_max_logit_attention(config) -> None:
 def uses_cpu_attention(model_config) -> bool:
 
     return any(True for _ in model_config.traverse(CpuAttention.Config))
+
+
+def give_validator_dense_masks(validator) -> None:
+    """torchtitan's Validator builds its own inputs (masks only for Flex/Varlen configs):
+    extend its ``post_dataloading_process`` the way ``LedgerTrainer``'s is extended."""
+    build = validator.post_dataloading_process
+
+    def with_dense_mask(input_dict, labels, model_parts, _build=build):
+        inputs, labels, extra_kwargs = _build(input_dict, labels, model_parts)
+        extra_kwargs["attention_masks"] = document_causal_mask(extra_kwargs["positions"])
+        return inputs, labels, extra_kwargs
+
+    validator.post_dataloading_process = with_dense_mask

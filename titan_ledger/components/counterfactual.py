@@ -33,11 +33,7 @@ def parse_overrides(spec: str) -> dict[str, float]:
 
 
 def _overrides(trainer) -> dict[str, float]:
-    cached = getattr(trainer, "_rerun_overrides", None)
-    if cached is None:
-        cached = parse_overrides(trainer.config.ledger.rehearsal.rerun)
-        trainer._rerun_overrides = cached
-    return cached
+    return parse_overrides(trainer.config.ledger.rehearsal.rerun)  # a few characters: parsed each call
 
 
 def before_stop(trainer) -> bool:
@@ -62,15 +58,12 @@ def apply_overrides(trainer) -> dict[str, float]:
             for m in part.modules():
                 if isinstance(m, MaxLogitRecorder):
                     m.softcap = cap
-    if scale is None and eps is None:
-        return o
-    for sched in trainer.lr_schedulers.schedulers:
-        if scale is not None:
-            sched.base_lrs = [b * scale for b in sched.base_lrs]
-            sched._last_lr = [lr * scale for lr in sched.get_last_lr()]
-            for g in sched.optimizer.param_groups:
-                g["lr"] = g["lr"] * scale
-        if eps is not None:
+    if scale is not None:
+        from titan_ledger.components.optimizer import scale_lr
+
+        scale_lr(trainer.lr_schedulers, scale)
+    if eps is not None:
+        for sched in trainer.lr_schedulers.schedulers:
             for g in sched.optimizer.param_groups:
                 g["eps"] = eps
     return o

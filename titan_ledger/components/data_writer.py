@@ -22,6 +22,7 @@ from pathlib import Path
 
 from torch.profiler import record_function
 
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
 from titan_ledger.format import records
@@ -54,27 +55,15 @@ class DataLedgerWriter:
     def rows_written(self) -> int:
         return self._writer.rows if self._writer is not None else 0
 
-    def record(self, step: int, tags: list[RowTag], injected: str | None = None,
-               doc_loss: dict | None = None, masked: dict | None = None) -> None:
-        """This DP rank's rows of ``step``; ``doc_loss`` (DocLossTracker.decode) adds the
-        step's per-document summary: ``{"n", "n_valid", "median", "top", "bottom"}``
+    def record(self, rec: StepRecord, doc_loss: dict | None = None) -> None:
+        """This DP rank's rows of the step ``rec`` records; ``doc_loss`` (DocLossTracker.decode)
+        adds the step's per-document summary: ``{"n", "n_valid", "median", "top", "bottom"}``
         with entries ``[row, segment, loss_sum, tokens]`` indexing ``rows``."""
         if self._writer is None:
             return
         with record_function("titan_ledger.data_write"):
-            row = {"step": step, "skipped": False}
-            derived = None if injected else self._derivable(tags)
-            if derived is not None:
-                row["samples"], row["digest"] = derived  # the rows follow from the corpus
-            else:
-                row["rows"] = [t.to_json() for t in tags]
-            if injected:
-                row["injected"] = injected  # the rows' tokens were replaced (rehearsal)
-            if doc_loss is not None:
-                row["doc_loss"] = doc_loss
-            if masked:
-                row["masked"] = masked  # {"quarantine" | "repetition": [[row, segment], ...]}
-            self._writer.write(row)
+            derived = None if rec.inject else self._derivable(rec.tags)
+            self._writer.write(data_row(rec, derived, doc_loss))
 
     def _derivable(self, tags: list[RowTag]):
         """``([first, end), token hash)`` when ``tags`` are exactly the layout's sample ids
@@ -108,3 +97,21 @@ class DataLedgerWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def data_row(rec: StepRecord, derived: tuple[list[int], str] | None, doc_loss: dict | None) -> dict:
+    """A trained step's ``data_dp<r>.jsonl`` row. Pure. ``derived``: ``([first, end), digest)``
+    when the rows follow from the corpus (:meth:`DataLedgerWriter._derivable`)."""
+    row = {"step": rec.step, "skipped": False}
+    if derived is not None:
+        row["samples"], row["digest"] = derived  # the rows follow from the corpus
+    else:
+        row["rows"] = [t.to_json() for t in rec.tags]
+    if rec.inject:
+        row["injected"] = rec.inject  # the rows' tokens were replaced (rehearsal)
+    if doc_loss is not None:
+        row["doc_loss"] = doc_loss
+    masked = rec.masked_or_none()
+    if masked:
+        row["masked"] = masked  # {"quarantine" | "repetition": [[row, segment], ...]}
+    return row

@@ -1,33 +1,35 @@
-"""The ``[ledger]`` section and the ledger components one run uses.
+"""``Ledger``: the ``[ledger]`` config section and the ledger components one run uses.
 
 Design decision: one Configurable, ``Ledger``, owns the ``ledger`` config section
 (torchtitan's pattern: nested ``@dataclass(kw_only=True, slots=True) Config``,
-attribute docstrings as ``--help``, checks in ``__post_init__`` so a bad value
-fails when the config is parsed, before any process group). At run time it is a
+attribute docstrings as ``--help``; its sub-sections are
+:mod:`titan_ledger.components.sections`; checks of values against each other are
+launch checks, :func:`titan_ledger.config.validate.validate`). At run time it is a
 thin composition of three components, each built from a :class:`Topology` and
 unit-testable in-process without torchrun:
 
 * :class:`~titan_ledger.components.recorder.SignalRecorder` -- per-step signals, one
-  collective, written a step late (``signals.jsonl``, ``rank<r>.jsonl``);
+  collective, rows built a step late (``signals.jsonl``, ``rank<r>.jsonl``);
 * :class:`~titan_ledger.components.data_writer.DataLedgerWriter` -- the data ledger
   (``data_dp<r>.jsonl``);
 * :class:`~titan_ledger.components.guard.SpikeGuard` -- the spike rules, events, and the
   host read the update guard / rollback need.
 
-``Ledger`` itself owns what spans them: the run id and segment numbering (one
-``seq`` per launch or rewind, from the launch log ``segments.jsonl``), the skip
-windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it at
+A step is one :class:`~titan_ledger.components.step_record.StepRecord`, handed in
+whole at ``record`` and fanned out to every writer in one place, :meth:`Ledger.drain`.
+``Ledger`` itself owns what spans the components: the segments (one ``seq`` per launch
+or rewind; the run folder's rules are :mod:`titan_ledger.components.run_folder`), the
+skip windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it at
 ``open`` (first step), ``record`` (after the clip, before ``optimizers.step``),
-``drain`` and ``close``.
+``drain`` and ``close``; what a flagged step does is
+:mod:`titan_ledger.components.recovery`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
-import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,178 +37,33 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import Configurable
 
 from titan_ledger.components.attention import MaxLogitRecorder, forget_pp_metadata_inference
-from titan_ledger.components.counterfactual import parse_overrides
 from titan_ledger.components.data_writer import DataLedgerWriter
 from titan_ledger.components.guard import Ladder, SpikeGuard, parse_ladder
-from titan_ledger.components.recorder import SignalRecorder
+from titan_ledger.components.recorder import SignalRecorder, check_finite, dashboard
+from titan_ledger.components.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
+from titan_ledger.components.sections import (
+    DocLossConfig,
+    FilterConfig,
+    OnSpikeConfig,
+    RehearsalConfig,
+    SkipConfig,
+)
 from titan_ledger.components.signals import ParamPlan, natural_key
 from titan_ledger.components.spikes import SpikeDetector
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
-from titan_ledger.data.filters import Quarantine
-from titan_ledger.data.layout import RowTag, parse_skip_steps, window_at
-from titan_ledger.errors import ConfigError, TitanLedgerError
+from titan_ledger.data.filters import Quarantine, mask_repetitive
+from titan_ledger.data.layout import parse_skip_steps, window_at
+from titan_ledger.errors import ConfigError
 from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
 
-# ---------------------------------------------------------------------------- sections
-# Design decision: the [ledger] table groups its fields by what they control, each
-# group a nested dataclass (torchtitan's own nesting: ``--ledger.skip.steps``); the flat
-# names of earlier releases (``--ledger.skip_steps``, ``[ledger] inject = ...``) keep
-# working through RENAMED, which the TOML front end and the tools apply.
-
-
-@dataclass(kw_only=True, slots=True)
-class DocLossConfig:
-    enable: bool = True
-    """Per-document loss: attribute each token's loss to its document segment (in the
-    loss torchtitan already computes; no extra forward) and write each DP rank's
-    ``k`` highest- and lowest-loss segments per step to the data ledger."""
-
-    k: int = 4
-    """Segments kept per DP rank and step at each end (highest and lowest mean loss)."""
-
-    min_tokens: int = 16
-    """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.min_tokens < 1:
-            raise ConfigError(f"--ledger.doc_loss.k and --ledger.doc_loss.min_tokens must be >= 1 "
-                              f"(got {self.k}, {self.min_tokens})")
-
-
-@dataclass(kw_only=True, slots=True)
-class FilterConfig:
-    quarantine: list[str] = field(default_factory=list)
-    """Quarantine files: one ``{"source": ..., "doc": ...}`` per line (``lookup --json``
-    names documents this way; ``diagnose --write-quarantine`` writes them). Those
-    documents' tokens are loss-masked wherever they appear; the sample sequence is
-    unchanged, so adding a file when resuming after a spike is not a data change."""
-
-    repetition: bool = False
-    """Mask document segments holding an n-gram repeated ``repetition_min`` times in
-    a row (OLMo-core's instance filter rule), counted per step in the ledgers."""
-
-    repetition_min: int = 32
-    """Repetition filter: repeats of one n-gram that mask its segment."""
-
-    repetition_max_period: int = 13
-    """Repetition filter: the longest n-gram period checked (1 = one token repeated)."""
-
-    def __post_init__(self) -> None:
-        if self.repetition_min < 2 or self.repetition_max_period < 1:
-            raise ConfigError(f"--ledger.filter.repetition_min must be >= 2 and "
-                              f"--ledger.filter.repetition_max_period >= 1 (got {self.repetition_min}, "
-                              f"{self.repetition_max_period})")
-        Quarantine(self.quarantine)  # the files exist and parse
-
-
-@dataclass(kw_only=True, slots=True)
-class SkipConfig:
-    steps: list[str] = field(default_factory=list)
-    """Steps whose data is consumed without forward/backward or update: absolute,
-    1-indexed, inclusive ranges or single steps, e.g. ``["137000-137300", "140001"]``
-    (on the command line also comma-separated). Needs LedgerDataLoader."""
-
-    lr: Literal["freeze", "advance"] = "freeze"
-    """LR schedule over skipped steps: ``freeze`` (Megatron: the schedule does not
-    advance) or ``advance`` (as if the steps had trained)."""
-
-    auto: bool = False
-    """Add the steps listed in ``<dump_folder>/ledger/rejected_steps.jsonl`` (every
-    flagged step of earlier launches) to ``steps`` (Megatron's tracker-file flow)."""
-
-    def __post_init__(self) -> None:
-        parse_skip_steps(self.steps)  # raises SkipError naming the entry
-
-
-@dataclass(kw_only=True, slots=True)
-class OnSpikeConfig:
-    action: str = "none"
-    """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
-    its optimizer update; Adam's step count does not advance; costs one
-    device->host read of the flag per step), ``rollback`` (reload the last
-    checkpoint at or before step - rollback_back, skip rollback_skip steps from
-    there and continue in the same process), ``rollback_lr:X`` (the same, and the
-    LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
-    repeats without limit (rollbacks capped by max_rollbacks); a comma-separated
-    **ladder** escalates when a spike repeats within ``ladder_horizon`` steps, each
-    rung ``*N`` attempts (default 1), e.g. ``skip_update*2,rollback,rollback_lr:0.5,stop``;
-    past the last rung the run stops. Every decision is recorded in spikes.jsonl."""
-
-    ladder_horizon: int = 100
-    """A spike within this many steps of the previous one is a repeat (next attempt
-    or next rung); after a quiet horizon the ladder starts again at its first rung."""
-
-    rollback_back: int = 100
-    """Rollbacks: go back to a checkpoint at or before spike - this many steps."""
-
-    rollback_skip: int = 200
-    """Rollbacks: steps skipped from the checkpoint on (the window is widened to
-    reach the spike step)."""
-
-    max_rollbacks: int = 3
-    """Rollbacks: stop with an error after this many rewinds in one run."""
-
-    def __post_init__(self) -> None:
-        parse_ladder(self.action)  # raises ConfigError naming the rung
-        if self.ladder_horizon < 1:
-            raise ConfigError(f"--ledger.on_spike.ladder_horizon must be >= 1, got {self.ladder_horizon}")
-        for name in ("rollback_back", "max_rollbacks"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--ledger.on_spike.{name} must be >= 0, got {getattr(self, name)}")
-        if self.rollback_skip < 1:
-            raise ConfigError(f"--ledger.on_spike.rollback_skip must be >= 1, got {self.rollback_skip}")
-
-
-@dataclass(kw_only=True, slots=True)
-class RehearsalConfig:
-    inject: str = ""
-    """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
-    by a single repeated token (``repeat``) or uniform random tokens (``random``);
-    see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
-    rehearsal, :mod:`titan_ledger.rehearsal.faults`) flips one exponent bit of one gradient
-    element on that DP rank after the backward, before the clip; ``swap`` makes every DP
-    rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
-    Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
-
-    rerun: str = ""
-    """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.components.counterfactual`):
-    ``stop=N`` ends training after step N (the LR schedule still spans
-    ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
-    learning rate (scaled) and Adam epsilon from the first step on, e.g.
-    ``stop=9,lr_scale=0.5``."""
-
-    def __post_init__(self) -> None:
-        parse_inject(self.inject)
-        parse_overrides(self.rerun)  # raises ConfigError naming the entry
-
-
-#: Flat ``[ledger]`` names of earlier releases -> their nested path (TOML keys and flags).
-RENAMED: dict[str, str] = {
-    "doc_loss": "doc_loss.enable", "doc_loss_k": "doc_loss.k", "doc_loss_min_tokens": "doc_loss.min_tokens",
-    "quarantine": "filter.quarantine", "repetition_filter": "filter.repetition",
-    "repetition_min": "filter.repetition_min", "repetition_max_period": "filter.repetition_max_period",
-    "skip_steps": "skip.steps", "skip_lr": "skip.lr", "auto_skip": "skip.auto",
-    "on_spike": "on_spike.action", "ladder_horizon": "on_spike.ladder_horizon",
-    "rollback_back": "on_spike.rollback_back", "rollback_skip": "on_spike.rollback_skip",
-    "max_rollbacks": "on_spike.max_rollbacks", "inject": "rehearsal.inject", "rerun": "rehearsal.rerun",
-}
-#: ... of which these are booleans (``--ledger.no_doc_loss`` -> ``--ledger.doc_loss.no_enable``).
-RENAMED_BOOLS = ("doc_loss", "repetition_filter", "auto_skip")
-
-
-def renamed_flags() -> dict[str, str]:
-    """Old command-line spelling -> new, bool negations included."""
-    out = {f"--ledger.{old}": f"--ledger.{new}" for old, new in RENAMED.items()}
-    for old in RENAMED_BOOLS:
-        head, _, last = RENAMED[old].rpartition(".")
-        out[f"--ledger.no_{old}"] = f"--ledger.{head}.no_{last}"  # (hyphens: alias_cli folds them)
-    return out
-
+__all__ = ["DocLossConfig", "FilterConfig", "Ledger", "OnSpikeConfig", "RehearsalConfig", "SkipConfig"]
 
 
 class Ledger(Configurable):
@@ -267,12 +124,7 @@ class Ledger(Configurable):
         """Fault injection and counterfactual reruns (``[ledger.rehearsal]``); rehearsal only."""
 
         def __post_init__(self) -> None:
-            # every check that needs no trainer runs here, when the flags are parsed
-            # (each section checks its own fields; these are the cross-section ones)
-            if any(r.action != "none" for r in parse_ladder(self.on_spike.action)) \
-                    and not (self.signals and self.spike.enable):
-                raise ConfigError(f"--ledger.on_spike.action {self.on_spike.action} needs --ledger.signals "
-                                  f"and --ledger.spike.enable")
+            # the folder's own syntax; relations between values are launch checks (config.validate)
             if not self.folder or Path(self.folder).is_absolute() or ".." in Path(self.folder).parts:
                 raise ConfigError(f"--ledger.folder {self.folder!r}: give a folder name inside "
                                   f"--dump_folder, e.g. ledger")
@@ -287,11 +139,11 @@ class Ledger(Configurable):
         self.data: DataLedgerWriter | None = None
         self.guard: SpikeGuard | None = None
         self.loader = None  # a LedgerDataLoader, when the run uses one
+        self.launch = Launch()  # train.run sets the launch it received (segment headers)
         self.rewinds = 0
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
         self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
-        self._step_tags: tuple | None = None  # (tags, injected, masked) until the step's row is queued
         self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
         self.logz = None  # a LogZStats (set by the trainer when the loss is titan_ledger's)
         self.qk_clip = None  # a QKClip when [qk_clip] enable (built in setup)
@@ -300,88 +152,64 @@ class Ledger(Configurable):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
-        """Bind to a built trainer (after model, optimizer and dataloader exist)."""
+        """Bind to a built trainer (after model, optimizer and dataloader exist). The
+        launch checks ran before (``config.validate``); this claims the run folder, agrees
+        the run's identity and builds the writers."""
+        from titan_ledger.components.optimizer import describe_groups
+        from titan_ledger.components.precision import audit_trainer
         from titan_ledger.data.loader import LedgerDataLoader
 
-        cfg = self.config
+        cfg, tcfg = self.config, trainer.config
         self.enabled = cfg.signals
         self.topo = topo = Topology.from_trainer(trainer)
         self.device = trainer.device
-        loader = trainer.dataloader
-        self.loader = loader if isinstance(loader, LedgerDataLoader) else None
-        self.folder = Path(trainer.config.dump_folder) / cfg.folder
-        self.global_batch = (trainer.config.training.local_batch_size * topo.dp_size
-                             * trainer.gradient_accumulation_steps)
-        steps = trainer.config.training.steps
+        self.loader = trainer.dataloader if isinstance(trainer.dataloader, LedgerDataLoader) else None
+        self.folder = Path(tcfg.dump_folder) / cfg.folder
+        self.global_batch = tcfg.training.local_batch_size * topo.dp_size * trainer.gradient_accumulation_steps
         if cfg.skip.auto:
-            rejected = RunLedger(trainer.config.dump_folder, cfg.folder).rejected_steps() \
-                if self.folder.exists() else []
+            rejected = RunLedger(tcfg.dump_folder, cfg.folder).rejected_steps() if self.folder.exists() else []
             self.skip_windows = parse_skip_steps(
                 [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
-        if self.ladder.rolls_back and not trainer.config.checkpoint.enable:
-            raise ConfigError(f"--ledger.on_spike.action {cfg.on_spike.action}: a rollback reloads checkpoints: set "
-                              f"--checkpoint.enable")
-        if (self.quarantine or cfg.filter.repetition) and (self.loader is None or not self.loader.tagging):
-            raise ConfigError("--ledger.filter.quarantine and --ledger.filter.repetition mask documents by the "
-                              "rows' provenance: they need LedgerDataLoader with --dataloader.tagging")
-        if self.skip_windows and self.loader is None:
-            raise ConfigError("--ledger.skip.steps needs LedgerDataLoader (a titan_ledger config "
-                              "function such as debug_cpu); this run's dataloader is "
-                              f"{type(loader).__name__}")
-        late = [w for w in self.skip_windows if w[0] > steps and not cfg.skip.auto]
-        if late:
-            raise ConfigError(f"--ledger.skip.steps {late[0][0]}-{late[0][1]} starts after the last "
-                              f"step (--training.steps {steps}): it would skip nothing")
-        if self.inject is not None and self.inject[1] >= topo.dp_size:
-            raise ConfigError(f"--ledger.rehearsal.inject {cfg.rehearsal.inject}: DP rank {self.inject[1]} does not exist "
-                              f"(this run has DP ranks 0-{topo.dp_size - 1})")
-        if self.inject is not None and self.inject[0] > steps:
-            raise ConfigError(f"--ledger.rehearsal.inject {cfg.rehearsal.inject}: step {self.inject[0]} is after the last "
-                              f"step (--training.steps {steps})")
-        # rank 0 checks that the dump folder holds this run (or moves another run aside);
-        # then one run id for all ranks (rank 0's) and the next segment number, agreed once
-        claim_error = None
-        if topo.is_rank0 and trainer.config.comm.mode != "fake_backend":
-            layout = {"seq_len": trainer.config.training.seq_len, "global_batch": self.global_batch}
-            if self.loader is not None:
-                layout["fingerprint"] = self.loader.fingerprint
-            try:
-                moved = claim_dump_folder(trainer.config.dump_folder, cfg.folder, layout,
-                                          new_run=cfg.new_run, allow_data_change=cfg.allow_data_change,
-                                          checkpoint_folder=trainer.config.checkpoint.folder,
-                                          checkpoint_enabled=trainer.config.checkpoint.enable)
-                if moved:
-                    from torchtitan.tools.logging import logger
-
-                    logger.warning(f"titan_ledger: --ledger.new_run: the earlier run of another layout "
-                                   f"was moved aside to {', '.join(moved)}")
-            except ConfigError as e:
-                claim_error = str(e)
-        agreed = [uuid.uuid4().hex[:12], records.next_seq(self.folder) if topo.is_rank0 else 0,
-                  claim_error]
-        if dist.is_initialized():
-            dist.broadcast_object_list(agreed, src=0)
-        if agreed[2] is not None:  # every rank stops with rank 0's line
-            raise ConfigError(agreed[2])
-        self.run_id, self._seq = agreed[0], int(agreed[1]) - 1
-        self.config_digest = _digest(trainer.config)
+        identity = agree_identity(self.folder, topo.is_rank0, self._claim(tcfg) if topo.is_rank0 else None)
+        self.run_id, self._seq = identity.run_id, identity.next_seq - 1
+        self.config_digest = config_digest(tcfg)
         # the compute dtype of the parameters: diagnose's precision question needs it
         # (a one-step glitch in an fp32 run cannot be bf16 rounding)
-        self.param_dtype = str(trainer.config.training.mixed_precision_param)
-        self.precision = precision_audit(trainer, topo.is_rank0)
-        from titan_ledger.components.optimizer import describe_groups
-
+        self.param_dtype = str(tcfg.training.mixed_precision_param)
+        self.precision = audit_trainer(trainer, topo.is_rank0)
         # the optimizer's parameter groups and their weight decay (the no_decay presets)
         self.param_groups = describe_groups(trainer.optimizers)
         if self.loader is not None and self.loader.tagging:
-            self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch,
-                                         skip_lr=cfg.skip.lr,
-                                         tokenizer=str(Path(trainer.config.hf_assets_path).resolve()))
-        if not self.enabled:
-            if getattr(getattr(trainer.config, "qk_clip", None), "enable", False):
-                raise ConfigError("--qk_clip.enable reads the ledger's per-head max logits: it needs "
-                                  "--ledger.signals (drop --ledger.no_signals)")
-            return
+            self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch, skip_lr=cfg.skip.lr,
+                                         tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
+        if self.enabled:
+            self._build_recorder(trainer)
+        self._apply_state()
+
+    def _claim(self, tcfg) -> str | None:
+        """Rank 0: the dump folder holds this run (or, ``--ledger.new_run``, another run is
+        moved aside); the refusal, if any, for every rank to raise."""
+        cfg = self.config
+        layout = {"seq_len": tcfg.training.seq_len, "global_batch": self.global_batch}
+        if self.loader is not None:
+            layout["fingerprint"] = self.loader.fingerprint
+        try:
+            moved = claim_dump_folder(tcfg.dump_folder, cfg.folder, layout, new_run=cfg.new_run,
+                                      allow_data_change=cfg.allow_data_change,
+                                      checkpoint_folder=tcfg.checkpoint.folder,
+                                      checkpoint_enabled=tcfg.checkpoint.enable)
+        except ConfigError as e:
+            return str(e)
+        if moved:
+            from torchtitan.tools.logging import logger
+
+            logger.warning(f"titan_ledger: --ledger.new_run: the earlier run of another layout "
+                           f"was moved aside to {', '.join(moved)}")
+        return None
+
+    def _build_recorder(self, trainer) -> None:
+        """The signal recorder (and QK-clip, which reads its per-head maxima) for the live model."""
+        cfg, topo = self.config, self.topo
         named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
         groups = None
         if cfg.per_layer:
@@ -399,9 +227,6 @@ class Ledger(Configurable):
             m.record_max_logit = cfg.max_logit
         qk_cfg = getattr(trainer.config, "qk_clip", None)
         if qk_cfg is not None and qk_cfg.enable:
-            if not cfg.max_logit:
-                raise ConfigError("--qk_clip.enable reads the ledger's max attention logits: drop "
-                                  "--ledger.no_max_logit (or --qk_clip.enable)")
             from torchtitan.models.common.attention import GQAttention
 
             from titan_ledger.components.qk_clip import QKClip
@@ -420,7 +245,6 @@ class Ledger(Configurable):
             doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip)
         if cfg.spike.enable:
             self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
-        self._apply_state()
 
     # ------------------------------------------------------------------ segments
     def open(self, resumed_from: int, rewind_from: int | None = None) -> None:
@@ -431,7 +255,7 @@ class Ledger(Configurable):
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
                                        "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
                                        "precision": self.precision, "param_groups": self.param_groups,
-                                       **_LAUNCH})
+                                       **self.launch.header()})
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
@@ -459,10 +283,39 @@ class Ledger(Configurable):
                 c.close()
 
     # ------------------------------------------------------------------ per step
-    def record(self, *, step: int, local_loss_sum: torch.Tensor | None, local_tokens: int,
-               grad_norm: torch.Tensor, lr: float, step_start: float, data_loading_s: float,
-               masked_tokens: int = 0) -> None:
-        """Reduce this step's signals (one collective), run the spike rules, queue the row.
+    def take_provenance(self, rec: StepRecord, input_dict: dict, labels: torch.Tensor) -> None:
+        """One fetched microbatch: its rows' provenance into ``rec``, and the loss masks that
+        use it (quarantine, repetition filter); the masked labels are then ignored like any
+        other label."""
+        if self.loader is None:
+            return
+        tags = self.loader.take_tags()
+        base = len(rec.tags)
+        rec.tags.extend(tags)
+        filt = self.config.filter
+        if not (self.quarantine or filt.repetition) or not tags:
+            return
+        valid = int((labels != IGNORE_INDEX).sum())
+        if self.quarantine:
+            hit = self.quarantine.mask(tags, labels)
+            rec.masked.setdefault("quarantine", []).extend([base + r, s] for r, s in hit)
+        if filt.repetition:
+            hit = mask_repetitive(input_dict["input"], input_dict["positions"], labels,
+                                  filt.repetition_min, filt.repetition_max_period)
+            rec.masked.setdefault("repetition", []).extend([base + r, s] for r, s in hit)
+        rec.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
+
+    def provenance_ready(self, rec: StepRecord) -> None:
+        """Every batch of the step has been fetched (the first forward is next). Without
+        signals the data row is written now, before any forward can fail; with signals it
+        goes out with the step's signals row, carrying its per-document losses."""
+        if self.recorder is None and self.data is not None and not rec.data_written:
+            self.data.record(rec)
+            rec.data_written = True
+
+    def record(self, rec: StepRecord, *, local_loss_sum: torch.Tensor | None, local_tokens: int,
+               grad_norm: torch.Tensor) -> None:
+        """Reduce this step's signals (one collective), run the spike rules, queue the step.
 
         Call after ``clip_grad_norm_`` and before ``optimizers.step()``: zeros and
         norms are read from the gradients about to be applied. No host read.
@@ -471,14 +324,10 @@ class Ledger(Configurable):
             return
         with record_function("titan_ledger.signals"):
             red = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
-                                       grad_norm=grad_norm, masked_tokens=masked_tokens)
-            reduced = red.vector
+                                       grad_norm=grad_norm, masked_tokens=rec.masked_tokens)
         stats = self.guard.observe(red, grad_norm) if self.guard is not None else None
-        tags, injected, masked = self._step_tags or (None, None, None)
-        self._step_tags = None
         with record_function("titan_ledger.signals"):
-            self.recorder.queue(step=step, reduced=reduced, extra=stats, lr=lr, step_start=step_start,
-                                data_loading_s=data_loading_s, tags=tags, injected=injected, masked=masked)
+            self.recorder.queue(rec, red.vector, stats)
 
     def after_update(self, applied: bool) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
@@ -496,35 +345,24 @@ class Ledger(Configurable):
         if self.guard is not None:
             self.guard.record_action(rec)
 
-    def mark_update_skipped(self) -> None:
-        self.recorder.mark_update_skipped()
-
     def drain(self, block: bool, metrics_logger=None) -> None:
+        """Write every step whose device->host copy is done, in step order: the one place a
+        step fans out -- signals row, rank row, data row, dashboards, spike events."""
         if self.recorder is None:
             return
-        on_row = None
-        if self.guard is not None:
-            guard = self.guard
-
-            def on_row(row, stats):
-                guard.on_row(row, stats, metrics_logger)
-        self.recorder.drain(block, metrics_logger, on_row,
-                            self.data.record if self.data is not None else None)
+        for done in self.recorder.completed(block):
+            self.recorder.write(done)  # signals.jsonl (rank 0), rank<r>.jsonl
+            if self.data is not None:
+                self.data.record(done.rec, doc_loss=done.doc)  # data_dp<r>.jsonl
+            if metrics_logger is not None:
+                metrics_logger.log(dashboard(done.row), done.rec.step)
+            if self.guard is not None:
+                self.guard.on_row(done.row, done.stats, metrics_logger)  # spikes.jsonl, rejected_steps.jsonl
+            check_finite(done.row, self.recorder.path)
 
     # ------------------------------------------------------------------ data ledger, skips
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         return window_at(self.skip_windows, step)
-
-    def record_data(self, step: int, tags: list[RowTag], injected: str | None = None,
-                    masked: dict | None = None) -> None:
-        """This DP rank's rows of ``step``. With signals on, the row is written when the
-        step's signals are (a step late on GPU), carrying its per-document losses."""
-        if self.data is None or not self.data.active:
-            return
-        if self.recorder is not None:
-            self._step_tags = (tags, injected, masked)
-        else:
-            self.data.record(step, tags, injected, masked=masked)
 
     def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
                     metrics_logger=None) -> None:
@@ -537,6 +375,16 @@ class Ledger(Configurable):
             self.recorder.record_skip(first=first, last=last, n_samples=info.position_after - info.position_before,
                                       lr=lr, step_start=step_start, skip_lr=self.config.skip.lr,
                                       metrics_logger=metrics_logger)
+
+    @contextlib.contextmanager
+    def keeping_ladder(self):
+        """An in-process rollback's checkpoint load: the ladder's history is this process's,
+        not the checkpoint's (every other counter is restored)."""
+        self._keep_ladder = True
+        try:
+            yield
+        finally:
+            self._keep_ladder = False
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger=None) -> None:
         """In-process rollback: close this segment, open one that supersedes rows after
@@ -581,115 +429,3 @@ class Ledger(Configurable):
             self.guard.load_state_dict(json.loads(det))
         if self._state.get("ladder") and not self._keep_ladder:
             self.ladder.load_state_dict(json.loads(self._state["ladder"]))
-
-
-#: the data-ledger header keys that make a run's data layout (``claim_dump_folder``)
-LAYOUT_KEYS = {"seq_len": "--training.seq_len",
-               "global_batch": "--training.local_batch_size x DP size x gradient accumulation",
-               "fingerprint": "the data fingerprint: source, tokenizer, seq_len, seed"}
-
-
-def precision_audit(trainer, is_rank0: bool) -> list[dict] | None:
-    """The §3.5 checklist from the live model, optimizer and FSDP policy
-    (:mod:`titan_ledger.components.precision`): rank 0 prints the table, each deviation
-    is a warning; the rows go into every segment header. An audit that cannot run is
-    said once and never stops training."""
-    from torchtitan.tools.logging import logger
-
-    from titan_ledger.components import precision
-
-    try:
-        n_layers = len(getattr(trainer.config.model_spec.model, "layers", None) or []) or None
-        rows = precision.audit(trainer.model_parts, trainer.optimizers, trainer.loss_fn, n_layers=n_layers)
-    except Exception as e:  # a model this audit does not know: record why, train on
-        if is_rank0:
-            logger.warning(f"titan_ledger: precision audit skipped ({type(e).__name__}: {e})")
-        return None
-    if is_rank0:
-        logger.info("titan_ledger: precision (design article §3.5), checked on the live objects:\n"
-                    + precision.table(rows))
-        for r in precision.deviations(rows):
-            logger.warning(f"titan_ledger: precision: {r['check']} is {r['found']}, want {r['want']} ({r['how']})")
-    return rows
-
-
-#: The launch as the entry point received it (``train.run``): its training flags and
-#: working directory, recorded in every segment header so the tools (``replay rerun``,
-#: ``replay resume``, ``diagnose --rerun``) can reuse the run's own launch.
-_LAUNCH: dict[str, Any] = {}
-
-
-def record_launch(argv: list[str], cwd: str) -> None:
-    """Remember this process's launch flags for the segment headers (``train.run``)."""
-    _LAUNCH.clear()
-    _LAUNCH.update(argv=[str(a) for a in argv], cwd=str(cwd))
-
-
-def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *, new_run: bool = False,
-                      allow_data_change: bool = False, checkpoint_folder: str = "checkpoint",
-                      checkpoint_enabled: bool = True, read_only: bool = False) -> list[str]:
-    """A dump folder belongs to one run configuration (every rank before the process
-    group, ``read_only``; rank 0 again at setup, where ``new_run`` moves an old run aside).
-
-    Reads the run already in ``dump_folder`` through :class:`RunLedger` (the latest
-    data-ledger header) and compares its layout with ``layout`` (:data:`LAYOUT_KEYS`).
-    A value of ``layout`` may be a function returning it (or None: unknown, not
-    compared), called only when there is a recorded value to compare it with and the
-    comparison can decide: the data fingerprint costs a tokenizer and the corpus index,
-    a fresh folder pays nothing. Same layout: a resume, nothing to do. Another layout:
-    ``ConfigError`` naming the folder, the key and the fix -- or, with ``new_run``, the
-    ledger and checkpoint folders are renamed ``<name>.old-<n>`` (returned) so runs are
-    never mixed; ``read_only`` (a check before the ranks start) renames nothing and
-    returns ``[]``. ``allow_data_change`` accepts the change (a deliberate resume on
-    other data). A folder without a readable data ledger has no layout to compare.
-    When the launch will resume from a complete checkpoint, a changed seq_len or
-    fingerprint is left to the checkpoint load, which refuses it with its own line
-    naming ``--ledger.allow_data_change`` (``LedgerDataLoader.load_state_dict``).
-    """
-    dump = Path(dump_folder)
-    folder = dump / ledger_folder
-    if not folder.is_dir() or allow_data_change or (new_run and read_only):
-        return []
-    try:
-        old = RunLedger(dump, ledger_folder).data.header()
-    except TitanLedgerError:
-        return []
-    resuming = None  # the launch will load a complete checkpoint (asked once, if needed)
-    diffs = []
-    for k in LAYOUT_KEYS:
-        if layout.get(k) is None or old.get(k) is None:
-            continue
-        if k in ("seq_len", "fingerprint") and not new_run:
-            if resuming is None:
-                from titan_ledger.format.reader import checkpoints
-
-                resuming = bool(checkpoint_enabled and checkpoints(dump, checkpoint_folder))
-            if resuming:
-                continue  # a resume: the checkpoint's data state decides
-        now = layout[k]() if callable(layout[k]) else layout[k]
-        if now is not None and now != old[k]:
-            diffs.append((k, old[k], now))
-            break  # the first difference is the one named
-    if not diffs:
-        return []
-    key, was, now = diffs[0]
-    if not new_run:
-        raise ConfigError(
-            f"{dump}: holds a run with {key} {was!r}, this run has {now!r} ({LAYOUT_KEYS[key]}); a "
-            f"dump folder belongs to one run: use another --dump_folder, or pass --ledger.new_run "
-            f"to move the old {ledger_folder}/ and {checkpoint_folder}/ aside ({ledger_folder}.old-N) "
-            f"and start a new run there")
-    moved = [p for p in (folder, dump / checkpoint_folder) if p.exists()]
-    n = 1
-    while any(p.with_name(f"{p.name}.old-{n}").exists() for p in moved):
-        n += 1
-    for p in moved:
-        p.rename(p.with_name(f"{p.name}.old-{n}"))
-    return [str(p.with_name(f"{p.name}.old-{n}")) for p in moved]
-
-
-def _digest(config) -> str:
-    """SHA-256 of the config, stable across processes (no object addresses)."""
-    blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-    blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]

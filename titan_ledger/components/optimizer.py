@@ -122,3 +122,14 @@ def describe_groups(optimizers) -> list[dict[str, Any]]:
                         "params": len(g["params"]), "numel": int(sum(p.numel() for p in g["params"])),
                         "examples": names[:3]})
     return out
+
+
+def scale_lr(lr_schedulers, factor: float) -> None:
+    """Scale the LR from now on: the schedulers' base LRs (torchtitan rebuilds them
+    from the config) and the optimizer's current ones (a checkpoint restores those).
+    Used by the recovery ladder's ``rollback_lr`` and by ``replay rerun``'s ``lr_scale``."""
+    for sched in lr_schedulers.schedulers:
+        sched.base_lrs = [b * factor for b in sched.base_lrs]
+        sched._last_lr = [lr * factor for lr in sched.get_last_lr()]
+        for g in sched.optimizer.param_groups:
+            g["lr"] = g["lr"] * factor

@@ -216,3 +216,25 @@ def table(rows: list[dict[str, Any]]) -> str:
         mark = {True: "ok", False: "NO", None: "-"}[r["ok"]]
         out.append(f"{r['check']:<{w}}  {mark:<4} {r['found']} ({r['want']})")
     return "\n".join(out)
+
+
+def audit_trainer(trainer, is_rank0: bool) -> list[dict] | None:
+    """The §3.5 checklist from the live model, optimizer and FSDP policy
+    (:func:`audit`): rank 0 prints the table, each deviation
+    is a warning; the rows go into every segment header. An audit that cannot run is
+    said once and never stops training."""
+    from torchtitan.tools.logging import logger
+
+    try:
+        n_layers = len(getattr(trainer.config.model_spec.model, "layers", None) or []) or None
+        rows = audit(trainer.model_parts, trainer.optimizers, trainer.loss_fn, n_layers=n_layers)
+    except Exception as e:  # a model this audit does not know: record why, train on
+        if is_rank0:
+            logger.warning(f"titan_ledger: precision audit skipped ({type(e).__name__}: {e})")
+        return None
+    if is_rank0:
+        logger.info("titan_ledger: precision (design article §3.5), checked on the live objects:\n"
+                    + table(rows))
+        for r in deviations(rows):
+            logger.warning(f"titan_ledger: precision: {r['check']} is {r['found']}, want {r['want']} ({r['how']})")
+    return rows

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums
 from titan_ledger.components.spikes import is_note as spike_note
+from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 from titan_ledger.format import records
 
@@ -57,20 +58,41 @@ class NonFiniteLoss(RuntimeError):
     """The recorded loss is NaN/inf: training stops (the row is written first)."""
 
 
+def check_finite(row: dict[str, Any], path: str) -> None:
+    """Stop training at a written row whose loss is NaN/inf (``path``: where it is)."""
+    if not math.isfinite(row["loss"]):
+        raise NonFiniteLoss(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
+                            f"is in {path}. Stopping training.")
+
+
 @dataclass
 class _Pending:
-    step: int
+    rec: StepRecord  # the step's facts, carried untouched to the fan-out
     host: torch.Tensor  # the reduced vector (on the host once ``event`` completes)
     extra: torch.Tensor | None  # e.g. the spike rules' stats, copied with it
     event: Any
-    lr: float
-    step_time_s: float
-    data_loading_s: float
-    consumed_samples: int
-    update_skipped: bool = False
-    tags: list | None = None  # this DP rank's rows (data-ledger writers only)
-    injected: str | None = None
-    masked: dict | None = None  # segments the quarantine / repetition filter masked
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a reduced host vector reads (fixed for the run)."""
+
+    dp_size: int
+    dp_rank: int
+    max_logit: bool
+    qk_clip: bool
+    per_layer_groups: list[str] | None  # the per-layer norm groups, when recorded
+
+
+@dataclass
+class Completed:
+    """A step whose device->host copy is done: its rows, built, ready to fan out."""
+
+    rec: StepRecord
+    row: dict[str, Any]  # signals.jsonl (rank 0 writes it)
+    rank_row: dict[str, Any]  # rank<r>.jsonl (every rank that owns tokens writes its own)
+    doc: dict | None  # this DP rank's per-document summary (the data row's doc_loss)
+    stats: list[float] | None  # the spike rules' stats
 
 
 class SignalRecorder:
@@ -103,6 +125,8 @@ class SignalRecorder:
         self.qk_clip = qk_clip  # a QKClip: per-head maxima ride along in the all-gather
         # QK-clip off: its two row values are NaN (made once, not a fill kernel every step)
         self._qk_off = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
+        self.layout = RowLayout(topo.dp_size, topo.dp_rank, max_logit, qk_clip is not None,
+                                plan.groups if per_layer else None)
 
     # ------------------------------------------------------------------ files
     def open(self, folder: Path, header: records.Header) -> None:
@@ -199,30 +223,22 @@ class SignalRecorder:
                                d[:, h + 3 * k + 1] / d[:, h + 3 * k + 2], d[:, 1], d[:, 3]], dim=1)
         return Reduced(reduced, loss_by_dp.sum() / tok_by_dp.sum(), loss_by_dp / tok_by_dp, doc)
 
-    def queue(self, *, step: int, reduced: torch.Tensor, extra: torch.Tensor | None, lr: float,
-              step_start: float, data_loading_s: float, tags: list | None = None,
-              injected: str | None = None, masked: dict | None = None) -> None:
-        """Start the device->host copy of this step's row; never waits. ``tags`` (this DP
-        rank's rows) are written to the data ledger with the row's per-document losses."""
+    def queue(self, rec: StepRecord, reduced: torch.Tensor, extra: torch.Tensor | None) -> None:
+        """Start the device->host copy of this step's row; never waits. ``rec`` rides along."""
         self.consumed_samples += self.global_batch
+        rec.consumed_samples = self.consumed_samples
+        rec.step_time_s = time.perf_counter() - rec.start
         event = None
         if self._cuda:
             reduced = reduced.to("cpu", non_blocking=True)
             extra = extra.to("cpu", non_blocking=True) if extra is not None else None
             event = torch.cuda.Event()
             event.record()
-        self._pending.append(_Pending(step, reduced, extra, event, lr, time.perf_counter() - step_start,
-                                      data_loading_s, self.consumed_samples, tags=tags, injected=injected,
-                                      masked=masked))
+        self._pending.append(_Pending(rec, reduced, extra, event))
 
-    def mark_update_skipped(self) -> None:
-        self._pending[-1].update_skipped = True
-
-    def drain(self, block: bool, metrics_logger=None,
-              on_row: Callable[[dict, list[float] | None], None] | None = None,
-              on_data: Callable[..., None] | None = None) -> None:
-        """Write every pending row whose copy is done, in step order: the signals row,
-        then (``on_data``) the step's data-ledger row with its per-document losses."""
+    def completed(self, block: bool) -> Iterator[Completed]:
+        """Every pending step whose copy is done, in step order, its rows built
+        (``Ledger.drain`` writes them); ``block`` waits for the copies."""
         with record_function("titan_ledger.drain"):
             while self._pending:
                 p = self._pending[0]
@@ -231,74 +247,28 @@ class SignalRecorder:
                 if p.event is not None:
                     p.event.synchronize()
                 self._pending.popleft()
-                row, doc = self._row(p)
-                if self._writer is not None:
-                    self._writer.write(row)
-                if on_data is not None and p.tags is not None:
-                    on_data(p.step, p.tags, p.injected, doc, p.masked)
-                if metrics_logger is not None:
-                    metrics_logger.log(dashboard(row), p.step)
-                if on_row is not None:
-                    on_row(row, p.extra.tolist() if p.extra is not None else None)
-                if not math.isfinite(row["loss"]):
-                    raise NonFiniteLoss(
-                        f"titan_ledger: loss is not finite ({row['loss']}) at step {p.step}; the row "
-                        f"is in {self._writer.path if self._writer else 'signals.jsonl'}. Stopping training.")
+                v = p.host.tolist()
+                stats = p.extra.tolist() if p.extra is not None else None
+                row, rest = signals_row(v, p.rec, self.layout, skipped_samples=self.skipped_samples, stats=stats)
+                n = len(self.layout.per_layer_groups or ())
+                doc = self.doc_loss.decode(rest[n:]) if self.doc_loss is not None else None
+                yield Completed(p.rec, row, rank_row(v, p.rec, self.layout), doc, stats)
 
-    def _row(self, p: _Pending) -> dict[str, Any]:
-        dp = self.topo.dp_size
-        v = p.host.tolist()
-        loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
-        zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok, qk_heads, qk_eta = \
-            v[2 * dp:2 * dp + 13]
-        tokens = sum(tok_by_dp)
-        loss = sum(loss_by_dp) / tokens if tokens else float("nan")
-        local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
-        max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
-                                                 else float("inf")))
-        row = {
-            "step": p.step,
-            "consumed_samples": p.consumed_samples,
-            "consumed_tokens": int(ctok),
-            "loss": loss,
-            "loss_max": local_avg[max_rank],
-            "loss_max_rank": max_rank,
-            "grad_norm": gn,
-            "grad_norm_clipped": gn_clip,
-            "num_zeros": int(zeros),
-            "masked_tokens": int(masked),
-            "param_norm": math.sqrt(param_sq),
-            "max_logit": max_logit if self.max_logit else None,
-            "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
-            "logz_mean": zsum / ztok if ztok else None,
-            "logz_max": zmax if ztok else None,
-            # QK-clip (None when off): query heads whose rows this step's clip scales, smallest eta
-            "qk_clip_heads": int(qk_heads) if self.qk_clip is not None else None,
-            "qk_clip_eta_min": qk_eta if self.qk_clip is not None else None,
-            "lr": p.lr,
-            "skipped": False,
-            "skipped_samples": self.skipped_samples,
-            "spike": bool(p.extra[0]) if p.extra is not None else None,
-            "spike_note": spike_note(p.extra.tolist()) if p.extra is not None else None,
-            "update_skipped": p.update_skipped,
-            "step_time_s": p.step_time_s,
-            "data_loading_s": p.data_loading_s,
-        }
-        rest = v[2 * dp + 13:]
-        if self.per_layer:
-            row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(self.plan.groups, rest)}
+    def write(self, done: Completed) -> None:
+        """The step's signals row (rank 0) and this rank's rank row."""
+        if self._writer is not None:
+            self._writer.write(done.row)
         if self._rank_writer is not None:
-            lt = tok_by_dp[self.topo.dp_rank]
-            self._rank_writer.write({"step": p.step, "loss": loss_by_dp[self.topo.dp_rank] / lt if lt else None,
-                                     "tokens": int(lt)})
-        doc = self.doc_loss.decode(rest[self._n_layers:]) if self.doc_loss is not None else None
-        return row, doc
+            self._rank_writer.write(done.rank_row)
+
+    @property
+    def path(self) -> str:
+        return str(self._writer.path) if self._writer is not None else records.SIGNALS_FILE
 
     # ------------------------------------------------------------------ skipped windows
     def record_skip(self, *, first: int, last: int, n_samples: int, lr: float, step_start: float,
                     skip_lr: str, metrics_logger=None) -> None:
         """ONE signals row for a skipped window (its samples consumed, not trained)."""
-        self.drain(block=True, metrics_logger=metrics_logger)  # keep rows in step order
         self.consumed_samples += n_samples
         self.skipped_samples += n_samples
         row = {k: None for k in records.SIGNAL_KEYS}
@@ -326,6 +296,60 @@ class SignalRecorder:
         self.skipped_samples = int(state.get("skipped_samples", 0))
         self._consumed_tokens = torch.tensor(float(state.get("consumed_tokens", 0)),
                                              dtype=torch.float64, device=self.device)
+
+
+def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_samples: int,
+                stats: list[float] | None) -> tuple[dict[str, Any], list[float]]:
+    """The ``signals.jsonl`` row of a step from its reduced host vector (layout:
+    :meth:`SignalRecorder.reduce`) and its record; returns the row and the vector's
+    tail (per-layer sums of squares, then the per-document summary). Pure."""
+    dp = layout.dp_size
+    loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
+    zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok, qk_heads, qk_eta = \
+        v[2 * dp:2 * dp + 13]
+    tokens = sum(tok_by_dp)
+    loss = sum(loss_by_dp) / tokens if tokens else float("nan")
+    local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
+    max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
+                                             else float("inf")))
+    row = {
+        "step": rec.step,
+        "consumed_samples": rec.consumed_samples,
+        "consumed_tokens": int(ctok),
+        "loss": loss,
+        "loss_max": local_avg[max_rank],
+        "loss_max_rank": max_rank,
+        "grad_norm": gn,
+        "grad_norm_clipped": gn_clip,
+        "num_zeros": int(zeros),
+        "masked_tokens": int(masked),
+        "param_norm": math.sqrt(param_sq),
+        "max_logit": max_logit if layout.max_logit else None,
+        "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
+        "logz_mean": zsum / ztok if ztok else None,
+        "logz_max": zmax if ztok else None,
+        # QK-clip (None when off): query heads whose rows this step's clip scales, smallest eta
+        "qk_clip_heads": int(qk_heads) if layout.qk_clip else None,
+        "qk_clip_eta_min": qk_eta if layout.qk_clip else None,
+        "lr": rec.lr,
+        "skipped": False,
+        "skipped_samples": skipped_samples,
+        "spike": bool(stats[0]) if stats is not None else None,
+        "spike_note": spike_note(stats) if stats is not None else None,
+        "update_skipped": rec.update_skipped,
+        "step_time_s": rec.step_time_s,
+        "data_loading_s": rec.data_loading_s,
+    }
+    rest = v[2 * dp + 13:]
+    if layout.per_layer_groups is not None:
+        row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(layout.per_layer_groups, rest)}
+    return row, rest
+
+
+def rank_row(v: list[float], rec: StepRecord, layout: RowLayout) -> dict[str, Any]:
+    """The ``rank<r>.jsonl`` row: this rank's DP group's own loss and tokens. Pure."""
+    lv, lt = v[layout.dp_rank], v[layout.dp_size + layout.dp_rank]
+    return {"step": rec.step, "loss": lv / lt if lt else None, "tokens": int(lt)}
 
 
 def dashboard(row: dict[str, Any]) -> dict[str, float]:

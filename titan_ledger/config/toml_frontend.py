@@ -66,8 +66,6 @@ ALIASES: dict[tuple[str, str], str] = {
     ("optimizer", "betas"): "optimizer.param_groups.0.optimizer_kwargs.betas",
     ("optimizer", "name"): "optimizer.param_groups.0.optimizer_name",
 }
-# (the flat [ledger] keys of earlier releases: their nested paths, from the [ledger]
-# config's own table, titan_ledger.components.ledger.RENAMED; added by _ledger_aliases)
 
 #: ``[activation_checkpoint] mode`` values -> torchtitan's tyro subcommand names.
 AC_MODES = {"selective": "selective", "full": "full", "memory_budget": "memory-budget",
@@ -347,20 +345,10 @@ def translate(job: Job, base: Any, ac_configs: dict[str, Any] | None = None) -> 
     return out
 
 
-def _ledger_aliases() -> tuple[dict[tuple[str, str], str], dict[str, str]]:
-    """The [ledger] renames as TOML aliases and as flag rewrites (imported late: the
-    components import torchtitan, which must follow the backend's installation)."""
-    from titan_ledger.components.ledger import RENAMED, renamed_flags
-
-    return {("ledger", old): f"ledger.{new}" for old, new in RENAMED.items()}, renamed_flags()
-
-
 def _walk(out: Translation, job: Job, base: Any, path: str, table: dict, section: str) -> None:
     for key, value in table.items():
-        # an old flat key ([ledger] on_spike = "...") is an alias; the new table
-        # ([ledger.on_spike] action = "...") of the same name is walked as a table
-        alias = None if isinstance(value, dict) else (ALIASES.get((section, key))
-                                                      or _ledger_aliases()[0].get((section, key)))
+        # an old torchtitan key ([model] tokenizer_path) is an alias of its 0.3.0 path
+        alias = None if isinstance(value, dict) else ALIASES.get((section, key))
         sub = alias or f"{path}.{key}"
         if isinstance(value, dict) and alias is None:
             _walk(out, job, base, sub, value, section=f"{section}.{key}")
@@ -441,10 +429,8 @@ def _translate_ac(out: Translation, job: Job, table: dict, ac_configs: dict[str,
 
 
 def alias_cli(args: list[str]) -> list[str]:
-    """Rewrite old torchtitan flags (``--optimizer.lr``) to their 0.3.0 paths, and the flat
-    ``[ledger]`` flags of earlier releases (``--ledger.inject``) to their nested ones."""
+    """Rewrite old torchtitan flags (``--optimizer.lr``) to their 0.3.0 paths."""
     flat = {f"--{sec}.{key}": "--" + target for (sec, key), target in ALIASES.items()}
-    flat.update(_ledger_aliases()[1])
     out = []
     for a in args:
         name, eq, value = a.partition("=")

@@ -62,15 +62,17 @@ def _arrow(path: Path, keys: tuple[str, ...], headers: list | None = None):
     hdr_idx = np.flatnonzero(is_hdr)
     seq, tm, res = arr("seq", -1), arr("time", 0.0), arr("resumed_from", -1)
     run_ids = tbl.column("run_id").to_pylist()
+    if (seq[hdr_idx] < 0).any():
+        raise ValueError("a header without seq: the strict reader names the line")
     if headers is not None:
-        headers.extend(records.Header(schema[h], run_ids[h] or "", int(seq[h]) if seq[h] >= 0 else None,
+        headers.extend(records.Header(schema[h], run_ids[h] or "", int(seq[h]),
                                       int(res[h]) if res[h] >= 0 else None, float(tm[h]))
                        for h in hdr_idx)
     rows = ~is_hdr & (seg_of >= 0)
     entries, positions = [], []
     for n, h in enumerate(hdr_idx):
         idx = np.flatnonzero(rows & (seg_of == n))
-        key = (int(seq[h]), 0.0, n) if seq[h] >= 0 else (0, float(tm[h]), n)
+        key = (int(seq[h]), n)  # records.order_key
         entries.append((key, run_ids[h] or "", int(res[h]) if res[h] >= 0 else None, step[idx]))
         positions.append(idx)
     keep = np.zeros(len(step), dtype=bool)

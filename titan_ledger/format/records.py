@@ -21,8 +21,7 @@ in every file it writes with a header line, the only kind of line with a
 launch resumed from, 0 for a fresh start) and ``seq``, the segment's position in
 the run: all files written by one launch share its ``seq``, and a later launch or
 rewind has a larger one (:func:`next_seq` reads the run's launch log,
-``segments.jsonl``). Old ledgers without ``seq`` are ordered by file position
-within a file and by their ``time`` across files.
+``segments.jsonl``); a header without ``seq`` is refused on read.
 
 **The supersession rule** (:func:`resolve`, the only implementation): segments are
 taken in ``seq`` order; a segment with ``resumed_from = k`` supersedes every row
@@ -465,7 +464,13 @@ def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
         if is_header:
             if expected is not None:
                 check_schema(str(obj["schema"]), expected, path)
-            segments.append(FileSegment(Header.from_json(obj), file_pos=len(segments), line=n))
+            seg = FileSegment(Header.from_json(obj), file_pos=len(segments), line=n)
+            seq = obj.get("seq")
+            if not _kind(seg, expected).row_per_launch and (not isinstance(seq, int) or isinstance(seq, bool)):
+                # every writer numbers its segments (the launch log numbers its rows): a
+                # header without seq was edited
+                raise _corrupt(path, n, "a segment header without an integer 'seq'")
+            segments.append(seg)
             continue
         why = row_problem(obj)
         if why is None and not segments:
@@ -505,15 +510,9 @@ def _schema_of(schema: Schema | str | None) -> Schema | None:
 
 
 def order_key(seg: FileSegment) -> tuple:
-    """Where a segment stands in its run. ``seq`` when the writer recorded one; old
-    ledgers without it fall back to the header's time (same across files of one
-    launch) and the position in the file."""
-    h = seg.header
-    if h.seq is not None:
-        return (h.seq, 0.0, seg.file_pos)
-    # seq 0: before every segment a current writer numbered (a run that an older
-    # version started and this one resumed)
-    return (0, h.time, seg.file_pos)
+    """Where a segment stands in its run: its ``seq`` (every header has one, checked on
+    read), then its position in the file."""
+    return (seg.header.seq, seg.file_pos)
 
 
 def supersession_masks(entries: list[tuple[tuple, str, int | None, np.ndarray]]) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ The other two CPU gaps are handled where torchtitan has a seam:
   FlexAttention (no CPU backward) in the model config and applies the reduction below;
 * FSDP reductions: torchtitan sets FSDP's divide factor to 1, which FSDP2 runs as ``ReduceOp.PREMUL_SUM``; gloo has none, so the model's
   ``parallelize_fn`` is wrapped to switch every FSDP module to sum reduction with
-  a post-division (numerically the same average), see :func:`_sum_reduction`.
+  a post-division (numerically the same average), see :func:`sum_reduction`.
 
 On a CUDA machine with ``device="auto"`` none of this is active.
 """
@@ -148,7 +148,7 @@ def _cpu_device_module() -> types.ModuleType:
     return mod
 
 
-def _sum_reduction(parallelize_fn):
+def sum_reduction(parallelize_fn):
     """Wrap ``parallelize_fn``: FSDP modules reduce with SUM + post-divide (gloo)."""
 
     def wrapped(model, *args, **kwargs):

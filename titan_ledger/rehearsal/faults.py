@@ -215,21 +215,31 @@ class StepFaults:
     bitflip: bool = False
 
 
-def plan(trainer) -> StepFaults | None:
-    """Per step, from ``LedgerTrainer.train_step`` (after the step's bookkeeping
-    ``trainer._io`` is made): this step's fault injections, None without any.
+def replace_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
+                  seed: int) -> torch.Tensor:
+    """``repeat`` / ``random`` (``--ledger.rehearsal.inject STEP:RANK:KIND``): this batch
+    becomes one repeated (rare) token or uniform random tokens; returns the new labels."""
+    inputs = input_dict["input"]
+    if kind == "repeat":
+        inputs.fill_(vocab - 1)
+        return torch.full_like(labels, vocab - 1)
+    g = torch.Generator().manual_seed(seed)
+    inputs.copy_(torch.randint(3, vocab, inputs.shape, generator=g))
+    return torch.randint(3, vocab, labels.shape, generator=g)
+
+
+def plan(trainer, rec) -> StepFaults | None:
+    """Per step, from ``LedgerTrainer.train_step`` (after the step's record ``rec``, a
+    ``StepRecord``, is made): this step's fault injections, None without any.
 
     ``bitflip`` (this DP rank): flip one gradient bit after the first backward of the
     step, before the clip. ``swap`` (every DP rank, the spec's rank is ignored): DP rank
     r trains on rank (r+1) % dp's batch -- every rank consumed and recorded its own
     samples (the data ledger is unchanged), then the batches are rotated right before
     the forward (after a ``repeat``/``random`` injection). Neither is a batch
-    replacement: a fault spec is taken off ``trainer._io.inject``."""
-    io = getattr(trainer, "_io", None)
-    if io is None:
-        return None
-    if io.inject in (BITFLIP, SWAP):
-        io.inject = None  # not a batch replacement; the data ledger records no injection
+    replacement: a fault spec is taken off ``rec.inject``."""
+    if rec.inject in (BITFLIP, SWAP):
+        rec.inject = None  # not a batch replacement; the data ledger records no injection
     specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
     out = StepFaults(bitflip=(step, dp_rank, BITFLIP) in specs)

@@ -73,9 +73,6 @@ def make_plan(dump, step: int, variants: list[Variant], *, load_step: int | None
 def strip_train_args(train_args: list[str], drop_inject: bool = False) -> list[str]:
     """The original's flags minus what the rerun sets itself: the dump folder, the
     checkpoint step to load, and ``bitflip`` injections (a fault is not data)."""
-    from titan_ledger.config.toml_frontend import alias_cli
-
-    train_args = alias_cli(train_args)  # the flat [ledger] flags of earlier releases, renamed
     out, i = [], 0
     drop = {"--job.dump_folder", "--dump_folder", "--checkpoint.load_step", "--ledger.rehearsal.rerun"}
     while i < len(train_args):

@@ -1,0 +1,147 @@
+"""The ``[ledger]`` table's sub-sections: ``doc_loss``, ``filter``, ``skip``, ``on_spike``, ``rehearsal``.
+
+Design decision: the table groups its fields by what they control, each group a
+nested dataclass (torchtitan's own nesting: ``--ledger.skip.steps``), one name per
+key. Each section's ``__post_init__`` checks its own values' syntax when the flags are
+parsed (a bad ladder or skip range fails before anything is built); checks of a value
+against others -- another section, the world size, the dataloader -- are launch checks
+and live in :func:`titan_ledger.config.validate.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titan_ledger.components.counterfactual import parse_overrides
+from titan_ledger.components.guard import parse_ladder
+from titan_ledger.data.filters import Quarantine
+from titan_ledger.data.layout import parse_skip_steps
+from titan_ledger.errors import ConfigError
+from titan_ledger.rehearsal.faults import parse_inject
+
+
+@dataclass(kw_only=True, slots=True)
+class DocLossConfig:
+    enable: bool = True
+    """Per-document loss: attribute each token's loss to its document segment (in the
+    loss torchtitan already computes; no extra forward) and write each DP rank's
+    ``k`` highest- and lowest-loss segments per step to the data ledger."""
+
+    k: int = 4
+    """Segments kept per DP rank and step at each end (highest and lowest mean loss)."""
+
+    min_tokens: int = 16
+    """Segments with fewer label tokens are not ranked (their mean loss is noise)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.min_tokens < 1:
+            raise ConfigError(f"--ledger.doc_loss.k and --ledger.doc_loss.min_tokens must be >= 1 "
+                              f"(got {self.k}, {self.min_tokens})")
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterConfig:
+    quarantine: list[str] = field(default_factory=list)
+    """Quarantine files: one ``{"source": ..., "doc": ...}`` per line (``lookup --json``
+    names documents this way; ``diagnose --write-quarantine`` writes them). Those
+    documents' tokens are loss-masked wherever they appear; the sample sequence is
+    unchanged, so adding a file when resuming after a spike is not a data change."""
+
+    repetition: bool = False
+    """Mask document segments holding an n-gram repeated ``repetition_min`` times in
+    a row (OLMo-core's instance filter rule), counted per step in the ledgers."""
+
+    repetition_min: int = 32
+    """Repetition filter: repeats of one n-gram that mask its segment."""
+
+    repetition_max_period: int = 13
+    """Repetition filter: the longest n-gram period checked (1 = one token repeated)."""
+
+    def __post_init__(self) -> None:
+        if self.repetition_min < 2 or self.repetition_max_period < 1:
+            raise ConfigError(f"--ledger.filter.repetition_min must be >= 2 and "
+                              f"--ledger.filter.repetition_max_period >= 1 (got {self.repetition_min}, "
+                              f"{self.repetition_max_period})")
+        Quarantine(self.quarantine)  # the files exist and parse
+
+
+@dataclass(kw_only=True, slots=True)
+class SkipConfig:
+    steps: list[str] = field(default_factory=list)
+    """Steps whose data is consumed without forward/backward or update: absolute,
+    1-indexed, inclusive ranges or single steps, e.g. ``["137000-137300", "140001"]``
+    (on the command line also comma-separated). Needs LedgerDataLoader."""
+
+    lr: Literal["freeze", "advance"] = "freeze"
+    """LR schedule over skipped steps: ``freeze`` (Megatron: the schedule does not
+    advance) or ``advance`` (as if the steps had trained)."""
+
+    auto: bool = False
+    """Add the steps listed in ``<dump_folder>/ledger/rejected_steps.jsonl`` (every
+    flagged step of earlier launches) to ``steps`` (Megatron's tracker-file flow)."""
+
+    def __post_init__(self) -> None:
+        parse_skip_steps(self.steps)  # raises SkipError naming the entry
+
+
+@dataclass(kw_only=True, slots=True)
+class OnSpikeConfig:
+    action: str = "none"
+    """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
+    its optimizer update; Adam's step count does not advance; costs one
+    device->host read of the flag per step), ``rollback`` (reload the last
+    checkpoint at or before step - rollback_back, skip rollback_skip steps from
+    there and continue in the same process), ``rollback_lr:X`` (the same, and the
+    LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
+    repeats without limit (rollbacks capped by max_rollbacks); a comma-separated
+    **ladder** escalates when a spike repeats within ``ladder_horizon`` steps, each
+    rung ``*N`` attempts (default 1), e.g. ``skip_update*2,rollback,rollback_lr:0.5,stop``;
+    past the last rung the run stops. Every decision is recorded in spikes.jsonl."""
+
+    ladder_horizon: int = 100
+    """A spike within this many steps of the previous one is a repeat (next attempt
+    or next rung); after a quiet horizon the ladder starts again at its first rung."""
+
+    rollback_back: int = 100
+    """Rollbacks: go back to a checkpoint at or before spike - this many steps."""
+
+    rollback_skip: int = 200
+    """Rollbacks: steps skipped from the checkpoint on (the window is widened to
+    reach the spike step)."""
+
+    max_rollbacks: int = 3
+    """Rollbacks: stop with an error after this many rewinds in one run."""
+
+    def __post_init__(self) -> None:
+        parse_ladder(self.action)  # raises ConfigError naming the rung
+        if self.ladder_horizon < 1:
+            raise ConfigError(f"--ledger.on_spike.ladder_horizon must be >= 1, got {self.ladder_horizon}")
+        for name in ("rollback_back", "max_rollbacks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--ledger.on_spike.{name} must be >= 0, got {getattr(self, name)}")
+        if self.rollback_skip < 1:
+            raise ConfigError(f"--ledger.on_spike.rollback_skip must be >= 1, got {self.rollback_skip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalConfig:
+    inject: str = ""
+    """Rehearsal only: ``STEP:DP_RANK:KIND`` replaces that DP rank's batch at that step
+    by a single repeated token (``repeat``) or uniform random tokens (``random``);
+    see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
+    rehearsal, :mod:`titan_ledger.rehearsal.faults`) flips one exponent bit of one gradient
+    element on that DP rank after the backward, before the clip; ``swap`` makes every DP
+    rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
+    Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
+
+    rerun: str = ""
+    """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.components.counterfactual`):
+    ``stop=N`` ends training after step N (the LR schedule still spans
+    ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
+    learning rate (scaled) and Adam epsilon from the first step on, e.g.
+    ``stop=9,lr_scale=0.5``."""
+
+    def __post_init__(self) -> None:
+        parse_inject(self.inject)
+        parse_overrides(self.rerun)  # raises ConfigError naming the entry

@@ -1,0 +1,42 @@
+"""One trained step as the ledger records it.
+
+Design decision: a step's facts are gathered once, in one object, and fanned out to
+the writers in one place (``Ledger.drain``). The trainer's hooks fill a
+:class:`StepRecord` while the step runs -- fetch time and the rows' provenance in
+``batch_generator``, the loss masks that provenance drives, the rehearsal injection
+-- and hand it whole to ``Ledger.record`` after the clip; the recorder carries it,
+untouched, next to the step's reduced device vector until the device->host copy is
+done. Nothing about a step is stashed anywhere else, so what the signals row, the
+rank row, the data row and a spike event say of a step comes from the same record.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    """What the step's hooks (``batch_generator``, ``forward_backward_step``, the copied
+    ``_train_step``) gather about one trained step."""
+
+    step: int
+    start: float  # perf_counter at the step's start (the row's step_time_s)
+    inject: str | None = None  # the rehearsal batch replacement of this DP rank (repeat / random)
+    data_loading_s: float = 0.0
+    tags: list = field(default_factory=list)  # this DP rank's rows (RowTag), in fetch order
+    masked: dict = field(default_factory=dict)  # {"quarantine"|"repetition": [[row, segment]]}
+    masked_tokens: int = 0  # label tokens those masks removed
+    faults: Any = None  # rehearsal.faults.StepFaults: this step's fault injections
+    data_written: bool = False  # the data row went out before the forward (signals off)
+    # set by Ledger.record / the recovery decision
+    lr: float = math.nan
+    step_time_s: float = 0.0
+    consumed_samples: int = 0
+    update_skipped: bool = False
+
+    def masked_or_none(self) -> dict | None:
+        """The masks that hit something (the data row omits an empty ``masked``)."""
+        return {k: v for k, v in self.masked.items() if v} or None
