@@ -73,7 +73,7 @@ def skip_bench() -> None:
         prefix = str(Path(d) / "bundled")
         prepare([str(CORPUS_DIR)], prefix, tokenizer=tok, progress=False)
         for source in ("text", "indexed"):
-            cfg = LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(CORPUS_DIR), source=source,
+            cfg = LedgerDataLoader.Config(dataset="stdlib_docs", dataset_path=str(CORPUS_DIR), source=source,
                                           paths=[prefix] if source == "indexed" else [])
             dl = LedgerDataLoader(cfg, dp_world_size=2, dp_rank=0, tokenizer=tok, seq_len=256,
                                   local_batch_size=4)

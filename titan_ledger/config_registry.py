@@ -26,10 +26,11 @@ from torchtitan.trainer import Trainer  # noqa: E402
 from titan_ledger.components.doc_loss import ChunkedDocLoss, DocLossCrossEntropy, as_ledger_loss  # noqa: E402
 from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
+from titan_ledger.data.text import BUNDLED_CORPUS, BUNDLED_DATASET  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-CORPUS_DIR = ASSETS / "corpus"
+CORPUS_DIR = BUNDLED_CORPUS
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 
@@ -51,13 +52,13 @@ def _as_ledger_config(base: Trainer.Config) -> LedgerTrainer.Config:
 
 
 def _use_bundled_data(config: LedgerTrainer.Config) -> None:
-    # torchtitan's "c4_test" loader is `load_dataset(<folder>, split="train")`
-    # reading sample["text"]: exactly the bundled JSONL corpus.
+    # the corpus is registered in torchtitan's DATASETS under its own name (data/text.py),
+    # so neither loader needs a dataset_path
     config.hf_assets_path = str(TOKENIZER_DIR)
-    config.dataloader = LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(CORPUS_DIR))
+    config.dataloader = LedgerDataLoader.Config(dataset=BUNDLED_DATASET)
     # no held-out split is bundled: validation (when enabled) reads the same corpus
-    config.validator.dataloader.dataset = "c4_test"
-    config.validator.dataloader.dataset_path = str(CORPUS_DIR)
+    config.validator.dataloader.dataset = BUNDLED_DATASET
+    config.validator.dataloader.dataset_path = None
 
 
 def debug_cpu() -> LedgerTrainer.Config:

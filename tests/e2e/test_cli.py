@@ -87,8 +87,7 @@ def dry_runs(tmp_path_factory):
                 "--comm.mode", "fake_backend", "--dump_folder", str(dump),
                 # the recipes' HF tokenizer / C4 need a download; the build does not care
                 "--hf_assets_path", str(ROOT / "titan_ledger/assets/tokenizer"),
-                "--dataloader.dataset", "c4_test",
-                "--dataloader.dataset_path", str(ROOT / "titan_ledger/assets/corpus")]
+                "--dataloader.dataset", "stdlib_docs"]
         env = child_env(NGPU=str(world), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
         procs[toml] = (argv, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))

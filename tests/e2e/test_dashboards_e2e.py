@@ -149,6 +149,7 @@ def test_incident_report_renders_in_chromium(run, tmp_path):
     info = report(dump, 10, out, back=1, skip=2)
     page = out.read_text()
     assert "Incident: loss spike at step 10" in page and "injected batch" in page
+    assert "<td>stdlib_docs</td>" in page and "c4_test" not in page  # the bundled corpus's own name
     from titan_ledger.tools.rollback import existing_skips, plan
 
     led = RunLedger(dump)

@@ -30,9 +30,9 @@ def data_header(dp_rank: int, dp: int = 2, mbs: int = 2, seq_len: int = 256, fin
                 run_id: str = "run-a", seq: int = 1, resumed_from: int = 0, **over) -> dict:
     hdr = {"schema": records.DATA.id, "run_id": run_id, "seq": seq, "resumed_from": resumed_from,
            "time": 1.0, "config_digest": "d1", "world_size": dp, "dp_size": dp, "dp_rank": dp_rank,
-           "source_kind": "text", "source": f"text:c4_test@{CORPUS}", "fingerprint": fingerprint,
+           "source_kind": "text", "source": f"text:stdlib_docs@{CORPUS}", "fingerprint": fingerprint,
            "mbs": mbs, "seq_len": seq_len,
-           "spec": {"dataset": "c4_test", "dataset_path": str(CORPUS), "seed": 1234},
+           "spec": {"dataset": "stdlib_docs", "dataset_path": str(CORPUS), "seed": 1234},
            "global_batch": mbs * dp, "skip_lr": "freeze", "tokenizer": str(TOKENIZER), "skip_steps": []}
     hdr.update(over)
     return hdr
@@ -41,7 +41,7 @@ def data_header(dp_rank: int, dp: int = 2, mbs: int = 2, seq_len: int = 256, fin
 def data_rows(step: int, dp_rank: int, dp: int = 2, mbs: int = 2) -> dict:
     gb = mbs * dp
     ids = [(step - 1) * gb + dp_rank * mbs + j for j in range(mbs)]
-    return {"step": step, "skipped": False, "rows": [[i, "c4_test", [[i % 400, 0, 256]]] for i in ids]}
+    return {"step": step, "skipped": False, "rows": [[i, "stdlib_docs", [[i % 400, 0, 256]]] for i in ids]}
 
 
 def make_run(dump: Path, *, steps: int = 30, dp: int = 2, mbs: int = 2, spike_at: int | None = 25,

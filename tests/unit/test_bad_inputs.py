@@ -78,7 +78,7 @@ def debug_fingerprint() -> str:
     from titan_ledger.data.prepare import default_tokenizer_dir, load_tokenizer
 
     corpus = ROOT / "titan_ledger" / "assets" / "corpus"
-    return data_fingerprint(LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(corpus)),
+    return data_fingerprint(LedgerDataLoader.Config(dataset="stdlib_docs", dataset_path=str(corpus)),
                             load_tokenizer(default_tokenizer_dir()), 256, 2)
 
 

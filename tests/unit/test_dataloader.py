@@ -40,7 +40,7 @@ def loader(tok, corpus=None, dp=1, rank=0, mbs=2, workers=0, **kw):
     if corpus is not None:
         kw.setdefault("source", "indexed")
         kw.setdefault("paths", [corpus])
-    cfg = LedgerDataLoader.Config(dataset="c4_test", dataset_path=str(CORPUS_DIR),
+    cfg = LedgerDataLoader.Config(dataset="stdlib_docs", dataset_path=str(CORPUS_DIR),
                                   num_workers=workers, **kw)
     return LedgerDataLoader(cfg, dp_world_size=dp, dp_rank=rank, tokenizer=tok, seq_len=SEQ,
                             local_batch_size=mbs)
@@ -64,7 +64,7 @@ def same(a, b):
 
 def test_unshuffled_indexed_corpus_equals_text_stream(tok, corpus):
     c = IndexedCorpus(corpus, SEQ, seed=0, shuffle=False)
-    ours = TextStream("c4_test", str(CORPUS_DIR), tok, SEQ, 0, 1, seed=0).rows(Cursor())
+    ours = TextStream("stdlib_docs", str(CORPUS_DIR), tok, SEQ, 0, 1, seed=0).rows(Cursor())
     for k, (segs, _, inputs, labels) in zip(range(400), ours):
         i2, l2, _, s2 = c.row(k)
         assert i2.tolist() == inputs and l2.tolist() == labels and s2 == segs

@@ -29,7 +29,7 @@ def _hdr(seq: int, resumed: int, run: str, **extra) -> dict:
 
 def _tags(step: int, r: int) -> list:
     ids = [(step - 1) * MBS * DP + r * MBS + j for j in range(MBS)]
-    return [[i, "c4_test", [[1000 + i, 0, 256]]] for i in ids]
+    return [[i, "stdlib_docs", [[1000 + i, 0, 256]]] for i in ids]
 
 
 def _doc_loss(step: int, r: int, outlier: float | None) -> dict:

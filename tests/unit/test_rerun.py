@@ -340,11 +340,11 @@ def test_bad_data_is_proven_only_by_the_quarantine_variant():
     v = rr.verdict([same, skip], 8, heuristic="bad_data")
     assert v["cause"] == "bad_data" and v["removed_by"] == "skip" and v["certainty"] == "evidence"
     assert "something in step 8's data" in v["certainty_rule"]
-    q = rr.VariantResult("quarantine=c4_test:7", "quarantine", None, present=False, at_step={"loss": 2.0})
+    q = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=False, at_step={"loss": 2.0})
     v = rr.verdict([same, q, skip], 8, heuristic="bad_data")
     assert v["removed_by"] == "quarantine" and v["certainty"] == "proven" and v["proven"]
-    assert any("only the named documents masked (c4_test:7)" in e for e in v["evidence"])
-    q_kept = rr.VariantResult("quarantine=c4_test:7", "quarantine", None, present=True, at_step={})
+    assert any("only the named documents masked (stdlib_docs:7)" in e for e in v["evidence"])
+    q_kept = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=True, at_step={})
     v = rr.verdict([same, q_kept, skip], 8)  # the named documents were not it; the step's data was
     assert v["removed_by"] == "skip" and v["certainty"] == "evidence"
     v = rr.verdict([rr.VariantResult("same", "same", None, present=False, at_step={}, original_at_step={})], 8)
@@ -354,8 +354,8 @@ def test_bad_data_is_proven_only_by_the_quarantine_variant():
 def test_the_quarantine_variant_masks_only_the_named_documents(tmp_path):
     from types import SimpleNamespace
 
-    v = rr.parse_variant("quarantine=c4_test:236,c4_test:7")
-    assert v.docs == (("c4_test", 7), ("c4_test", 236)) and v.name == "quarantine=c4_test:7,c4_test:236"
+    v = rr.parse_variant("quarantine=stdlib_docs:236,stdlib_docs:7")
+    assert v.docs == (("stdlib_docs", 7), ("stdlib_docs", 236)) and v.name == "quarantine=stdlib_docs:7,stdlib_docs:236"
     assert rr.parse_variant("quarantine").docs == ()
     with pytest.raises(rr.RerunError, match="quarantine=SOURCE:DOC"):
         rr.parse_variant("quarantine=7")
@@ -366,4 +366,4 @@ def test_the_quarantine_variant_masks_only_the_named_documents(tmp_path):
     rr.write_quarantine(v, tmp_path)
     from titan_ledger.data.filters import Quarantine
 
-    assert Quarantine([str(tmp_path / "quarantine.jsonl")]).docs == {("c4_test", 7), ("c4_test", 236)}
+    assert Quarantine([str(tmp_path / "quarantine.jsonl")]).docs == {("stdlib_docs", 7), ("stdlib_docs", 236)}

@@ -60,8 +60,12 @@ from torchtitan.tools.logging import logger
 
 from titan_ledger.data.indexed import Blend, IndexedCorpus, open_files
 from titan_ledger.data.layout import RowTag, positions_of, round_size, row_digest, sample_id
-from titan_ledger.data.text import Cursor, TextStream
+from titan_ledger.data.text import Cursor, TextStream, register_bundled
 from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
+
+# the bundled corpus by name (--dataloader.dataset stdlib_docs), for torchtitan's
+# validator dataloader as well as ours
+register_bundled()
 
 STATE_KEY = "titan_ledger_data"
 #: Profiler span around the data ledger's per-batch provenance work.
@@ -138,9 +142,10 @@ class LedgerDataLoader(ParallelAwareDataloader):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
-        dataset: str = "c4_test"
-        """``source = "text"``: a dataset of torchtitan's registry (``c4_test`` reads a
-        local folder of JSONL given by ``dataset_path``)."""
+        dataset: str = "stdlib_docs"
+        """``source = "text"``: a dataset of torchtitan's registry: ``stdlib_docs`` (the
+        bundled corpus, ``titan_ledger/assets/corpus``) or torchtitan's own (``c4_test``
+        reads a local folder of JSONL; ``dataset_path`` overrides a registry path)."""
 
         source: Literal["text", "indexed", "hf"] = "text"
         """``text``: tokenize documents on the fly, per DP rank (DP size fixed on
@@ -254,9 +259,9 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 return
             if self.source == "text":
                 if not self.dataset:
-                    raise ConfigError("--dataloader.dataset: empty; name a dataset (e.g. c4_test "
-                                      "with --dataloader.dataset_path) or use --dataloader.source "
-                                      "indexed")
+                    raise ConfigError("--dataloader.dataset: empty; name a dataset (stdlib_docs, the "
+                                      "bundled corpus, or c4_test with --dataloader.dataset_path) "
+                                      "or use --dataloader.source indexed")
                 for flag in ("paths", "weights", "prepare_from"):
                     if getattr(self, flag):
                         raise ConfigError(f"--dataloader.{flag} is only read with "

@@ -51,12 +51,42 @@ def contiguous_shard(n: int, shards: int, index: int) -> tuple[int, int]:
     return start, start + div + (1 if index < mod else 0)
 
 
+BUNDLED_DATASET = "stdlib_docs"
+"""The bundled corpus's name in torchtitan's dataset registry, and so in the data ledger,
+``lookup`` and the incident page: CPython standard-library docstrings, one document per
+module (``titan_ledger/assets/README.md``)."""
+
+BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "assets" / "corpus"
+"""Its folder of JSONL (``{"id", "source", "text"}`` per line)."""
+
+
+def _train_split(path: str):
+    from datasets import load_dataset
+
+    return load_dataset(path, split="train")
+
+
+def _text(sample) -> str:
+    return sample["text"]
+
+
+def register_bundled() -> None:
+    """Add the bundled corpus to torchtitan's ``DATASETS`` (the registry its text datasets
+    and validator read; torchtitan's documented way to add a dataset). Idempotent."""
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS.setdefault(BUNDLED_DATASET, DatasetConfig(
+        path=str(BUNDLED_CORPUS), loader=_train_split, sample_processor=_text))
+
+
 def locate_dataset(dataset_name: str, dataset_path: str | None):
     """torchtitan's dataset registry (``_validate_dataset``): ``(path, loader, processor)``
     of ``--dataloader.dataset`` read from ``dataset_path`` (default: the registry's path).
     Opens nothing; an unknown name is a ``ConfigError`` naming the flag."""
     from torchtitan.hf_datasets.text_datasets import _validate_dataset
 
+    register_bundled()
     try:
         return _validate_dataset(dataset_name.lower(), dataset_path)
     except ValueError as e:
