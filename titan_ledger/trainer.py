@@ -1,21 +1,17 @@
 """``LedgerTrainer``: torchtitan 0.3.0's ``Trainer`` with the ledger attached.
 
 Design decision: subclass, do not fork, and keep this file a seam. The subclass
-redeclares the nested ``Config`` (otherwise ``config.build()`` would silently build a
-plain ``Trainer``), adds the ``ledger`` section, and overrides the hooks torchtitan
-exposes: ``__init__`` (launch checks, adapt the config to the backend before the model
-is built), ``post_dataloading_process`` (dense document mask for the CPU attention),
-``state_dict``/``load_state_dict`` (ledger counters in the checkpoint),
-``batch_generator`` and ``forward_backward_step`` (the step's provenance; the
-rehearsal faults) and ``train`` (close the ledger). ``train_step`` has no hook between
-the clip and ``optimizers.step()``, which is exactly where the signals must be read,
-so its body is copied from torchtitan 0.3.0 as ``_train_step``; every changed spot is
-marked ``# CHANGED``.
-
-A step's facts travel in one object, a :class:`StepRecord` made in ``train_step`` and
-handed whole to ``Ledger.record``; what a flagged step does is
-:class:`~titan_ledger.components.recovery.Recovery`'s. The policy lives in
-``components``; this file only calls it at the right spot.
+redeclares the nested ``Config`` (else ``config.build()`` builds a plain ``Trainer``)
+and overrides torchtitan's hooks: ``__init__`` (launch checks, the config adapted to
+the backend), ``post_dataloading_process`` (the CPU attention's document mask),
+``state_dict``/``load_state_dict`` (ledger counters), ``batch_generator`` and
+``forward_backward_step`` (provenance, rehearsal faults), ``train`` (close the ledger).
+``train_step`` has no hook between the clip and ``optimizers.step()``, where the
+signals are read and a flagged step is proven, so its body is copied from torchtitan
+0.3.0 as ``_train_step`` + ``execute`` (which a proof re-runs); changed spots are
+marked ``# CHANGED``. A step's facts travel in one :class:`StepRecord`, handed whole to
+``Ledger.record``; what a flagged step does is
+:class:`~titan_ledger.components.recovery.Recovery`'s: this file only calls it.
 """
 
 from __future__ import annotations
@@ -92,8 +88,7 @@ class LedgerTrainer(Trainer):
         self._ledger_open = False
         self.step_record: StepRecord | None = None  # the step being trained, filled by the hooks
         dry_run = config.comm.mode == "fake_backend"
-        if dry_run and config.debug.seed is None:
-            # torchtitan would broadcast rank 0's random seed; a fake PG returns none.
+        if dry_run and config.debug.seed is None:  # torchtitan broadcasts rank 0's seed; a fake PG has none
             config.debug.seed = 0
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with patches.meta_materialization() if dry_run else contextlib.nullcontext():
@@ -104,9 +99,8 @@ class LedgerTrainer(Trainer):
             self.ledger.logz = ours.logz = LogZStats()
         loss = ours if doc_loss else None
         if loss is not None and not self.parallel_dims.cp_enabled:  # CP splits documents over ranks
-            self.doc_loss = loss.tracker = DocLossTracker(config.ledger.doc_loss.k,
-                                                          config.ledger.doc_loss.min_tokens,
-                                                          config.training.seq_len)
+            dl = config.ledger.doc_loss
+            self.doc_loss = loss.tracker = DocLossTracker(dl.k, dl.min_tokens, config.training.seq_len)
             self.ledger.doc_loss = self.doc_loss
         if self._dense_masks and config.validator.enable:
             attention.give_validator_dense_masks(self.validator)
@@ -124,9 +118,7 @@ class LedgerTrainer(Trainer):
         if self._dense_masks:
             positions = extra_kwargs.get("positions")
             if positions is None:
-                raise ValueError(
-                    "the CPU attention needs per-document 'positions' from the dataloader"
-                )
+                raise ValueError("the CPU attention needs per-document 'positions' from the dataloader")
             extra_kwargs["attention_masks"] = document_causal_mask(positions)
         if self.doc_loss is not None and "positions" in extra_kwargs:
             self.doc_loss.push(extra_kwargs["positions"])  # the loss attributes tokens by position
@@ -199,9 +191,8 @@ class LedgerTrainer(Trainer):
             yield input_dict, labels
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
-        # Called once per gradient-accumulation microbatch (under PP once per group of
-        # PP microbatches, with lists) by _train_step, keyword arguments only; every batch
-        # of the step has been fetched by the first call
+        # Once per gradient-accumulation microbatch (PP: per group of PP microbatches, with
+        # lists), keyword arguments only; every batch of the step was fetched before the first
         rec = self.step_record
         if rec is not None:
             self.ledger.provenance_ready(rec)
@@ -222,67 +213,21 @@ class LedgerTrainer(Trainer):
 
         parallel_dims = self.parallel_dims
         microbatch_groups: list[list[tuple[dict[str, torch.Tensor], torch.Tensor]]] = []
-        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         for _ in range(self.gradient_accumulation_steps):
             microbatches = []
             for _ in range(self.num_pipeline_parallel_microbatches):
                 with sl.log_trace_span("fetching_batch"):
                     input_dict, labels = next(data_iterator)
-                local_valid_tokens += (labels != IGNORE_INDEX).sum()
                 microbatches.append((input_dict, labels))
             microbatch_groups.append(microbatches)
-        sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
-
-        if parallel_dims.dp_enabled:
-            batch_mesh = parallel_dims.get_mesh("batch")
-            global_valid_tokens = dist_utils.dist_sum_tensor(
-                local_valid_tokens.to(self.device), batch_mesh
-            )
-        else:
-            global_valid_tokens = local_valid_tokens.to(self.device)
-
-        accumulated_loss: torch.Tensor | None = None
-        for microbatches in microbatch_groups:
-            input_dict_mbs = []
-            label_mbs = []
-            for input_dict, labels in microbatches:
-                for key, value in input_dict.items():
-                    if isinstance(value, torch.Tensor):
-                        input_dict[key] = value.to(self.device)
-                input_dict_mbs.append(input_dict)
-                label_mbs.append(labels.to(self.device))
-
-            if parallel_dims.pp_enabled:
-                fwd_bwd_input_dict = input_dict_mbs
-                fwd_bwd_labels = label_mbs
-            else:
-                assert len(input_dict_mbs) == len(label_mbs) == 1
-                fwd_bwd_input_dict = input_dict_mbs[0]
-                fwd_bwd_labels = label_mbs[0]
-
-            loss = self.forward_backward_step(
-                input_dict=fwd_bwd_input_dict,
-                labels=fwd_bwd_labels,
-                global_valid_tokens=global_valid_tokens,
-            )
-            if need_loss:  # CHANGED (was: if should_log)
-                loss = loss.detach()
-                if accumulated_loss is None:
-                    accumulated_loss = loss.clone()
-                else:
-                    accumulated_loss.add_(loss)
+        rec = self.step_record  # CHANGED: the rest is ``execute``, which a proof re-runs on these batches
+        rec.batches = microbatch_groups
+        accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.execute(
+            microbatch_groups, need_loss)
 
         with sl.log_trace_span("optim"):
-            grad_norm = dist_utils.clip_grad_norm_(
-                [p for m in self.model_parts for p in m.parameters()],
-                self.config.training.max_norm,
-                foreach=True,
-                pp_mesh=parallel_dims.get_optional_mesh("pp"),
-                ep_enabled=parallel_dims.ep_enabled,
-            )
             # CHANGED: record the step's signals from the gradients about to be applied,
             # then the recovery decides whether they are applied
-            rec = self.step_record
             self.step_record = None
             if self.doc_loss is not None:  # the step's distinct documents (rank separation), a host count
                 self.doc_loss.set_documents(rec.tags)
@@ -345,3 +290,61 @@ class LedgerTrainer(Trainer):
             float(grad_norm.item()),
             extra_metrics=extra_metrics,
         )
+
+    def execute(self, microbatch_groups, need_loss: bool = True):
+        """ADDED: the rest of torchtitan 0.3.0's train_step body on the fetched batches (valid
+        tokens, every forward/backward, the clip), so that a proof re-runs exactly the step.
+        Returns (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
+        parallel_dims = self.parallel_dims
+        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        for microbatches in microbatch_groups:
+            for _, labels in microbatches:
+                local_valid_tokens += (labels != IGNORE_INDEX).sum()
+        sl.log_trace_scalar({"local_valid_tokens": int(local_valid_tokens)})
+        if parallel_dims.dp_enabled:
+            batch_mesh = parallel_dims.get_mesh("batch")
+            global_valid_tokens = dist_utils.dist_sum_tensor(
+                local_valid_tokens.to(self.device), batch_mesh
+            )
+        else:
+            global_valid_tokens = local_valid_tokens.to(self.device)
+
+        accumulated_loss: torch.Tensor | None = None
+        for microbatches in microbatch_groups:
+            input_dict_mbs = []
+            label_mbs = []
+            for input_dict, labels in microbatches:
+                for key, value in input_dict.items():
+                    if isinstance(value, torch.Tensor):
+                        input_dict[key] = value.to(self.device)
+                input_dict_mbs.append(input_dict)
+                label_mbs.append(labels.to(self.device))
+
+            if parallel_dims.pp_enabled:
+                fwd_bwd_input_dict = input_dict_mbs
+                fwd_bwd_labels = label_mbs
+            else:
+                assert len(input_dict_mbs) == len(label_mbs) == 1
+                fwd_bwd_input_dict = input_dict_mbs[0]
+                fwd_bwd_labels = label_mbs[0]
+
+            loss = self.forward_backward_step(
+                input_dict=fwd_bwd_input_dict,
+                labels=fwd_bwd_labels,
+                global_valid_tokens=global_valid_tokens,
+            )
+            if need_loss:  # CHANGED (was: if should_log)
+                loss = loss.detach()
+                if accumulated_loss is None:
+                    accumulated_loss = loss.clone()
+                else:
+                    accumulated_loss.add_(loss)
+        with sl.log_trace_span("optim"):
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in self.model_parts for p in m.parameters()],
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=parallel_dims.get_optional_mesh("pp"),
+                ep_enabled=parallel_dims.ep_enabled,
+            )
+        return accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens

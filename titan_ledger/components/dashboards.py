@@ -247,7 +247,8 @@ class LedgerWandB:
         self._alert(f"loss spike at step {step}",
                     f"step {step}: loss {_fmt(row.get('loss'))} (worst DP rank {row.get('loss_max_rank')}: "
                     f"{_fmt(row.get('loss_max'))}), grad norm {_fmt(row.get('grad_norm'))} (window median "
-                    f"{_fmt(ev.get('grad_norm_median'))}); rules {rules}; action {ev.get('action')}",
+                    f"{_fmt(ev.get('grad_norm_median'))}); rules {rules}; action {ev.get('action')}"
+                    + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else ""),
                     "WARN")
         self._save()
 
@@ -475,6 +476,12 @@ def config_text(config, info: dict[str, Any]) -> dict[str, str]:
 def _code(text: str) -> str:
     """A markdown code block (TensorBoard renders text summaries as markdown)."""
     return "\n".join("    " + line for line in text.splitlines())
+
+
+def _proof_line(proof: dict[str, Any]) -> str:
+    from titan_ledger.format.proofs import describe_proof
+
+    return describe_proof(proof)
 
 
 def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:

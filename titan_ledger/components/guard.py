@@ -33,6 +33,7 @@ class SpikeGuard:
         self.on_spike = on_spike
         self.detector = SpikeDetector(config, device)
         self.last_flag: torch.Tensor | None = None
+        self.last_stats: torch.Tensor | None = None
         self.flagged = 0
         self.noted = 0
         self._spikes: records.RecordWriter | None = None
@@ -60,6 +61,7 @@ class SpikeGuard:
         with record_function("titan_ledger.spike_rules"):
             stats = self.detector.step(red.loss, grad_norm.detach(), red.dp_loss, red.doc)
             self.last_flag = stats[0] > 0
+            self.last_stats = stats
             return stats
 
     def flag_now(self) -> bool:
@@ -67,12 +69,19 @@ class SpikeGuard:
         and rollback need it, before ``optimizers.step()``)."""
         return bool(self.last_flag.item()) if self.last_flag is not None else False
 
-    def on_row(self, row: dict[str, Any], stats: list[float] | None, metrics_logger=None) -> None:
+    def on_row(self, row: dict[str, Any], stats: list[float] | None, metrics_logger=None,
+               proof: dict | None = None) -> None:
         """A written signals row: if it was flagged, record the event; a note (weaker
-        evidence, no acting rule) is recorded and charted, never alerted or acted on."""
-        if stats and is_note(stats):
-            self._note(row, stats, metrics_logger)
-        if not stats or not stats[0]:
+        evidence, no acting rule) is recorded and charted, never alerted or acted on --
+        unless its proof at the alarm (``proof``) found a harmful cause: then it is an
+        alarm. A proof rides in the event; a step it resolved (anything but ``not_data``)
+        is not on the auto-skip list."""
+        from titan_ledger.format.proofs import HARMFUL, describe_proof
+
+        promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
+        if stats and is_note(stats) and not promoted:
+            self._note(row, stats, metrics_logger, proof)
+        if not stats or not (stats[0] or promoted):
             return
         from torchtitan.tools.logging import logger
 
@@ -80,10 +89,16 @@ class SpikeGuard:
         ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
               "loss_max": row["loss_max"], "loss_max_rank": row["loss_max_rank"],
               "max_logit": row["max_logit"], **describe(stats), "action": self.on_spike}
+        if promoted:  # the notes act: the proof convicted their step
+            ev["rules"], ev["promoted_by_proof"] = list(ev["notes"]), True
         _name_suspect(ev)
+        if proof is not None:
+            ev["proof"] = proof
+            ev["action"] = self.on_spike if proof["verdict"] == "not_data" else f"proof: {proof['verdict']}"
         if self._spikes is not None:
             self._spikes.write(ev)
-            self._rejected.write({"step": row["step"], "rules": ev["rules"]})
+            if proof is None or proof["verdict"] == "not_data":
+                self._rejected.write({"step": row["step"], "rules": ev["rules"]})
         if self.topo.is_rank0:
             logger.warning(
                 f"titan_ledger: SPIKE at step {row['step']}: loss {row['loss']:.4f} (window mean "
@@ -91,13 +106,13 @@ class SpikeGuard:
                 f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; "
                 + (f"suspect DP rank {ev['suspect_dp_rank']}; " if "suspect_dp_rank" in ev else
                    f"highest-loss DP rank {row['loss_max_rank']}; ")
-                + f"action: {self.on_spike}")
+                + f"action: {ev['action']}" + (f"; {describe_proof(proof)}" if proof is not None else ""))
         if metrics_logger is not None:  # spike/* scalars; W&B: an alert and a spike/events table row
             from titan_ledger.components.dashboards import log_spike
 
             log_spike(metrics_logger, row, ev)
 
-    def _note(self, row: dict[str, Any], stats: list[float], metrics_logger) -> None:
+    def _note(self, row: dict[str, Any], stats: list[float], metrics_logger, proof: dict | None) -> None:
         from torchtitan.tools.logging import logger
 
         self.noted += 1
@@ -105,6 +120,8 @@ class SpikeGuard:
               "loss_max_rank": row["loss_max_rank"], **describe(stats)}
         del ev["rules"]  # a note event has no acting rules: readers tell the tiers apart by this key
         _name_suspect(ev)
+        if proof is not None:
+            ev["proof"] = proof
         if self._spikes is not None:
             self._spikes.write(ev)
         if self.topo.is_rank0:

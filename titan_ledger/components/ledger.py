@@ -53,7 +53,7 @@ from titan_ledger.components.sections import (
     SkipConfig,
 )
 from titan_ledger.components.signals import ParamPlan, natural_key
-from titan_ledger.components.spikes import SpikeDetector
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe
 from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
 from titan_ledger.data.filters import Quarantine, mask_repetitive
@@ -148,6 +148,8 @@ class Ledger(Configurable):
         self.logz = None  # a LogZStats (set by the trainer when the loss is titan_ledger's)
         self.qk_clip = None  # a QKClip when [qk_clip] enable (built in setup)
         self.quarantine = Quarantine(config.filter.quarantine)
+        self.proven: list[list] = []  # [source, doc, step] a proof convicted (this process)
+        self.last_reduced = self.last_execution = None  # the step just recorded (proofs)
         self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
 
     # ------------------------------------------------------------------ setup
@@ -256,10 +258,16 @@ class Ledger(Configurable):
                                        "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
                                        "precision": self.precision, "param_groups": self.param_groups,
                                        **self.launch.header()})
+        # the documents proofs convicted up to the step this segment resumes from stay masked
+        # (later convictions happen again when their steps are trained again)
+        self.quarantine = Quarantine(self.config.filter.quarantine)
+        self.proven = [e for e in read_proven(self.folder) if e[2] <= resumed_from]
+        self.quarantine.add((s, d) for s, d, _ in self.proven)
         if self.quarantine:
             # recorded, not refused: quarantining documents after a spike is the normal use
             header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
-                                          "documents": len(self.quarantine.docs)}
+                                          "documents": len(self.quarantine.docs),
+                                          "proven": len(self.proven)}
         if self.config.filter.repetition:
             header.extra["repetition_filter"] = {"min_repeats": self.config.filter.repetition_min,
                                                  "max_period": self.config.filter.repetition_max_period}
@@ -326,8 +334,54 @@ class Ledger(Configurable):
             red = self.recorder.reduce(local_loss_sum=local_loss_sum, local_tokens=local_tokens,
                                        grad_norm=grad_norm, masked_tokens=rec.masked_tokens)
         stats = self.guard.observe(red, grad_norm) if self.guard is not None else None
+        # kept by reference (no copy): a proof at the alarm reads them on a flagged step
+        self.last_reduced, self.last_execution = red, (local_loss_sum, local_tokens, grad_norm)
         with record_function("titan_ledger.signals"):
             self.recorder.queue(rec, red.vector, stats)
+
+    # ------------------------------------------------------------------ a flagged step (proofs)
+    def flags_now(self) -> tuple[bool, bool]:
+        """This step's (acting flag, note) on the host: one device->host read."""
+        if self.guard is None or self.guard.last_stats is None:
+            return False, False
+        acting, note = self.guard.last_stats[[0, STAT_KEYS.index("note")]].tolist()
+        return bool(acting), bool(note)
+
+    def step_event(self) -> dict[str, Any]:
+        """This step's spike rules, as its event will describe them (a flagged step only)."""
+        return describe(self.guard.last_stats.tolist())
+
+    def last_dp_loss(self) -> list[float]:
+        return self.last_reduced.dp_loss.tolist()
+
+    def step_documents(self) -> dict | None:
+        """This DP rank's per-document summary of the step (``DocLossTracker.decode``)."""
+        if self.doc_loss is None:
+            return None
+        return self.doc_loss.decode(self.last_reduced.vector[-self.doc_loss.size:].tolist())
+
+    def discard_step_state(self) -> None:
+        """Drain what an extra execution of the step refilled (per-document sums, log Z,
+        max logits): the step's row was reduced from the first."""
+        if self.doc_loss is not None:
+            self.doc_loss.summary(self.device)
+        if self.logz is not None:
+            self.logz.take()
+        for m in (self.recorder.attn if self.recorder is not None else ()):
+            m.take_max_logit(self.device)
+
+    def quarantine_proven(self, docs: list, step: int) -> None:
+        """Documents a proof convicted at ``step``: masked from the next fetch on (every
+        rank), appended to the run's own quarantine file (rank 0)."""
+        self.quarantine.add(docs)
+        new = [[str(s), int(d), int(step)] for s, d in docs]
+        self.proven.extend(new)
+        if self.topo.is_rank0:
+            known = read_proven(self.folder)  # a resume before the step convicts them again
+            with open(self.folder / records.PROVEN_FILE, "a") as f:
+                for s, d, t in new:
+                    if [s, d, t] not in known:
+                        f.write(json.dumps({"source": s, "doc": d, "step": t}) + "\n")
 
     def after_update(self, applied: bool) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
@@ -357,7 +411,8 @@ class Ledger(Configurable):
             if metrics_logger is not None:
                 metrics_logger.log(dashboard(done.row), done.rec.step)
             if self.guard is not None:
-                self.guard.on_row(done.row, done.stats, metrics_logger)  # spikes.jsonl, rejected_steps.jsonl
+                self.guard.on_row(done.row, done.stats, metrics_logger,  # spikes.jsonl, rejected_steps.jsonl
+                                  proof=done.rec.proof)
             check_finite(done.row, self.recorder.path)
 
     # ------------------------------------------------------------------ data ledger, skips
@@ -429,3 +484,16 @@ class Ledger(Configurable):
             self.guard.load_state_dict(json.loads(det))
         if self._state.get("ladder") and not self._keep_ladder:
             self.ladder.load_state_dict(json.loads(self._state["ladder"]))
+
+
+def read_proven(folder: Path) -> list[list]:
+    """``[source, doc, step]`` of the run's own quarantine file (``records.PROVEN_FILE``)."""
+    path = Path(folder) / records.PROVEN_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            e = json.loads(line)
+            out.append([str(e["source"]), int(e["doc"]), int(e["step"])])
+    return out

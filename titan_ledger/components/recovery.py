@@ -19,9 +19,11 @@ from __future__ import annotations
 import time
 
 from titan_ledger.components.optimizer import scale_lr
+from titan_ledger.components.proof import Prover
 from titan_ledger.components.step_record import StepRecord
 from titan_ledger.errors import LedgerStop, python_command
 from titan_ledger.format import records
+from titan_ledger.format.proofs import describe_proof
 
 
 class Recovery:
@@ -29,6 +31,7 @@ class Recovery:
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
+        self.prover = Prover(trainer)
         self.pending_rollback: int | None = None  # the spiked step a rollback starts from
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
 
@@ -46,11 +49,29 @@ class Recovery:
 
     # ------------------------------------------------------------------ the decision
     def decide(self, rec: StepRecord) -> bool:
+        try:
+            return self._decide(rec)
+        finally:
+            rec.batches = None  # the step's batches are not kept past its decision
+
+    def _decide(self, rec: StepRecord) -> bool:
         """Between the clip and ``optimizers.step()``: is this step's update applied?
-        The ladder acts only on an acting flag of this step (a host read of one value,
-        made only when an action is configured)."""
+        A flagged step is proven first (``--ledger.on_spike.prove``) and acted on by what
+        the proof says; the ladder acts on an acting flag the proof left standing. The
+        flag costs one host read per step, made only when a proof or an action may follow."""
         ledger = self.trainer.ledger
-        if not (ledger.ladder.acts and ledger.spike_flag_now()):
+        if ledger.guard is None or not (self.prover.mode != "off" or ledger.ladder.acts):
+            return True
+        acting, note = ledger.flags_now()
+        if self.prover.wanted(acting, note):
+            proof = rec.proof = self.prover.prove(rec, acting=acting, event=ledger.step_event())
+            self._say(rec, proof)
+            if proof["verdict"] != "not_data":
+                rec.update_skipped = proof["applied"] == "none"
+                ledger.record_action({"step": rec.step, "action": f"proof: {proof['verdict']}",
+                                      "applied": proof["applied"]})
+                return proof["applied"] != "none"
+        if not (ledger.ladder.acts and acting):
             return True
         rung, action = ledger.ladder.on_spike(rec.step)  # the recovery ladder decides
         ledger.record_action(action)
@@ -67,6 +88,12 @@ class Recovery:
             if rung.lr is not None:
                 self.lr_scale *= rung.lr  # kept across every later checkpoint load
         return False
+
+    def _say(self, rec: StepRecord, proof: dict) -> None:
+        from torchtitan.tools.logging import logger
+
+        if self.trainer.ledger.topo.is_rank0:
+            logger.warning(f"titan_ledger: step {rec.step}: {describe_proof(proof)}")
 
     # ------------------------------------------------------------------ actions
     def _skip_window(self, window: tuple[int, int]) -> None:

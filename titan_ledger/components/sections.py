@@ -113,7 +113,26 @@ class OnSpikeConfig:
     max_rollbacks: int = 3
     """Rollbacks: stop with an error after this many rewinds in one run."""
 
+    prove: Literal["off", "acting", "all"] = "acting"
+    """Proof at the alarm (:mod:`titan_ledger.components.proof`): before its update, a
+    flagged step is re-executed as is (``same``: a difference is a transient ``hardware``
+    fault; the recomputed update is applied) and, when the update is abnormal, with the
+    suspect data loss-masked against a control (``bad_data``: the update without it is
+    applied and the documents are quarantined for the rest of the run); ``outlier`` does
+    nothing, ``not_data`` takes ``action``. ``acting``: steps an acting rule flags;
+    ``all``: notes too (a note proven harmful acts); ``off``: act on the flag alone.
+    Costs 1-3 extra forward/backward passes per proven step, nothing on other steps."""
+
+    prove_rtol: float = 0.0
+    """Proofs: how far two executions of the same data may differ (relative, per rank's
+    loss and gradient sum of squares) and count as equal; 0: bit for bit (CPU, and GPU
+    with ``--debug.deterministic``)."""
+
     def __post_init__(self) -> None:
+        if self.prove not in ("off", "acting", "all"):
+            raise ConfigError(f"--ledger.on_spike.prove {self.prove!r}: expected off, acting or all")
+        if self.prove_rtol < 0:
+            raise ConfigError(f"--ledger.on_spike.prove_rtol must be >= 0, got {self.prove_rtol}")
         parse_ladder(self.action)  # raises ConfigError naming the rung
         if self.ladder_horizon < 1:
             raise ConfigError(f"--ledger.on_spike.ladder_horizon must be >= 1, got {self.ladder_horizon}")

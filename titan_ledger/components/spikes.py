@@ -301,7 +301,8 @@ class SpikeDetector(Configurable):
         flag = acting.any()
         # accepted steps enter the window; a spike does not (a note does: it is not a spike)
         idx = self.count % w
-        col = self.hist[:, idx]
+        col = self.hist[:, idx].clone()  # what ``before`` restores (a 0-d index is a view)
+        undo = (idx, col, self.count, self.jcount, self._eundo)
         self.hist[:, idx] = torch.where(flag, col, v)
         self.count = self.count + (~flag).long()
         # ...and so does its grad-jump ratio into grad_novelty's memory
@@ -309,8 +310,10 @@ class SpikeDetector(Configurable):
         # no part of the run's clean tail, and would halve the rules' reach for 1,000 steps)
         keep = ~flag & torch.isfinite(log_jump) & (self.count > c.grad_novelty_warmup)
         jdx = self.jcount % self.jhist.shape[0]
-        self.jhist[jdx] = torch.where(keep, log_jump, self.jhist[jdx])
+        jold = self.jhist[jdx].clone()
+        self.jhist[jdx] = torch.where(keep, log_jump, jold)
         self.jcount = self.jcount + keep.long()
+        self._undo = (*undo, jdx, jold)
         shown = torch.where((c_j >= c.grad_novelty_warmup) & torch.isfinite(jbound), jbound.exp(),
                             torch.tensor(float("nan"), dtype=torch.float64, device=v.device))
         return torch.cat([flag.double().reshape(1), acting.double(),
@@ -401,12 +404,28 @@ class SpikeDetector(Configurable):
         take = torch.isfinite(y)
         idx = self.ecount % w
         rows = torch.arange(5, device=dev)
-        self.ehist[rows, idx] = torch.where(take, y, self.ehist[rows, idx])
+        eold = self.ehist[rows, idx]  # (a tensor index: a copy)
+        self._eundo = (idx, eold, self.ecount)
+        self.ehist[rows, idx] = torch.where(take, y, eold)
         self.ecount = self.ecount + take.long()
         stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
                              torch.where(active[0], jump, nan), torch.where(active[3], bound, nan)])
         log_jump = torch.where(active[0], y[0] - hmed[0], nan)
         return fired, decisive, log_jump, stats
+
+    def before(self) -> SpikeDetector:
+        """A copy of this detector as it stood before its last ``step``: the run's own
+        history, to judge another execution of that step by the same rules (the proof at
+        the alarm). The step kept references to what it overwrote (no copy per step)."""
+        det = SpikeDetector(self.config, self.hist.device)
+        idx, col, count, jcount, (eidx, eold, ecount), jdx, jold = self._undo
+        det.hist, det.count = self.hist.clone(), count
+        det.hist[:, idx] = col
+        det.ehist, det.ecount = self.ehist.clone(), ecount
+        det.ehist[torch.arange(5, device=eold.device), eidx] = eold
+        det.jhist, det.jcount = self.jhist.clone(), jcount
+        det.jhist[jdx] = jold
+        return det
 
     def state_dict(self) -> dict[str, Any]:
         return {"hist": self.hist.tolist(), "count": int(self.count),

@@ -36,6 +36,8 @@ class StepRecord:
     step_time_s: float = 0.0
     consumed_samples: int = 0
     update_skipped: bool = False
+    batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
+    proof: dict | None = None  # the proof at the alarm (components.proof), when one ran
 
     def masked_or_none(self) -> dict | None:
         """The masks that hit something (the data row omits an empty ``masked``)."""

@@ -37,7 +37,6 @@ class Quarantine:
     def __init__(self, paths: list[str]):
         self.paths = [str(p) for p in paths]
         self.docs: set[tuple[str, int]] = set()
-        h = hashlib.sha256()
         for p in self.paths:
             path = Path(p)
             if not path.is_file():
@@ -53,12 +52,18 @@ class Quarantine:
                     raise ConfigError(f"--ledger.filter.quarantine {p}:{n}: expected one JSON object "
                                       f'{{"source": ..., "doc": ...}} per line, got {line[:80]!r}') from None
                 self.docs.add(key)
-        for source, doc in sorted(self.docs):
-            h.update(f"{source}\0{doc}\n".encode())
-        self.digest = h.hexdigest()[:16] if self.docs else ""
+        self.add(())
 
     def __bool__(self) -> bool:
         return bool(self.docs)
+
+    def add(self, docs) -> None:
+        """More documents, e.g. those a proof at the alarm convicted (``(source, doc)``)."""
+        self.docs.update((str(s), int(d)) for s, d in docs)
+        h = hashlib.sha256()
+        for source, doc in sorted(self.docs):
+            h.update(f"{source}\0{doc}\n".encode())
+        self.digest = h.hexdigest()[:16] if self.docs else ""
 
     def mask(self, tags: list[RowTag], labels: torch.Tensor) -> list[list[int]]:
         """Set the labels of quarantined segments to IGNORE_INDEX in place; returns

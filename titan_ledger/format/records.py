@@ -130,6 +130,10 @@ RERUN_RECORD_FILE = "rerun.json"
 #: a quarantine file's name: a ``quarantine`` variant's, in its folder, and the one
 #: ``diagnose`` suggests writing (``--write-quarantine``, ``--ledger.filter.quarantine``)
 QUARANTINE_FILE = "quarantine.jsonl"
+#: the run's own quarantine: documents a proof at the alarm convicted (``bad_data``), one
+#: ``{"source", "doc", "step"}`` per line, in the ledger folder (a valid quarantine file;
+#: a relaunch masks those convicted at or before the step it resumes from)
+PROVEN_FILE = "proven_documents.jsonl"
 
 
 def _files_by_rank(ledger_folder: str | os.PathLike, pattern: str) -> dict[int, Path]:

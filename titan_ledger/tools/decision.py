@@ -454,8 +454,55 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
                 res["rank"] = by_doc
         res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
     res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
+    _apply_proof(res, (event or {}).get("proof") or (note or {}).get("proof"))
+    if res.get("proof", {}).get("verdict") == "bad_data":  # the convicted documents, with their losses
+        scores = {(d["source"], d["doc"]): d for d in document_scores(led, step)}
+        res["documents"] = [dict(scores.get((d["source"], d["doc"]), d), criterion=PROOF_CRITERION, proven=True)
+                            for d in res["documents"]]
     _apply_rerun(led, step, res)
     return res
+
+
+#: how the documents of a bad_data proof were chosen (diagnose, report)
+PROOF_CRITERION = "convicted by the proof at the alarm: masking them brought the update back, a control did not"
+
+
+def _apply_proof(res: dict, proof: dict | None) -> None:
+    """The trainer's proof at the alarm (``proof`` of the step's event): ``hardware`` and
+    ``bad_data`` are proven causes (no rerun needed; the documents are the convicted ones);
+    ``not_data`` rules the data and a transient fault out, ``outlier`` says the data stood
+    out and the update was normal with it (the heuristics' cause stays, as evidence)."""
+    if not proof:
+        return
+    v = proof["verdict"]
+    res["proof"] = {k: proof[k] for k in ("verdict", "applied", "why", "suspect", "control", "documents",
+                                          "dp_ranks", "seconds", "executions") if k in proof}
+    heuristic = res["cause"]
+    if v == "hardware":
+        ranks = ", ".join(map(str, proof.get("dp_ranks", [])))
+        res.update(cause="hardware", certainty="proven",
+                   certainty_rule=f"proven in step: the step re-executed on the same data and state did not "
+                                  f"reproduce it (DP rank(s) {ranks} changed between executions)")
+    elif v == "bad_data":
+        sus = proof.get("suspect") or {}
+        docs = proof.get("documents") or []
+        res.update(cause="bad_data", certainty="proven", rank=sus.get("dp_rank"), rank_from="proof",
+                   certainty_rule=("proven in step: masking the convicted data brought the update back to "
+                                   "normal; masking as much other data did not"),
+                   documents=[{"source": s, "doc": int(d), "dp_rank": sus.get("dp_rank")} for s, d in docs],
+                   documents_note=f"convicted by the proof at the alarm ({len(docs)} document(s)), "
+                                  f"quarantined by the trainer from the next step on")
+    elif v == "not_data":
+        res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the suspect's "
+                                 f"data ({proof.get('why', '')})")
+        if heuristic in ("bad_data", "hardware", "transient"):
+            res["certainty"] = "guess"
+            res["certainty_rule"] += f"; the heuristics' {heuristic} is contradicted by the proof"
+    else:  # outlier
+        res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: the suspect data stood out and the "
+                                 f"update was normal with it (an outlier, nothing done)")
+    if res["cause"] != heuristic:
+        res["heuristic"] = heuristic
 
 
 def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) -> tuple[list[dict], str]:

@@ -110,6 +110,7 @@ def _main(a) -> int:
             res["spike_check"] = spike_check(led.rows_as_of(s), s, s in flagged)
         if res.get("documents"):
             res["documents"] = with_text(led, res["documents"])
+        if res.get("documents") and not res["documents"][0].get("proven"):  # (proven: quarantined already)
             res["quarantine_command"] = (
                 f"python -m titan_ledger.diagnose {a.dump_folder} --step {s} --write-quarantine "
                 f"{records.QUARANTINE_FILE}  # then resume with --ledger.filter.quarantine "
@@ -181,6 +182,10 @@ def print_verdict(r: dict) -> None:
         print(f"  trainer: not flagged; a note ({', '.join(r['trainer_notes'])}): recorded, never acted on")
         if r.get("trainer_notes_why"):
             print(f"    why a note: {r['trainer_notes_why']}")
+    if r.get("proof"):
+        from titan_ledger.format.proofs import describe_proof
+
+        print(f"  proof: {describe_proof(r['proof'])}")
     print(f"  done: {r['done']}")
     if r.get("rank_losses"):
         print("  per-rank losses at the step: " + ", ".join(f"rank {k} {v:.4f}" if isinstance(v, float) else
@@ -191,6 +196,9 @@ def print_verdict(r: dict) -> None:
     if r.get("documents"):
         print(f"  documents that stand out ({r['documents'][0]['criterion']}):")
         for d in r["documents"]:
+            if "loss" not in d:  # a convicted document without a recorded loss
+                print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']})")
+                continue
             print(f"    {d['source']} doc {d['doc']} (DP rank {d['dp_rank']}, {d['segments']} segment(s), e.g. "
                   f"[{d['start']}:{d['end']}))  loss {d['loss']:.4f} = {d['vs_median']:.2f}x median over "
                   f"{d['tokens']} tokens")

@@ -62,10 +62,10 @@ class TextSource:
             from titan_ledger.rehearsal import backend
 
             backend.ensure_installed()
-            from torchtitan.hf_datasets.text_datasets import _validate_dataset
+            from titan_ledger.data.text import locate_dataset
 
             spec = self.hdr["spec"]
-            path, loader, processor = _validate_dataset(spec["dataset"].lower(), spec["dataset_path"])
+            path, loader, processor = locate_dataset(spec["dataset"], spec["dataset_path"])
             self._ds, self._proc = loader(path), processor
         text = self._proc(self._ds[int(doc)])
         return self.tokenizer().encode(text, add_bos=True, add_eos=True)

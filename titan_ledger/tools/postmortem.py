@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from titan_ledger.format.proofs import describe_proof
 from titan_ledger.format.reader import RunLedger
 
 AFTER = 5  # trained steps after the action whose outcome is summarized
@@ -60,6 +61,7 @@ def actions_at(led: RunLedger, step: int) -> dict[str, Any]:
         "ladder": ladder[-1] if ladder else None,
         "update_skipped": bool(at and at.get("update_skipped")),
         "trained": at is not None,
+        "proof": (ev or {}).get("proof"),  # the proof at the alarm, when one ran
     }
     action = None
     if ladder:
@@ -124,6 +126,8 @@ def describe(f: dict) -> str:
                      f"action {f['action']}{how}")
     else:
         parts.append("not flagged by the trainer")
+    if f.get("proof"):
+        parts.append(describe_proof(f["proof"]))
     act = str(f.get("action") or "").split("*")[0]  # a ladder rung's name: action[:lr][*attempts]
     rw = f.get("rewind")
     if f["update_skipped"] and not rw:

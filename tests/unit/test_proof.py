@@ -1,0 +1,183 @@
+"""titan_ledger.components.proof: the verdict logic, the suspect and its control, the
+label masks, and the detector's view of the history before a step (no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titan_ledger.components.proof import (
+    Execution,
+    Suspect,
+    control_of,
+    describe_proof,
+    differing_ranks,
+    faulty_ranks,
+    document_tokens,
+    judge,
+    mask_labels,
+    name_suspect,
+    normal_update,
+)
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
+from titan_ledger.data.layout import RowTag, Segment
+
+
+def ex(variant, loss, gn, ranks, normal=None):
+    return Execution(variant, loss, gn, [list(r) for r in ranks], normal)
+
+
+ORIG = ex("original", 7.6, 10.2, [[1970.0, 40.0, 256, 1], [1932.0, 44.0, 256, 1]], normal=False)
+
+
+def test_same_bit_equal_then_masks_decide():
+    same = ex("same", 7.6, 10.2, [[1970.0, 40.0, 256, 1], [1932.0, 44.0, 256, 1]])
+    assert differing_ranks(ORIG, same, 0.0) == []
+    masked = ex("masked", 7.7, 1.4, [[1970.0, 1.0, 256, 0], [0.0, 1.0, 0, 0]], normal=True)
+    control = ex("control", 7.5, 20.3, [[0.0, 90.0, 0, 0], [1932.0, 90.0, 256, 0]], normal=False)
+    v = judge(ORIG, [same], masked, control, suspect=True)
+    assert (v.verdict, v.applied) == ("bad_data", "masked")
+    # the masks swapped: the control's data is the bad data (disjoint masks of one size)
+    v = judge(ORIG, [same], control.__class__("masked", 7.5, 20.3, control.ranks, False),
+              masked.__class__("control", 7.7, 1.4, masked.ranks, True), suspect=True)
+    assert (v.verdict, v.applied) == ("bad_data", "control")
+    # both masks restore the update: removing data, not bad data
+    both = ex("control", 7.5, 1.3, control.ranks, normal=True)
+    assert judge(ORIG, [same], masked, both, suspect=True).verdict == "not_data"
+    # neither does: the optimisation itself (LR, optimizer state, logits)
+    neither = ex("masked", 7.7, 19.0, masked.ranks, normal=False)
+    assert judge(ORIG, [same], neither, control, suspect=True).verdict == "not_data"
+    # no control could be built (DP 1, one document): no proof of data
+    assert judge(ORIG, [same], None, None, suspect=True).verdict == "not_data"
+
+
+def test_a_normal_update_is_an_outlier_with_a_suspect_and_not_data_without():
+    orig = ex("original", 7.6, 1.0, ORIG.ranks, normal=True)
+    same = ex("same", 7.6, 1.0, ORIG.ranks)
+    v = judge(orig, [same], None, None, suspect=True)
+    assert (v.verdict, v.applied) == ("outlier", "original")
+    assert judge(orig, [same], None, None, suspect=False).verdict == "not_data"
+
+
+def test_a_transient_difference_is_hardware_and_the_third_execution_decides():
+    flipped = ex("same", 7.6, 3.1, [[1970.0, 9.0, 256, 0], [1932.0, 44.0, 256, 1]])
+    # rank 0's gradients changed between the first execution and the second
+    assert differing_ranks(ORIG, flipped, 0.0) == [0]
+    with pytest.raises(ValueError, match="a third decides"):
+        judge(ORIG, [flipped], None, None)
+    again = ex("same", 7.6, 3.1, flipped.ranks)
+    v = judge(ORIG, [flipped, again], None, None)
+    assert (v.verdict, v.applied, v.ranks) == ("hardware", "same", [0])
+    # the second execution was the faulty one: the first result stands
+    back = ex("same", 7.6, 10.2, [[1970.0, 40.0, 256, 1], [1932.0, 44.0, 256, 1]])
+    v = judge(ORIG, [flipped, back], None, None)
+    assert (v.verdict, v.applied) == ("hardware", "original")
+    # no two agree: no update is applied
+    third = ex("same", 7.6, 5.0, [[1970.0, 20.0, 256, 0], [1932.0, 44.0, 256, 1]])
+    assert judge(ORIG, [flipped, third], None, None).applied == "none"
+
+
+def test_a_tolerance_counts_small_differences_as_equal():
+    near = ex("same", 7.6, 10.2, [[1970.0 * (1 + 1e-7), 40.0, 256, 0], [1932.0, 44.0, 256, 0]])
+    assert differing_ranks(ORIG, near, 0.0) == [0, 1]  # not bit-equal gradients on either rank
+    assert differing_ranks(ORIG, near, 1e-6) == []
+    far = ex("same", 7.6, 10.2, [[1970.0 * 1.01, 40.0, 256, 0], [1932.0, 44.0, 256, 0]])
+    assert differing_ranks(ORIG, far, 1e-6) == [0]
+
+
+def tags():
+    return [RowTag(0, "c", (Segment(7, 0, 100), Segment(8, 0, 28))),
+            RowTag(1, "c", (Segment(8, 28, 156),)),
+            RowTag(2, "c", (Segment(9, 0, 64), Segment(10, 0, 64)))]
+
+
+def test_suspect_documents_from_the_document_rules_and_ranks_otherwise():
+    summary = {"median": 2.0, "top": [[0, 0, 100 * 9.0, 100], [2, 1, 64 * 5.0, 64], [2, 0, 64 * 2.1, 64]],
+               "bottom": [[1, 0, 100 * 0.5, 100]]}
+    ev = {"rules": ["grad_jump"], "notes": ["doc_high"], "doc_high_rank": 1, "separation_rank": 0}
+    s = name_suspect(ev, [2.0, 2.1], summary, tags(), floor=0.7)
+    # doc 7 (9.0 = 4.5x the median) and doc 10 (2.5x) pass the floor; doc 9 (1.05x) does not
+    assert s == Suspect(1, frozenset({("c", 7), ("c", 10)}), "doc_high")
+    ev = {"rules": ["grad_jump"], "notes": ["rank_separation"], "separation_rank": 1}
+    assert name_suspect(ev, [2.0, 2.1], None, None, 0.7) == Suspect(1, None, "rank_separation")
+    # no rule named one: the DP rank whose loss stands farthest from the others' median
+    assert name_suspect({"rules": ["grad_jump"], "notes": []}, [2.0, 2.05, 0.4], None, None, 0.7) == \
+        Suspect(2, None, "rank_loss")
+    assert name_suspect({"rules": ["grad_jump"], "notes": []}, [2.0], None, None, 0.7) is None
+
+
+def test_the_control_masks_as_much_other_data():
+    assert control_of(Suspect(1, None), 4, None) == Suspect(2, None, "control")
+    assert control_of(Suspect(3, None), 4, None) == Suspect(0, None, "control")
+    assert control_of(Suspect(0, None), 1, None) is None  # DP 1: no other rank
+    by_dp = {0: tags()}
+    assert document_tokens(tags()) == {("c", 7): 100, ("c", 8): 156, ("c", 9): 64, ("c", 10): 64}
+    # doc 9 (64 tokens) gets the other 64-token document as its control
+    assert control_of(Suspect(0, frozenset({("c", 9)})), 1, by_dp) == Suspect(0, frozenset({("c", 10)}), "control")
+    # nothing else on the rank: another DP rank's documents of like size (doc 8, 156 tokens)
+    one = {0: [RowTag(0, "c", (Segment(5, 0, 150),))], 1: tags()}
+    assert control_of(Suspect(0, frozenset({("c", 5)})), 2, one) == Suspect(1, frozenset({("c", 8)}), "control")
+    assert control_of(Suspect(0, frozenset({("c", 5)})), 1, one) is None
+
+
+def test_mask_labels_masks_the_documents_segments_or_the_whole_batch():
+    labels = torch.arange(3 * 128).reshape(3, 128)
+    groups = [[({"input": labels.clone()}, labels[:2].clone())], [({"input": labels.clone()}, labels[2:].clone())]]
+    out, hits = mask_labels(groups, tags(), Suspect(0, frozenset({("c", 8), ("c", 10)})), -100)
+    assert hits == [[0, 1], [1, 0], [2, 1]]
+    a, b = out[0][0][1], out[1][0][1]
+    assert (a[0, :100] >= 0).all() and (a[0, 100:] == -100).all() and (a[1] == -100).all()
+    assert (b[0, :64] >= 0).all() and (b[0, 64:] == -100).all()
+    assert (groups[0][0][1] >= 0).all()  # the step's own labels are untouched
+    out, hits = mask_labels(groups, tags(), Suspect(0, None), -100)
+    assert all((lab == -100).all() for mbs in out for _, lab in mbs) and len(hits) == 5
+
+
+def test_detector_before_is_the_history_before_the_last_step():
+    cfg = SpikeDetector.Config(window=8, min_history=4)
+    det = SpikeDetector(cfg)
+    g = torch.Generator().manual_seed(0)
+    for i in range(40):  # wraps the window several times; spikes and accepted steps
+        loss = torch.tensor(5.0 - 0.01 * i + 0.01 * float(torch.rand((), generator=g)), dtype=torch.float64)
+        gn = torch.tensor(1.0 + 0.05 * float(torch.rand((), generator=g)) + (9.0 if i in (20, 33) else 0.0),
+                          dtype=torch.float64)
+        stats = det.step(loss, gn)
+        redo = det.before().step(loss, gn)  # judges this step exactly as the live one did
+        torch.testing.assert_close(redo, stats, rtol=0, atol=0, equal_nan=True)
+        assert stats[0] == (i in (20, 33))
+    # the live detector is unchanged by its copies
+    assert int(det.count) == 38
+
+
+def test_normal_update_uses_the_grad_norm_rules_own_bars():
+    cfg = SpikeDetector.Config(window=8, min_history=4)
+    det = SpikeDetector(cfg)
+    for i in range(12):
+        det.step(torch.tensor(5.0 - 0.01 * i, dtype=torch.float64), torch.tensor(1.0 + 0.01 * (i % 3),
+                                                                                dtype=torch.float64))
+    stats = det.step(torch.tensor(4.9, dtype=torch.float64), torch.tensor(10.0, dtype=torch.float64))
+    assert stats[0] == 1  # an acting spike
+    assert not normal_update(det, 4.9, 10.0)
+    assert normal_update(det, 4.9, 1.02)
+    assert not normal_update(det, math.nan, 1.0)
+    assert STAT_KEYS[0] == "flag"
+
+
+def test_describe_proof_says_what_was_done():
+    p = {"verdict": "bad_data", "applied": "masked", "suspect": {"dp_rank": 1}, "documents": [["c", 7]],
+         "executions": [{}, {}, {}, {}], "seconds": 1.5}
+    assert describe_proof(p) == ("proven in step (3 extra executions, 1.50 s): bad data on DP rank 1, documents "
+                                 "c:7; trained without them, quarantined for the rest of the run")
+    p = {"verdict": "hardware", "applied": "same", "dp_ranks": [0], "executions": [{}, {}, {}], "seconds": 1.0}
+    assert "hardware (transient): DP rank(s) 0 changed between executions; the recomputed update applied" \
+        in describe_proof(p)
+
+
+def test_the_faulty_rank_is_the_one_whose_own_gradients_changed_before_the_clip():
+    # a flipped bit on rank 0 raises the global norm 10x: the clip then scales every rank
+    before = Execution("original", 7.6, 100.0, [[1970.0, 0.0099, 256, 1], [1932.0, 1e-6, 256, 1]], clip_coef=0.01)
+    after = Execution("same", 7.6, 10.0, [[1970.0, 0.0001, 256, 0], [1932.0, 1e-4, 256, 0]], clip_coef=0.1)
+    changed = differing_ranks(before, after, 0.0)
+    assert changed == [0, 1] and faulty_ranks(before, after, changed) == [0]

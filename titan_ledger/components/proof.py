@@ -1,0 +1,508 @@
+"""Proof at the alarm: a flagged step re-executed in place, before its update.
+
+Design decision: between the clip and ``optimizers.step()`` the flagged step is still
+in memory -- its batches (``StepRecord.batches``), the parameters and the optimizer
+state it was computed from -- so a counterfactual costs a forward/backward, not a
+checkpoint reload on the run's whole world size. :class:`Prover` re-executes the step
+through the trainer's own ``execute`` (the copied torchtitan body, so nothing about
+the step differs but the labels a variant masks):
+
+* ``same``: the step again. Unequal to the first execution (bit for bit, or past
+  ``--ledger.on_spike.prove_rtol``) is a transient fault (``hardware``): a third
+  execution decides which result is applied, and the ranks whose local loss or
+  gradients changed are named.
+* ``control`` then ``masked``: the evidence's suspect (one DP rank's whole batch, or
+  the documents that stand out on it) loss-masked, and, as a control, as much other
+  data masked (another DP rank's batch, or other documents of like size). ``bad_data``
+  only when ``masked`` brings the *update* back under the grad-norm rules' bars of
+  this run's own history and ``control`` does not: masking the data that defines a
+  per-rank or per-document statistic always removes the statistic, so the statistic
+  proves nothing.
+
+The decision itself (:func:`judge`) is a pure function of the executions' numbers,
+unit-tested without processes. An unflagged step costs nothing here: the trainer
+asks :meth:`Prover.wanted` only with the flag the update guard reads anyway.
+
+What the extra executions touch and this module restores: the gradients (the first
+execution's are kept by reference and put back unless another result is applied),
+the per-step accumulators they refill (per-document loss sums, log Z, max logits:
+drained after each execution), the rehearsal's one-time faults (a bitflip happens in
+the first execution only, as a transient fault would), the RNG state. The models
+here draw no random numbers in forward/backward; a model with dropout would need the
+step's starting RNG state, which is not kept (it would cost every step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from titan_ledger.format.proofs import HARMFUL, VERDICTS, describe_proof  # noqa: F401  (re-exported)
+
+#: what ``--ledger.on_spike.prove`` may say
+PROVE_MODES = ("off", "acting", "all")
+
+
+@dataclass
+class Execution:
+    """One execution of the flagged step: the global values and, per global rank,
+    ``[local loss, local grad sum of squares (post-clip), valid tokens, equal]`` where
+    ``equal`` is 1 when every local gradient equals the first execution's bit for bit."""
+
+    variant: str  # original | same | control | masked
+    loss: float
+    grad_norm: float
+    ranks: list[list[float]] = field(default_factory=list)
+    normal: bool | None = None  # under the grad-norm rules' bars (None: not judged)
+    seconds: float = 0.0
+    clip_coef: float = 1.0  # the clip's factor (the gradients were read after it)
+
+    def pre_clip_sq(self, r: int) -> float:
+        return self.ranks[r][1] / (self.clip_coef * self.clip_coef)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"variant": self.variant, "loss": _num(self.loss), "grad_norm": _num(self.grad_norm),
+               "normal": self.normal, "seconds": round(self.seconds, 4),
+               "per_rank": [{"loss": _num(r[0]), "grad_sq": _num(r[1]), "tokens": int(r[2])}
+                            for r in self.ranks]}
+        if self.variant == "same":
+            out["bit_equal"] = all(r[3] == 1 for r in self.ranks)
+        return out
+
+
+def _num(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def differing_ranks(a: Execution, b: Execution, rtol: float) -> list[int]:
+    """Global ranks whose local loss or gradients differ between two executions of the
+    same data: bit for bit (``rtol`` 0; ``b``'s equal flags, measured against the
+    first execution, or its values) or past ``rtol`` relative."""
+    out = []
+    for r, (x, y) in enumerate(zip(a.ranks, b.ranks)):
+        if rtol == 0:
+            same = x[0] == y[0] and x[1] == y[1] and (y[3] == 1 or a.variant != "original")
+        else:
+            same = all(abs(p - q) <= rtol * max(abs(p), abs(q), 1e-30) for p, q in zip(x[:2], y[:2]))
+        if not same:
+            out.append(r)
+    return out
+
+
+def faulty_ranks(a: Execution, b: Execution, changed: list[int], rtol: float = 1e-5) -> list[int]:
+    """Of the ``changed`` ranks, those whose own gradients or loss changed before the clip
+    (a fault on one rank changes the global norm, so the clip changes every rank's
+    gradients after it); all of them when none stands out."""
+    own = [r for r in changed
+           if a.ranks[r][0] != b.ranks[r][0]
+           or abs(a.pre_clip_sq(r) - b.pre_clip_sq(r)) > rtol * max(a.pre_clip_sq(r), b.pre_clip_sq(r), 1e-30)]
+    return own or changed
+
+
+@dataclass
+class Verdict:
+    verdict: str  # one of VERDICTS
+    applied: str  # original | same | masked | none (no update: no two executions agreed)
+    ranks: list[int] = field(default_factory=list)  # hardware: the ranks that changed
+    why: str = ""
+
+
+def judge(original: Execution, repeats: list[Execution], masked: Execution | None,
+          control: Execution | None, rtol: float = 0.0, suspect: bool = False) -> Verdict:
+    """The verdict from the executions (pure). ``repeats``: one ``same`` execution, two
+    when the first differed. ``masked``/``control``: None when no suspect was named, no
+    control exists, or the first update was normal (then they are not executed);
+    ``suspect``: whether the evidence named suspect data."""
+    first = repeats[0]
+    changed = differing_ranks(original, first, rtol)
+    if changed:
+        if len(repeats) < 2:
+            raise ValueError("judge: the step changed between executions; a third decides")
+        second = repeats[1]
+        if not differing_ranks(first, second, rtol):
+            return Verdict("hardware", "same", faulty_ranks(original, first, changed),
+                           "the first execution differed from two that agree")
+        again = differing_ranks(original, second, rtol)
+        if not again:
+            return Verdict("hardware", "original", faulty_ranks(first, second, differing_ranks(first, second, rtol)),
+                           "the second execution differed from two that agree")
+        return Verdict("hardware", "none", sorted(set(changed) | set(again)), "no two of three executions agree")
+    if original.normal:
+        if suspect:
+            return Verdict("outlier", "original", why="reproducible; the update is normal with the suspect data")
+        return Verdict("not_data", "original", why="reproducible; the update is normal and no data is suspect")
+    if masked is None or control is None:
+        return Verdict("not_data", "original", why="reproducible and abnormal; no suspect data to mask "
+                                                   "against a control")
+    if masked.normal and not control.normal:
+        return Verdict("bad_data", "masked", why="masking the suspect data brings the update back to "
+                                                 "normal; masking as much other data does not")
+    if control.normal and not masked.normal:
+        # two disjoint masks of equal size, one restores the update: the other is its control,
+        # whichever the evidence named (at DP 2 a rank's loss cannot tell which rank it is)
+        return Verdict("bad_data", "control", why="masking the control's data brings the update back to "
+                                                  "normal; masking the suspect's does not: the control's "
+                                                  "data is the bad data")
+    if masked.normal and control.normal:
+        return Verdict("not_data", "original", why="masking the suspect or the control data brings the "
+                                                   "update back: removing data, not bad data")
+    return Verdict("not_data", "original", why="reproducible, and abnormal without the suspect data")
+
+
+# --------------------------------------------------------------------------- suspects
+@dataclass(frozen=True)
+class Suspect:
+    """What a proof masks: one DP rank's whole batch (``docs`` None) or the named
+    documents on it; ``evidence`` says which rule named it."""
+
+    dp_rank: int
+    docs: frozenset | None = None  # {(source, doc)}
+    evidence: str = ""
+
+
+def name_suspect(event: dict[str, Any], dp_loss: list[float] | None, doc_summary: dict | None,
+                 tags: list | None, floor: float) -> Suspect | None:
+    """The suspect of a flagged step (pure): the documents the document rules named on
+    their rank (segments whose mean loss is past ``floor`` in log ratio to the rank's
+    median, at least the extreme one) when that rank's per-document summary and row tags
+    are at hand (``doc_summary``/``tags``: the suspect rank's, or None), else the rank a
+    rule named, else at DP >= 2 the DP rank whose mean loss stands farthest from the
+    others' median (log). ``event``: ``spikes.describe`` of the step's stats."""
+    fired = [*event.get("rules", []), *event.get("notes", [])]
+    for rule, key, side in (("doc_high", "doc_high_rank", "top"), ("doc_low", "doc_low_rank", "bottom")):
+        if rule in fired and event.get(key) is not None and doc_summary and tags:
+            median = doc_summary.get("median")
+            docs = set()
+            for i, (row, seg, s, t) in enumerate(doc_summary.get(side, [])):
+                if not t or row >= len(tags) or seg >= len(tags[row].segments):
+                    continue
+                y = math.log(max(s / t, 1e-30)) - math.log(max(median or 1e-30, 1e-30))
+                if i == 0 or (y if side == "top" else -y) > floor:
+                    docs.add((tags[row].source, tags[row].segments[seg].doc))
+            if docs:
+                return Suspect(int(event[key]), frozenset(docs), rule)
+    for rule, key in (("rank_separation", "separation_rank"), ("doc_high", "doc_high_rank"),
+                      ("doc_low", "doc_low_rank")):
+        if rule in fired and event.get(key) is not None and dp_loss and len(dp_loss) > 1:
+            return Suspect(int(event[key]), None, rule)
+    if dp_loss and len(dp_loss) > 1 and all(v > 0 and math.isfinite(v) for v in dp_loss):
+        logs = [math.log(v) for v in dp_loss]
+        med = sorted(logs)[len(logs) // 2] if len(logs) % 2 else sum(sorted(logs)[len(logs) // 2 - 1:
+                                                                                  len(logs) // 2 + 1]) / 2
+        r = max(range(len(logs)), key=lambda i: abs(logs[i] - med))
+        return Suspect(r, None, "rank_loss")
+    return None
+
+
+def control_of(suspect: Suspect, dp_size: int, tags_by_dp: dict[int, list] | None) -> Suspect | None:
+    """As much other data (pure): another DP rank's whole batch for a rank suspect; for
+    documents, as many other documents of the suspect's rank, those whose token counts
+    in the step are closest to the suspects' (else the next DP rank's), None when there
+    is nothing else to mask."""
+    if suspect.docs is None:
+        return Suspect((suspect.dp_rank + 1) % dp_size, None, "control") if dp_size > 1 else None
+    tags_by_dp = tags_by_dp or {}
+    for dp in (suspect.dp_rank, *[(suspect.dp_rank + k) % dp_size for k in range(1, dp_size)]):
+        sizes = document_tokens(tags_by_dp.get(dp) or [])
+        if dp == suspect.dp_rank:
+            target = sorted(sizes.get(d, 0) for d in suspect.docs)
+            others = {d: n for d, n in sizes.items() if d not in suspect.docs}
+        else:
+            target = sorted(document_tokens(tags_by_dp.get(suspect.dp_rank) or []).get(d, 0)
+                            for d in suspect.docs)
+            others = dict(sizes)
+        if len(others) < len(target):
+            continue
+        picked = []
+        for want in target:
+            d = min(others, key=lambda k: (abs(others[k] - want), k))
+            picked.append(d)
+            del others[d]
+        return Suspect(dp, frozenset(picked), "control")
+    return None
+
+
+def document_tokens(tags: list) -> dict[tuple[str, int], int]:
+    """Tokens per (source, doc) over a step's rows."""
+    out: dict[tuple[str, int], int] = {}
+    for tag in tags:
+        for seg in tag.segments:
+            key = (tag.source, seg.doc)
+            out[key] = out.get(key, 0) + len(seg)
+    return out
+
+
+def mask_labels(groups, tags: list, suspect: Suspect, ignore: int):
+    """The step's microbatch groups with ``suspect``'s labels set to ``ignore`` (new
+    label tensors; the inputs shared): every row for a rank suspect, the documents'
+    segments otherwise. Returns (groups, [[row, segment], ...] masked)."""
+    out, hits, row0 = [], [], 0
+    for microbatches in groups:
+        mbs = []
+        for input_dict, labels in microbatches:
+            labels = labels.clone()
+            for r in range(labels.shape[0]):
+                tag = tags[row0 + r] if row0 + r < len(tags) else None
+                if suspect.docs is None:
+                    labels[r] = ignore
+                    hits.extend([row0 + r, i] for i in range(len(tag.segments) if tag else 1))
+                    continue
+                start = 0
+                for i, seg in enumerate(tag.segments if tag else ()):
+                    if (tag.source, seg.doc) in suspect.docs:
+                        labels[r, start:start + len(seg)] = ignore
+                        hits.append([row0 + r, i])
+                    start += len(seg)
+            row0 += labels.shape[0]
+            mbs.append((input_dict, labels))
+        out.append(mbs)
+    return out, hits
+
+
+def normal_update(detector, loss: float, grad_norm: float) -> bool:
+    """Whether an execution's update is normal for this run: the grad-norm rules
+    (z-score with its material move, ratio, grad jump) would not fire on its loss and
+    pre-clip grad norm against the history before this step, with every rule on its own
+    bar (no novelty gate: the control stands in for it here) and finite."""
+    from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
+
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return False
+    det = detector.before()
+    raw = SpikeDetector(replace(detector.config, grad_novelty=0.0, notes=""), det.hist.device)
+    for name in ("hist", "count", "ehist", "ecount", "jhist", "jcount"):
+        setattr(raw, name, getattr(det, name))
+    stats = dict(zip(STAT_KEYS, raw.step(torch.tensor(loss, dtype=torch.float64),
+                                         torch.tensor(grad_norm, dtype=torch.float64)).tolist()))
+    return not any(stats[r] for r in ("zscore_grad_norm", "ratio", "grad_jump", "non_finite"))
+
+
+# --------------------------------------------------------------------------- the seam
+class Prover:
+    """Re-executes a flagged step of one ``LedgerTrainer`` (``Recovery`` asks it)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
+        self.proofs = 0
+
+    @property
+    def config(self):
+        return self.trainer.config.ledger.on_spike
+
+    @property
+    def mode(self) -> str:
+        return self.config.prove
+
+    def wanted(self, acting: bool, note: bool) -> bool:
+        return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
+
+    # ------------------------------------------------------------------ executions
+    def _params(self) -> list:
+        return [p for m in self.trainer.model_parts for p in m.parameters()]
+
+    def _run(self, variant: str, rec, groups, first_grads) -> Execution:
+        """One execution of the step on ``groups``: fresh gradients, the trainer's own
+        ``execute``, the per-step accumulators it refilled drained; gathered per rank."""
+        import torch.distributed as dist
+
+        t = self.trainer
+        t0 = time.perf_counter()
+        params = self._params()
+        for p in params:
+            p.grad = None
+        t.step_record = rec  # the hooks see the step (a swap rehearsal repeats; a bitflip is done)
+        try:
+            loss, grad_norm, local_tokens, global_tokens = t.execute(groups, True)
+        finally:
+            t.step_record = None
+        t.ledger.discard_step_state()
+        topo = t.ledger.topo
+        grad_sq = torch.zeros((), dtype=torch.float64, device=t.device)
+        equal = True
+        for p, g0 in zip(params, first_grads):
+            g = _local(p.grad) if p.grad is not None else None
+            if g is not None:
+                grad_sq = grad_sq + g.double().square().sum()
+            if g0 is None or g is None:
+                equal = equal and (g0 is None) == (g is None)
+            else:
+                equal = equal and bool(torch.equal(_local(g0), g))
+        own = (loss.double() * global_tokens).sum() if (loss is not None and topo.owns_loss) else \
+            torch.zeros((), dtype=torch.float64, device=t.device)
+        loc = torch.stack([own, grad_sq, torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0,
+                                                      dtype=torch.float64, device=t.device),
+                           torch.tensor(1.0 if equal else 0.0, dtype=torch.float64, device=t.device)])
+        if topo.world > 1:
+            table = torch.empty(topo.world * 4, dtype=torch.float64, device=t.device)
+            dist.all_gather_into_tensor(table, loc)
+            table = table.view(topo.world, 4)
+        else:
+            table = loc.view(1, 4)
+        ranks = table.tolist()
+        return Execution(variant, _mean_loss(ranks), float(_full(grad_norm)), ranks,
+                         seconds=time.perf_counter() - t0, clip_coef=self._coef(grad_norm))
+
+    def _original(self, first_grads, loss_sum, local_tokens, grad_norm) -> Execution:
+        import torch.distributed as dist
+
+        t = self.trainer
+        topo = t.ledger.topo
+        grad_sq = sum((_local(g).double().square().sum() for g in first_grads if g is not None),
+                      torch.zeros((), dtype=torch.float64, device=t.device))
+        own = loss_sum.detach() if (loss_sum is not None and topo.owns_loss) else \
+            torch.zeros((), dtype=torch.float64, device=t.device)
+        loc = torch.stack([own.double().reshape(()), grad_sq,
+                           torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, dtype=torch.float64,
+                                        device=t.device), torch.ones((), dtype=torch.float64, device=t.device)])
+        if topo.world > 1:
+            table = torch.empty(topo.world * 4, dtype=torch.float64, device=t.device)
+            dist.all_gather_into_tensor(table, loc)
+            table = table.view(topo.world, 4)
+        else:
+            table = loc.view(1, 4)
+        ranks = table.tolist()
+        return Execution("original", _mean_loss(ranks), float(_full(grad_norm)), ranks,
+                         clip_coef=self._coef(grad_norm))
+
+    def _coef(self, grad_norm) -> float:
+        """torchtitan's clip factor for this norm (``clip_grads_with_norm_``)."""
+        max_norm = float(self.trainer.config.training.max_norm)
+        g = float(_full(grad_norm))
+        return min(1.0, max_norm / (g + 1e-6)) if max_norm > 0 and math.isfinite(g) else 1.0
+
+    # ------------------------------------------------------------------ the proof
+    def prove(self, rec, *, acting: bool, event: dict[str, Any]) -> dict[str, Any]:
+        """Prove the flagged step ``rec`` (its first execution as ``Ledger.record`` saw
+        it); leave in the gradients the update to apply; return the proof record (the
+        ``proof`` of the step's spike event) with ``verdict`` and ``applied``."""
+        import torch.distributed as dist
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        t = self.trainer
+        ledger = t.ledger
+        topo = ledger.topo
+        start = time.perf_counter()
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if t.device.type == "cuda" else None
+        params = self._params()
+        first_grads = [p.grad for p in params]  # by reference: each execution gets fresh tensors
+        detector = ledger.guard.detector
+        loss_sum, local_tokens, grad_norm = ledger.last_execution
+        original = self._original(first_grads, loss_sum, local_tokens, grad_norm)
+        original.normal = normal_update(detector, original.loss, original.grad_norm)
+        rtol = float(self.config.prove_rtol)
+        groups = rec.batches
+        repeats = [self._run("same", rec, groups, first_grads)]
+        masked = control = None
+        suspect = ctrl = None
+        hits: list = []
+        tags_by_dp: dict[int, list] = {}
+        if differing_ranks(original, repeats[0], rtol):
+            repeats.append(self._run("same", rec, groups, first_grads))
+        else:
+            tags_by_dp = _gather_tags(rec.tags if topo.data_writer else None, topo)
+            summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
+            fired = [*event.get("rules", []), *event.get("notes", [])]
+            rank = next((event.get(k) for r, k in (("doc_high", "doc_high_rank"), ("doc_low", "doc_low_rank"))
+                         if r in fired and event.get(k) is not None), None)
+            suspect = name_suspect(event, ledger.last_dp_loss(),
+                                   summaries.get(int(rank)) if rank is not None else None,
+                                   tags_by_dp.get(int(rank)) if rank is not None else None,
+                                   float(ledger.config.spike.doc_outlier_floor))
+            if suspect is not None:
+                ctrl = control_of(suspect, topo.dp_size, tags_by_dp)
+            if suspect is not None and ctrl is not None and not original.normal:
+                mine = topo.dp_rank
+                c_groups = mask_labels(groups, rec.tags, ctrl, IGNORE_INDEX)[0] if ctrl.dp_rank == mine else groups
+                control = self._run("control", rec, c_groups, first_grads)
+                control.normal = normal_update(detector, control.loss, control.grad_norm)
+                if suspect.dp_rank == mine:
+                    m_groups, hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)
+                else:
+                    m_groups = groups
+                masked = self._run("masked", rec, m_groups, first_grads)
+                masked.normal = normal_update(detector, masked.loss, masked.grad_norm)
+        v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None)
+        if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
+            again = self._run("control", rec, c_groups, first_grads)
+            again.normal = normal_update(detector, again.loss, again.grad_norm)
+            repeats_after = [again]
+            suspect, ctrl = ctrl, suspect
+            hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)[1] if suspect.dp_rank == topo.dp_rank else []
+        else:
+            repeats_after = []
+        last = (repeats_after or [masked or control or repeats[-1]])[-1].variant
+        if v.applied in ("original", "none") or (v.applied == "same" and last != "same") or \
+                (v.applied == "masked" and last != "masked"):
+            for p, g in zip(params, first_grads):
+                p.grad = g
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        if v.verdict == "bad_data" and suspect is not None:
+            docs = suspect.docs
+            if docs is None:  # the whole batch of the suspect rank: its documents
+                docs = frozenset(document_tokens(tags_by_dp.get(suspect.dp_rank) or []))
+            if suspect.dp_rank == ledger.topo.dp_rank:
+                rec.masked.setdefault("proof", []).extend(hits)
+            ledger.quarantine_proven(sorted(docs), rec.step)
+            suspect = replace(suspect, docs=frozenset(docs))
+        self.proofs += 1
+        executions = [original, *repeats, *(e for e in (control, masked) if e is not None), *repeats_after]
+        out = {"verdict": v.verdict, "applied": v.applied, "why": v.why, "acting": acting,
+               "executions": [e.to_json() for e in executions],
+               "seconds": round(time.perf_counter() - start, 4)}
+        if v.verdict == "hardware" and not math.isfinite(original.grad_norm):
+            out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
+                           "gradients: the ranks it changed cannot be told apart")
+        if v.ranks:
+            out["ranks"] = v.ranks
+            out["dp_ranks"] = sorted({ledger.topo.dp_rank_of[r] for r in v.ranks})
+        if suspect is not None:
+            out["suspect"] = {"dp_rank": suspect.dp_rank, "evidence": suspect.evidence}
+            if suspect.docs is not None:
+                out["documents"] = [[s, int(d)] for s, d in sorted(suspect.docs)]
+        if ctrl is not None and control is not None:
+            out["control"] = {"dp_rank": ctrl.dp_rank, "evidence": ctrl.evidence,
+                              **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
+        if dist.is_initialized():
+            dist.barrier()  # every rank leaves the proof together (its collectives are done)
+        return out
+
+
+def _mean_loss(ranks: list[list[float]]) -> float:
+    """The global mean loss from every rank's (loss sum, tokens): loss owners add their
+    sums (CP pieces included), token owners their tokens (once per DP rank)."""
+    tokens = sum(r[2] for r in ranks)
+    return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+def _full(g) -> torch.Tensor:
+    return g.full_tensor() if hasattr(g, "full_tensor") else g
+
+
+def _gather_by_dp(value, topo) -> dict[int, Any]:
+    """One value per DP rank (from the rank that holds it; None elsewhere), to every rank."""
+    import torch.distributed as dist
+
+    every = [value]
+    if topo.world > 1:
+        every = [None] * topo.world
+        dist.all_gather_object(every, value)  # a flagged step only
+    out: dict[int, Any] = {}
+    for r, v in enumerate(every):
+        if v is not None:
+            out.setdefault(topo.dp_rank_of[r], v)
+    return out
+
+
+def _gather_tags(tags, topo) -> dict[int, list]:
+    return _gather_by_dp(list(tags) if tags is not None else None, topo)

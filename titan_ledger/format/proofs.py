@@ -1,0 +1,39 @@
+"""What a proof at the alarm says, in words: one owner for the verdicts and their line.
+
+Design decision: the proof record (the ``proof`` of a ``spikes.jsonl`` event) is
+written by :mod:`titan_ledger.components.proof` and read by the trainer's console and
+W&B alert and by ``diagnose``/``report``, which must not import torch; so its
+vocabulary and its one-line description live here, pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the verdicts, worst first
+VERDICTS = ("hardware", "bad_data", "not_data", "outlier")
+#: the verdicts that act on a note (``prove = "all"``)
+HARMFUL = ("hardware", "bad_data")
+
+
+def describe_proof(proof: dict[str, Any]) -> str:
+    """The proof in one line (console, W&B alert, ``diagnose``)."""
+    v, applied = proof["verdict"], proof["applied"]
+    docs = proof.get("documents") or []
+    named = ", ".join(f"{s}:{d}" for s, d in docs[:4]) + (" ..." if len(docs) > 4 else "")
+    suspect = proof.get("suspect") or {}
+    if v == "hardware":
+        what = (f"hardware (transient): DP rank(s) {', '.join(map(str, proof.get('dp_ranks', [])))} changed "
+                f"between executions; " + {"same": "the recomputed update applied",
+                                           "original": "the first update applied",
+                                           "none": "no update applied (no two executions agree)"}[applied])
+    elif v == "bad_data":
+        what = (f"bad data on DP rank {suspect.get('dp_rank')}" + (f", documents {named}" if named else "")
+                + "; trained without them, quarantined for the rest of the run")
+    elif v == "outlier":
+        what = (f"outlier data on DP rank {suspect.get('dp_rank')}" + (f" ({named})" if named else "")
+                + ", the update is normal with it; nothing done")
+    else:
+        what = "not the data (reproducible): " + proof.get("why", "")
+    n = len(proof.get("executions", [])) - 1
+    return f"proven in step ({n} extra execution{'s' if n != 1 else ''}, {proof.get('seconds', 0):.2f} s): {what}"
