@@ -43,7 +43,9 @@ half-width is the smallest cost the instrument resolves at that number of repeat
 ``git archive`` copy) instead of a working tree others may be editing; ``--variants``
 adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
 ``ledger_no_doc_loss`` and the prevention features ``ledger_zloss`` (``--loss.z_loss_weight
-1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
+1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``), the proof at
+the alarm ``ledger_prove_off`` / ``ledger_prove_all`` (``--ledger.on_spike.prove``; both:
+their ratio is printed) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
 """
@@ -81,6 +83,10 @@ VARIANTS = {
     "ledger_zloss": ["--module", "titan_ledger", "--config", "debug_cpu", "--loss.z_loss_weight", "1e-4"],
     "ledger_qk_norm": ["--module", "titan_ledger", "--config", "debug_cpu", "--model.qk_norm"],
     "ledger_qk_clip": ["--module", "titan_ledger", "--config", "debug_cpu", "--qk_clip.enable"],
+    # the proof at the alarm (issue 35): what proving every note costs on steps that are
+    # not proven (clean training: the flag's host read per step) against no proof at all
+    "ledger_prove_off": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "off"],
+    "ledger_prove_all": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "all"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],
@@ -478,6 +484,10 @@ def paired(args) -> dict:
         if v.startswith("ledger_no_"):
             out["variants"][v]["ledger_over_this"] = ratio_stats([r["ledger"]["cpu_s"] / r[v]["cpu_s"] for r in runs])
             print(f"ledger / {v}: {out['variants'][v]['ledger_over_this']}", file=sys.stderr, flush=True)
+    if {"ledger_prove_off", "ledger_prove_all"} <= set(variants):
+        out["prove_all_over_off"] = ratio_stats([r["ledger_prove_all"]["cpu_s"] / r["ledger_prove_off"]["cpu_s"]
+                                                 for r in runs])
+        print(f"ledger_prove_all / ledger_prove_off: {out['prove_all_over_off']}", file=sys.stderr, flush=True)
     if "stock_busy" in variants:
         out["variants"]["stock_busy"]["busy_ms"] = busy_ms
         out["variants"]["stock_busy"]["expected_cpu_ratio"] = (

@@ -57,6 +57,9 @@ class Parallelism:
     z_loss: float = 0.0  # [loss] z_loss_weight
 
 
+#: the step every parallelism's straight run proves (``--ledger.rehearsal.prove_at``)
+PROVEN_STEP = 2
+
 # One straight run per parallelism; one kill -9 resume for FSDP2, TP and PP. Across
 # the resumes: text and indexed, 0 and 2 workers, DP 2 and 1. FSDP2xTP runs with
 # QK-norm (its norms are TP-replicated weights on head-sharded activations); TP and PP
@@ -140,6 +143,8 @@ class Runs:
         return [str(a) for a in [
             "--job.config_file", CONFIGS / p.toml, "--training.steps", STEPS, *CKPT,
             "--checkpoint.initial_load_path", self.seed(p.qk_norm), "--ledger.per_layer",
+            # step 2 re-executed by a proof at the alarm (a clean step: the original applied)
+            "--ledger.rehearsal.prove_at", PROVEN_STEP,
             *(["--model.qk_norm"] if p.qk_norm else []),
             *(["--loss.z_loss_weight", p.z_loss] if p.z_loss else []),
             "--metrics.enable_tensorboard", *(VALIDATE if case == "FSDP2" else []),

@@ -1,10 +1,11 @@
-"""Proof at the alarm, end to end (issue 35): four launches of the debug model, DP 2.
+"""Proof at the alarm, end to end (issue 35): three launches of the debug model, DP 2.
 
-Three 12-step runs started together -- a repeated batch on DP rank 1 at step 10 with
-``action = rollback`` (the proof convicts the data, so nothing rolls back: the step
-trains on the rest and the documents are quarantined), a flipped gradient bit on DP
-rank 0 at step 10 (``hardware``: the recomputed update is applied) and a clean run with
-``prove = "all"`` -- then the repeated-batch run resumed from its step-8 checkpoint,
+Two 12-step runs started together -- one with two rehearsal faults and ``action =
+rollback``: a flipped gradient bit on DP rank 0 at step 6 (``hardware``: the
+recomputed update is applied, and the run goes on exactly as the clean run) and a
+repeated batch on DP rank 1 at step 10 (``bad_data``: nothing rolls back, the step
+trains on the rest of the batch and the documents are quarantined); and a clean run
+with ``prove = "all"`` -- then the faulty run resumed from its step-8 checkpoint,
 which must train steps 9-12 exactly as it did (the proof at step 10 again, its
 quarantine after it).
 """
@@ -24,11 +25,12 @@ pytestmark = pytest.mark.slow
 
 BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
         "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8"]
+FLIP, REPEAT = 6, 10
 RUNS = {
-    "repeat": ["--ledger.rehearsal.inject", "10:1:repeat", "--ledger.on_spike.action", "rollback",
-               "--checkpoint.enable", "--checkpoint.interval", "4"],
-    "bitflip": ["--ledger.rehearsal.inject", "10:0:bitflip"],
-    "clean": ["--ledger.on_spike.prove", "all"],
+    "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
+               "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4"],
+    # every note proven, and every step from 2 on forced through a proof: none may leave a trace
+    "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
 }
 
 
@@ -40,7 +42,7 @@ def runs(tmp_path_factory):
         d = root / name
         return name, d, torchrun([*BASE, *RUNS[name], "--job.dump_folder", str(d)])
 
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(one, RUNS))
     for name, _, p in done:
         assert p.returncode == 0, (name, explain(p))
@@ -54,8 +56,8 @@ def proof_at(dump, step):
 
 
 def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_rolled_back(runs):
-    d, out = runs["repeat"]
-    ev, proof = proof_at(d, 10)
+    d, out = runs["faults"]
+    ev, proof = proof_at(d, REPEAT)
     assert proof["verdict"] == "bad_data" and proof["suspect"]["dp_rank"] == 1, proof
     assert ev["action"] == "proof: bad_data" and "rolling back" not in out
     assert "proven in step" in out and "bad data on DP rank 1" in out
@@ -67,61 +69,71 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     assert applied["normal"] is True and applied["grad_norm"] < ev["grad_norm_median"] * 3
     assert applied["per_rank"][1]["tokens"] == 0  # DP rank 1's whole batch masked
     # the documents: DP rank 1's rows at step 10, quarantined from step 11 on
-    rows10 = data_rows(d, 1)[10]
+    rows10 = data_rows(d, 1)[REPEAT]
     docs = sorted({(r[1], seg[0]) for r in rows10["rows"] for seg in r[2]})
     assert [tuple(x) for x in proof["documents"]] == docs
     assert rows10["masked"]["proof"] == [[i, j] for i, r in enumerate(rows10["rows"]) for j in range(len(r[2]))]
     proven = [json.loads(x) for x in (d / "ledger" / "proven_documents.jsonl").read_text().splitlines()]
-    assert [(p["source"], p["doc"], p["step"]) for p in proven] == [(s, doc, 10) for s, doc in docs]
-    later = [(step, row) for r in (0, 1) for step, row in data_rows(d, r).items() if step > 10]
+    assert [(p["source"], p["doc"], p["step"]) for p in proven] == [(s, doc, REPEAT) for s, doc in docs]
+    later = [(step, row) for r in (0, 1) for step, row in data_rows(d, r).items() if step > REPEAT]
     hit = [(step, row["masked"]["quarantine"]) for step, row in later
            if any((t[1], seg[0]) in docs for t in row["rows"] for seg in t[2])]
     assert hit and all(m for _, m in hit)  # wherever a convicted document came back, it was masked
     assert rejected_steps(d) == []  # resolved: not on the auto-skip list
-    assert signals_rows(d)[11]["grad_norm"] < 3 * ev["grad_norm_median"]
+    assert signals_rows(d)[REPEAT + 1]["grad_norm"] < 3 * ev["grad_norm_median"]
 
 
 def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
-    d, out = runs["bitflip"]
+    d, out = runs["faults"]
     clean, _ = runs["clean"]
-    _, proof = proof_at(d, 10)
+    ev, proof = proof_at(d, FLIP)
     ex = proof["executions"]
-    # the faulty rank, where the first execution's clip left its gradients readable (this
-    # flip overflows the norm: the clip zeroes every rank's gradients, and says so)
+    # the faulty rank, where the first execution's clip left its gradients readable (a
+    # flip that overflows the norm: the clip zeroes every rank's gradients, and it says so)
     named = [0] if ex[0]["grad_norm"] is not None else [0, 1]
     assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", named), proof
     assert ex[0]["grad_norm"] is not None or "cannot be told apart" in proof["why"]
     assert [e["variant"] for e in ex] == ["original", "same", "same"]
     assert ex[1]["bit_equal"] is False and ex[1]["grad_norm"] == ex[2]["grad_norm"]
+    assert ev["action"] == "proof: hardware" and f"rolling back from step {FLIP}" not in out
     a, b = signals_rows(d), signals_rows(clean)
-    # the fault-free run, bit for bit: every step but the faulty execution's own record
-    for step in range(1, 13):
+    # the fault-free run, bit for bit, up to the repeated batch: every step but the
+    # faulty execution's own record
+    for step in range(1, REPEAT):
         assert a[step]["loss"] == b[step]["loss"], step
-        if step != 10:
+        if step != FLIP:
             assert a[step]["grad_norm"] == b[step]["grad_norm"], step
-    assert ex[1]["grad_norm"] == b[10]["grad_norm"]  # the recomputed update is the clean one
+    assert ex[1]["grad_norm"] == b[FLIP]["grad_norm"]  # the recomputed update is the clean one
     assert f"hardware (transient): DP rank(s) {', '.join(map(str, named))} changed" in out
+    assert FLIP not in rejected_steps(d)
 
 
-def test_clean_training_with_every_note_proven_acts_on_nothing(runs):
+def test_clean_training_proven_at_every_step_acts_on_nothing_and_leaves_no_trace(runs):
     d, _ = runs["clean"]
+    faults, _ = runs["faults"]
     events = [json.loads(x) for x in (d / "ledger" / "spikes.jsonl").read_text().splitlines()[1:]]
     assert not [e for e in events if e.get("rules")]  # no acting flag
-    proofs = [e["proof"] for e in events if "proof" in e]
-    assert all(p["verdict"] not in HARMFUL for p in proofs), proofs
+    proofs = {e["step"]: e["proof"] for e in events if "proof" in e}
+    assert sorted(proofs) == list(range(2, 13))  # forced or noted: every step from 2 on
+    assert all(p["verdict"] not in HARMFUL and p["applied"] == "original" for p in proofs.values()), proofs
+    assert all(p["executions"][1]["bit_equal"] for p in proofs.values())  # re-execution is exact
     assert not (d / "ledger" / "proven_documents.jsonl").exists()
+    # the faulty run proved nothing before its bitflip: the proofs changed nothing
+    a, b = signals_rows(d), signals_rows(faults)
+    assert [(a[s]["loss"], a[s]["grad_norm"]) for s in range(1, FLIP)] == \
+        [(b[s]["loss"], b[s]["grad_norm"]) for s in range(1, FLIP)]
 
 
 def test_a_resume_before_the_proof_trains_the_same_steps_bit_for_bit(runs, tmp_path):
-    d, _ = runs["repeat"]
+    d, _ = runs["faults"]
     dump = tmp_path / "resumed"
     shutil.copytree(d / "checkpoint" / "step-8", dump / "checkpoint" / "step-8")
     shutil.copytree(d / "ledger", dump / "ledger")
-    p = torchrun([*BASE, *RUNS["repeat"], "--job.dump_folder", str(dump)])
+    p = torchrun([*BASE, *RUNS["faults"], "--job.dump_folder", str(dump)])
     assert p.returncode == 0, explain(p)
     a, b = signals_rows(d), signals_rows(dump)
-    for step in range(9, 13):
+    for step in range(9, 13):  # the proof at the repeated batch included
         assert (a[step]["loss"], a[step]["grad_norm"]) == (b[step]["loss"], b[step]["grad_norm"]), step
     assert data_rows(dump, 1)[11] == data_rows(d, 1)[11]  # the quarantine after the proof, again
-    _, proof = proof_at(dump, 10)
+    _, proof = proof_at(dump, REPEAT)
     assert proof["verdict"] == "bad_data"

@@ -31,13 +31,15 @@ pytestmark = pytest.mark.slow
 # A short run whose injected step is flagged: debug model, 2 ranks FSDP, window 8, rows
 # of 2 x 128 tokens per rank (SMALL: a quarter of the TOML's 4 x 256, whose steps are
 # most of a warm launch's time; the injected batch is as visible)
-SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
+# (no proof at the alarm: these rehearse what a flag does without one -- the guard, the
+# rollback, the post-hoc tools; a proof is test_proof_e2e.py's)
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
 SHORT = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
          "--ledger.spike.window", "8", *SMALL]
 # Long enough that the model has learned something (the diagnosis needs it): 26 steps of
 # 4 x 128 tokens (at 2 x 128 the repeated batch no longer has the highest loss).
 LONG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "26",
-        "--ledger.spike.window", "16", "--training.seq_len", "128"]
+        "--ledger.spike.window", "16", "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
 
 
 def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):

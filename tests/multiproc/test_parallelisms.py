@@ -4,10 +4,11 @@ Reads the session's straight run of each parallelism (``runs.straight``, conftes
 which ``test_signals_exact.py`` and the resume tests read too.
 """
 
+import json
 import math
 
 import pytest
-from conftest import PARALLELISMS, STEPS
+from conftest import PARALLELISMS, PROVEN_STEP, STEPS
 from helpers import TB_GRAD_NORM, read_tb, signals_rows
 
 pytestmark = pytest.mark.slow
@@ -28,3 +29,20 @@ def test_trains_from_toml(runs, case):
     if case == "FSDP2":
         val = read_tb(dump, "validation_metrics/loss")
         assert 2 in val and all(abs(v - math.log(2048)) < 1.0 for v in val.values()), val
+
+
+@pytest.mark.parametrize("case", list(PARALLELISMS))
+def test_a_proof_re_executes_the_step_bit_for_bit(runs, case):
+    """The straight run's forced proof at step 2 (``--ledger.rehearsal.prove_at``): the
+    step re-executed under this parallelism equals its first execution on every rank,
+    so the proof applies the first update (and the resume tests' bit-equal rows after it
+    show it left no trace)."""
+    dump = runs.straight(case)
+    events = [json.loads(x) for x in (dump / "ledger" / "spikes.jsonl").read_text().splitlines()[1:]]
+    (proof,) = [e["proof"] for e in events if e.get("step") == PROVEN_STEP and "proof" in e]
+    original, same = proof["executions"][:2]
+    assert same["variant"] == "same" and same["bit_equal"] is True, proof
+    assert (same["loss"], same["grad_norm"]) == (original["loss"], original["grad_norm"])
+    assert len(same["per_rank"]) == PARALLELISMS[case].nproc
+    assert proof["verdict"] in ("not_data", "outlier") and proof["applied"] == "original"
+    assert signals_rows(dump)[PROVEN_STEP]["grad_norm"] == original["grad_norm"]

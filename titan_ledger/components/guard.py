@@ -81,6 +81,9 @@ class SpikeGuard:
         promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
         if stats and is_note(stats) and not promoted:
             self._note(row, stats, metrics_logger, proof)
+        elif proof is not None and not (stats and stats[0]) and not promoted and self._spikes is not None:
+            # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at): its own event
+            self._spikes.write({"step": row["step"], "proof": proof, "forced": True})
         if not stats or not (stats[0] or promoted):
             return
         from torchtitan.tools.logging import logger

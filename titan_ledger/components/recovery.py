@@ -21,6 +21,7 @@ import time
 from titan_ledger.components.optimizer import scale_lr
 from titan_ledger.components.proof import Prover
 from titan_ledger.components.step_record import StepRecord
+from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, python_command
 from titan_ledger.format import records
 from titan_ledger.format.proofs import describe_proof
@@ -32,6 +33,7 @@ class Recovery:
     def __init__(self, trainer) -> None:
         self.trainer = trainer
         self.prover = Prover(trainer)
+        self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
         self.pending_rollback: int | None = None  # the spiked step a rollback starts from
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
 
@@ -63,7 +65,11 @@ class Recovery:
         if ledger.guard is None or not (self.prover.mode != "off" or ledger.ladder.acts):
             return True
         acting, note = ledger.flags_now()
-        if self.prover.wanted(acting, note):
+        if self._prove_at is None:
+            self._prove_at = parse_skip_steps(self.trainer.config.ledger.rehearsal.prove_at,
+                                              "--ledger.rehearsal.prove_at")
+        forced = window_at(self._prove_at, rec.step) is not None  # --ledger.rehearsal.prove_at
+        if self.prover.wanted(acting, note) or (forced and self.prover.mode != "off"):
             proof = rec.proof = self.prover.prove(rec, acting=acting, event=ledger.step_event())
             self._say(rec, proof)
             if proof["verdict"] != "not_data":

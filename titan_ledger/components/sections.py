@@ -161,6 +161,13 @@ class RehearsalConfig:
     learning rate (scaled) and Adam epsilon from the first step on, e.g.
     ``stop=9,lr_scale=0.5``."""
 
+    prove_at: str = ""
+    """Rehearsal only: prove these steps (``"2,5-7"``) at the alarm as if a note had
+    fired (``components.proof``), whatever the rules say: every parallelism's
+    re-execution checked against its first, on clean steps. The proof is recorded as an
+    event of its own in spikes.jsonl (``"forced": true``)."""
+
     def __post_init__(self) -> None:
         parse_inject(self.inject)
+        parse_skip_steps(self.prove_at, "--ledger.rehearsal.prove_at")
         parse_overrides(self.rerun)  # raises ConfigError naming the entry

@@ -195,9 +195,11 @@ def pack_rows(documents, seq_len: int, offset: int, build, after) -> Iterator[tu
 from titan_ledger.errors import SkipError  # noqa: E402  (one error hierarchy)
 
 
-def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[int, int]]:
+def parse_skip_steps(entries: list[str] | tuple[str, ...] | str,
+                     flag: str = "--ledger.skip.steps") -> list[tuple[int, int]]:
     """``["137000-137300", "140001"]`` (or the comma-separated CLI form) -> sorted,
-    merged, inclusive ``(first, last)`` windows of absolute 1-indexed steps."""
+    merged, inclusive ``(first, last)`` windows of absolute 1-indexed steps (``flag``:
+    the flag an error names)."""
     if isinstance(entries, str):
         entries = [entries]
     windows: list[tuple[int, int]] = []
@@ -212,11 +214,11 @@ def parse_skip_steps(entries: list[str] | tuple[str, ...] | str) -> list[tuple[i
                 b = int(hi) if sep else a
             except ValueError:
                 raise SkipError(
-                    f"--ledger.skip.steps: {part!r} is not a step or an inclusive range; "
+                    f"{flag}: {part!r} is not a step or an inclusive range; "
                     f'write e.g. "137000-137300" or "140001"') from None
             if a < 1 or b < a:
                 raise SkipError(
-                    f"--ledger.skip.steps: {part!r} must be absolute 1-indexed steps with "
+                    f"{flag}: {part!r} must be absolute 1-indexed steps with "
                     f"first <= last")
             windows.append((a, b))
     windows.sort()
