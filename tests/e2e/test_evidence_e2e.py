@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import KILL_AT, PARALLELISMS
+from conftest import PARALLELISMS
 from helpers import (
     CONFIGS,
     cli,
@@ -34,12 +34,11 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     source, doc = row[1], row[2][0][0]
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"source": source, "doc": doc}) + "\n")
-    dump = tmp_path / "run"
+    # the straight run's step-3 checkpoint and ledger, relaunched with the quarantine added
+    # (a resume after a kill is test_resume.py's: the same load)
+    dump = runs.copy_checkpoint(straight, 3, "quarantine-resume", with_ledger=True)
     args = ["--checkpoint.enable", *runs.args("FSDP2")]
     nproc = PARALLELISMS["FSDP2"].nproc
-    # kill -9 when step 5 starts; relaunch with the quarantine added: it resumes from step 3
-    first = run_training(nproc, dump, args, tmp_path / "log", kill_at=KILL_AT)
-    assert first["killed"], first
     again = run_training(nproc, dump, args + ["--ledger.filter.quarantine", str(q)], tmp_path / "log")
     assert again["returncode"] == 0, (tmp_path / "log").read_text()[-6000:]
     # the same samples as the straight run, step by step and rank by rank

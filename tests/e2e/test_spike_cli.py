@@ -111,39 +111,40 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
 
 
 def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_path):
-    flags = LONG + ["--ledger.rehearsal.inject", "24:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "8",
-                    "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1", "--ledger.on_spike.rollback_skip", "2"]
+    flags = SHORT + ["--ledger.rehearsal.inject", "10:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "4",
+                     "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
+                     "--ledger.on_spike.rollback_skip", "2"]
     live = tmp_path / "live"
     p = torchrun(flags + ["--job.dump_folder", str(live)])
     assert p.returncode == 0, explain(p)
-    assert "rolling back from step 24 to checkpoint step-16; skipping steps 17-24" in p.stdout + p.stderr
+    assert "rolling back from step 10 to checkpoint step-8; skipping steps 9-10" in p.stdout + p.stderr
     led = signals_ledger(live)
-    assert [r["step"] for r in led.superseded] == list(range(17, 25))
+    assert [r["step"] for r in led.superseded] == [9, 10]
     cur = led.by_step()
-    assert cur[17]["skipped"] and cur[17]["last_step"] == 24 and 25 in cur
+    assert cur[9]["skipped"] and cur[9]["last_step"] == 10 and 11 in cur
     # the planner proposes the same fix, as flags and as an overlay (its subprocess smoke test)
     overlay = tmp_path / "rollback.toml"
-    r = py("-m", "titan_ledger.rollback", "--dump-folder", live, "--spike-step", "24",
-           "--back", "1", "--skip", "8", "--write", overlay, "--json")
+    r = py("-m", "titan_ledger.rollback", "--dump-folder", live, "--spike-step", "10",
+           "--back", "1", "--skip", "2", "--write", overlay, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = json.loads(r.stdout)
-    assert plan["load_step"] == 16 and plan["skip_window"] == [17, 24]
+    assert plan["load_step"] == 8 and plan["skip_window"] == [9, 10]
     # relaunch from that checkpoint in another folder with the overlay
     again = tmp_path / "again" / "checkpoint"
     again.mkdir(parents=True)
-    shutil.copytree(live / "checkpoint" / "step-16", again / "step-16")
+    shutil.copytree(live / "checkpoint" / "step-8", again / "step-8")
     p = torchrun(flags + ["--job.dump_folder", str(again.parent), "--job.overlay", str(overlay)])
     assert p.returncode == 0, explain(p)
     rel = signals_rows(again.parent)
-    for k in (25, 26):
+    for k in (11, 12):
         assert (cur[k]["loss"], cur[k]["grad_norm"], cur[k]["lr"]) == \
             (rel[k]["loss"], rel[k]["grad_norm"], rel[k]["lr"]), k
-    # the data ledgers agree too (same samples consumed and skipped from step 17 on;
+    # the data ledgers agree too (same samples consumed and skipped from step 9 on;
     # the relaunch's folder holds no rows before its checkpoint)
     a, b = data_ids(live), data_ids(again.parent)
-    assert sorted(b) == list(range(17, 27))
+    assert sorted(b) == list(range(9, 13))
     assert {k: a[k] for k in b} == b
-    assert b[20][0][0] == "skipped" and b[25][0][0] != "skipped"
+    assert b[9][0][0] == "skipped" and b[11][0][0] != "skipped"
 
 
 def test_drill(tmp_path):
