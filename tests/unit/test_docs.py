@@ -368,10 +368,10 @@ def test_readme_is_the_door():
     assert len(text.splitlines()) <= 300
     ci = (ROOT / ".ci" / "run").read_text()
     readme_cmds = {c.text for c in COMMANDS if c.file == "README.md"}
-    for line in ("python3 -m venv .venv && .venv/bin/pip install --no-compile -e '.[dev]' && .venv/bin/python -m pytest",
+    for line in ("python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/python -m pytest",
                  ".venv/bin/ruff check . && .venv/bin/lint-imports"):
         assert line in readme_cmds, f"README lost the CI command: {line}"
-    for part in ("python3 -m venv .venv && .venv/bin/pip install --no-compile -e '.[dev]'",
+    for part in ("python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'",
                  ".venv/bin/ruff check . && .venv/bin/lint-imports", ".venv/bin/python -m pytest"):
         assert part in ci, f".ci/run no longer runs what the README says: {part}"
     for page in ("toml", "ledgers", "tools", "spike-response", "data", "benchmarks", "architecture", "development"):

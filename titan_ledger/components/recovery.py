@@ -72,10 +72,8 @@ class Recovery:
         if self.prover.wanted(acting, note) or (forced and self.prover.mode != "off"):
             proof = rec.proof = self.prover.prove(rec, acting=acting, event=ledger.step_event())
             self._say(rec, proof)
-            if proof["verdict"] != "not_data":
+            if proof["verdict"] != "not_data":  # resolved by the proof (its event says so), not by the ladder
                 rec.update_skipped = proof["applied"] == "none"
-                ledger.record_action({"step": rec.step, "action": f"proof: {proof['verdict']}",
-                                      "applied": proof["applied"]})
                 return proof["applied"] != "none"
         if not (ledger.ladder.acts and acting):
             return True
