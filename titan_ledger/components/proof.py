@@ -307,8 +307,6 @@ class Prover:
     def _run(self, variant: str, rec, groups, first_grads) -> Execution:
         """One execution of the step on ``groups``: fresh gradients, the trainer's own
         ``execute``, the per-step accumulators it refilled drained; gathered per rank."""
-        import torch.distributed as dist
-
         t = self.trainer
         t0 = time.perf_counter()
         params = self._params()
@@ -320,7 +318,6 @@ class Prover:
         finally:
             t.step_record = None
         t.ledger.discard_step_state()
-        topo = t.ledger.topo
         grad_sq = torch.zeros((), dtype=torch.float64, device=t.device)
         equal = True
         for p, g0 in zip(params, first_grads):
@@ -331,41 +328,36 @@ class Prover:
                 equal = equal and (g0 is None) == (g is None)
             else:
                 equal = equal and bool(torch.equal(_local(g0), g))
-        own = (loss.double() * global_tokens).sum() if (loss is not None and topo.owns_loss) else \
-            torch.zeros((), dtype=torch.float64, device=t.device)
-        loc = torch.stack([own, grad_sq, torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0,
-                                                      dtype=torch.float64, device=t.device),
-                           torch.tensor(1.0 if equal else 0.0, dtype=torch.float64, device=t.device)])
-        if topo.world > 1:
-            table = torch.empty(topo.world * 4, dtype=torch.float64, device=t.device)
-            dist.all_gather_into_tensor(table, loc)
-            table = table.view(topo.world, 4)
-        else:
-            table = loc.view(1, 4)
-        ranks = table.tolist()
-        return Execution(variant, _mean_loss(ranks), float(_full(grad_norm)), ranks,
-                         seconds=time.perf_counter() - t0, clip_coef=self._coef(grad_norm))
+        loss_sum = (loss.double() * global_tokens).sum() if loss is not None else None
+        return self._gathered(variant, loss_sum, grad_sq, local_tokens, equal, grad_norm,
+                              seconds=time.perf_counter() - t0)
 
     def _original(self, first_grads, loss_sum, local_tokens, grad_norm) -> Execution:
+        grad_sq = sum((_local(g).double().square().sum() for g in first_grads if g is not None),
+                      torch.zeros((), dtype=torch.float64, device=self.trainer.device))
+        return self._gathered("original", loss_sum, grad_sq, local_tokens, True, grad_norm)
+
+    def _gathered(self, variant: str, loss_sum, grad_sq, local_tokens: int, equal: bool, grad_norm,
+                  seconds: float = 0.0) -> Execution:
+        """One execution's per-rank ``[loss sum, grad sum of squares, tokens, equal]``, to every
+        rank (one all-gather: a proven step only)."""
         import torch.distributed as dist
 
         t = self.trainer
         topo = t.ledger.topo
-        grad_sq = sum((_local(g).double().square().sum() for g in first_grads if g is not None),
-                      torch.zeros((), dtype=torch.float64, device=t.device))
-        own = loss_sum.detach() if (loss_sum is not None and topo.owns_loss) else \
-            torch.zeros((), dtype=torch.float64, device=t.device)
-        loc = torch.stack([own.double().reshape(()), grad_sq,
-                           torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, dtype=torch.float64,
-                                        device=t.device), torch.ones((), dtype=torch.float64, device=t.device)])
+        f64 = {"dtype": torch.float64, "device": t.device}
+        own = loss_sum.detach().double().reshape(()) if (loss_sum is not None and topo.owns_loss) else \
+            torch.zeros((), **f64)
+        loc = torch.stack([own, grad_sq, torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64),
+                           torch.tensor(1.0 if equal else 0.0, **f64)])
         if topo.world > 1:
-            table = torch.empty(topo.world * 4, dtype=torch.float64, device=t.device)
+            table = torch.empty(topo.world * 4, **f64)
             dist.all_gather_into_tensor(table, loc)
             table = table.view(topo.world, 4)
         else:
             table = loc.view(1, 4)
         ranks = table.tolist()
-        return Execution("original", _mean_loss(ranks), float(_full(grad_norm)), ranks,
+        return Execution(variant, _mean_loss(ranks), float(_full(grad_norm)), ranks, seconds=seconds,
                          clip_coef=self._coef(grad_norm))
 
     def _coef(self, grad_norm) -> float:
