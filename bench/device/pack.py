@@ -58,7 +58,8 @@ PLANS = {
 
 
 class Guard:
-    """The wall clock of the whole command (run.sh exports PACK_T0 at its start)."""
+    """The checks' wall clock: run.sh exports PACK_T0 when its setup (the venv) is done,
+    so the budget is the checks' own; the setup's seconds come apart (PACK_SETUP_S)."""
 
     def __init__(self, budget_s: float):
         self.t0 = float(os.environ.get("PACK_T0") or time.time())
@@ -200,11 +201,40 @@ def sync_summary(stock: list[dict], ledger: list[dict], cuda: bool) -> dict:
     return out
 
 
+def setup_s() -> float | None:
+    """The seconds run.sh spent before the checks (venv check or creation), or None when
+    pack.py was started without run.sh."""
+    try:
+        return float(os.environ["PACK_SETUP_S"])
+    except (KeyError, ValueError):
+        return None
+
+
+def summary_line(result: dict) -> str:
+    """One line that says what the run proved: how many checks passed, failed or did not
+    run, and why nothing ran when nothing did (a fresh machine's setup is the usual cause)."""
+    checks = result["checks"]
+    ran = {k: v for k, v in checks.items() if v is not None}
+    setup = result.get("setup_s")
+    times = f"setup {setup:.0f} s, checks {result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget" \
+        if setup is not None else f"checks {result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget"
+    if not ran:
+        return (f"CHECKED NOTHING: the budget ran out before the first check ({times}); "
+                f"give the checks more time with --budget S")
+    verdict = "ok" if result["ok"] else "NOT OK"
+    parts = [f"{sum(ran.values())} of {len(checks)} checks passed"]
+    if result["failed"]:
+        parts.append(f"failed: {', '.join(result['failed'])}")
+    if result["not_run"]:
+        parts.append(f"not run (budget): {', '.join(result['not_run'])}")
+    return f"{verdict}: {'; '.join(parts)} ({times})"
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the CPU mode (same as TITAN_LEDGER_DEVICE=cpu)")
-    ap.add_argument("--budget", type=float, help="seconds for the whole command (default: 450 CUDA, 85 CPU)")
+    ap.add_argument("--budget", type=float, help="seconds for the checks, counted after run.sh's setup (default: 450 CUDA, 85 CPU)")
     ap.add_argument("--repeats", type=int, help="stock/ledger pairs per compile setting (default 2 CUDA, 1 CPU)")
     ap.add_argument("--workdir", help="logs and results (default $OUT/gpu_pack or outputs/gpu_pack)")
     args = ap.parse_args(argv)
@@ -312,10 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     result["guard_hit"] = bool(not_run)
     result["ok"] = not result["failed"] and not result["not_run"]
     result["elapsed_s"] = round(guard.elapsed(), 1)
+    result["setup_s"] = setup_s()
     result["time_log"] = guard.log
+    result["summary"] = summary_line(result)
     text = json.dumps(result, indent=1, default=str)
     (work / "pack.json").write_text(text)
     print(text, flush=True)
+    print(f"gpu-pack: {result['summary']}", file=sys.stderr, flush=True)
     return 0 if result["ok"] else 1
 
 

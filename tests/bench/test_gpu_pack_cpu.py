@@ -77,8 +77,11 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     pdl = r["per_doc_loss"]  # the step-1 per-document losses against the reference
     assert pdl["ok"] and pdl["entries"] > 0 and pdl["max_rel_err"] <= pdl["tol"], pdl
     assert r["checks"]["per_doc_loss_vs_reference"] is True
-    # where the time went
+    # where the time went: run.sh's setup apart from the checks, and one summary line
     assert {e["what"] for e in r["time_log"]} >= {"flex_max_logit", "eager_stock_1", "eager_ledger_1"}
+    assert _finite(r["setup_s"]) and r["setup_s"] >= 0 and "[gpu-pack" in proc.stderr
+    assert f"gpu-pack: {r['summary']}" in proc.stderr.splitlines() and r["summary"].startswith(
+        f"ok: {len(r['checks'])} of {len(r['checks'])} checks passed (setup "), r["summary"]
 
 
 def test_llama3_1b_bench_dry_run(tmp_path):

@@ -371,8 +371,11 @@ def test_readme_is_the_door():
     for line in ("python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/python -m pytest",
                  ".venv/bin/ruff check . && .venv/bin/lint-imports"):
         assert line in readme_cmds, f"README lost the CI command: {line}"
-    for part in ("python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'",
+    for part in ("python3 -m venv .venv && .ci/install",
                  ".venv/bin/ruff check . && .venv/bin/lint-imports", ".venv/bin/python -m pytest"):
         assert part in ci, f".ci/run no longer runs what the README says: {part}"
+    # .ci/install is the README's `pip install -e '.[dev]'` through uv, with pip as the fallback
+    install = (ROOT / ".ci" / "install").read_text()
+    assert "uv pip install \"${flags[@]}\" -e '.[dev]'" in install and "pip install -e '.[dev]'" in install
     for page in ("toml", "ledgers", "tools", "spike-response", "data", "benchmarks", "architecture", "development"):
         assert f"](docs/{page}.md" in text, f"README does not link docs/{page}.md"
