@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
-from helpers import CONFIGS, cli, explain, py, torchrun, unsharded_model  # noqa: E402
+from helpers import CONFIGS, child_env, cli, explain, py, torchrun, unsharded_model  # noqa: E402
 
 # --------------------------------------------------------------------------- the shared runs
 
@@ -53,6 +53,7 @@ class Parallelism:
     source: str  # text | indexed
     workers: int  # dataloader workers
     resume: bool  # has a kill -9 + resume run
+    lost_rank: bool = False  # ... in which rank 1 dies alone (SIGKILL) under the launcher, not the whole job
     qk_norm: bool = False  # [model] qk_norm (its own seed checkpoint: two more weights a layer)
     z_loss: float = 0.0  # [loss] z_loss_weight
 
@@ -67,7 +68,7 @@ PROVEN_STEP = 2
 PARALLELISMS = {
     "FSDP2": Parallelism("debug_cpu.toml", 2, 2, "text", 2, True),
     "TP": Parallelism("debug_cpu_tp.toml", 2, 1, "indexed", 0, True, z_loss=0.01),
-    "PP": Parallelism("debug_cpu_pp.toml", 2, 1, "text", 2, True, z_loss=0.01),
+    "PP": Parallelism("debug_cpu_pp.toml", 2, 1, "text", 2, True, z_loss=0.01, lost_rank=True),
     "FSDP2xTP": Parallelism("debug_cpu_fsdp_tp.toml", 4, 2, "text", 0, False, qk_norm=True),
 }
 
@@ -167,6 +168,8 @@ class Runs:
 
         def make():
             dump = self.factory.mktemp(f"resumed-{case}") / "run"
+            if PARALLELISMS[case].lost_rank:
+                return dump, self._lost_rank(case, dump)
             rc, out, err = cli(replay.main, ["resume", "--nproc", PARALLELISMS[case].nproc, "--kill-at",
                                              KILL_AT, "--dump-folder", dump, "--json", "--",
                                              *self.args(case)])
@@ -174,6 +177,34 @@ class Runs:
             assert rc == 0, out + err + (log.read_text()[-6000:] if log.exists() else "")
             return dump, json.loads(out)
         return self._once(f"resumed-{case}", make)
+
+    def _lost_rank(self, case: str, dump: Path) -> dict:
+        """``titan_ledger.launch`` (its ``main`` here; torchrun warm) with rank 1 killed by
+        SIGKILL when step KILL_AT starts (``--ledger.rehearsal.die``), then the resume
+        command the launcher printed, as printed. The report: the launcher's lines, how
+        long the job outlived the death, what the dump folder held in between."""
+        import time
+        from unittest import mock
+
+        from titan_ledger.format.reader import checkpoints
+        from titan_ledger.tools import launch
+
+        argv = ["--nproc", str(PARALLELISMS[case].nproc), "--", *self.args(case), "--job.dump_folder", str(dump),
+                "--ledger.rehearsal.die", f"{KILL_AT}:1:SIGKILL"]
+        with mock.patch.dict(os.environ, child_env()):
+            rc, out, err = cli(launch.main, argv)
+            ended = time.time()
+            died = re.search(r"^rehearsal: rank 1 dies at step (\d+) \(SIGKILL\) at t=([\d.]+)$", err, re.M)
+            assert rc == 1 and died, f"rc={rc}\n{err[-6000:]}"
+            lines = [x for x in err.splitlines() if x.startswith("titan_ledger.launch: ")]
+            before = checkpoints(dump)
+            resume = shlex.split(lines[-1].split("): ", 1)[1])
+            assert resume[1:3] == ["-m", "titan_ledger.launch"], lines
+            rc2, out2, err2 = cli(launch.main, resume[3:])
+        assert rc2 == 0 and "Traceback" not in err2, err2[-6000:]  # (its INFO lines went to the fd 1 of this process)
+        return {"killed_at_step": int(died.group(1)), "ended_s": ended - float(died.group(2)), "lines": lines,
+                "last_lines": err.splitlines()[-3:], "checkpoints_before_kill": before, "resume": resume,
+                "resumed_from_checkpoint": int(re.search(r"loads checkpoint step-(\d+)", lines[-1]).group(1))}
 
     # ---- other shared runs
     def indexed_toml(self) -> Path:

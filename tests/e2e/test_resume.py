@@ -3,12 +3,15 @@
 ``runs.resumed(case)`` (conftest.py) is ``titan_ledger.replay resume``: train with the
 straight run's arguments, SIGKILL torchrun and every rank (workers and prefetched
 batches included) when step 5 starts, relaunch (it resumes from the step-3
-checkpoint), finish step 6. The matrix (text and indexed, 0 and 2 workers, DP 2 and 1):
+checkpoint), finish step 6. PP's is a rank that dies alone instead: under
+``titan_ledger.launch``, rank 1 is SIGKILLed when step 5 starts (what the OOM killer
+does), torchrun stops rank 0, and the resume command the launcher printed is run as
+printed. The matrix (text and indexed, 0 and 2 workers, DP 2 and 1):
 
-    parallelism  source   num_workers
-    FSDP2        text     2
-    TP 2         indexed  0
-    PP 2         text     2
+    parallelism  source   num_workers  fault
+    FSDP2        text     2            kill -9 of the job
+    TP 2         indexed  0            kill -9 of the job
+    PP 2         text     2            rank 1 alone (launcher)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def test_kill9_resume_trains_exactly_the_same_samples_and_losses(runs, case):
     b, report = runs.resumed(case)
     assert report["killed_at_step"] == KILL_AT
     assert report["resumed_from_checkpoint"] == 3 and report["checkpoints_before_kill"] == [3]
-    assert "Training starts at step 4" in (b / "replay_resume.log").read_text()
+    if not PARALLELISMS[case].lost_rank:  # (the lost rank's resume: the header's resumed_from below)
+        assert "Training starts at step 4" in (b / "replay_resume.log").read_text()
     # the samples: per DP rank and step the same ids, ranks disjoint (replay check, in process)
     import json
 
@@ -72,3 +76,18 @@ def test_kill9_resume_dashboards_match(runs):
     assert [res[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)], (full, res)
     gn_full, gn_res = read_tb(a, TB_GRAD_NORM), read_tb(b, TB_GRAD_NORM)
     assert [gn_res[s] for s in (4, 5, 6)] == [gn_full[s] for s in (4, 5, 6)]
+
+
+def test_a_rank_that_dies_alone_is_named_with_the_last_step_and_the_resume_command(runs):
+    """The launcher's last three lines after rank 1's SIGKILL at the start of step 5 (PP:
+    rank 1 holds the last stage), and how soon the job ended (issue 37: within 60 s)."""
+    _, r = runs.resumed("PP")
+    lines = r["lines"]
+    assert len(lines) == 3 and lines == r["last_lines"], r
+    assert lines[0].startswith("titan_ledger.launch: rank 1 (local rank 1 on ") and (
+        ") was killed by SIGKILL (signal 9) (what the OOM killer sends); torchrun stopped the other ranks" in lines[0]), lines
+    assert lines[1] == "titan_ledger.launch: the ledger's last complete step: 4; newest complete checkpoint: step 3"
+    assert lines[2].startswith("titan_ledger.launch: resume (the same command; it loads checkpoint step-3): ")
+    assert "--ledger.rehearsal.die" not in r["resume"] and r["resume"][r["resume"].index("--") + 1:] == \
+        runs.args("PP") + ["--job.dump_folder", r["resume"][-1]]
+    assert 0 < r["ended_s"] < 60, r["ended_s"]

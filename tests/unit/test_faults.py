@@ -131,3 +131,13 @@ def test_step_plan_is_per_step_rank_and_swap_refuses_pp():
     assert _plan(_fake_trainer("3:0:bitflip", dp_rank=0, pp=True)).bitflip  # bitflip runs under PP
     with pytest.raises(RuntimeError, match="pipeline parallelism"):
         _plan(_fake_trainer("3:0:swap", pp=True))
+
+
+def test_die_spec():
+    from titan_ledger.rehearsal.faults import parse_die
+
+    assert parse_die("") is None
+    assert parse_die("5:1:SIGKILL") == (5, 1, "SIGKILL") and parse_die("2:0:exit3") == (2, 0, "exit3")
+    for bad in ("5:1", "5:1:KILL", "0:1:SIGKILL", "5:-1:SIGKILL", "5:1:exitx", "a:1:SIGKILL"):
+        with pytest.raises(ConfigError, match=r"--ledger.rehearsal.die .*STEP:RANK:HOW"):
+            parse_die(bad)

@@ -18,7 +18,7 @@ from titan_ledger.components.guard import parse_ladder
 from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
-from titan_ledger.rehearsal.faults import parse_inject
+from titan_ledger.rehearsal.faults import parse_die, parse_inject
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,7 +167,15 @@ class RehearsalConfig:
     re-execution checked against its first, on clean steps. The proof is recorded as an
     event of its own in spikes.jsonl (``"forced": true``)."""
 
+    die: str = ""
+    """Rehearsal only: ``STEP:RANK:HOW`` -- global rank RANK ends itself at the start of
+    step STEP, for real: ``SIGKILL`` (what the OOM killer does) or another signal name,
+    or ``exitN`` (``os._exit(N)``). What the launcher then says (the rank, the signal, the
+    last step the ledger completed, the command that resumes) is what a real lost rank
+    gets; see docs/running.md."""
+
     def __post_init__(self) -> None:
         parse_inject(self.inject)
+        parse_die(self.die)
         parse_skip_steps(self.prove_at, "--ledger.rehearsal.prove_at")
         parse_overrides(self.rerun)  # raises ConfigError naming the entry

@@ -49,7 +49,7 @@ def _ledger(config, world: int) -> None:
     from titan_ledger.components.guard import parse_ladder
     from titan_ledger.data.layout import parse_skip_steps
     from titan_ledger.data.loader import LedgerDataLoader
-    from titan_ledger.rehearsal.faults import parse_inject
+    from titan_ledger.rehearsal.faults import parse_die, parse_inject
 
     led, steps = config.ledger, config.training.steps
     rungs = parse_ladder(led.on_spike.action)
@@ -80,6 +80,10 @@ def _ledger(config, world: int) -> None:
     if inj is not None and inj[0] > steps:
         raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: step {inj[0]} is after the last step "
                           f"(--training.steps {steps})")
+    die = parse_die(led.rehearsal.die)
+    if die is not None and (die[1] >= world or die[0] > steps):
+        raise ConfigError(f"--ledger.rehearsal.die {led.rehearsal.die}: give a rank of 0-{world - 1} and a step "
+                          f"of 1-{steps} (--training.steps {steps})")
     qk = getattr(config, "qk_clip", None)
     if qk is not None and qk.enable:
         if not led.signals:

@@ -228,6 +228,49 @@ def replace_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kin
     return torch.randint(3, vocab, labels.shape, generator=g)
 
 
+def parse_die(spec: str) -> tuple[int, int, str] | None:
+    """``--ledger.rehearsal.die STEP:RANK:HOW`` -> (step, global rank, how): ``HOW`` is a
+    signal name (``SIGKILL``, what the OOM killer sends; ``SIGSEGV``, ``SIGTERM``...) or
+    ``exitN`` (``os._exit(N)``: a process lost without a traceback). None when empty."""
+    if not spec:
+        return None
+    import signal
+
+    bits = spec.split(":")
+    try:
+        step, rank, how = int(bits[0]), int(bits[1]), bits[2]
+        if len(bits) != 3 or step < 1 or rank < 0:
+            raise ValueError
+        if how.startswith("exit"):
+            int(how[4:])
+        else:
+            signal.Signals[how]
+    except (IndexError, ValueError, KeyError):
+        raise ConfigError(f"--ledger.rehearsal.die {spec!r}: write STEP:RANK:HOW with STEP >= 1, a global "
+                          f"RANK and HOW a signal name or exitN, e.g. 5:1:SIGKILL or 5:1:exit3") from None
+    return step, rank, how
+
+
+def die_if_planned(spec: str, step: int, rank: int) -> None:
+    """``--ledger.rehearsal.die``: at the start of ``step``, global rank ``rank`` ends
+    itself for real (a signal from the kernel, or ``os._exit``), nothing flushed after the
+    one line that says so (its time lets a test measure how soon the job ends)."""
+    plan_ = parse_die(spec)
+    if plan_ is None or plan_[:2] != (step, rank):
+        return
+    import os
+    import signal
+    import sys
+    import time
+
+    how = plan_[2]
+    print(f"rehearsal: rank {rank} dies at step {step} ({how}) at t={time.time():.3f}", file=sys.stderr, flush=True)
+    if how.startswith("exit"):
+        os._exit(int(how[4:]))
+    os.kill(os.getpid(), signal.Signals[how])
+    time.sleep(60)  # a signal that does not end the process (a handler) must not train on
+
+
 def plan(trainer, rec) -> StepFaults | None:
     """Per step, from ``LedgerTrainer.train_step`` (after the step's record ``rec``, a
     ``StepRecord``, is made): this step's fault injections, None without any.
@@ -238,6 +281,7 @@ def plan(trainer, rec) -> StepFaults | None:
     samples (the data ledger is unchanged), then the batches are rotated right before
     the forward (after a ``repeat``/``random`` injection). Neither is a batch
     replacement: a fault spec is taken off ``rec.inject``."""
+    die_if_planned(trainer.config.ledger.rehearsal.die, trainer.step, trainer.ledger.topo.rank)
     if rec.inject in (BITFLIP, SWAP):
         rec.inject = None  # not a batch replacement; the data ledger records no injection
     specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")

@@ -8,11 +8,21 @@ rank starts (``titan_ledger.train.load_config`` with the world size the job will
 have: ``--nproc`` x ``--nnodes``; with the checks from files, ``train.check_files``:
 tokenizer folder, corpus files, the run already in the dump folder and its data
 fingerprint), prints ``titan_ledger.launch: error: ...`` and
-exits 2 on bad input, and otherwise ``exec``s torchrun with the same arguments
+exits 2 on bad input, and otherwise runs torchrun with the same arguments
 (``-m titan_ledger.train``). The ranks parse again (cheap) -- the check is a gate,
 not a second source of truth. ``launch/run.sh`` and ``launch/multinode.sh`` use it.
 ``$TITAN_LEDGER_TORCHRUN`` replaces ``python -m torch.distributed.run`` (as in every
 launch of the tools: ``titan_ledger/tools/runs.py``).
+
+Second decision: torchrun is a child, not an ``exec``, so that the launcher has the
+last word when a rank dies alone (the OOM killer's SIGKILL, a segfault, an exit):
+torchrun's own summary names a rank in its "Root Cause" block, 200 lines below the
+other ranks' tracebacks, and says nothing of the run. The launcher passes torchrun's
+stderr through line by line, reads the summary (:func:`parse_failures`, :func:`cause_of`), and ends with
+three lines (:func:`lost_rank_lines`): which rank died of what, the last step the ledger
+completed and the newest complete checkpoint, and the command that resumes (the same
+one). SIGINT/SIGTERM reach torchrun as before (the terminal's process group; a SIGTERM
+to the launcher is passed on), and torchrun dies with the launcher (``PDEATHSIG``).
 
 Examples::
 
@@ -25,8 +35,13 @@ Examples::
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
+import subprocess
 import sys
+import warnings
+from dataclasses import dataclass
 
 from titan_ledger.errors import EXIT_BAD_INPUT, ConfigError, TitanLedgerError, fail_line
 from titan_ledger.tools.runs import torchrun_prefix
@@ -138,12 +153,173 @@ def torchrun_argv(nproc: int, torchrun_opts: list[str], train_args: list[str]) -
             "-m", "titan_ledger.train", *train_args]
 
 
+@dataclass
+class RankFailure:
+    """torchrun's root cause: the first rank that failed."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    host: str = ""
+
+    def what(self) -> str:
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            why = " (what the OOM killer sends)" if name == "SIGKILL" else ""
+            return f"was killed by {name} (signal {-self.exitcode}){why}"
+        return f"exited with code {self.exitcode}"
+
+
+_SUMMARY_START = re.compile(r"^(Failures:|Root Cause \(first observed failure\):)")
+_BLOCK = re.compile(r"^\[\d+\]:\s*$")
+_FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
+
+
+def parse_failures(lines: list[str]) -> list[RankFailure]:
+    """Every rank failure in torchrun's failure summary (``ChildFailedError``: its
+    "Failures:" and "Root Cause" blocks, the root cause first), [] when the lines hold
+    none (torchrun itself failed, or was killed)."""
+    starts = [i for i, line in enumerate(lines) if _SUMMARY_START.match(line)]
+    if not starts:
+        return []
+    blocks: list[dict[str, str]] = []
+    root: list[dict[str, str]] = []
+    into = blocks
+    for line in lines[starts[0]:]:
+        if line.startswith("Root Cause"):
+            into = root
+        elif _BLOCK.match(line):
+            into.append({})
+        elif into and (m := _FIELD.match(line)) and m.group(1) not in into[-1]:
+            into[-1][m.group(1)] = m.group(2)
+        if line.startswith("=====") and into is root:
+            break
+    out = []
+    for fields in root + blocks:
+        rank = re.match(r"(\d+)(?: \(local_rank: (\d+)\))?", fields.get("rank", ""))
+        code = re.match(r"(-?\d+)", fields.get("exitcode", ""))
+        if rank and code:
+            local = int(rank.group(2)) if rank.group(2) is not None else int(rank.group(1))
+            f = RankFailure(int(rank.group(1)), local, int(code.group(1)), fields.get("host", ""))
+            if f not in out:
+                out.append(f)
+    return out
+
+
+def cause_of(failures: list[RankFailure]) -> RankFailure | None:
+    """The rank that died first. torchrun's "first observed failure" is not always it: a
+    SIGKILLed rank leaves no error file, and its peer, whose collective broke a moment
+    later, may be observed first (exit 1, "Connection reset by peer"). So: leave out the
+    ranks torchrun itself stopped (SIGTERM, its stop signal), then a rank killed by a
+    signal (SIGKILL, SIGSEGV, SIGABRT) is the cause when there is one; else torchrun's
+    root cause (the list's first)."""
+    if not failures:
+        return None
+    ours = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
+    return next((f for f in ours if f.exitcode < 0), ours[0])
+
+
+def run_state(config) -> tuple[int | None, int | None]:
+    """(the last step the ledger completed, the newest complete checkpoint's step), None
+    for what is not there (the run died before its first row; checkpoints off or none)."""
+    from titan_ledger.errors import LedgerError
+    from titan_ledger.format.reader import RunLedger, checkpoints
+
+    last = None
+    try:
+        with warnings.catch_warnings():  # a torn last line (the dead rank's) is read past
+            warnings.simplefilter("ignore")
+            rows = RunLedger(config.dump_folder, config.ledger.folder).signal_rows()
+        last = max((r["step"] for r in rows), default=None)
+    except (LedgerError, OSError):
+        pass
+    ckpt = None
+    if config.checkpoint.enable:
+        steps = checkpoints(config.dump_folder, config.checkpoint.folder)
+        ckpt = steps[-1] if steps else None
+    return last, ckpt
+
+
+def lost_rank_lines(failure: RankFailure | None, code: int, last_step: int | None, checkpoint: int | None,
+                    checkpoints_on: bool, resume: str, others: int = 0) -> list[str]:
+    """The launcher's last lines after a failed job (pure: unit-tested). A rank that
+    stopped on bad input (exit 2) already said why in its one line: nothing to resume."""
+    if failure is not None and failure.exitcode == EXIT_BAD_INPUT:
+        return [f"{PROG}: rank {failure.rank} stopped on bad input (its error line is above); fix it and "
+                f"launch again"]
+    if failure is None:
+        head = f"torchrun exited with code {code} and named no failed rank (its output is above)"
+    else:
+        on = f" on {failure.host}" if failure.host else ""
+        head = f"rank {failure.rank} (local rank {failure.local_rank}{on}) {failure.what()}; torchrun " \
+               f"stopped the other ranks"
+        if others:
+            head += f"; {others} other rank(s) failed after it (their tracebacks above follow from it)"
+    done = f"the ledger's last complete step: {last_step}" if last_step is not None else \
+        "the ledger completed no step"
+    if checkpoint is not None:
+        state = f"{done}; newest complete checkpoint: step {checkpoint}"
+        again = f"resume (the same command; it loads checkpoint step-{checkpoint}): {resume}"
+    else:
+        state = f"{done}; {'no complete checkpoint yet' if checkpoints_on else 'checkpoints are off (--checkpoint.enable)'}"
+        again = f"train again (the same command; no checkpoint to resume from, it starts at step 1): {resume}"
+    return [f"{PROG}: {head}", f"{PROG}: {state}", f"{PROG}: {again}"]
+
+
+def without_rehearsal_death(argv: list[str]) -> list[str]:
+    """``argv`` less ``--ledger.rehearsal.die X`` (a rehearsed death is not part of the run:
+    the printed resume command must not die again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--ledger.rehearsal.die":
+            skip = True
+        elif not a.startswith("--ledger.rehearsal.die="):
+            out.append(a)
+    return out
+
+
+def _pdeathsig() -> None:
+    """In the torchrun child: SIGTERM it when the launcher dies (it stops its ranks)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def supervise(cmd: list[str]) -> tuple[int, list[str]]:
+    """Run torchrun; its stderr passes through line by line. Returns (exit code, the last
+    400 stderr lines)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=_pdeathsig)
+    prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    tail: list[str] = []
+    try:
+        for raw in proc.stderr:
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n"))
+            del tail[:-400]
+        code = proc.wait()
+    except KeyboardInterrupt:  # the terminal's SIGINT reached torchrun too: let it finish
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    return code, tail
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         nproc, print_only, opts, train_args = split_argv(argv)
         nproc = nproc or default_nproc()
-        validate(train_args, nproc * nnodes_of(opts))
+        config = validate(train_args, nproc * nnodes_of(opts))
     except TitanLedgerError as e:
         print(fail_line(PROG, e), file=sys.stderr, flush=True)
         return e.exit_code
@@ -156,8 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; no torchrun banner
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvp(cmd[0], cmd)
-    return 0  # not reached
+    code, tail = supervise(cmd)
+    if code != 0:
+        from titan_ledger.errors import python_command
+
+        failures = parse_failures(tail)
+        failure = cause_of(failures)
+        last, ckpt = run_state(config)
+        resume = shlex.join([python_command(), "-m", PROG, *without_rehearsal_death(argv)])
+        for line in lost_rank_lines(failure, code, last, ckpt, config.checkpoint.enable, resume,
+                                    others=sum(f != failure and f.exitcode != -signal.SIGTERM for f in failures)):
+            print(line, file=sys.stderr, flush=True)
+        if failure is not None and failure.exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT  # as a refusal before the ranks (torchrun says 1)
+    return code
 
 
 if __name__ == "__main__":
