@@ -35,7 +35,7 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.components import attention, counterfactual, patches  # noqa: E402  ADDED (counterfactual: replay rerun)
+from titan_ledger.components import attention, counterfactual, disk_space, patches  # noqa: E402  ADDED (counterfactual: replay rerun)
 from titan_ledger.components.attention import document_causal_mask  # noqa: E402
 from titan_ledger.components.doc_loss import DocLossTracker, LogZStats, find_doc_loss, use_doc_loss  # noqa: E402
 from titan_ledger.components.ledger import Ledger  # noqa: E402
@@ -158,6 +158,7 @@ class LedgerTrainer(Trainer):
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
             counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rehearsal.rerun lr_scale/eps after the load
+            disk_space.warn_at_start(self)  # ADDED: what the run will write against the dump folder's free space
         if self.recovery.before_step():  # a pending rollback ran, or a skip window consumed the step
             return
         inject = ledger.inject

@@ -1,0 +1,50 @@
+"""``components.disk_space``: what a run will write, against the free space (issue 37)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from titan_ledger.components import disk_space
+from titan_ledger.components.disk_space import Estimate, checkpoints_held, estimate, shortfall
+from titan_ledger.components.topology import Topology
+
+
+def test_checkpoints_held_at_the_peak():
+    assert checkpoints_held(0, 20, 10, 10, 0) == 2  # steps 10 and 20
+    assert checkpoints_held(0, 25, 10, 10, 0) == 3  # 10, 20 and the last step
+    assert checkpoints_held(0, 100, 10, 3, 0) == 4  # keep 3, the 4th written before the oldest goes
+    assert checkpoints_held(0, 100, 10, 0, 0) == 10  # keep_latest_k 0 keeps all
+    assert checkpoints_held(30, 50, 10, 0, 3) == 5  # a resume at 30: 3 there, 40 and 50 to come
+    assert checkpoints_held(50, 50, 10, 0, 5) == 5  # nothing left to train
+
+
+def test_estimate_and_the_warning():
+    est = estimate(param_bytes=25_000_000, optimizer_states=2, start_step=0, steps=20, interval=10,
+                   keep_latest_k=10, existing=0, checkpoints_on=True, world=2, dp=2)
+    per_step = 2 * disk_space.LEDGER_BYTES_PER_STEP_PER_DP_RANK + disk_space.SIGNALS_BYTES_PER_STEP + \
+        2 * disk_space.STRUCTURED_LOG_BYTES_PER_STEP_PER_RANK
+    assert est == Estimate(75_000_000, 2, per_step, 20) and est.total == 150_000_000 + 20 * per_step
+    assert shortfall(est, est.total, "/d") is None
+    line = shortfall(est, 100_000_000, "/d")
+    assert line.startswith("titan_ledger: warning: /d has 100.0 MB free but this run will need about 151.")
+    assert "2 checkpoint(s) of 75.0 MB held at once" in line and "--job.dump_folder" in line
+    assert shortfall(est, 100_000_000, "/d", already=75_000_000) is None  # one checkpoint is already there
+    off = estimate(25_000_000, 2, 0, 20, 10, 10, 0, False, 2, 2)
+    assert off.checkpoints == 0 and off.total == 20 * per_step
+
+
+def test_rank0_warns_with_its_model_and_folder(tmp_path):
+    """The seam on a real model and a real folder: a run too long for any disk warns."""
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 fp32 parameters
+    ck = SimpleNamespace(enable=True, folder="checkpoint", interval=10, keep_latest_k=0)
+    trainer = SimpleNamespace(
+        ledger=SimpleNamespace(topo=Topology(world=2, rank=0, dp_size=2)), model_parts=[model],
+        optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]), step=1,
+        config=SimpleNamespace(checkpoint=ck, dump_folder=str(tmp_path / "run"), training=SimpleNamespace(steps=10**9)))
+    line = disk_space.warn_at_start(trainer)
+    assert line is not None and f"{tmp_path / 'run'} has " in line and "checkpoint(s) of 12.0 MB" in line, line
+    trainer.config.training.steps = 2
+    assert disk_space.warn_at_start(trainer) is None  # 1 checkpoint of 12 MB fits
+    trainer.ledger.topo = Topology(world=2, rank=1, dp_size=2)
+    trainer.config.training.steps = 10**9
+    assert disk_space.warn_at_start(trainer) is None  # rank 0 says it, once
