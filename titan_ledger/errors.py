@@ -11,6 +11,8 @@ call every CLI in-process. Exit codes, the same for every tool:
   1  the command ran and its answer is negative (``replay check``: different;
      ``replay inject``: the spike was not shown); training stopped by the ledger
   2  bad input: a flag, TOML key, corpus, ledger or dump folder (this module)
+  3  the disk filled while training (``titan_ledger.components.disk_space``): free
+     space and relaunch the same command
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_NEGATIVE = 1
 EXIT_BAD_INPUT = 2
+EXIT_DISK_FULL = 3
 
 
 class TitanLedgerError(Exception):

@@ -28,6 +28,7 @@ message patterns, never by level.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ import types
 import warnings
 from pathlib import Path
 
+from titan_ledger.components import disk_space
 from titan_ledger.config.toml_frontend import (
     ConfigError,
     check_world_size,
@@ -44,7 +46,14 @@ from titan_ledger.config.toml_frontend import (
     world_size_from_env,
 )
 from titan_ledger.config.validate import dp_size_of, validate
-from titan_ledger.errors import EXIT_BAD_INPUT, TitanLedgerError, fail_line, os_error_line, python_command
+from titan_ledger.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_DISK_FULL,
+    TitanLedgerError,
+    fail_line,
+    os_error_line,
+    python_command,
+)
 from titan_ledger.rehearsal import backend
 
 PROG = "titan_ledger.train"
@@ -399,6 +408,25 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
 def main(argv: list[str] | None = None) -> None:
     """Entry point: a TitanLedgerError becomes one stderr line (rank 0) and its exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    disk_space.guard_logging()
+    try:
+        _run_or_fail(argv)
+    except Exception as e:
+        full = disk_space.enospc_of(e)
+        if full is None:
+            raise
+        # every process whose write failed says its own path: one line, no traceback
+        print(fail_line(PROG, disk_space.full_disk_line(full, _DUMP_FOLDER[-1:] and _DUMP_FOLDER[-1] or None)),
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_DISK_FULL)
+
+
+#: the dump folder of the run this process parsed (a full disk's line names it when the
+#: failed write named no path)
+_DUMP_FOLDER: list[str] = []
+
+
+def _run_or_fail(argv: list[str]) -> None:
     try:
         run(argv)
     except TitanLedgerError as e:
@@ -406,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except OSError as e:  # a dump folder, config or corpus path that cannot be used
         line = os_error_line(e)
-        if line is None:
+        if line is None or e.errno == errno.ENOSPC:  # (a full disk: main's one line)
             raise
         _say_once(fail_line(PROG, line))
         sys.exit(EXIT_BAD_INPUT)
@@ -435,6 +463,7 @@ def run(argv: list[str]) -> None:
     """Parse, build, train. Raises TitanLedgerError on bad input."""
     quiet_imports()
     config, job = load_config(argv)
+    _DUMP_FOLDER.append(str(config.dump_folder))
     check_launched(config)
     import torch
     from torchtitan.observability import structured_logger as sl

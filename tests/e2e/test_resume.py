@@ -91,3 +91,50 @@ def test_a_rank_that_dies_alone_is_named_with_the_last_step_and_the_resume_comma
     assert "--ledger.rehearsal.die" not in r["resume"] and r["resume"][r["resume"].index("--") + 1:] == \
         runs.args("PP") + ["--job.dump_folder", r["resume"][-1]]
     assert 0 < r["ended_s"] < 60, r["ended_s"]
+
+
+def test_a_full_disk_stops_with_one_line_keeps_the_record_and_resumes_exactly(runs, tmp_path):
+    """The FSDP2 straight run's command on a 200 MB tmpfs holding 90 MB of ballast: the
+    step-3 checkpoint (75 MB) fits, the step-6 one cannot. The run stops with exit 3 and
+    one line per process at most, no logging-error flood, its ledger lines complete and
+    the cut checkpoint unlisted; with the ballast gone the same command resumes from step
+    3 and ``replay check`` against the uninterrupted run is EQUAL (issue 37)."""
+    import json
+    import os
+    import subprocess
+    from unittest import mock
+
+    from helpers import child_env
+
+    from titan_ledger.format.reader import checkpoints
+    from titan_ledger.tools import launch
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a size-limited tmpfs on this machine (needs root)")
+    try:
+        (mnt / "ballast").write_bytes(b"\0" * (90 << 20))
+        dump = mnt / "run"
+        argv = ["--nproc", "2", "--", *runs.args("FSDP2"), "--job.dump_folder", str(dump)]
+        with mock.patch.dict(os.environ, child_env()):
+            rc, out, err = cli(launch.main, argv)
+            full = [x for x in err.splitlines() if x.startswith("titan_ledger.train: error: disk full: could not write ")]
+            assert rc == 3 and 1 <= len(full) <= 2, f"rc={rc}\n{err[-5000:]}"
+            assert all(f"(filesystem {mnt}: " in x for x in full), full
+            assert "Logging error" not in err and err.splitlines()[-3].startswith(
+                "titan_ledger.launch: rank "), err[-3000:]
+            assert "stopped: the disk filled" in err.splitlines()[-3]
+            assert checkpoints(dump) == [3]  # step-6 was cut: no .metadata, never listed
+            led = signals_ledger(dump)
+            assert led.torn_lines == 0 and [r["step"] for r in led.history][:5] == [1, 2, 3, 4, 5], led.torn_lines
+            (mnt / "ballast").unlink()
+            rc2, out2, err2 = cli(launch.main, argv)  # the same command
+        assert rc2 == 0, err2[-5000:]
+        rc3, out3, err3 = cli(replay.main, ["check", runs.straight("FSDP2"), dump, "--json"])
+        res = json.loads(out3)
+        assert rc3 == 0 and res["equal"] and res["steps_compared"] == STEPS, out3 + err3
+        assert signals_ledger(dump).segments[-1].header["resumed_from"] == 3
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

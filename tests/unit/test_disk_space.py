@@ -48,3 +48,66 @@ def test_rank0_warns_with_its_model_and_folder(tmp_path):
     trainer.ledger.topo = Topology(world=2, rank=1, dp_size=2)
     trainer.config.training.steps = 10**9
     assert disk_space.warn_at_start(trainer) is None  # rank 0 says it, once
+
+
+# ---- a full disk: /dev/full answers every write(2) with a real ENOSPC
+
+
+def test_a_ledger_line_that_hits_a_full_disk_names_its_file():
+    import errno
+
+    import pytest
+
+    from titan_ledger.format.records import SIGNALS, Header, RecordWriter
+
+    with pytest.raises(OSError) as got:
+        RecordWriter("/dev/full", Header(schema=SIGNALS.id, run_id="r"))
+    assert got.value.errno == errno.ENOSPC and got.value.filename == "/dev/full"
+
+
+def test_the_first_full_disk_log_call_raises_and_the_rest_are_silent(capsys):
+    import errno
+    import logging
+
+    import pytest
+
+    disk_space.guard_logging()
+    disk_space.guard_logging()  # idempotent
+    log = logging.getLogger("titan_ledger.test_full_disk")
+    handler = logging.FileHandler("/dev/full")
+    log.addHandler(handler)
+    log.propagate = False
+    saved = list(disk_space._seen_full)
+    disk_space._seen_full.clear()
+    try:
+        with pytest.raises(OSError) as got:
+            log.warning("first")
+        assert got.value.errno == errno.ENOSPC and got.value.filename == "/dev/full"
+        for i in range(50):
+            log.warning("again %d", i)  # no "--- Logging error ---" per call
+        assert "Logging error" not in capsys.readouterr().err
+        assert disk_space.enospc_of(RuntimeError("wrapped")) is None
+        wrapped = RuntimeError("in a step")
+        wrapped.__context__ = got.value
+        assert disk_space.enospc_of(wrapped) is got.value
+        ckpt = RuntimeError("CheckpointException")
+        ckpt.failures = {1: (got.value, "traceback")}  # DCP's per-rank failures
+        assert disk_space.enospc_of(ckpt) is got.value
+    finally:
+        log.removeHandler(handler)
+        try:
+            handler.close()  # its buffer still cannot be flushed (logging.shutdown ignores that too)
+        except OSError:
+            pass
+        disk_space._seen_full[:] = saved
+
+
+def test_the_full_disk_line(tmp_path):
+    import errno
+    import os
+
+    line = disk_space.full_disk_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x.jsonl")))
+    assert line.startswith(f"disk full: could not write {tmp_path / 'x.jsonl'} (filesystem ")
+    assert " free of " in line and "--job.dump_folder" in line and "relaunch the same command" in line
+    nameless = disk_space.full_disk_line(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert nameless.startswith(f"disk full: could not write a file in {tmp_path} (filesystem ")

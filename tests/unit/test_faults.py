@@ -94,8 +94,8 @@ def _fake_trainer(spec, step=3, dp_rank=1, pp=False, inject=None):
     from types import SimpleNamespace as NS
 
     model = torch.nn.Linear(4, 4)
-    return NS(rec=StepRecord(step=step, start=0.0, inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec))), step=step,
-              ledger=NS(topo=NS(dp_rank=dp_rank)), model_parts=[model],
+    return NS(rec=StepRecord(step=step, start=0.0, inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec, die=""))), step=step,
+              ledger=NS(topo=NS(dp_rank=dp_rank, rank=dp_rank)), model_parts=[model],
               parallel_dims=NS(pp_enabled=pp, get_mesh=lambda name: NS(get_group=lambda: f"group:{name}")))
 
 

@@ -87,6 +87,9 @@ def test_the_launchers_lines():
     assert lost_rank_lines(None, 1, 2, None, True, cmd)[:2] == [
         "titan_ledger.launch: torchrun exited with code 1 and named no failed rank (its output is above)",
         "titan_ledger.launch: the ledger's last complete step: 2; no complete checkpoint yet"]
+    full = lost_rank_lines(RankFailure(0, 0, 3), 1, 14, 10, True, cmd)
+    assert full[0] == ("titan_ledger.launch: rank 0 stopped: the disk filled (its line above names the path "
+                       "and the filesystem); free space, then resume") and "loads checkpoint step-10" in full[2]
     # a rank's bad input (exit 2) said why in its own line: nothing to resume
     assert lost_rank_lines(RankFailure(0, 0, 2), 1, 3, 3, True, cmd) == [
         "titan_ledger.launch: rank 0 stopped on bad input (its error line is above); fix it and launch again"]

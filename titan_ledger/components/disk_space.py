@@ -11,6 +11,17 @@ warns with the numbers when the free space cannot hold it; it never refuses (a u
 free space or move checkpoints while the run trains). The arithmetic is pure
 (:func:`estimate`, :func:`shortfall`); :func:`warn_at_start` is the seam.
 
+When the disk fills anyway, one handler for the condition: :func:`guard_logging` makes
+the first ``ENOSPC`` of any logging handler (torchtitan's ``structured_logs/`` writer
+fills a disk first: 27 KB a step per rank) raise out of that log call, and every later
+one silent -- Python's default prints a "--- Logging error ---" traceback per call, 1,272
+lines in the run issue 37 measured. ``train.main`` finds the ``ENOSPC`` in whatever
+reached it (:func:`enospc_of`: the exception's causes, DCP's per-rank failures) and
+prints ONE line per process (:func:`full_disk_line`): the path, its filesystem, the free
+space, what to do; exit 3 (``errors.EXIT_DISK_FULL``). Ledger lines are written one
+``write(2)`` each, so a full disk leaves the complete lines intact, and a checkpoint cut
+short has no ``.metadata``: it is never listed or loaded.
+
 Per-step bytes besides checkpoints, measured on this repository's debug runs
 (``debug_cpu``, 2 ranks, 4 x 256 tokens per rank, 8 steps: ``du -sb`` of the dump
 folder's parts): the ledger wrote 31,780 bytes (about 3,000 a step for 2 DP ranks, plus
@@ -19,6 +30,9 @@ its headers), torchtitan's ``structured_logs/`` 437,784 (about 27,000 a step per
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +93,10 @@ def shortfall(est: Estimate, free: int, folder: str | Path, already: int = 0) ->
     need = est.total - already
     if need <= free:
         return None
+    ckpts = f"{est.checkpoints} checkpoint(s) of {human(est.checkpoint_bytes)} held at once " \
+        f"(--checkpoint.keep_latest_k, --checkpoint.interval)" if est.checkpoints else "no checkpoints"
     return (f"titan_ledger: warning: {folder} has {human(free)} free but this run will need about "
-            f"{human(need)}: {est.checkpoints} checkpoint(s) of {human(est.checkpoint_bytes)} held at once "
-            f"(--checkpoint.keep_latest_k, --checkpoint.interval) and {human(est.per_step_bytes)} a step "
+            f"{human(need)}: {ckpts} and {human(est.per_step_bytes)} a step "
             f"of ledger and logs for {est.steps_left} steps; free space, keep fewer checkpoints, or "
             f"move --job.dump_folder before the disk fills")
 
@@ -119,3 +134,79 @@ def warn_at_start(trainer) -> str | None:
                     f"({est.checkpoints} checkpoint(s) of {human(est.checkpoint_bytes)}, "
                     f"{human(est.per_step_bytes)} a step); {dump} has {human(free)} free")
     return line
+
+
+class _LoggedDiskFull(OSError):
+    """The first ENOSPC of a logging handler, raised out of the log call that met it."""
+
+
+_seen_full: list[OSError] = []
+_guarded: list[bool] = []  # guard_logging ran in this process
+
+
+def guard_logging() -> None:
+    """Every logging handler: its first ENOSPC raises (naming the handler's file), every
+    later one is dropped; other emit errors keep Python's behaviour."""
+    if _guarded:
+        return
+    original = logging.Handler.handleError
+
+    def handle_error(self, record):
+        import sys
+
+        err = sys.exc_info()[1]
+        if not (isinstance(err, OSError) and err.errno == errno.ENOSPC):
+            return original(self, record)
+        if _seen_full:
+            return None  # said once; the rest of the run's log calls are not a flood
+        path = getattr(self, "baseFilename", None) or err.filename
+        full = _LoggedDiskFull(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        _seen_full.append(full)
+        raise full from err
+
+    logging.Handler.handleError = handle_error
+    _guarded.append(True)
+
+
+def enospc_of(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC behind ``exc``, through its causes and contexts and DCP's
+    ``CheckpointException`` per-rank failures; None when there is none."""
+    seen: set[int] = set()
+    todo: list = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e:  # DCP's WRAPPED_EXCEPTION: (exception, traceback)
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def mount_of(path: str | Path) -> Path:
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def full_disk_line(err: OSError, dump_folder: str | Path | None = None) -> str:
+    """The one line for a full disk: the path, its filesystem, free of total, what to do."""
+    path = err.filename or (f"a file in {dump_folder}" if dump_folder else None)
+    where = mount_of(err.filename or dump_folder or os.getcwd())
+    try:
+        u = shutil.disk_usage(where)
+        space = f"{human(u.free)} free of {human(u.total)}"
+    except OSError:
+        space = "free space unknown"
+    return (f"disk full: could not write {path or 'a file'} (filesystem {where}: {space}); free space there or "
+            f"move --job.dump_folder, then relaunch the same command: it resumes from the newest "
+            f"complete checkpoint")

@@ -342,7 +342,12 @@ class RecordWriter:
 
     def _write(self, obj: dict[str, Any]) -> None:
         line = json.dumps(_json_value(obj), separators=(",", ":"), allow_nan=False) + "\n"
-        self._f.write(line.encode())  # unbuffered: one write(2) per line
+        try:
+            self._f.write(line.encode())  # unbuffered: one write(2) per line
+        except OSError as e:  # write(2) names no path: the error must (a full disk: which file)
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
+            raise
 
     def write(self, row: dict[str, Any]) -> None:
         if "schema" in row:

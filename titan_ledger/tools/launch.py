@@ -43,7 +43,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from titan_ledger.errors import EXIT_BAD_INPUT, ConfigError, TitanLedgerError, fail_line
+from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, ConfigError, TitanLedgerError, fail_line
 from titan_ledger.tools.runs import torchrun_prefix
 
 PROG = "titan_ledger.launch"
@@ -252,6 +252,9 @@ def lost_rank_lines(failure: RankFailure | None, code: int, last_step: int | Non
                 f"launch again"]
     if failure is None:
         head = f"torchrun exited with code {code} and named no failed rank (its output is above)"
+    elif failure.exitcode == EXIT_DISK_FULL:
+        head = f"rank {failure.rank} stopped: the disk filled (its line above names the path and the " \
+               f"filesystem); free space, then resume"
     else:
         on = f" on {failure.host}" if failure.host else ""
         head = f"rank {failure.rank} (local rank {failure.local_rank}{on}) {failure.what()}; torchrun " \
@@ -343,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in lost_rank_lines(failure, code, last, ckpt, config.checkpoint.enable, resume,
                                     others=sum(f != failure and f.exitcode != -signal.SIGTERM for f in failures)):
             print(line, file=sys.stderr, flush=True)
-        if failure is not None and failure.exitcode == EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT  # as a refusal before the ranks (torchrun says 1)
+        if failure is not None and failure.exitcode in (EXIT_BAD_INPUT, EXIT_DISK_FULL):
+            return failure.exitcode  # the rank's own code (torchrun says 1)
     return code
 
 
