@@ -50,6 +50,22 @@ def test_rank0_warns_with_its_model_and_folder(tmp_path):
     assert disk_space.warn_at_start(trainer) is None  # rank 0 says it, once
 
 
+def test_the_launcher_estimates_from_the_config_alone(tmp_path, monkeypatch):
+    """Before any rank starts: the model built on the meta device gives the checkpoint the
+    trainer measures on its live parameters (debug_cpu: 74.0 MB, AdamW's two moments)."""
+    from titan_ledger import train
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    config, _ = train.load_config(["--job.config_file", "train_configs/debug_cpu.toml", "--checkpoint.enable",
+                           "--checkpoint.interval", "5", "--job.dump_folder", str(tmp_path / "run"),
+                           "--training.steps", str(10**9)], files=False)
+    line = disk_space.warn_before_launch(config, world=2)
+    assert line is not None and "checkpoint(s) of 74.0 MB held at once" in line, line
+    config.training.steps = 10
+    assert disk_space.warn_before_launch(config, world=2) is None  # 3 x 74 MB: fits this disk
+
+
 # ---- a full disk: /dev/full answers every write(2) with a real ENOSPC
 
 

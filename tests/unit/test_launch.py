@@ -3,7 +3,14 @@ block read (the block below is torchrun 2.14.1's, from a real run whose rank 1 w
 SIGKILLed), and the three lines the launcher prints from it. The real-process case:
 ``tests/e2e/test_resume.py`` (PP: rank 1 dies alone, the printed command resumes)."""
 
-from titan_ledger.tools.launch import RankFailure, cause_of, lost_rank_lines, parse_failures, without_rehearsal_death
+from titan_ledger.tools.launch import (
+    HeldOutput,
+    RankFailure,
+    cause_of,
+    lost_rank_lines,
+    parse_failures,
+    without_rehearsal_death,
+)
 
 SUMMARY = """\
   RuntimeError: [.../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:24982: Connection reset by peer.
@@ -87,12 +94,31 @@ def test_the_launchers_lines():
     assert lost_rank_lines(None, 1, 2, None, True, cmd)[:2] == [
         "titan_ledger.launch: torchrun exited with code 1 and named no failed rank (its output is above)",
         "titan_ledger.launch: the ledger's last complete step: 2; no complete checkpoint yet"]
-    full = lost_rank_lines(RankFailure(0, 0, 3), 1, 14, 10, True, cmd)
-    assert full[0] == ("titan_ledger.launch: rank 0 stopped: the disk filled (its line above names the path "
-                       "and the filesystem); free space, then resume") and "loads checkpoint step-10" in full[2]
+    rank_line = "disk full: could not write /d/x (filesystem /d: 0 B free of 1 GB); free space there or move ..."
+    assert lost_rank_lines(RankFailure(0, 0, 3), 1, 14, 10, True, cmd, disk_full=rank_line) == [  # one line in all
+        "titan_ledger.launch: the run stopped, disk full: could not write /d/x (filesystem /d: 0 B free of 1 GB); "
+        "the ledger's last complete step: 14; newest complete checkpoint: step 10; free space there or move "
+        f"--job.dump_folder, then resume (the same command; it loads checkpoint step-10): {cmd}"]
     # a rank's bad input (exit 2) said why in its own line: nothing to resume
     assert lost_rank_lines(RankFailure(0, 0, 2), 1, 3, 3, True, cmd) == [
         "titan_ledger.launch: rank 0 stopped on bad input (its error line is above); fix it and launch again"]
+
+
+def test_the_launcher_holds_back_what_follows_a_ranks_own_error_line():
+    summary = ["Traceback (most recent call last):\n", "ChildFailedError:\n", "  exitcode  : 3 (pid: 1)\n"]
+    full = "titan_ledger.train: error: disk full: could not write /d/a (filesystem /d: 0 B free of 1 GB); ...\n"
+    out = HeldOutput()
+    assert out.feed("[rank0]: step 5 loss 2.1\n") == "[rank0]: step 5 loss 2.1\n"  # before: passed on
+    assert out.feed(full) is None and out.feed(full.replace("/d/a", "/d/b")) is None  # every rank's: held
+    assert all(out.feed(x) is None for x in summary)
+    assert out.disk_full.startswith("disk full: could not write /d/a ") and out.finish(3) == []
+    assert out.finish(1) == [*summary, full]  # another cause after all: nothing is lost
+    bad = "titan_ledger.train: error: --training.steps: expected an integer\n"
+    out = HeldOutput()
+    assert out.feed(bad) == bad and out.feed(bad) is None and out.feed(summary[0]) is None
+    assert out.finish(2) == [] and out.finish(1) == [summary[0]]  # the duplicate line is said once
+    quiet = HeldOutput()
+    assert quiet.feed(summary[0]) == summary[0] and quiet.finish(1) == []  # no rank line: nothing held
 
 
 def test_the_resume_command_leaves_a_rehearsed_death_out():

@@ -7,7 +7,8 @@ optimizer's state (every parameter's bytes, plus Adam's two moments of the same 
 torchtitan keeps ``--checkpoint.keep_latest_k`` of them (and writes the next before it
 purges the oldest), and what the ledger and torchtitan's own logs add per step is
 measured here (below). So rank 0 estimates it once, when the first step starts, and
-warns with the numbers when the free space cannot hold it; it never refuses (a user may
+warns with the numbers when the free space cannot hold it (and ``titan_ledger.launch``
+does the same before any rank starts, from the config: :func:`warn_before_launch`); it never refuses (a user may
 free space or move checkpoints while the run trains). The arithmetic is pure
 (:func:`estimate`, :func:`shortfall`); :func:`warn_at_start` is the seam.
 
@@ -105,34 +106,66 @@ def _folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
+def against_free_space(config, param_bytes: int, optimizer_states: int, start_step: int, world: int,
+                       dp: int) -> tuple[str | None, str]:
+    """(the warning line or None, the info line): what the run will still write into its
+    dump folder against the free space there. The one check behind the trainer's
+    (:func:`warn_at_start`) and the launcher's (:func:`warn_before_launch`)."""
+    from titan_ledger.format.reader import checkpoints
+
+    ck = config.checkpoint
+    dump = Path(config.dump_folder)
+    existing = checkpoints(dump, ck.folder) if ck.enable else []
+    est = estimate(param_bytes, optimizer_states, start_step, config.training.steps, ck.interval,
+                   ck.keep_latest_k, len(existing), ck.enable, world, dp)
+    free = shutil.disk_usage(mount_of(dump)).free
+    already = sum(_folder_bytes(dump / ck.folder / f"step-{s}") for s in existing)
+    info = (f"titan_ledger: disk: this run will write about {human(max(0, est.total - already))} "
+            f"({est.checkpoints} checkpoint(s) of {human(est.checkpoint_bytes)}, "
+            f"{human(est.per_step_bytes)} a step); {dump} has {human(free)} free")
+    return shortfall(est, free, dump, already), info
+
+
 def warn_at_start(trainer) -> str | None:
     """Rank 0, when the first step of this process starts: estimate and warn (the line, or None)."""
     if trainer.ledger.topo.rank != 0:
         return None
     from torchtitan.tools.logging import logger
 
-    from titan_ledger.format.reader import checkpoints
-
-    config = trainer.config
-    ck = config.checkpoint
     params = [p for m in trainer.model_parts for p in m.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     optims = getattr(trainer.optimizers, "optimizers", [])
     states = ADAM_STATES if all(type(o).__name__.lower().startswith("adam") for o in optims) else 1
-    dump = Path(config.dump_folder)
-    existing = checkpoints(dump, ck.folder) if ck.enable else []
-    est = estimate(param_bytes, states, trainer.step - 1, config.training.steps, ck.interval, ck.keep_latest_k,
-                   len(existing), ck.enable, trainer.ledger.topo.world, trainer.ledger.topo.dp_size)
-    dump.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(dump).free
-    already = sum(_folder_bytes(dump / ck.folder / f"step-{s}") for s in existing)
-    line = shortfall(est, free, dump, already)
-    if line is not None:
-        logger.warning(line)
-    else:
-        logger.info(f"titan_ledger: disk: this run will write about {human(max(0, est.total - already))} "
-                    f"({est.checkpoints} checkpoint(s) of {human(est.checkpoint_bytes)}, "
-                    f"{human(est.per_step_bytes)} a step); {dump} has {human(free)} free")
+    line, info = against_free_space(trainer.config, param_bytes, states, trainer.step - 1,
+                                    trainer.ledger.topo.world, trainer.ledger.topo.dp_size)
+    logger.warning(line) if line is not None else logger.info(info)
+    return line
+
+
+def warn_before_launch(config, world: int) -> str | None:
+    """The launcher, before any rank starts: the same estimate from the config alone (the
+    model built on the meta device: its full parameter count, no memory; 0.1 s for 8B),
+    resuming from the newest complete checkpoint in the dump folder. The warning line or None."""
+    import copy
+
+    import torch
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from titan_ledger.format.reader import checkpoints
+
+    spec = copy.deepcopy(config.model_spec.model)
+    spec.update_from_config(config=config)
+    with torch.device("meta"):
+        model = spec.build()
+    itemsize = torch.empty((), dtype=TORCH_DTYPE_MAP[config.training.dtype]).element_size()
+    param_bytes = sum(p.numel() for p in model.parameters()) * itemsize
+    names = {g.optimizer_name.lower() for g in config.optimizer.param_groups}
+    states = ADAM_STATES if names and all(n.startswith("adam") for n in names) else 1
+    existing = checkpoints(config.dump_folder, config.checkpoint.folder) if config.checkpoint.enable else []
+    par = config.parallelism
+    dp = max(1, world // max(1, par.tensor_parallel_degree * par.pipeline_parallel_degree
+                               * par.context_parallel_degree))
+    line, _ = against_free_space(config, param_bytes, states, existing[-1] if existing else 0, world, dp)
     return line
 
 

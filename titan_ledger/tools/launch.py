@@ -19,7 +19,8 @@ last word when a rank dies alone (the OOM killer's SIGKILL, a segfault, an exit)
 torchrun's own summary names a rank in its "Root Cause" block, 200 lines below the
 other ranks' tracebacks, and says nothing of the run. The launcher passes torchrun's
 stderr through line by line, reads the summary (:func:`parse_failures`, :func:`cause_of`), and ends with
-three lines (:func:`lost_rank_lines`): which rank died of what, the last step the ledger
+three lines (:func:`lost_rank_lines`; a full disk: one line in all, the rest held back by
+:class:`HeldOutput`): which rank died of what, the last step the ledger
 completed and the newest complete checkpoint, and the command that resumes (the same
 one). SIGINT/SIGTERM reach torchrun as before (the terminal's process group; a SIGTERM
 to the launcher is passed on), and torchrun dies with the launcher (``PDEATHSIG``).
@@ -135,6 +136,21 @@ def check_dump_folder(config) -> None:
     run_lock.check(config.dump_folder)
 
 
+def warn_disk(config, world: int) -> None:
+    """The dump folder's free space against what the run will write (a warning, never a
+    refusal: ``components/disk_space.py``)."""
+    if config.comm.mode == "fake_backend":
+        return
+    from titan_ledger.components.disk_space import warn_before_launch
+
+    try:
+        line = warn_before_launch(config, world)
+    except (OSError, RuntimeError, ValueError, AttributeError) as e:  # an estimate, never a launch failure
+        line = f"titan_ledger: note: the disk-space estimate failed ({type(e).__name__}: {e})"
+    if line is not None:
+        print(line.replace("titan_ledger: ", f"{PROG}: ", 1), file=sys.stderr, flush=True)
+
+
 def default_nproc() -> int:
     try:
         import torch
@@ -244,23 +260,15 @@ def run_state(config) -> tuple[int | None, int | None]:
 
 
 def lost_rank_lines(failure: RankFailure | None, code: int, last_step: int | None, checkpoint: int | None,
-                    checkpoints_on: bool, resume: str, others: int = 0) -> list[str]:
+                    checkpoints_on: bool, resume: str, others: int = 0, disk_full: str | None = None) -> list[str]:
     """The launcher's last lines after a failed job (pure: unit-tested). A rank that
-    stopped on bad input (exit 2) already said why in its one line: nothing to resume."""
+    stopped on bad input (exit 2) already said why in its one line: nothing to resume. A
+    full disk (exit 3) is ONE line in all: the rank's own line (``disk_full``, held back by
+    :class:`HeldOutput`: the path, its filesystem, the free space) with the run's state
+    and the command that resumes."""
     if failure is not None and failure.exitcode == EXIT_BAD_INPUT:
         return [f"{PROG}: rank {failure.rank} stopped on bad input (its error line is above); fix it and "
                 f"launch again"]
-    if failure is None:
-        head = f"torchrun exited with code {code} and named no failed rank (its output is above)"
-    elif failure.exitcode == EXIT_DISK_FULL:
-        head = f"rank {failure.rank} stopped: the disk filled (its line above names the path and the " \
-               f"filesystem); free space, then resume"
-    else:
-        on = f" on {failure.host}" if failure.host else ""
-        head = f"rank {failure.rank} (local rank {failure.local_rank}{on}) {failure.what()}; torchrun " \
-               f"stopped the other ranks"
-        if others:
-            head += f"; {others} other rank(s) failed after it (their tracebacks above follow from it)"
     done = f"the ledger's last complete step: {last_step}" if last_step is not None else \
         "the ledger completed no step"
     if checkpoint is not None:
@@ -269,7 +277,63 @@ def lost_rank_lines(failure: RankFailure | None, code: int, last_step: int | Non
     else:
         state = f"{done}; {'no complete checkpoint yet' if checkpoints_on else 'checkpoints are off (--checkpoint.enable)'}"
         again = f"train again (the same command; no checkpoint to resume from, it starts at step 1): {resume}"
+    if failure is not None and failure.exitcode == EXIT_DISK_FULL:
+        what = disk_full.split(";")[0] if disk_full else "disk full (the path was not reported)"
+        return [f"{PROG}: the run stopped, {what}; {state}; free space there or move "
+                f"--job.dump_folder, then {again}"]
+    if failure is None:
+        head = f"torchrun exited with code {code} and named no failed rank (its output is above)"
+    else:
+        on = f" on {failure.host}" if failure.host else ""
+        head = f"rank {failure.rank} (local rank {failure.local_rank}{on}) {failure.what()}; torchrun " \
+               f"stopped the other ranks"
+        if others:
+            head += f"; {others} other rank(s) failed after it (their tracebacks above follow from it)"
     return [f"{PROG}: {head}", f"{PROG}: {state}", f"{PROG}: {again}"]
+
+
+_RANK_ERROR = "titan_ledger.train: error: "
+_DISK_FULL = _RANK_ERROR + "disk full: "
+
+
+class HeldOutput:
+    """What of torchrun's stderr the launcher passes on now, and what it holds back (pure:
+    unit-tested). A rank's own error line (bad input, a full disk) already says everything;
+    what follows it -- the other ranks' broken collectives, torchrun's "closing signal"
+    lines and its 200-line ``ChildFailedError`` summary -- is held, and dropped at the end
+    when the cause is that rank's exit 2 or 3 (:meth:`finish`), printed otherwise. A full
+    disk's own lines are held too: every rank that met it prints one, and the launcher
+    says it once (:func:`lost_rank_lines`)."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.held: list[str] = []
+        self.disk_full: str | None = None  # the first rank's line, less its prefix
+        self._said: set[str] = set()
+
+    def feed(self, line: str) -> str | None:
+        """The line to print now, or None (held)."""
+        text = line.rstrip("\n")
+        if text.startswith(_DISK_FULL):
+            self.holding = True
+            if self.disk_full is None:
+                self.disk_full = text[len(_RANK_ERROR):]
+            return None
+        if text.startswith(_RANK_ERROR) and not self.holding:
+            self.holding = True
+            self._said.add(text)
+            return line
+        if self.holding:
+            if text not in self._said:  # the same bad-input line from every rank: once
+                self.held.append(line)
+            return None
+        return line
+
+    def finish(self, exitcode: int | None) -> list[str]:
+        """The held lines to print after all: none when the cause said it in its own line."""
+        if exitcode in (EXIT_BAD_INPUT, EXIT_DISK_FULL):
+            return []
+        return self.held + ([_RANK_ERROR + self.disk_full + "\n"] if self.disk_full else [])
 
 
 def without_rehearsal_death(argv: list[str]) -> list[str]:
@@ -296,17 +360,19 @@ def _pdeathsig() -> None:
         pass
 
 
-def supervise(cmd: list[str]) -> tuple[int, list[str]]:
-    """Run torchrun; its stderr passes through line by line. Returns (exit code, the last
-    400 stderr lines)."""
+def supervise(cmd: list[str]) -> tuple[int, list[str], HeldOutput]:
+    """Run torchrun; its stderr passes through line by line, less what :class:`HeldOutput`
+    holds. Returns (exit code, the last 400 stderr lines, the held output)."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=_pdeathsig)
     prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     tail: list[str] = []
+    held = HeldOutput()
     try:
         for raw in proc.stderr:
             line = raw.decode(errors="replace")
-            sys.stderr.write(line)
-            sys.stderr.flush()
+            if (now := held.feed(line)) is not None:
+                sys.stderr.write(now)
+                sys.stderr.flush()
             tail.append(line.rstrip("\n"))
             del tail[:-400]
         code = proc.wait()
@@ -314,7 +380,7 @@ def supervise(cmd: list[str]) -> tuple[int, list[str]]:
         code = proc.wait()
     finally:
         signal.signal(signal.SIGTERM, prev)
-    return code, tail
+    return code, tail, held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,19 +398,24 @@ def main(argv: list[str] | None = None) -> int:
     if print_only:
         print(shlex.join(cmd))
         return 0
+    warn_disk(config, nproc * nnodes_of(opts))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; no torchrun banner
     sys.stdout.flush()
     sys.stderr.flush()
-    code, tail = supervise(cmd)
-    if code != 0:
+    code, tail, held = supervise(cmd)
+    if code == 0:
+        sys.stderr.writelines(held.finish(None))
+    else:
         from titan_ledger.errors import python_command
 
         failures = parse_failures(tail)
         failure = cause_of(failures)
         last, ckpt = run_state(config)
         resume = shlex.join([python_command(), "-m", PROG, *without_rehearsal_death(argv)])
+        sys.stderr.writelines(held.finish(failure.exitcode if failure is not None else None))
         for line in lost_rank_lines(failure, code, last, ckpt, config.checkpoint.enable, resume,
-                                    others=sum(f != failure and f.exitcode != -signal.SIGTERM for f in failures)):
+                                    others=sum(f != failure and f.exitcode != -signal.SIGTERM for f in failures),
+                                    disk_full=held.disk_full):
             print(line, file=sys.stderr, flush=True)
         if failure is not None and failure.exitcode in (EXIT_BAD_INPUT, EXIT_DISK_FULL):
             return failure.exitcode  # the rank's own code (torchrun says 1)
