@@ -1,6 +1,6 @@
 """Does the online detector see one bad DP rank? Detection rate and false flags, measured.
 
-    python bench/bench_detection.py [--quick] [--start cold|warm] [--json FILE]
+    python bench/bench_detection.py [--quick] [--start cold|warm] [--prove off|acting|all] [--json FILE]
 
 Real runs of the ``debug_cpu`` config (llama3 debugmodel, bundled corpus, 4 rows x
 256 tokens per DP rank, FSDP over gloo ranks): one clean run of ``--clean-steps``
@@ -16,6 +16,12 @@ injection run count as false flags too.
 (``bench/warm_base.py``, built first if missing; fresh optimizer, LR schedule and detector
 history), where a random or repeated batch is far from what the model predicts; the
 cold start's model is at the unigram level, where a random batch scores like text.
+
+``--prove off|acting|all``: ``--ledger.on_spike.prove`` for every run (its own folder names,
+``prove_<mode>_``); each injection row adds the proof of step T (``proof_verdict``: it
+matches when ``bad_data``; ``proof_dp_rank`` the rank it convicted; ``proof_tier`` whether
+the step was an acting flag or a note) and the clean run its proofs by tier and verdict
+(none may find a cause).
 
 Takes about 20 minutes on 2 cores (``--quick``: DP 2 only, fewer steps).
 """
@@ -34,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.zoo import proof_counts, proof_verdict, read_proofs  # noqa: E402
 from titan_ledger.format.reader import RunLedger  # noqa: E402
 
 # the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
@@ -72,6 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--start", choices=("cold", "warm"), default="cold",
                     help="cold: fresh init; warm: the warm base's weights (bench/warm_base.py)")
+    ap.add_argument("--prove", choices=("off", "acting", "all"),
+                    help="--ledger.on_spike.prove for every run (default: the config's, acting), and each "
+                         "run's proofs read back: an injection's must be bad_data on the injected rank, the "
+                         "clean run's none harmful")
     a = ap.parse_args(argv)
     base = a.folder or Path(tempfile.mkdtemp(prefix="bench_detection_"))
     base.mkdir(parents=True, exist_ok=True)
@@ -81,6 +92,8 @@ def main(argv=None) -> int:
         from bench import warm_base
 
         start, pre = warm_base.start_flags(warm_base.ensure(log=print)), "warm_"
+    if a.prove:
+        start, pre = [*start, "--ledger.on_spike.prove", a.prove], f"{pre}prove_{a.prove}_"
     cases = [(2, step, rank, kind) for step in (12, 30, 80) for kind in ("repeat", "random") for rank in (1,)]
     if not a.quick:
         cases += [(4, step, 2, kind) for step in (30,) for kind in ("repeat", "random")]
@@ -94,7 +107,12 @@ def main(argv=None) -> int:
     flags = RunLedger(dump).spike_events()
     results["clean"] = {"dp": 2, "steps": a.clean_steps, "start": a.start, "false_flags": len(flags),
                         "flagged": [(e["step"], e["rules"]) for e in flags]}
-    print(f"clean DP 2, {a.clean_steps} steps: {len(flags)} false flags {results['clean']['flagged']}",
+    if a.prove:
+        proofs = read_proofs(dump)
+        results["clean"].update(proof_verdict(None, None, proofs), proof_counts=proof_counts(proofs),
+                                proof_steps=[[p["step"], p["tier"], p["verdict"]] for p in proofs])
+    print(f"clean DP 2, {a.clean_steps} steps: {len(flags)} false flags {results['clean']['flagged']}"
+          + (f"; proofs {results['clean']['proof_counts']} {results['clean']['proof_steps']}" if a.prove else ""),
           flush=True)
     for dp, step, rank, kind in cases:
         dump = base / f"{pre}inj_dp{dp}_{kind}_{step}"
@@ -107,6 +125,8 @@ def main(argv=None) -> int:
                "rules": at[0]["rules"] if at else [], "named_rank": at[0].get("suspect_dp_rank") if at else None,
                "diagnose": verdict.get("cause"), "diagnose_rank": verdict.get("rank"),
                "other_flags": sorted(e["step"] for e in ev if e["step"] != step)}
+        if a.prove:  # the proof of step T itself (the injection is that one step)
+            row.update(proof_verdict("bad_data", step, read_proofs(dump), before=0, after=0))
         results["injections"].append(row)
         print(json.dumps(row), flush=True)
     inj = results["injections"]
@@ -117,6 +137,16 @@ def main(argv=None) -> int:
         "false_flags_clean": results["clean"]["false_flags"],
         "false_flags_in_injection_runs": sum(len(r["other_flags"]) for r in inj),
     }
+    if a.prove:
+        results["summary"].update({
+            "prove": a.prove,
+            "proof_bad_data": f"{sum(r['proof_match'] for r in inj)}/{len(inj)}",
+            "proof_rank_named": f"{sum(r['proof_dp_rank'] == r['rank'] for r in inj)}/{len(inj)}",
+            "proof_verdicts_at_injection": [r["proof_verdict"] for r in inj],
+            "proof_harmful_elsewhere": {f"dp{r['dp']}_{r['kind']}_{r['step']}": r["proof_harmful_elsewhere"]
+                                        for r in inj if r["proof_harmful_elsewhere"]},
+            "clean_proofs": results["clean"]["proof_counts"],
+            "clean_proof_match": results["clean"]["proof_match"]})
     print(json.dumps(results["summary"]))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

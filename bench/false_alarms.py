@@ -3,7 +3,7 @@
     python bench/false_alarms.py [--quick] [--json] [--folder DIR] [--steps N] [--seeds 0 1 ...]
                                  [--corpus text hetero copy] [--dp 2 4] [--start cold warm]
                                  [--local-batch-size B] [--seq-len L]
-                                 [--replay-only [--rules KEY=VALUE ...]]
+                                 [--replay-only [--rules KEY=VALUE ...]] [--prove off|acting|all]
 
 Clean runs -- no fault of any kind: no injection, no planted document, the LR
 schedule untouched -- of the ``debug_cpu`` model (``train_configs/debug_cpu.toml``:
@@ -27,6 +27,14 @@ counts steps with an acting rule (an alert each, and with ``on_spike`` an action
 ``note_steps`` the steps with notes only (recorded, never acted on). ``clean_steps``
 counts trained steps, all of them (the history rules abstain for their first steps:
 ``min_history`` 8, the z-score rule ``window/2`` = 64).
+
+``--prove all`` (``--ledger.on_spike.prove``; default: the config's, ``acting``) proves
+every flagged step and every note in step (issue 35 item 7): ``proofs`` counts them,
+``proofs_by_verdict`` per tier and verdict, ``proofs_found_cause`` each proof that found a
+harmful cause (``bad_data``/``hardware``: on a clean run each one is wrong) and
+``promoted_notes`` the notes such a proof turned into alarms (counted as notes here: the
+detector's decision was a note). The proofs are read from ``spikes.jsonl`` through the
+format's reader (``bench/zoo.py``'s ``read_proofs``), also by ``--replay-only``.
 
 Offline replay: ``replay(dump)`` runs ``SpikeDetector`` over the recorded ledger with
 the run's own rule config (spikes.jsonl's header) -- the global loss and grad norm
@@ -86,6 +94,7 @@ if str(ROOT) not in sys.path:
 
 from bench import corpora, warm_base  # noqa: E402
 from bench.warm_base import read_rows  # noqa: E402
+from bench.zoo import read_proofs  # noqa: E402
 
 # the launch prefix: $TITAN_LEDGER_TORCHRUN (a site wrapper; the test suite's warm launcher) or torchrun
 from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
@@ -143,7 +152,8 @@ def quick_plan(warm: bool) -> list[Run]:
 
 
 # --------------------------------------------------------------------------- training
-def train_cmd(run: Run, prefix: Path, dump: Path, base: dict | None) -> list[str]:
+def train_cmd(run: Run, prefix: Path, dump: Path, base: dict | None, prove: str | None = None) -> list[str]:
+    """``prove``: ``--ledger.on_spike.prove`` (off, acting, all); None leaves the config's default."""
     cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(run.dp),
            "-m", "titan_ledger.train", "--job.config_file", str(CONFIG), "--training.steps", str(run.steps),
            "--training.local_batch_size", str(run.local_batch_size), "--training.seq_len", str(run.seq_len),
@@ -155,6 +165,8 @@ def train_cmd(run: Run, prefix: Path, dump: Path, base: dict | None) -> list[str
         if base is None:
             raise ValueError(f"{run.name}: a warm start needs the warm base (bench/warm_base.py)")
         cmd += warm_base.start_flags(base)
+    if prove is not None:
+        cmd += ["--ledger.on_spike.prove", prove]
     return cmd
 
 
@@ -167,7 +179,7 @@ def recorded(dump: Path, steps: int) -> bool:
 
 
 def train(run: Run, folder: Path, base: dict | None, fresh: bool, log,
-          corpora_dir: Path = corpora.OUT) -> tuple[Path, float, bool]:
+          corpora_dir: Path = corpora.OUT, prove: str | None = None) -> tuple[Path, float, bool]:
     """Trains ``run`` into ``folder/run.name`` (reused when complete and not ``fresh``);
     returns (dump, seconds, trained now)."""
     dump = folder / run.name
@@ -178,7 +190,7 @@ def train(run: Run, folder: Path, base: dict | None, fresh: bool, log,
     logf = folder / f"{run.name}.log"
     t0 = time.monotonic()
     with open(logf, "w") as f:
-        rc = subprocess.run(train_cmd(run, prefix, dump, base), cwd=ROOT, env=corpora.env(), stdout=f,
+        rc = subprocess.run(train_cmd(run, prefix, dump, base, prove), cwd=ROOT, env=corpora.env(), stdout=f,
                             stderr=subprocess.STDOUT).returncode
     seconds = time.monotonic() - t0
     if rc != 0 or not recorded(dump, run.steps):
@@ -204,7 +216,11 @@ def spike_events(dump: Path) -> list[dict]:
         if line.strip():
             r = json.loads(line)
             if "schema" not in r and ("rules" in r or "notes" in r) and not r.get("ladder"):
-                out.append({**r, "rules": r.get("rules", []), "notes": r.get("notes", [])})
+                # a note its proof found harmful (prove = "all") acts: its notes became its rules;
+                # the detector's decision was a note (``promoted``)
+                promoted = bool(r.get("promoted_by_proof"))
+                out.append({**r, "rules": [] if promoted else r.get("rules", []), "notes": r.get("notes", []),
+                            "promoted": promoted})
     return out
 
 
@@ -334,10 +350,11 @@ def per_1e4(flags: int, steps: int) -> float:
 
 def count(runs: list[dict]) -> dict:
     """``runs``: ``{"name", "clean_steps", "events": [{"step", "rules", "notes"}]}`` each
-    (``rules``: the acting rules that fired; ``notes``: those that fired as notes). Per
-    rule and tier the firings, per 10^4 clean steps and ``run@step`` of each;
-    ``acting_flags``: steps with an acting rule (each an alert, and with ``on_spike`` an
-    action); ``note_steps``: steps with notes only."""
+    (``rules``: the acting rules that fired; ``notes``: those that fired as notes), and
+    optionally ``proofs`` (``zoo.proof_rows``). Per rule and tier the firings, per 10^4
+    clean steps and ``run@step`` of each; ``acting_flags``: steps with an acting rule
+    (each an alert, and with ``on_spike`` an action); ``note_steps``: steps with notes
+    only. With proofs (``--prove``): :func:`count_proofs`."""
     steps = sum(r["clean_steps"] for r in runs)
     by_rule = {rule: [] for rule in RULES}
     noted = {rule: [] for rule in RULES}
@@ -361,7 +378,29 @@ def count(runs: list[dict]) -> dict:
             "flagged_by_rule": {k: v for k, v in by_rule.items() if v},
             "notes_by_rule": {k: len(v) for k, v in noted.items()},
             "noted_by_rule": {k: v for k, v in noted.items() if v},
-            "steps": flagged}
+            "steps": flagged, **count_proofs(runs)}
+
+
+def count_proofs(runs: list[dict]) -> dict:
+    """The proofs at the alarm over clean runs (pure; ``runs[i]["proofs"]``: ``zoo.proof_rows``).
+    ``proofs``: how many; ``proofs_by_verdict``: per tier (``acting``/``note``) and verdict;
+    ``proofs_found_cause``: ``run@step: verdict`` of each proof that found a harmful cause
+    (``format.proofs.HARMFUL``: on a clean run every one is wrong); ``promoted_notes``:
+    notes such a proof turned into an alarm."""
+    from titan_ledger.format.proofs import HARMFUL
+
+    by: dict[str, dict[str, int]] = {}
+    found, promoted, n = [], [], 0
+    for r in runs:
+        for p in r.get("proofs", []):
+            n += 1
+            tier = by.setdefault(p["tier"], {})
+            tier[p["verdict"]] = tier.get(p["verdict"], 0) + 1
+            if p["verdict"] in HARMFUL:
+                found.append(f"{r['name']}@{p['step']}: {p['verdict']}")
+            if p.get("promoted"):
+                promoted.append(f"{r['name']}@{p['step']}")
+    return {"proofs": n, "proofs_by_verdict": by, "proofs_found_cause": found, "promoted_notes": promoted}
 
 
 def table(res: dict) -> list[str]:
@@ -372,6 +411,10 @@ def table(res: dict) -> list[str]:
         steps = res["flagged_by_rule"].get(rule, [])
         out.append(f"{rule:<18}{n:>6}{res['per_1e4_by_rule'][rule]:>9}{res.get('notes_by_rule', {}).get(rule, 0):>7}"
                    f"  {', '.join(steps[:12])}" + (f" (+{len(steps) - 12})" if len(steps) > 12 else ""))
+    if res.get("proofs"):
+        out.append(f"proofs at the alarm: {res['proofs']} ({res['proofs_by_verdict']}); found a cause: "
+                   f"{', '.join(res['proofs_found_cause']) or 'none'}; notes promoted to alarms: "
+                   f"{', '.join(res['promoted_notes']) or 'none'}")
     return out
 
 
@@ -405,6 +448,7 @@ def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool
     out = {"name": run.name, **asdict(run), "clean_steps": len(rows), "trained_now": fresh,
            "seconds": round(seconds, 1),
            "events": [{"step": e["step"], "rules": e["rules"], "notes": e["notes"]} for e in ev],
+           "proofs": read_proofs(dump),
            "first_loss": round(_f(rows[0]["loss"]), 3) if rows else None,
            "last_loss": round(sum(_f(r["loss"]) for r in rows[-20:]) / len(rows[-20:]), 3) if rows else None}
     if check:
@@ -467,6 +511,8 @@ def main(argv=None) -> int:
     ap.add_argument("--infer-docs", action="store_true",
                     help="with --rules or --compare-tiers: count each rank's distinct documents from the "
                          "rows' sample ids where a ledger recorded none (before one_doc_spread)")
+    ap.add_argument("--prove", choices=("off", "acting", "all"),
+                    help="--ledger.on_spike.prove for every run (default: the config's, acting)")
     a = ap.parse_args(argv)
     rules = parse_rules(a.rules)
     if a.compare_tiers:
@@ -498,7 +544,7 @@ def main(argv=None) -> int:
                 log(f"{run.name}: not recorded, left out")
                 continue
         else:
-            dump, seconds, now = train(run, folder, base, fresh, log, a.corpora_dir)
+            dump, seconds, now = train(run, folder, base, fresh, log, a.corpora_dir, a.prove)
         r = summarize_run(run, dump, seconds, now, check=not a.no_replay_check, rules=rules,
                           infer_docs=a.infer_docs)
         runs.append(r)

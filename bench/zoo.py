@@ -1,6 +1,7 @@
 """Spike zoo (issue 14): spikes produced for real, and how often ``diagnose`` names their cause.
 
     python bench/zoo.py [--only NAME ...] [--set tuned|held_out|controls|sharp|attempted|smoke|all] [--json] [--folder DIR]
+                        [--prove off|acting|all]
 
 Design decision: every spike here comes out of a real training run of the
 ``debug_cpu`` model (llama3 debug, FSDP over 2 gloo ranks, 4 rows x 256 tokens per
@@ -61,6 +62,13 @@ was flagged), ``other_flags`` (flagged steps outside that window), for bad data
 ``true_documents`` / ``named_documents``, and ``seconds``. At the end, the confusion
 tables (true vs named cause, heuristic and rerun) and the goals: every cause named
 right with ``--rerun``, the heuristics' count, no flag on a control.
+
+``--prove off|acting|all`` passes ``--ledger.on_spike.prove`` to every launch and reads the
+proofs at the alarm back from ``spikes.jsonl`` (``proof``: ``proof_verdict``): the first
+proof from ``true_step - 1`` to ``true_step + 5`` against ``EXPECTED_VERDICT`` (planted
+document ``bad_data``, bit flip ``hardware``, LR relaunch ``not_data``), its tier (an acting
+flag or a note), the DP rank and documents it named; a control matches when no proof
+found a harmful cause.
 """
 
 from __future__ import annotations
@@ -267,10 +275,13 @@ class Result:
     rerun_variants: list[str] | None = None
     train_rc: int = 0
     error: str | None = None
+    proof: dict | None = None  # with --prove: proof_verdict() of the run's proofs
     seconds: float = 0.0
 
 
-def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
+def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) -> Result:
+    """``prove``: ``--ledger.on_spike.prove`` for every launch (None: the config's default)
+    and the proofs read back against the truth (``Result.proof``)."""
     t0 = time.monotonic()
     dump = base / sc.name
     shutil.rmtree(dump, ignore_errors=True)
@@ -279,13 +290,14 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
     prefix, planted = build_corpus(base / f"corpus_{sc.corpus}_{sc.plant or 'clean'}_{sc.plant_step}_{sc.seed}",
                                    sc.plant, sc.plant_step, sc.seed, sc.corpus)
     res = Result(sc.name, sc.set, sc.cause)
+    proving = ["--ledger.on_spike.prove", prove] if prove else []
     if sc.relaunch is None:
-        args = base_args(sc, prefix, sc.steps)
+        args = base_args(sc, prefix, sc.steps) + proving
         res.train_rc = train(args, dump, log)
     else:  # the first launch to the checkpoint, then the relaunch with the changed flags
         first, changed = sc.relaunch
-        res.train_rc = train(base_args(sc, prefix, first), dump, log)
-        args = base_args(sc, prefix, sc.steps) + list(changed)
+        res.train_rc = train(base_args(sc, prefix, first) + proving, dump, log)
+        args = base_args(sc, prefix, sc.steps) + proving + list(changed)
         res.train_rc = res.train_rc or train(args, dump, log)
     from titan_ledger.format.reader import RunLedger
 
@@ -306,6 +318,10 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
         near = flagged[:1]
     res.flagged_step = near[0] if near else None
     res.other_flags = [s for s in flagged if s != res.flagged_step and s not in near]
+    if prove:
+        proofs = read_proofs(dump)
+        res.proof = {**proof_verdict(sc.cause, res.true_step, proofs, res.true_documents),
+                     "counts": proof_counts(proofs), "steps": [[p["step"], p["tier"], p["verdict"]] for p in proofs]}
     if res.flagged_step is None:
         res.seconds = round(time.monotonic() - t0, 1)
         return res
@@ -331,6 +347,91 @@ def run(sc: Scenario, base: Path, rerun: bool = True) -> Result:
             res.rerun_variants = [x["variant"] for x in rr.get("variants", [])]
     res.seconds = round(time.monotonic() - t0, 1)
     return res
+
+
+# --------------------------------------------------------------------------- the proof at the alarm
+#: the verdict the in-step proof (``--ledger.on_spike.prove``) should reach for each true
+#: cause (``diagnose``'s names): a planted or injected batch is ``bad_data``, a bit flip
+#: ``hardware``, an LR relaunch reproducible and not the data (``not_data``). A control
+#: (None) has none: no proof on it may find a harmful cause (``format.proofs.HARMFUL``).
+EXPECTED_VERDICT = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data"}
+
+
+def proof_rows(events: list[dict]) -> list[dict]:
+    """The proofs recorded in a run's ``spikes.jsonl`` events (pure; ``events``: the
+    reader's ``RunLedger.spike_events() + note_events()``), one row per proven step in
+    step order: ``step``, ``tier`` (``acting``: an acting rule fired; ``note``: notes
+    only, proven under ``prove = "all"``), ``promoted`` (a note the proof turned into
+    an alarm), ``verdict``, ``applied``, ``dp_rank`` (the suspect DP rank), ``dp_ranks``
+    (hardware: the DP ranks whose executions differed), ``documents`` ([source, doc])."""
+    out = []
+    for e in events:
+        p = e.get("proof")
+        if not p:
+            continue
+        out.append({"step": int(e["step"]), "tier": "acting" if p.get("acting") else "note",
+                    "promoted": bool(e.get("promoted_by_proof")), "verdict": p["verdict"],
+                    "applied": p.get("applied"), "dp_rank": (p.get("suspect") or {}).get("dp_rank"),
+                    "dp_ranks": p.get("dp_ranks"), "documents": p.get("documents")})
+    return sorted(out, key=lambda r: r["step"])
+
+
+def proof_counts(proofs: list[dict]) -> dict:
+    """Proofs by tier and verdict (pure): ``{"acting": {verdict: n}, "note": {...}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for p in proofs:
+        by = out.setdefault(p["tier"], {})
+        by[p["verdict"]] = by.get(p["verdict"], 0) + 1
+    return out
+
+
+def read_proofs(dump: Path) -> list[dict]:
+    """:func:`proof_rows` of a recorded run (through the format's reader)."""
+    from titan_ledger.format.reader import RunLedger
+
+    led = RunLedger(dump)
+    return proof_rows(led.spike_events() + led.note_events())
+
+
+def proof_verdict(cause: str | None, true_step: int | None, proofs: list[dict],
+                  true_documents: list[int] | None = None, after: int = MATCH_AFTER, before: int = 1) -> dict:
+    """The proof against the truth (pure). A fault (``cause`` set): the first proof from
+    ``true_step - before`` to ``true_step + after`` (the window ``flagged_step`` uses) is the
+    spike's; it matches when its verdict is :data:`EXPECTED_VERDICT` of the cause
+    (no proof there: no match). A control (``cause`` None): matches when no proof
+    found a harmful cause. ``proof_harmful_elsewhere``: harmful verdicts outside the
+    window (every harmful verdict of a control), ``[step, verdict]``; for bad data
+    ``proof_named_planted``: the proof's documents include a planted one."""
+    from titan_ledger.format.proofs import HARMFUL
+
+    near = [p for p in proofs if cause is not None and true_step is not None
+            and true_step - before <= p["step"] <= true_step + after]
+    first = near[0] if near else None
+    out = {"proof_step": first and first["step"], "proof_verdict": first and first["verdict"],
+           "proof_tier": first and first["tier"], "proof_dp_rank": first and first["dp_rank"],
+           "proof_dp_ranks": first and first["dp_ranks"], "proof_documents": first and first["documents"],
+           "proof_harmful_elsewhere": [[p["step"], p["verdict"]] for p in proofs
+                                       if p["verdict"] in HARMFUL and p is not first and p not in near],
+           "proofs": len(proofs)}
+    if cause is None:
+        out["proof_match"] = not out["proof_harmful_elsewhere"]
+    else:
+        out["proof_match"] = first is not None and first["verdict"] == EXPECTED_VERDICT.get(cause)
+    if true_documents:
+        out["proof_named_planted"] = bool(first) and any(
+            int(d) in true_documents for _, d in (first["documents"] or []))
+    return out
+
+
+def proof_line(p: dict) -> str:
+    """A scenario's proof in the printed table (pure)."""
+    named = (f" DP rank {p['proof_dp_rank']}" if p["proof_dp_rank"] is not None else "") + (
+        f" DP ranks {p['proof_dp_ranks']}" if p["proof_dp_ranks"] else "") + (
+        f" docs {[f'{s}:{d}' for s, d in p['proof_documents'][:4]]}" if p["proof_documents"] else "")
+    head = (f"proof {p['proof_verdict']}@{p['proof_step']} ({p['proof_tier']}{named})"
+            if p["proof_step"] is not None else "no proof at the spike")
+    return (f"{head} {'MATCH' if p['proof_match'] else 'NO MATCH'}, {p['proofs']} proofs"
+            + (f", harmful elsewhere {p['proof_harmful_elsewhere']}" if p["proof_harmful_elsewhere"] else ""))
 
 
 def adam_peak(beta2: float, normal: int, plateau: int, after: int = 200, beta1: float = 0.9,
@@ -399,6 +500,13 @@ def summary(results: list[Result]) -> list[str]:
                    for r in ctl if r.flagged_step is not None]
         out.append(f"controls: {len(ctl) - len(flagged)}/{len(ctl)} without a flag"
                    + (f" (flagged: {', '.join(flagged)})" if flagged else ""))
+    pr = [r for r in results if r.proof is not None]
+    if pr:
+        bad = [f"{r.scenario}: {r.proof['proof_verdict']}@{r.proof['proof_step']}" + (
+            f" harmful elsewhere {r.proof['proof_harmful_elsewhere']}" if r.proof["proof_harmful_elsewhere"] else "")
+            for r in pr if not r.proof["proof_match"]]
+        out.append(f"proof at the alarm: verdict matches the truth in {len(pr) - len(bad)}/{len(pr)}"
+                   + (f" (not: {'; '.join(bad)})" if bad else ""))
     fa = [f"{r.scenario}@{r.other_flags}" for r in results if r.true_cause and r.other_flags]
     if fa:
         out.append(f"flags away from the true step in fault runs: {', '.join(fa)}")
@@ -417,6 +525,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true",
                     help="keep each scenario's checkpoints and rerun folders (about 350 MB a scenario); "
                          "by default only the ledgers and logs stay")
+    ap.add_argument("--prove", choices=("off", "acting", "all"),
+                    help="--ledger.on_spike.prove for every launch (default: the config's, acting), and each "
+                         "scenario's proofs read back against the truth")
     ap.add_argument("--adam-bound", action="store_true",
                     help="print how far Adam's update can grow after a low-gradient stretch, and exit")
     a = ap.parse_args(argv)
@@ -428,7 +539,7 @@ def main(argv=None) -> int:
         s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "smoke"))]
     results = []
     for sc in chosen:
-        r = run(sc, a.folder, rerun=not a.no_rerun)
+        r = run(sc, a.folder, rerun=not a.no_rerun, prove=a.prove)
         results.append(r)
         if not a.keep:  # the ledgers are the evidence; the checkpoints only fed the reruns
             for sub in ("checkpoint", "rerun"):
@@ -439,7 +550,8 @@ def main(argv=None) -> int:
             print(f"{r.scenario:<26} true {r.true_cause!s:<16} step {r.true_step!s:<5} flagged {r.flagged_step!s:<5}"
                   f" heuristic {r.named_cause!s:<16} rerun {r.named_cause_rerun!s:<16} "
                   f"{r.seconds:.0f}s" + (f"  docs {r.true_documents} -> {r.named_documents}" if r.true_documents else "")
-                  + (f"  other flags {r.other_flags}" if r.other_flags else "") + (f"  ERROR {r.error}" if r.error else ""),
+                  + (f"  other flags {r.other_flags}" if r.other_flags else "") + (f"  ERROR {r.error}" if r.error else "")
+                  + (f"  {proof_line(r.proof)}" if r.proof is not None else ""),
                   flush=True)
     lines = ["heuristic:", *confusion(results, "named_cause"), "with --rerun:",
              *confusion(results, "named_cause_rerun"), *summary(results)]

@@ -240,3 +240,38 @@ def test_parse_rules(fa):
     assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes",
                                       *fa._BOOLS} \
         == fields - {"enable"}
+
+
+def test_count_proofs_on_clean_runs(fa):
+    row = lambda step, tier, v, promoted=False: {"step": step, "tier": tier, "promoted": promoted,  # noqa: E731
+                                                 "verdict": v, "applied": "same", "dp_rank": 0,
+                                                 "dp_ranks": None, "documents": None}
+    runs = [{"name": "a", "clean_steps": 100, "events": [], "proofs": [row(12, "note", "outlier"),
+                                                                       row(40, "note", "not_data"),
+                                                                       row(41, "note", "outlier")]},
+            {"name": "b", "clean_steps": 100, "events": [{"step": 7, "rules": [], "notes": ["doc_low"]}],
+             "proofs": [row(7, "note", "bad_data", promoted=True), row(9, "acting", "not_data")]},
+            {"name": "c", "clean_steps": 100, "events": []}]  # recorded without proofs
+    res = fa.count_proofs(runs)
+    assert res == {"proofs": 5, "proofs_by_verdict": {"note": {"outlier": 2, "not_data": 1, "bad_data": 1},
+                                                      "acting": {"not_data": 1}},
+                   "proofs_found_cause": ["b@7: bad_data"], "promoted_notes": ["b@7"]}
+    full = fa.count(runs)
+    assert full["proofs"] == 5 and full["acting_flags"] == 0 and full["note_steps"] == 1
+    assert any("found a cause: b@7: bad_data" in line for line in fa.table(full))
+    assert fa.count_proofs([])["proofs"] == 0 and not any("proofs at" in x for x in fa.table(fa.count([])))
+
+
+def test_a_note_promoted_by_its_proof_stays_a_note(fa, tmp_path):
+    """A note proven harmful becomes an alarm (its notes are its rules in spikes.jsonl);
+    the detector's decision, which the counts and the replay check are about, was a note."""
+    (tmp_path / "ledger").mkdir()
+    lines = [{"schema": "spikes", "rules": {}},
+             {"step": 5, "rules": ["doc_low"], "notes": ["doc_low"], "promoted_by_proof": True,
+              "proof": {"verdict": "bad_data"}},
+             {"step": 6, "rules": ["ratio"], "notes": []}, {"step": 6, "ladder": True, "rules": ["ratio"]},
+             {"step": 8, "notes": ["doc_high"]}]
+    (tmp_path / "ledger" / "spikes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ev = fa.spike_events(tmp_path)
+    assert [(e["step"], e["rules"], e["notes"], e["promoted"]) for e in ev] == [
+        (5, [], ["doc_low"], True), (6, ["ratio"], [], False), (8, [], ["doc_high"], False)]

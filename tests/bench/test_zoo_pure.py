@@ -43,3 +43,66 @@ def test_adam_peak_matches_the_closed_forms():
     # a short run: bias correction keeps v_hat the plain mean of g^2 so far, so a
     # 100-step plateau after 100 normal steps amplifies the next updates by < 1.4x
     assert zoo.adam_peak(0.999, 100, 100) == pytest.approx(1.303384, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- the proof at the alarm
+def _proof(verdict, acting=True, dp_rank=None, docs=None, dp_ranks=None):
+    p = {"verdict": verdict, "applied": "none" if verdict == "hardware" else "same", "acting": acting,
+         "executions": [], "seconds": 1.0}
+    if dp_rank is not None:
+        p["suspect"] = {"dp_rank": dp_rank, "evidence": "doc_high"}
+    if docs is not None:
+        p["documents"] = docs
+    if dp_ranks is not None:
+        p["dp_ranks"] = dp_ranks
+    return p
+
+
+def test_proof_rows_read_both_tiers_in_step_order():
+    zoo = load_bench("zoo")
+    events = [{"step": 30, "rules": ["doc_high"], "notes": [], "proof": _proof("bad_data", True, 1, [["zoo", 7]])},
+              {"step": 31, "rules": ["ratio"], "notes": []},  # not proven (prove off, or before proofs)
+              {"step": 12, "notes": ["doc_low"], "proof": _proof("outlier", False, 0)},  # a note event
+              {"step": 20, "rules": ["doc_low"], "notes": ["doc_low"], "promoted_by_proof": True,
+               "proof": _proof("hardware", False, dp_ranks=[1])}]
+    rows = zoo.proof_rows(events)
+    assert [r["step"] for r in rows] == [12, 20, 30]
+    assert rows[0] == {"step": 12, "tier": "note", "promoted": False, "verdict": "outlier", "applied": "same",
+                       "dp_rank": 0, "dp_ranks": None, "documents": None}
+    assert rows[1]["tier"] == "note" and rows[1]["promoted"] and rows[1]["dp_ranks"] == [1]
+    assert rows[2]["tier"] == "acting" and rows[2]["documents"] == [["zoo", 7]] and rows[2]["dp_rank"] == 1
+    assert zoo.proof_counts(rows) == {"note": {"outlier": 1, "hardware": 1}, "acting": {"bad_data": 1}}
+    assert zoo.proof_rows([]) == [] and zoo.proof_counts([]) == {}
+
+
+def test_proof_verdict_against_the_truth():
+    zoo = load_bench("zoo")
+    row = lambda step, v, **k: {"step": step, "tier": "acting", "promoted": False, "verdict": v,  # noqa: E731
+                                "applied": "same", "dp_rank": k.get("dp_rank"), "dp_ranks": None,
+                                "documents": k.get("docs")}
+    assert zoo.EXPECTED_VERDICT == {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data"}
+    # planted document: the first proof in [true - 1, true + 5] is the spike's
+    p = zoo.proof_verdict("bad_data", 28, [row(5, "outlier"), row(29, "bad_data", dp_rank=1, docs=[["zoo", 41]]),
+                                           row(30, "not_data")], true_documents=[41])
+    assert p["proof_match"] and p["proof_step"] == 29 and p["proof_dp_rank"] == 1 and p["proof_named_planted"]
+    assert p["proof_harmful_elsewhere"] == [] and p["proofs"] == 3
+    assert not zoo.proof_verdict("bad_data", 28, [row(28, "bad_data", docs=[["zoo", 3]])],
+                                 true_documents=[41])["proof_named_planted"]
+    # a bit flip proven not_data, an LR relaunch proven hardware: no match
+    assert not zoo.proof_verdict("hardware", 28, [row(28, "not_data")])["proof_match"]
+    assert zoo.proof_verdict("lr", 21, [row(22, "not_data")])["proof_match"]
+    assert not zoo.proof_verdict("lr", 21, [row(21, "hardware")])["proof_match"]
+    # no proof near the true step: no match; a harmful one elsewhere is reported
+    far = zoo.proof_verdict("hardware", 28, [row(10, "bad_data"), row(40, "hardware")])
+    assert not far["proof_match"] and far["proof_step"] is None
+    assert far["proof_harmful_elsewhere"] == [[10, "bad_data"], [40, "hardware"]]
+    # the window: before=0, after=0 is the step itself (bench_detection's injections)
+    assert zoo.proof_verdict("bad_data", 30, [row(29, "bad_data")], before=0, after=0)["proof_step"] is None
+    assert zoo.proof_verdict("bad_data", 30, [row(30, "bad_data")], before=0, after=0)["proof_match"]
+    # a control: matches when no proof found a harmful cause
+    assert zoo.proof_verdict(None, None, [row(3, "outlier"), row(9, "not_data")])["proof_match"]
+    ctl = zoo.proof_verdict(None, None, [row(3, "outlier"), row(9, "bad_data")])
+    assert not ctl["proof_match"] and ctl["proof_harmful_elsewhere"] == [[9, "bad_data"]]
+    assert zoo.proof_verdict(None, None, [])["proof_match"]
+    assert "MATCH" in zoo.proof_line(p) and "zoo:41" in zoo.proof_line(p) and "DP rank 1" in zoo.proof_line(p)
+    assert zoo.proof_line(ctl).startswith("no proof at the spike NO MATCH")
