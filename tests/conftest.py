@@ -144,6 +144,7 @@ class Runs:
         return [str(a) for a in [
             "--job.config_file", CONFIGS / p.toml, "--training.steps", STEPS, *CKPT,
             "--checkpoint.initial_load_path", self.seed(p.qk_norm), "--ledger.per_layer",
+            "--ledger.update_norm",
             # step 2 re-executed by a proof at the alarm (a clean step: the original applied)
             "--ledger.rehearsal.prove_at", PROVEN_STEP,
             *(["--model.qk_norm"] if p.qk_norm else []),

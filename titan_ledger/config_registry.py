@@ -87,6 +87,58 @@ def debug_cpu() -> LedgerTrainer.Config:
     return config
 
 
+def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4):
+    """A llama3 model small enough for 10^4-step runs on a CPU core (issue 36).
+
+    Copied from torchtitan.models.llama3._debugmodel (0.3.0); CHANGED: dim 256 -> 64,
+    6 layers -> 2, 16 heads -> 4 (head_dim 16, as the debug model's), ffn 256 (multiple_of
+    64). Vocabulary 2048 (the bundled tokenizer's), the same inits (embedding std 1.0,
+    depth-scaled output projections), the same RoPE."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        Llama3Model,
+        _build_llama3_layers,
+        _output_linear_init,
+        model_registry,
+    )
+
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=2048,
+        tok_embeddings=Embedding.Config(num_embeddings=2048, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=_output_linear_init(dim)),
+        layers=_build_llama3_layers(
+            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),  # CHANGED: 256 -> 64
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    spec = model_registry("debugmodel")  # the llama3 spec (parallelize, pipelining, adapter)
+    return dataclasses.replace(spec, flavor="tiny", model=config)
+
+
+def tiny_cpu() -> LedgerTrainer.Config:
+    """A 2-layer llama3 (dim 64, 4 heads, vocab 2048: about 0.36 M parameters) on the
+    bundled corpus, seq_len 128, 8 rows per DP rank: tens of milliseconds a step on one
+    CPU core, so the real instabilities (issue 36: logit growth, output drift, Adam's
+    state, warm-up, precision) can be trained for 10^4 steps here. The full ledger is on;
+    one process (``--parallelism.data_parallel_shard_degree 1``) or DP 2 (the TOML's)."""
+    config = debug_cpu()
+    config.model_spec = _tiny_model()
+    config.loss = ChunkedDocLoss.Config(
+        loss_fn=DocLossCrossEntropy.Config(global_vocab_size=decoder_vocab_size(config.model_spec)))
+    config.dump_folder = "./outputs/tiny_cpu"
+    config.training.seq_len = 128
+    config.training.local_batch_size = 8
+    config.training.steps = 2000
+    config.checkpoint.interval = 500
+    return config
+
+
 def llama3_debugmodel() -> LedgerTrainer.Config:
     """torchtitan's llama3 debug model, bundled corpus/tokenizer, GPU defaults."""
     config = _as_ledger_config(llama3.llama3_debugmodel())

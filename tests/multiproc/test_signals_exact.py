@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 NUM_ZEROS_SLACK = 2
 
 
-def reference(args: list[str], seed_path, dp: int) -> dict:
+def reference(args: list[str], seed_path, dp: int, lr: float) -> dict:
     """Signals of step 1 computed on one unsharded model over the global batch."""
     from torchtitan.components.loss import IGNORE_INDEX
 
@@ -80,6 +80,13 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
         per_layer[layer_group(n)] = per_layer.get(layer_group(n), 0.0) + p.grad.double().square().sum().item()
     gn = math.sqrt(grad_sq)
     max_norm = config.training.max_norm
+    # the update AdamW applies to the clipped gradients (--ledger.update_norm)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+    kw = dict(config.optimizer.param_groups[0].optimizer_kwargs)
+    kw["lr"] = lr
+    torch.optim.AdamW(list(params.values()), **kw).step()
+    update = math.sqrt(sum((p.detach().double() - before[n].double()).square().sum() for n, p in params.items()))
     return {
         "consumed_samples": inputs.shape[0],
         "consumed_tokens": tokens,
@@ -92,7 +99,8 @@ def reference(args: list[str], seed_path, dp: int) -> dict:
         "grad_norm": gn,
         "grad_norm_clipped": gn * min(1.0, max_norm / (gn + 1e-6)),
         "num_zeros": int(sum((p.grad == 0).sum() for p in params.values())),
-        "param_norm": math.sqrt(sum(p.detach().double().square().sum() for p in params.values())),
+        "param_norm": math.sqrt(sum(before[n].double().square().sum() for n in params)),
+        "update_norm": update,
         "max_logit": max(m.take_max_logit(torch.device("cpu")).item() for m in attn),
         "grad_norm_per_layer": {k: math.sqrt(v) for k, v in per_layer.items()},
         "doc_sums": doc_sums,
@@ -107,7 +115,7 @@ def test_signals_equal_unsharded_reference(runs, case):
     assert ledger.torn_lines == 0 and [r["step"] for r in ledger.history] == list(range(1, 7))
     row = ledger.history[0]
     assert set(row) == set(signal_keys()) | {"grad_norm_per_layer"}
-    ref = reference(runs.args(case), runs.seed(PARALLELISMS[case].qk_norm), PARALLELISMS[case].dp)
+    ref = reference(runs.args(case), runs.seed(PARALLELISMS[case].qk_norm), PARALLELISMS[case].dp, row["lr"])
     if PARALLELISMS[case].qk_norm:  # the run's model had the norms (and the reference too)
         assert "layers.0.attention.q_norm.weight" in ref["param_names"]
     for key in ("consumed_samples", "consumed_tokens", "loss_max_rank"):
@@ -118,7 +126,7 @@ def test_signals_equal_unsharded_reference(runs, case):
     # Fresh-clone CI at e7a10f5 saw FSDP2xTP at 427,776 against the reference's 427,777 (also seen
     # at 128-token rows, 2026-12-02), so the count is equal up to NUM_ZEROS_SLACK elements.
     assert abs(row["num_zeros"] - ref["num_zeros"]) <= NUM_ZEROS_SLACK, (row["num_zeros"], ref["num_zeros"])
-    for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit",
+    for key in ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "update_norm", "max_logit",
                 "z_loss", "logz_mean", "logz_max"):
         assert row[key] == pytest.approx(ref[key], rel=1e-4), (key, row[key], ref[key])
     assert row["grad_norm_per_layer"] == pytest.approx(ref["grad_norm_per_layer"], rel=1e-4)

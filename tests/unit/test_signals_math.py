@@ -5,7 +5,7 @@ import math
 import torch
 
 from titan_ledger.components.attention import CpuAttention, document_causal_mask
-from titan_ledger.components.signals import ParamPlan, clipped_norm, layer_group, local_sums
+from titan_ledger.components.signals import ParamPlan, clipped_norm, layer_group, local_sums, snapshot, update_sq
 
 
 def test_layer_group():
@@ -38,6 +38,26 @@ def test_local_sums_single_process():
     assert plan.groups == ["0", "1"]
     assert torch.allclose(out["grad_sq"], torch.tensor([
         sum(g.square().sum() for g in grads[:2]), sum(g.square().sum() for g in grads[2:])]))
+
+
+def test_update_norm_is_the_norm_of_what_the_optimizer_applied():
+    """SGD moves every parameter by lr x grad: the update norm is lr x the grad norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model(torch.randn(5, 3)).sum().backward()
+    plan = ParamPlan.build(model.named_parameters(), world_size=1, pp_degree=1)
+    gn = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters()))
+    before = snapshot(plan)
+    torch.optim.SGD(model.parameters(), lr=0.25).step()
+    assert math.isclose(update_sq(plan, before, torch.device("cpu")).sqrt().item(), 0.25 * gn.item(), rel_tol=1e-6)
+    assert update_sq(plan, snapshot(plan), torch.device("cpu")).item() == 0.0  # nothing moved since
+    # AdamW's first step moves each element by lr x sign(grad) (plus the decay): not lr x the grad norm
+    model.zero_grad()
+    model(torch.randn(5, 3)).sum().backward()
+    before = snapshot(plan)
+    torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0).step()
+    n = sum(int((p.grad != 0).sum()) for p in model.parameters())
+    assert math.isclose(update_sq(plan, before, torch.device("cpu")).sqrt().item(), 1e-2 * math.sqrt(n), rel_tol=1e-4)
 
 
 def test_tied_weights_count_once():

@@ -16,6 +16,7 @@ WORLD = {
     "debug_cpu_pp.toml": 2,
     "debug_cpu_fsdp_tp.toml": 4,
     "debug_cpu_indexed.toml": 2,
+    "tiny_cpu.toml": 1,
     "llama3_8b.toml": 8,
     "llama3_70b.toml": 64,
     "llama3_405b.toml": 512,
@@ -39,6 +40,22 @@ def test_config_parses_and_fits_its_world(name):
 
         assert isinstance(config.dataloader, LedgerDataLoader.Config)
         assert config.dataloader.source == "indexed" and config.dataloader.paths
+
+
+def test_the_tiny_model_is_tiny_and_fills_one_or_two_ranks():
+    """tiny_cpu (issue 36): 2 layers, dim 64, 4 heads, vocab 2048 -- 368,960 parameters --
+    on one process or DP 2 (``data_parallel_shard_degree = -1``)."""
+    import torch
+
+    config = parse(read_job(["--job.config_file", str(CONFIGS / "tiny_cpu.toml")]))
+    for world in (1, 2):
+        check_world_size(config, world)
+    spec = config.model_spec.model
+    assert (spec.dim, len(spec.layers), config.model_spec.flavor) == (64, 2, "tiny")
+    with torch.device("meta"):
+        model = spec.build()
+    assert sum(p.numel() for p in model.parameters()) == 368_960
+    assert (config.training.seq_len, config.training.local_batch_size) == (128, 8)
 
 
 def test_help_lists_ledger_section_with_docstrings():

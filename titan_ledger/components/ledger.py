@@ -90,6 +90,13 @@ class Ledger(Configurable):
         per_layer: bool = False
         """Also record the pre-clip grad norm of each layer (``grad_norm_per_layer``)."""
 
+        update_norm: bool = False
+        """Also record the norm of the update ``optimizers.step`` applied (``update_norm``:
+        the parameters after it minus before, over the whole model; 0 on a step whose
+        update was rejected). Adam's update spikes before the loss when its second moment
+        lags the gradient (the optimizer-state cause). Costs a copy of this rank's
+        parameter shards and one scalar all-reduce a step."""
+
         doc_loss: DocLossConfig = field(default_factory=lambda: DocLossConfig())
         """Per-document loss (``[ledger.doc_loss]``)."""
 
@@ -338,6 +345,8 @@ class Ledger(Configurable):
         self.last_reduced, self.last_execution = red, (local_loss_sum, local_tokens, grad_norm)
         with record_function("titan_ledger.signals"):
             self.recorder.queue(rec, red.vector, stats)
+            if self.config.update_norm:
+                self.recorder.snapshot_params()
 
     # ------------------------------------------------------------------ a flagged step (proofs)
     def flags_now(self) -> tuple[bool, bool]:
@@ -385,7 +394,11 @@ class Ledger(Configurable):
 
     def after_update(self, applied: bool) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
-        logits put over the threshold (not when the guard rejected the update)."""
+        logits put over the threshold (not when the guard rejected the update); before it,
+        ``update_norm`` (the optimizer's update alone)."""
+        if self.recorder is not None and self.config.update_norm:
+            with record_function("titan_ledger.signals"):
+                self.recorder.attach_update(applied)
         if self.qk_clip is not None:
             if applied:
                 with record_function("titan_ledger.qk_clip"):

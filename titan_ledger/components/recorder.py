@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums
+from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums, snapshot, update_sq
 from titan_ledger.components.spikes import is_note as spike_note
 from titan_ledger.components.step_record import StepRecord
 from titan_ledger.components.topology import Topology
@@ -122,6 +122,7 @@ class SignalRecorder:
         self.doc_loss = doc_loss  # a DocLossTracker, when per-document losses are on
         self.logz = logz  # a LogZStats, when the loss is titan_ledger's
         self._n_layers = len(plan.groups) if per_layer else 0
+        self._before: list[torch.Tensor] | None = None  # [ledger] update_norm: the step's params before the update
         self.qk_clip = qk_clip  # a QKClip: per-head maxima ride along in the all-gather
         # QK-clip off: its two row values are NaN (made once, not a fill kernel every step)
         self._qk_off = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
@@ -236,6 +237,28 @@ class SignalRecorder:
             event.record()
         self._pending.append(_Pending(rec, reduced, extra, event))
 
+    def attach_update(self, applied: bool) -> None:
+        """[ledger] update_norm, after ``optimizers.step``: the newest queued step's update
+        norm from the snapshot taken before it (:func:`signals.update_sq`; 0 when the update
+        was not applied). One all-reduce of one scalar (the option's cost); the host copy
+        rides with the row (a new event replaces the step's)."""
+        p = self._pending[-1] if self._pending else None
+        if p is None or self._before is None:
+            return
+        sq = update_sq(self.plan, self._before, self.device) if applied else torch.zeros((), device=self.device)
+        self._before = None
+        if self.topo.world > 1:
+            dist.all_reduce(sq)
+        if self._cuda:
+            sq = sq.to("cpu", non_blocking=True)
+            p.event = torch.cuda.Event()
+            p.event.record()
+        p.rec.update_sq = sq
+
+    def snapshot_params(self) -> None:
+        """[ledger] update_norm, before ``optimizers.step``: this rank's owned parameter pieces."""
+        self._before = snapshot(self.plan)
+
     def completed(self, block: bool) -> Iterator[Completed]:
         """Every pending step whose copy is done, in step order, its rows built
         (``Ledger.drain`` writes them); ``block`` waits for the copies."""
@@ -247,6 +270,8 @@ class SignalRecorder:
                 if p.event is not None:
                     p.event.synchronize()
                 self._pending.popleft()
+                if p.rec.update_sq is not None:  # on the host with the row (attach_update)
+                    p.rec.update_sq = float(p.rec.update_sq)
                 v = p.host.tolist()
                 stats = p.extra.tolist() if p.extra is not None else None
                 row, rest = signals_row(v, p.rec, self.layout, skipped_samples=self.skipped_samples, stats=stats)
@@ -324,6 +349,7 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
         "num_zeros": int(zeros),
         "masked_tokens": int(masked),
         "param_norm": math.sqrt(param_sq),
+        "update_norm": math.sqrt(rec.update_sq) if rec.update_sq is not None else None,
         "max_logit": max_logit if layout.max_logit else None,
         "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
         "logz_mean": zsum / ztok if ztok else None,

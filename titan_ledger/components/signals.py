@@ -119,6 +119,21 @@ def local_sums(plan: ParamPlan, per_layer: bool, device: torch.device) -> dict[s
     return out
 
 
+def snapshot(plan: ParamPlan) -> list[torch.Tensor]:
+    """Copies of this rank's owned local parameter pieces (before ``optimizers.step``)."""
+    return [local(p).detach().clone() for p in plan.params]
+
+
+def update_sq(plan: ParamPlan, before: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's owned contribution to the squared norm of the update just applied
+    (the parameters now minus ``before``): fp32 scalar on ``device``. Summed over the
+    world (the ownership rule above) it is the unsharded model's update norm."""
+    if not before:
+        return torch.zeros((), device=device)
+    diffs = [local(p).detach().float() - b.float() for p, b in zip(plan.params, before)]
+    return torch.stack(torch._foreach_norm(diffs)).square().sum()
+
+
 def clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor ``clip_grad_norm_`` multiplied the gradients by (torch's eps 1e-6)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

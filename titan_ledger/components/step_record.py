@@ -38,6 +38,7 @@ class StepRecord:
     update_skipped: bool = False
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
     proof: dict | None = None  # the proof at the alarm (components.proof), when one ran
+    update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)
 
     def masked_or_none(self) -> dict | None:
         """The masks that hit something (the data row omits an empty ``masked``)."""

@@ -168,6 +168,7 @@ SIGNAL_KEYS = (
     "num_zeros",
     "masked_tokens",
     "param_norm",
+    "update_norm",
     "max_logit",
     "z_loss",
     "logz_mean",
@@ -200,6 +201,7 @@ class SignalRow(TypedDict, total=False):
     num_zeros: int | None
     masked_tokens: int | None  # label tokens the quarantine / repetition filter masked (all ranks)
     param_norm: float | None
+    update_norm: float | None  # [ledger] update_norm: || params after optimizers.step - before || (0: no update)
     max_logit: float | None
     z_loss: float | None  # mean over valid label tokens of log Z^2 (unweighted; None: not measured)
     logz_mean: float | None  # mean log Z = logsumexp(logits) over valid label tokens
