@@ -50,9 +50,18 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   ``precision_sharp`` (the same base relaunched in bf16: no spike).
   ``--adam-bound`` prints why the optimizer-state mechanism needs far longer runs
   (``adam_peak``).
+* real (``--set real``; not in ``all``; issue 36): instabilities the configuration
+  itself causes on the tiny model (``train_configs/tiny_cpu.toml``, one process, cosine
+  decay, every checkpoint kept): ``lr_warmup_real`` and ``logit_growth_real`` (one run:
+  LR 0.3 after a 20-step warm-up; the max attention logit climbs into the thousands and
+  the loss and grad norm spike; truth ``lr``, resp. the logits; preventions a 500-step
+  warm-up, resp. QK-norm), ``lr_divergence_real`` (LR 1.0: the loss climbs to 17-27).
+  Each also runs the same configuration with the cause's prevention: ``prevented`` is
+  true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
+  log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
 * smoke (``--set smoke``; not in ``all``): ``hardware_smoke``, the CI test's scenario
   (``tests/bench/test_zoo.py``): a bit flip at step 12 of 16 steps at a quarter of the
-  rows; it measures nothing.
+  rows; it measures nothing. ``real_smoke``: the first 40 steps of ``lr_divergence_real``.
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,
@@ -102,6 +111,13 @@ CONSTANT_LR = ("--lr_scheduler.min_lr_factor", "1.0")  # warmup 2, then constant
 COPY_PERIOD, COPY_DOCS, COPY_WORDS = 8, 4000, 400
 SHARP = ("--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "5", *CONSTANT_LR)
 SHARP_5E3 = ("--optimizer.lr", "5e-3", "--lr_scheduler.warmup_steps", "5", *CONSTANT_LR)
+# The real set (issue 36): the tiny model (train_configs/tiny_cpu.toml: 2 layers, dim 64,
+# ~50 ms a step on one core) in one process, the text read in order, cosine decay over
+# the run, every checkpoint kept (diagnose --rerun starts from the one before the spike),
+# the update norm recorded. No fault is injected: the configuration is the cause.
+REAL = ("--lr_scheduler.decay_type", "cosine", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0")
+REAL_LR3 = ("--optimizer.lr", "0.3", "--lr_scheduler.warmup_steps", "20", *REAL)
+REAL_LR1 = ("--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", *REAL)
 
 
 @dataclass(frozen=True)
@@ -115,8 +131,13 @@ class Scenario:
     seed: int = 0
     relaunch: tuple[int, tuple[str, ...]] | None = None  # (first launch's last step, flags of the second)
     true_step: int | None = None  # known by construction; else read from the data ledger
-    set: str = "tuned"  # tuned | held_out | controls | sharp | attempted
+    set: str = "tuned"  # tuned | held_out | controls | sharp | attempted | real
     corpus: str = "text"  # text: the bundled documents | copy: the synthetic copy corpus (COPY_*)
+    config: str = "debug_cpu.toml"  # train_configs/<config>
+    nproc: int = 2
+    ckpt_interval: int = 10
+    # real: the flags of the same run with the cause's prevention (``Result.prevented``)
+    prevention: tuple[str, ...] | None = None
 
 
 SCENARIOS = [
@@ -163,6 +184,21 @@ SCENARIOS = [
              set="attempted", corpus="copy"),
     Scenario("precision_sharp", "bf16", 240, SHARP_5E3,
              relaunch=(200, ("--training.mixed_precision_param", "bfloat16")), set="attempted", corpus="copy"),
+    # real (issue 36; not in ``all``): instabilities the configuration causes, on the tiny
+    # model, each with the run under the cause's prevention (``Result.prevented``).
+    # LR 0.3 after a 20-step warm-up: the max attention logit climbs from 0.1 to ~8,800
+    # and the loss and grad norm spike from step 26 on (2,000-step runs: 2026-12-04).
+    # Its truth is the LR: QK-norm bounds the logits (max <= 18) but not the spikes, and a
+    # 500-step warm-up removes most of them; both preventions are run.
+    Scenario("lr_warmup_real", "lr", 600, REAL_LR3, set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=20,
+             prevention=("--lr_scheduler.warmup_steps", "500")),
+    Scenario("logit_growth_real", "logit_growth", 600, REAL_LR3, set="real", config="tiny_cpu.toml", nproc=1,
+             ckpt_interval=20, prevention=("--model.qk_norm",)),
+    # LR 1.0: the loss climbs from 6 to 17-27 (log Z to 46, grad norm to 7e5) and stays high
+    Scenario("lr_divergence_real", "lr", 400, REAL_LR1, set="real", config="tiny_cpu.toml", nproc=1,
+             ckpt_interval=20, prevention=("--lr_scheduler.warmup_steps", "300", "--optimizer.lr", "0.1")),
+    # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
+    Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
              ("--optimizer.lr", "1e-2", *CONSTANT_LR, "--training.max_norm", "1e9", "--optimizer.betas", "0.9",
               "0.999", "--optimizer.eps", "1e-15"), set="attempted"),
@@ -238,13 +274,13 @@ def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
 
 
 def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:
-    return ["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), "--training.steps", str(steps),
-            "--checkpoint.enable", "--checkpoint.interval", "10", "--dataloader.source", "indexed",
+    return ["--job.config_file", str(ROOT / "train_configs" / sc.config), "--training.steps", str(steps),
+            "--checkpoint.enable", "--checkpoint.interval", str(sc.ckpt_interval), "--dataloader.source", "indexed",
             "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags]
 
 
-def train(args: list[str], dump: Path, log: Path) -> int:
-    cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", "2",
+def train(args: list[str], dump: Path, log: Path, nproc: int = 2) -> int:
+    cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(nproc),
            "-m", "titan_ledger.train", *args, "--dump_folder", str(dump)]
     with open(log, "a") as f:
         return subprocess.run(cmd, cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT).returncode
@@ -276,6 +312,10 @@ class Result:
     train_rc: int = 0
     error: str | None = None
     proof: dict | None = None  # with --prove: proof_verdict() of the run's proofs
+    fingerprint: dict | None = None  # real: the signals before the flagged step (fingerprint())
+    prevented: bool | None = None  # real: the run with the prevention has no acting flag
+    prevention_flags: list[int] | None = None  # real: its flagged steps
+    prevention_fingerprint: dict | None = None  # real: its signals over the same steps
     seconds: float = 0.0
 
 
@@ -293,12 +333,12 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     proving = ["--ledger.on_spike.prove", prove] if prove else []
     if sc.relaunch is None:
         args = base_args(sc, prefix, sc.steps) + proving
-        res.train_rc = train(args, dump, log)
+        res.train_rc = train(args, dump, log, sc.nproc)
     else:  # the first launch to the checkpoint, then the relaunch with the changed flags
         first, changed = sc.relaunch
-        res.train_rc = train(base_args(sc, prefix, first) + proving, dump, log)
+        res.train_rc = train(base_args(sc, prefix, first) + proving, dump, log, sc.nproc)
         args = base_args(sc, prefix, sc.steps) + proving + list(changed)
-        res.train_rc = res.train_rc or train(args, dump, log)
+        res.train_rc = res.train_rc or train(args, dump, log, sc.nproc)
     from titan_ledger.format.reader import RunLedger
 
     led = RunLedger(dump)
@@ -312,6 +352,18 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
         res.true_step = next((b["step"] for a, b in zip(rows, rows[1:])
                               if b["step"] > sc.relaunch[0] and b["lr"] >= 2 * a["lr"]), None)
     flagged = led.spike_steps()
+    if sc.prevention is not None:  # real: the same run with the cause's prevention
+        pdump = base / f"{sc.name}_prevented"
+        shutil.rmtree(pdump, ignore_errors=True)
+        res.train_rc = res.train_rc or train(base_args(sc, prefix, sc.steps) + proving + list(sc.prevention),
+                                             pdump, base / f"{sc.name}_prevented.log", sc.nproc)
+        pled = RunLedger(pdump)
+        res.prevention_flags = pled.spike_steps()
+        res.prevented = not res.prevention_flags
+        if flagged:
+            res.prevention_fingerprint = fingerprint(pled.trained_rows(), flagged[0])
+    if flagged:
+        res.fingerprint = fingerprint(led.trained_rows(), flagged[0])
     if res.true_step is not None:
         near = [s for s in flagged if res.true_step - 1 <= s <= res.true_step + MATCH_AFTER]
     else:
@@ -320,7 +372,9 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     res.other_flags = [s for s in flagged if s != res.flagged_step and s not in near]
     if prove:
         proofs = read_proofs(dump)
-        res.proof = {**proof_verdict(sc.cause, res.true_step, proofs, res.true_documents),
+        # a real cause has no step by construction: its spike is the first flagged step
+        at = res.true_step if res.true_step is not None else res.flagged_step
+        res.proof = {**proof_verdict(sc.cause, at, proofs, res.true_documents),
                      "counts": proof_counts(proofs), "steps": [[p["step"], p["tier"], p["verdict"]] for p in proofs]}
     if res.flagged_step is None:
         res.seconds = round(time.monotonic() - t0, 1)
@@ -349,12 +403,44 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     return res
 
 
+# --------------------------------------------------------------------------- real instabilities
+#: the signals a real cause moves before its spike (issue 36): attention logits, output
+#: logits (log Z), the pre-clip grad norm, the update Adam applied, the parameter norm
+FINGERPRINT_KEYS = ("max_logit", "logz_max", "grad_norm", "update_norm", "param_norm", "loss")
+
+
+def fingerprint(rows: list[dict], step: int, window: int = 20) -> dict:
+    """What the signals did before ``step`` (pure): per key of :data:`FINGERPRINT_KEYS`,
+    the median over the first ``window`` trained steps, the median and max over the
+    ``window`` steps before ``step``, and the value at ``step`` (None where the run did not
+    record it or has no such step)."""
+    import statistics
+
+    def stats(rs: list[dict], key: str) -> list[float] | None:
+        vals = [r[key] for r in rs if r.get(key) is not None and r[key] == r[key]]
+        return vals or None
+
+    early = rows[:window]
+    before = [r for r in rows if step - window <= r["step"] < step]
+    at = next((r for r in rows if r["step"] == step), {})
+    out: dict = {"step": step}
+    for k in FINGERPRINT_KEYS:
+        e, b = stats(early, k), stats(before, k)
+        out[k] = {"early_median": e and round(statistics.median(e), 4),
+                  "before_median": b and round(statistics.median(b), 4), "before_max": b and round(max(b), 4),
+                  "at": at.get(k) if at.get(k) is None else round(at[k], 4)}
+    return out
+
+
 # --------------------------------------------------------------------------- the proof at the alarm
 #: the verdict the in-step proof (``--ledger.on_spike.prove``) should reach for each true
 #: cause (``diagnose``'s names): a planted or injected batch is ``bad_data``, a bit flip
 #: ``hardware``, an LR relaunch reproducible and not the data (``not_data``). A control
 #: (None) has none: no proof on it may find a harmful cause (``format.proofs.HARMFUL``).
-EXPECTED_VERDICT = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data"}
+EXPECTED_VERDICT = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data",
+                    # the real causes (issue 36): reproducible, and not the data
+                    "logit_growth": "not_data", "output_logits": "not_data", "optimizer_state": "not_data",
+                    "bf16": "not_data"}
 
 
 def proof_rows(events: list[dict]) -> list[dict]:
@@ -477,7 +563,7 @@ def confusion(results: list[Result], key: str) -> list[str]:
 
 def summary(results: list[Result]) -> list[str]:
     out = []
-    for s in ("tuned", "held_out", "sharp", "smoke"):
+    for s in ("tuned", "held_out", "sharp", "real", "smoke"):
         rs = [r for r in results if r.set == s and r.true_cause]
         if not rs:
             continue
@@ -516,7 +602,7 @@ def summary(results: list[Result]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
-    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "smoke", "all"),
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "real", "smoke", "all"),
                     default="all", help="all: tuned, held_out and controls (sharp, attempted and the test's "
                                         "smoke scenario only by name or --set)")
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
@@ -536,14 +622,16 @@ def main(argv=None) -> int:
         return 0
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
-        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "smoke"))]
+        s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "real",
+                                                                                      "smoke"))]
     results = []
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun, prove=a.prove)
         results.append(r)
         if not a.keep:  # the ledgers are the evidence; the checkpoints only fed the reruns
             for sub in ("checkpoint", "rerun"):
-                shutil.rmtree(a.folder / sc.name / sub, ignore_errors=True)
+                for run_dir in (sc.name, f"{sc.name}_prevented"):
+                    shutil.rmtree(a.folder / run_dir / sub, ignore_errors=True)
         if a.json:
             print(json.dumps(r.__dict__), flush=True)
         else:
@@ -551,7 +639,8 @@ def main(argv=None) -> int:
                   f" heuristic {r.named_cause!s:<16} rerun {r.named_cause_rerun!s:<16} "
                   f"{r.seconds:.0f}s" + (f"  docs {r.true_documents} -> {r.named_documents}" if r.true_documents else "")
                   + (f"  other flags {r.other_flags}" if r.other_flags else "") + (f"  ERROR {r.error}" if r.error else "")
-                  + (f"  {proof_line(r.proof)}" if r.proof is not None else ""),
+                  + (f"  {proof_line(r.proof)}" if r.proof is not None else "")
+                  + (f"  prevented {r.prevented} (its flags {r.prevention_flags[:8]})" if r.prevented is not None else ""),
                   flush=True)
     lines = ["heuristic:", *confusion(results, "named_cause"), "with --rerun:",
              *confusion(results, "named_cause_rerun"), *summary(results)]

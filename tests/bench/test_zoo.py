@@ -33,3 +33,27 @@ def test_hardware_scenario_is_flagged_and_named(tmp_path):
     zoo = load_bench("zoo")
     table = zoo.confusion([zoo.Result(**res)], "named_cause")
     assert table[1].split() == ["hardware", "1"]
+
+
+def test_a_real_instability_is_flagged_proven_not_data_and_fingerprinted(tmp_path):
+    """``real_smoke`` (issue 36): the tiny model at LR 1.0 after a 20-step warm-up, nothing
+    injected. Its first spike (step 22: loss 9.09, grad norm 9.17, max logit 8,386) is
+    flagged, the in-step proof finds it reproducible and not the data, and the fingerprint
+    shows the attention logits grown a thousandfold since step 1 (0.14)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "zoo.py"), "--only", "real_smoke", "--no-rerun",
+                           "--prove", "acting", "--json", "--folder", str(tmp_path)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")][0]
+    assert res["train_rc"] == 0 and res["error"] is None and res["flagged_step"] == 22, res
+    assert res["proof"]["proof_step"] == 22 and res["proof"]["proof_verdict"] == "not_data", res["proof"]
+    assert res["proof"]["proof_match"], res["proof"]
+    fp = res["fingerprint"]
+    assert fp["step"] == 22 and fp["max_logit"]["at"] > 1000 and fp["max_logit"]["before_max"] > 1000, fp
+    assert fp["grad_norm"]["at"] > 2 * fp["grad_norm"]["before_median"], fp
+    assert fp["update_norm"]["at"] is not None and fp["update_norm"]["at"] > 0, fp  # --ledger.update_norm is on
+    zoo = load_bench("zoo")
+    rows = [{"step": s, "max_logit": float(s), "loss": 1.0} for s in range(1, 41)]
+    got = zoo.fingerprint(rows, 30, window=5)
+    assert got["max_logit"] == {"early_median": 3.0, "before_median": 27.0, "before_max": 29.0, "at": 30.0}
+    assert got["grad_norm"] == {"early_median": None, "before_median": None, "before_max": None, "at": None}
