@@ -80,7 +80,8 @@ def test_proof_verdict_against_the_truth():
     row = lambda step, v, **k: {"step": step, "tier": "acting", "promoted": False, "verdict": v,  # noqa: E731
                                 "applied": "same", "dp_rank": k.get("dp_rank"), "dp_ranks": None,
                                 "documents": k.get("docs")}
-    assert zoo.EXPECTED_VERDICT == {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data"}
+    expected = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data"}
+    assert {k: zoo.EXPECTED_VERDICT[k] for k in expected} == expected
     # planted document: the first proof in [true - 1, true + 5] is the spike's
     p = zoo.proof_verdict("bad_data", 28, [row(5, "outlier"), row(29, "bad_data", dp_rank=1, docs=[["zoo", 41]]),
                                            row(30, "not_data")], true_documents=[41])
