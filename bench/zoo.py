@@ -55,7 +55,10 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   decay, every checkpoint kept): ``lr_warmup_real`` and ``logit_growth_real`` (one run:
   LR 0.3 after a 20-step warm-up; the max attention logit climbs into the thousands and
   the loss and grad norm spike; truth ``lr``, resp. the logits; preventions a 500-step
-  warm-up, resp. QK-norm), ``lr_divergence_real`` (LR 1.0: the loss climbs to 17-27).
+  warm-up, resp. QK-norm), ``lr_divergence_real`` (LR 1.0: the loss climbs to 17-27),
+  ``optimizer_state_real`` (1,759 steps of one easy document, then the text, under beta2
+  0.999 and eps 1e-15: Adam's update amplified when the gradient returns; prevention
+  beta2 0.95).
   Each also runs the same configuration with the cause's prevention: ``prevented`` is
   true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
   log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
@@ -118,6 +121,12 @@ SHARP_5E3 = ("--optimizer.lr", "5e-3", "--lr_scheduler.warmup_steps", "5", *CONS
 REAL = ("--lr_scheduler.decay_type", "cosine", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0")
 REAL_LR3 = ("--optimizer.lr", "0.3", "--lr_scheduler.warmup_steps", "20", *REAL)
 REAL_LR1 = ("--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", *REAL)
+# The optimizer-state cause (Bai et al.; the article's section 2.6): a long low-gradient
+# stretch -- EASY_DOCS copies of one easy document, 1,759 steps of the tiny model's 1,024
+# tokens -- then the ordinary text, at a constant LR under beta2 0.999 and a tiny eps.
+EASY_TEXT, EASY_DOCS = " the end." * 400, 1500
+REAL_ADAM = ("--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "100", *CONSTANT_LR, "--ledger.update_norm",
+             "--checkpoint.keep_latest_k", "0", "--optimizer.betas", "0.9", "0.999", "--optimizer.eps", "1e-15")
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,7 @@ class Scenario:
     relaunch: tuple[int, tuple[str, ...]] | None = None  # (first launch's last step, flags of the second)
     true_step: int | None = None  # known by construction; else read from the data ledger
     set: str = "tuned"  # tuned | held_out | controls | sharp | attempted | real
-    corpus: str = "text"  # text: the bundled documents | copy: the synthetic copy corpus (COPY_*)
+    corpus: str = "text"  # text: the bundled documents | copy: the synthetic copy corpus (COPY_*) | easy: EASY_*, then text
     config: str = "debug_cpu.toml"  # train_configs/<config>
     nproc: int = 2
     ckpt_interval: int = 10
@@ -197,6 +206,10 @@ SCENARIOS = [
     # LR 1.0: the loss climbs from 6 to 17-27 (log Z to 46, grad norm to 7e5) and stays high
     Scenario("lr_divergence_real", "lr", 400, REAL_LR1, set="real", config="tiny_cpu.toml", nproc=1,
              ckpt_interval=20, prevention=("--lr_scheduler.warmup_steps", "300", "--optimizer.lr", "0.1")),
+    # the easy stretch, then text at step 1760: Adam's update amplified 56x (beta2 0.95: 9.8x)
+    Scenario("optimizer_state_real", "optimizer_state", 2000, REAL_ADAM, set="real", corpus="easy",
+             config="tiny_cpu.toml", nproc=1, ckpt_interval=20,
+             prevention=("--optimizer.betas", "0.9", "0.95", "--optimizer.eps", "1e-8")),
     # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
     Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
@@ -248,14 +261,15 @@ def copy_documents(tok, seed: int) -> list[dict]:
 
 def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
                  corpus: str = "text") -> tuple[Path, list[int]]:
-    """The bundled documents (or the copy corpus) in order, one degenerate document
-    inserted where the sequential order reaches it at about ``plant_step``; returns
-    (prefix, its doc ids)."""
+    """The bundled documents (or the copy corpus, or the easy stretch then the bundled
+    documents) in order, one degenerate document inserted where the sequential order
+    reaches it at about ``plant_step``; returns (prefix, its doc ids)."""
     from titan_ledger.data.prepare import load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
+    text = [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()]
     docs = (copy_documents(tok, seed) if corpus == "copy" else
-            [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()])
+            [{"text": EASY_TEXT}] * EASY_DOCS + text * 3 if corpus == "easy" else text)
     out, seen, planted = [], 0, []
     target = (plant_step - 1) * TOKENS_PER_STEP
     for d in docs:
