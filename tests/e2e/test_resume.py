@@ -120,10 +120,16 @@ def test_a_full_disk_stops_with_one_line_keeps_the_record_and_resumes_exactly(ru
         argv = ["--nproc", "2", "--", *runs.args("FSDP2"), "--job.dump_folder", str(dump)]
         with mock.patch.dict(os.environ, child_env()):
             rc, out, err = cli(launch.main, argv)
-            # through the launcher, ONE line in all: the path, its filesystem, the state, the command
-            assert rc == 3 and len(err.splitlines()) == 1, f"rc={rc}\n{err[-5000:]}"
-            assert err.startswith("titan_ledger.launch: the run stopped, disk full: could not write "), err
-            assert f"(filesystem {mnt}: " in err and "newest complete checkpoint: step 3" in err, err
+            # before any rank starts, the launcher's estimate warned that the folder cannot hold
+            # the run; then, through the launcher, ONE line in all for the full disk: the path,
+            # its filesystem, the state, the command
+            warned, *rest = err.splitlines()
+            assert rc == 3 and len(rest) == 1, f"rc={rc}\n{err[-5000:]}"
+            assert warned.startswith(f"titan_ledger.launch: warning: {dump} has ") and \
+                "2 checkpoint(s) of 74.0 MB held at once" in warned, warned
+            full = rest[0]
+            assert full.startswith("titan_ledger.launch: the run stopped, disk full: could not write "), err
+            assert f"(filesystem {mnt}: " in full and "newest complete checkpoint: step 3" in full, err
             assert checkpoints(dump) == [3]  # step-6 was cut: no .metadata, never listed
             led = signals_ledger(dump)
             assert led.torn_lines == 0 and [r["step"] for r in led.history][:5] == [1, 2, 3, 4, 5], led.torn_lines

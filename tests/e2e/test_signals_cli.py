@@ -34,9 +34,11 @@ def test_nonfinite_row_on_disk_and_dashboards(tmp_path):
     assert [r["step"] for r in ledger.history] == [1, 2]
     assert math.isfinite(ledger.history[0]["loss"]) and math.isnan(ledger.history[1]["loss"])
 
-    # every key with a value reaches the dashboards; QK-clip's are null when it is off
-    assert all(r["qk_clip_heads"] is None and r["qk_clip_eta_min"] is None for r in ledger.history)
-    dashboard_keys = {f"ledger/{k}" for k in signal_keys() if k != "step" and not k.startswith("qk_clip_")}
+    # every key with a value reaches the dashboards; QK-clip's and the update norm are null when off
+    assert all(r["qk_clip_heads"] is None and r["qk_clip_eta_min"] is None and r["update_norm"] is None
+               for r in ledger.history)
+    dashboard_keys = {f"ledger/{k}" for k in signal_keys()
+                      if k not in ("step", "update_norm") and not k.startswith("qk_clip_")}
     # the W&B step (_step) is an event counter; the training step is train/step
     wandb_rows = {r.get("train/step", r["_step"]): r for r in read_wandb_history(tmp_path) if "ledger/loss" in r}
     assert sorted(wandb_rows) == [1, 2]
