@@ -58,7 +58,8 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   warm-up, resp. QK-norm), ``lr_divergence_real`` (LR 1.0: the loss climbs to 17-27),
   ``optimizer_state_real`` (1,759 steps of one easy document, then the text, under beta2
   0.999 and eps 1e-15: Adam's update amplified when the gradient returns; prevention
-  beta2 0.95).
+  beta2 0.95), ``embedding_real`` (the token embedding at std 0.02, unscaled, at LR 0.1:
+  ``tiny_cpu_small_embedding``; prevention torchtitan's std 1.0).
   Each also runs the same configuration with the cause's prevention: ``prevented`` is
   true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
   log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
@@ -210,6 +211,11 @@ SCENARIOS = [
     Scenario("optimizer_state_real", "optimizer_state", 2000, REAL_ADAM, set="real", corpus="easy",
              config="tiny_cpu.toml", nproc=1, ckpt_interval=20,
              prevention=("--optimizer.betas", "0.9", "0.95", "--optimizer.eps", "1e-8")),
+    # embeddings at std 0.02, unscaled (Takase et al.), LR 0.1 after 20 warm-up steps: 8 acting
+    # flags in 2,000 steps, grad norm to 261; the prevention is torchtitan's std 1.0 (0 flags)
+    Scenario("embedding_real", "embedding", 600, ("--job.config", "tiny_cpu_small_embedding", "--optimizer.lr", "0.1",
+                                                   "--lr_scheduler.warmup_steps", "20", *REAL),
+             set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=20, prevention=("--job.config", "tiny_cpu")),
     # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
     Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
@@ -454,7 +460,7 @@ def fingerprint(rows: list[dict], step: int, window: int = 20) -> dict:
 EXPECTED_VERDICT = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data",
                     # the real causes (issue 36): reproducible, and not the data
                     "logit_growth": "not_data", "output_logits": "not_data", "optimizer_state": "not_data",
-                    "bf16": "not_data"}
+                    "bf16": "not_data", "embedding": "not_data"}
 
 
 def proof_rows(events: list[dict]) -> list[dict]:

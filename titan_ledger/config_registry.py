@@ -10,7 +10,10 @@ CPU-rehearsal defaults (fp32, no activation checkpointing, no validator).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
+
+import torch
 
 from titan_ledger.rehearsal import backend
 
@@ -87,7 +90,7 @@ def debug_cpu() -> LedgerTrainer.Config:
     return config
 
 
-def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4):
+def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4, embedding_std: float | None = None):
     """A llama3 model small enough for 10^4-step runs on a CPU core (issue 36).
 
     Copied from torchtitan.models.llama3._debugmodel (0.3.0); CHANGED: dim 256 -> 64,
@@ -107,7 +110,10 @@ def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4):
     config = Llama3Model.Config(
         dim=dim,
         vocab_size=2048,
-        tok_embeddings=Embedding.Config(num_embeddings=2048, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(  # CHANGED: embedding_std (issue 36: Takase et al.'s 0.02)
+            num_embeddings=2048, embedding_dim=dim,
+            param_init=_EMBEDDING_INIT if embedding_std is None else {
+                "weight": functools.partial(torch.nn.init.normal_, std=embedding_std)}),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=_output_linear_init(dim)),
         layers=_build_llama3_layers(
@@ -136,6 +142,16 @@ def tiny_cpu() -> LedgerTrainer.Config:
     config.training.local_batch_size = 8
     config.training.steps = 2000
     config.checkpoint.interval = 500
+    return config
+
+
+def tiny_cpu_small_embedding() -> LedgerTrainer.Config:
+    """``tiny_cpu`` with the token embedding initialised at std 0.02 and not scaled (the
+    GPT-2/Megatron default; torchtitan's llama3 uses std 1.0): the embedding cause of
+    Takase et al., "Spike No More" (issue 36)."""
+    config = tiny_cpu()
+    config.model_spec = _tiny_model(embedding_std=0.02)
+    config.dump_folder = "./outputs/tiny_cpu_small_embedding"
     return config
 
 

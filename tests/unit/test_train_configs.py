@@ -56,6 +56,12 @@ def test_the_tiny_model_is_tiny_and_fills_one_or_two_ranks():
         model = spec.build()
     assert sum(p.numel() for p in model.parameters()) == 368_960
     assert (config.training.seq_len, config.training.local_batch_size) == (128, 8)
+    # the embedding scenario's variant (issue 36): the same model, its embedding at std 0.02
+    from titan_ledger.config_registry import tiny_cpu_small_embedding
+
+    small = tiny_cpu_small_embedding().model_spec.model
+    assert small.tok_embeddings.param_init["weight"].keywords == {"std": 0.02}
+    assert spec.tok_embeddings.param_init["weight"].keywords == {"std": 1.0}  # torchtitan's llama3
 
 
 def test_help_lists_ledger_section_with_docstrings():
