@@ -19,6 +19,11 @@ still prints the JSON, with the skipped items under "not_run"):
     stock, ledger, stock, ledger; eager, then compiled. Ratio goal <= 1.005.
 (e) ``per_doc_loss``: the step-1 per-document losses against the reference (``worker.per_doc_loss``);
     their cost is inside the ledger's step time.
+(f) ``proof_noise``: proofs at the alarm forced on clean steps (``--ledger.rehearsal.prove_at``):
+    how far re-executions of one step differ on this machine (the noise floor each proof
+    measures, ``proof.noise``), that no clean step is proven ``hardware``, and, on CUDA,
+    that ``--debug.deterministic`` makes them bit-equal. The CPU mode rehearses the noise
+    (``--ledger.rehearsal.nondeterminism 1e-6``).
 
 Exit 0 when every check passed, 1 otherwise (a failed or a not-run check).
 Worker logs and this JSON are kept in ``--workdir`` (default ``$OUT/gpu_pack`` when
@@ -46,14 +51,19 @@ HERE = Path(__file__).resolve().parent
 PLANS = {
     "cuda": {"config": "llama3_1b_bench", "extra": [], "warmup": 5, "timed": 25, "sync_steps": 3,
              "repeats": 2, "compile": [False, True], "budget_s": 450.0, "worker_cap_s": 200.0,
-             "flex_cap_s": 150.0},
+             "flex_cap_s": 150.0,
+             "proof": {"config": "llama3_1b_bench", "extra": [], "steps": 6,
+                       "runs": {"proof_default": [], "proof_deterministic": ["--debug.deterministic"]}}},
     # CPU: the llama3 debug model, 1 process, few short steps; timing is not a measurement
     # on a shared CPU, only the code path
     "cpu": {"config": "debug_cpu",
             "extra": ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "2",
                       "--training.seq_len", "128"],
             "warmup": 1, "timed": 3, "sync_steps": 1, "repeats": 1, "compile": [False],
-            "budget_s": 85.0, "worker_cap_s": 60.0, "flex_cap_s": 40.0},
+            "budget_s": 85.0, "worker_cap_s": 60.0, "flex_cap_s": 40.0,
+            # the tiny model (tens of ms a step): the proof's code path, with the noise rehearsed
+            "proof": {"config": "tiny_cpu", "extra": ["--parallelism.data_parallel_shard_degree", "1"], "steps": 6,
+                      "runs": {"proof_rehearsed_noise": ["--ledger.rehearsal.nondeterminism", "1e-6"]}}},
 }
 
 
@@ -127,7 +137,7 @@ def flex_check(guard: Guard, plan: dict, work: Path, device: str) -> dict:
 
 
 def worker(guard: Guard, plan: dict, work: Path, device: str, name: str, variant: str, compile_: bool,
-           reference: bool = False) -> dict:
+           reference: bool = False, extra: list[str] | None = None) -> dict:
     started = time.time()
     out, dump = work / f"{name}.json", work / name
     shutil.rmtree(dump, ignore_errors=True)
@@ -136,7 +146,8 @@ def worker(guard: Guard, plan: dict, work: Path, device: str, name: str, variant
            "--sync-steps", str(plan["sync_steps"])]
     cmd += ["--compile"] if compile_ else []
     cmd += ["--reference"] if reference else []
-    cmd += ["--", *plan["extra"]] if plan["extra"] else []
+    flags = [*plan["extra"], *(extra or [])]
+    cmd += ["--", *flags] if flags else []
     rc, tail = run_child(cmd, work / f"{name}.log", min(plan["worker_cap_s"], guard.left()), device)
     try:
         res = json.loads(out.read_text())
@@ -147,6 +158,59 @@ def worker(guard: Guard, plan: dict, work: Path, device: str, name: str, variant
         res["log_tail"] = tail
     guard.note(name, started, rc=rc, phases_s=res.get("phases_s"))
     return res
+
+
+def proof_check(guard: Guard, plan: dict, work: Path, device: str, fits) -> dict | None:
+    """(f): per run, every forced proof's verdict, whether its re-execution was bit-equal,
+    the noise floor it measured and its seconds (from the run's spikes.jsonl)."""
+    pp = plan["proof"]
+    sub = {**plan, "config": pp["config"], "extra": pp["extra"], "warmup": 1, "timed": pp["steps"] - 1,
+           "sync_steps": 0}
+    out: dict = {}
+    for name, flags in pp["runs"].items():
+        if not fits(30.0, name):
+            return out or None
+        res = worker(guard, sub, work, device, name, "ledger", False,
+                     extra=["--ledger.rehearsal.prove_at", f"2-{pp['steps']}", *flags])
+        entry: dict = {"ok": bool(res.get("ok")), "flags": flags}
+        if not res.get("ok"):
+            entry["error"] = res.get("error")
+            entry["log_tail"] = res.get("log_tail")
+        else:
+            from titan_ledger.format.records import read_ledger
+
+            hist = read_ledger(work / name / "ledger" / "spikes.jsonl").history
+            proofs = [(e["step"], e["proof"]) for e in hist if "proof" in e]
+            entry["proofs"] = [{"step": st, "verdict": p["verdict"], "applied": p["applied"],
+                                "bit_equal": p["executions"][1].get("bit_equal"),
+                                "executions": len(p["executions"]),
+                                "noise_floor": (p.get("noise") or {}).get("floor"), "seconds": p["seconds"]}
+                               for st, p in proofs]
+            floors = [x["noise_floor"] for x in entry["proofs"] if x["noise_floor"] is not None]
+            entry["noise_floor_max"] = max(floors) if floors else None
+            entry["bit_equal"] = sum(1 for x in entry["proofs"] if x["bit_equal"])
+            entry["hardware"] = sum(1 for x in entry["proofs"] if x["verdict"] == "hardware")
+        out[name] = entry
+    return out
+
+
+def proof_verdicts(proof: dict | None, cuda: bool) -> dict[str, bool | None]:
+    """(f)'s checks: no clean step proven hardware; the rehearsed noise measured (CPU);
+    bit-equal re-executions under --debug.deterministic (CUDA)."""
+    runs = proof or {}
+    ok = [r for r in runs.values() if r.get("ok") and r.get("proofs")]
+    checks: dict[str, bool | None] = {
+        "proof_no_hardware_on_clean_steps": (all(r["hardware"] == 0 for r in ok) and len(ok) == len(runs))
+        if runs else None}
+    if cuda:
+        det = runs.get("proof_deterministic")
+        checks["proof_bit_equal_when_deterministic"] = None if det is None else bool(
+            det.get("ok") and det.get("proofs") and det["bit_equal"] == len(det["proofs"]))
+    else:
+        reh = runs.get("proof_rehearsed_noise")
+        checks["proof_measures_rehearsed_noise"] = None if reh is None else bool(
+            reh.get("ok") and reh.get("proofs") and reh["noise_floor_max"] and 0 < reh["noise_floor_max"] < 1e-4)
+    return checks
 
 
 def pair_stats(runs: list[tuple[dict, dict]]) -> dict:
@@ -307,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_run = next((r for r in ledger_runs if "reference" in r), None)
     result["signals"] = ref_run["reference"] if ref_run else None
     result["per_doc_loss"] = ref_run.get("per_doc_loss", "absent") if ref_run else "absent"
+    # (f): after the pairs (their timing is the pack's first purpose)
+    result["proof_noise"] = proof_check(guard, plan, work, device, fits)
     failed_runs = [{"variant": r.get("variant"), "compile": r.get("compile"), "error": r.get("error"),
                     "log_tail": r.get("log_tail"), "traceback": r.get("traceback")}
                    for r in stock_runs + ledger_runs if not r.get("ok")]
@@ -334,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             checks[f"overhead_{tag}"] = (st["ratio"] <= st["goal"]) if st.get("pairs") else None
         else:  # CPU: numbers must exist; a shared CPU's timing is no verdict on overhead
             checks[f"timing_{tag}_measured"] = (st["ratio"] > 0) if st.get("pairs") else None
+    checks.update(proof_verdicts(result["proof_noise"], cuda))
     if failed_runs:
         checks["all_runs_completed"] = False
     result["checks"] = checks

@@ -77,6 +77,12 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     pdl = r["per_doc_loss"]  # the step-1 per-document losses against the reference
     assert pdl["ok"] and pdl["entries"] > 0 and pdl["max_rel_err"] <= pdl["tol"], pdl
     assert r["checks"]["per_doc_loss_vs_reference"] is True
+    # (f) proofs forced on 5 clean steps of the tiny model with the noise rehearsed: each ran
+    # a third execution, measured the floor (the jitter's size) and proved nothing
+    pn = r["proof_noise"]["proof_rehearsed_noise"]
+    assert [p["step"] for p in pn["proofs"]] == [2, 3, 4, 5, 6] and pn["hardware"] == 0, pn
+    assert all(p["executions"] == 3 and p["bit_equal"] is False and 1e-7 < p["noise_floor"] < 1e-4
+               for p in pn["proofs"]), pn
     # where the time went: run.sh's setup apart from the checks, and one summary line
     assert {e["what"] for e in r["time_log"]} >= {"flex_max_logit", "eager_stock_1", "eager_ledger_1"}
     assert _finite(r["setup_s"]) and r["setup_s"] >= 0 and "[gpu-pack" in proc.stderr

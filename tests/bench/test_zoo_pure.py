@@ -107,3 +107,32 @@ def test_proof_verdict_against_the_truth():
     assert zoo.proof_verdict(None, None, [])["proof_match"]
     assert "MATCH" in zoo.proof_line(p) and "zoo:41" in zoo.proof_line(p) and "DP rank 1" in zoo.proof_line(p)
     assert zoo.proof_line(ctl).startswith("no proof at the spike NO MATCH")
+
+
+def test_end_state_names_the_failed_audit_checks_and_where_the_run_ended():
+    """precision_real's evidence: a cause that never spikes is judged by the audit at
+    start and by where the run ended, against its prevention."""
+    zoo = load_bench("zoo")
+
+    class Led:
+        def __init__(self, audit, rows):
+            self.audit, self.rows = audit, rows
+
+        def precision(self):
+            return self.audit
+
+        def trained_rows(self):
+            return self.rows
+
+    rows = [{"step": s, "loss": 8.0 - s / 100, "param_norm": 365.8 + s / 100, "logz_max": 10.0 + (s == 7),
+             "max_logit": 3.0} for s in range(1, 201)]
+    audit = [{"check": "master weights", "found": "bfloat16", "ok": False},
+             {"check": "compute dtype", "found": "bfloat16", "ok": None},
+             {"check": "norm statistics", "found": "float32", "ok": True}]
+    failed, end = zoo.end_state(Led(audit, rows))
+    assert failed == ["master weights: bfloat16"]  # informative (None) and passing checks are not failures
+    assert end == {"steps": 200, "param_norm": 367.8, "param_norm_start": 365.81,
+                   "loss_last100_median": pytest.approx(8.0 - 150.5 / 100), "logz_max": 11.0, "max_logit": 3.0}
+    assert zoo.end_state(Led(None, [])) == ([], {"steps": 0, "param_norm": None, "param_norm_start": None,
+                                                "loss_last100_median": None, "logz_max": None, "max_logit": None})
+    assert zoo.BY_NAME["precision_real"].prevention == ("--training.dtype", "float32")

@@ -20,6 +20,7 @@ import pytest
 from helpers import CONFIGS, data_rows, explain, rejected_steps, signals_rows, spike_events, torchrun
 
 from titan_ledger.components.proof import HARMFUL
+from titan_ledger.format.records import read_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +138,35 @@ def test_a_resume_before_the_proof_trains_the_same_steps_bit_for_bit(runs, tmp_p
     assert data_rows(dump, 1)[11] == data_rows(d, 1)[11]  # the quarantine after the proof, again
     _, proof = proof_at(dump, REPEAT)
     assert proof["verdict"] == "bad_data"
+
+
+def test_on_a_machine_that_is_not_bit_reproducible_the_proof_measures_the_noise(tmp_path):
+    """``--ledger.rehearsal.nondeterminism 1e-6`` (a GPU without --debug.deterministic,
+    rehearsed): no re-execution is bit-equal, so every forced proof of a clean step runs a
+    third execution, measures the noise floor and finds nothing (no hardware verdict, the
+    first update applied); the flipped bit at step 5 stands out of that noise by orders of
+    magnitude and is still proven ``hardware``, on its rank. tiny_cpu, DP 2."""
+    d = tmp_path / "noisy"
+    p = torchrun(["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--training.steps", "8",
+                  "--ledger.rehearsal.nondeterminism", "1e-6", "--ledger.rehearsal.prove_at", "2-8",
+                  "--ledger.rehearsal.inject", "5:1:bitflip", "--job.dump_folder", str(d)])
+    assert p.returncode == 0, explain(p)
+    history = read_ledger(d / "ledger" / "spikes.jsonl").history  # forced proofs: events of their own
+    proofs = {e["step"]: e["proof"] for e in history if "proof" in e}
+    assert sorted(proofs) == list(range(2, 9))
+    for step, proof in proofs.items():
+        ex = proof["executions"]
+        assert [e["variant"] for e in ex[:3]] == ["original", "same", "same"], (step, proof)
+        assert ex[1]["bit_equal"] is False  # the rehearsed machine is not bit-reproducible
+        floor = proof["noise"]["floor"]
+        assert 0 < floor < 1e-4, (step, proof["noise"])  # the jitter's size, measured
+        assert len(proof["noise"]["distances"]) == 2  # one row per rank
+        if step == 5:
+            # the faulty rank, or both where the flip overflowed the norm and the clip zeroed
+            # every rank's gradients (as in the bitflip test above)
+            named = [1] if ex[0]["grad_norm"] is not None else [0, 1]
+            assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", named), proof
+            gap = min(proof["noise"]["distances"][1][:2])
+            assert gap > 1e4 * floor, proof["noise"]
+        else:
+            assert proof["verdict"] not in HARMFUL and proof["applied"] == "original", (step, proof)

@@ -90,11 +90,12 @@ def _plan(t):
     return faults.plan(t, t.rec)
 
 
-def _fake_trainer(spec, step=3, dp_rank=1, pp=False, inject=None):
+def _fake_trainer(spec, step=3, dp_rank=1, pp=False, inject=None, nondeterminism=0.0):
     from types import SimpleNamespace as NS
 
     model = torch.nn.Linear(4, 4)
-    return NS(rec=StepRecord(step=step, start=0.0, inject=inject), config=NS(ledger=NS(rehearsal=NS(inject=spec, die=""))), step=step,
+    rehearsal = NS(inject=spec, die="", nondeterminism=nondeterminism)
+    return NS(rec=StepRecord(step=step, start=0.0, inject=inject), config=NS(ledger=NS(rehearsal=rehearsal)), step=step,
               ledger=NS(topo=NS(dp_rank=dp_rank, rank=dp_rank)), model_parts=[model],
               parallel_dims=NS(pp_enabled=pp, get_mesh=lambda name: NS(get_group=lambda: f"group:{name}")))
 
@@ -141,3 +142,29 @@ def test_die_spec():
     for bad in ("5:1", "5:1:KILL", "0:1:SIGKILL", "5:-1:SIGKILL", "5:1:exitx", "a:1:SIGKILL"):
         with pytest.raises(ConfigError, match=r"--ledger.rehearsal.die .*STEP:RANK:HOW"):
             parse_die(bad)
+
+
+def test_rehearsed_nondeterminism_jitters_every_gradient_by_its_size_and_differs_per_backward():
+    """--ledger.rehearsal.nondeterminism X: each gradient scaled by 1 + X*u, |u| <= 1, one
+    draw per parameter and backward, from the rank's own generator (the global RNG untouched)."""
+    t = _fake_trainer("", nondeterminism=1e-3)
+    lin = t.model_parts[0]
+    base = [torch.ones_like(p) for p in lin.parameters()]
+    seen = []
+    rng = torch.get_rng_state()
+    for _ in range(2):
+        for p, b in zip(lin.parameters(), base):
+            p.grad = b.clone()
+        faults.after_backward(t, None)
+        seen.append([p.grad.clone() for p in lin.parameters()])
+    assert torch.equal(torch.get_rng_state(), rng)
+    for grads in seen:
+        for g in grads:
+            assert (g - 1).abs().max() <= 1e-3 and (g - 1).abs().max() > 0
+            assert torch.all(g == g.flatten()[0])  # one draw per parameter: a scale, not noise per element
+    assert not torch.equal(seen[0][0], seen[1][0])  # the next backward differs
+    off = _fake_trainer("")
+    for p in off.model_parts[0].parameters():
+        p.grad = torch.ones_like(p)
+    faults.after_backward(off, None)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in off.model_parts[0].parameters())

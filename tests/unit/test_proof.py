@@ -17,9 +17,12 @@ from titan_ledger.components.proof import (
     document_tokens,
     faulty_ranks,
     judge,
+    local_distance,
     mask_labels,
     name_suspect,
     normal_update,
+    odd_one_out,
+    reproduced,
 )
 from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.data.layout import RowTag, Segment
@@ -85,6 +88,66 @@ def test_a_tolerance_counts_small_differences_as_equal():
     assert differing_ranks(ORIG, near, 1e-6) == []
     far = ex("same", 7.6, 10.2, [[1970.0 * 1.01, 40.0, 256, 0], [1932.0, 44.0, 256, 0]])
     assert differing_ranks(ORIG, far, 1e-6) == [0]
+
+
+def noisy(variant, loss, gn, rank_sq, psq, normal=None):
+    """An execution on a machine that is not bit-reproducible: per rank its loss, its
+    sum of squares, and (this rank, rank 0) its per-parameter sums of squares."""
+    e = ex(variant, loss, gn, [[1970.0, rank_sq[0], 256, 0], [1932.0, rank_sq[1], 256, 0]], normal)
+    e.psq = torch.tensor(psq, dtype=torch.float64)
+    return e
+
+
+def test_three_executions_within_their_noise_reproduce_and_the_data_path_decides():
+    # a GPU without determinism: every execution differs in the 7th digit, none stands out
+    o = noisy("original", 7.6, 10.2, (40.0, 44.0), [10.0, 30.0], normal=False)
+    s1 = noisy("same", 7.6, 10.2, (40.00001, 44.00002), [10.00001, 30.00003])
+    s2 = noisy("same", 7.6, 10.2, (39.99998, 43.99999), [9.99998, 29.99998])
+    assert differing_ranks(o, s1, 0.0) and differing_ranks(s1, s2, 0.0) and differing_ranks(o, s2, 0.0)
+    d = [[local_distance(o, s1, 0), local_distance(o, s2, 0), local_distance(s1, s2, 0)]]
+    assert all(0 < x < 1e-5 for x in d[0])
+    odd, floor = odd_one_out(d, 100.0)
+    assert odd is None and floor == min(d[0])
+    assert reproduced(o, [s1, s2], 0.0, d, 100.0) == (True, floor)
+    # reproducible within the noise: the masks decide, and the first update stands
+    masked = ex("masked", 7.7, 1.4, [[1970.0, 1.0, 256, 0], [0.0, 1.0, 0, 0]], normal=True)
+    control = ex("control", 7.5, 20.3, [[0.0, 90.0, 0, 0], [1932.0, 90.0, 256, 0]], normal=False)
+    v = judge(o, [s1, s2], masked, control, 0.0, suspect=True, distances=d)
+    assert (v.verdict, v.applied, v.noise) == ("bad_data", "masked", floor)
+    v = judge(o, [s1, s2], None, None, 0.0, distances=d)
+    assert (v.verdict, v.applied) == ("not_data", "original")
+    # without the measured distances there is no noise to compare with: no two agree
+    assert judge(o, [s1, s2], None, None, 0.0).applied == "none"
+
+
+def test_a_fault_stands_out_of_the_execution_noise():
+    # the first execution's parameter 1 was hit (a flipped bit): 1e3 relative, noise 1e-6
+    o = noisy("original", 7.6, 31.0, (940.0, 44.0), [10.0, 930.0], normal=False)
+    s1 = noisy("same", 7.6, 10.2, (40.00001, 44.00002), [10.00001, 30.00003])
+    s2 = noisy("same", 7.6, 10.2, (39.99998, 43.99999), [9.99998, 29.99998])
+    d = [[local_distance(o, s1, 0), local_distance(o, s2, 0), local_distance(s1, s2, 0)],
+         [1e-7, 2e-7, 1.5e-7]]  # rank 1: only noise
+    assert odd_one_out(d, 100.0)[0] == 0
+    assert reproduced(o, [s1, s2], 0.0, d, 100.0)[0] is False
+    v = judge(o, [s1, s2], None, None, 0.0, distances=d)
+    assert (v.verdict, v.applied, v.ranks) == ("hardware", "same", [0])
+    assert v.noise == d[0][2] and "execution noise" in v.why
+    # the fault hit a repeat (the second): the first update stands
+    d2 = [[d[0][1], d[0][2], d[0][0]], [2e-7, 1e-7, 1.5e-7]]  # o~s1 close, s2 far
+    v = judge(o, [s1, s2], None, None, 0.0, distances=d2)
+    assert (v.verdict, v.applied, v.ranks) == ("hardware", "original", [0])
+    # a smaller factor than the gap still names it; one past it does not
+    gap = min(d[0][0], d[0][1]) / d[0][2]
+    assert odd_one_out(d, gap * 0.9)[0] == 0 and odd_one_out(d, gap * 1.1)[0] is None
+
+
+def test_local_distance_reads_pre_clip_sums_and_non_finite_is_infinitely_far():
+    a = noisy("original", 7.6, 100.0, (1.0, 1.0), [100.0, 4.0])
+    a.clip_coef = 0.1  # post-clip sums of squares: 100x smaller than before the clip
+    b = noisy("same", 7.6, 10.0, (1.0, 1.0), [10000.0, 400.0])
+    assert local_distance(a, b, 0) == pytest.approx(0.0, abs=1e-12)
+    c = noisy("same", 7.6, 10.0, (1.0, 1.0), [float("inf"), 4.0])
+    assert local_distance(a, c, 0) == math.inf
 
 
 def tags():

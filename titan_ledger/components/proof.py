@@ -10,7 +10,14 @@ the step differs but the labels a variant masks):
 * ``same``: the step again. Unequal to the first execution (bit for bit, or past
   ``--ledger.on_spike.prove_rtol``) is a transient fault (``hardware``): a third
   execution decides which result is applied, and the ranks whose local loss or
-  gradients changed are named.
+  gradients changed are named. When all three differ, the machine does not execute
+  the step bit for bit (a GPU without ``--debug.deterministic``: atomics in attention's
+  and embeddings' backward) and the proof measures that noise itself instead of
+  trusting a constant: the closest two executions give the floor, per parameter and
+  rank, and an execution is a fault only when it stands farther from both others than
+  ``--ledger.on_spike.prove_noise_factor`` times that floor (:func:`odd_one_out`);
+  otherwise the step reproduced within this machine's noise, and the noise is recorded
+  with the proof (the tolerance, measured at every proof that needs one).
 * ``control`` then ``masked``: the evidence's suspect (one DP rank's whole batch, or
   the documents that stand out on it) loss-masked, and, as a control, as much other
   data masked (another DP rank's batch, or other documents of like size). ``bad_data``
@@ -60,6 +67,9 @@ class Execution:
     normal: bool | None = None  # under the grad-norm rules' bars (None: not judged)
     seconds: float = 0.0
     clip_coef: float = 1.0  # the clip's factor (the gradients were read after it)
+    #: this rank's pre-clip gradient sum of squares per parameter (local; never written):
+    #: the noise floor when three executions differ
+    psq: Any = None
 
     def pre_clip_sq(self, r: int) -> float:
         return self.ranks[r][1] / (self.clip_coef * self.clip_coef)
@@ -103,23 +113,90 @@ def faulty_ranks(a: Execution, b: Execution, changed: list[int], rtol: float = 1
     return own or changed
 
 
+def local_distance(a: Execution, b: Execution, rank: int) -> float:
+    """How far two executions of the same data lie apart on this rank: the largest
+    relative difference of its local loss and of any parameter's pre-clip gradient sum
+    of squares (``psq``; one value per parameter, so that noise is measured in many
+    coordinates and a fault in one parameter stands out). inf when either is not finite."""
+    def rel(p, q):
+        return abs(p - q) / max(abs(p), abs(q), 1e-30)
+
+    d = rel(a.ranks[rank][0], b.ranks[rank][0])
+    if a.psq is not None and b.psq is not None and a.psq.numel():
+        pa = a.psq / (a.clip_coef * a.clip_coef)
+        pb = b.psq / (b.clip_coef * b.clip_coef)
+        both = torch.maximum(pa.abs(), pb.abs()).clamp_min(1e-30)
+        rel_p = torch.nan_to_num((pa - pb).abs() / both, nan=math.inf)  # inf against inf is not close
+        d = max(d, float(rel_p.max()))
+    return d if math.isfinite(d) else math.inf
+
+
+def odd_one_out(distances: list[list[float]], factor: float) -> tuple[int | None, float]:
+    """Of three executions (0: the first, 1 and 2: the repeats) that all differ, the one
+    a fault changed, or None when all three agree within the execution noise (pure).
+
+    ``distances``: per rank ``[d(0,1), d(0,2), d(1,2)]`` (:func:`local_distance`). The
+    noise floor is the distance of the closest pair, the largest over ranks (the
+    machine's noise where it is widest); an execution is the odd one when it stands
+    farther than ``factor`` times that floor from both others on some rank. Returns
+    (odd, floor). Under pure noise with one value per rank, a factor of 100 names an odd
+    one in 1.6% of proofs at 1 rank and 0.02% at 2 (3 Gaussian draws, simulated); with
+    one value per parameter it is far rarer."""
+    if not distances:
+        return None, 0.0
+    pair_of = {0: 2, 1: 1, 2: 0}  # execution i -> the index of the pair distance without it
+    mine = {0: (0, 1), 1: (0, 2), 2: (1, 2)}  # execution i -> its two distances
+    totals = [max(r[k] for r in distances) for k in range(3)]
+    closest = min(range(3), key=lambda k: totals[k])  # the pair distance of the closest two
+    odd = next(i for i, k in pair_of.items() if k == closest)
+    floor = totals[closest]
+    gap = max(min(r[mine[odd][0]], r[mine[odd][1]]) for r in distances)
+    return (odd if gap > factor * floor else None), floor
+
+
 @dataclass
 class Verdict:
     verdict: str  # one of VERDICTS
     applied: str  # original | same | masked | none (no update: no two executions agreed)
     ranks: list[int] = field(default_factory=list)  # hardware: the ranks that changed
     why: str = ""
+    noise: float | None = None  # the execution noise floor, when three executions differed
+
+
+def reproduced(original: Execution, repeats: list[Execution], rtol: float,
+               distances: list[list[float]] | None, factor: float) -> tuple[bool, float | None]:
+    """Whether the step reproduced (pure): the first repeat equals the first execution,
+    or three executions all differ and none stands out from the noise (then also the
+    noise floor)."""
+    if not differing_ranks(original, repeats[0], rtol):
+        return True, None
+    if len(repeats) < 2 or distances is None:
+        return False, None
+    if not differing_ranks(repeats[0], repeats[1], rtol) or not differing_ranks(original, repeats[1], rtol):
+        return False, None
+    odd, floor = odd_one_out(distances, factor)
+    return odd is None, floor
 
 
 def judge(original: Execution, repeats: list[Execution], masked: Execution | None,
-          control: Execution | None, rtol: float = 0.0, suspect: bool = False) -> Verdict:
+          control: Execution | None, rtol: float = 0.0, suspect: bool = False,
+          distances: list[list[float]] | None = None, noise_factor: float = 100.0) -> Verdict:
     """The verdict from the executions (pure). ``repeats``: one ``same`` execution, two
     when the first differed. ``masked``/``control``: None when no suspect was named, no
     control exists, or the first update was normal (then they are not executed);
-    ``suspect``: whether the evidence named suspect data."""
+    ``suspect``: whether the evidence named suspect data. ``distances``: when three
+    executions all differ, per rank their pairwise distances (:func:`odd_one_out`)."""
+    v = _judge(original, repeats, masked, control, rtol, suspect, distances, noise_factor)
+    if len(repeats) > 1 and distances is not None and differing_ranks(repeats[0], repeats[1], rtol):
+        v.noise = odd_one_out(distances, noise_factor)[1]
+    return v
+
+
+def _judge(original, repeats, masked, control, rtol, suspect, distances, noise_factor) -> Verdict:
     first = repeats[0]
     changed = differing_ranks(original, first, rtol)
-    if changed:
+    ok, _ = reproduced(original, repeats, rtol, distances, noise_factor)
+    if changed and not ok:
         if len(repeats) < 2:
             raise ValueError("judge: the step changed between executions; a third decides")
         second = repeats[1]
@@ -130,6 +207,9 @@ def judge(original: Execution, repeats: list[Execution], masked: Execution | Non
         if not again:
             return Verdict("hardware", "original", faulty_ranks(first, second, differing_ranks(first, second, rtol)),
                            "the second execution differed from two that agree")
+        odd = odd_one_out(distances, noise_factor)[0] if distances is not None else None
+        if odd is not None:  # the machine is not bit-reproducible, but one execution stands out of its noise
+            return _odd_verdict(odd, distances, noise_factor)
         return Verdict("hardware", "none", sorted(set(changed) | set(again)), "no two of three executions agree")
     if original.normal:
         if suspect:
@@ -151,6 +231,18 @@ def judge(original: Execution, repeats: list[Execution], masked: Execution | Non
         return Verdict("not_data", "original", why="masking the suspect or the control data brings the "
                                                    "update back: removing data, not bad data")
     return Verdict("not_data", "original", why="reproducible, and abnormal without the suspect data")
+
+
+def _odd_verdict(odd: int, distances: list[list[float]], factor: float) -> Verdict:
+    """``hardware`` when three executions differ and ``odd`` stands out of their noise:
+    the ranks where it does are named; the other two agree within the noise."""
+    mine = {0: (0, 1), 1: (0, 2), 2: (1, 2)}[odd]
+    floor = odd_one_out(distances, factor)[1]
+    ranks = [r for r, d in enumerate(distances) if min(d[mine[0]], d[mine[1]]) > factor * floor]
+    who = "the first execution" if odd == 0 else "a repeat"
+    return Verdict("hardware", "same" if odd == 0 else "original", ranks,
+                   f"{who} stood {factor:g}x farther from the other two than their execution noise "
+                   f"({floor:.2g} relative)")
 
 
 # --------------------------------------------------------------------------- suspects
@@ -318,26 +410,40 @@ class Prover:
         finally:
             t.step_record = None
         t.ledger.discard_step_state()
-        grad_sq = torch.zeros((), dtype=torch.float64, device=t.device)
         equal = True
         for p, g0 in zip(params, first_grads):
             g = _local(p.grad) if p.grad is not None else None
-            if g is not None:
-                grad_sq = grad_sq + g.double().square().sum()
             if g0 is None or g is None:
                 equal = equal and (g0 is None) == (g is None)
             else:
                 equal = equal and bool(torch.equal(_local(g0), g))
+        psq = _per_param_sq([p.grad for p in params], t.device)
         loss_sum = (loss.double() * global_tokens).sum() if loss is not None else None
-        return self._gathered(variant, loss_sum, grad_sq, local_tokens, equal, grad_norm,
+        return self._gathered(variant, loss_sum, psq, local_tokens, equal, grad_norm,
                               seconds=time.perf_counter() - t0)
 
     def _original(self, first_grads, loss_sum, local_tokens, grad_norm) -> Execution:
-        grad_sq = sum((_local(g).double().square().sum() for g in first_grads if g is not None),
-                      torch.zeros((), dtype=torch.float64, device=self.trainer.device))
-        return self._gathered("original", loss_sum, grad_sq, local_tokens, True, grad_norm)
+        psq = _per_param_sq(first_grads, self.trainer.device)
+        return self._gathered("original", loss_sum, psq, local_tokens, True, grad_norm)
 
-    def _gathered(self, variant: str, loss_sum, grad_sq, local_tokens: int, equal: bool, grad_norm,
+    def _distances(self, executions: list[Execution]) -> list[list[float]]:
+        """Per global rank, the three executions' pairwise distances ``[d(0,1), d(0,2),
+        d(1,2)]`` (:func:`local_distance`; one all-gather, a proof whose executions all
+        differed only)."""
+        import torch.distributed as dist
+
+        topo = self.trainer.ledger.topo
+        me = dist.get_rank() if dist.is_initialized() else 0
+        a, b, c = executions
+        loc = torch.tensor([local_distance(a, b, me), local_distance(a, c, me), local_distance(b, c, me)],
+                           dtype=torch.float64, device=self.trainer.device)
+        if topo.world == 1:
+            return [loc.tolist()]
+        table = torch.empty(topo.world * 3, dtype=torch.float64, device=self.trainer.device)
+        dist.all_gather_into_tensor(table, loc)
+        return table.view(topo.world, 3).tolist()
+
+    def _gathered(self, variant: str, loss_sum, psq, local_tokens: int, equal: bool, grad_norm,
                   seconds: float = 0.0) -> Execution:
         """One execution's per-rank ``[loss sum, grad sum of squares, tokens, equal]``, to every
         rank (one all-gather: a proven step only)."""
@@ -348,6 +454,7 @@ class Prover:
         f64 = {"dtype": torch.float64, "device": t.device}
         own = loss_sum.detach().double().reshape(()) if (loss_sum is not None and topo.owns_loss) else \
             torch.zeros((), **f64)
+        grad_sq = psq.sum() if psq.numel() else torch.zeros((), **f64)
         loc = torch.stack([own, grad_sq, torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64),
                            torch.tensor(1.0 if equal else 0.0, **f64)])
         if topo.world > 1:
@@ -358,7 +465,7 @@ class Prover:
             table = loc.view(1, 4)
         ranks = table.tolist()
         return Execution(variant, _mean_loss(ranks), float(_full(grad_norm)), ranks, seconds=seconds,
-                         clip_coef=self._coef(grad_norm))
+                         clip_coef=self._coef(grad_norm), psq=psq)
 
     def _coef(self, grad_norm) -> float:
         """torchtitan's clip factor for this norm (``clip_grads_with_norm_``)."""
@@ -387,15 +494,19 @@ class Prover:
         original = self._original(first_grads, loss_sum, local_tokens, grad_norm)
         original.normal = normal_update(detector, original.loss, original.grad_norm)
         rtol = float(self.config.prove_rtol)
+        factor = float(self.config.prove_noise_factor)
         groups = rec.batches
         repeats = [self._run("same", rec, groups, first_grads)]
         masked = control = None
         suspect = ctrl = None
         hits: list = []
         tags_by_dp: dict[int, list] = {}
+        distances = None
         if differing_ranks(original, repeats[0], rtol):
             repeats.append(self._run("same", rec, groups, first_grads))
-        else:
+            if differing_ranks(repeats[0], repeats[1], rtol) and differing_ranks(original, repeats[1], rtol):
+                distances = self._distances([original, *repeats])  # not bit-reproducible: measure the noise
+        if reproduced(original, repeats, rtol, distances, factor)[0]:
             tags_by_dp = _gather_tags(rec.tags if topo.data_writer else None, topo)
             summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
             fired = [*event.get("rules", []), *event.get("notes", [])]
@@ -418,7 +529,8 @@ class Prover:
                     m_groups = groups
                 masked = self._run("masked", rec, m_groups, first_grads)
                 masked.normal = normal_update(detector, masked.loss, masked.grad_norm)
-        v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None)
+        v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
+                  distances=distances, noise_factor=factor)
         if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
             again = self._run("control", rec, c_groups, first_grads)
             again.normal = normal_update(detector, again.loss, again.grad_norm)
@@ -451,6 +563,8 @@ class Prover:
         if v.verdict == "hardware" and not math.isfinite(original.grad_norm):
             out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
                            "gradients: the ranks it changed cannot be told apart")
+        if v.noise is not None:  # the machine's execution noise, measured by this proof
+            out["noise"] = {"floor": v.noise, "factor": factor, "distances": distances}
         if v.ranks:
             out["ranks"] = v.ranks
             out["dp_ranks"] = sorted({ledger.topo.dp_rank_of[r] for r in v.ranks})
@@ -471,6 +585,15 @@ def _mean_loss(ranks: list[list[float]]) -> float:
     sums (CP pieces included), token owners their tokens (once per DP rank)."""
     tokens = sum(r[2] for r in ranks)
     return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
+
+
+def _per_param_sq(grads, device) -> torch.Tensor:
+    """This rank's gradient sum of squares per parameter (0 for a parameter without
+    gradient), float64: one vector, so that executions compare parameter by parameter."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([_local(g).double().square().sum() if g is not None else
+                        torch.zeros((), dtype=torch.float64, device=device) for g in grads])
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

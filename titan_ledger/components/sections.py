@@ -126,11 +126,21 @@ class OnSpikeConfig:
     prove_rtol: float = 0.0
     """Proofs: how far two executions of the same data may differ (relative, per rank's
     loss and gradient sum of squares) and count as equal; 0: bit for bit (CPU, and GPU
-    with ``--debug.deterministic``)."""
+    with ``--debug.deterministic``). Without determinism 0 still works: a third
+    execution then measures the machine's noise (``prove_noise_factor``)."""
+
+    prove_noise_factor: float = 100.0
+    """Proofs on a machine that does not execute a step bit for bit (all three
+    executions differ): an execution is a transient fault only when it stands this many
+    times farther from both others than the closest two stand apart (their distance is
+    the noise floor, measured per parameter and rank and recorded with the proof as
+    ``noise``); otherwise the step reproduced within that noise."""
 
     def __post_init__(self) -> None:
         if self.prove not in ("off", "acting", "all"):
             raise ConfigError(f"--ledger.on_spike.prove {self.prove!r}: expected off, acting or all")
+        if not self.prove_noise_factor > 1:
+            raise ConfigError(f"--ledger.on_spike.prove_noise_factor must be > 1, got {self.prove_noise_factor}")
         if self.prove_rtol < 0:
             raise ConfigError(f"--ledger.on_spike.prove_rtol must be >= 0, got {self.prove_rtol}")
         parse_ladder(self.action)  # raises ConfigError naming the rung
@@ -174,7 +184,16 @@ class RehearsalConfig:
     last step the ledger completed, the command that resumes) is what a real lost rank
     gets; see docs/running.md."""
 
+    nondeterminism: float = 0.0
+    """Rehearsal only: after every backward, scale each gradient by ``1 + X * u`` (``u``
+    uniform in [-1, 1], one draw per parameter, from a generator of the rank's own), so
+    that no two executions of a step are bit-equal, as on a GPU without
+    ``--debug.deterministic``: what proofs at the alarm then measure as the noise floor
+    (``--ledger.on_spike.prove_noise_factor``). 0: off."""
+
     def __post_init__(self) -> None:
+        if not (0.0 <= self.nondeterminism < 1.0):
+            raise ConfigError(f"--ledger.rehearsal.nondeterminism must be in [0, 1), got {self.nondeterminism}")
         parse_inject(self.inject)
         parse_die(self.die)
         parse_skip_steps(self.prove_at, "--ledger.rehearsal.prove_at")

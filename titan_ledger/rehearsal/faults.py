@@ -305,7 +305,9 @@ def before_forward(faults: StepFaults | None, kwargs: dict[str, Any]) -> None:
 
 def after_backward(trainer, faults: StepFaults | None) -> None:
     """``bitflip``: after the step's first backward only, flip one bit of the largest
-    local gradient shard (before the clip reads it)."""
+    local gradient shard (before the clip reads it). ``--ledger.rehearsal.nondeterminism``:
+    after every backward, jitter every gradient (:func:`jitter_grads`)."""
+    jitter_grads(trainer, float(trainer.config.ledger.rehearsal.nondeterminism))
     if faults is None or not faults.bitflip:
         return
     faults.bitflip = False  # once per step
@@ -314,3 +316,29 @@ def after_backward(trainer, faults: StepFaults | None) -> None:
     from torchtitan.tools.logging import logger
 
     logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip at step {trainer.step}: {done}")
+
+
+#: ``jitter_grads``' generator per global rank (one process is one rank; tests fake several)
+_JITTER: dict[int, torch.Generator] = {}
+
+
+def jitter_grads(trainer, scale: float) -> None:
+    """``--ledger.rehearsal.nondeterminism X``: a machine that does not execute a step bit
+    for bit, rehearsed. After every backward each local gradient shard is scaled by
+    ``1 + X * u``, ``u`` uniform in [-1, 1], one draw per parameter from a generator of
+    this rank's own (the run's RNG is untouched), so two executions of the same step
+    differ by about ``X`` relative, as a GPU's atomics make them differ; the loss does
+    not (a GPU's forward is reproducible, its attention and embedding backward are not)."""
+    if not scale:
+        return
+    rank = trainer.ledger.topo.rank
+    gen = _JITTER.get(rank)
+    if gen is None:
+        gen = _JITTER[rank] = torch.Generator().manual_seed(7919 + rank)
+    with torch.no_grad():
+        for m in trainer.model_parts:
+            for p in m.parameters():
+                if p.grad is not None:
+                    u = float(torch.rand((), generator=gen)) * 2.0 - 1.0
+                    local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    local.mul_(1.0 + scale * u)
