@@ -59,7 +59,9 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   ``optimizer_state_real`` (1,759 steps of one easy document, then the text, under beta2
   0.999 and eps 1e-15: Adam's update amplified when the gradient returns; prevention
   beta2 0.95), ``embedding_real`` (the token embedding at std 0.02, unscaled, at LR 0.1:
-  ``tiny_cpu_small_embedding``; prevention torchtitan's std 1.0).
+  ``tiny_cpu_small_embedding``; prevention torchtitan's std 1.0), ``precision_real`` (pure
+  bf16: no spike; weight decay rounds away, the precision audit fails at start; prevention
+  fp32, judged by the audit and the loss: ``audit``, ``end``).
   Each also runs the same configuration with the cause's prevention: ``prevented`` is
   true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
   log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
@@ -216,6 +218,15 @@ SCENARIOS = [
     Scenario("embedding_real", "embedding", 600, ("--job.config", "tiny_cpu_small_embedding", "--optimizer.lr", "0.1",
                                                    "--lr_scheduler.warmup_steps", "20", *REAL),
              set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=20, prevention=("--job.config", "tiny_cpu")),
+    # pure bf16 (bf16 master weights and Adam moments, article section 2.3): no spike, but weight
+    # decay's relative step (lr x 0.1 = 3e-4) rounds away under bf16's spacing, so the param
+    # norm does not shrink (1,000-step runs: 370.1 against 319.3 in fp32, loss 5.16 against
+    # 4.96). Caught by the precision audit at start, not by a spike rule: ``audit`` and
+    # ``end`` say what a flag cannot; the prevention is fp32 master weights.
+    Scenario("precision_real", "bf16", 600, ("--training.dtype", "bfloat16", "--ledger.update_norm",
+                                             "--checkpoint.keep_latest_k", "0"),
+             set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=10_000,
+             prevention=("--training.dtype", "float32")),
     # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
     Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
@@ -336,6 +347,10 @@ class Result:
     prevented: bool | None = None  # real: the run with the prevention has no acting flag
     prevention_flags: list[int] | None = None  # real: its flagged steps
     prevention_fingerprint: dict | None = None  # real: its signals over the same steps
+    audit: list[str] | None = None  # real: the precision audit's failed checks at start (end_state())
+    end: dict | None = None  # real: the run's end (end_state()); prevention_end: its prevention's
+    prevention_audit: list[str] | None = None
+    prevention_end: dict | None = None
     seconds: float = 0.0
 
 
@@ -380,6 +395,11 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
         pled = RunLedger(pdump)
         res.prevention_flags = pled.spike_steps()
         res.prevented = not res.prevention_flags
+        res.audit, res.end = end_state(led)
+        res.prevention_audit, res.prevention_end = end_state(pled)
+        if sc.cause == "bf16":  # no spike to prevent: prevented when the audit passes and the run trained better
+            res.prevented = (not res.prevention_audit and bool(res.audit)
+                             and res.prevention_end["loss_last100_median"] < res.end["loss_last100_median"])
         if flagged:
             res.prevention_fingerprint = fingerprint(pled.trained_rows(), flagged[0])
     if flagged:
@@ -450,6 +470,23 @@ def fingerprint(rows: list[dict], step: int, window: int = 20) -> dict:
                   "before_median": b and round(statistics.median(b), 4), "before_max": b and round(max(b), 4),
                   "at": at.get(k) if at.get(k) is None else round(at[k], 4)}
     return out
+
+
+def end_state(led) -> tuple[list[str], dict]:
+    """A real run's failed precision-audit checks at start and where it ended (param norm,
+    median loss over the last 100 steps, the largest log Z and attention logit): what a
+    cause that never spikes (pure bf16) leaves behind."""
+    import statistics
+
+    failed = [f"{c['check']}: {c['found']}" for c in (led.precision() or []) if c.get("ok") is False]
+    rows = led.trained_rows()
+    tail = [r["loss"] for r in rows[-100:] if r.get("loss") is not None]
+    top = lambda k: max((r[k] for r in rows if r.get(k) is not None), default=None)  # noqa: E731
+    return failed, {"steps": rows[-1]["step"] if rows else 0,
+                    "param_norm": rows[-1].get("param_norm") if rows else None,
+                    "param_norm_start": rows[0].get("param_norm") if rows else None,
+                    "loss_last100_median": round(statistics.median(tail), 4) if tail else None,
+                    "logz_max": top("logz_max"), "max_logit": top("max_logit")}
 
 
 # --------------------------------------------------------------------------- the proof at the alarm
@@ -660,7 +697,9 @@ def main(argv=None) -> int:
                   f"{r.seconds:.0f}s" + (f"  docs {r.true_documents} -> {r.named_documents}" if r.true_documents else "")
                   + (f"  other flags {r.other_flags}" if r.other_flags else "") + (f"  ERROR {r.error}" if r.error else "")
                   + (f"  {proof_line(r.proof)}" if r.proof is not None else "")
-                  + (f"  prevented {r.prevented} (its flags {r.prevention_flags[:8]})" if r.prevented is not None else ""),
+                  + (f"  prevented {r.prevented} (its flags {r.prevention_flags[:8]})" if r.prevented is not None else "")
+                  + (f"  audit {r.audit} -> {r.prevention_audit}; end {r.end} -> {r.prevention_end}"
+                     if r.audit else ""),
                   flush=True)
     lines = ["heuristic:", *confusion(results, "named_cause"), "with --rerun:",
              *confusion(results, "named_cause_rerun"), *summary(results)]
