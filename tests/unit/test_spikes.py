@@ -320,3 +320,75 @@ def test_diagnose_says_why_a_grad_norm_move_stayed_a_note():
     assert why and "4.10x" in why and "6.50x" in why
     assert _why_noted({"notes": ["doc_low"], "grad_jump_ratio": 4.1, "grad_jump_bound": 6.5}) is None
     assert _why_noted({"notes": ["ratio"], "grad_jump_ratio": 4.1}) is None  # warm-up: no bound yet
+
+
+def _shifted(n=400, at=200, seed=1):
+    """A clean ledger whose loss and grad norm move to a new level at step ``at`` and
+    stay there (a change of data mixture), with the same small noise."""
+    import random
+
+    rnd = random.Random(seed)
+    rows = ledger(n)
+    for r in rows[at - 1:]:
+        r["loss"], r["grad_norm"] = 4.0 + rnd.gauss(0, 0.01), 5.0 + rnd.gauss(0, 0.1)
+    return rows
+
+
+def test_a_lasting_change_of_level_is_readmitted_after_readmit_after_flags_in_a_row():
+    rows = _shifted()
+    events = detect_offline(rows, SpikeDetector.Config(readmit_after=16))
+    flagged = [e["step"] for e in events]
+    assert flagged == list(range(200, 216)), flagged  # the shift, 16 steps in a row, then its new normal
+    assert events[-1]["readmitted"] == 16 and not any("readmitted" in e for e in events[:-1])
+    # without readmission: an alarm at every step for the rest of the run
+    never = detect_offline(rows, SpikeDetector.Config(readmit_after=0))
+    assert [e["step"] for e in never] == list(range(200, 401))
+    # a spike of a few steps is no change of level: the flags in a row end, nothing is readmitted
+    rows = ledger(300)
+    for r in rows[199:203]:
+        r.update(loss=4.8, grad_norm=9.0)
+    events = detect_offline(rows, SpikeDetector.Config(readmit_after=4))
+    assert [e["step"] for e in events] == [200, 201, 202, 203]
+    assert events[-1]["readmitted"] == 4  # the 4th in a row readmits at readmit_after 4 ...
+    events = detect_offline(rows, SpikeDetector.Config(readmit_after=5))
+    assert [e["step"] for e in events] == [200, 201, 202, 203] and not any("readmitted" in e for e in events)
+    with pytest.raises(ConfigError, match="readmit_after"):
+        SpikeDetector.Config(readmit_after=-1)
+
+
+def test_before_undoes_a_readmission_and_the_state_survives_a_checkpoint():
+    import copy
+
+    cfg = SpikeDetector.Config(window=32, readmit_after=8)
+    det = SpikeDetector(cfg)
+    rows = _shifted(60, at=30)
+    snapshot = None
+    for r in rows:
+        loss, gn = torch.tensor(r["loss"], dtype=torch.float64), torch.tensor(r["grad_norm"], dtype=torch.float64)
+        prev = copy.deepcopy(det)
+        stats = dict(zip(STAT_KEYS, det.step(loss, gn).tolist()))
+        if stats["readmitted"] == 8:
+            snapshot = prev
+            break
+    # the history starts again from the 8 flagged steps (steps 30-37), the grad-jump rule's too
+    assert snapshot is not None and int(det.streak) == 0 and int(det.count) == 8
+    assert det.hist[0, :8].tolist() == [r["loss"] for r in rows[29:37]]
+    assert int(det.ecount[0]) == 8 and torch.allclose(det.ehist[0, :8].exp(),
+                                                     torch.tensor([r["grad_norm"] for r in rows[29:37]],
+                                                                  dtype=torch.float64))
+    back = det.before()
+    assert torch.equal(back.hist, snapshot.hist) and int(back.count) == int(snapshot.count)
+    assert torch.equal(back.ehist, snapshot.ehist) and torch.equal(back.ecount, snapshot.ecount)
+    assert int(back.streak) == 7 and torch.equal(back.pend[:, :7], snapshot.pend[:, :7])
+    # mid-run of flags: the streak and its values go into the checkpoint
+    det2 = SpikeDetector(cfg)
+    for r in rows[:33]:
+        det2.step(torch.tensor(r["loss"], dtype=torch.float64), torch.tensor(r["grad_norm"], dtype=torch.float64))
+    state = json.loads(json.dumps(det2.state_dict()))
+    det3 = SpikeDetector(cfg)
+    det3.load_state_dict(state)
+    assert int(det3.streak) == int(det2.streak) == 4 and torch.equal(det3.pend, det2.pend)
+    old = {k: v for k, v in state.items() if k not in ("streak", "pend")}  # a checkpoint from before
+    det4 = SpikeDetector(cfg)
+    det4.load_state_dict(old)
+    assert int(det4.streak) == 0 and torch.equal(det4.hist, det2.hist)

@@ -110,6 +110,11 @@ class SpikeGuard:
                 + (f"suspect DP rank {ev['suspect_dp_rank']}; " if "suspect_dp_rank" in ev else
                    f"highest-loss DP rank {row['loss_max_rank']}; ")
                 + f"action: {ev['action']}" + (f"; {describe_proof(proof)}" if proof is not None else ""))
+            if "readmitted" in ev:  # --ledger.spike.readmit_after: a change of level, not a spike
+                logger.warning(
+                    f"titan_ledger: {int(ev['readmitted'])} steps in a row flagged up to step {row['step']}: a "
+                    f"lasting change of level (a new data mixture, an easy stretch's end), not a spike; the spike "
+                    f"rules' history starts again from these steps (--ledger.spike.readmit_after)")
         if metrics_logger is not None:  # spike/* scalars; W&B: an alert and a spike/events table row
             from titan_ledger.components.dashboards import log_spike
 

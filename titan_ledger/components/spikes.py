@@ -84,7 +84,7 @@ RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separat
 STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
              "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
-             "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound")
+             "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound", "readmitted")
 #: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
 DEFAULT_NOTES = "doc_high,doc_low"
 
@@ -193,6 +193,17 @@ class SpikeDetector(Configurable):
         (early training's descent is no tail to compare with: a cold start's 3.2x moves at
         steps 9-11 would double the bar for 1,000 steps)."""
 
+        readmit_after: int = 64
+        """A lasting change of level: after this many consecutive acting-flagged steps
+        (finite ones), their values enter the history and the run's new level becomes its
+        normal, instead of an alarm -- and a proof -- at every step for the rest of the run
+        (measured: a switch from an easy corpus to text flagged all 841 steps after it;
+        docs/benchmarks.md, "Real instabilities"). The readmitting step is still flagged;
+        its event says ``readmitted``, and the history starts again from those steps. A
+        spike is over long before this (clean training had 1 acting flag in 21,000 steps;
+        the zoo's spikes last 1-5), and an acting ``action`` or the ladder has acted by
+        then. 0: flagged steps never enter the history. Capped at ``window``."""
+
         def note_rules(self) -> tuple[str, ...]:
             return tuple(r.strip() for r in self.notes.split(",") if r.strip())
 
@@ -205,6 +216,8 @@ class SpikeDetector(Configurable):
             for name in ("separation_warmup", "grad_novelty_warmup"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.spike.{name} must be >= 0, got {getattr(self, name)}")
+            if self.readmit_after < 0:
+                raise ConfigError(f"--ledger.spike.readmit_after must be >= 0 (0: never), got {self.readmit_after}")
             if self.grad_memory < 1:
                 raise ConfigError(f"--ledger.spike.grad_memory must be >= 1, got {self.grad_memory}")
             if self.min_docs < 1:
@@ -235,6 +248,12 @@ class SpikeDetector(Configurable):
         # grad_novelty's memory: the log grad-jump ratios of the last grad_memory accepted steps
         self.jhist = torch.full((int(config.grad_memory),), -torch.inf, dtype=torch.float64, device=device)
         self.jcount = torch.zeros((), dtype=torch.int64, device=device)
+        # readmission (``readmit_after``): the current run of consecutive flagged steps' values
+        k = max(min(int(config.readmit_after), w), 1)
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.pend = torch.zeros(2, k, dtype=torch.float64, device=device)
+        self._karange = torch.arange(k, device=device)
+        self._rundo = None
         self._acts = torch.tensor([r not in notes for r in RULES], dtype=torch.bool, device=device)
         self._bits = torch.tensor([float(2 ** i) for i in range(len(RULES))], dtype=torch.float64, device=device)
 
@@ -314,12 +333,42 @@ class SpikeDetector(Configurable):
         self.jhist[jdx] = torch.where(keep, log_jump, jold)
         self.jcount = self.jcount + keep.long()
         self._undo = (*undo, jdx, jold)
+        readmitted = self._readmit(flag & finite.all(), v, w)
         shown = torch.where((c_j >= c.grad_novelty_warmup) & torch.isfinite(jbound), jbound.exp(),
                             torch.tensor(float("nan"), dtype=torch.float64, device=v.device))
         return torch.cat([flag.double().reshape(1), acting.double(),
                           torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
                           torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
-                          estats, shown.reshape(1)])
+                          estats, shown.reshape(1), readmitted.reshape(1)])
+
+    def _readmit(self, flagged: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
+        """``readmit_after``: keep this step's values while the flagged steps run on; at the
+        n-th in a row the history starts again from them (a change of level, not a spike):
+        the window holds those n steps, and so does the grad-jump rule's grad-norm history,
+        so that the medians the ratio and grad-jump rules use are the new level's (writing n
+        values into a 128-step window would leave its median at the old level). Returns n
+        on that step, NaN otherwise (no host read)."""
+        n = min(int(self.config.readmit_after), w)
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
+        if n == 0:
+            return nan
+        sidx = self.streak % n
+        pold = self.pend[:, sidx].clone()
+        self.pend[:, sidx] = torch.where(flagged, v, pold)
+        streak = torch.where(flagged, self.streak + 1, torch.zeros_like(self.streak))
+        readmit = streak >= n
+        # what ``before`` restores (small copies: 2 x window and one evidence row)
+        self._rundo = (sidx, pold, self.streak, self.hist.clone(), self.ehist[0].clone(), self.ecount[0].clone())
+        rebased = self.hist.clone()
+        rebased[:, :n] = self.pend
+        self.hist = torch.where(readmit, rebased, self.hist)
+        self.count = torch.where(readmit, torch.full_like(self.count, n), self.count)
+        ereb = self.ehist[0].clone()
+        ereb[:n] = self.pend[1].log()
+        self.ehist[0] = torch.where(readmit, ereb, self.ehist[0])
+        self.ecount[0] = torch.where(readmit, torch.full_like(self.ecount[0], n), self.ecount[0])
+        self.streak = torch.where(readmit, torch.zeros_like(streak), streak)
+        return torch.where(readmit, torch.tensor(float(n), dtype=torch.float64, device=v.device), nan)
 
     def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
                   dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
@@ -420,8 +469,16 @@ class SpikeDetector(Configurable):
         det = SpikeDetector(self.config, self.hist.device)
         idx, col, count, jcount, (eidx, eold, ecount), jdx, jold = self._undo
         det.hist, det.count = self.hist.clone(), count
+        det.streak, det.pend = self.streak.clone(), self.pend.clone()
+        det.ehist, det.ecount = self.ehist.clone(), self.ecount.clone()
+        if self._rundo is not None:  # undone in reverse order: the readmission wrote last
+            sidx, pold, streak, hist, ehist0, ecount0 = self._rundo
+            det.hist = hist.clone()
+            det.ehist[0], det.ecount[0] = ehist0, ecount0
+            det.pend[:, sidx] = pold
+            det.streak = streak
         det.hist[:, idx] = col
-        det.ehist, det.ecount = self.ehist.clone(), ecount
+        det.ecount = ecount
         det.ehist[torch.arange(5, device=eold.device), eidx] = eold
         det.jhist, det.jcount = self.jhist.clone(), jcount
         det.jhist[jdx] = jold
@@ -430,7 +487,8 @@ class SpikeDetector(Configurable):
     def state_dict(self) -> dict[str, Any]:
         return {"hist": self.hist.tolist(), "count": int(self.count),
                 "ehist": self.ehist.tolist(), "ecount": self.ecount.tolist(),
-                "jhist": self.jhist.tolist(), "jcount": int(self.jcount)}
+                "jhist": self.jhist.tolist(), "jcount": int(self.jcount),
+                "streak": int(self.streak), "pend": self.pend.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -448,6 +506,10 @@ class SpikeDetector(Configurable):
         if "jhist" in state and len(state["jhist"]) == self.jhist.shape[0]:  # before grad_novelty: none
             self.jhist = torch.tensor(state["jhist"], dtype=torch.float64, device=self.hist.device)
             self.jcount = torch.tensor(int(state["jcount"]), device=self.hist.device)
+        pend = state.get("pend")  # checkpoints before readmission have none: no run of flags
+        if pend is not None and torch.tensor(pend).shape == self.pend.shape:
+            self.pend = torch.tensor(pend, dtype=torch.float64, device=self.hist.device)
+            self.streak = torch.tensor(int(state["streak"]), device=self.hist.device)
 
 
 def describe(stats: list[float]) -> dict[str, Any]:
