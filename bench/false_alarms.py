@@ -423,12 +423,21 @@ def parse_rules(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes", *_BOOLS) \
-                and key not in _float_fields():
+        if key not in (*_int_fields(), "notes", *_BOOLS) and key not in _float_fields():
             raise SystemExit(f"--rules {item}: not a SpikeDetector.Config field")
         out[key] = value if key == "notes" else value.lower() in ("1", "true") if key in _BOOLS \
-            else int(value) if key in ("window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory") else float(value)
+            else int(value) if key in _int_fields() else float(value)
     return out
+
+
+def _int_fields() -> tuple[str, ...]:
+    """SpikeDetector.Config's integer fields (from their defaults: a new one needs no edit here)."""
+    import dataclasses
+
+    from titan_ledger.components.spikes import SpikeDetector
+
+    return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config)
+                 if type(f.default) is int)
 
 
 _BOOLS = ("doc_tail_spread", "one_doc_spread")

@@ -65,6 +65,9 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   Each also runs the same configuration with the cause's prevention: ``prevented`` is
   true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
   log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
+* long (``--set long``; not in ``all``): ``output_logits_long``, 10^4 steps of the tiny
+  model without weight decay or z-loss (QK-norm on): log Z's peak drifts up late in the
+  run without a flag; the prevention z-loss 1e-4 (about 16 minutes a run pair alone).
 * smoke (``--set smoke``; not in ``all``): ``hardware_smoke``, the CI test's scenario
   (``tests/bench/test_zoo.py``): a bit flip at step 12 of 16 steps at a quarter of the
   rows; it measures nothing. ``real_smoke``: the first 40 steps of ``lr_divergence_real``.
@@ -143,7 +146,7 @@ class Scenario:
     seed: int = 0
     relaunch: tuple[int, tuple[str, ...]] | None = None  # (first launch's last step, flags of the second)
     true_step: int | None = None  # known by construction; else read from the data ledger
-    set: str = "tuned"  # tuned | held_out | controls | sharp | attempted | real
+    set: str = "tuned"  # tuned | held_out | controls | sharp | attempted | real | long | smoke
     corpus: str = "text"  # text: the bundled documents | copy: the synthetic copy corpus (COPY_*) | easy: EASY_*, then text
     config: str = "debug_cpu.toml"  # train_configs/<config>
     nproc: int = 2
@@ -227,6 +230,17 @@ SCENARIOS = [
                                              "--checkpoint.keep_latest_k", "0"),
              set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=10_000,
              prevention=("--training.dtype", "float32")),
+    # output logits (Wortsman et al.: no weight decay, no z-loss, late in a long run), QK-norm on
+    # so that the attention logits stay small: log Z's peak drifts up over 10^4 steps
+    # (per-1,000-step median of logz_max 10.8 -> 35.9, peak 153) without a flag or a loss
+    # divergence; z-loss 1e-4 slows the drift (22.6, peak 47), it does not stop it. Its own
+    # set, "long" (2 x 970 s: twice --set real's budget); judged by ``end`` (the last
+    # tenth's log Z) against the prevention's, ``prevented`` left None (a drift, no spike).
+    Scenario("output_logits_long", "output_logits", 10_000,
+             ("--optimizer.lr", "0.1", "--optimizer.weight_decay", "0", "--model.qk_norm", "--lr_scheduler.warmup_steps",
+              "500", "--lr_scheduler.decay_ratio", "0.1", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0"),
+             set="long", config="tiny_cpu.toml", nproc=1, ckpt_interval=100_000,
+             prevention=("--loss.z_loss_weight", "1e-4")),
     # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
     Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
@@ -400,6 +414,8 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
         if sc.cause == "bf16":  # no spike to prevent: prevented when the audit passes and the run trained better
             res.prevented = (not res.prevention_audit and bool(res.audit)
                              and res.prevention_end["loss_last100_median"] < res.end["loss_last100_median"])
+        elif sc.cause == "output_logits" and not res.prevention_flags and not flagged:
+            res.prevented = None  # a drift, no spike: ``end`` says how far each run drifted
         if flagged:
             res.prevention_fingerprint = fingerprint(pled.trained_rows(), flagged[0])
     if flagged:
@@ -482,7 +498,10 @@ def end_state(led) -> tuple[list[str], dict]:
     rows = led.trained_rows()
     tail = [r["loss"] for r in rows[-100:] if r.get("loss") is not None]
     top = lambda k: max((r[k] for r in rows if r.get(k) is not None), default=None)  # noqa: E731
+    last = [r["logz_max"] for r in rows[-max(len(rows) // 10, 1):] if r.get("logz_max") is not None]
     return failed, {"steps": rows[-1]["step"] if rows else 0,
+                    "logz_max_last_tenth_median": round(statistics.median(last), 3) if last else None,
+                    "logz_max_last_tenth_max": round(max(last), 3) if last else None,
                     "param_norm": rows[-1].get("param_norm") if rows else None,
                     "param_norm_start": rows[0].get("param_norm") if rows else None,
                     "loss_last100_median": round(statistics.median(tail), 4) if tail else None,
@@ -659,7 +678,8 @@ def summary(results: list[Result]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="run these scenarios (repeatable)")
-    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "real", "smoke", "all"),
+    ap.add_argument("--set", choices=("tuned", "held_out", "controls", "sharp", "attempted", "real", "long", "smoke",
+                                      "all"),
                     default="all", help="all: tuned, held_out and controls (sharp, attempted and the test's "
                                         "smoke scenario only by name or --set)")
     ap.add_argument("--no-rerun", action="store_true", help="heuristics only (no diagnose --rerun)")
@@ -680,7 +700,7 @@ def main(argv=None) -> int:
     a.folder.mkdir(parents=True, exist_ok=True)
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
         s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "real",
-                                                                                      "smoke"))]
+                                                                                      "long", "smoke"))]
     results = []
     for sc in chosen:
         r = run(sc, a.folder, rerun=not a.no_rerun, prove=a.prove)

@@ -237,9 +237,9 @@ def test_parse_rules(fa):
     from titan_ledger.components.spikes import SpikeDetector
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
-    assert set(fa._float_fields()) | {"window", "min_docs", "min_history", "separation_warmup", "grad_novelty_warmup", "grad_memory", "notes",
-                                      *fa._BOOLS} \
-        == fields - {"enable"}
+    assert set(fa._float_fields()) | set(fa._int_fields()) | {"notes", *fa._BOOLS} == fields - {"enable"}
+    assert {"window", "min_docs", "readmit_after"} <= set(fa._int_fields())
+    assert fa.parse_rules(["readmit_after=0"]) == {"readmit_after": 0}
 
 
 def test_count_proofs_on_clean_runs(fa):

@@ -132,7 +132,11 @@ def test_end_state_names_the_failed_audit_checks_and_where_the_run_ended():
     failed, end = zoo.end_state(Led(audit, rows))
     assert failed == ["master weights: bfloat16"]  # informative (None) and passing checks are not failures
     assert end == {"steps": 200, "param_norm": 367.8, "param_norm_start": 365.81,
-                   "loss_last100_median": pytest.approx(8.0 - 150.5 / 100), "logz_max": 11.0, "max_logit": 3.0}
+                   "loss_last100_median": pytest.approx(8.0 - 150.5 / 100), "logz_max": 11.0, "max_logit": 3.0,
+                   "logz_max_last_tenth_median": 10.0, "logz_max_last_tenth_max": 10.0}  # step 7's 11 is early
     assert zoo.end_state(Led(None, [])) == ([], {"steps": 0, "param_norm": None, "param_norm_start": None,
-                                                "loss_last100_median": None, "logz_max": None, "max_logit": None})
+                                                "loss_last100_median": None, "logz_max": None, "max_logit": None,
+                                                "logz_max_last_tenth_median": None,
+                                                "logz_max_last_tenth_max": None})
     assert zoo.BY_NAME["precision_real"].prevention == ("--training.dtype", "float32")
+    assert zoo.BY_NAME["output_logits_long"].set == "long"  # its horizon is outside --set real's budget
