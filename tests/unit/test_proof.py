@@ -20,6 +20,7 @@ from titan_ledger.components.proof import (
     local_distance,
     mask_labels,
     name_suspect,
+    noise_record,
     normal_update,
     odd_one_out,
     reproduced,
@@ -244,3 +245,31 @@ def test_the_faulty_rank_is_the_one_whose_own_gradients_changed_before_the_clip(
     after = Execution("same", 7.6, 10.0, [[1970.0, 0.0001, 256, 0], [1932.0, 1e-4, 256, 0]], clip_coef=0.1)
     changed = differing_ranks(before, after, 0.0)
     assert changed == [0, 1] and faulty_ranks(before, after, changed) == [0]
+
+
+def test_a_step_that_is_not_finite_every_time_is_no_noise_and_its_record_is_strict_json():
+    """NaN in all three executions: every pair infinitely apart is no noise floor; the
+    step is not 'reproduced', so its update is not applied (the verdict before the floor
+    existed), and the distances go into the record as nulls."""
+    nan, inf = float("nan"), math.inf
+
+    def mk(variant):
+        e = Execution(variant, nan, nan, [[nan, nan, 100.0, 1.0]], normal=False)
+        e.psq = torch.tensor([nan, 1.0], dtype=torch.float64)
+        return e
+
+    d = [[local_distance(mk("original"), mk("same"), 0)] * 3]
+    assert d == [[inf, inf, inf]]
+    assert reproduced(mk("original"), [mk("same"), mk("same")], 0.0, d, 100.0)[0] is False
+    v = judge(mk("original"), [mk("same"), mk("same")], None, None, 0.0, False, d, 100.0)
+    assert (v.verdict, v.applied) == ("hardware", "none")
+    # one execution made infinite by a fault, the other two within noise: still the fault
+    d = [[inf, inf, 2e-6]]
+    assert odd_one_out(d, 100.0) == (0, 2e-6)
+    assert judge(mk("original"), [mk("same"), mk("same")], None, None, 0.0, False, d, 100.0).applied == "same"
+    import json
+
+    rec = noise_record(2e-6, 100.0, d)
+    assert rec == {"floor": 2e-6, "factor": 100.0, "distances": [[None, None, 2e-6]]}
+    json.dumps(rec, allow_nan=False)  # what the ledger's writer demands
+    assert noise_record(inf, 100.0, [[inf, inf, inf]])["floor"] is None

@@ -167,7 +167,8 @@ def reproduced(original: Execution, repeats: list[Execution], rtol: float,
                distances: list[list[float]] | None, factor: float) -> tuple[bool, float | None]:
     """Whether the step reproduced (pure): the first repeat equals the first execution,
     or three executions all differ and none stands out from the noise (then also the
-    noise floor)."""
+    noise floor). A floor that is not finite (every pair infinitely apart: a step that is
+    NaN or inf each time) is no noise: not reproduced, as before the noise floor existed."""
     if not differing_ranks(original, repeats[0], rtol):
         return True, None
     if len(repeats) < 2 or distances is None:
@@ -175,7 +176,7 @@ def reproduced(original: Execution, repeats: list[Execution], rtol: float,
     if not differing_ranks(repeats[0], repeats[1], rtol) or not differing_ranks(original, repeats[1], rtol):
         return False, None
     odd, floor = odd_one_out(distances, factor)
-    return odd is None, floor
+    return odd is None and math.isfinite(floor), floor
 
 
 def judge(original: Execution, repeats: list[Execution], masked: Execution | None,
@@ -207,8 +208,8 @@ def _judge(original, repeats, masked, control, rtol, suspect, distances, noise_f
         if not again:
             return Verdict("hardware", "original", faulty_ranks(first, second, differing_ranks(first, second, rtol)),
                            "the second execution differed from two that agree")
-        odd = odd_one_out(distances, noise_factor)[0] if distances is not None else None
-        if odd is not None:  # the machine is not bit-reproducible, but one execution stands out of its noise
+        odd, floor = odd_one_out(distances, noise_factor) if distances is not None else (None, math.inf)
+        if odd is not None and math.isfinite(floor):  # not bit-reproducible, but one stands out of its noise
             return _odd_verdict(odd, distances, noise_factor)
         return Verdict("hardware", "none", sorted(set(changed) | set(again)), "no two of three executions agree")
     if original.normal:
@@ -231,6 +232,12 @@ def _judge(original, repeats, masked, control, rtol, suspect, distances, noise_f
         return Verdict("not_data", "original", why="masking the suspect or the control data brings the "
                                                    "update back: removing data, not bad data")
     return Verdict("not_data", "original", why="reproducible, and abnormal without the suspect data")
+
+
+def noise_record(floor: float, factor: float, distances: list[list[float]]) -> dict[str, Any]:
+    """The proof's ``noise``: the floor, the factor and per rank the pairwise distances;
+    an infinite one is written null (the ledger's JSON is strict)."""
+    return {"floor": _num(floor), "factor": factor, "distances": [[_num(x) for x in row] for row in distances]}
 
 
 def _odd_verdict(odd: int, distances: list[list[float]], factor: float) -> Verdict:
@@ -564,7 +571,7 @@ class Prover:
             out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
                            "gradients: the ranks it changed cannot be told apart")
         if v.noise is not None:  # the machine's execution noise, measured by this proof
-            out["noise"] = {"floor": v.noise, "factor": factor, "distances": distances}
+            out["noise"] = noise_record(v.noise, factor, distances)
         if v.ranks:
             out["ranks"] = v.ranks
             out["dp_ranks"] = sorted({ledger.topo.dp_rank_of[r] for r in v.ranks})

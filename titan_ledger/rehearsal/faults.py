@@ -326,15 +326,20 @@ def jitter_grads(trainer, scale: float) -> None:
     """``--ledger.rehearsal.nondeterminism X``: a machine that does not execute a step bit
     for bit, rehearsed. After every backward each local gradient shard is scaled by
     ``1 + X * u``, ``u`` uniform in [-1, 1], one draw per parameter from a generator of
-    this rank's own (the run's RNG is untouched), so two executions of the same step
-    differ by about ``X`` relative, as a GPU's atomics make them differ; the loss does
-    not (a GPU's forward is reproducible, its attention and embedding backward are not)."""
+    its own (the run's RNG is untouched), so two executions of the same step differ by
+    about ``X`` relative, as a GPU's atomics make them differ; the loss does not (a GPU's
+    forward is reproducible, its attention and embedding backward are not). Every rank
+    seeds it alike and draws in parameter order, so the copies of a replicated gradient
+    (TP's ``Replicate`` placements, DDP/HSDP replicas) are scaled alike and stay equal,
+    as a real all-reduce leaves them; the shards of one parameter are scaled alike too.
+    ``X`` must exceed the gradients' dtype spacing (2^-8 in bf16, 2^-24 in fp32), or the
+    product rounds back and the rehearsal is silently bit-reproducible."""
     if not scale:
         return
     rank = trainer.ledger.topo.rank
-    gen = _JITTER.get(rank)
+    gen = _JITTER.get(rank)  # one per process (tests fake several ranks in one)
     if gen is None:
-        gen = _JITTER[rank] = torch.Generator().manual_seed(7919 + rank)
+        gen = _JITTER[rank] = torch.Generator().manual_seed(7919)
     with torch.no_grad():
         for m in trainer.model_parts:
             for p in m.parameters():
