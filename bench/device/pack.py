@@ -173,6 +173,8 @@ def proof_check(guard: Guard, plan: dict, work: Path, device: str, fits) -> dict
         res = worker(guard, sub, work, device, name, "ledger", False,
                      extra=["--ledger.rehearsal.prove_at", f"2-{pp['steps']}", *flags])
         entry: dict = {"ok": bool(res.get("ok")), "flags": flags}
+        if res.get("rc") is None:  # killed by the wall-clock guard: not run, not failed
+            entry["timed_out"] = True
         if not res.get("ok"):
             entry["error"] = res.get("error")
             entry["log_tail"] = res.get("log_tail")
@@ -197,7 +199,7 @@ def proof_check(guard: Guard, plan: dict, work: Path, device: str, fits) -> dict
 def proof_verdicts(proof: dict | None, cuda: bool) -> dict[str, bool | None]:
     """(f)'s checks: no clean step proven hardware; the rehearsed noise measured (CPU);
     bit-equal re-executions under --debug.deterministic (CUDA)."""
-    runs = proof or {}
+    runs = {k: r for k, r in (proof or {}).items() if not r.get("timed_out")}  # the guard's: not run
     ok = [r for r in runs.values() if r.get("ok") and r.get("proofs")]
     checks: dict[str, bool | None] = {
         "proof_no_hardware_on_clean_steps": (all(r["hardware"] == 0 for r in ok) and len(ok) == len(runs))

@@ -41,3 +41,26 @@ def test_the_summary_counts_what_passed_failed_and_did_not_run():
                                    "(checks 80 s of a 85 s budget)"
     r.update(checks={"a": True}, failed=[], not_run=[], ok=True, setup_s=3.0)
     assert pack.summary_line(r) == "ok: 1 of 1 checks passed (setup 3 s, checks 80 s of a 85 s budget)"
+
+
+def test_proof_noise_verdicts():
+    """(f): a clean step proven hardware fails; a run the guard killed is not run, not failed;
+    on CUDA the deterministic run must be bit-equal; on CPU the rehearsed floor must show."""
+    pv = _pack().proof_verdicts
+    p = lambda verdict="outlier", bit=False, floor=3e-6: {"step": 2, "verdict": verdict, "bit_equal": bit,  # noqa: E731
+                                                           "noise_floor": floor}
+    run = lambda proofs, floor: {"ok": True, "proofs": proofs, "hardware": sum(x["verdict"] == "hardware"  # noqa: E731
+                                                                               for x in proofs),
+                                 "bit_equal": sum(bool(x["bit_equal"]) for x in proofs), "noise_floor_max": floor}
+    assert pv(None, False) == {"proof_no_hardware_on_clean_steps": None, "proof_measures_rehearsed_noise": None}
+    good = {"proof_rehearsed_noise": run([p(), p()], 3e-6)}
+    assert set(pv(good, False).values()) == {True}
+    assert pv({"proof_rehearsed_noise": run([p(), p("hardware")], 3e-6)}, False)[
+        "proof_no_hardware_on_clean_steps"] is False
+    assert pv({"proof_rehearsed_noise": run([p(floor=None)], None)}, False)["proof_measures_rehearsed_noise"] is False
+    cuda = {"proof_default": run([p()], 1e-5), "proof_deterministic": run([p(bit=True, floor=None)], None)}
+    assert set(pv(cuda, True).values()) == {True}
+    cuda["proof_deterministic"] = run([p(bit=False)], 1e-7)
+    assert pv(cuda, True)["proof_bit_equal_when_deterministic"] is False
+    cuda["proof_deterministic"] = {"ok": False, "timed_out": True, "flags": []}
+    assert pv(cuda, True) == {"proof_no_hardware_on_clean_steps": True, "proof_bit_equal_when_deterministic": None}
