@@ -131,6 +131,11 @@ def local_distance(a: Execution, b: Execution, rank: int) -> float:
     return d if math.isfinite(d) else math.inf
 
 
+#: execution i (0: the first, 1 and 2: the repeats) -> the indices of its two distances in
+#: a rank's ``[d(0,1), d(0,2), d(1,2)]``
+_MINE = {0: (0, 1), 1: (0, 2), 2: (1, 2)}
+
+
 def odd_one_out(distances: list[list[float]], factor: float) -> tuple[int | None, float]:
     """Of three executions (0: the first, 1 and 2: the repeats) that all differ, the one
     a fault changed, or None when all three agree within the execution noise (pure).
@@ -145,7 +150,7 @@ def odd_one_out(distances: list[list[float]], factor: float) -> tuple[int | None
     if not distances:
         return None, 0.0
     pair_of = {0: 2, 1: 1, 2: 0}  # execution i -> the index of the pair distance without it
-    mine = {0: (0, 1), 1: (0, 2), 2: (1, 2)}  # execution i -> its two distances
+    mine = _MINE
     totals = [max(r[k] for r in distances) for k in range(3)]
     closest = min(range(3), key=lambda k: totals[k])  # the pair distance of the closest two
     odd = next(i for i, k in pair_of.items() if k == closest)
@@ -210,7 +215,7 @@ def _judge(original, repeats, masked, control, rtol, suspect, distances, noise_f
                            "the second execution differed from two that agree")
         odd, floor = odd_one_out(distances, noise_factor) if distances is not None else (None, math.inf)
         if odd is not None and math.isfinite(floor):  # not bit-reproducible, but one stands out of its noise
-            return _odd_verdict(odd, distances, noise_factor)
+            return _odd_verdict(odd, floor, distances, noise_factor)
         return Verdict("hardware", "none", sorted(set(changed) | set(again)), "no two of three executions agree")
     if original.normal:
         if suspect:
@@ -240,11 +245,10 @@ def noise_record(floor: float, factor: float, distances: list[list[float]]) -> d
     return {"floor": _num(floor), "factor": factor, "distances": [[_num(x) for x in row] for row in distances]}
 
 
-def _odd_verdict(odd: int, distances: list[list[float]], factor: float) -> Verdict:
-    """``hardware`` when three executions differ and ``odd`` stands out of their noise:
-    the ranks where it does are named; the other two agree within the noise."""
-    mine = {0: (0, 1), 1: (0, 2), 2: (1, 2)}[odd]
-    floor = odd_one_out(distances, factor)[1]
+def _odd_verdict(odd: int, floor: float, distances: list[list[float]], factor: float) -> Verdict:
+    """``hardware`` when three executions differ and ``odd`` stands out of their noise
+    ``floor``: the ranks where it does are named; the other two agree within the noise."""
+    mine = _MINE[odd]
     ranks = [r for r, d in enumerate(distances) if min(d[mine[0]], d[mine[1]]) > factor * floor]
     who = "the first execution" if odd == 0 else "a repeat"
     return Verdict("hardware", "same" if odd == 0 else "original", ranks,

@@ -186,7 +186,8 @@ class RehearsalConfig:
 
     nondeterminism: float = 0.0
     """Rehearsal only: after every backward, scale each gradient by ``1 + X * u`` (``u``
-    uniform in [-1, 1], one draw per parameter, from a generator of the rank's own), so
+    uniform in [-1, 1], one draw per parameter, from a generator seeded alike on every
+    rank, so replicated gradients stay equal), so
     that no two executions of a step are bit-equal, as on a GPU without
     ``--debug.deterministic``: what proofs at the alarm then measure as the noise floor
     (``--ledger.on_spike.prove_noise_factor``). 0: off."""

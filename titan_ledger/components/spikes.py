@@ -201,8 +201,9 @@ class SpikeDetector(Configurable):
         docs/benchmarks.md, "Real instabilities"). The readmitting step is still flagged;
         its event says ``readmitted``, and the history starts again from those steps. A
         spike is over long before this (clean training had 1 acting flag in 21,000 steps;
-        the zoo's spikes last 1-5), and an acting ``action`` or the ladder has acted by
-        then. 0: flagged steps never enter the history. Capped at ``window``."""
+        the tiny model's real instabilities flag at most 15 steps in a row), and an acting
+        ``action`` or the ladder has acted by then. 0: flagged steps never enter the
+        history. Capped at ``window``."""
 
         def note_rules(self) -> tuple[str, ...]:
             return tuple(r.strip() for r in self.notes.split(",") if r.strip())
@@ -252,7 +253,6 @@ class SpikeDetector(Configurable):
         k = max(min(int(config.readmit_after), w), 1)
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.pend = torch.zeros(2, k, dtype=torch.float64, device=device)
-        self._karange = torch.arange(k, device=device)
         self._rundo = None
         self._acts = torch.tensor([r not in notes for r in RULES], dtype=torch.bool, device=device)
         self._bits = torch.tensor([float(2 ** i) for i in range(len(RULES))], dtype=torch.float64, device=device)
@@ -349,7 +349,7 @@ class SpikeDetector(Configurable):
         values into a 128-step window would leave its median at the old level). Returns n
         on that step, NaN otherwise (no host read)."""
         n = min(int(self.config.readmit_after), w)
-        nan = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
+        nan = torch.full_like(v[0], float("nan"))  # (constants by fill kernels: no host-to-device copy)
         if n == 0:
             return nan
         sidx = self.streak % n
@@ -359,16 +359,12 @@ class SpikeDetector(Configurable):
         readmit = streak >= n
         # what ``before`` restores (small copies: 2 x window and one evidence row)
         self._rundo = (sidx, pold, self.streak, self.hist.clone(), self.ehist[0].clone(), self.ecount[0].clone())
-        rebased = self.hist.clone()
-        rebased[:, :n] = self.pend
-        self.hist = torch.where(readmit, rebased, self.hist)
+        self.hist[:, :n] = torch.where(readmit, self.pend, self.hist[:, :n])
         self.count = torch.where(readmit, torch.full_like(self.count, n), self.count)
-        ereb = self.ehist[0].clone()
-        ereb[:n] = self.pend[1].log()
-        self.ehist[0] = torch.where(readmit, ereb, self.ehist[0])
+        self.ehist[0, :n] = torch.where(readmit, self.pend[1].log(), self.ehist[0, :n])
         self.ecount[0] = torch.where(readmit, torch.full_like(self.ecount[0], n), self.ecount[0])
         self.streak = torch.where(readmit, torch.zeros_like(streak), streak)
-        return torch.where(readmit, torch.tensor(float(n), dtype=torch.float64, device=v.device), nan)
+        return torch.where(readmit, torch.full_like(v[0], float(n)), nan)
 
     def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
                   dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
