@@ -45,7 +45,9 @@ adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
 ``ledger_no_doc_loss`` and the prevention features ``ledger_zloss`` (``--loss.z_loss_weight
 1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``), the proof at
 the alarm ``ledger_prove_off`` / ``ledger_prove_all`` (``--ledger.on_spike.prove``; both:
-their ratio is printed) to the paired repeats, and ``stock_busy``, the calibration: the stock Trainer plus
+their ratio is printed), ``ledger_no_defer`` (``--ledger.on_spike.no_defer``: decisions in the step,
+a host read per step; ``ledger / ledger_no_defer`` is what deferring costs) to the paired repeats, and ``stock_busy``,
+the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
 """
@@ -87,6 +89,8 @@ VARIANTS = {
     # not proven (clean training: the flag's host read per step) against no proof at all
     "ledger_prove_off": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "off"],
     "ledger_prove_all": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "all"],
+    # decisions in the step (a host read of the flag per step) instead of deferred ones
+    "ledger_no_defer": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.no_defer"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],

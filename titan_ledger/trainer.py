@@ -143,8 +143,11 @@ class LedgerTrainer(Trainer):
         try:
             with patches.no_final_sleep_on_cpu():
                 super().train()
+            self.recovery.settle(ok=True)  # a decision still deferred (the data ran out) is made
         except BaseException as e:  # a stop (non-finite loss, max_rollbacks, ...): exit code 1
             dashboards.log_stop(self.metrics_processor.logger, e)
+            with contextlib.suppress(Exception):  # (the error that stopped training is the one to see)
+                self.recovery.settle(ok=False)  # a deferred step's rows are written as they stand
             raise
         finally:
             self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
@@ -225,6 +228,16 @@ class LedgerTrainer(Trainer):
         rec.batches = microbatch_groups
         accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.execute(
             microbatch_groups, need_loss)
+        # CHANGED: the previous step's deferred decision, made behind this step's launched work
+        outcome = self.recovery.resolve()
+        if outcome == "rollback":  # this step is dropped: the rollback and its skip window run now
+            self.ledger.discard_step_state()
+            self.step_record = rec.batches = None
+            self.recovery.before_step()
+            return
+        if outcome == "redo":  # the parameters changed under it: this step again
+            accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.recovery.redo(
+                rec, need_loss)
 
         with sl.log_trace_span("optim"):
             # CHANGED: record the step's signals from the gradients about to be applied,
@@ -236,11 +249,13 @@ class LedgerTrainer(Trainer):
             self.ledger.record(rec, grad_norm=grad_norm, local_tokens=int(local_valid_tokens),
                                local_loss_sum=(accumulated_loss * global_valid_tokens).sum()
                                if accumulated_loss is not None else None)
-            applied = self.recovery.decide(rec)
+            applied = self.recovery.decide(rec)  # None: deferred, the device holds a flagged update
             self.checkpointer.maybe_wait_for_staging()
-            if applied:  # CHANGED: the update guard (on_spike)
+            if applied is not False:  # CHANGED: the update guard (on_spike)
                 self.optimizers.step()
-            self.ledger.after_update(applied)  # CHANGED: QK-clip
+            if applied is None:
+                self.recovery.after_update()
+            self.ledger.after_update(applied is not False)  # CHANGED: QK-clip, update_norm
             self.lr_schedulers.step()
 
         if not should_log:

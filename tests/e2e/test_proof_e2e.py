@@ -1,13 +1,16 @@
-"""Proof at the alarm, end to end (issue 35): three launches of the debug model, DP 2.
+"""Proof at the alarm, end to end (issue 35): four launches of the debug model, DP 2.
 
-Two 12-step runs started together -- one with two rehearsal faults and ``action =
-rollback``: a flipped gradient bit on DP rank 0 at step 6 (``hardware``: the
-recomputed update is applied, and the run goes on exactly as the clean run) and a
-repeated batch on DP rank 1 at step 10 (``bad_data``: nothing rolls back, the step
-trains on the rest of the batch and the documents are quarantined); and a clean run
-with ``prove = "all"`` -- then the faulty run resumed from its step-8 checkpoint,
-which must train steps 9-12 exactly as it did (the proof at step 10 again, its
-quarantine after it).
+Three 12-step runs -- one with two rehearsal faults and ``action = rollback``: a
+flipped gradient bit on DP rank 0 at step 6 (``hardware``: the recomputed update is
+applied, and the run goes on exactly as the clean run) and a repeated batch on DP rank
+1 at step 10 (``bad_data``: nothing rolls back, the step trains on the rest of the
+batch and the documents are quarantined); and a clean run with ``prove = "all"`` and
+every step from 2 on forced through a proof, once deciding in the step
+(``--ledger.on_spike.no_defer``) and once deferred (the default: each decision made at
+the next step, behind its launched work) -- then the faulty run resumed from its step-8
+checkpoint, which must train steps 9-12 exactly as it did (the proof at step 10 again,
+its quarantine after it). The faulty run defers too, so its comparisons with the clean
+in-step run are deferred-against-in-step, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ RUNS = {
     "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
                "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4"],
     # every note proven, and every step from 2 on forced through a proof: none may leave a trace
-    "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
+    "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.on_spike.no_defer"],
+    "clean_deferred": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
 }
 
 
@@ -82,6 +86,8 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     assert hit and all(m for _, m in hit)  # wherever a convicted document came back, it was masked
     assert rejected_steps(d) == []  # resolved: not on the auto-skip list
     assert signals_rows(d)[REPEAT + 1]["grad_norm"] < 3 * ev["grad_norm_median"]
+    # deferred: proven at the next step, its update held on the device until then
+    assert proof["decided_at"] == REPEAT + 1 and f"decided at step {REPEAT + 1} with its update held" in out
 
 
 def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
@@ -107,6 +113,30 @@ def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
     assert ex[1]["grad_norm"] == b[FLIP]["grad_norm"]  # the recomputed update is the clean one
     assert f"hardware (transient): DP rank(s) {', '.join(map(str, named))} changed" in out
     assert FLIP not in rejected_steps(d)
+    assert proof["decided_at"] == FLIP + 1  # deferred, against the clean run's in-step decisions
+
+
+def test_deferred_decisions_train_exactly_the_run_in_step_decisions_train(runs):
+    """Every step from 2 to 11 proven a step late (its update held on the device, applied
+    at its own LR after the proof, the next step executed again): every row, data row and
+    verdict equals the in-step run's, bit for bit."""
+    d, _ = runs["clean_deferred"]
+    ref, _ = runs["clean"]
+    a, b = signals_rows(d), signals_rows(ref)
+    timing = {"step_time_s", "data_loading_s"}
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert {k: v for k, v in a[step].items() if k not in timing} == \
+            {k: v for k, v in b[step].items() if k not in timing}, step
+    for r in (0, 1):
+        assert data_rows(d, r) == data_rows(ref, r)
+    pa, pb = ({e["step"]: e["proof"] for e in read_ledger(x / "ledger" / "spikes.jsonl").history if "proof" in e}
+              for x in (d, ref))
+    assert {s: (p["verdict"], p["applied"]) for s, p in pa.items()} == \
+        {s: (p["verdict"], p["applied"]) for s, p in pb.items()}
+    assert {s: p.get("decided_at") for s, p in pa.items()} == {s: s + 1 for s in range(2, 12)} | {12: None}
+    assert all("decided_at" not in p for p in pb.values())
+    assert all(p["executions"][1]["bit_equal"] for p in pa.values())  # judged by the kept checksum
 
 
 def test_clean_training_proven_at_every_step_acts_on_nothing_and_leaves_no_trace(runs):

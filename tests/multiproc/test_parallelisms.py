@@ -46,3 +46,22 @@ def test_a_proof_re_executes_the_step_bit_for_bit(runs, case):
     assert len(same["per_rank"]) == PARALLELISMS[case].nproc
     assert proof["verdict"] in ("not_data", "outlier") and proof["applied"] == "original"
     assert signals_rows(dump)[PROVEN_STEP]["grad_norm"] == original["grad_norm"]
+
+
+def test_under_pipeline_parallelism_a_deferred_proof_trains_what_an_in_step_proof_trains(runs):
+    """PP: one optimizer per stage, each holding the flagged update through its own
+    ``found_inf``; step 2's proof made at step 3 (the update applied at step 2's LR, step 3
+    executed again) against the same run deciding in the step: every row bit for bit
+    (``update_norm`` included: the late update is measured on step 2's row)."""
+    a, b = signals_rows(runs.straight("PP")), signals_rows(runs.in_step("PP"))
+    timing = {"step_time_s", "data_loading_s"}
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        assert {k: v for k, v in a[step].items() if k not in timing} == \
+            {k: v for k, v in b[step].items() if k not in timing}, step
+    assert a[PROVEN_STEP]["update_norm"] > 0
+
+    def proof(dump):
+        events = [json.loads(x) for x in (dump / "ledger" / "spikes.jsonl").read_text().splitlines()[1:]]
+        return next(e["proof"] for e in events if e.get("step") == PROVEN_STEP and "proof" in e)
+    assert proof(runs.straight("PP"))["decided_at"] == PROVEN_STEP + 1 and "decided_at" not in proof(runs.in_step("PP"))

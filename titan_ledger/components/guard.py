@@ -6,8 +6,10 @@ every rank already holds after the recorder's one collective, so every rank
 reaches the same flag with no further collective and no host read; the flag's
 stats ride in the recorder's device->host copy and become an event in
 ``spikes.jsonl`` (and ``rejected_steps.jsonl``, the auto-skip list) when the row
-is written. Only a response that must act before ``optimizers.step()``
-(``on_spike = skip_update | rollback``) reads the flag on the host, once per step.
+is written. A response that must act before ``optimizers.step()`` (a proof, ``skip_update``,
+``rollback``) withholds the update on the device (:meth:`SpikeGuard.hold`, the fused
+AdamW's ``found_inf``) and reads the flag a step later; only steps where torchtitan
+synchronises anyway read it in the step (:mod:`titan_ledger.components.recovery`).
 Event logs are never superseded: a spike that caused a rewind stays on record.
 """
 
@@ -20,9 +22,11 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from titan_ledger.components.spikes import SpikeDetector, describe, is_note
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, is_note
 from titan_ledger.components.topology import Topology
 from titan_ledger.format import records
+
+_NOTE = STAT_KEYS.index("note")
 
 
 class SpikeGuard:
@@ -63,6 +67,17 @@ class SpikeGuard:
             self.last_flag = stats[0] > 0
             self.last_stats = stats
             return stats
+
+    def hold(self, acting: bool, notes: bool) -> torch.Tensor:
+        """This step's update guard on the device, no host read: 1.0 when an acting rule
+        fired (``acting``) or a note did (``notes``), else 0.0 -- the fused AdamW's
+        ``found_inf``, which then leaves parameters, moments and the step count as they
+        were (``OnSpikeConfig.defer``)."""
+        stats = self.last_stats
+        fired = (stats[0] > 0) if acting else torch.zeros((), dtype=torch.bool, device=stats.device)
+        if notes:
+            fired = fired | (stats[_NOTE] > 0)
+        return fired.to(torch.float32)
 
     def flag_now(self) -> bool:
         """This step's flag on the host (one device->host read; only the update guard

@@ -392,13 +392,33 @@ class Ledger(Configurable):
                     if [s, d, t] not in known:
                         f.write(json.dumps({"source": s, "doc": d, "step": t}) + "\n")
 
-    def after_update(self, applied: bool) -> None:
+    def remask(self, rec: StepRecord, docs: list) -> None:
+        """A step fetched before a deferred proof convicted ``docs``: mask them in its
+        batches now, as the fetch would have (its re-execution trains without them), and
+        record the mask where the fetch records it."""
+        if not docs or not rec.batches:
+            return
+        convicted = Quarantine([])
+        convicted.add(docs)
+        hits = rec.masked.setdefault("quarantine", [])
+        base = 0
+        for group in rec.batches:
+            for _, labels in group:
+                n = labels.shape[0]
+                valid = int((labels != IGNORE_INDEX).sum())
+                hits.extend([base + r, g] for r, g in convicted.mask(rec.tags[base:base + n], labels))
+                rec.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
+                base += n
+        hits.sort()  # row order, as the fetch's one pass writes them
+
+    def after_update(self, applied: bool, rec: StepRecord | None = None) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
         logits put over the threshold (not when the guard rejected the update); before it,
-        ``update_norm`` (the optimizer's update alone)."""
+        ``update_norm`` (the optimizer's update alone; ``rec``: a deferred step's update,
+        applied a step late)."""
         if self.recorder is not None and self.config.update_norm:
             with record_function("titan_ledger.signals"):
-                self.recorder.attach_update(applied)
+                self.recorder.attach_update(applied, rec)
         if self.qk_clip is not None:
             if applied:
                 with record_function("titan_ledger.qk_clip"):

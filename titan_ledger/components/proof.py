@@ -84,6 +84,29 @@ class Execution:
         return out
 
 
+@dataclass
+class FirstExecution:
+    """A flagged step's first execution as a deferred decision keeps it for a step
+    (``OnSpikeConfig.defer``): its gradients are overwritten by the next step's, so what
+    the proof compares is kept on the device instead -- per parameter the local
+    gradient's sum of squares and its sum (a checksum: a changed bit changes one of them,
+    a sign included) -- with the loss sum, tokens and grad norm ``Ledger.record`` saw."""
+
+    loss_sum: Any
+    local_tokens: int
+    grad_norm: Any
+    psq: Any
+    sums: Any
+
+    @classmethod
+    def of(cls, trainer) -> FirstExecution:
+        """The step just recorded, from the live gradients (device work only, no host read)."""
+        grads = [p.grad for m in trainer.model_parts for p in m.parameters()]
+        loss_sum, local_tokens, grad_norm = trainer.ledger.last_execution
+        return cls(loss_sum, local_tokens, grad_norm, _per_param_sq(grads, trainer.device),
+                   _per_param_sum(grads, trainer.device))
+
+
 def _num(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
@@ -391,6 +414,9 @@ class Prover:
     def __init__(self, trainer) -> None:
         self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
         self.proofs = 0
+        # what the gradients hold after the last proof (deferred decisions apply from them)
+        self._rec = self._in_grads = None
+        self._groups: dict[str, Any] = {}
 
     @property
     def config(self):
@@ -407,35 +433,62 @@ class Prover:
     def _params(self) -> list:
         return [p for m in self.trainer.model_parts for p in m.parameters()]
 
-    def _run(self, variant: str, rec, groups, first_grads) -> Execution:
-        """One execution of the step on ``groups``: fresh gradients, the trainer's own
-        ``execute``, the per-step accumulators it refilled drained; gathered per rank."""
+    def _execute(self, rec, groups):
+        """The trainer's own ``execute`` on ``groups`` with fresh gradients, the per-step
+        accumulators it refilled drained."""
+        t = self.trainer
+        for p in self._params():
+            p.grad = None
+        outer, t.step_record = t.step_record, rec  # the hooks see the step (a swap repeats; a bitflip is done)
+        try:
+            out = t.execute(groups, True)
+        finally:
+            t.step_record = outer  # (a deferred proof runs inside the next step)
+        t.ledger.discard_step_state()
+        return out
+
+    def _run(self, variant: str, rec, groups, first) -> Execution:
+        """One execution of the step on ``groups`` (:meth:`_execute`), gathered per rank;
+        ``first``: the first execution's gradients (in the step) or its
+        :class:`FirstExecution` (deferred), which ``equal`` is judged against."""
         t = self.trainer
         t0 = time.perf_counter()
         params = self._params()
-        for p in params:
-            p.grad = None
-        t.step_record = rec  # the hooks see the step (a swap rehearsal repeats; a bitflip is done)
-        try:
-            loss, grad_norm, local_tokens, global_tokens = t.execute(groups, True)
-        finally:
-            t.step_record = None
-        t.ledger.discard_step_state()
-        equal = True
-        for p, g0 in zip(params, first_grads):
-            g = _local(p.grad) if p.grad is not None else None
-            if g0 is None or g is None:
-                equal = equal and (g0 is None) == (g is None)
-            else:
-                equal = equal and bool(torch.equal(_local(g0), g))
-        psq = _per_param_sq([p.grad for p in params], t.device)
+        loss, grad_norm, local_tokens, global_tokens = self._execute(rec, groups)
+        self._in_grads = variant
+        grads = [p.grad for p in params]
+        psq = _per_param_sq(grads, t.device)
+        if isinstance(first, FirstExecution):  # deferred: the first gradients are gone, their checksum is not
+            equal = bool(torch.equal(psq, first.psq)) and bool(torch.equal(_per_param_sum(grads, t.device),
+                                                                           first.sums))
+        else:
+            equal = True
+            for g0, g in zip(first, grads):
+                if g0 is None or g is None:
+                    equal = equal and (g0 is None) == (g is None)
+                else:
+                    equal = equal and bool(torch.equal(_local(g0), _local(g)))
         loss_sum = (loss.double() * global_tokens).sum() if loss is not None else None
         return self._gathered(variant, loss_sum, psq, local_tokens, equal, grad_norm,
                               seconds=time.perf_counter() - t0)
 
-    def _original(self, first_grads, loss_sum, local_tokens, grad_norm) -> Execution:
-        psq = _per_param_sq(first_grads, self.trainer.device)
-        return self._gathered("original", loss_sum, psq, local_tokens, True, grad_norm)
+    def load_update(self, rec, applied: str) -> None:
+        """After a deferred proof (or none): leave in the gradients the update ``applied``
+        names (``original``/``same``: the step as it is; ``masked``/``control``: the proof's
+        mask), executing the step once more when they are not already there."""
+        want = {"original": "same", "same": "same", "masked": "masked", "control": "control"}.get(applied)
+        if want is None or (self._rec is rec and self._in_grads == want):
+            return
+        groups = self._groups.get(want) if self._rec is rec else None
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self.trainer.device.type == "cuda" else None
+        self._execute(rec, groups if groups is not None else rec.batches)
+        self._rec, self._in_grads = rec, want
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        if rec.proof is not None:
+            rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
 
     def _distances(self, executions: list[Execution]) -> list[list[float]]:
         """Per global rank, the three executions' pairwise distances ``[d(0,1), d(0,2),
@@ -485,10 +538,13 @@ class Prover:
         return min(1.0, max_norm / (g + 1e-6)) if max_norm > 0 and math.isfinite(g) else 1.0
 
     # ------------------------------------------------------------------ the proof
-    def prove(self, rec, *, acting: bool, event: dict[str, Any]) -> dict[str, Any]:
+    def prove(self, rec, *, acting: bool, event: dict[str, Any], first: FirstExecution | None = None
+              ) -> dict[str, Any]:
         """Prove the flagged step ``rec`` (its first execution as ``Ledger.record`` saw
-        it); leave in the gradients the update to apply; return the proof record (the
-        ``proof`` of the step's spike event) with ``verdict`` and ``applied``."""
+        it); in the step (``first`` None), leave in the gradients the update to apply;
+        deferred (``first``: what was kept of the first execution), :meth:`load_update`
+        does when an update is applied. Returns the proof record (the ``proof`` of the
+        step's spike event) with ``verdict`` and ``applied``."""
         import torch.distributed as dist
         from torchtitan.components.loss import IGNORE_INDEX
 
@@ -499,10 +555,16 @@ class Prover:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if t.device.type == "cuda" else None
         params = self._params()
-        first_grads = [p.grad for p in params]  # by reference: each execution gets fresh tensors
+        if first is None:  # in the step: the first gradients, by reference (each execution gets fresh tensors)
+            first_grads = [p.grad for p in params]
+            loss_sum, local_tokens, grad_norm = ledger.last_execution
+            psq = _per_param_sq(first_grads, t.device)
+        else:
+            first_grads = first
+            loss_sum, local_tokens, grad_norm, psq = first.loss_sum, first.local_tokens, first.grad_norm, first.psq
+        self._rec, self._in_grads, self._groups = rec, None, {"same": rec.batches}
         detector = ledger.guard.detector
-        loss_sum, local_tokens, grad_norm = ledger.last_execution
-        original = self._original(first_grads, loss_sum, local_tokens, grad_norm)
+        original = self._gathered("original", loss_sum, psq, local_tokens, True, grad_norm)
         original.normal = normal_update(detector, original.loss, original.grad_norm)
         rtol = float(self.config.prove_rtol)
         factor = float(self.config.prove_noise_factor)
@@ -540,6 +602,7 @@ class Prover:
                     m_groups = groups
                 masked = self._run("masked", rec, m_groups, first_grads)
                 masked.normal = normal_update(detector, masked.loss, masked.grad_norm)
+                self._groups.update(masked=m_groups, control=c_groups)
         v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
                   distances=distances, noise_factor=factor)
         if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
@@ -551,10 +614,13 @@ class Prover:
         else:
             repeats_after = []
         last = (repeats_after or [masked or control or repeats[-1]])[-1].variant
-        if v.applied in ("original", "none") or (v.applied == "same" and last != "same") or \
-                (v.applied == "masked" and last != "masked"):
+        if first is None and (v.applied in ("original", "none") or (v.applied == "same" and last != "same") or
+                              (v.applied == "masked" and last != "masked")):
             for p, g in zip(params, first_grads):
                 p.grad = g
+            self._in_grads = "original"
+        elif first is not None and v.verdict == "hardware" and v.applied == "original":
+            self._in_grads = None  # the last repeat may be the odd one: executed again if applied
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng)
@@ -600,10 +666,23 @@ def _mean_loss(ranks: list[list[float]]) -> float:
 
 def _per_param_sq(grads, device) -> torch.Tensor:
     """This rank's gradient sum of squares per parameter (0 for a parameter without
-    gradient), float64: one vector, so that executions compare parameter by parameter."""
+    gradient), float64: one vector, so that executions compare parameter by parameter.
+    One fused norm over the local pieces, accumulated in float64 (no float64 copy of a
+    gradient: a deferred decision computes it every step)."""
+    have = [_local(g) for g in grads if g is not None]
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([_local(g).double().square().sum() if g is not None else
+    norms = iter(torch._foreach_norm(have, 2, dtype=torch.float64) if have else ())
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([next(norms) if g is not None else zero for g in grads]).square()
+
+
+def _per_param_sum(grads, device) -> torch.Tensor:
+    """This rank's gradient sum per parameter, accumulated in float64 (with the sums of
+    squares, a deferred decision's checksum of the first execution's gradients)."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([_local(g).sum(dtype=torch.float64) if g is not None else
                         torch.zeros((), dtype=torch.float64, device=device) for g in grads])
 
 

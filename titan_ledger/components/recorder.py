@@ -237,12 +237,14 @@ class SignalRecorder:
             event.record()
         self._pending.append(_Pending(rec, reduced, extra, event))
 
-    def attach_update(self, applied: bool) -> None:
-        """[ledger] update_norm, after ``optimizers.step``: the newest queued step's update
-        norm from the snapshot taken before it (:func:`signals.update_sq`; 0 when the update
-        was not applied). One all-reduce of one scalar (the option's cost); the host copy
-        rides with the row (a new event replaces the step's)."""
-        p = self._pending[-1] if self._pending else None
+    def attach_update(self, applied: bool, rec: StepRecord | None = None) -> None:
+        """[ledger] update_norm, after ``optimizers.step``: the update norm of the newest
+        queued step (or of ``rec``, a deferred decision's step) from the snapshot taken
+        before it (:func:`signals.update_sq`; 0 when the update was not applied, on the
+        host's word or the device's). One all-reduce of one scalar (the option's cost);
+        the host copy rides with the row (a new event replaces the step's)."""
+        p = next((q for q in self._pending if q.rec is rec), None) if rec is not None else \
+            (self._pending[-1] if self._pending else None)
         if p is None or self._before is None:
             return
         sq = update_sq(self.plan, self._before, self.device) if applied else torch.zeros((), device=self.device)
@@ -259,12 +261,25 @@ class SignalRecorder:
         """[ledger] update_norm, before ``optimizers.step``: this rank's owned parameter pieces."""
         self._before = snapshot(self.plan)
 
+    def host_stats(self, rec: StepRecord) -> list[float] | None:
+        """A queued step's spike stats on the host: waits for its own copy only (queued a
+        step ago, behind the work since), never for the device's later work."""
+        p = next((q for q in self._pending if q.rec is rec), None)
+        if p is None or p.extra is None:
+            return None
+        if p.event is not None:
+            p.event.synchronize()
+        return p.extra.tolist()
+
     def completed(self, block: bool) -> Iterator[Completed]:
         """Every pending step whose copy is done, in step order, its rows built
-        (``Ledger.drain`` writes them); ``block`` waits for the copies."""
+        (``Ledger.drain`` writes them); ``block`` waits for the copies. A step whose
+        decision is deferred (``rec.decided`` False) stops the queue until it is made."""
         with record_function("titan_ledger.drain"):
             while self._pending:
                 p = self._pending[0]
+                if not p.rec.decided:
+                    return
                 if p.event is not None and not block and not p.event.query():
                     return
                 if p.event is not None:

@@ -12,19 +12,50 @@ not the policy.
 
 Not calling ``optimizers.step()`` on a rejected step leaves parameters, moments and
 Adam's step count as they were (OLMo-core PR 309/317: the count must not advance).
+
+**Deferred decisions** (``[ledger.on_spike] defer``, on by default): asking the
+question in the step needs the flag on the host before ``optimizers.step()``, a device
+sync every step. Instead the device answers first: :meth:`SpikeGuard.hold` becomes the
+fused AdamW's ``found_inf`` (GradScaler's mechanism), so a flagged step's update is
+withheld with parameters, moments and step count untouched, and the host reads the flag
+at the next step (:meth:`Recovery.resolve`), after that step's forward/backward was
+launched, from the copy the recorder already made. A flagged step is then still exactly
+where it was -- its parameters and optimizer state unchanged, its batches kept one step
+-- and is proven and acted on as in the step; an update the decision applies is applied
+at the flagged step's learning rate, and the next step, computed on the old parameters,
+is executed again (:meth:`Recovery.redo`): the run is the one an in-step decision makes.
+Steps whose next event needs the decision made (a checkpoint, validation, the last
+step, a step before a skip window) decide in the step, so a checkpoint never holds an
+undecided update.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
+import torch
 
 from titan_ledger.components.optimizer import scale_lr
-from titan_ledger.components.proof import Prover
+from titan_ledger.components.proof import FirstExecution, Prover
+from titan_ledger.components.spikes import STAT_KEYS
 from titan_ledger.components.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, python_command
 from titan_ledger.format import records
 from titan_ledger.format.proofs import describe_proof
+
+
+@dataclass
+class Deferred:
+    """What a deferred decision needs a step later (``StepRecord.deferred``)."""
+
+    lrs: list[list[float]]  # every optimizer's group learning rates at the step (host floats)
+    first: FirstExecution | None  # the first execution, for a proof (None: prove off)
+    forced: bool  # --ledger.rehearsal.prove_at names the step
+
+
+_NOTE = STAT_KEYS.index("note")
 
 
 class Recovery:
@@ -36,41 +67,213 @@ class Recovery:
         self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
         self.pending_rollback: int | None = None  # the spiked step a rollback starts from
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
+        self.pending: StepRecord | None = None  # the step whose decision is deferred
+        self._deferrable: bool | None = None
+        self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
+        self._last_proof: dict | None = None  # the proof the last decision made (redo masks its documents)
 
     # ------------------------------------------------------------------ before a step
     def before_step(self) -> bool:
         """Run what is pending; True when this call consumed the step (a skip window)."""
         t = self.trainer
+        window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
+        if self.pending is not None and (self.pending_rollback is not None or window is not None):
+            self.resolve()  # (the step before a window decides in the step; this is a safety net)
         if self.pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self.pending_rollback)
-        window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
+            window = t.ledger.skip_window_at(t.step)
         if window is None:
             return False
         self._skip_window(window)
         return True
 
     # ------------------------------------------------------------------ the decision
-    def decide(self, rec: StepRecord) -> bool:
-        try:
-            return self._decide(rec)
-        finally:
-            rec.batches = None  # the step's batches are not kept past its decision
-
-    def _decide(self, rec: StepRecord) -> bool:
-        """Between the clip and ``optimizers.step()``: is this step's update applied?
-        A flagged step is proven first (``--ledger.on_spike.prove``) and acted on by what
-        the proof says; the ladder acts on an acting flag the proof left standing. The
-        flag costs one host read per step, made only when a proof or an action may follow."""
+    def _acts(self) -> bool:
+        """Whether a flag can change what a step does (a proof or an acting ladder)."""
         ledger = self.trainer.ledger
-        if ledger.guard is None or not (self.prover.mode != "off" or ledger.ladder.acts):
-            return True
-        acting, note = ledger.flags_now()
+        return ledger.guard is not None and (self.prover.mode != "off" or ledger.ladder.acts)
+
+    def _forced(self, step: int) -> bool:
         if self._prove_at is None:
             self._prove_at = parse_skip_steps(self.trainer.config.ledger.rehearsal.prove_at,
                                               "--ledger.rehearsal.prove_at")
-        forced = window_at(self._prove_at, rec.step) is not None  # --ledger.rehearsal.prove_at
-        if self.prover.wanted(acting, note) or (forced and self.prover.mode != "off"):
-            proof = rec.proof = self.prover.prove(rec, acting=acting, event=ledger.step_event())
+        return self.prover.mode != "off" and window_at(self._prove_at, step) is not None
+
+    @property
+    def deferrable(self) -> bool:
+        """Whether decisions can be deferred in this run (``--ledger.on_spike.defer``): an
+        acting flag, QK-clip off (its update follows the decision) and fused Adam/AdamW
+        optimizers (``found_inf``); said once at the first step when it cannot."""
+        if self._deferrable is None:
+            t = self.trainer
+            opts = list(getattr(t.optimizers, "optimizers", [t.optimizers]))
+            fused = all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
+                        all(g.get("fused") for g in o.param_groups) for o in opts)
+            self._deferrable = bool(t.config.ledger.on_spike.defer and self._acts() and fused
+                                    and t.ledger.qk_clip is None)
+            if t.config.ledger.on_spike.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
+                from torchtitan.tools.logging import logger
+
+                why = "QK-clip is on" if t.ledger.qk_clip is not None else \
+                    "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)"
+                logger.warning(f"titan_ledger: --ledger.on_spike.defer: {why}, so every step reads its spike "
+                               f"flag on the host before its update (a device sync per step)")
+        return self._deferrable
+
+    def defers(self, step: int) -> bool:
+        """Whether ``step`` defers its decision: not where what follows the step needs it
+        made (a checkpoint or validation step, the last step, a step before a skip
+        window). A logging step defers too: torchtitan logs its first execution, as the
+        row does, and its row is written a step later."""
+        if not self.deferrable:
+            return False
+        t = self.trainer
+        ck = t.config.checkpoint
+        return not (not t.should_continue_training()
+                    or (ck.enable and step % ck.interval == 0)
+                    or (t.config.validator.enable and t.validator.should_validate(step))
+                    or t.ledger.skip_window_at(step + 1) is not None)
+
+    def decide(self, rec: StepRecord) -> bool | None:
+        """Between the clip and ``optimizers.step()``: True/False, the update is applied or
+        not (decided in the step); None, deferred (the device withholds a flagged step's
+        update through ``found_inf``; call :meth:`after_update` after ``optimizers.step()``)."""
+        if not self._acts():
+            rec.batches = None
+            return True
+        forced = self._forced(rec.step)
+        if self.defers(rec.step):
+            self._defer(rec, forced)
+            return None
+        try:
+            return self._decide(rec, *self.trainer.ledger.flags_now(), forced)
+        finally:
+            rec.batches = None  # the step's batches are not kept past its decision
+
+    def _defer(self, rec: StepRecord, forced: bool) -> None:
+        t = self.trainer
+        ledger = t.ledger
+        mode = self.prover.mode
+        if forced:
+            hold = torch.ones((), dtype=torch.float32, device=t.device)
+        else:
+            hold = ledger.guard.hold(acting=True, notes=mode == "all")
+        opts = list(t.optimizers.optimizers)
+        for o in opts:
+            o.found_inf = hold
+        rec.deferred = Deferred(lrs=[[g["lr"] for g in o.param_groups] for o in opts],
+                                first=FirstExecution.of(t) if mode != "off" else None, forced=forced)
+        rec.decided = False  # its rows wait for the decision
+        self.pending = rec
+        self.deferred += 1
+
+    def after_update(self) -> None:
+        """After a deferred step's ``optimizers.step()``: the update guard is lifted."""
+        for o in self.trainer.optimizers.optimizers:
+            o.found_inf = None
+
+    def resolve(self) -> str | None:
+        """The deferred decision of the step before this one, made now: its flag read on
+        the host from the recorder's copy (long arrived), and a flagged step proven and
+        acted on as in the step. Returns None (nothing else to do), ``"redo"`` (the
+        parameters changed, or a proof overwrote the gradients: this step is executed
+        again, :meth:`redo`) or ``"rollback"`` (a rollback is pending)."""
+        rec = self.pending
+        if rec is None:
+            return None
+        self.pending = None
+        t = self.trainer
+        ledger = t.ledger
+        d, rec.deferred = rec.deferred, None
+        stats = ledger.recorder.host_stats(rec)
+        if stats is None:
+            raise RuntimeError(f"titan_ledger: step {rec.step}'s decision was deferred but its flag was not queued")
+        acting, note = bool(stats[0]), bool(stats[_NOTE])
+        rec.decided = True
+        held = d.forced or acting or (note and self.prover.mode == "all")
+        if not held:  # the device applied the update
+            rec.batches = None
+            return None
+        now, t.step = t.step, rec.step  # the hooks and messages see the flagged step
+        try:
+            applied = self._decide(rec, acting, note, d.forced, first=d.first, decided_at=now)
+            if applied:
+                self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
+                self._apply_late(rec, d.lrs)
+        finally:
+            t.step = now
+            rec.batches = None
+        if self.pending_rollback is not None:
+            return "rollback"
+        return "redo" if (applied or rec.proof is not None) else None
+
+    def _apply_late(self, rec: StepRecord, lrs: list[list[float]]) -> None:
+        """The held update of ``rec``, applied a step late at its own learning rates (the
+        schedule has moved on since)."""
+        t = self.trainer
+        opts = list(t.optimizers.optimizers)
+        now = [[g["lr"] for g in o.param_groups] for o in opts]
+        for o, lr in zip(opts, lrs):
+            for g, x in zip(o.param_groups, lr):
+                g["lr"] = x
+        if t.ledger.recorder is not None and t.ledger.config.update_norm:
+            t.ledger.recorder.snapshot_params()
+        try:
+            t.optimizers.step()
+        finally:
+            for o, lr in zip(opts, now):
+                for g, x in zip(o.param_groups, lr):
+                    g["lr"] = x
+        t.ledger.after_update(True, rec)
+
+    def redo(self, rec: StepRecord, need_loss: bool):
+        """This step again, after the previous step's deferred decision changed the
+        parameters or the gradients: its first execution is discarded (the per-step
+        accumulators drained, the rehearsal's one-time faults re-armed: the discarded one
+        never happened), documents the decision convicted are masked in its batches as the
+        fetch would have, and ``execute`` runs once more."""
+        from titan_ledger.rehearsal import faults
+
+        t = self.trainer
+        t.ledger.discard_step_state()
+        proof = self._last_proof
+        if proof is not None and proof["verdict"] == "bad_data":
+            t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
+        faults.rearm(rec.faults)
+        t.optimizers.zero_grad(set_to_none=t.config.training.disable_cuda_graphs)
+        self.redone += 1
+        t.step_record = rec
+        return t.execute(rec.batches, need_loss)
+
+    def settle(self, ok: bool) -> None:
+        """The end of training: a deferred decision still open is made (``ok``: training
+        ended normally, e.g. the data ran out) or, after an error, its step's rows are
+        written as they stand (its update was withheld if it was flagged)."""
+        rec = self.pending
+        if rec is None:
+            return
+        if ok:
+            self.resolve()
+            return
+        self.pending = None
+        stats = self.trainer.ledger.recorder.host_stats(rec)
+        rec.update_skipped = bool(stats and (rec.deferred.forced or stats[0] or
+                                             (stats[_NOTE] and self.prover.mode == "all")))
+        rec.decided, rec.deferred, rec.batches = True, None, None
+
+    def _decide(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
+                first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
+        """Is this step's update applied? A flagged step is proven first
+        (``--ledger.on_spike.prove``) and acted on by what the proof says; the ladder acts
+        on an acting flag the proof left standing. In the step, or deferred (``first``:
+        what was kept of the first execution)."""
+        ledger = self.trainer.ledger
+        self._last_proof = None
+        if self.prover.wanted(acting, note) or forced:
+            proof = rec.proof = self._last_proof = self.prover.prove(
+                rec, acting=acting, event=ledger.step_event(), first=first)
+            if decided_at is not None:
+                proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
             self._say(rec, proof)
             if proof["verdict"] != "not_data":  # resolved by the proof (its event says so), not by the ladder
                 rec.update_skipped = proof["applied"] == "none"

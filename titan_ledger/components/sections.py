@@ -89,8 +89,8 @@ class SkipConfig:
 class OnSpikeConfig:
     action: str = "none"
     """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
-    its optimizer update; Adam's step count does not advance; costs one
-    device->host read of the flag per step), ``rollback`` (reload the last
+    its optimizer update; Adam's step count does not advance; decided on the device,
+    see ``defer``), ``rollback`` (reload the last
     checkpoint at or before step - rollback_back, skip rollback_skip steps from
     there and continue in the same process), ``rollback_lr:X`` (the same, and the
     LR scaled by X from then on), ``stop`` (stop with a report, exit 1). One action
@@ -135,6 +135,16 @@ class OnSpikeConfig:
     times farther from both others than the closest two stand apart (their distance is
     the noise floor, measured per parameter and rank and recorded with the proof as
     ``noise``); otherwise the step reproduced within that noise."""
+
+    defer: bool = True
+    """Decide a flagged step one step late, with no host read on the others: the update
+    is withheld on the device (the flag is the fused AdamW's ``found_inf``), the host
+    reads the flag at the next step, behind that step's forward/backward, and proves and
+    acts then (an update the decision applies is applied at the flagged step's LR, and
+    the next step is executed again). Checkpoint and validation steps and the last
+    step decide in the step. Needs a fused
+    Adam/AdamW (``--optimizer.implementation fused``, the default) and QK-clip off;
+    otherwise, or with ``false``, every step reads its flag on the host before its update."""
 
     def __post_init__(self) -> None:
         if self.prove not in ("off", "acting", "all"):

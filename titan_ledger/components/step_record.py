@@ -39,6 +39,8 @@ class StepRecord:
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
     proof: dict | None = None  # the proof at the alarm (components.proof), when one ran
     update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)
+    decided: bool = True  # False while the step's decision is deferred (its rows wait for it)
+    deferred: Any = None  # recovery.Deferred: what a deferred decision needs a step later
 
     def masked_or_none(self) -> dict | None:
         """The masks that hit something (the data row omits an empty ``masked``)."""

@@ -36,4 +36,5 @@ def describe_proof(proof: dict[str, Any]) -> str:
     else:
         what = "not the data (reproducible): " + proof.get("why", "")
     n = len(proof.get("executions", [])) - 1
-    return f"proven in step ({n} extra execution{'s' if n != 1 else ''}, {proof.get('seconds', 0):.2f} s): {what}"
+    late = f", decided at step {proof['decided_at']} with its update held" if "decided_at" in proof else ""
+    return f"proven in step ({n} extra execution{'s' if n != 1 else ''}, {proof.get('seconds', 0):.2f} s{late}): {what}"

@@ -213,6 +213,15 @@ class StepFaults:
     swap_group: Any = None
     #: ``bitflip`` on this DP rank, not yet done: the step's first backward clears it
     bitflip: bool = False
+    #: ``bitflip`` as planned (:func:`rearm`)
+    planned_bitflip: bool = False
+
+
+def rearm(faults: StepFaults | None) -> None:
+    """The step's first execution was discarded (a deferred decision executes it again):
+    its one-time faults happen in the execution that counts."""
+    if faults is not None:
+        faults.bitflip = faults.planned_bitflip
 
 
 def replace_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
@@ -286,7 +295,8 @@ def plan(trainer, rec) -> StepFaults | None:
         rec.inject = None  # not a batch replacement; the data ledger records no injection
     specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
-    out = StepFaults(bitflip=(step, dp_rank, BITFLIP) in specs)
+    flip = (step, dp_rank, BITFLIP) in specs
+    out = StepFaults(bitflip=flip, planned_bitflip=flip)
     if any(s == step and k == SWAP for s, _, k in specs):
         if trainer.parallel_dims.pp_enabled:
             raise RuntimeError("--ledger.rehearsal.inject ...:swap: not supported under pipeline parallelism")

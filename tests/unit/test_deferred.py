@@ -1,0 +1,163 @@
+"""Deferred decisions (``[ledger.on_spike] defer``), the pure and in-process parts: the
+device-side update guard (fused AdamW's ``found_inf``), rows that wait for their
+decision, the checksum a deferred proof compares, the re-armed faults, the late mask,
+and which steps decide in the step. The end-to-end exactness (a deferred run equals the
+in-step run bit for bit) is tests/e2e/test_proof_e2e.py's."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_ledger.components.guard import SpikeGuard
+from titan_ledger.components.proof import _per_param_sq, _per_param_sum
+from titan_ledger.components.recorder import SignalRecorder
+from titan_ledger.components.recovery import Recovery
+from titan_ledger.components.signals import ParamPlan
+from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
+from titan_ledger.components.step_record import StepRecord
+from titan_ledger.components.topology import Topology
+from titan_ledger.format import records
+from titan_ledger.rehearsal import faults
+
+
+def _adamw(held: float | None):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    for _ in range(2):  # a state that is not the initial one
+        p.grad = torch.randn(16)
+        opt.step()
+    before = (p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
+              opt.state[p]["step"].clone())
+    p.grad = torch.randn(16)
+    opt.found_inf = torch.tensor(held) if held is not None else None
+    opt.step()
+    after = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"])
+    return before, after
+
+
+def test_a_held_update_leaves_parameters_moments_and_step_count_and_a_released_one_is_the_plain_update():
+    before, after = _adamw(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    _, released = _adamw(0.0)
+    _, plain = _adamw(None)
+    assert all(torch.equal(a, b) for a, b in zip(released, plain))  # bit for bit: the guard costs no rounding
+    assert float(plain[3]) == 3.0
+
+
+def test_the_guard_holds_on_an_acting_flag_and_on_a_note_only_when_notes_are_proven():
+    guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), "none")
+    stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+    guard.last_stats = stats
+    assert float(guard.hold(acting=True, notes=True)) == 0.0
+    stats[STAT_KEYS.index("note")] = 1.0
+    assert float(guard.hold(acting=True, notes=False)) == 0.0
+    assert float(guard.hold(acting=True, notes=True)) == 1.0
+    stats[0] = 1.0
+    assert float(guard.hold(acting=True, notes=False)) == 1.0
+    assert guard.hold(acting=True, notes=False).dtype == torch.float32  # what found_inf takes
+
+
+def _recorder(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    topo = Topology.single()
+    rec = SignalRecorder(topo, device=torch.device("cpu"), plan=ParamPlan.build(model.named_parameters(), 1, 1),
+                         attn=[], per_layer=False, max_logit=False, max_norm=1.0, global_batch=8, seq_len=4)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    return rec, gn
+
+
+def test_a_deferred_steps_rows_wait_for_its_decision_and_the_later_ones_behind_it(tmp_path):
+    rec, gn = _recorder(tmp_path)
+    steps = [StepRecord(step=s, start=time.perf_counter()) for s in (1, 2, 3)]
+    steps[1].decided = False
+    for s in steps:
+        red = rec.reduce(local_loss_sum=torch.tensor(4.0), local_tokens=4, grad_norm=gn)
+        stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        stats[STAT_KEYS.index("n")] = s.step
+        rec.queue(s, red.vector, stats)
+    assert [d.rec.step for d in rec.completed(block=True)] == [1]  # step 2 undecided: 3 waits too
+    assert rec.host_stats(steps[1])[STAT_KEYS.index("n")] == 2.0  # its own copy, read on the host
+    steps[1].decided = True
+    assert [d.rec.step for d in rec.completed(block=False)] == [2, 3]
+    assert rec.host_stats(steps[1]) is None  # written: nothing queued any more
+
+
+def test_the_checksum_sees_any_changed_gradient_value_a_flipped_sign_included():
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 8), None, torch.randn(5)]
+    sq, sm = _per_param_sq(grads, "cpu"), _per_param_sum(grads, "cpu")
+    assert sq[1] == 0 and sm[1] == 0 and sq.dtype == sm.dtype == torch.float64
+    assert torch.allclose(sq[0], grads[0].double().square().sum())
+    for change in (lambda g: g.__setitem__((3, 1), -g[3, 1]),  # a sign: the square cannot see it
+                   lambda g: g.__setitem__((0, 0), torch.nextafter(g[0, 0], torch.tensor(10.0)))):  # one ulp
+        g2 = [grads[0].clone(), None, grads[2]]
+        change(g2[0])
+        assert not (torch.equal(_per_param_sq(g2, "cpu"), sq) and torch.equal(_per_param_sum(g2, "cpu"), sm))
+    assert torch.equal(_per_param_sq([g.clone() if g is not None else None for g in grads], "cpu"), sq)
+
+
+def test_a_discarded_first_execution_rearms_the_steps_one_time_fault():
+    f = faults.StepFaults(bitflip=True, planned_bitflip=True)
+    f.bitflip = False  # the first backward flipped its bit
+    faults.rearm(f)
+    assert f.bitflip is True
+    faults.rearm(None)  # a step without faults
+
+
+def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batches_as_the_fetch_would():
+    from titan_ledger.components.ledger import Ledger
+    from titan_ledger.data.layout import RowTag, Segment
+
+    ledger = Ledger(Ledger.Config())
+    tags = [RowTag(0, "s", (Segment(7, 0, 3), Segment(9, 0, 5))), RowTag(1, "s", (Segment(9, 5, 13),)),
+            RowTag(2, "s", (Segment(4, 0, 8),))]
+    labels = [torch.arange(16).view(2, 8), torch.arange(8).view(1, 8)]
+    rec = StepRecord(step=5, start=0.0, tags=tags, batches=[[({}, labels[0])], [({}, labels[1])]],
+                     masked={"quarantine": [[2, 0]]})
+    ledger.remask(rec, [("s", 9)])
+    assert rec.masked["quarantine"] == [[0, 1], [1, 0], [2, 0]]  # row order, the earlier mask kept
+    assert labels[0][0, :3].tolist() == [0, 1, 2] and (labels[0][0, 3:] == -100).all()
+    assert (labels[0][1] == -100).all() and labels[1].tolist() == [list(range(8))]
+    assert rec.masked_tokens == 13
+
+
+def _trainer(*, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,
+             prove="acting", action="none"):
+    from titan_ledger.components.guard import Ladder, parse_ladder
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], fused=fused)
+    cfg = SimpleNamespace(
+        ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove), rehearsal=SimpleNamespace(prove_at="")),
+        checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1),
+        validator=SimpleNamespace(enable=validate is not None))
+    ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
+                             topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None)
+    return SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
+                           metrics_processor=SimpleNamespace(should_log=lambda s: log),
+                           should_continue_training=lambda: more,
+                           validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0))
+
+
+@pytest.mark.parametrize("kw,defers", [
+    ({}, True),
+    ({"log": True}, True),  # a logging step defers too (its row is written a step later)
+    ({"more": False}, False),  # the last step: nothing after it to decide behind
+    ({"ckpt": 5}, False),  # step 10 is a checkpoint step: the checkpoint must hold the decided update
+    ({"ckpt": 3}, True),
+    ({"validate": 2}, False),  # validation reads the parameters
+    ({"window_next": True}, False),  # the next step is skipped: nothing to decide behind
+    ({"fused": False}, False),  # no found_inf: the host reads the flag in the step
+    ({"defer": False}, False),
+    ({"prove": "off"}, False),  # a flag changes nothing: nothing to decide at all
+    ({"prove": "off", "action": "skip_update"}, True),
+])
+def test_which_steps_defer_their_decision(kw, defers):
+    assert Recovery(_trainer(**kw)).defers(10) is defers
