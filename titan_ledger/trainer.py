@@ -44,6 +44,7 @@ from titan_ledger.components.precision import audit_trainer  # noqa: E402
 from titan_ledger.components.prevention import ModelOptions, apply_qk_norm  # noqa: E402
 from titan_ledger.components.qk_clip import QKClipConfig  # noqa: E402
 from titan_ledger.components.recovery import Recovery  # noqa: E402
+from titan_ledger.components.signals import loss_sum  # noqa: E402
 from titan_ledger.components.step_record import StepRecord  # noqa: E402
 from titan_ledger.config.toml_frontend import world_size_from_env  # noqa: E402
 from titan_ledger.config.validate import validate  # noqa: E402
@@ -247,8 +248,7 @@ class LedgerTrainer(Trainer):
                 self.doc_loss.set_documents(rec.tags)
             rec.lr = next(iter(lr_metrics.values()), float("nan"))
             self.ledger.record(rec, grad_norm=grad_norm, local_tokens=int(local_valid_tokens),
-                               local_loss_sum=(accumulated_loss * global_valid_tokens).sum()
-                               if accumulated_loss is not None else None)
+                               local_loss_sum=loss_sum(accumulated_loss, global_valid_tokens))
             applied = self.recovery.decide(rec)  # None: deferred, the device holds a flagged update
             self.checkpointer.maybe_wait_for_staging()
             if applied is not False:  # CHANGED: the update guard (on_spike)

@@ -32,7 +32,9 @@ BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps"
 FLIP, REPEAT = 6, 10
 RUNS = {
     "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
-               "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4"],
+               "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
+               # after the quarantine: steps whose token counts are not a power of two, proven clean
+               "--ledger.rehearsal.prove_at", f"{REPEAT + 1}-12"],
     # every note proven, and every step from 2 on forced through a proof: none may leave a trace
     "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.on_spike.no_defer"],
     "clean_deferred": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
@@ -86,6 +88,12 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     assert hit and all(m for _, m in hit)  # wherever a convicted document came back, it was masked
     assert rejected_steps(d) == []  # resolved: not on the auto-skip list
     assert signals_rows(d)[REPEAT + 1]["grad_norm"] < 3 * ev["grad_norm_median"]
+    # the clean steps after it, their tokens masked (the loss sums of the first execution and
+    # of its repeats must round alike: they once differed in fp32 and fp64 and read as hardware)
+    history = read_ledger(d / "ledger" / "spikes.jsonl").history
+    after = {e["step"]: e["proof"] for e in history if "proof" in e and e["step"] > REPEAT}
+    assert sorted(after) == [REPEAT + 1, 12] and signals_rows(d)[12]["masked_tokens"] > 0
+    assert all(p["verdict"] not in HARMFUL and p["executions"][1]["bit_equal"] for p in after.values()), after
     # deferred: proven at the next step, its update held on the device until then
     assert proof["decided_at"] == REPEAT + 1 and f"decided at step {REPEAT + 1} with its update held" in out
 

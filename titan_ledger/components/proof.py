@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from titan_ledger.components import signals
 from titan_ledger.format.proofs import HARMFUL, VERDICTS, describe_proof  # noqa: F401  (re-exported)
 
 #: what ``--ledger.on_spike.prove`` may say
@@ -468,8 +469,7 @@ class Prover:
                     equal = equal and (g0 is None) == (g is None)
                 else:
                     equal = equal and bool(torch.equal(_local(g0), _local(g)))
-        loss_sum = (loss.double() * global_tokens).sum() if loss is not None else None
-        return self._gathered(variant, loss_sum, psq, local_tokens, equal, grad_norm,
+        return self._gathered(variant, signals.loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
                               seconds=time.perf_counter() - t0)
 
     def load_update(self, rec, applied: str) -> None:

@@ -134,6 +134,15 @@ def update_sq(plan: ParamPlan, before: list[torch.Tensor], device: torch.device)
     return torch.stack(torch._foreach_norm(diffs)).square().sum()
 
 
+def loss_sum(accumulated_loss: torch.Tensor | None, global_valid_tokens: torch.Tensor) -> torch.Tensor | None:
+    """This rank's loss sum: torchtitan's step loss is already divided by the global valid
+    tokens, so times them it is the sum. The one formula for the step's record and a
+    proof's executions, which are compared bit for bit (computed once in float32 and once
+    in float64, a step whose token count is not a power of two differed in its last bits
+    and was proven ``hardware``)."""
+    return None if accumulated_loss is None else (accumulated_loss * global_valid_tokens).sum()
+
+
 def clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor ``clip_grad_norm_`` multiplied the gradients by (torch's eps 1e-6)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
