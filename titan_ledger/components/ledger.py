@@ -409,7 +409,8 @@ class Ledger(Configurable):
                 hits.extend([base + r, g] for r, g in convicted.mask(rec.tags[base:base + n], labels))
                 rec.masked_tokens += valid - int((labels != IGNORE_INDEX).sum())
                 base += n
-        hits.sort()  # row order, as the fetch's one pass writes them
+        # row order, as the fetch's one pass writes them; a segment already masked is listed once
+        hits[:] = [list(h) for h in sorted({tuple(h) for h in hits})]
 
     def after_update(self, applied: bool, rec: StepRecord | None = None) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's

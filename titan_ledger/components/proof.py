@@ -441,10 +441,11 @@ class Prover:
         for p in self._params():
             p.grad = None
         outer, t.step_record = t.step_record, rec  # the hooks see the step (a swap repeats; a bitflip is done)
+        seen = t.ntokens_seen  # torchtitan counts every forward's tokens: an extra execution trains none
         try:
             out = t.execute(groups, True)
         finally:
-            t.step_record = outer  # (a deferred proof runs inside the next step)
+            t.step_record, t.ntokens_seen = outer, seen  # (a deferred proof runs inside the next step)
         t.ledger.discard_step_state()
         return out
 

@@ -130,7 +130,7 @@ class Recovery:
         t = self.trainer
         ck = t.config.checkpoint
         return not (not t.should_continue_training()
-                    or (ck.enable and step % ck.interval == 0)
+                    or (ck.enable and (step % ck.interval == 0 or (step == 1 and ck.enable_first_step_checkpoint)))
                     or (t.config.validator.enable and t.validator.should_validate(step))
                     or t.ledger.skip_window_at(step + 1) is not None)
 
@@ -243,7 +243,11 @@ class Recovery:
         t.optimizers.zero_grad(set_to_none=t.config.training.disable_cuda_graphs)
         self.redone += 1
         t.step_record = rec
-        return t.execute(rec.batches, need_loss)
+        seen = t.ntokens_seen  # torchtitan counts every forward's tokens: the first execution's count stands
+        try:
+            return t.execute(rec.batches, need_loss)
+        finally:
+            t.ntokens_seen = seen
 
     def settle(self, ok: bool) -> None:
         """The end of training: a deferred decision still open is made (``ok``: training
