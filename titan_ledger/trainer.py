@@ -30,6 +30,7 @@ from titan_ledger.rehearsal import backend
 
 backend.ensure_installed()
 
+from torchtitan.components.dataloader import DataloaderExhaustedError  # noqa: E402
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.observability import structured_logger as sl  # noqa: E402
@@ -170,7 +171,14 @@ class LedgerTrainer(Trainer):
             step=self.step, start=time.perf_counter(),
             inject=inject[2] if inject and inject[:2] == (self.step, ledger.topo.dp_rank) else None)
         rec.faults = faults.plan(self, rec)  # ADDED (bitflip, swap): --ledger.rehearsal.inject STEP:RANK:bitflip|swap
-        self._train_step(data_iterator)
+        try:
+            self._train_step(data_iterator)
+        except DataloaderExhaustedError:
+            # the previous step's deferred decision is made now; a rollback runs (and
+            # training goes on) as it would have before this step's fetch
+            if not self.recovery.at_data_end(rec):
+                raise
+            return
         ck = self.config.checkpoint
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
             # a checkpoint follows: the ledgers must hold every step it covers
@@ -182,18 +190,7 @@ class LedgerTrainer(Trainer):
     def batch_generator(self, data_iterable):
         """torchtitan's generator, plus fetch timing and provenance for the step's record and
         the rehearsal batch replacement, applied before the step counts tokens."""
-        inner = super().batch_generator(data_iterable)
-        while True:
-            t0 = time.perf_counter()
-            input_dict, labels = next(inner)
-            rec = self.step_record
-            if rec is not None:
-                rec.data_loading_s += time.perf_counter() - t0
-                if rec.inject is not None:  # ADDED (repeat, random)
-                    labels = faults.replace_batch(input_dict, labels, rec.inject, self.tokenizer.get_vocab_size(),
-                                                  seed=self.step)
-                self.ledger.take_provenance(rec, input_dict, labels)
-            yield input_dict, labels
+        return _Batches(self, data_iterable)
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         # Once per gradient-accumulation microbatch (PP: per group of PP microbatches, with
@@ -232,9 +229,7 @@ class LedgerTrainer(Trainer):
         # CHANGED: the previous step's deferred decision, made behind this step's launched work
         outcome = self.recovery.resolve()
         if outcome == "rollback":  # this step is dropped: the rollback and its skip window run now
-            self.ledger.discard_step_state()
-            self.step_record = rec.batches = None
-            self.recovery.before_step()
+            self.recovery.drop(rec)
             return
         if outcome == "redo":  # the parameters changed under it: this step again
             accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.recovery.redo(
@@ -290,6 +285,10 @@ class LedgerTrainer(Trainer):
         self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
         if not math.isfinite(global_avg_loss):
+            # CHANGED: a deferred decision is made and recorded first, and its row written (the
+            # ledger stops at a non-finite row, as it did in the step)
+            self.recovery.resolve()
+            self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
             raise RuntimeError(
                 f"Loss is not finite (global_avg_loss={global_avg_loss}) at "
                 f"step {self.step}. Stopping training."
@@ -364,3 +363,38 @@ class LedgerTrainer(Trainer):
                 ep_enabled=parallel_dims.ep_enabled,
             )
         return accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens
+
+
+class _Batches:
+    """``LedgerTrainer.batch_generator``: torchtitan's generator, and per batch the fetch
+    time, provenance and rehearsal replacement of the step's record. An iterator object,
+    not a generator: a generator that raised ``DataloaderExhaustedError`` is finished,
+    and a rollback decided at the end of the data (``Recovery.at_data_end``) fetches
+    again, from the checkpoint's position."""
+
+    def __init__(self, trainer: LedgerTrainer, data_iterable):
+        self.trainer, self.data, self.inner = trainer, data_iterable, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = self.trainer
+        if self.inner is None:
+            self.inner = Trainer.batch_generator(t, self.data)
+        t0 = time.perf_counter()
+        try:
+            faults.data_runs_out(t)  # ADDED (rehearsal): --ledger.rehearsal.data_end N
+            input_dict, labels = next(self.inner)
+        except DataloaderExhaustedError:
+            self.inner = None
+            raise
+        rec = t.step_record
+        if rec is not None:
+            rec.data_loading_s += time.perf_counter() - t0
+            rec.fetched.append(labels.numel())  # what torchtitan's throughput counters took
+            if rec.inject is not None:  # ADDED (repeat, random)
+                labels = faults.replace_batch(input_dict, labels, rec.inject, t.tokenizer.get_vocab_size(),
+                                              seed=t.step)
+            t.ledger.take_provenance(rec, input_dict, labels)
+        return input_dict, labels

@@ -164,3 +164,48 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
 def test_which_steps_defer_their_decision(kw, defers):
     step = kw.pop("step", 10)
     assert Recovery(_trainer(**kw)).defers(step) is defers
+
+
+def test_a_dropped_step_gives_back_what_its_fetch_added_to_torchtitans_throughput_metrics():
+    """A rollback decided a step late drops the step it was decided in: in the step, the
+    rollback ran before that step's fetch, so its batches are not in the tokens and fetch
+    times the next log line divides by its interval."""
+    t = _trainer(action="rollback")
+    drained = []
+    t.ledger.discard_step_state = lambda: drained.append(True)
+    t.metrics_processor.ntokens_since_last_log = 1000 + 2 * 256
+    t.metrics_processor.data_loading_times = [0.1, 0.2, 0.01, 0.02]
+    t.step, t.step_record = 12, None
+    rec = StepRecord(step=12, start=0.0)
+    rec.fetched, rec.batches = [256, 256], [[("batch", "labels")]]
+    t.step_record = rec
+    Recovery(t).drop(rec)
+    assert t.metrics_processor.ntokens_since_last_log == 1000
+    assert t.metrics_processor.data_loading_times == [0.1, 0.2]
+    assert drained == [True] and t.step_record is None and rec.batches is None
+
+
+@pytest.mark.parametrize("prove,action,holds", [
+    ("off", "none,skip_update", False),  # the first flag gets `none`: its update is applied, so not held
+    ("off", "skip_update,none", True),
+    ("acting", "none,skip_update", True),  # a proof decides first: held
+])
+def test_a_deferred_flag_holds_its_update_only_when_its_decision_can_withhold_it(prove, action, holds):
+    from titan_ledger.components.guard import SpikeGuard
+    from titan_ledger.components.spikes import SpikeDetector
+
+    t = _trainer(prove=prove, action=action)
+    t.device = torch.device("cpu")
+    guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), "none")
+    guard.last_stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+    guard.last_stats[0] = 1.0  # an acting rule fired
+    t.ledger.guard = guard
+    t.ledger.last_execution = (None, 0, None)
+    t.model_parts = []
+    r = Recovery(t)
+    rec = StepRecord(step=10, start=0.0)
+    r._defer(rec, forced=False)
+    assert rec.deferred.holds is holds and r.pending is rec and rec.decided is False
+    assert float(t.optimizers.optimizers[0].found_inf) == float(holds)
+    r.after_update()
+    assert t.optimizers.optimizers[0].found_inf is None

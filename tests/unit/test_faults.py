@@ -168,3 +168,25 @@ def test_rehearsed_nondeterminism_jitters_every_gradient_by_its_size_and_differs
         p.grad = torch.ones_like(p)
     faults.after_backward(off, None)
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in off.model_parts[0].parameters())
+
+
+def test_the_data_runs_out_from_the_rehearsed_step_on():
+    """--ledger.rehearsal.data_end N: every fetch from step N on raises torchtitan's
+    DataloaderExhaustedError (what a finite dataset's end raises); 0 is off; a negative
+    step names the flag."""
+    from types import SimpleNamespace as NS
+
+    from torchtitan.components.dataloader import DataloaderExhaustedError
+
+    from titan_ledger.components.sections import RehearsalConfig
+
+    def at(step, end):
+        return NS(step=step, config=NS(ledger=NS(rehearsal=NS(data_end=end))))
+
+    faults.data_runs_out(at(15, 16))
+    faults.data_runs_out(at(99, 0))
+    for step in (16, 17):
+        with pytest.raises(DataloaderExhaustedError):
+            faults.data_runs_out(at(step, 16))
+    with pytest.raises(ConfigError, match="--ledger.rehearsal.data_end"):
+        RehearsalConfig(data_end=-1)

@@ -100,3 +100,19 @@ def test_ladder_parsing_and_escalation():
     again = Ladder(rungs, horizon=10)
     again.load_state_dict(lad.state_dict())
     assert again.on_spike(47)[0] is None and len(again.history) == len(lad.history) + 1
+
+
+def test_would_act_answers_for_the_next_flag_without_recording_it():
+    from titan_ledger.components.guard import Ladder, parse_ladder
+
+    lad = Ladder(parse_ladder("none,skip_update,none,rollback"), horizon=10)
+    answers = []
+    for step in (5, 8, 9, 12, 13, 40):
+        before = lad.state_dict()
+        asked = lad.would_act(step)
+        assert lad.state_dict() == before  # asking changes nothing
+        rung, _ = lad.on_spike(step)
+        answers.append(asked)
+        assert asked == (rung is None or rung.action != "none"), step
+    # none; skip_update; none; rollback; exhausted (acts: the run stops); quiet horizon: none again
+    assert answers == [False, True, False, True, True, False]

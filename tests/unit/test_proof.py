@@ -24,6 +24,7 @@ from titan_ledger.components.proof import (
     normal_update,
     odd_one_out,
     reproduced,
+    same_tensor,
 )
 from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.data.layout import RowTag, Segment
@@ -247,26 +248,35 @@ def test_the_faulty_rank_is_the_one_whose_own_gradients_changed_before_the_clip(
     assert changed == [0, 1] and faulty_ranks(before, after, changed) == [0]
 
 
-def test_a_step_that_is_not_finite_every_time_is_no_noise_and_its_record_is_strict_json():
-    """NaN in all three executions: every pair infinitely apart is no noise floor; the
-    step is not 'reproduced', so its update is not applied (the verdict before the floor
-    existed), and the distances go into the record as nulls."""
+def test_a_step_that_is_nan_every_time_reproduced_and_a_non_finite_pair_is_no_noise_and_strict_json():
+    """NaN in the same places in every execution is a reproduced step (``not_data``: the
+    configured action, not a transient fault -- torch.equal calling NaN unequal to itself
+    once proved an LR blow-up ``hardware`` at every step); its NaN gradients compare
+    equal bit for bit. Three executions infinitely apart have no noise floor (not
+    reproduced), and the distances go into the record as nulls."""
     nan, inf = float("nan"), math.inf
 
-    def mk(variant):
-        e = Execution(variant, nan, nan, [[nan, nan, 100.0, 1.0]], normal=False)
+    def mk(variant, equal=1.0):
+        e = Execution(variant, nan, nan, [[nan, nan, 100.0, equal]], normal=False)
         e.psq = torch.tensor([nan, 1.0], dtype=torch.float64)
         return e
 
+    g = torch.tensor([1.0, nan, -0.5])
+    assert not torch.equal(g, g.clone()) and same_tensor(g, g.clone())
+    assert not same_tensor(g, torch.tensor([1.0, nan, 0.5])) and not same_tensor(g, torch.tensor([1.0, 2.0, -0.5]))
+    assert reproduced(mk("original"), [mk("same")], 0.0, None, 100.0) == (True, None)
+    v = judge(mk("original"), [mk("same")], None, None, 0.0, False)
+    assert (v.verdict, v.applied) == ("not_data", "original")
     d = [[local_distance(mk("original"), mk("same"), 0)] * 3]
     assert d == [[inf, inf, inf]]
-    assert reproduced(mk("original"), [mk("same"), mk("same")], 0.0, d, 100.0)[0] is False
-    v = judge(mk("original"), [mk("same"), mk("same")], None, None, 0.0, False, d, 100.0)
-    assert (v.verdict, v.applied) == ("hardware", "none")
+    changed = [Execution("same", 1.0, 1.0, [[1.0, 2.0, 100.0, 0.0]]),  # finite once, then other values
+               Execution("same", 1.5, 1.0, [[1.5, 3.0, 100.0, 0.0]])]
+    assert reproduced(mk("original"), changed, 0.0, d, 100.0)[0] is False
+    assert judge(mk("original"), changed, None, None, 0.0, False, d, 100.0).applied == "none"
     # one execution made infinite by a fault, the other two within noise: still the fault
     d = [[inf, inf, 2e-6]]
     assert odd_one_out(d, 100.0) == (0, 2e-6)
-    assert judge(mk("original"), [mk("same"), mk("same")], None, None, 0.0, False, d, 100.0).applied == "same"
+    assert judge(mk("original"), [mk("same", 0.0), mk("same", 0.0)], None, None, 0.0, False, d, 100.0).applied == "same"
     import json
 
     rec = noise_record(2e-6, 100.0, d)

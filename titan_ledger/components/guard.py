@@ -290,6 +290,16 @@ class Ladder:
         self.history.append(rec)
         return None, rec
 
+    def would_act(self, step: int) -> bool:
+        """Whether a flag at ``step`` would get an action that withholds the update
+        (anything but a ``none`` rung), asked without recording it: a deferred step's
+        update is held on the device only when its flag would act."""
+        saved = (self.rung, self.used, self.last_step, len(self.history))
+        rung, _ = self.on_spike(step)
+        self.rung, self.used, self.last_step = saved[:3]
+        del self.history[saved[3]:]
+        return rung is None or rung.action != "none"
+
     def state_dict(self) -> dict:
         return {"rung": self.rung, "used": self.used, "last_step": self.last_step, "history": self.history}
 

@@ -112,16 +112,31 @@ def _num(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _same(p: float, q: float) -> bool:
+    """Equal, NaN included: a step that is NaN each time reproduced its NaN."""
+    return p == q or (math.isnan(p) and math.isnan(q))
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN included (``torch.equal`` calls NaN unequal to itself, which made
+    a step whose gradients were NaN every time look like a transient fault)."""
+    if torch.equal(a, b):
+        return True
+    nan = a.isnan()
+    return bool(nan.any()) and torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0),
+                                                                           b.masked_fill(nan, 0))
+
+
 def differing_ranks(a: Execution, b: Execution, rtol: float) -> list[int]:
     """Global ranks whose local loss or gradients differ between two executions of the
     same data: bit for bit (``rtol`` 0; ``b``'s equal flags, measured against the
-    first execution, or its values) or past ``rtol`` relative."""
+    first execution, or its values) or past ``rtol`` relative; NaN equals NaN."""
     out = []
     for r, (x, y) in enumerate(zip(a.ranks, b.ranks)):
         if rtol == 0:
-            same = x[0] == y[0] and x[1] == y[1] and (y[3] == 1 or a.variant != "original")
+            same = _same(x[0], y[0]) and _same(x[1], y[1]) and (y[3] == 1 or a.variant != "original")
         else:
-            same = all(abs(p - q) <= rtol * max(abs(p), abs(q), 1e-30) for p, q in zip(x[:2], y[:2]))
+            same = all(_same(p, q) or abs(p - q) <= rtol * max(abs(p), abs(q), 1e-30) for p, q in zip(x[:2], y[:2]))
         if not same:
             out.append(r)
     return out
@@ -196,8 +211,9 @@ def reproduced(original: Execution, repeats: list[Execution], rtol: float,
                distances: list[list[float]] | None, factor: float) -> tuple[bool, float | None]:
     """Whether the step reproduced (pure): the first repeat equals the first execution,
     or three executions all differ and none stands out from the noise (then also the
-    noise floor). A floor that is not finite (every pair infinitely apart: a step that is
-    NaN or inf each time) is no noise: not reproduced, as before the noise floor existed."""
+    noise floor). A floor that is not finite (every pair infinitely apart: each execution
+    inf or NaN where another is finite) is no noise: not reproduced. A step that is NaN
+    in the same places each time reproduced (:func:`same_tensor`)."""
     if not differing_ranks(original, repeats[0], rtol):
         return True, None
     if len(repeats) < 2 or distances is None:
@@ -461,15 +477,14 @@ class Prover:
         grads = [p.grad for p in params]
         psq = _per_param_sq(grads, t.device)
         if isinstance(first, FirstExecution):  # deferred: the first gradients are gone, their checksum is not
-            equal = bool(torch.equal(psq, first.psq)) and bool(torch.equal(_per_param_sum(grads, t.device),
-                                                                           first.sums))
+            equal = same_tensor(psq, first.psq) and same_tensor(_per_param_sum(grads, t.device), first.sums)
         else:
             equal = True
             for g0, g in zip(first, grads):
                 if g0 is None or g is None:
                     equal = equal and (g0 is None) == (g is None)
                 else:
-                    equal = equal and bool(torch.equal(_local(g0), _local(g)))
+                    equal = equal and same_tensor(_local(g0), _local(g))
         return self._gathered(variant, signals.loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
                               seconds=time.perf_counter() - t0)
 

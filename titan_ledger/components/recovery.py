@@ -53,6 +53,7 @@ class Deferred:
     lrs: list[list[float]]  # every optimizer's group learning rates at the step (host floats)
     first: FirstExecution | None  # the first execution, for a proof (None: prove off)
     forced: bool  # --ledger.rehearsal.prove_at names the step
+    holds: bool = True  # an acting flag holds the update (False: prove off and the ladder's next rung is none)
 
 
 _NOTE = STAT_KEYS.index("note")
@@ -154,15 +155,19 @@ class Recovery:
         t = self.trainer
         ledger = t.ledger
         mode = self.prover.mode
+        # prove off: a flag the ladder answers with a `none` rung applies its update, so it
+        # is not held (held, it would have to be recomputed a step later, from gradients gone)
+        holds = mode != "off" or ledger.ladder.would_act(rec.step)
         if forced:
             hold = torch.ones((), dtype=torch.float32, device=t.device)
         else:
-            hold = ledger.guard.hold(acting=True, notes=mode == "all")
+            hold = ledger.guard.hold(acting=holds, notes=mode == "all")
         opts = list(t.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
         rec.deferred = Deferred(lrs=[[g["lr"] for g in o.param_groups] for o in opts],
-                                first=FirstExecution.of(t) if mode != "off" else None, forced=forced)
+                                first=FirstExecution.of(t) if mode != "off" else None, forced=forced,
+                                holds=holds)
         rec.decided = False  # its rows wait for the decision
         self.pending = rec
         self.deferred += 1
@@ -190,9 +195,12 @@ class Recovery:
             raise RuntimeError(f"titan_ledger: step {rec.step}'s decision was deferred but its flag was not queued")
         acting, note = bool(stats[0]), bool(stats[_NOTE])
         rec.decided = True
-        held = d.forced or acting or (note and self.prover.mode == "all")
+        held = d.forced or (acting and d.holds) or (note and self.prover.mode == "all")
         if not held:  # the device applied the update
             rec.batches = None
+            if acting and not self._decide(rec, acting, note, False, decided_at=t.step):  # the ladder's `none` rung
+                raise RuntimeError(f"titan_ledger: step {rec.step}'s flag was not held but its action withholds "
+                                   f"the update")  # (Ladder.would_act answered for this very flag)
             return None
         now, t.step = t.step, rec.step  # the hooks and messages see the flagged step
         try:
@@ -206,6 +214,32 @@ class Recovery:
         if self.pending_rollback is not None:
             return "rollback"
         return "redo" if (applied or rec.proof is not None) else None
+
+    def drop(self, rec: StepRecord) -> None:
+        """``rec`` (this step) is dropped: the previous step's deferred decision was a
+        rollback, which in the step would have run before this step's fetch. What the
+        fetch and execution left is taken back -- the per-step accumulators, the
+        batches and fetch times in torchtitan's throughput metrics -- and the rollback
+        and its skip window run now."""
+        t = self.trainer
+        t.ledger.discard_step_state()
+        mp = t.metrics_processor
+        mp.ntokens_since_last_log -= sum(rec.fetched)
+        if rec.fetched:
+            del mp.data_loading_times[-len(rec.fetched):]
+        t.step_record = rec.batches = None
+        self.before_step()
+
+    def at_data_end(self, rec: StepRecord) -> bool:
+        """The data ran out fetching ``rec``'s batches (this step). The previous step's
+        deferred decision is made now; True when it was a rollback, which then ran (as in
+        the step, before this fetch) and training goes on; False: the run ends here."""
+        if self.pending is None:
+            return False
+        if self.resolve() != "rollback":
+            return False
+        self.drop(rec)
+        return True
 
     def _apply_late(self, rec: StepRecord, lrs: list[list[float]]) -> None:
         """The held update of ``rec``, applied a step late at its own learning rates (the
@@ -261,7 +295,8 @@ class Recovery:
             return
         self.pending = None
         stats = self.trainer.ledger.recorder.host_stats(rec)
-        rec.update_skipped = bool(stats and (rec.deferred.forced or stats[0] or
+        d = rec.deferred
+        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or
                                              (stats[_NOTE] and self.prover.mode == "all")))
         rec.decided, rec.deferred, rec.batches = True, None, None
 
@@ -285,6 +320,8 @@ class Recovery:
         if not (ledger.ladder.acts and acting):
             return True
         rung, action = ledger.ladder.on_spike(rec.step)  # the recovery ladder decides
+        if decided_at is not None:  # deferred: decided at that step, its update held until then
+            action = {**action, "decided_at": decided_at}
         ledger.record_action(action)
         if rung is not None and rung.action == "none":
             return True
@@ -357,6 +394,9 @@ class Recovery:
                                f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
                                f"{ledger.folder / records.SPIKES_FILE}")
         t.checkpointer.maybe_wait_for_staging()
+        # rows first: a deferred step's rows waited for this decision, and the load resets
+        # the counters a row reads (skipped_samples)
+        ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
         decision = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:  # one list, rank 0's, for every rank
             steps = [c for c in checkpoints(t.config.dump_folder, t.config.checkpoint.folder)

@@ -202,7 +202,16 @@ class RehearsalConfig:
     ``--debug.deterministic``: what proofs at the alarm then measure as the noise floor
     (``--ledger.on_spike.prove_noise_factor``). 0: off."""
 
+    data_end: int = 0
+    """Rehearsal only: the data runs out at step N -- fetching its first batch raises
+    torchtitan's ``DataloaderExhaustedError``, as a finite dataset does
+    (``--dataloader.infinite false`` on torchtitan's loader; titan_ledger's own sources
+    loop over epochs), and training ends there. A rollback may bring training back to
+    step N, where the data runs out again. 0: off."""
+
     def __post_init__(self) -> None:
+        if self.data_end < 0:
+            raise ConfigError(f"--ledger.rehearsal.data_end must be >= 0 (0: off), got {self.data_end}")
         if not (0.0 <= self.nondeterminism < 1.0):
             raise ConfigError(f"--ledger.rehearsal.nondeterminism must be in [0, 1), got {self.nondeterminism}")
         parse_inject(self.inject)

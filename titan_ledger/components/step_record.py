@@ -26,6 +26,7 @@ class StepRecord:
     start: float  # perf_counter at the step's start (the row's step_time_s)
     inject: str | None = None  # the rehearsal batch replacement of this DP rank (repeat / random)
     data_loading_s: float = 0.0
+    fetched: list = field(default_factory=list)  # tokens of each batch fetched (torchtitan's metrics counted them)
     tags: list = field(default_factory=list)  # this DP rank's rows (RowTag), in fetch order
     masked: dict = field(default_factory=dict)  # {"quarantine"|"repetition": [[row, segment]]}
     masked_tokens: int = 0  # label tokens those masks removed

@@ -280,6 +280,16 @@ def die_if_planned(spec: str, step: int, rank: int) -> None:
     time.sleep(60)  # a signal that does not end the process (a handler) must not train on
 
 
+def data_runs_out(trainer) -> None:
+    """``--ledger.rehearsal.data_end N``: every fetch from step N on finds no data, as
+    the fetch of a finite dataset's end does (torchtitan then ends training)."""
+    end = trainer.config.ledger.rehearsal.data_end
+    if end and trainer.step >= end:
+        from torchtitan.components.dataloader import DataloaderExhaustedError
+
+        raise DataloaderExhaustedError()
+
+
 def plan(trainer, rec) -> StepFaults | None:
     """Per step, from ``LedgerTrainer.train_step`` (after the step's record ``rec``, a
     ``StepRecord``, is made): this step's fault injections, None without any.
