@@ -209,3 +209,53 @@ def test_a_deferred_flag_holds_its_update_only_when_its_decision_can_withhold_it
     assert float(t.optimizers.optimizers[0].found_inf) == float(holds)
     r.after_update()
     assert t.optimizers.optimizers[0].found_inf is None
+
+
+def _moe():
+    """torchtitan's own MoE layer (qwen3's debug MoE config), on the CPU."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    model = qwen3_moe_debug().model_spec.model
+    layer = model.layers[0] if isinstance(model.layers, list) else model.layers
+    torch.manual_seed(0)
+    return layer.moe.build(), model.dim
+
+
+def test_a_proofs_extra_execution_takes_its_moe_routing_counts_back_out():
+    """MoE load balancing turns the forward's routing counts (tokens_per_expert_E) into
+    the expert-bias update at optimizers.step(): a proof's extra execution of the step
+    must leave the counts the first execution left, or it leaves a trace."""
+    from titan_ledger.components.proof import Prover, expert_counts
+
+    moe, dim = _moe()
+    moe.train()
+    x = torch.randn(2, 8, dim)
+
+    def execute(groups, need_loss):
+        moe(x).sum().backward()
+        return None, None, 0, 0
+
+    t = SimpleNamespace(model_parts=[moe], step_record=None, ntokens_seen=7, execute=execute,
+                        ledger=SimpleNamespace(discard_step_state=lambda: None))
+    execute(None, True)  # the step's first execution
+    (counts,) = expert_counts([moe])
+    first = counts.clone()
+    assert first.sum() > 0
+    Prover(t)._execute(StepRecord(step=3, start=0.0), None)
+    assert torch.equal(counts, first) and t.ntokens_seen == 7
+    execute(None, True)  # (the counts do move with every forward)
+    assert not torch.equal(counts, first)
+
+
+def test_an_optimizer_step_hook_keeps_decisions_in_the_step():
+    """A hook on the optimizers container (torchtitan registers MoE load balancing's
+    expert-bias update as one) runs on a held optimizers.step() too: such a run decides in
+    the step."""
+    t = _trainer(action="skip_update")
+    assert Recovery(t).defers(10)
+    opt = t.optimizers.optimizers[0]
+    container = torch.optim.Optimizer([torch.nn.Parameter(torch.zeros(1))], {})
+    container.optimizers = [opt]
+    container.register_step_pre_hook(lambda *a, **k: None)
+    t.optimizers = container
+    assert not Recovery(t).defers(10)

@@ -458,10 +458,14 @@ class Prover:
             p.grad = None
         outer, t.step_record = t.step_record, rec  # the hooks see the step (a swap repeats; a bitflip is done)
         seen = t.ntokens_seen  # torchtitan counts every forward's tokens: an extra execution trains none
+        counts = expert_counts(t.model_parts)
+        kept = [c.clone() for c in counts]
         try:
             out = t.execute(groups, True)
         finally:
             t.step_record, t.ntokens_seen = outer, seen  # (a deferred proof runs inside the next step)
+            for c, k in zip(counts, kept):
+                c.copy_(k)
         t.ledger.discard_step_state()
         return out
 
@@ -705,6 +709,13 @@ def _per_param_sum(grads, device) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64, device=device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([_local(g).sum(dtype=torch.float64) if g is not None else zero for g in grads])
+
+
+def expert_counts(model_parts) -> list[torch.Tensor]:
+    """MoE layers' ``tokens_per_expert_E`` buffers (torchtitan's MoE): every forward adds
+    its routing counts, and the load-balancing hook turns them into the expert-bias update
+    at ``optimizers.step()``, so an extra execution's counts are taken back out."""
+    return [b for m in model_parts for name, b in m.named_buffers() if name.rsplit(".", 1)[-1] == "tokens_per_expert_E"]
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

@@ -103,20 +103,26 @@ class Recovery:
     @property
     def deferrable(self) -> bool:
         """Whether decisions can be deferred in this run (``--ledger.on_spike.defer``): an
-        acting flag, QK-clip off (its update follows the decision) and fused Adam/AdamW
-        optimizers (``found_inf``); said once at the first step when it cannot."""
+        acting flag, QK-clip off (its update follows the decision), fused Adam/AdamW
+        optimizers (``found_inf``) and no step hook on the optimizers container (a held
+        update would still run it); said once at the first step when it cannot."""
         if self._deferrable is None:
             t = self.trainer
             opts = list(getattr(t.optimizers, "optimizers", [t.optimizers]))
             fused = all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
                         all(g.get("fused") for g in o.param_groups) for o in opts)
+            # a hook on the optimizers container (MoE load balancing's expert-bias update)
+            # runs on every optimizers.step(), a held one included: not what a skipped step does
+            hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
+                          getattr(t.optimizers, "_optimizer_step_post_hooks", None))
             self._deferrable = bool(t.config.ledger.on_spike.defer and self._acts() and fused
-                                    and t.ledger.qk_clip is None)
+                                    and t.ledger.qk_clip is None and not hooked)
             if t.config.ledger.on_spike.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
                 from torchtitan.tools.logging import logger
 
                 why = "QK-clip is on" if t.ledger.qk_clip is not None else \
-                    "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)"
+                    "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)" if not fused else \
+                    "an optimizer step hook runs on every update (MoE load balancing)"
                 logger.warning(f"titan_ledger: --ledger.on_spike.defer: {why}, so every step reads its spike "
                                f"flag on the host before its update (a device sync per step)")
         return self._deferrable
