@@ -246,10 +246,12 @@ class LedgerTrainer(Trainer):
                                local_loss_sum=loss_sum(accumulated_loss, global_valid_tokens))
             applied = self.recovery.decide(rec)  # None: deferred, the device holds a flagged update
             self.checkpointer.maybe_wait_for_staging()
-            if applied is not False:  # CHANGED: the update guard (on_spike)
-                self.optimizers.step()
-            if applied is None:
-                self.recovery.after_update()
+            try:
+                if applied is not False:  # CHANGED: the update guard (on_spike)
+                    self.optimizers.step()
+            finally:
+                if applied is None:  # the held update's guard is lifted, whatever happened
+                    self.recovery.after_update()
             self.ledger.after_update(applied is not False)  # CHANGED: QK-clip, update_norm
             self.lr_schedulers.step()
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from titan_ledger.components import recovery
 from titan_ledger.components.guard import SpikeGuard
 from titan_ledger.components.proof import _per_param_sq, _per_param_sum
 from titan_ledger.components.recorder import SignalRecorder
@@ -259,3 +260,32 @@ def test_an_optimizer_step_hook_keeps_decisions_in_the_step():
     container.register_step_pre_hook(lambda *a, **k: None)
     t.optimizers = container
     assert not Recovery(t).defers(10)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_a_late_update_is_applied_at_the_flagged_steps_learning_rate_a_tensor_one_included(tensor_lr):
+    """The schedule moved on while the update was held: the late update uses the saved
+    LR, and the live one is put back. A tensor LR (filled in place by the scheduler) is
+    saved as a device copy, not a reference that the scheduler would overwrite."""
+    def opt_at(lr):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = torch.optim.AdamW([p], lr=torch.tensor(lr) if tensor_lr else lr, fused=True)
+        p.grad = torch.randn(8)
+        return p, opt
+
+    p, opt = opt_at(0.1)
+    t = _trainer(action="skip_update")
+    t.optimizers = SimpleNamespace(optimizers=[opt], step=opt.step)
+    after = []
+    t.ledger.recorder, t.ledger.after_update = None, lambda applied, rec=None: after.append(applied)
+    saved = [[recovery._lr(g) for g in opt.param_groups]]
+    if tensor_lr:
+        opt.param_groups[0]["lr"].fill_(0.5)  # the scheduler's next value, in place
+    else:
+        opt.param_groups[0]["lr"] = 0.5
+    Recovery(t)._apply_late(StepRecord(step=4, start=0.0), saved)
+    ref, ref_opt = opt_at(0.1)
+    ref_opt.step()
+    assert torch.equal(p, ref) and after == [True]
+    assert float(opt.param_groups[0]["lr"]) == 0.5

@@ -447,6 +447,12 @@ class Prover:
         return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
 
     # ------------------------------------------------------------------ executions
+    def release(self) -> None:
+        """The decision is made: the proven step's record and batches (device tensors once
+        executed) are not kept until the next proof."""
+        self._rec = self._in_grads = None
+        self._groups = {}
+
     def _params(self) -> list:
         return [p for m in self.trainer.model_parts for p in m.parameters()]
 

@@ -50,7 +50,7 @@ from titan_ledger.format.proofs import describe_proof
 class Deferred:
     """What a deferred decision needs a step later (``StepRecord.deferred``)."""
 
-    lrs: list[list[float]]  # every optimizer's group learning rates at the step (host floats)
+    lrs: list[list]  # every optimizer's group learning rates at the step (floats, or tensors copied on the device)
     first: FirstExecution | None  # the first execution, for a proof (None: prove off)
     forced: bool  # --ledger.rehearsal.prove_at names the step
     holds: bool = True  # an acting flag holds the update (False: prove off and the ladder's next rung is none)
@@ -156,6 +156,7 @@ class Recovery:
             return self._decide(rec, *self.trainer.ledger.flags_now(), forced)
         finally:
             rec.batches = None  # the step's batches are not kept past its decision
+            self.prover.release()
 
     def _defer(self, rec: StepRecord, forced: bool) -> None:
         t = self.trainer
@@ -171,7 +172,7 @@ class Recovery:
         opts = list(t.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
-        rec.deferred = Deferred(lrs=[[g["lr"] for g in o.param_groups] for o in opts],
+        rec.deferred = Deferred(lrs=[[_lr(g) for g in o.param_groups] for o in opts],
                                 first=FirstExecution.of(t) if mode != "off" else None, forced=forced,
                                 holds=holds)
         rec.decided = False  # its rows wait for the decision
@@ -217,6 +218,7 @@ class Recovery:
         finally:
             t.step = now
             rec.batches = None
+            self.prover.release()
         if self.pending_rollback is not None:
             return "rollback"
         return "redo" if (applied or rec.proof is not None) else None
@@ -247,15 +249,15 @@ class Recovery:
         self.drop(rec)
         return True
 
-    def _apply_late(self, rec: StepRecord, lrs: list[list[float]]) -> None:
+    def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
         """The held update of ``rec``, applied a step late at its own learning rates (the
         schedule has moved on since)."""
         t = self.trainer
         opts = list(t.optimizers.optimizers)
-        now = [[g["lr"] for g in o.param_groups] for o in opts]
+        now = [[_lr(g) for g in o.param_groups] for o in opts]
         for o, lr in zip(opts, lrs):
             for g, x in zip(o.param_groups, lr):
-                g["lr"] = x
+                _set_lr(g, x)
         if t.ledger.recorder is not None and t.ledger.config.update_norm:
             t.ledger.recorder.snapshot_params()
         try:
@@ -263,7 +265,7 @@ class Recovery:
         finally:
             for o, lr in zip(opts, now):
                 for g, x in zip(o.param_groups, lr):
-                    g["lr"] = x
+                    _set_lr(g, x)
         t.ledger.after_update(True, rec)
 
     def redo(self, rec: StepRecord, need_loss: bool):
@@ -426,6 +428,20 @@ class Recovery:
                       metrics_logger=t.metrics_processor.logger)
         log_rewind(t.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
         t.step = load + 1
+
+
+def _lr(group: dict):
+    """A param group's learning rate as it is now: a tensor one (a scheduler fills it in
+    place) is copied on the device, not read on the host."""
+    lr = group["lr"]
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _set_lr(group: dict, lr) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].copy_(lr)  # the same tensor: whoever holds it (a compiled step) sees the value
+    else:
+        group["lr"] = lr
 
 
 def ladder_report(ledger, config, action: dict) -> str:
