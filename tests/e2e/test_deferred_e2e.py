@@ -1,5 +1,5 @@
-"""Deferred decisions against in-step decisions, on the ladder's actions (no proof): four
-launches of the debug model, DP 2, two pairs, each run once deferring (the default) and
+"""Deferred decisions against in-step decisions, on the ladder's actions (no proof): six
+launches of the debug model, DP 2, three pairs, each run once deferring (the default) and
 once with ``--ledger.on_spike.no_defer``. The pair must write the same rows, data rows
 and decisions.
 
@@ -15,7 +15,9 @@ it would have before 16's fetch, and the data runs out again at 16).
 1's update makes the parameters infinite; step 2's NaN gradients get the ``none`` rung
 (applied), so step 3's loss is NaN on a logging step, where torchtitan would stop the run
 before step 3's deferred decision: it is made, recorded and its row written first, and the
-ledger stops the run at that row, as in the step.
+ledger stops the run at that row, as in the step. ``non_finite_quiet``: the same, logging
+every 10 steps, so step 3 is decided at step 4 and the ledger stops there, before step 4
+is recorded.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ PAIRS = {
                "--ledger.on_spike.rollback_skip", "1", "--ledger.rehearsal.data_end", "16"],
     "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.on_spike.action", "none,skip_update"],
 }
+PAIRS["non_finite_quiet"] = [*PAIRS["non_finite"], "--metrics.log_freq", "10"]  # step 3 logs nothing
 TIMING = {"step_time_s", "data_loading_s", "time", "run_id"}
 HEADER = {"schema", "seq", "resumed_from", "rewind_from"}
 
@@ -100,14 +103,18 @@ def test_ladder_actions_decided_a_step_late_train_the_rows_in_step_decisions_tra
     assert [r["step"] for r in rows if r.get("skipped")] == [13, 13]  # the two skip windows' rows
 
 
-def test_a_non_finite_loss_on_a_deferred_logging_step_is_decided_and_recorded_before_the_stop(runs):
-    (d, p), (ref, q) = runs["non_finite", "deferred"], runs["non_finite", "in_step"]
+@pytest.mark.parametrize("pair", ["non_finite", "non_finite_quiet"])
+def test_a_non_finite_loss_on_a_deferred_step_is_decided_and_recorded_before_the_stop(runs, pair):
+    """Logging step or not, the run stops at the NaN row of step 3, as in the step: not a
+    step later, with step 4 trained, recorded and put on the auto-skip list."""
+    (d, p), (ref, q) = runs[pair, "deferred"], runs[pair, "in_step"]
     for proc in (p, q):
         assert proc.returncode != 0 and "loss is not finite (nan) at step 3; the row is in" in proc.stdout + proc.stderr
         assert "Loss is not finite (global_avg_loss" not in proc.stdout + proc.stderr  # the ledger stopped it, at its row
     a, b = ledger(d), ledger(ref)
     assert a["signals.jsonl"] == b["signals.jsonl"] and len([r for r in a["signals.jsonl"] if "step" in r]) == 3
     late = decisions(d)
-    assert [(e["step"], e["action"], e.get("decided_at")) for e in late] == [(2, "none", 3), (3, "skip_update", 3)]
+    at = 3 if pair == "non_finite" else 4
+    assert [(e["step"], e["action"], e.get("decided_at")) for e in late] == [(2, "none", 3), (3, "skip_update", at)]
     assert [{k: v for k, v in e.items() if k != "decided_at"} for e in late] == decisions(ref)
     assert [r["update_skipped"] for r in a["signals.jsonl"] if "step" in r] == [False, False, True]

@@ -127,6 +127,11 @@ def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batch
     assert labels[0][0, :3].tolist() == [0, 1, 2] and (labels[0][0, 3:] == -100).all()
     assert (labels[0][1] == -100).all()
     assert rec.masked_tokens == 13 + 8
+    # a step whose fetch masked repeats only: the quarantine key goes first, as the fetch writes it
+    rec = StepRecord(step=6, start=0.0, tags=tags, batches=[[({}, torch.arange(16).view(2, 8))]],
+                     masked={"repetition": [[1, 0]]})
+    ledger.remask(rec, [("s", 7)])
+    assert list(rec.masked) == ["quarantine", "repetition"] and rec.masked["quarantine"] == [[0, 0]]
 
 
 def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,

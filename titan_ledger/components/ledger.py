@@ -411,6 +411,8 @@ class Ledger(Configurable):
                 base += n
         # row order, as the fetch's one pass writes them; a segment already masked is listed once
         hits[:] = [list(h) for h in sorted({tuple(h) for h in hits})]
+        # and the fetch's key order (quarantine before repetition): the data row is the fetch's
+        rec.masked = {"quarantine": hits, **{k: v for k, v in rec.masked.items() if k != "quarantine"}}
 
     def after_update(self, applied: bool, rec: StepRecord | None = None) -> None:
         """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's

@@ -219,6 +219,9 @@ class Recovery:
             t.step = now
             rec.batches = None
             self.prover.release()
+        # its rows now, as in the step: the ledger stops at a non-finite row before this
+        # step is recorded (a non-finite loss always flags)
+        ledger.drain(block=False, metrics_logger=t.metrics_processor.logger)
         if self.pending_rollback is not None:
             return "rollback"
         return "redo" if (applied or rec.proof is not None) else None
@@ -402,6 +405,9 @@ class Recovery:
                                f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
                                f"{ledger.folder / records.SPIKES_FILE}")
         t.checkpointer.maybe_wait_for_staging()
+        # an async save in flight is finished first: which checkpoints exist must not depend
+        # on when the decision was made (in the step, or a step late)
+        t.checkpointer.maybe_wait_for_saving()
         # rows first: a deferred step's rows waited for this decision, and the load resets
         # the counters a row reads (skipped_samples)
         ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
