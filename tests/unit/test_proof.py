@@ -283,3 +283,62 @@ def test_a_step_that_is_nan_every_time_reproduced_and_a_non_finite_pair_is_no_no
     assert rec == {"floor": 2e-6, "factor": 100.0, "distances": [[None, None, 2e-6]]}
     json.dumps(rec, allow_nan=False)  # what the ledger's writer demands
     assert noise_record(inf, 100.0, [[inf, inf, inf]])["floor"] is None
+
+
+def test_a_mask_is_judged_by_the_update_alone_not_by_the_loss_it_removes():
+    """Only the ratio rule fired (grad norm 3.5x its median, loss 6% up). Masking either
+    DP rank lowers the loss under the rule's loss bar whatever it does to the grad norm:
+    judged at the first execution's loss, a mask that leaves the grad norm at 3.5 is not
+    normal (it would convict innocent data), one that brings it to 1.1 is. (Default rules,
+    40 steps of history: the z-score rule has not started.)"""
+    det = SpikeDetector(SpikeDetector.Config())
+    for i in range(40):
+        det.step(torch.tensor(2.0, dtype=torch.float64), torch.tensor(1.0 + 0.01 * (i % 3), dtype=torch.float64))
+    stats = det.step(torch.tensor(2.12, dtype=torch.float64), torch.tensor(3.5, dtype=torch.float64))
+    assert stats[STAT_KEYS.index("ratio")] == 1 and stats[0] == 1
+    assert normal_update(det, 2.09, 3.5)  # the loss under the bar: the rule cannot fire
+    assert not normal_update(det, 2.09, 3.5, held_loss=2.12)
+    assert normal_update(det, 2.09, 1.1, held_loss=2.12)
+    assert not normal_update(det, math.nan, 1.1, held_loss=2.12)
+    assert normal_update(det, 2.0, 1.1, held_loss=math.nan)  # a NaN first loss cannot be held: its own
+
+
+def test_inf_is_within_no_tolerance_of_a_finite_value():
+    a = Execution("original", math.inf, 1.0, [[math.inf, 1.0, 100.0, 1.0]])
+    b = Execution("same", 2.0, 1.0, [[2.0, 1.0, 100.0, 0.0]])
+    assert differing_ranks(a, b, 1e-3) == [0] == differing_ranks(a, b, 0.0)
+    assert differing_ranks(a, Execution("same", math.inf, 1.0, [[math.inf, 1.0, 100.0, 1.0]]), 1e-3) == []
+
+
+def test_behind_an_infinite_grad_norm_the_rank_left_non_finite_is_the_faulty_one():
+    """A flip to inf on rank 1: the clip multiplied every gradient by 0, so rank 0's became
+    0 and rank 1's inf element NaN. Rank 1 is named, not rank 0 (whose 0 differs most)."""
+    first = Execution("original", 4.0, math.inf, [[4.0, 0.0, 256, 0], [4.0, math.nan, 256, 0]])
+    again = Execution("same", 4.0, 1.5, [[4.0, 1.2, 256, 0], [4.0, 1.05, 256, 0]], clip_coef=0.66)
+    changed = differing_ranks(first, again, 0.0)
+    assert changed == [0, 1] and faulty_ranks(first, again, changed) == [1]
+    v = judge(first, [again, again], None, None)
+    assert (v.verdict, v.applied, v.ranks) == ("hardware", "same", [1])
+    both = Execution("original", 4.0, math.nan, [[4.0, math.nan, 256, 0], [4.0, math.nan, 256, 0]])
+    assert faulty_ranks(both, again, [0, 1]) == [0, 1]  # NaN everywhere: cannot be told apart
+
+
+def test_a_rank_whose_loss_is_not_finite_is_the_suspect():
+    for losses, rank in (([math.nan, 2.0], 0), ([2.0, math.inf], 1), ([2.0, 2.1, math.nan, 2.0], 2)):
+        s = name_suspect({"rules": ["non_finite"]}, losses, None, None, 1.0)
+        assert s is not None and (s.dp_rank, s.docs, s.evidence) == (rank, None, "rank_loss")
+    assert name_suspect({"rules": ["non_finite"]}, [math.nan, math.nan], None, None, 1.0) is None
+
+
+def test_two_repeats_are_compared_by_their_checksums_not_only_by_their_totals():
+    """On a machine that is not bit-reproducible, two repeats can agree in loss and total
+    sum of squares and still differ (a last bit in one gradient): then all three executions
+    differ and the noise decides, instead of 'the first differed from two that agree'."""
+    original = Execution("original", 2.0, 1.0, [[2.0, 1.0, 100.0, 1.0, 1.0]])
+    r1 = Execution("same", 2.0, 1.0, [[2.0, 1.0, 100.0, 0.0, 1.0]])
+    r2 = Execution("same", 2.0, 1.0, [[2.0, 1.0, 100.0, 0.0, 0.0]])  # unequal to r1 by checksum
+    assert differing_ranks(r1, r2, 0.0) == [0]
+    assert differing_ranks(r1, Execution("same", 2.0, 1.0, [[2.0, 1.0, 100.0, 0.0, 1.0]]), 0.0) == []
+    d = [[2e-7, 3e-7, 2.5e-7]]
+    v = judge(original, [r1, r2], None, None, 0.0, False, d, 100.0)
+    assert v.verdict == "not_data" and v.noise == 2e-7  # reproduced within the noise; no suspect, no mask

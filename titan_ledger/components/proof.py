@@ -58,8 +58,10 @@ PROVE_MODES = ("off", "acting", "all")
 @dataclass
 class Execution:
     """One execution of the flagged step: the global values and, per global rank,
-    ``[local loss, local grad sum of squares (post-clip), valid tokens, equal]`` where
-    ``equal`` is 1 when every local gradient equals the first execution's bit for bit."""
+    ``[local loss, local grad sum of squares (post-clip), valid tokens, equal, again]`` where
+    ``equal`` is 1 when every local gradient equals the first execution's bit for bit (in
+    the step; by per-parameter checksum when deferred) and ``again`` (a second repeat's)
+    when they equal the first repeat's by checksum."""
 
     variant: str  # original | same | control | masked
     loss: float
@@ -71,6 +73,7 @@ class Execution:
     #: this rank's pre-clip gradient sum of squares per parameter (local; never written):
     #: the noise floor when three executions differ
     psq: Any = None
+    sums: Any = None  # this rank's gradient sum per parameter (float64; with psq, a checksum)
 
     def pre_clip_sq(self, r: int) -> float:
         return self.ranks[r][1] / (self.clip_coef * self.clip_coef)
@@ -134,9 +137,13 @@ def differing_ranks(a: Execution, b: Execution, rtol: float) -> list[int]:
     out = []
     for r, (x, y) in enumerate(zip(a.ranks, b.ranks)):
         if rtol == 0:
-            same = _same(x[0], y[0]) and _same(x[1], y[1]) and (y[3] == 1 or a.variant != "original")
-        else:
-            same = all(_same(p, q) or abs(p - q) <= rtol * max(abs(p), abs(q), 1e-30) for p, q in zip(x[:2], y[:2]))
+            # b's gradients against a's, bit for bit (a checksum per parameter): the first
+            # execution's flag, or a second repeat's against the first repeat
+            flag = y[3] if a.variant == "original" else (y[4] if len(y) > 4 else 1)
+            same = _same(x[0], y[0]) and _same(x[1], y[1]) and flag == 1
+        else:  # (inf is within no tolerance of a finite value)
+            same = all(_same(p, q) or (math.isfinite(p) and math.isfinite(q) and
+                                       abs(p - q) <= rtol * max(abs(p), abs(q), 1e-30)) for p, q in zip(x[:2], y[:2]))
         if not same:
             out.append(r)
     return out
@@ -145,9 +152,15 @@ def differing_ranks(a: Execution, b: Execution, rtol: float) -> list[int]:
 def faulty_ranks(a: Execution, b: Execution, changed: list[int], rtol: float = 1e-5) -> list[int]:
     """Of the ``changed`` ranks, those whose own gradients or loss changed before the clip
     (a fault on one rank changes the global norm, so the clip changes every rank's
-    gradients after it); all of them when none stands out."""
+    gradients after it); all of them when none stands out. Behind a non-finite grad norm
+    the clip multiplied every gradient by 0 (or NaN): the finite ones became 0, an inf
+    one NaN, so the ranks left non-finite are the faulty ones, when some are not."""
+    for x in (a, b):
+        if not math.isfinite(x.grad_norm):
+            odd = [r for r in changed if not math.isfinite(x.ranks[r][1])]
+            return odd if 0 < len(odd) < len(changed) else changed
     own = [r for r in changed
-           if a.ranks[r][0] != b.ranks[r][0]
+           if not _same(a.ranks[r][0], b.ranks[r][0])
            or abs(a.pre_clip_sq(r) - b.pre_clip_sq(r)) > rtol * max(a.pre_clip_sq(r), b.pre_clip_sq(r), 1e-30)]
     return own or changed
 
@@ -332,6 +345,9 @@ def name_suspect(event: dict[str, Any], dp_loss: list[float] | None, doc_summary
                       ("doc_low", "doc_low_rank")):
         if rule in fired and event.get(key) is not None and dp_loss and len(dp_loss) > 1:
             return Suspect(int(event[key]), None, rule)
+    odd = [i for i, v in enumerate(dp_loss or []) if not math.isfinite(v)]
+    if dp_loss and 0 < len(odd) < len(dp_loss):  # a rank's loss NaN/inf (or no tokens left): it, the masks decide
+        return Suspect(odd[0], None, "rank_loss")
     if dp_loss and len(dp_loss) > 1 and all(v > 0 and math.isfinite(v) for v in dp_loss):
         logs = [math.log(v) for v in dp_loss]
         med = sorted(logs)[len(logs) // 2] if len(logs) % 2 else sum(sorted(logs)[len(logs) // 2 - 1:
@@ -406,15 +422,20 @@ def mask_labels(groups, tags: list, suspect: Suspect, ignore: int):
     return out, hits
 
 
-def normal_update(detector, loss: float, grad_norm: float) -> bool:
+def normal_update(detector, loss: float, grad_norm: float, held_loss: float | None = None) -> bool:
     """Whether an execution's update is normal for this run: the grad-norm rules
     (z-score with its material move, ratio, grad jump) would not fire on its loss and
     pre-clip grad norm against the history before this step, with every rule on its own
-    bar (no novelty gate: the control stands in for it here) and finite."""
+    bar (no novelty gate: the control stands in for it here) and finite. ``held_loss``
+    (a masked or control execution: the first execution's loss): the loss the rules'
+    loss conditions see -- masking data lowers the loss whatever it does to the update,
+    and a mask is judged by its update alone."""
     from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
 
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return False
+    if held_loss is not None and math.isfinite(held_loss):
+        loss = held_loss
     det = detector.before()
     raw = SpikeDetector(replace(detector.config, grad_novelty=0.0, notes=""), det.hist.device)
     for name in ("hist", "count", "ehist", "ecount", "jhist", "jcount"):
@@ -475,19 +496,20 @@ class Prover:
         t.ledger.discard_step_state()
         return out
 
-    def _run(self, variant: str, rec, groups, first) -> Execution:
+    def _run(self, variant: str, rec, groups, first, prev: Execution | None = None) -> Execution:
         """One execution of the step on ``groups`` (:meth:`_execute`), gathered per rank;
         ``first``: the first execution's gradients (in the step) or its
-        :class:`FirstExecution` (deferred), which ``equal`` is judged against."""
+        :class:`FirstExecution` (deferred), which ``equal`` is judged against; ``prev``: a
+        second repeat's first repeat, compared by checksum (a fifth per-rank value)."""
         t = self.trainer
         t0 = time.perf_counter()
         params = self._params()
         loss, grad_norm, local_tokens, global_tokens = self._execute(rec, groups)
         self._in_grads = variant
         grads = [p.grad for p in params]
-        psq = _per_param_sq(grads, t.device)
+        psq, sums = _per_param_sq(grads, t.device), _per_param_sum(grads, t.device)
         if isinstance(first, FirstExecution):  # deferred: the first gradients are gone, their checksum is not
-            equal = same_tensor(psq, first.psq) and same_tensor(_per_param_sum(grads, t.device), first.sums)
+            equal = same_tensor(psq, first.psq) and same_tensor(sums, first.sums)
         else:
             equal = True
             for g0, g in zip(first, grads):
@@ -495,8 +517,11 @@ class Prover:
                     equal = equal and (g0 is None) == (g is None)
                 else:
                     equal = equal and same_tensor(_local(g0), _local(g))
-        return self._gathered(variant, signals.loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
-                              seconds=time.perf_counter() - t0)
+        again = prev is None or (same_tensor(psq, prev.psq) and same_tensor(sums, prev.sums))
+        ex = self._gathered(variant, signals.loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
+                            seconds=time.perf_counter() - t0, again=again)
+        ex.sums = sums
+        return ex
 
     def load_update(self, rec, applied: str) -> None:
         """After a deferred proof (or none): leave in the gradients the update ``applied``
@@ -534,9 +559,10 @@ class Prover:
         return table.view(topo.world, 3).tolist()
 
     def _gathered(self, variant: str, loss_sum, psq, local_tokens: int, equal: bool, grad_norm,
-                  seconds: float = 0.0) -> Execution:
-        """One execution's per-rank ``[loss sum, grad sum of squares, tokens, equal]``, to every
-        rank (one all-gather: a proven step only)."""
+                  seconds: float = 0.0, again: bool = True) -> Execution:
+        """One execution's per-rank ``[loss sum, grad sum of squares, tokens, equal, again]``
+        (``again``: equal to the previous repeat), to every rank (one all-gather: a proven
+        step only)."""
         import torch.distributed as dist
 
         t = self.trainer
@@ -546,13 +572,13 @@ class Prover:
             torch.zeros((), **f64)
         grad_sq = psq.sum() if psq.numel() else torch.zeros((), **f64)
         loc = torch.stack([own, grad_sq, torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64),
-                           torch.tensor(1.0 if equal else 0.0, **f64)])
+                           torch.tensor(1.0 if equal else 0.0, **f64), torch.tensor(1.0 if again else 0.0, **f64)])
         if topo.world > 1:
-            table = torch.empty(topo.world * 4, **f64)
+            table = torch.empty(topo.world * 5, **f64)
             dist.all_gather_into_tensor(table, loc)
-            table = table.view(topo.world, 4)
+            table = table.view(topo.world, 5)
         else:
-            table = loc.view(1, 4)
+            table = loc.view(1, 5)
         ranks = table.tolist()
         return Execution(variant, _mean_loss(ranks), float(_full(grad_norm)), ranks, seconds=seconds,
                          clip_coef=self._coef(grad_norm), psq=psq)
@@ -602,7 +628,7 @@ class Prover:
         tags_by_dp: dict[int, list] = {}
         distances = None
         if differing_ranks(original, repeats[0], rtol):
-            repeats.append(self._run("same", rec, groups, first_grads))
+            repeats.append(self._run("same", rec, groups, first_grads, prev=repeats[0]))
             if differing_ranks(repeats[0], repeats[1], rtol) and differing_ranks(original, repeats[1], rtol):
                 distances = self._distances([original, *repeats])  # not bit-reproducible: measure the noise
         if reproduced(original, repeats, rtol, distances, factor)[0]:
@@ -621,19 +647,19 @@ class Prover:
                 mine = topo.dp_rank
                 c_groups = mask_labels(groups, rec.tags, ctrl, IGNORE_INDEX)[0] if ctrl.dp_rank == mine else groups
                 control = self._run("control", rec, c_groups, first_grads)
-                control.normal = normal_update(detector, control.loss, control.grad_norm)
+                control.normal = normal_update(detector, control.loss, control.grad_norm, original.loss)
                 if suspect.dp_rank == mine:
                     m_groups, hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)
                 else:
                     m_groups = groups
                 masked = self._run("masked", rec, m_groups, first_grads)
-                masked.normal = normal_update(detector, masked.loss, masked.grad_norm)
+                masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
                 self._groups.update(masked=m_groups, control=c_groups)
         v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
                   distances=distances, noise_factor=factor)
         if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
             again = self._run("control", rec, c_groups, first_grads)
-            again.normal = normal_update(detector, again.loss, again.grad_norm)
+            again.normal = normal_update(detector, again.loss, again.grad_norm, original.loss)
             repeats_after = [again]
             suspect, ctrl = ctrl, suspect
             hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)[1] if suspect.dp_rank == topo.dp_rank else []
@@ -664,8 +690,11 @@ class Prover:
                "executions": [e.to_json() for e in executions],
                "seconds": round(time.perf_counter() - start, 4)}
         if v.verdict == "hardware" and not math.isfinite(original.grad_norm):
+            named = v.ranks and all(not math.isfinite(original.ranks[r][1]) for r in v.ranks) and \
+                len(v.ranks) < len(original.ranks)
             out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
-                           "gradients: the ranks it changed cannot be told apart")
+                           "finite gradients: " + ("the faulty rank's were left non-finite" if named else
+                                                   "the ranks it changed cannot be told apart"))
         if v.noise is not None:  # the machine's execution noise, measured by this proof
             out["noise"] = noise_record(v.noise, factor, distances)
         if v.ranks:
