@@ -1,4 +1,4 @@
-"""Proof at the alarm, end to end (issue 35): four launches of the debug model, DP 2.
+"""Proof at the alarm, end to end (issue 35): five launches of the debug model, DP 2.
 
 Three 12-step runs -- one with two rehearsal faults and ``action = rollback``: a
 flipped gradient bit on DP rank 0 at step 6 (``hardware``: the recomputed update is
@@ -9,7 +9,7 @@ every step from 2 on forced through a proof, once deciding in the step
 (``--ledger.on_spike.no_defer``) and once deferred (the default: each decision made at
 the next step, behind its launched work) -- then the faulty run resumed from its step-8
 checkpoint, which must train steps 9-12 exactly as it did (the proof at step 10 again,
-its quarantine after it). The faulty run defers too, so its comparisons with the clean
+its quarantine after it), and the same steps rerun by ``replay rerun`` (a fifth launch). The faulty run defers too, so its comparisons with the clean
 in-step run are deferred-against-in-step, bit for bit.
 """
 
@@ -20,7 +20,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import CONFIGS, data_rows, explain, rejected_steps, signals_rows, spike_events, torchrun
+from helpers import CONFIGS, cli, data_rows, explain, rejected_steps, signals_rows, spike_events, torchrun
 
 from titan_ledger.components.proof import HARMFUL
 from titan_ledger.format.records import read_ledger
@@ -177,6 +177,23 @@ def test_a_resume_before_the_proof_trains_the_same_steps_bit_for_bit(runs, tmp_p
     assert data_rows(dump, 1)[11] == data_rows(d, 1)[11]  # the quarantine after the proof, again
     _, proof = proof_at(dump, REPEAT)
     assert proof["verdict"] == "bad_data"
+
+
+def test_replay_rerun_reproduces_the_proof_and_its_quarantine_bit_for_bit(runs):
+    """``replay rerun`` from the step-8 checkpoint (the run's own launch, its own folder):
+    step 10 is proven bad data again, trained without the documents, and steps 11-12 train
+    with them quarantined -- every step bit-equal to the run, the data equal."""
+    from titan_ledger import replay
+
+    d, _ = runs["faults"]
+    rc, out, err = cli(replay.main, ["rerun", "--dump-folder", str(d), "--step", str(REPEAT), "--after", "2",
+                                     "--variant", "same", "--json"])
+    assert rc == 0, err
+    rep = json.loads(out)
+    (same,) = rep["variants"]
+    assert rep["load_step"] == 8 and same["bit_equal_steps"] == [9, 10, 11, 12] and same["data_equal"], same
+    log = (d / "rerun" / "same" / "rerun.log").read_text()
+    assert "step 10: proven in step" in log and "bad data on DP rank 1" in log
 
 
 def test_on_a_machine_that_is_not_bit_reproducible_the_proof_measures_the_noise(tmp_path):
