@@ -41,9 +41,9 @@ def test_run_summary_counts_rows_spikes_checkpoints_and_names_commands(tmp_path)
     assert f"the ledger is in {tmp_path / 'ledger'}" in text
     assert "signals      3 rows, steps 1-3" in text
     assert "1 flagged: steps 2" in text
-    assert "3 rows on each of 2 DP ranks" in text
+    assert "data ledger  steps 1-3 on each of 2 DP ranks" in text
     _tiny_ledger(tmp_path / "one", dp=1)
-    assert "data ledger  3 rows (data_dp0.jsonl)" in train.run_summary(tmp_path / "one")
+    assert "data ledger  steps 1-3 (data_dp0.jsonl)" in train.run_summary(tmp_path / "one")
     assert "step-2, step-3" in text and "step-9" not in text
     assert f"python -m titan_ledger.plot {tmp_path} -o signals.png" in text
     assert f"python -m titan_ledger.diagnose {tmp_path}" in text

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from titan_ledger.errors import ConfigError, TitanLedgerError
 from titan_ledger.format import records
-from titan_ledger.format.reader import RunLedger
+from titan_ledger.format.reader import latest_data_header
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
     """A dump folder belongs to one run configuration (every rank before the process
     group, ``read_only``; rank 0 again at setup, where ``new_run`` moves an old run aside).
 
-    Reads the run already in ``dump_folder`` through :class:`RunLedger` (the latest
-    data-ledger header) and compares its layout with ``layout`` (:data:`LAYOUT_KEYS`).
+    Reads the run already in ``dump_folder`` through :func:`latest_data_header` (the latest
+    data-ledger header, O(1) in the run's length) and compares its layout with ``layout`` (:data:`LAYOUT_KEYS`).
     A value of ``layout`` may be a function returning it (or None: unknown, not
     compared), called only when there is a recorded value to compare it with and the
     comparison can decide: the data fingerprint costs a tokenizer and the corpus index,
@@ -87,9 +87,11 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
     folder = dump / ledger_folder
     if not folder.is_dir() or allow_data_change or (new_run and read_only):
         return []
-    try:
-        old = RunLedger(dump, ledger_folder).data.header()
+    try:  # the newest header only: O(1) in the run's length (a relaunch of a 10^5-step run)
+        old = latest_data_header(folder)
     except TitanLedgerError:
+        return []
+    if old is None:
         return []
     resuming = None  # the launch will load a complete checkpoint (asked once, if needed)
     diffs = []

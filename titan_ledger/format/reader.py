@@ -83,6 +83,25 @@ def checkpoints(dump_folder: str | Path, folder: str = "checkpoint") -> list[int
     return sorted(out)
 
 
+def latest_data_header(ledger_folder: str | Path) -> records.Header | None:
+    """The newest data-ledger segment header, read in O(1) of the ledger's length: the last
+    segment of ``data_dp0.jsonl`` (every launch with tagging writes DP rank 0's file, and
+    a launch's segments carry the largest seq so far), through its offset index. None
+    when the folder has no readable data ledger. What a launch checks (the run folder's
+    layout) reads this, never the history."""
+    from titan_ledger.format import index
+
+    files = records.data_files(ledger_folder)
+    if not files:
+        return None
+    f = index.IndexedFile(files[min(files)], records.DATA)
+    try:
+        segs = f.segments
+    except LedgerError:
+        return None
+    return segs[-1].header if segs else None
+
+
 class RunLedger:
     """The ledgers of one dump folder (``<dump_folder>/<ledger_folder>``)."""
 
@@ -230,21 +249,39 @@ class RunLedger:
     def rank_rows_at(self, step: int) -> dict[int, dict[str, Any]]:
         """Per global rank: its own row of ``step`` as that step trained (the current
         history's, else -- a step a rollback or resume superseded -- the row of the
-        last segment that trained it); ranks without one are left out."""
-        files = {int(RANK_FILE_RE.search(p.name).group(1)): p
-                 for p in self.folder.glob("rank*.jsonl") if RANK_FILE_RE.search(p.name)}
-        segs, _ = records.read_many(files, records.RANK)
-        current, _ = records.resolve(segs)
+        last segment that trained it); ranks without one are left out. Reads the
+        step's lines of each file through its offset index (O(log n) a file)."""
+        from titan_ledger.format import index
+
+        files = {r: index.IndexedFile(p, records.RANK) for r, p in records.rank_files(self.folder).items()}
+        for r, f in files.items():
+            same_run(f.path, [s.as_file_segment() for s in f.segments], self.launch_ids)
+            f.warn_torn()
+        current, every = index.point(files, step)
         out = {}
-        for r, ss in segs.items():
-            same_run(files[r], ss, self.launch_ids)
-            row = next((x for x in current[r] if x["step"] == step and not x.get("skipped")), None)
-            if row is None:
-                for seg in sorted(ss, key=records.order_key):
-                    row = next((x for x in seg.rows if x["step"] == step and not x.get("skipped")), row)
+        for r in files:
+            row = current.get(r)
+            if row is None or row["step"] != step or row.get("skipped"):
+                row = None
+                for x in every.get(r, []):
+                    if x["step"] == step and not x.get("skipped"):
+                        row = x
             if row is not None:
                 out[r] = row
         return out
+
+    def last_signal_step(self) -> int | None:
+        """The last step of the signals ledger's newest segment (its last line, through
+        the offset index): where a run stopped, without reading its history."""
+        from titan_ledger.format import index
+
+        path = self.folder / records.SIGNALS_FILE
+        if not path.exists():
+            return None
+        f = index.IndexedFile(path, records.SIGNALS)
+        lims = index.limits({0: f})
+        last = [index.retrying(f.last_row, seg, lims[(0, seg.file_pos)]) for seg in f.segments]
+        return max((int(r["step"]) for r in last if r is not None), default=None)
 
     def checkpoints(self) -> list[int]:
         return checkpoints(self.dump_folder, self.checkpoint_folder)
@@ -272,28 +309,114 @@ class DataLedger:
     global). So are trained steps written as ``samples`` + ``digest``
     (``derived_tags``: the token hash is checked, a changed corpus is an error);
     rows written out (``rows``) are read as they are.
+
+    Reads cost what the answer needs (:mod:`titan_ledger.format.index`): opening reads
+    no rows; a step (:meth:`at`, :meth:`ids_at`, :meth:`trained_row`, ...) reads
+    O(segments x log n) lines of each file; :meth:`iter_history` streams one rank's
+    history. :attr:`history` / :attr:`superseded` (every row in memory) remain for
+    small ledgers and tests.
     """
 
     def __init__(self, folder: str | Path, launches: dict[int, str] | None = None):
+        from titan_ledger.format import index
+
         self.folder = Path(folder)
-        files = {int(DATA_FILE_RE.search(p.name).group(1)): p
-                 for p in self.folder.glob("data_dp*.jsonl") if DATA_FILE_RE.search(p.name)}
+        files = records.data_files(self.folder)
         if not files:
             raise LedgerError(f"{self.folder}: no data ledger (data_dp<r>.jsonl); was the run "
                               f"trained with LedgerDataLoader and --dataloader.tagging?")
         self.files = dict(sorted(files.items()))
-        segs, torn = records.read_many(self.files, records.DATA)
-        empty = [str(self.files[r]) for r, s in segs.items() if not s]
-        if empty:
-            raise LedgerError(f"data ledger file(s) {', '.join(empty)}: empty or torn before the "
-                              f"first header; that rank's record is lost (was the folder copied "
-                              f"while a run wrote it?)")
-        self.torn = {r: n for r, n in torn.items() if n}
-        launches = launch_ids(self.folder) if launches is None else launches
-        for r, ss in segs.items():  # a file of another run is named, not blamed on its siblings
-            same_run(self.files[r], ss, launches)
+        self._launches = launches
+        self._idx = {r: index.IndexedFile(p, records.DATA) for r, p in self.files.items()}
+        self._checked: dict[int, list] | None = None
         self._row_dp: dict[int, int] = {}  # id(row) -> the DP size of the segment that wrote it
         self._row_hdr: dict[int, Any] = {}  # id(row) -> the header of the segment that wrote it
+        self._steps: dict[int, tuple[dict, dict]] = {}  # step -> (current, every segment's), by rank
+        self._blend = None
+        self.segments  # noqa: B018 (a lost or foreign file is refused on opening, as before)
+
+    # ------------------------------------------------------------------ segments (O(1) in rows)
+    @property
+    def segments(self) -> dict[int, list]:
+        """Every file's segments (:class:`index.Segment`: header and byte range), checked
+        once: a file without a header is lost, a file of another run is named."""
+        if self._checked is None:
+            segs = {r: f.segments for r, f in self._idx.items()}
+            for f in self._idx.values():
+                f.warn_torn()  # each segment's last line: O(segments), as the strict reading warns
+            empty = [str(self.files[r]) for r, s in segs.items() if not s]
+            if empty:
+                raise LedgerError(f"data ledger file(s) {', '.join(empty)}: empty or torn before the "
+                                  f"first header; that rank's record is lost (was the folder copied "
+                                  f"while a run wrote it?)")
+            launches = launch_ids(self.folder) if self._launches is None else self._launches
+            for r, ss in segs.items():  # a file of another run is named, not blamed on its siblings
+                same_run(self.files[r], [s.as_file_segment() for s in ss], launches)
+            self._checked = segs
+        return self._checked
+
+    @property
+    def headers(self) -> dict[int, records.Header]:
+        """Each DP rank's latest segment header."""
+        return {r: ss[-1].header for r, ss in self.segments.items()}
+
+    def bytes_read(self) -> int:
+        """Bytes read from the data ledger so far (what the complexity tests count)."""
+        return sum(f.bytes_read for f in self._idx.values())
+
+    def _limits(self):
+        from titan_ledger.format import index
+
+        if not hasattr(self, "_lims"):
+            self.segments  # noqa: B018 (checked first)
+            self._lims = index.limits(self._idx)
+        return self._lims
+
+    # ------------------------------------------------------------------ one step
+    def _at_step(self, step: int) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+        """Every rank's rows covering ``step``: the current one, and one per segment that
+        covers it (in run order); the supersession rule is :func:`records.resolve`'s."""
+        got = self._steps.get(step)
+        if got is None:
+            from titan_ledger.format import index
+
+            found = {}
+            for r, f in self._idx.items():
+                segs = []
+                for seg in self.segments[r]:
+                    rows = index.retrying(f.rows_at, seg, step)
+                    dp = int(seg.header.get("dp_size") or 0)
+                    for row in rows:
+                        if not isinstance(row.get("rows", row.get("samples")), list):
+                            self._whole  # noqa: B018 (the error path: the strict reading names FILE:LINE)
+                        self._row_dp[id(row)] = dp
+                        self._row_hdr[id(row)] = seg.header
+                    segs.append(seg.as_file_segment(rows))
+                found[r] = segs
+            current, _ = records.resolve(found)
+            every = {r: [x for seg in sorted(ss, key=records.order_key) for x in seg.rows]
+                     for r, ss in found.items()}
+            got = ({r: rows[-1] for r, rows in current.items() if rows}, every)
+            if len(self._steps) > 64:
+                self._steps.clear()
+            self._steps[step] = got
+        return got
+
+    # ------------------------------------------------------------------ whole history
+    def iter_history(self, dp_rank: int):
+        """``dp_rank``'s current history, row by row (memory O(1) in the run's length)."""
+        from titan_ledger.format import index
+
+        for seg, row in index.iter_history(self._idx, dp_rank, self._limits()):
+            self._row_hdr[id(row)] = seg.header
+            yield row
+
+    @cached_property
+    def _whole(self):
+        """Every row of every file in memory (small ledgers, tests; the streaming readers
+        use :meth:`iter_history`)."""
+        segs, torn = records.read_many(self.files, records.DATA)
+        self.segments  # noqa: B018 (the same checks)
         for r, ss in segs.items():
             for seg in ss:
                 dp = int(seg.header.get("dp_size") or 0)
@@ -304,33 +427,69 @@ class DataLedger:
                                             f"titan_ledger (was the file edited?)")
                     self._row_dp[id(row)] = dp
                     self._row_hdr[id(row)] = seg.header
-        self.history, self.superseded = records.resolve(segs)
-        self._segs = segs
-        self.headers = {r: s[-1].header for r, s in segs.items()}
-        self._by_step = {r: {row["step"]: row for row in h} for r, h in self.history.items()}
-        self._windows = {r: [row for row in h if "last_step" in row] for r, h in self.history.items()}
-        self._blend = None
+        history, superseded = records.resolve(segs)
+        return history, superseded, {r: n for r, n in torn.items() if n}
+
+    @property
+    def history(self) -> dict[int, list[dict]]:
+        """Per DP rank, the current history (every row in memory)."""
+        return self._whole[0]
+
+    @property
+    def superseded(self) -> list[dict]:
+        return self._whole[1]
+
+    @property
+    def torn(self) -> dict[int, int]:
+        """DP ranks whose file has torn lines (a kill -9 mid-write): how many (each
+        segment's last line is read, not the history)."""
+        return {r: len(t) for r, f in self._idx.items() if (t := f.torn())}
+
+    def forget(self) -> None:
+        """Drop what reading steps remembered (a streaming reader calls it between chunks)."""
+        self._row_dp.clear()
+        self._row_hdr.clear()
+        self._steps.clear()
+
+    def _ends(self):
+        """Per segment of every file: its first row and its last current row (by
+        bisection): what the run's extent and sample range need, O(segments x log n)."""
+        if not hasattr(self, "_seg_ends"):
+            from titan_ledger.format import index
+
+            lims, out = self._limits(), []
+            for r, f in self._idx.items():
+                for seg in self.segments[r]:
+                    first = index.retrying(f.first_row, seg)
+                    last = index.retrying(f.last_row, seg)
+                    cur = index.retrying(f.last_row, seg, lims[(r, seg.file_pos)])
+                    out.append((r, seg, first, last, cur))
+            self._seg_ends = out
+        return self._seg_ends
+
+    def last_step_of(self, dp_rank: int) -> int:
+        """The last step ``dp_rank``'s current history covers (0: none)."""
+        return max((row.get("last_step", row["step"]) for r, _, _, _, row in self._ends()
+                    if r == dp_rank and row), default=0)
 
     @property
     def last_step(self) -> int:
-        return max((row.get("last_step", row["step"]) for h in self.history.values() for row in h),
+        """The last step the current history covers (any DP rank)."""
+        return max((row.get("last_step", row["step"]) for _, _, _, _, row in self._ends() if row),
                    default=0)
 
     @cached_property
     def sample_range(self) -> tuple[int, int] | None:
         """``(first, last)`` sample id the data ledger records as consumed (trained or
-        skipped, by any DP rank, rows of rolled-back launches included); None if none."""
+        skipped, by any DP rank, rows of rolled-back launches included); None if none.
+        Within a segment sample ids grow with the step, so its first and last rows bound it."""
         lo = hi = None
-        for row in [*(x for h in self.history.values() for x in h), *self.superseded]:
-            got = row.get("samples")
-            if isinstance(got, list) and len(got) == 2 and all(isinstance(i, int) for i in got):
-                ids = (got[0], got[1] - 1)
-            else:
-                ids = [t[0] for t in row.get("rows") or () if isinstance(t, list) and t
-                       and isinstance(t[0], int)]
-            if ids:
-                lo = min(ids) if lo is None else min(lo, *ids)
-                hi = max(ids) if hi is None else max(hi, *ids)
+        for _, _, first, last, _ in self._ends():
+            for row in (first, last):
+                ids = _sample_ids(row) if row is not None else ()
+                if ids:
+                    lo = min(ids) if lo is None else min(lo, *ids)
+                    hi = max(ids) if hi is None else max(hi, *ids)
         return None if lo is None else (lo, hi)
 
     def sample(self, sample_id: int) -> RowTag:
@@ -350,10 +509,13 @@ class DataLedger:
         return max(self.headers.values(), key=lambda h: (h.seq or 0, h.time))
 
     def ranks(self) -> list[int]:
-        return sorted(self.history)
+        return sorted(self.files)
 
     def ranks_at(self, step: int) -> list[int]:
-        return [r for r in sorted(self.history) if self._row(r, step) is not None]
+        return sorted(self._at_step(step)[0])
+
+    def _has_rows(self, r: int) -> bool:
+        return any(row is not None for rr, _, _, _, row in self._ends() if rr == r)
 
     def missing_ranks(self, step: int | None = None) -> list[int]:
         """DP ranks whose record is missing: at ``step``, the ranks of the DP size that
@@ -361,10 +523,10 @@ class DataLedger:
         the ranks of the latest DP size with no file or no row at all."""
         if step is None:
             dp = int(self.header().get("dp_size") or 0)
-            return [r for r in range(dp) if not self.history.get(r)]
-        present = self.ranks_at(step)
-        dp = max((self._row_dp.get(id(self._row(r, step)), 0) for r in present), default=0)
-        return [r for r in range(dp) if r not in present]
+            return [r for r in range(dp) if r not in self.files or not self._has_rows(r)]
+        current = self._at_step(step)[0]
+        dp = max((self._row_dp.get(id(row), 0) for row in current.values()), default=0)
+        return [r for r in range(dp) if r not in current]
 
     def require_complete(self) -> None:
         """LedgerError naming the files if a DP rank of the run has no record."""
@@ -380,16 +542,10 @@ class DataLedger:
         return self._row(dp_rank, step)
 
     def _row(self, r: int, step: int) -> dict | None:
-        row = self._by_step[r].get(step)
-        if row is not None:
-            return row
-        for w in self._windows[r]:
-            if w["step"] <= step <= w["last_step"]:
-                return w
-        return None
+        return self._at_step(step)[0].get(r)
 
     def at(self, step: int, dp_rank: int) -> StepData | None:
-        if dp_rank not in self.history:
+        if dp_rank not in self.files:
             raise LedgerError(f"{self.folder}: no data ledger for DP rank {dp_rank} (the run has "
                               f"DP ranks {self.ranks()})")
         row = self._row(dp_rank, step)
@@ -415,14 +571,14 @@ class DataLedger:
         else -- a step a rollback or resume superseded (now skipped, or trained again
         on other data) -- the row of the last segment that trained it; None when no
         segment trained it."""
-        row = self._by_step.get(dp_rank, {}).get(step)
+        current, every = self._at_step(step)
+        row = current.get(dp_rank)
         if row is not None and not row.get("skipped") and "last_step" not in row:
             return row
         found = None
-        for seg in sorted(self._segs.get(dp_rank, []), key=records.order_key):
-            for x in seg.rows:
-                if x["step"] == step and not x.get("skipped") and "last_step" not in x:
-                    found = x
+        for x in every.get(dp_rank, []):
+            if x["step"] == step and not x.get("skipped") and "last_step" not in x:
+                found = x
         return found
 
     def injected_at(self, step: int) -> dict[int, str]:
@@ -430,7 +586,7 @@ class DataLedger:
         was replaced by ``--ledger.rehearsal.inject`` (repeat, random): its tags name
         the documents the loader assigned, which never trained."""
         out = {}
-        for r in sorted(self._segs):
+        for r in sorted(self.files):
             row = self.trained_row(r, step)
             if row is not None and row.get("injected"):
                 out[r] = str(row["injected"])
@@ -443,7 +599,7 @@ class DataLedger:
         of the DP ranks' medians). Empty when the run recorded none. A step a rollback
         superseded is read as it trained (:meth:`trained_row`)."""
         out, medians = [], []
-        for r in sorted(self._segs):
+        for r in sorted(self.files):
             row = self.trained_row(r, step)
             dl = row.get("doc_loss") if row is not None and "last_step" not in row else None
             if not dl:
@@ -475,6 +631,10 @@ class DataLedger:
         row = self._row(dp_rank, step)
         if row is None:
             raise LedgerError(f"{self.folder}: no data for step {step} on DP rank {dp_rank}")
+        return self.ids_in(row, step, dp_rank)
+
+    def ids_in(self, row: dict, step: int, dp_rank: int) -> tuple[int, ...]:
+        """Sample ids of ``step`` in ``row`` (its step row, or the window holding it)."""
         if "last_step" not in row and "rows" not in row:  # a derived step row
             return tuple(self.step_ids(self._header_for(dp_rank, row), row["samples"][0], 0, dp_rank))
         if "last_step" not in row:
@@ -485,6 +645,24 @@ class DataLedger:
             per_step = hdr["global_batch"] // hdr["dp_size"]
             return tuple(t[0] for t in row["rows"][k * per_step:(k + 1) * per_step])
         return tuple(self.step_ids(hdr, row["samples"][0], k, dp_rank))
+
+    def rows_between(self, first: int, last: int) -> dict[int, list[dict]]:
+        """Per DP rank, the current rows covering a step in ``first``..``last``, in order
+        (the supersession rule is :func:`records.resolve`'s), through the offset index."""
+        from titan_ledger.format import index
+
+        found = {}
+        for r, f in self._idx.items():
+            segs = []
+            for seg in self.segments[r]:
+                rows = list(index.retrying(lambda: list(f.rows_between(seg, first, last))))
+                for row in rows:
+                    self._row_hdr[id(row)] = seg.header
+                    self._row_dp[id(row)] = int(seg.header.get("dp_size") or 0)
+                segs.append(seg.as_file_segment(rows))
+            found[r] = segs
+        current, _ = records.resolve(found)
+        return current
 
     def derived_tags(self, step: int, dp_rank: int, row: dict, verify: bool = True) -> list[RowTag]:
         """The rows of a trained step stored as ``samples`` + ``digest`` (an indexed
@@ -549,22 +727,37 @@ class DataLedger:
         return self._blend
 
 
+def _sample_ids(row: dict) -> tuple[int, ...]:
+    got = row.get("samples")
+    if isinstance(got, list) and len(got) == 2 and all(isinstance(i, int) for i in got):
+        return (got[0], got[1] - 1)
+    return tuple(t[0] for t in row.get("rows") or () if isinstance(t, list) and t and isinstance(t[0], int))
+
+
 EXPAND_LIMIT = 100_000  # steps of a skipped window expanded step by step when comparing
 
 
 def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
     """{step: {dp_rank: sample ids}} of a whole data ledger (what ``replay check`` and the
     rerun compare; per step, :meth:`DataLedger.ids_at`); a skipped window longer than
-    ``EXPAND_LIMIT`` steps stays one ``("window", last_step, samples)`` key."""
+    ``EXPAND_LIMIT`` steps stays one ``("window", last_step, samples)`` key. Memory grows
+    with the run: long ledgers are compared in chunks (:func:`step_ids_between`)."""
+    return step_ids_between(ledger, 1, max(ledger.last_step, 1))
+
+
+def step_ids_between(ledger: DataLedger, first: int, last: int) -> dict[int, dict[int, tuple]]:
+    """:func:`step_ids` of steps ``first``..``last`` only, read through the offset index
+    (O(log n) a file plus the rows of the range)."""
     out: dict[int, dict[int, tuple]] = {}
-    for r, history in ledger.history.items():
-        for row in history:
-            step, last = row["step"], row.get("last_step", row["step"])
-            if last - step + 1 > EXPAND_LIMIT:
-                out.setdefault(step, {})[r] = ("window", last, tuple(row["samples"]))
+    for r, rows in ledger.rows_between(first, last).items():
+        for row in rows:
+            step, end = row["step"], row.get("last_step", row["step"])
+            if end - step + 1 > EXPAND_LIMIT:
+                if first <= step <= last:
+                    out.setdefault(step, {})[r] = ("window", end, tuple(row["samples"]))
                 continue
-            for s in range(step, last + 1):
-                ids = ledger.ids_at(s, r)
+            for s in range(max(step, first), min(end, last) + 1):
+                ids = ledger.ids_in(row, s, r)
                 # a skipped step consumed its samples but trained none: not the same history
                 out.setdefault(s, {})[r] = ("skipped", *ids) if row.get("skipped") else ids
     return out

@@ -318,11 +318,11 @@ def _json_value(v: Any) -> Any:
     return v
 
 
-def _from_json(v: Any) -> Any:
+def from_json_value(v: Any) -> Any:
     if v in ("nan", "inf", "-inf"):
         return float(v)
     if isinstance(v, dict):
-        return {k: _from_json(x) for k, x in v.items()}
+        return {k: from_json_value(x) for k, x in v.items()}
     return v
 
 
@@ -338,8 +338,14 @@ class RecordWriter:
         self._f = open(self.path, "ab", buffering=0)
         self.rows = 0
         # A torn last line (kill -9 mid-write) must not swallow our header.
-        if self._f.tell() > 0 and not _ends_with_newline(self.path):
+        if self._f.tell() > 0 and not ends_with_newline(self.path):
             self._f.write(b"\n")
+        # the segment index entry goes first: a crash between the two leaves an entry
+        # past the file's end (no rows), never a header the index does not know
+        from titan_ledger.format.index import note_segment
+
+        hdr = {"schema": hdr.pop("schema"), **hdr}  # headers start with "schema" (index rebuild scans for it)
+        note_segment(self.path, self._f.tell(), hdr.get("seq"))
         self._write(hdr)
 
     def _write(self, obj: dict[str, Any]) -> None:
@@ -362,7 +368,7 @@ class RecordWriter:
             self._f.close()
 
 
-def _ends_with_newline(path: Path) -> bool:
+def ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
@@ -383,7 +389,7 @@ class FileSegment:
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, bool]]:
-    """``(line number, parsed JSON or _UNPARSED, ends with a newline)`` for each line;
+    """``(line number, parsed JSON or UNPARSED, ends with a newline)`` for each line;
     blank lines carry nothing and are passed over (as the column reader's pyarrow does)."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -392,17 +398,17 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, bool]]:
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                obj = _UNPARSED
+                obj = UNPARSED
             yield n, obj, raw.endswith(b"\n")
 
 
-_UNPARSED = object()  # a line that is not JSON (torn, or garbage)
+UNPARSED = object()  # a line that is not JSON (torn, or garbage)
 
 
 def row_problem(obj: Any) -> str | None:
     """Why a parsed line is not a ledger row (None: it is one). Every row of every kind
     is a JSON object with an integer ``step`` (and an integer ``last_step`` if any)."""
-    if obj is _UNPARSED:
+    if obj is UNPARSED:
         return "not JSON"
     if not isinstance(obj, dict):
         return f"a JSON {type(obj).__name__}, not an object"
@@ -413,7 +419,7 @@ def row_problem(obj: Any) -> str | None:
     return None
 
 
-def _corrupt(path: Path, n: int, why: str) -> LedgerCorrupt:
+def corrupt_row(path: Path, n: int, why: str) -> LedgerCorrupt:
     return LedgerCorrupt(f"{path}:{n}: not a ledger row ({why}); the file is corrupt (edited, or "
                          f"written by another tool?): only a torn last line is skipped; restore the "
                          f"file from the run's dump folder")
@@ -434,7 +440,7 @@ def rows_after(path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue  # live tail: the line being written now
             if isinstance(obj, dict) and "schema" not in obj and isinstance(obj.get("step"), int):
-                yield _from_json(obj)
+                yield from_json_value(obj)
 
 
 def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
@@ -465,8 +471,8 @@ def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
                 torn.append(pending[0])  # the last line of its segment
                 pending = None
             else:
-                raise _corrupt(path, *pending)
-        if obj is _UNPARSED:
+                raise corrupt_row(path, *pending)
+        if obj is UNPARSED:
             if not complete:
                 torn.append(n)  # the file's last line, cut before its newline
             else:
@@ -480,20 +486,20 @@ def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
             if not _kind(seg, expected).row_per_launch and (not isinstance(seq, int) or isinstance(seq, bool)):
                 # every writer numbers its segments (the launch log numbers its rows): a
                 # header without seq was edited
-                raise _corrupt(path, n, "a segment header without an integer 'seq'")
+                raise corrupt_row(path, n, "a segment header without an integer 'seq'")
             segments.append(seg)
             continue
         why = row_problem(obj)
         if why is None and not segments:
             why = "a row before the file's first header"
         if why is not None:
-            raise _corrupt(path, n, why)
-        segments[-1].rows.append(_from_json(obj))
+            raise corrupt_row(path, n, why)
+        segments[-1].rows.append(from_json_value(obj))
         segments[-1].lines.append(n)
     if pending is not None:
-        raise _corrupt(path, *pending)
+        raise corrupt_row(path, *pending)
     if torn:
-        warnings.warn(LedgerWarning(_torn_note(path, torn, last)), stacklevel=2)
+        warnings.warn(LedgerWarning(torn_note(path, torn, last)), stacklevel=2)
     return segments, len(torn)
 
 
@@ -503,7 +509,7 @@ def _kind(seg: FileSegment, expected: Schema | None) -> Schema:
     return SCHEMAS.get(str(seg.header.schema).split("/")[0].removeprefix("titan_ledger."), SIGNALS)
 
 
-def _torn_note(path: Path, torn: list[int], last: int) -> str:
+def torn_note(path: Path, torn: list[int], last: int) -> str:
     if torn == [last]:
         return f"{path}:{last}: torn last line skipped (a kill -9 mid-write)"
     lines = ", ".join(map(str, torn))
@@ -526,19 +532,19 @@ def order_key(seg: FileSegment) -> tuple:
     return (seg.header.seq, seg.file_pos)
 
 
-def supersession_masks(entries: list[tuple[tuple, str, int | None, np.ndarray]]) -> list[np.ndarray]:
-    """THE supersession rule (see the module docstring), on step arrays.
+def keep_limits(entries: list[tuple[tuple, str, int | None]]) -> list[int | None]:
+    """THE supersession rule (see the module docstring), per segment.
 
-    ``entries``: one per segment, ``(order_key, run_id, resumed_from, steps)``.
-    Returns, per entry, a boolean mask of its rows that are current. Segments are
-    taken in ``order_key`` order; consecutive segments of one run id form one
-    launch (one per file it wrote), so a rank's header never supersedes its sibling
-    ranks' rows of the same launch.
+    ``entries``: one per segment, ``(order_key, run_id, resumed_from)``. Returns, per
+    entry, the largest step of its rows that stays current (None: every row does): the
+    smallest ``resumed_from`` of the launches after it. Segments are taken in
+    ``order_key`` order; consecutive segments of one run id form one launch (one per
+    file it wrote), so a rank's header never supersedes its sibling ranks' rows of the
+    same launch. A limit per segment, not a mask per row, so that a streaming reader
+    applies the rule as it reads (:mod:`titan_ledger.format.index`).
     """
-    import numpy as np
-
     order = sorted(range(len(entries)), key=lambda i: entries[i][0])
-    masks = [np.ones(len(e[3]), dtype=bool) for e in entries]
+    limits: list[int | None] = [None] * len(entries)
     seen: list[int] = []
     i = 0
     while i < len(order):
@@ -549,10 +555,20 @@ def supersession_masks(entries: list[tuple[tuple, str, int | None, np.ndarray]])
         resumed = entries[order[i]][2]
         if resumed is not None:
             for e in seen:
-                masks[e] &= ~(entries[e][3] > resumed)
+                limits[e] = resumed if limits[e] is None else min(limits[e], resumed)
         seen += order[i:j]
         i = j
-    return masks
+    return limits
+
+
+def supersession_masks(entries: list[tuple[tuple, str, int | None, np.ndarray]]) -> list[np.ndarray]:
+    """:func:`keep_limits` on step arrays: per entry ``(order_key, run_id,
+    resumed_from, steps)``, a boolean mask of its rows that are current."""
+    import numpy as np
+
+    limits = keep_limits([e[:3] for e in entries])
+    return [np.ones(len(e[3]), dtype=bool) if lim is None else e[3] <= lim
+            for e, lim in zip(entries, limits)]
 
 
 def resolve(files: dict[Any, list[FileSegment]]) -> tuple[dict[Any, list[dict]], list[dict]]:
@@ -676,7 +692,7 @@ def append_segment(folder: str | os.PathLike, header: Header) -> None:
     with open(path, "ab", buffering=0) as f:
         if fresh:
             f.write((json.dumps({"schema": SEGMENTS.id}) + "\n").encode())
-        elif not _ends_with_newline(path):
+        elif not ends_with_newline(path):
             f.write(b"\n")
         row = {k: v for k, v in header.to_json().items() if k != "schema"}
         row.setdefault("step", header.resumed_from or 0)

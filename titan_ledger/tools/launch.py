@@ -248,8 +248,7 @@ def run_state(config) -> tuple[int | None, int | None]:
     try:
         with warnings.catch_warnings():  # a torn last line (the dead rank's) is read past
             warnings.simplefilter("ignore")
-            rows = RunLedger(config.dump_folder, config.ledger.folder).signal_rows()
-        last = max((r["step"] for r in rows), default=None)
+            last = RunLedger(config.dump_folder, config.ledger.folder).last_signal_step()
     except (LedgerError, OSError):
         pass
     ckpt = None

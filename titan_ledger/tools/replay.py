@@ -38,7 +38,7 @@ from pathlib import Path
 
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError
 from titan_ledger.format import records
-from titan_ledger.format.reader import RunLedger, checkpoints, step_ids
+from titan_ledger.format.reader import RunLedger, checkpoints, step_ids, step_ids_between
 from titan_ledger.tools.cli import ToolParser, run_tool
 from titan_ledger.tools.runs import ReplayError, run_training
 
@@ -70,25 +70,43 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
         if ha.get(key) != hb.get(key):
             raise LedgerError(f"the runs differ in {key}: {dir_a} has {ha.get(key)!r}, {dir_b} has "
                               f"{hb.get(key)!r}; compare runs of the same config")
-    a, b = step_ids(la), step_ids(lb)
-    res = CheckResult(True, ranks=sorted(set(la.history) | set(lb.history)))
+    res = CheckResult(True, ranks=sorted(set(la.ranks()) | set(lb.ranks())))
     # A torn last line (kill -9 mid-write) ends that run's record: its steps after the
     # last one every DP rank completed are not compared, and the other run's steps
     # past that end are not "missing" from it (README: a cut file is not a divergence).
     end = None
-    for name, lg, ids in (("A", la, a), ("B", lb, b)):
-        if not lg.torn:
+    for name, lg in (("A", la), ("B", lb)):
+        torn = lg.torn
+        if not torn:
             continue
-        last = _last_complete_step(ids, set(lg.torn))  # the torn ranks lost their last step
+        last = min((lg.last_step_of(r) for r in torn), default=0)  # the torn ranks lost their last step
         end = last if end is None else min(end, last)
-        files = ", ".join(str(lg.files[r].name) for r in sorted(lg.torn))
+        files = ", ".join(str(lg.files[r].name) for r in sorted(torn))
         res.notes.append(f"{name}'s record ends at step {last} (the last line of {files} is torn: "
                          f"a kill mid-write); steps after {last} are not compared")
-    if end is not None:
-        for ids in (a, b):
-            for s in [s for s in ids if s > end]:
-                del ids[s]
-    for name, lg, ids in (("A", la, a), ("B", lb, b)):
+    stop = max(la.last_step, lb.last_step) if end is None else end
+    # streamed: a chunk of steps of every DP rank at a time, read through the offset index,
+    # so memory is O(chunk x ranks) whatever the run's length
+    chunk = max(1, CHUNK_IDS // max(1, len(res.ranks)))
+    for first in range(1, stop + 1, chunk):
+        last = min(stop, first + chunk - 1)
+        a, b = step_ids_between(la, first, last), step_ids_between(lb, first, last)
+        la.forget()
+        lb.forget()
+        if _compare(res, a, b):
+            break
+    if res.overlaps:
+        res.equal = False
+    return res
+
+
+#: sample-id keys (steps x DP ranks) one chunk of ``replay check`` holds
+CHUNK_IDS = 200_000
+
+
+def _compare(res: CheckResult, a: dict, b: dict) -> bool:
+    """One chunk of steps of runs A and B into ``res``; True at the first divergence."""
+    for name, ids in (("A", a), ("B", b)):
         for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
             seen: dict[int, int] = {}
             for r, key in per_rank.items():
@@ -99,39 +117,29 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
                         res.overlaps.append({"run": name, "step": s, "sample_id": i,
                                              "ranks": [seen[i], r]})
                     seen[i] = r
-    steps = sorted(set(a) | set(b))
-    for s in steps:
+    for s in sorted(set(a) | set(b)):
         ra, rb = a.get(s), b.get(s)
         if ra is None or rb is None:
             res.equal = False
             res.divergence = {"step": s, "rank": None, "expected": _show(ra), "got": _show(rb),
                               "reason": f"step {s} is missing from {'A' if ra is None else 'B'}"}
-            break
+            return True
         if set(ra) == set(rb):
             bad = next((r for r in sorted(ra) if ra[r] != rb[r]), None)
             if bad is not None:
                 res.equal = False
                 res.divergence = {"step": s, "rank": bad, "expected": _show(ra[bad]),
                                   "got": _show(rb[bad])}
-                break
+                return True
         else:  # another DP size on resume: the step's global sample set must match
             ga = sorted(map(str, (i for k in ra.values() for i in k)))
             gb = sorted(map(str, (i for k in rb.values() for i in k)))
             if ga != gb:
                 res.equal = False
                 res.divergence = {"step": s, "rank": "all", "expected": ga, "got": gb}
-                break
+                return True
         res.steps += 1
-    if res.overlaps:
-        res.equal = False
-    return res
-
-
-def _last_complete_step(ids: dict[int, dict], ranks: set[int]) -> int:
-    """The last step of ``ids`` (step -> {DP rank: ids}) that every rank in ``ranks`` (the
-    ranks whose file is torn) recorded before its torn line (0: none)."""
-    per_rank = [max((s for s, pr in ids.items() if r in pr), default=0) for r in ranks]
-    return min(per_rank, default=0)
+    return False
 
 
 def _show(v):
