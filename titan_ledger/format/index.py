@@ -527,3 +527,17 @@ def iter_history(files: dict[Any, IndexedFile], key: Any,
             if lim is not None and row["step"] > lim:
                 break  # rows are in step order: the rest of the segment is superseded
             yield seg, row
+
+
+def build_index(path: str | os.PathLike) -> list[int]:
+    """Write ``<path>.idx`` from the JSONL (one scan of its bytes), as the writer would have
+    kept it; returns the header offsets. For ledgers written or copied without one (the
+    readers rebuild a missing index on their own; this does it ahead of them)."""
+    offsets = header_offsets(path)
+    seqs = []
+    with open(path, "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            seqs.append(json.loads(f.readline()).get("seq"))
+    _write_index(Path(path), list(zip(offsets, seqs)))
+    return offsets

@@ -155,25 +155,92 @@ class RunLedger:
         """The compute dtype the last launch recorded (``float32``, ``bfloat16``) --
         with ``step``, the one of the launch that trained it -- or None for ledgers
         written before it was recorded."""
-        seg = self.segment_of(step) if step is not None else None
-        segs = self.signals.segments
-        seg = seg or (segs[-1] if segs else None)
-        return seg.header.get("param_dtype") if seg else None
+        hdr = self._launch_header(step)
+        return hdr.get("param_dtype") if hdr else None
 
     def precision(self, step: int | None = None) -> list[dict[str, Any]] | None:
         """The precision audit's rows (``components.precision``) of the launch that
         trained ``step`` (default: the last launch); None before it was recorded."""
+        hdr = self._launch_header(step)
+        return hdr.get("precision") if hdr else None
+
+    def _launch_header(self, step: int | None) -> records.Header | None:
         seg = self.segment_of(step) if step is not None else None
-        segs = self.signals.segments
-        seg = seg or (segs[-1] if segs else None)
-        return seg.header.get("precision") if seg else None
+        if seg is not None:
+            return seg.header
+        segs = self.signals_index.segments
+        return segs[-1].header if segs else None
 
     def segment_of(self, step: int) -> records.FileSegment | None:
-        """The signals segment that last trained ``step`` (None: no segment did)."""
-        for seg in reversed(sorted(self.signals.segments, key=records.order_key)):
-            if any(r["step"] == step and not r.get("skipped") for r in seg.rows):
-                return seg
+        """The signals segment that last trained ``step`` (None: no segment did); its
+        rows are that step's only (read through the offset index)."""
+        from titan_ledger.format import index
+
+        f = self.signals_index
+        for seg in sorted(f.segments, key=lambda s: (s.header.seq, s.file_pos), reverse=True):
+            rows = [r for r in index.retrying(f.rows_at, seg, step) if r["step"] == step and not r.get("skipped")]
+            if rows:
+                return seg.as_file_segment(rows)
         return None
+
+    # ------------------------------------------------------------------ signals, by window
+    @cached_property
+    def signals_index(self):
+        """``signals.jsonl`` read by offsets (:class:`index.IndexedFile`), checked like
+        :attr:`signals` on its headers: a point or window query reads O(log n) lines."""
+        from titan_ledger.format import index
+
+        path = self.folder / records.SIGNALS_FILE
+        if not path.exists():
+            raise LedgerError(f"{path}: no signals ledger; was the run trained with "
+                              f"titan_ledger (and --ledger.signals on)?")
+        f = index.IndexedFile(path, records.SIGNALS)
+        if not f.segments:
+            raise LedgerError(f"{path}: empty (no header): the run died before its first step")
+        same_run(path, [s.as_file_segment() for s in f.segments], self.launch_ids)
+        f.warn_torn()
+        return f
+
+    def signals_between(self, first: int, last: int, upto_segment: int | None = None) -> list[dict[str, Any]]:
+        """The rows of the current signals history that cover a step in ``first``..``last``
+        (``upto_segment``: the history as it stood after that segment, by file position),
+        each checked like :attr:`signals` checks every row."""
+        from titan_ledger.format import index
+
+        f = self.signals_index
+        segs = f.segments if upto_segment is None else f.segments[:upto_segment + 1]
+        found = {0: [seg.as_file_segment(index.retrying(lambda s=seg: list(f.rows_between(s, first, last))))
+                     for seg in segs]}
+        rows = records.resolve(found)[0][0]
+        for row in rows:
+            if not all(k in row for k in SIGNAL_ROW_KEYS):
+                self.signals  # noqa: B018 (the error path: the strict reading names FILE:LINE)
+        return rows
+
+    def history_at(self, step: int, before: int, after: int) -> tuple[list[dict[str, Any]], bool] | None:
+        """:meth:`rows_as_of` within ``step - before`` .. ``step + after``: the signals
+        history as it stood when ``step`` ran, and whether that is the current history
+        (False: a later rollback or resume superseded the step). None when no segment
+        holds the step. Reads O(segments x log n) lines plus the window."""
+        from titan_ledger.format import index
+
+        f = self.signals_index
+        lo, hi = step - before, step + after
+        cur = self.signals_between(step, step)
+        if any(r["step"] == step and not r.get("skipped") for r in cur):
+            return self.signals_between(lo, hi), True
+        order = sorted(f.segments, key=lambda s: (s.header.seq, s.file_pos))
+        at = [(seg, index.retrying(f.rows_at, seg, step)) for seg in order]
+        trained = [seg for seg, rows in at if any(r["step"] == step and not r.get("skipped") for r in rows)]
+        if not trained:
+            if cur:
+                return self.signals_between(lo, hi), True  # never trained: the window that holds it
+            held = [seg for seg, rows in at if any(r["step"] == step for r in rows)]
+            if not held:
+                return None
+            trained = held
+        last = max(s.file_pos for s in trained)
+        return self.signals_between(lo, hi, upto_segment=last), False
 
     def trained_rows(self) -> list[dict[str, Any]]:
         return [r for r in self.signals.history if not r.get("skipped") and r.get("loss") is not None]
@@ -253,10 +320,7 @@ class RunLedger:
         step's lines of each file through its offset index (O(log n) a file)."""
         from titan_ledger.format import index
 
-        files = {r: index.IndexedFile(p, records.RANK) for r, p in records.rank_files(self.folder).items()}
-        for r, f in files.items():
-            same_run(f.path, [s.as_file_segment() for s in f.segments], self.launch_ids)
-            f.warn_torn()
+        files = self._rank_index()
         current, every = index.point(files, step)
         out = {}
         for r in files:
@@ -270,9 +334,28 @@ class RunLedger:
                 out[r] = row
         return out
 
-    def last_signal_step(self) -> int | None:
-        """The last step of the signals ledger's newest segment (its last line, through
-        the offset index): where a run stopped, without reading its history."""
+    def _rank_index(self) -> dict:
+        from titan_ledger.format import index
+
+        if not hasattr(self, "_rank_files"):
+            files = {r: index.IndexedFile(p, records.RANK) for r, p in records.rank_files(self.folder).items()}
+            for f in files.values():
+                same_run(f.path, [s.as_file_segment() for s in f.segments], self.launch_ids)
+                f.warn_torn()
+            self._rank_files = files
+        return self._rank_files
+
+    def rank_rows_between(self, first: int, last: int) -> dict[int, list[dict[str, Any]]]:
+        """Per global rank, the current rows of steps ``first``..``last`` (``rank<r>.jsonl``),
+        through the offset index: O(log n) a file plus the window."""
+        from titan_ledger.format import index
+
+        return index.between(self._rank_index(), first, last)
+
+    def last_signal_step(self, windows: bool = False) -> int | None:
+        """The last step of the current signals history (each segment's last current line,
+        through the offset index): where a run stopped, without reading its history;
+        ``windows``: a skipped window counts to its last step."""
         from titan_ledger.format import index
 
         path = self.folder / records.SIGNALS_FILE
@@ -281,7 +364,8 @@ class RunLedger:
         f = index.IndexedFile(path, records.SIGNALS)
         lims = index.limits({0: f})
         last = [index.retrying(f.last_row, seg, lims[(0, seg.file_pos)]) for seg in f.segments]
-        return max((int(r["step"]) for r in last if r is not None), default=None)
+        key = (lambda r: int(r.get("last_step", r["step"]))) if windows else (lambda r: int(r["step"]))
+        return max((key(r) for r in last if r is not None), default=None)
 
     def checkpoints(self) -> list[int]:
         return checkpoints(self.dump_folder, self.checkpoint_folder)

@@ -401,15 +401,19 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     from titan_ledger.tools.postmortem import actions_at
 
     path = led.folder / records.SIGNALS_FILE
-    rows = led.rows_as_of(step)
-    cur = led.signal_rows()
-    win = next((r for r in cur if r.get("skipped") and r["step"] <= step <= r.get("last_step", r["step"])), None)
-    if win is not None and (rows is None or rows is cur):
+    th = th or Thresholds()
+    # the rows the tree reads (th.pre before, th.post after), as the step saw them, through
+    # the offset index: O(log n) however long the run
+    hist = led.history_at(step, th.pre, th.post)
+    rows, current = hist if hist is not None else (None, True)
+    win = next((r for r in led.signals_between(step, step)
+                if r.get("skipped") and r["step"] <= step <= r.get("last_step", r["step"])), None)
+    if win is not None and (rows is None or current):
         raise LedgerError(f"--step {step}: not a trained step: it is in the skipped window "
                           f"{win['step']}-{win.get('last_step', win['step'])} of {path} and no launch trained "
                           f"it; nothing trained there to diagnose")
     if rows is None:
-        last = max((r.get("last_step", r["step"]) for r in cur), default=0)
+        last = led.last_signal_step(windows=True) or 0
         raise LedgerError(f"--step {step}: not a recorded step of {path} (it covers steps 1-{last})")
     events = [e for e in led.spike_events() if int(e["step"]) == step]
     event = events[-1] if events else None
@@ -419,7 +423,7 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     except ValueError as e:
         raise LedgerError(f"--step {step}: {path}: {e}") from None
     res["param_dtype"] = dtype
-    res["rewound"] = rows is not cur  # a later rollback or resume superseded this step
+    res["rewound"] = not current  # a later rollback or resume superseded this step
     res["trainer"] = None if event is None else {
         k: event.get(k) for k in ("rules", "notes", "action", "suspect_dp_rank", "loss_max_rank",
                                   "grad_norm_median", "loss_median", "grad_jump_ratio", "grad_jump_bound", "separation_y",

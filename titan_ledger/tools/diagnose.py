@@ -98,16 +98,20 @@ def main(argv: list[str] | None = None) -> int:
 def _main(a) -> int:
     led = RunLedger(a.dump_folder, a.ledger_folder)
     path = led.folder / records.SIGNALS_FILE
-    if not led.trained_rows():
+    if a.step is None and not led.trained_rows():  # (--step: judge names a step it cannot judge)
         raise LedgerError(f"{path}: no trained step recorded (the run died before its first "
                           f"step completed, or every step was skipped)")
     steps = [a.step] if a.step is not None else acted_steps(led)
     results = []
-    flagged = set(spike_steps(led))
     for s in steps:
         res = judge(led, s)  # the one verdict (report calls it too)
         if a.step is not None:
-            res["spike_check"] = spike_check(led.rows_as_of(s), s, s in flagged)
+            # the trainer's own flags (its event log, small) when it ran the rules, else the
+            # default rules offline over the whole history (a run with detection off)
+            ran = (led.folder / records.SPIKES_FILE).exists()
+            flagged = set(led.spike_steps()) if ran else set(spike_steps(led))
+            hist = led.history_at(s, Thresholds().pre, 0)
+            res["spike_check"] = spike_check(hist[0] if hist else [], s, s in flagged)
         if res.get("documents"):
             res["documents"] = with_text(led, res["documents"])
         if res.get("documents") and not res["documents"][0].get("proven"):  # (proven: quarantined already)

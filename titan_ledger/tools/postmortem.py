@@ -44,17 +44,18 @@ def actions_at(led: RunLedger, step: int) -> dict[str, Any]:
     (``trained`` / ``skipped`` with ``window`` / ``absent``: the current history),
     ``after`` (the outcome of the steps trained after the action) and ``summary``
     (one sentence)."""
-    then = led.rows_as_of(step)
-    at = next((r for r in then or [] if r["step"] == step and not r.get("skipped")), None)
+    # the step's own rows, read through the offset index (O(log n), however long the run)
+    hist = led.history_at(step, 0, 0)
+    then, current = hist if hist is not None else ([], True)
+    at = next((r for r in then if r["step"] == step and not r.get("skipped")), None)
     events = [e for e in led.spike_events() if int(e["step"]) == step]
     ev = events[-1] if events else None
     ladder = [e for e in led.ladder_actions() if int(e["step"]) == step]
     rewinds = led.rewinds()
     own = [r for r in rewinds if int(r["step"]) == step]
     undone = own[-1] if own else next((r for r in rewinds if int(r["rewind_to"]) < step <= int(r["step"])
-                                       and at is not None and then is not led.signal_rows()), None)
-    cur = led.signal_rows()
-    now_row = next((r for r in cur if r["step"] <= step <= r.get("last_step", r["step"])), None)
+                                       and at is not None and not current), None)
+    now_row = next(iter(led.signals_between(step, step)), None)
     out: dict[str, Any] = {
         "step": step, "flagged": ev is not None, "rules": list(ev.get("rules", [])) if ev else [],
         "suspect_dp_rank": (ev or {}).get("suspect_dp_rank"),
@@ -84,7 +85,7 @@ def actions_at(led: RunLedger, step: int) -> dict[str, Any]:
         out["window"] = [now_row["step"], now_row.get("last_step", now_row["step"])]
     else:
         out["now"] = "trained"
-    out["superseded"] = at is not None and then is not cur
+    out["superseded"] = at is not None and not current
     out["after"] = _after(led, step, out, ev)
     out["summary"] = describe(out)
     return out
@@ -100,7 +101,7 @@ def _after(led: RunLedger, step: int, facts: dict, ev: dict | None) -> dict | No
         start = step + 1
     else:
         return None
-    rows = [r for r in led.signal_rows() if start <= r["step"] < start + AFTER
+    rows = [r for r in led.signals_between(start, start + AFTER - 1) if start <= r["step"] < start + AFTER
             and not r.get("skipped") and r.get("loss") is not None]
     if not rows:
         return {"first": start, "steps": [], "note": f"no step trained after {start - 1} (the run ended)"}

@@ -35,7 +35,7 @@ def recorded_launches(dump, ledger_folder: str = records.LEDGER_FOLDER) -> list[
         led = RunLedger(dump, ledger_folder)
         rows = led.launches()
         if not rows:  # ledgers from before the launch log: the signals header
-            segs = led.signals.segments
+            segs = led.signals_index.segments  # headers only, through the offset index
             rows = [{**s.header.as_dict(), "seq": s.header.seq} for s in segs]
     except LedgerCorrupt:
         raise

@@ -89,20 +89,24 @@ def signals_section(led: RunLedger, step: int, around: int) -> tuple[str, dict]:
                     to_step=step + around, width_px=1100)
         b64 = base64.b64encode(out.read_bytes()).decode()
     return (f"<h2>Signals around step {step}</h2>" + _img(b64, f"signals around step {step}") +
-            f"<p>Steps {max(1, step - around)}-{min(step + around, _last_step(led, step))}: "
+            f"<p>Steps {max(1, step - around)}-{_last_step(led, step, around)}: "
             f"{info['rows']} trained steps, "
             f"{info['rolled_back_rows']} rolled-back rows (faint), {info['skipped_windows']} skipped "
             f"windows (grey), clip threshold max_norm {info['max_norm']}.</p>"), info
 
 
-def _last_step(led: RunLedger, step: int) -> int:
-    """The run's last recorded step (a skipped window counts to its end), at least ``step``."""
-    rows = led.signals.history + led.signals.superseded
-    return max([step, *(int(r.get("last_step") or r["step"]) for r in rows)])
+def _last_step(led: RunLedger, step: int, around: int) -> int:
+    """The last recorded step up to ``step + around`` (a skipped window counts to its end; a
+    superseded segment's rows too), at least ``step``: the window's rows, not the history."""
+    from titan_ledger.format import index
+
+    f = led.signals_index
+    rows = [r for seg in f.segments for r in index.retrying(lambda s=seg: list(f.rows_between(s, step, step + around)))]
+    return max([step, *(min(step + around, int(r.get("last_step") or r["step"])) for r in rows)])
 
 
 def ranks_section(led: RunLedger, step: int, around: int) -> str:
-    per = led.rank_rows()
+    per = led.rank_rows_between(step - around, step + around)
     if not per:
         return "<h2>Per-rank losses</h2><p class='none'>none recorded (no " + _e(records.RANK_GLOB) + ")</p>"
     import matplotlib
@@ -196,15 +200,11 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
         raise  # a section may say its input is missing, never read around a corrupt one
     except LedgerError as e:
         return head + f"<p class='none'>no data ledger: {_e(e)}</p>"
-    rank = worst if worst is not None and worst in data.history else None
+    rank = worst if worst is not None and worst in data.files else None
     if rank is None:
         return head + "<p class='none'>the worst DP rank is unknown at this step</p>"
-    raw = next((r for r in data.history[rank] if r.get("step") == step), None)
-    if raw is None:  # a rolled-back step: superseded rows of every rank; rank r holds the
-        # r-th lowest first sample id of its step (sample P + r*mbs + j)
-        cands = sorted((r for r in data.superseded if r.get("step") == step and r.get("rows")),
-                       key=lambda r: r["rows"][0][0])
-        raw = cands[rank] if len(cands) > rank else None
+    # the row the rank trained the step with (a rolled-back step: the superseded segment's)
+    raw = data.trained_row(rank, step) or data.row(rank, step)
     if raw is None:
         return head + f"<p class='none'>DP rank {rank} has no data row for step {step}</p>"
     if "rows" not in raw and "samples" in raw and "last_step" not in raw:
@@ -286,11 +286,12 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
            around: int = 30, back: int = 100, skip: int = 200) -> dict:
     """Write the incident page for the spike at ``step``; returns what it holds."""
     led = RunLedger(dump_folder, ledger_folder)
-    if not led.trained_rows() and not led.signals.superseded:
+    hist = led.history_at(step, 0, 0)
+    if hist is None and led.last_signal_step() is None:
         raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: no trained step recorded")
     ev = next((e for e in led.spike_events() if int(e["step"]) == step), None)
     diag, res = diagnosis_section(led, step)
-    hist = led.rows_as_of(step) or []
+    hist = hist[0] if hist else []
     at = next((r for r in hist if r["step"] == step), {})
     worst = at.get("loss_max_rank", ev.get("loss_max_rank") if ev else None)
     if ev:
@@ -346,7 +347,7 @@ def _main(a) -> int:
         print("no spikes detected; give --step T for a page about any step")
         return 0
     for s in steps:
-        if led.rows_as_of(s) is None:
+        if led.history_at(s, 0, 0) is None:
             raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
         path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
         info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)

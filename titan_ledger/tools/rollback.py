@@ -117,8 +117,7 @@ def _main(a) -> int:
     if a.write is not None and not a.write.parent.is_dir():
         raise PlanError(f"--write {a.write}: folder {a.write.parent} does not exist; create it first")
     if (led.folder / records.SIGNALS_FILE).exists():
-        rows = led.signal_rows()
-        last = max((r.get("last_step", r["step"]) for r in rows), default=0)
+        last = led.last_signal_step(windows=True) or 0  # the newest rows only, not the history
         if a.spike_step > last:
             raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
                             f"{led.folder / records.SIGNALS_FILE}; give the step the spike happened at")

@@ -161,7 +161,8 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
                      checkpoints=checkpoints_of(dump, config.checkpoint.folder), trained=trained,
                      last_step=last, checkpoint_folder=config.checkpoint.folder,
                      ledger_folder=ledger_folder)
-    world = led.signals.segments[-1].header.get("world_size") if led.signals.segments else None
+    segs = led.signals_index.segments
+    world = segs[-1].header.get("world_size") if segs else None
     if world is not None and int(world) != nproc:
         raise RerunError(f"--nproc {nproc}: the run trained on {world} processes ({led.folder}); a rerun "
                          f"must see the same DP layout: pass --nproc {world}")
