@@ -13,7 +13,7 @@ supersession rule is not re-implemented here: a point query hands the rows it fo
 
 A reader never trusts the index blindly, and never returns a wrong row:
 
-* the writer appends an entry *before* its header (:func:`note_segment`), so a crash
+* the writer appends an entry *before* its header (:func:`records.note_segment`), so a crash
   between the two leaves an entry at the end of the file (a segment being opened: no
   rows), never a header without an entry;
 * every entry must point at a header line of its ``seq`` (read when the segment is
@@ -41,32 +41,11 @@ from typing import Any
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError, LedgerWarning
 from titan_ledger.format import records
+from titan_ledger.format.records import index_line, index_path
 
-INDEX_SUFFIX = ".idx"
 #: below this many bytes between two bisection bounds, the rest is read line by line
 BLOCK = 16 * 1024
 _CHUNK = 8 * 1024 * 1024  # the rebuild's read size
-
-
-def index_path(path: str | os.PathLike) -> Path:
-    """``<file>.idx``: the segment index kept beside a ledger file."""
-    p = Path(path)
-    return p.with_name(p.name + INDEX_SUFFIX)
-
-
-def note_segment(path: str | os.PathLike, offset: int, seq: int | None) -> None:
-    """The writer's half: record that a segment header will be written at ``offset`` of
-    ``path`` (called just before the header is written). A file that already has rows but
-    no index (written by a titan_ledger before the index, or copied without it) gets none
-    here: a launch reads O(1) of the ledger, and the first reader rebuilds it whole."""
-    idx = index_path(path)
-    if offset > 0 and not idx.exists():
-        return
-    line = json.dumps({"offset": offset, "seq": seq}, separators=(",", ":")) + "\n"
-    with open(idx, "ab", buffering=0) as f:
-        if f.tell() > 0 and not records.ends_with_newline(idx):
-            f.write(b"\n")  # a torn entry (kill -9 mid-write) must not swallow ours
-        f.write(line.encode())
 
 
 @dataclass
@@ -92,9 +71,12 @@ class IndexedFile:
     """One ledger file read by offsets: its segments from the index, the rows of a step by
     bisection, a range of steps or a whole segment by streaming."""
 
-    def __init__(self, path: str | os.PathLike, schema: records.Schema):
+    def __init__(self, path: str | os.PathLike, schema: records.Schema, launch_seq: int | None = None):
         self.path = Path(path)
         self.schema = schema
+        # the largest seq of the run's launch log: a launch past the index's last segment
+        # may have been written by a titan_ledger that kept no index (checked once, below)
+        self.launch_seq = launch_seq
         self.bytes_read = 0  # every byte this object read from the JSONL and its index
         self.lines_read = 0
         self.rebuilt = False
@@ -121,13 +103,16 @@ class IndexedFile:
             raise _Stale from None
         self.bytes_read += len(raw)
         size = self.path.stat().st_size
-        entries = []
+        entries, checked = [], 0
         lines = raw.split(b"\n")
         for n, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 e = json.loads(line)
+                if "checked" in e:
+                    checked = max(checked, int(e["checked"]))
+                    continue
                 entries.append((int(e["offset"]), e.get("seq")))
             except (ValueError, KeyError, TypeError):
                 if n == len(lines) - 1:
@@ -153,6 +138,13 @@ class IndexedFile:
             a.end = b.offset
         if segs:
             segs[-1].end = size
+        top = max([checked, *(q for _, q in entries if isinstance(q, int))])
+        if self.launch_seq is not None and self.launch_seq > top:
+            # launches after the last indexed segment: did one append a header without an
+            # entry? One scan of the last segment's bytes, then remembered in the index
+            if header_offsets(self.path, start=segs[-1].start if segs else 0):
+                raise _Stale
+            _append_checked(self.path, self.launch_seq)
         return segs
 
     def _header(self, line: bytes, offset: int) -> records.Header | None:
@@ -188,7 +180,7 @@ class IndexedFile:
             segs[-1].end = size
         self.bytes_read += size
         self.rebuilt = True
-        _write_index(self.path, [(s.offset, s.header.seq) for s in segs])
+        _write_index(self.path, [(s.offset, s.header.seq) for s in segs], self.launch_seq)
         return segs
 
     def _count(self, line: bytes) -> None:
@@ -421,13 +413,14 @@ def line_number(path: str | os.PathLike, offset: int) -> int:
     return n
 
 
-def header_offsets(path: str | os.PathLike) -> list[int]:
-    """Byte offsets of every segment header line of ``path``, by one scan of its bytes: a
-    line is a header when it parses as an object with a ``schema`` key (only lines
-    holding the bytes ``"schema"`` are parsed)."""
+def header_offsets(path: str | os.PathLike, start: int = 0) -> list[int]:
+    """Byte offsets of every segment header line of ``path`` (from the line start
+    ``start`` on), by one scan of its bytes: a line is a header when it parses as an
+    object with a ``schema`` key (only lines holding the bytes ``"schema"`` are parsed)."""
     out = []
     with open(path, "rb") as f:
-        base = 0
+        f.seek(start)
+        base = start
         carry = b""
         while True:
             chunk = f.read(_CHUNK)
@@ -457,12 +450,24 @@ def header_offsets(path: str | os.PathLike) -> list[int]:
     return out
 
 
-def _write_index(path: Path, entries: list[tuple[int, int | None]]) -> None:
+def _append_checked(path: Path, seq: int) -> None:
+    """Remember in the index that no launch up to ``seq`` left a header it lacks."""
+    idx = index_path(path)
+    try:
+        with open(idx, "ab") as f:
+            f.write(json.dumps({"checked": seq}, separators=(",", ":")).encode() + b"\n")
+    except OSError:
+        pass  # a read-only folder: checked again next time
+
+
+def _write_index(path: Path, entries: list[tuple[int, int | None]], checked: int | None = None) -> None:
     """Write a rebuilt index atomically (a temporary file renamed over it); a read-only
     folder keeps it in memory only."""
     idx = index_path(path)
     tmp = idx.with_name(f".{idx.name}.{os.getpid()}.tmp")
-    body = "".join(json.dumps({"offset": o, "seq": s}, separators=(",", ":")) + "\n" for o, s in entries)
+    body = "".join(index_line(o, s) for o, s in entries)
+    if checked is not None:
+        body += json.dumps({"checked": checked}, separators=(",", ":")) + "\n"
     try:
         tmp.write_text(body)
         os.replace(tmp, idx)

@@ -94,7 +94,7 @@ def latest_data_header(ledger_folder: str | Path) -> records.Header | None:
     files = records.data_files(ledger_folder)
     if not files:
         return None
-    f = index.IndexedFile(files[min(files)], records.DATA)
+    f = index.IndexedFile(files[min(files)], records.DATA, max(launch_ids(ledger_folder), default=None))
     try:
         segs = f.segments
     except LedgerError:
@@ -194,7 +194,7 @@ class RunLedger:
         if not path.exists():
             raise LedgerError(f"{path}: no signals ledger; was the run trained with "
                               f"titan_ledger (and --ledger.signals on)?")
-        f = index.IndexedFile(path, records.SIGNALS)
+        f = index.IndexedFile(path, records.SIGNALS, max(self.launch_ids, default=None))
         if not f.segments:
             raise LedgerError(f"{path}: empty (no header): the run died before its first step")
         same_run(path, [s.as_file_segment() for s in f.segments], self.launch_ids)
@@ -338,7 +338,8 @@ class RunLedger:
         from titan_ledger.format import index
 
         if not hasattr(self, "_rank_files"):
-            files = {r: index.IndexedFile(p, records.RANK) for r, p in records.rank_files(self.folder).items()}
+            top = max(self.launch_ids, default=None)
+            files = {r: index.IndexedFile(p, records.RANK, top) for r, p in records.rank_files(self.folder).items()}
             for f in files.values():
                 same_run(f.path, [s.as_file_segment() for s in f.segments], self.launch_ids)
                 f.warn_torn()
@@ -361,7 +362,7 @@ class RunLedger:
         path = self.folder / records.SIGNALS_FILE
         if not path.exists():
             return None
-        f = index.IndexedFile(path, records.SIGNALS)
+        f = index.IndexedFile(path, records.SIGNALS, max(self.launch_ids, default=None))
         lims = index.limits({0: f})
         last = [index.retrying(f.last_row, seg, lims[(0, seg.file_pos)]) for seg in f.segments]
         key = (lambda r: int(r.get("last_step", r["step"]))) if windows else (lambda r: int(r["step"]))
@@ -410,8 +411,9 @@ class DataLedger:
             raise LedgerError(f"{self.folder}: no data ledger (data_dp<r>.jsonl); was the run "
                               f"trained with LedgerDataLoader and --dataloader.tagging?")
         self.files = dict(sorted(files.items()))
-        self._launches = launches
-        self._idx = {r: index.IndexedFile(p, records.DATA) for r, p in self.files.items()}
+        self._launches = launch_ids(self.folder) if launches is None else launches
+        top = max(self._launches, default=None)
+        self._idx = {r: index.IndexedFile(p, records.DATA, top) for r, p in self.files.items()}
         self._checked: dict[int, list] | None = None
         self._row_dp: dict[int, int] = {}  # id(row) -> the DP size of the segment that wrote it
         self._row_hdr: dict[int, Any] = {}  # id(row) -> the header of the segment that wrote it
@@ -433,7 +435,7 @@ class DataLedger:
                 raise LedgerError(f"data ledger file(s) {', '.join(empty)}: empty or torn before the "
                                   f"first header; that rank's record is lost (was the folder copied "
                                   f"while a run wrote it?)")
-            launches = launch_ids(self.folder) if self._launches is None else self._launches
+            launches = self._launches
             for r, ss in segs.items():  # a file of another run is named, not blamed on its siblings
                 same_run(self.files[r], [s.as_file_segment() for s in ss], launches)
             self._checked = segs

@@ -342,8 +342,6 @@ class RecordWriter:
             self._f.write(b"\n")
         # the segment index entry goes first: a crash between the two leaves an entry
         # past the file's end (no rows), never a header the index does not know
-        from titan_ledger.format.index import note_segment
-
         hdr = {"schema": hdr.pop("schema"), **hdr}  # headers start with "schema" (index rebuild scans for it)
         note_segment(self.path, self._f.tell(), hdr.get("seq"))
         self._write(hdr)
@@ -366,6 +364,37 @@ class RecordWriter:
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+
+
+#: beside each ledger file, its segment index (read by :mod:`titan_ledger.format.index`)
+INDEX_SUFFIX = ".idx"
+
+
+def index_path(path: str | os.PathLike) -> Path:
+    """``<file>.idx``: the segment index kept beside a ledger file: one line per segment,
+    ``{"offset": byte offset of its header line, "seq": its seq}`` (and, from readers,
+    ``{"checked": seq}``: no header of a launch up to that seq is missing from it)."""
+    p = Path(path)
+    return p.with_name(p.name + INDEX_SUFFIX)
+
+
+def index_line(offset: int, seq: int | None) -> str:
+    return json.dumps({"offset": offset, "seq": seq}, separators=(",", ":")) + "\n"
+
+
+def note_segment(path: str | os.PathLike, offset: int, seq: int | None) -> None:
+    """The writer's half of the index: record that a segment header will be written at
+    ``offset`` of ``path`` (called just before the header is written). A file that
+    already has rows but no index (written by a titan_ledger before the index, or copied
+    without it) gets none here: a launch reads O(1) of the ledger, and the first reader
+    rebuilds it whole."""
+    idx = index_path(path)
+    if offset > 0 and not idx.exists():
+        return
+    with open(idx, "ab", buffering=0) as f:
+        if f.tell() > 0 and not ends_with_newline(idx):
+            f.write(b"\n")  # a torn entry (kill -9 mid-write) must not swallow ours
+        f.write(index_line(offset, seq).encode())
 
 
 def ends_with_newline(path: Path) -> bool:

@@ -101,7 +101,7 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
 
 
 #: sample-id keys (steps x DP ranks) one chunk of ``replay check`` holds
-CHUNK_IDS = 200_000
+CHUNK_IDS = 20_000
 
 
 def _compare(res: CheckResult, a: dict, b: dict) -> bool:
