@@ -5,7 +5,7 @@ JSONL starts in a fraction of a second; torch comes in only with a function that
 import subprocess
 import sys
 
-LIGHT = ("diagnose", "lookup", "plot", "report", "rollback", "replay")
+LIGHT = ("diagnose", "lookup", "plot", "report", "rollback", "replay", "export")
 
 
 def test_read_only_tools_import_without_torch():

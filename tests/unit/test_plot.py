@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.unit.test_columns import _signals
 from titan_ledger.tools.plot import envelope, main, plot
+
+from .test_columns import _signals
 
 
 def test_envelope_keeps_single_step_peaks():

@@ -10,7 +10,8 @@ and post-clip norms). Legibility: a fixed height per panel (the figure grows wit
 panels, constrained layout, no gaps) and legends right of the panels, never over the data;
 ``plot`` returns where everything landed (``layout``), which the tests check. Long runs are
 decimated to a min/max envelope per pixel column, so a 10^6-row ledger draws as fast as a
-short one and a single-step spike is never averaged away.
+short one and a single-step spike is never averaged away; its columns are
+:func:`titan_ledger.format.arrow.signal_columns`, the table ``export`` writes.
 
 Examples::
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from titan_ledger.errors import ConfigError, LedgerError
 from titan_ledger.format import records
+from titan_ledger.format.arrow import signal_columns
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -71,7 +73,7 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.
     import matplotlib.pyplot as plt
 
     led = RunLedger(dump_folder, ledger_folder)
-    cols, windows = led.signal_columns(KEYS)
+    cols, windows = signal_columns(led, KEYS)  # the rows checked as signals rows, the run as the launch log's
     max_norm = max_norm if max_norm is not None else infer_max_norm(cols)
     sel = np.ones(len(cols["step"]), dtype=bool)
     if from_step is not None:
@@ -79,12 +81,6 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.
     if to_step is not None:
         sel &= cols["step"] <= to_step
     cols = {k: v[sel] for k, v in cols.items()}
-    first = next((r for r in records.rows_after(led.folder / records.SIGNALS_FILE, 0) if not r.get("skipped")), None)
-    lacking = [k for k in ("loss", "grad_norm", "lr") if first is not None and k not in first]
-    if lacking:  # the columns would be all NaN: an empty picture that looks like a run
-        raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: step {first['step']} has no "
-                          f"{', '.join(lacking)}: not a signals row of this titan_ledger (was the "
-                          f"file edited or written by another tool?)")
     if not len(cols["step"]):
         rng = "" if from_step is None and to_step is None else \
             f" between --from-step {from_step} and --to-step {to_step}"
