@@ -192,19 +192,22 @@ class IndexedFile:
         """A row of ``seg`` read at ``off`` (None: a torn line, legal only as the last line
         of its segment)."""
         try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = records.parse_line(line)
+        except records.BAD_LINE:
             obj = records.UNPARSED
         if obj is records.UNPARSED:
             if off + len(line) >= seg.end:
                 return None  # the segment's last line, torn by a kill -9
             raise records.corrupt_row(self.path, line_number(self.path, off), "not JSON")
+        if type(obj) is dict and type(obj.get("step")) is int and "schema" not in obj \
+                and ("last_step" not in obj or type(obj["last_step"]) is int):
+            return records.row_value(obj, line)  # the common case, checked inline
         if isinstance(obj, dict) and "schema" in obj:
             raise _Stale  # a header the index does not know
         why = records.row_problem(obj)
         if why is not None:
             raise records.corrupt_row(self.path, line_number(self.path, off), why)
-        return records.from_json_value(obj)
+        return records.row_value(obj, line)
 
     def torn(self) -> list[int]:
         """Byte offsets of the torn lines (a kill -9 mid-write): the last line of each

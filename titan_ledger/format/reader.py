@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -419,6 +420,7 @@ class DataLedger:
         self._row_hdr: dict[int, Any] = {}  # id(row) -> the header of the segment that wrote it
         self._steps: dict[int, tuple[dict, dict]] = {}  # step -> (current, every segment's), by rank
         self._blend = None
+        self._hdr_cache: dict[tuple, tuple] = {}  # (header, a window's layout) -> the merged dict
         self.segments  # noqa: B018 (a lost or foreign file is refused on opening, as before)
 
     # ------------------------------------------------------------------ segments (O(1) in rows)
@@ -441,7 +443,7 @@ class DataLedger:
             self._checked = segs
         return self._checked
 
-    @property
+    @cached_property
     def headers(self) -> dict[int, records.Header]:
         """Each DP rank's latest segment header."""
         return {r: ss[-1].header for r, ss in self.segments.items()}
@@ -784,17 +786,22 @@ class DataLedger:
         is ``global_batch / (mbs * dp)`` rounds of the layout's sample ids."""
         mbs, dp, gb = hdr["mbs"], hdr["dp_size"], hdr["global_batch"]
         base = window_start + k * gb
+        rs = round_size(mbs, dp)
+        first = sample_id(0, dp_rank, mbs, 0)  # the layout's offset of the rank's first row
         out = []
-        for m in range(gb // round_size(mbs, dp)):
-            pos = base + m * round_size(mbs, dp)
-            out.extend(sample_id(pos, dp_rank, mbs, j) for j in range(mbs))
+        for m in range(gb // rs):  # a round's rows of one rank are consecutive ids
+            out.extend(range(base + m * rs + first, base + m * rs + first + mbs))
         return out
 
     def _header_for(self, r: int, row: dict) -> dict:
         # a window row carries the layout it was consumed with (the DP size may
         # have changed in a later segment); a derived step row has its segment's
         hdr = self._row_hdr.get(id(row), self.headers[r]) if "last_step" not in row else self.headers[r]
-        return {**hdr.as_dict(), **row.get("layout", {})}
+        key = (id(hdr), json.dumps(row["layout"], sort_keys=True) if "layout" in row else "")
+        got = self._hdr_cache.get(key)
+        if got is None or got[0] is not hdr:
+            got = self._hdr_cache[key] = (hdr, {**hdr.as_dict(), **row.get("layout", {})})
+        return got[1]
 
     def blend(self, hdr=None):
         """The indexed corpus the run read (sample id -> content), opened offline."""
