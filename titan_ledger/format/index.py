@@ -512,6 +512,62 @@ def between(files: dict[Any, IndexedFile], first: int, last: int) -> dict[Any, l
     return current
 
 
+class Cursor:
+    """One file's current history read forward in chunks of steps (:meth:`take`), each
+    call opening the file at the byte where the last one stopped: a whole-run reader
+    holds no file open between chunks and reads every byte once."""
+
+    def __init__(self, f: IndexedFile, key: Any, lims: dict[tuple[Any, int], int | None]):
+        self.f = f
+        self.segs = [(seg, lims[(key, seg.file_pos)])
+                     for seg in sorted(f.segments, key=lambda s: (s.header.seq, s.file_pos))]
+        self.i = 0
+        self.pos = self.segs[0][0].start if self.segs else 0
+        self.ahead: tuple[Segment, dict] | None = None  # a row read past the last chunk's end
+        self.carry: tuple[Segment, dict] | None = None  # a window that also covers the next chunk
+
+    def take(self, last: int) -> list[tuple[Segment, dict[str, Any]]]:
+        """``(segment, row)`` of the rows that cover a step up to ``last`` not yet taken (a
+        window that reaches past ``last`` is given again by the next call)."""
+        out = []
+        if self.carry is not None:
+            out.append(self.carry)
+            self.carry = None if self.carry[1].get("last_step", 0) <= last else self.carry
+        if self.ahead is not None:
+            if self.ahead[1]["step"] > last:
+                return out
+            out.append(self.ahead)
+            if self.ahead[1].get("last_step", 0) > last:
+                self.carry = self.ahead
+            self.ahead = None
+        if self.i >= len(self.segs):
+            return out
+        with open(self.f.path, "rb") as fh:
+            while self.i < len(self.segs):
+                seg, lim = self.segs[self.i]
+                fh.seek(self.pos)
+                while self.pos < seg.end:
+                    line = fh.readline()
+                    if not line:
+                        break
+                    self.f._count(line)
+                    row = self.f._parse(seg, self.pos, line)
+                    self.pos += len(line)
+                    if row is None:
+                        continue
+                    if lim is not None and row["step"] > lim:
+                        break  # the rest of the segment is superseded
+                    if row["step"] > last:
+                        self.ahead = (seg, row)
+                        return out
+                    out.append((seg, row))
+                    if row.get("last_step", 0) > last:
+                        self.carry = (seg, row)
+                self.i += 1
+                self.pos = self.segs[self.i][0].start if self.i < len(self.segs) else self.pos
+        return out
+
+
 def limits(files: dict[Any, IndexedFile]) -> dict[tuple[Any, int], int | None]:
     """``(file key, file_pos) -> ``the largest step of that segment that stays current
     (None: all), by :func:`records.keep_limits` over every segment of every file."""

@@ -841,8 +841,34 @@ def step_ids(ledger: DataLedger) -> dict[int, dict[int, tuple]]:
 def step_ids_between(ledger: DataLedger, first: int, last: int) -> dict[int, dict[int, tuple]]:
     """:func:`step_ids` of steps ``first``..``last`` only, read through the offset index
     (O(log n) a file plus the rows of the range)."""
+    return _expand(ledger, ledger.rows_between(first, last), first, last)
+
+
+def stream_step_ids(ledger: DataLedger, chunk: int, stop: int | None = None):
+    """:func:`step_ids` of the whole ledger, ``(first, last, ids)`` a chunk of ``chunk``
+    steps at a time, every file read once, forward (:class:`index.Cursor`): memory is a
+    chunk's, whatever the run's length (``replay check``)."""
+    from titan_ledger.format import index
+
+    lims = ledger._limits()
+    cursors = {r: index.Cursor(f, r, lims) for r, f in ledger._idx.items()}
+    stop = ledger.last_step if stop is None else stop
+    for first in range(1, stop + 1, chunk):
+        last = min(stop, first + chunk - 1)
+        ledger.forget()
+        rows = {}
+        for r, c in cursors.items():
+            got = c.take(last)
+            for seg, row in got:
+                ledger._row_hdr[id(row)] = seg.header
+            rows[r] = [row for _, row in got]
+        yield first, last, _expand(ledger, rows, first, last)
+
+
+def _expand(ledger: DataLedger, rows_by_rank: dict[int, list[dict]], first: int, last: int
+            ) -> dict[int, dict[int, tuple]]:
     out: dict[int, dict[int, tuple]] = {}
-    for r, rows in ledger.rows_between(first, last).items():
+    for r, rows in rows_by_rank.items():
         for row in rows:
             step, end = row["step"], row.get("last_step", row["step"])
             if end - step + 1 > EXPAND_LIMIT:
