@@ -168,3 +168,30 @@ def test_the_legibility_check_fails_on_the_old_layout(tmp_path, monkeypatch):
                         lambda self, **k: legend(self, fontsize=7, loc="upper right"))
     with pytest.raises(AssertionError, match="legend over"):
         assert_legible(plot(d, tmp_path / "covered.png")["layout"], [9])
+
+
+def test_a_windowed_plot_reads_the_window_and_draws_what_the_whole_read_draws(tmp_path, monkeypatch):
+    """report's panels (--from-step and --to-step) read the window through the offset index;
+    the columns, windows and rolled-back dots equal the whole file's, restricted."""
+    import titan_ledger.tools.plot as plot_mod
+    from titan_ledger.format.arrow import signal_columns as whole_columns
+    from titan_ledger.format.reader import RunLedger
+
+    (tmp_path / "ledger").mkdir()
+    _signals(tmp_path / "ledger" / "signals.jsonl", nan=True)
+    led = RunLedger(tmp_path)
+    for lo, hi in ((1, 14), (5, 9), (8, 12)):
+        cur, sup = led.signals_window(lo, hi)
+        got = plot_mod._columns([r for r in cur if not r.get("skipped")])
+        cols, _ = whole_columns(led, plot_mod.KEYS)
+        sel = (cols["step"] >= lo) & (cols["step"] <= hi)
+        for k, v in cols.items():
+            want = v[sel]
+            have = got[k][(got["step"] >= lo) & (got["step"] <= hi)]
+            assert np.array_equal(want, have, equal_nan=True), (lo, hi, k)
+        old = plot_mod._columns([r for r in sup if not r.get("skipped") and r.get("loss") is not None
+                                 and lo <= r["step"] <= hi], float_steps=True)
+        ref = plot_mod.rolled_back(led, lo, hi)
+        assert old.keys() == ref.keys() and all(np.array_equal(old[k], ref[k], equal_nan=True) for k in ref)
+    info = plot(tmp_path, tmp_path / "w.png", from_step=5, to_step=9)
+    assert info["rows"] == 4 and info["rolled_back_rows"] == 3 and info["skipped_windows"] == 0  # 7-9 resumed

@@ -206,17 +206,23 @@ class RunLedger:
         """The rows of the current signals history that cover a step in ``first``..``last``
         (``upto_segment``: the history as it stood after that segment, by file position),
         each checked like :attr:`signals` checks every row."""
+        return self.signals_window(first, last, upto_segment)[0]
+
+    def signals_window(self, first: int, last: int, upto_segment: int | None = None
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """:meth:`signals_between` and, beside it, the rows in that window a later resume or
+        rollback superseded (each with ``superseded_by``), by :func:`records.resolve`."""
         from titan_ledger.format import index
 
         f = self.signals_index
         segs = f.segments if upto_segment is None else f.segments[:upto_segment + 1]
         found = {0: [seg.as_file_segment(index.retrying(lambda s=seg: list(f.rows_between(s, first, last))))
                      for seg in segs]}
-        rows = records.resolve(found)[0][0]
-        for row in rows:
+        current, superseded = records.resolve(found)
+        for row in [*current[0], *superseded]:
             if not all(k in row for k in SIGNAL_ROW_KEYS):
                 self.signals  # noqa: B018 (the error path: the strict reading names FILE:LINE)
-        return rows
+        return current[0], superseded
 
     def history_at(self, step: int, before: int, after: int) -> tuple[list[dict[str, Any]], bool] | None:
         """:meth:`rows_as_of` within ``step - before`` .. ``step + after``: the signals

@@ -73,7 +73,19 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.
     import matplotlib.pyplot as plt
 
     led = RunLedger(dump_folder, ledger_folder)
-    cols, windows = signal_columns(led, KEYS)  # the rows checked as signals rows, the run as the launch log's
+    if from_step is not None and to_step is not None:
+        # a window (report's panels): its rows only, through the offset index, not the run
+        cur, sup = led.signals_window(from_step, to_step)
+        cols, windows = _columns([r for r in cur if not r.get("skipped")]), \
+            [(r["step"], r.get("last_step", r["step"])) for r in cur if r.get("skipped")]
+        old = _columns([r for r in sup if not r.get("skipped") and r.get("loss") is not None
+                        and from_step <= r["step"] <= to_step], float_steps=True)
+    else:
+        cols, windows = signal_columns(led, KEYS)  # the rows checked as signals rows, the run as the launch log's
+        old = None
+    # a skipped window outside the range would widen the x axis (axvspan autoscales)
+    windows = [(a, b) for a, b in windows
+               if (to_step is None or a <= to_step) and (from_step is None or b >= from_step)]
     max_norm = max_norm if max_norm is not None else infer_max_norm(cols)
     sel = np.ones(len(cols["step"]), dtype=bool)
     if from_step is not None:
@@ -90,7 +102,7 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.
     events = [e for e in led.spike_events()
               if (from_step is None or e["step"] >= from_step) and (to_step is None or e["step"] <= to_step)]
     spikes = sorted({int(e["step"]) for e in events})
-    old = rolled_back(led, from_step, to_step)
+    old = rolled_back(led, from_step, to_step) if old is None else old
     fig, axes = plt.subplots(len(PANELS), 1, sharex=True, dpi=DPI, layout="constrained",
                              figsize=(width_px / DPI, (PANEL_PX * len(PANELS) + HEAD_PX) / DPI))
     x = cols["step"]
@@ -219,10 +231,16 @@ def rolled_back(led: RunLedger, from_step: int | None = None, to_step: int | Non
                 and (from_step is None or r["step"] >= from_step) and (to_step is None or r["step"] <= to_step)]
     except Exception:
         return {}
-    if not rows:
+    return _columns(rows, float_steps=True)
+
+
+def _columns(rows: list[dict], float_steps: bool = False) -> dict:
+    """Numpy columns of signal rows (``step`` and :data:`KEYS`, NaN for null); ``{}`` when
+    ``float_steps`` and there are none (no rolled-back rows to draw)."""
+    if float_steps and not rows:
         return {}
-    num = lambda v: float(v) if v is not None else np.nan  # noqa: E731
-    out = {"step": np.array([r["step"] for r in rows], dtype=np.float64)}
+    num = lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan  # noqa: E731
+    out = {"step": np.array([r["step"] for r in rows], dtype=np.float64 if float_steps else np.int64)}
     for k in KEYS:
         out[k] = np.array([num(r.get(k)) for r in rows], dtype=np.float64)
     return out
