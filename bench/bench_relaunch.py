@@ -40,10 +40,11 @@ def _env() -> dict[str, str]:
 
 def launch(args: list[str], dump: Path, log: Path) -> float:
     """Seconds from spawn to the first step's start; the run is then let finish."""
-    cmd = [a for a in args if a not in ("--job.dump_folder",)]
-    i = cmd.index("--job.dump_folder") if "--job.dump_folder" in cmd else -1
-    if i >= 0:
-        del cmd[i:i + 2]
+    cmd = list(args)
+    for flag in ("--job.dump_folder", "--training.steps", "--ledger.rehearsal.inject"):
+        while flag in cmd:
+            i = cmd.index(flag)
+            del cmd[i:i + 2]
     cmd = [*cmd, "--job.dump_folder", str(dump), "--training.steps", "2"]  # checkpoints off (the TOML)
     t0 = time.perf_counter()
     seen = None
@@ -55,7 +56,9 @@ def launch(args: list[str], dump: Path, log: Path) -> float:
                 seen = time.perf_counter() - t0
         rc = p.wait()
     if rc != 0 or seen is None:
-        raise SystemExit(f"bench_relaunch: the launch failed (exit {rc}); log: {log}")
+        kept = Path(tempfile.gettempdir()) / f"bench_relaunch_failed_{log.name}"
+        shutil.copy(log, kept)
+        raise SystemExit(f"bench_relaunch: the launch failed (exit {rc}); log: {kept}")
     return seen
 
 
@@ -67,13 +70,12 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/ledger_scale"))
     a = ap.parse_args()
     src = ledger_grow.source_run(a.work)  # <work>/source/run
-    grown = ledger_grow.grown(a.work, a.dp, a.steps)
+    grown, _ = ledger_grow.grown(a.work, a.dp, a.steps)
     args = json.loads((src.parent / "source.json").read_text())["args"]  # the recorded command
     # the recorded command trains DP 2; a grown DP other than 2 would be refused by the
     # layout check (global batch): the relaunch must be of the same run
     if a.dp != 2:
         raise SystemExit("bench_relaunch: the source run trains DP 2; use --dp 2")
-    args = [x for x in args if not x.startswith("--ledger.rehearsal.inject") and x != "5:1:repeat"]
     times: dict[str, list[float]] = {"empty": [], "grown": []}
     with tempfile.TemporaryDirectory(prefix="relaunch_") as tmp:
         tmp = Path(tmp)
