@@ -372,7 +372,7 @@ CASES = [
     ("rollback-spike-step-not-int", "rollback", run, ["{t}/run", "--spike-step", "x"], 2, ["--spike-step", "invalid int"]),
     ("rollback-checkpoint-folder-wrong", "rollback", run, ["{t}/run", "--spike-step", "25", "--checkpoint-folder", "ckpt"], 2, ["ckpt", "no complete checkpoint"]),
     ("rollback-ok", "rollback", run, ["{t}/run", "--spike-step", "25", "--back", "5"], 0, ["checkpoint step-20"]),
-    ("rollback-signals-garbage-mid-file", "rollback", with_run(garbage_row("signals.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 2, ["signals.jsonl:12", "not a ledger row"]),
+    ("rollback-signals-garbage-mid-file", "rollback", with_run(garbage_row("signals.jsonl", 26)), ["{t}/run", "--spike-step", "25", "--back", "5"], 2, ["signals.jsonl:26", "not a ledger row"]),
     ("rollback-data-garbage-header", "rollback", with_run(garbage_row("data_dp0.jsonl", 1)), ["{t}/run", "--spike-step", "25", "--back", "5", "--write", "{t}/o.toml"], 2, ["data_dp0.jsonl:2", "not a ledger row"]),
     ("rollback-data-other-run", "rollback", with_run(from_other_run("data_dp1.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 2, ["data_dp1.jsonl", "holds run 'run-b'"]),
     ("rollback-torn-last-line", "rollback", with_run(torn("signals.jsonl")), ["{t}/run", "--spike-step", "25", "--back", "5"], 0, ["checkpoint step-20", "warning:signals.jsonl:32: torn last line skipped"]),

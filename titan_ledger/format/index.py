@@ -44,7 +44,7 @@ from titan_ledger.format import records
 from titan_ledger.format.records import index_line, index_path
 
 #: below this many bytes between two bisection bounds, the rest is read line by line
-BLOCK = 16 * 1024
+BLOCK = 4 * 1024
 _CHUNK = 8 * 1024 * 1024  # the rebuild's read size
 
 
@@ -151,8 +151,8 @@ class IndexedFile:
         if not line.endswith(b"\n"):
             return None  # torn: not a header (yet)
         try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = records.parse_line(line)
+        except records.BAD_LINE:
             return None
         if not isinstance(obj, dict) or "schema" not in obj:
             return None
@@ -230,7 +230,7 @@ class IndexedFile:
             for seg in segs:
                 if seg.end <= seg.start:
                     continue
-                back = 4096
+                back = 1024
                 while True:
                     lo = max(seg.start, seg.end - back)
                     f.seek(lo)
