@@ -118,7 +118,9 @@ class IndexedFile:
                 if n == len(lines) - 1:
                     continue  # a torn last entry (no newline): its header was never written
                 raise _Stale from None
-        if not entries or entries[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(entries, entries[1:])):
+        # (the first entry is past 0 when the file's first header was torn: that line is no
+        # segment; each entry is checked against its header below)
+        if not entries or any(b[0] <= a[0] for a, b in zip(entries, entries[1:])):
             raise _Stale
         segs = []
         with open(self.path, "rb") as f:
@@ -148,8 +150,7 @@ class IndexedFile:
         return segs
 
     def _header(self, line: bytes, offset: int) -> records.Header | None:
-        if not line.endswith(b"\n"):
-            return None  # torn: not a header (yet)
+        # (a header cut before its newline still parses: a header, as ``records`` reads it)
         try:
             obj = records.parse_line(line)
         except records.BAD_LINE:
@@ -190,7 +191,9 @@ class IndexedFile:
     # ------------------------------------------------------------------ rows
     def _parse(self, seg: Segment, off: int, line: bytes) -> dict[str, Any] | None:
         """A row of ``seg`` read at ``off`` (None: a torn line, legal only as the last line
-        of its segment)."""
+        of its segment, or a blank line, passed over as ``records`` passes it)."""
+        if not line.strip():
+            return None
         try:
             obj = records.parse_line(line)
         except records.BAD_LINE:
@@ -265,7 +268,10 @@ class IndexedFile:
         f.seek(pos - 1)
         skip = f.readline()  # the rest of the line ``pos`` falls in
         self.bytes_read += len(skip)
-        return pos - 1 + len(skip), f.readline()
+        q, line = pos - 1 + len(skip), f.readline()
+        while line and not line.strip() and q + len(line) < seg.end:  # blank lines carry nothing
+            q, line = q + len(line), f.readline()
+        return q, line
 
     def _first_not_below(self, f, seg: Segment, step: int) -> int:
         """Bisection: a line start ``lo`` in ``seg`` at or before the first row that covers
@@ -319,7 +325,7 @@ class IndexedFile:
 
     def iter_rows(self, seg: Segment) -> Iterator[dict[str, Any]]:
         """Every row of ``seg``, streamed (torn lines skipped as in ``records``)."""
-        with open(self.path, "rb") as f:
+        with _RetryStale(self), open(self.path, "rb") as f:
             f.seek(seg.start)
             pos = seg.start
             while pos < seg.end:
@@ -382,23 +388,22 @@ class _RetryStale:
     def __exit__(self, typ, exc, tb):
         if typ is _Stale:
             self.f.reset()
-            raise StaleIndex(f"{self.f.path}: its index {index_path(self.f.path).name} missed a segment "
-                             f"header (the file was appended by a writer that kept no index); rebuilt it, "
-                             f"ask again") from None
+            raise StaleIndex(f"{self.f.path}: its offset index {index_path(self.f.path).name} missed a "
+                             f"segment header (the file was appended by a writer that kept no index); the "
+                             f"index is rebuilt now: run the command again") from None
         return False
 
 
 class StaleIndex(LedgerError):
-    """Raised once when an index was found stale mid-read and has been rebuilt; readers
-    catch it and ask again (:func:`retrying`)."""
+    """An index found stale mid-read (a header it did not know): it has been rebuilt and
+    written back, and the command is refused with this one line rather than answered from
+    segments that were wrong (the next run reads the rebuilt index)."""
 
 
 def retrying(fn, *args, **kwargs):
-    """``fn(*args)``, asked again once if an index was found stale and rebuilt."""
-    try:
-        return fn(*args, **kwargs)
-    except StaleIndex:
-        return fn(*args, **kwargs)
+    """``fn(*args)``: the one place a read through the index is made (a stale index met
+    mid-read surfaces as :class:`StaleIndex`, a ``LedgerError`` with one line)."""
+    return fn(*args, **kwargs)
 
 
 def line_number(path: str | os.PathLike, offset: int) -> int:
@@ -439,13 +444,12 @@ def header_offsets(path: str | os.PathLike, start: int = 0) -> list[int]:
                 stop = block.find(b"\n", i)
                 stop = len(block) if stop < 0 else stop + 1
                 line = block[start:stop]
-                if line.endswith(b"\n"):  # a torn last line is no header
-                    try:
-                        obj = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        obj = None
-                    if isinstance(obj, dict) and "schema" in obj:
-                        out.append(base + start)
+                try:  # a torn header does not parse: no header
+                    obj = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    obj = None
+                if isinstance(obj, dict) and "schema" in obj:
+                    out.append(base + start)
                 i = block.find(b'"schema"', stop)
             base += len(block)
             if not chunk:
@@ -524,21 +528,25 @@ class Cursor:
         self.i = 0
         self.pos = self.segs[0][0].start if self.segs else 0
         self.ahead: tuple[Segment, dict] | None = None  # a row read past the last chunk's end
-        self.carry: tuple[Segment, dict] | None = None  # a window that also covers the next chunk
+        # windows that also cover the next chunk (several: a later launch's window can start
+        # inside an earlier one that stays current)
+        self.carry: list[tuple[Segment, dict]] = []
 
     def take(self, last: int) -> list[tuple[Segment, dict[str, Any]]]:
         """``(segment, row)`` of the rows that cover a step up to ``last`` not yet taken (a
         window that reaches past ``last`` is given again by the next call)."""
-        out = []
-        if self.carry is not None:
-            out.append(self.carry)
-            self.carry = None if self.carry[1].get("last_step", 0) <= last else self.carry
+        with _RetryStale(self.f):
+            return self._take(last)
+
+    def _take(self, last: int) -> list[tuple[Segment, dict[str, Any]]]:
+        out = list(self.carry)
+        self.carry = [c for c in self.carry if c[1].get("last_step", 0) > last]
         if self.ahead is not None:
             if self.ahead[1]["step"] > last:
                 return out
             out.append(self.ahead)
             if self.ahead[1].get("last_step", 0) > last:
-                self.carry = self.ahead
+                self.carry.append(self.ahead)
             self.ahead = None
         if self.i >= len(self.segs):
             return out
@@ -562,7 +570,7 @@ class Cursor:
                         return out
                     out.append((seg, row))
                     if row.get("last_step", 0) > last:
-                        self.carry = (seg, row)
+                        self.carry.append((seg, row))
                 self.i += 1
                 self.pos = self.segs[self.i][0].start if self.i < len(self.segs) else self.pos
         return out

@@ -240,8 +240,8 @@ class RunLedger:
         at = [(seg, index.retrying(f.rows_at, seg, step)) for seg in order]
         trained = [seg for seg, rows in at if any(r["step"] == step and not r.get("skipped") for r in rows)]
         if not trained:
-            if cur:
-                return self.signals_between(lo, hi), True  # never trained: the window that holds it
+            if any(r["step"] == step for r in cur):  # never trained: its skipped row (as rows_as_of)
+                return self.signals_between(lo, hi), True
             held = [seg for seg, rows in at if any(r["step"] == step for r in rows)]
             if not held:
                 return None

@@ -86,7 +86,10 @@ def plot(dump_folder: str | Path, out: str | Path, ledger_folder: str = records.
     # a skipped window outside the range would widen the x axis (axvspan autoscales)
     windows = [(a, b) for a, b in windows
                if (to_step is None or a <= to_step) and (from_step is None or b >= from_step)]
-    max_norm = max_norm if max_norm is not None else infer_max_norm(cols)
+    if max_norm is None:
+        max_norm = infer_max_norm(cols)
+        if max_norm is None and old is not None:  # a window where the clip never acted: the run's
+            max_norm = infer_max_norm(signal_columns(led, ("grad_norm", "grad_norm_clipped"))[0])
     sel = np.ones(len(cols["step"]), dtype=bool)
     if from_step is not None:
         sel &= cols["step"] >= from_step

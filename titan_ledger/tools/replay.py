@@ -89,10 +89,11 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
     # streamed: a chunk of steps of every DP rank at a time, read through the offset index,
     # so memory is O(chunk x ranks) whatever the run's length
     chunk = max(1, (chunk_ids or CHUNK_IDS) // max(1, len(res.ranks)))
+    diverged = False
     with records.no_cycle_gc():
         for (_, _, a), (_, _, b) in zip(stream_step_ids(la, chunk, stop), stream_step_ids(lb, chunk, stop)):
-            if _compare(res, a, b):
-                break
+            # past the first divergence only the overlaps are still collected (every one is named)
+            diverged = _compare(res, a, b, overlaps_only=diverged) or diverged
     if res.overlaps:
         res.equal = False
     return res
@@ -103,7 +104,7 @@ def check(dir_a: str | Path, dir_b: str | Path, ledger_folder: str = records.LED
 CHUNK_IDS = 100_000
 
 
-def _compare(res: CheckResult, a: dict, b: dict) -> bool:
+def _compare(res: CheckResult, a: dict, b: dict, overlaps_only: bool = False) -> bool:
     """One chunk of steps of runs A and B into ``res``; True at the first divergence."""
     for name, ids in (("A", a), ("B", b)):
         for s, per_rank in sorted(ids.items()):  # within a step, DP ranks are disjoint
@@ -116,6 +117,8 @@ def _compare(res: CheckResult, a: dict, b: dict) -> bool:
                         res.overlaps.append({"run": name, "step": s, "sample_id": i,
                                              "ranks": [seen[i], r]})
                     seen[i] = r
+    if overlaps_only:
+        return True
     for s in sorted(set(a) | set(b)):
         ra, rb = a.get(s), b.get(s)
         if ra is None or rb is None:
