@@ -293,27 +293,27 @@ class IndexedFile:
                 hi = q
         return lo
 
+    def _scan(self, f, seg: Segment, pos: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(the byte after it, row)`` for each row of ``seg`` from the line start ``pos``
+        on, in file order (torn and blank lines passed over): every forward read's loop."""
+        f.seek(pos)
+        while pos < seg.end:
+            line = f.readline()
+            if not line:
+                break
+            self._count(line)
+            row = self._parse(seg, pos, line)
+            pos += len(line)
+            if row is not None:
+                yield pos, row
+
     def rows_between(self, seg: Segment, first: int, last: int) -> Iterator[dict[str, Any]]:
         """Rows of ``seg`` that cover a step in ``first``..``last`` (a window row covering
         ``first`` included), in file order, reading O(log n) lines plus the answer."""
-        with self._retry():
-            yield from self._rows_between(seg, first, last)
-
-    def _rows_between(self, seg: Segment, first: int, last: int) -> Iterator[dict[str, Any]]:
         if seg.start >= seg.end:
             return
-        with open(self.path, "rb") as f:
-            pos = self._first_not_below(f, seg, first)
-            f.seek(pos)
-            while pos < seg.end:
-                line = f.readline()
-                if not line:
-                    break
-                self._count(line)
-                row = self._parse(seg, pos, line)
-                pos += len(line)
-                if row is None:
-                    continue
+        with _RetryStale(self), open(self.path, "rb") as f:
+            for _, row in self._scan(f, seg, self._first_not_below(f, seg, first)):
                 if row["step"] > last:
                     break
                 if row.get("last_step", row["step"]) >= first:
@@ -326,17 +326,8 @@ class IndexedFile:
     def iter_rows(self, seg: Segment) -> Iterator[dict[str, Any]]:
         """Every row of ``seg``, streamed (torn lines skipped as in ``records``)."""
         with _RetryStale(self), open(self.path, "rb") as f:
-            f.seek(seg.start)
-            pos = seg.start
-            while pos < seg.end:
-                line = f.readline()
-                if not line:
-                    break
-                self._count(line)
-                row = self._parse(seg, pos, line)
-                pos += len(line)
-                if row is not None:
-                    yield row
+            for _, row in self._scan(f, seg, seg.start):
+                yield row
 
     def first_row(self, seg: Segment) -> dict[str, Any] | None:
         """The first row of ``seg`` (None: it has none)."""
@@ -349,25 +340,12 @@ class IndexedFile:
             return None
         target = (1 << 62) if upto is None else upto + 1
         last = None
-        with self._retry(), open(self.path, "rb") as f:
-            pos = self._first_not_below(f, seg, target)
-            f.seek(pos)
-            while pos < seg.end:
-                line = f.readline()
-                if not line:
-                    break
-                self._count(line)
-                row = self._parse(seg, pos, line)
-                pos += len(line)
-                if row is None:
-                    continue
+        with _RetryStale(self), open(self.path, "rb") as f:
+            for _, row in self._scan(f, seg, self._first_not_below(f, seg, target)):
                 if row["step"] >= target:
                     break
                 last = row
         return last
-
-    def _retry(self):
-        return _RetryStale(self)
 
     def reset(self) -> None:
         """Forget the segments (the index was stale): the next use rebuilds them."""
@@ -398,12 +376,6 @@ class StaleIndex(LedgerError):
     """An index found stale mid-read (a header it did not know): it has been rebuilt and
     written back, and the command is refused with this one line rather than answered from
     segments that were wrong (the next run reads the rebuilt index)."""
-
-
-def retrying(fn, *args, **kwargs):
-    """``fn(*args)``: the one place a read through the index is made (a stale index met
-    mid-read surfaces as :class:`StaleIndex`, a ``LedgerError`` with one line)."""
-    return fn(*args, **kwargs)
 
 
 def line_number(path: str | os.PathLike, offset: int) -> int:
@@ -496,7 +468,7 @@ def point(files: dict[Any, IndexedFile], step: int) -> tuple[dict[Any, dict], di
     included). Reads O(segments × log n) lines per file."""
     found: dict[Any, list[records.FileSegment]] = {}
     for key, f in files.items():
-        found[key] = retrying(_segments_at, f, step)
+        found[key] = _segments_at(f, step)
     current, _ = records.resolve(found)
     by_segment = {key: [r for s in sorted(segs, key=records.order_key) for r in s.rows]
                   for key, segs in found.items()}
@@ -510,8 +482,8 @@ def _segments_at(f: IndexedFile, step: int) -> list[records.FileSegment]:
 def between(files: dict[Any, IndexedFile], first: int, last: int) -> dict[Any, list[dict]]:
     """The current rows of every file that cover a step in ``first``..``last``, by the
     supersession rule (:func:`records.resolve`), in history order."""
-    found = {key: retrying(lambda f: [seg.as_file_segment(list(f.rows_between(seg, first, last)))
-                                      for seg in f.segments], f) for key, f in files.items()}
+    found = {key: [seg.as_file_segment(list(f.rows_between(seg, first, last))) for seg in f.segments]
+             for key, f in files.items()}
     current, _ = records.resolve(found)
     return current
 
@@ -553,16 +525,8 @@ class Cursor:
         with open(self.f.path, "rb") as fh:
             while self.i < len(self.segs):
                 seg, lim = self.segs[self.i]
-                fh.seek(self.pos)
-                while self.pos < seg.end:
-                    line = fh.readline()
-                    if not line:
-                        break
-                    self.f._count(line)
-                    row = self.f._parse(seg, self.pos, line)
-                    self.pos += len(line)
-                    if row is None:
-                        continue
+                for end, row in self.f._scan(fh, seg, self.pos):
+                    self.pos = end
                     if lim is not None and row["step"] > lim:
                         break  # the rest of the segment is superseded
                     if row["step"] > last:

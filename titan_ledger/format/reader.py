@@ -175,11 +175,10 @@ class RunLedger:
     def segment_of(self, step: int) -> records.FileSegment | None:
         """The signals segment that last trained ``step`` (None: no segment did); its
         rows are that step's only (read through the offset index)."""
-        from titan_ledger.format import index
 
         f = self.signals_index
         for seg in sorted(f.segments, key=lambda s: (s.header.seq, s.file_pos), reverse=True):
-            rows = [r for r in index.retrying(f.rows_at, seg, step) if r["step"] == step and not r.get("skipped")]
+            rows = [r for r in f.rows_at(seg, step) if r["step"] == step and not r.get("skipped")]
             if rows:
                 return seg.as_file_segment(rows)
         return None
@@ -212,11 +211,10 @@ class RunLedger:
                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """:meth:`signals_between` and, beside it, the rows in that window a later resume or
         rollback superseded (each with ``superseded_by``), by :func:`records.resolve`."""
-        from titan_ledger.format import index
 
         f = self.signals_index
         segs = f.segments if upto_segment is None else f.segments[:upto_segment + 1]
-        found = {0: [seg.as_file_segment(index.retrying(lambda s=seg: list(f.rows_between(s, first, last))))
+        found = {0: [seg.as_file_segment(list(f.rows_between(seg, first, last)))
                      for seg in segs]}
         current, superseded = records.resolve(found)
         for row in [*current[0], *superseded]:
@@ -229,7 +227,6 @@ class RunLedger:
         history as it stood when ``step`` ran, and whether that is the current history
         (False: a later rollback or resume superseded the step). None when no segment
         holds the step. Reads O(segments x log n) lines plus the window."""
-        from titan_ledger.format import index
 
         f = self.signals_index
         lo, hi = step - before, step + after
@@ -237,7 +234,7 @@ class RunLedger:
         if any(r["step"] == step and not r.get("skipped") for r in cur):
             return self.signals_between(lo, hi), True
         order = sorted(f.segments, key=lambda s: (s.header.seq, s.file_pos))
-        at = [(seg, index.retrying(f.rows_at, seg, step)) for seg in order]
+        at = [(seg, f.rows_at(seg, step)) for seg in order]
         trained = [seg for seg, rows in at if any(r["step"] == step and not r.get("skipped") for r in rows)]
         if not trained:
             if any(r["step"] == step for r in cur):  # never trained: its skipped row (as rows_as_of)
@@ -371,7 +368,7 @@ class RunLedger:
             return None
         f = index.IndexedFile(path, records.SIGNALS, max(self.launch_ids, default=None))
         lims = index.limits({0: f})
-        last = [index.retrying(f.last_row, seg, lims[(0, seg.file_pos)]) for seg in f.segments]
+        last = [f.last_row(seg, lims[(0, seg.file_pos)]) for seg in f.segments]
         key = (lambda r: int(r.get("last_step", r["step"]))) if windows else (lambda r: int(r["step"]))
         return max((key(r) for r in last if r is not None), default=None)
 
@@ -472,13 +469,12 @@ class DataLedger:
         covers it (in run order); the supersession rule is :func:`records.resolve`'s."""
         got = self._steps.get(step)
         if got is None:
-            from titan_ledger.format import index
 
             found = {}
             for r, f in self._idx.items():
                 segs = []
                 for seg in self.segments[r]:
-                    rows = index.retrying(f.rows_at, seg, step)
+                    rows = f.rows_at(seg, step)
                     dp = int(seg.header.get("dp_size") or 0)
                     for row in rows:
                         if not isinstance(row.get("rows", row.get("samples")), list):
@@ -549,14 +545,13 @@ class DataLedger:
         """Per segment of every file: its first row and its last current row (by
         bisection): what the run's extent and sample range need, O(segments x log n)."""
         if not hasattr(self, "_seg_ends"):
-            from titan_ledger.format import index
 
             lims, out = self._limits(), []
             for r, f in self._idx.items():
                 for seg in self.segments[r]:
-                    first = index.retrying(f.first_row, seg)
-                    last = index.retrying(f.last_row, seg)
-                    cur = index.retrying(f.last_row, seg, lims[(r, seg.file_pos)])
+                    first = f.first_row(seg)
+                    last = f.last_row(seg)
+                    cur = f.last_row(seg, lims[(r, seg.file_pos)])
                     out.append((r, seg, first, last, cur))
             self._seg_ends = out
         return self._seg_ends
@@ -743,13 +738,12 @@ class DataLedger:
     def rows_between(self, first: int, last: int) -> dict[int, list[dict]]:
         """Per DP rank, the current rows covering a step in ``first``..``last``, in order
         (the supersession rule is :func:`records.resolve`'s), through the offset index."""
-        from titan_ledger.format import index
 
         found = {}
         for r, f in self._idx.items():
             segs = []
             for seg in self.segments[r]:
-                rows = list(index.retrying(lambda: list(f.rows_between(seg, first, last))))
+                rows = list(f.rows_between(seg, first, last))
                 for row in rows:
                     self._row_hdr[id(row)] = seg.header
                     self._row_dp[id(row)] = int(seg.header.get("dp_size") or 0)

@@ -98,10 +98,9 @@ def signals_section(led: RunLedger, step: int, around: int) -> tuple[str, dict]:
 def _last_step(led: RunLedger, step: int, around: int) -> int:
     """The last recorded step up to ``step + around`` (a skipped window counts to its end; a
     superseded segment's rows too), at least ``step``: the window's rows, not the history."""
-    from titan_ledger.format import index
 
     f = led.signals_index
-    rows = [r for seg in f.segments for r in index.retrying(lambda s=seg: list(f.rows_between(s, step, step + around)))]
+    rows = [r for seg in f.segments for r in f.rows_between(seg, step, step + around)]
     return max([step, *(min(step + around, int(r.get("last_step") or r["step"])) for r in rows)])
 
 
