@@ -83,7 +83,7 @@ GROUPS = ("relaunch", "point", "whole")
 INPROC = "BENCH_INPROC"  # a child's own timing of the call, one stdout line
 
 IMPORTS = ("import time, warnings; warnings.simplefilter('ignore'); t0 = time.perf_counter(); "
-           "from titan_ledger import train; from titan_ledger.components.run_folder import claim_dump_folder; "
+           "from titan_ledger import train; from titan_ledger.components.run.run_folder import claim_dump_folder; "
            "from titan_ledger.format.reader import RunLedger; train.quiet_imports(); ")
 
 

@@ -100,7 +100,7 @@ from bench.zoo import read_proofs  # noqa: E402
 from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
 
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
-         "doc_low", "grad_jump")  # titan_ledger.components.spikes.RULES (checked in the tests)
+         "doc_low", "grad_jump")  # titan_ledger.components.detection.spikes.RULES (checked in the tests)
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 OUT = ROOT / "outputs" / "false_alarms"
 # replayed vs online statistics of an event (the ledger rounds the doc summary: median to
@@ -298,7 +298,7 @@ def replay(dump: Path, rules: dict | None = None, infer_docs: bool = False) -> l
     from titan_ledger.rehearsal import backend
 
     backend.ensure_installed()  # before torchtitan's modules (spikes imports torchtitan.config)
-    from titan_ledger.components.spikes import SpikeDetector, describe
+    from titan_ledger.components.detection.spikes import SpikeDetector, describe
 
     cfg = SpikeDetector.Config(**(rules if rules is not None else recorded_rules(dump)))
     dp = dp_size(dump)
@@ -434,7 +434,7 @@ def _int_fields() -> tuple[str, ...]:
     """SpikeDetector.Config's integer fields (from their defaults: a new one needs no edit here)."""
     import dataclasses
 
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
     return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config)
                  if type(f.default) is int)
@@ -474,7 +474,7 @@ def compare_tiers(dumps: list[Path], rules: dict | None = None, infer_docs: bool
     from titan_ledger.rehearsal import backend
 
     backend.ensure_installed()
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
     defaults = {f.name: getattr(SpikeDetector.Config(), f.name) for f in dataclasses.fields(SpikeDetector.Config)}
     out = []

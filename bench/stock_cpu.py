@@ -19,8 +19,8 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # no
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_ledger import config_registry  # noqa: E402
-from titan_ledger.components import attention  # noqa: E402
-from titan_ledger.components.attention import document_causal_mask  # noqa: E402
+from titan_ledger.components.signals import attention  # noqa: E402
+from titan_ledger.components.signals.attention import document_causal_mask  # noqa: E402
 
 
 class StockCpuTrainer(Trainer):

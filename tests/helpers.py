@@ -353,8 +353,8 @@ def unsharded_model(args: list[str]):
     the model's own initial weights (the exactness reference and the QK-norm seed)."""
     import torch
 
-    from titan_ledger.components import attention
-    from titan_ledger.components.prevention import apply_qk_norm
+    from titan_ledger.components.prevention.qk_norm import apply_qk_norm
+    from titan_ledger.components.signals import attention
     from titan_ledger.config.toml_frontend import parse, read_job
 
     config = parse(read_job([str(a) for a in args]))

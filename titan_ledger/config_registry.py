@@ -26,8 +26,8 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from torchtitan.models.llama3 import config_registry as llama3  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.components.doc_loss import ChunkedDocLoss, DocLossCrossEntropy, as_ledger_loss  # noqa: E402
-from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
+from titan_ledger.components.prevention.optimizer import LedgerOptimizers  # noqa: E402
+from titan_ledger.components.signals.doc_loss import ChunkedDocLoss, DocLossCrossEntropy, as_ledger_loss  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
 from titan_ledger.data.text import BUNDLED_CORPUS, BUNDLED_DATASET  # noqa: E402
 from titan_ledger.trainer import LedgerTrainer  # noqa: E402

@@ -11,7 +11,7 @@ call every CLI in-process. Exit codes, the same for every tool:
   1  the command ran and its answer is negative (``replay check``: different;
      ``replay inject``: the spike was not shown); training stopped by the ledger
   2  bad input: a flag, TOML key, corpus, ledger or dump folder (this module)
-  3  the disk filled while training (``titan_ledger.components.disk_space``): free
+  3  the disk filled while training (``titan_ledger.components.run.disk_space``): free
      space and relaunch the same command
 """
 

@@ -37,7 +37,7 @@ import types
 import warnings
 from pathlib import Path
 
-from titan_ledger.components import disk_space
+from titan_ledger.components.run import disk_space
 from titan_ledger.config.toml_frontend import (
     ConfigError,
     check_world_size,
@@ -150,7 +150,7 @@ def check_dump_folder_run(config, world_size: int) -> None:
     led = getattr(config, "ledger", None)
     if led is None or led.new_run or led.allow_data_change:
         return
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
     from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
 
     t = config.training
@@ -505,7 +505,7 @@ def run(argv: list[str]) -> None:
     try:
         if not dry_run and config.comm.mode != "local_tensor" and _rank() == 0:
             # CHANGED from torchtitan: one live run per dump folder, before the first write
-            from titan_ledger.components import run_lock
+            from titan_ledger.components.run import run_lock
 
             lock, stale = run_lock.acquire(config.dump_folder)
             if stale is not None:
@@ -515,13 +515,13 @@ def run(argv: list[str]) -> None:
             logger.info("Local tensor mode enabled - skipping training execution")
             return
         if not dry_run:  # CHANGED from torchtitan: a stable W&B run id before wandb.init
-            from titan_ledger.components import dashboards
+            from titan_ledger.components.ledger import dashboards
 
             dashboards.prepare(config, job, is_metrics_rank=_rank() == metrics_rank(
                 config, world_size_from_env(config)))
         trainer = config.build()
         if is_ledger:  # CHANGED from torchtitan: the tools reuse the recorded launch (segment headers)
-            from titan_ledger.components.run_folder import Launch
+            from titan_ledger.components.run.run_folder import Launch
 
             trainer.ledger.launch = Launch(list(argv), os.getcwd())
         if dry_run:  # CHANGED from torchtitan: build-only dry run

@@ -4,14 +4,16 @@ Design decision: subclass, do not fork, and keep this file a seam. The subclass
 redeclares the nested ``Config`` (else ``config.build()`` builds a plain ``Trainer``)
 and overrides torchtitan's hooks: ``__init__`` (launch checks, the config adapted to
 the backend), ``post_dataloading_process`` (the CPU attention's document mask),
-``state_dict``/``load_state_dict`` (ledger counters), ``batch_generator`` and
-``forward_backward_step`` (provenance, rehearsal faults), ``train`` (close the ledger).
-``train_step`` has no hook between the clip and ``optimizers.step()``, where the
-signals are read and a flagged step is proven, so its body is copied from torchtitan
-0.3.0 as ``_train_step`` + ``execute`` (which a proof re-runs); changed spots are
-marked ``# CHANGED``. A step's facts travel in one :class:`StepRecord`, handed whole to
-``Ledger.record``; what a flagged step does is
-:class:`~titan_ledger.components.recovery.Recovery`'s: this file only calls it.
+``state_dict``/``load_state_dict`` (ledger counters), ``batch_generator`` (the step's
+record per batch: ``components.ledger.batches``), ``forward_backward_step`` (rehearsal
+faults), ``train`` (close the ledger). ``train_step`` has no hook between the clip and
+``optimizers.step()``, where the signals are read and a flagged step is decided, so its
+body is copied from torchtitan 0.3.0 as ``_train_step`` + ``execute`` (which a proof
+and a redo run again); changed spots are marked ``# CHANGED``. A step's facts travel in
+one :class:`StepRecord`, handed whole to ``Ledger.record``. What a flagged step does is
+:class:`~titan_ledger.components.response.recovery.Recovery`'s, asked through its
+protocol (one call at each spot, a named answer; its module docstring has the table and
+a step's flow with deferred decisions).
 """
 
 from __future__ import annotations
@@ -36,17 +38,19 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_ledger.components import attention, counterfactual, disk_space, patches  # noqa: E402  ADDED (counterfactual: replay rerun)
-from titan_ledger.components.attention import document_causal_mask  # noqa: E402
-from titan_ledger.components.doc_loss import DocLossTracker, LogZStats, find_doc_loss, use_doc_loss  # noqa: E402
-from titan_ledger.components.ledger import Ledger  # noqa: E402
-from titan_ledger.components.optimizer import LedgerOptimizers  # noqa: E402
-from titan_ledger.components.precision import audit_trainer  # noqa: E402
-from titan_ledger.components.prevention import ModelOptions, apply_qk_norm  # noqa: E402
-from titan_ledger.components.qk_clip import QKClipConfig  # noqa: E402
-from titan_ledger.components.recovery import Recovery  # noqa: E402
-from titan_ledger.components.signals import loss_sum  # noqa: E402
-from titan_ledger.components.step_record import StepRecord  # noqa: E402
+from titan_ledger.components.ledger.batches import Batches  # noqa: E402
+from titan_ledger.components.ledger.ledger import Ledger  # noqa: E402
+from titan_ledger.components.prevention.optimizer import LedgerOptimizers  # noqa: E402
+from titan_ledger.components.prevention.qk_clip import QKClipConfig  # noqa: E402
+from titan_ledger.components.prevention.qk_norm import ModelOptions, apply_qk_norm  # noqa: E402
+from titan_ledger.components.response import counterfactual  # noqa: E402  ADDED (replay rerun)
+from titan_ledger.components.response.recovery import Outcome, Recovery  # noqa: E402
+from titan_ledger.components.run import disk_space, patches  # noqa: E402
+from titan_ledger.components.signals import attention  # noqa: E402
+from titan_ledger.components.signals.doc_loss import use_doc_loss  # noqa: E402
+from titan_ledger.components.signals.precision import audit_trainer  # noqa: E402
+from titan_ledger.components.signals.step_record import StepRecord  # noqa: E402
+from titan_ledger.components.signals.sums import loss_sum  # noqa: E402
 from titan_ledger.config.toml_frontend import world_size_from_env  # noqa: E402
 from titan_ledger.config.validate import validate  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
@@ -95,15 +99,8 @@ class LedgerTrainer(Trainer):
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with patches.meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
-        self.doc_loss: DocLossTracker | None = None
-        ours = find_doc_loss(self.loss_fn)
-        if ours is not None and config.ledger.signals:  # log Z: the output-logit drift signal
-            self.ledger.logz = ours.logz = LogZStats()
-        loss = ours if doc_loss else None
-        if loss is not None and not self.parallel_dims.cp_enabled:  # CP splits documents over ranks
-            dl = config.ledger.doc_loss
-            self.doc_loss = loss.tracker = DocLossTracker(dl.k, dl.min_tokens, config.training.seq_len)
-            self.ledger.doc_loss = self.doc_loss
+        self.doc_loss = self.ledger.attach_loss(self.loss_fn, per_document=doc_loss, seq_len=config.training.seq_len,
+                                                cp_enabled=self.parallel_dims.cp_enabled)
         if self._dense_masks and config.validator.enable:
             attention.give_validator_dense_masks(self.validator)
         if isinstance(self.dataloader, LedgerDataLoader):
@@ -121,7 +118,7 @@ class LedgerTrainer(Trainer):
             positions = extra_kwargs.get("positions")
             if positions is None:
                 raise ValueError("the CPU attention needs per-document 'positions' from the dataloader")
-            extra_kwargs["attention_masks"] = document_causal_mask(positions)
+            extra_kwargs["attention_masks"] = attention.document_causal_mask(positions)
         if self.doc_loss is not None and "positions" in extra_kwargs:
             self.doc_loss.push(extra_kwargs["positions"])  # the loss attributes tokens by position
         return inputs, labels, extra_kwargs
@@ -139,7 +136,7 @@ class LedgerTrainer(Trainer):
         )
 
     def train(self):
-        from titan_ledger.components import dashboards
+        from titan_ledger.components.ledger import dashboards
 
         dashboards.attach(self)  # W&B / TensorBoard: monotonic steps, identity, layout
         try:
@@ -188,9 +185,8 @@ class LedgerTrainer(Trainer):
         return super().should_continue_training() and counterfactual.before_stop(self)
 
     def batch_generator(self, data_iterable):
-        """torchtitan's generator, plus fetch timing and provenance for the step's record and
-        the rehearsal batch replacement, applied before the step counts tokens."""
-        return _Batches(self, data_iterable)
+        """torchtitan's generator, each batch landing in the step's record (``Batches``)."""
+        return Batches(self, data_iterable, Trainer.batch_generator)
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         # Once per gradient-accumulation microbatch (PP: per group of PP microbatches, with
@@ -224,35 +220,22 @@ class LedgerTrainer(Trainer):
             microbatch_groups.append(microbatches)
         rec = self.step_record  # CHANGED: the rest is ``execute``, which a proof re-runs on these batches
         rec.batches = microbatch_groups
-        accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.execute(
-            microbatch_groups, need_loss)
         # CHANGED: the previous step's deferred decision, made behind this step's launched work
-        outcome = self.recovery.resolve()
-        if outcome == "rollback":  # this step is dropped: the rollback and its skip window run now
-            self.recovery.drop(rec)
+        outcome, executed = self.recovery.after_execute(rec, self.execute(microbatch_groups, need_loss), need_loss)
+        if outcome is Outcome.DROPPED:  # a rollback: this step is dropped (the rollback and its skip window ran)
             return
-        if outcome == "redo":  # the parameters changed under it: this step again
-            accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = self.recovery.redo(
-                rec, need_loss)
+        accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = executed
 
         with sl.log_trace_span("optim"):
-            # CHANGED: record the step's signals from the gradients about to be applied,
-            # then the recovery decides whether they are applied
+            # CHANGED: record the step's signals from the gradients about to be applied
             self.step_record = None
             if self.doc_loss is not None:  # the step's distinct documents (rank separation), a host count
                 self.doc_loss.set_documents(rec.tags)
             rec.lr = next(iter(lr_metrics.values()), float("nan"))
             self.ledger.record(rec, grad_norm=grad_norm, local_tokens=int(local_valid_tokens),
                                local_loss_sum=loss_sum(accumulated_loss, global_valid_tokens))
-            applied = self.recovery.decide(rec)  # None: deferred, the device holds a flagged update
             self.checkpointer.maybe_wait_for_staging()
-            try:
-                if applied is not False:  # CHANGED: the update guard (on_spike)
-                    self.optimizers.step()
-            finally:
-                if applied is None:  # the held update's guard is lifted, whatever happened
-                    self.recovery.after_update()
-            self.ledger.after_update(applied is not False)  # CHANGED: QK-clip, update_norm
+            self.recovery.update(rec)  # CHANGED (was optimizers.step()): applied, withheld, or held on the device
             self.lr_schedulers.step()
 
         if not should_log:
@@ -289,7 +272,7 @@ class LedgerTrainer(Trainer):
         if not math.isfinite(global_avg_loss):
             # CHANGED: a deferred decision is made and recorded first, and its row written (the
             # ledger stops at a non-finite row, as it did in the step)
-            self.recovery.resolve()
+            self.recovery.settle(ok=True)
             self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
             raise RuntimeError(
                 f"Loss is not finite (global_avg_loss={global_avg_loss}) at "
@@ -365,38 +348,3 @@ class LedgerTrainer(Trainer):
                 ep_enabled=parallel_dims.ep_enabled,
             )
         return accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens
-
-
-class _Batches:
-    """``LedgerTrainer.batch_generator``: torchtitan's generator, and per batch the fetch
-    time, provenance and rehearsal replacement of the step's record. An iterator object,
-    not a generator: a generator that raised ``DataloaderExhaustedError`` is finished,
-    and a rollback decided at the end of the data (``Recovery.at_data_end``) fetches
-    again, from the checkpoint's position."""
-
-    def __init__(self, trainer: LedgerTrainer, data_iterable):
-        self.trainer, self.data, self.inner = trainer, data_iterable, None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        t = self.trainer
-        if self.inner is None:
-            self.inner = Trainer.batch_generator(t, self.data)
-        t0 = time.perf_counter()
-        try:
-            faults.data_runs_out(t)  # ADDED (rehearsal): --ledger.rehearsal.data_end N
-            input_dict, labels = next(self.inner)
-        except DataloaderExhaustedError:
-            self.inner = None
-            raise
-        rec = t.step_record
-        if rec is not None:
-            rec.data_loading_s += time.perf_counter() - t0
-            rec.fetched.append(labels.numel())  # what torchtitan's throughput counters took
-            if rec.inject is not None:  # ADDED (repeat, random)
-                labels = faults.replace_batch(input_dict, labels, rec.inject, t.tokenizer.get_vocab_size(),
-                                              seed=t.step)
-            t.ledger.take_provenance(rec, input_dict, labels)
-        return input_dict, labels

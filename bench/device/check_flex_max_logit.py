@@ -70,7 +70,7 @@ def run(device: str) -> tuple[dict, bool]:
         get_efficient_causal_mask_mod_for_packed_document,
     )
 
-    from titan_ledger.components.attention import (
+    from titan_ledger.components.signals.attention import (
         CpuAttention,
         LedgerFlexAttention,
         _max_scaled_score,

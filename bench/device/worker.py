@@ -267,7 +267,7 @@ def ref_attention_class():
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from titan_ledger.components.attention import CpuAttention
+    from titan_ledger.components.signals.attention import CpuAttention
 
     class RefAttention(CpuAttention):
         @dataclass(kw_only=True, slots=True)
@@ -315,7 +315,7 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-    from titan_ledger.components.attention import CpuAttention, MaxLogitRecorder, document_causal_mask
+    from titan_ledger.components.signals.attention import CpuAttention, MaxLogitRecorder, document_causal_mask
 
     ref_cls = ref_attention_class()
     for cls in (FlexAttention.Config, VarlenAttention.Config, CpuAttention.Config):
@@ -357,7 +357,7 @@ def reference_signals(model_config, weights: dict, batch: dict, max_norm: float,
     gn = math.sqrt(sum(p.grad.double().square().sum().item() for p in params.values()))
     per_layer: dict[str, float] = {}
     try:
-        from titan_ledger.components.signals import layer_group
+        from titan_ledger.components.signals.sums import layer_group
     except ImportError:  # only for the optional per-layer comparison
         layer_group = None
     if layer_group is not None:

@@ -25,7 +25,7 @@ def corpora():
 
 
 def test_rules_match_the_detector(fa):
-    from titan_ledger.components.spikes import RULES
+    from titan_ledger.components.detection.spikes import RULES
 
     assert fa.RULES == RULES
 
@@ -113,7 +113,7 @@ def test_replay_over_a_written_ledger_matches_the_detector(fa, tmp_path):
     ledger whose online record agrees passes the step-by-step check."""
     import dataclasses
 
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
     rules = {f.name: getattr(SpikeDetector.Config(), f.name) for f in dataclasses.fields(SpikeDetector.Config)}
     rnd = random.Random(0)
@@ -234,7 +234,7 @@ def test_parse_rules(fa):
         fa.parse_rules(["nonsense=1"])
     import dataclasses
 
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
     fields = {f.name for f in dataclasses.fields(SpikeDetector.Config)}
     assert set(fa._float_fields()) | set(fa._int_fields()) | {"notes", *fa._BOOLS} == fields - {"enable"}

@@ -46,7 +46,7 @@ def test_launch_help_is_help():
 def test_a_second_launch_into_a_live_runs_folder_is_refused(tmp_path):
     dump = tmp_path / "run"
     hold = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from titan_ledger.components import run_lock; "
+        [sys.executable, "-c", "import sys, time; from titan_ledger.components.run import run_lock; "
          "run_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(dump)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCHELASTIC_RUN_ID": "first-run"})
     try:

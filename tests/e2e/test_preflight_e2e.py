@@ -134,7 +134,7 @@ def test_the_fingerprint_costs_nothing_in_a_fresh_folder_and_none_when_resuming(
     """``claim_dump_folder`` calls a layout function only when it can decide."""
     import shutil
 
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
 
     calls = []
 

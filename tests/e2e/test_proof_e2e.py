@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import CONFIGS, cli, data_rows, explain, rejected_steps, signals_rows, spike_events, torchrun
 
-from titan_ledger.components.proof import HARMFUL
+from titan_ledger.format.proofs import HARMFUL
 from titan_ledger.format.records import read_ledger
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import CONFIGS, explain, first_batches, signals_ledger, torchrun, unsharded_model
 from torchtitan.models.common.attention import GQAttention
 
-from titan_ledger.components.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ledger.components.recorder import SignalRecorder
-from titan_ledger.components.signals import ParamPlan
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.signals.recorder import SignalRecorder
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.sums import ParamPlan
+from titan_ledger.components.signals.topology import Topology
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _worker(rank, world, port, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_ledger.components import recorder as recorder_mod
+    from titan_ledger.components.signals import recorder as recorder_mod
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import PARALLELISMS
 from helpers import data_rows, first_batches, rank_losses, signal_keys, signals_ledger, unsharded_model
 
-from titan_ledger.components.attention import CpuAttention, document_causal_mask
-from titan_ledger.components.signals import layer_group
+from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.signals.sums import layer_group
 from titan_ledger.data.layout import distinct_documents
 from titan_ledger.format.reader import DataLedger
 

@@ -8,7 +8,7 @@ from torchtitan.models.common.attention import (
     get_efficient_causal_mask_mod_for_packed_document,
 )
 
-from titan_ledger.components.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
 
 
 def _positions(batch: int, seq: int, seed: int) -> torch.Tensor:

@@ -3,8 +3,8 @@
 import pytest
 
 from titan_ledger import config_registry
-from titan_ledger.components import attention
-from titan_ledger.components.attention import CpuAttention
+from titan_ledger.components.signals import attention
+from titan_ledger.components.signals.attention import CpuAttention
 from titan_ledger.rehearsal import backend
 
 
@@ -60,7 +60,7 @@ def test_config_build_makes_a_ledger_trainer():
     # every torchtitan field the same, the preset off
     import dataclasses
 
-    from titan_ledger.components.optimizer import LedgerOptimizers
+    from titan_ledger.components.prevention.optimizer import LedgerOptimizers
 
     assert type(config.optimizer) is LedgerOptimizers.Config and config.optimizer.no_decay == "none"
     assert all(getattr(config.optimizer, f.name) == getattr(base.optimizer, f.name)

@@ -630,7 +630,7 @@ def test_a_process_refuses_a_sample_outside_the_run_and_writes_no_cache(tmp_path
                                           ("global_batch", {"global_batch": 8}, 8),
                                           ("fingerprint", {"fingerprint": "fp-b"}, "fp-b")])
 def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw, value):
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run", checkpoints=())  # nothing to resume: a second run would append
     layout = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a", **kw}
@@ -644,7 +644,7 @@ def test_reusing_a_dump_folder_with_another_layout_is_refused(tmp_path, key, kw,
 
 
 def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")
     same = {"seq_len": 256, "global_batch": 4, "fingerprint": "fp-a"}
@@ -659,7 +659,7 @@ def test_the_same_layout_resumes_and_allow_data_change_is_a_resume(tmp_path):
 def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_batch(tmp_path):
     """With a complete checkpoint the launch resumes: a changed seq_len/fingerprint is refused
     by the checkpoint load (DataStateError naming --ledger.allow_data_change), the batch here."""
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")  # checkpoints step-10, step-20
     assert claim_dump_folder(tmp_path / "run", "ledger", {"seq_len": 512, "fingerprint": "fp-b"}) == []
@@ -670,7 +670,7 @@ def test_a_resume_leaves_data_changes_to_the_checkpoint_load_but_not_the_global_
 
 
 def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
     from titan_ledger.format.reader import RunLedger
 
     dump = make_run(tmp_path / "run")
@@ -683,7 +683,7 @@ def test_new_run_moves_the_old_run_aside_never_mixes(tmp_path):
 
 
 def test_an_unreadable_old_ledger_does_not_block_a_resume(tmp_path):
-    from titan_ledger.components.run_folder import claim_dump_folder
+    from titan_ledger.components.run.run_folder import claim_dump_folder
 
     make_run(tmp_path / "run")
     (tmp_path / "run" / "ledger" / "data_dp0.jsonl").write_bytes(b"")

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from titan_ledger.components import dashboards
-from titan_ledger.components.dashboards import LedgerTensorBoard, LedgerWandB, log_rewind, log_spike, log_stop
+from titan_ledger.components.ledger import dashboards
+from titan_ledger.components.ledger.dashboards import LedgerTensorBoard, LedgerWandB, log_rewind, log_spike, log_stop
 
 
 class FakeRun:

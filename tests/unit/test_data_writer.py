@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from titan_ledger.components.data_writer import DataLedgerWriter
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.ledger.data_writer import DataLedgerWriter
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.layout import RowTag, Segment
 from titan_ledger.format import records
 from titan_ledger.format.reader import DataLedger

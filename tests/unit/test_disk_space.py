@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import torch
 
-from titan_ledger.components import disk_space
-from titan_ledger.components.disk_space import Estimate, checkpoints_held, estimate, shortfall
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.run import disk_space
+from titan_ledger.components.run.disk_space import Estimate, checkpoints_held, estimate, shortfall
+from titan_ledger.components.signals.topology import Topology
 
 
 def test_checkpoints_held_at_the_peak():

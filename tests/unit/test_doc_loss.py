@@ -1,4 +1,4 @@
-"""Per-document loss (titan_ledger.components.doc_loss): the loss is torchtitan's, and every
+"""Per-document loss (titan_ledger.components.signals.doc_loss): the loss is torchtitan's, and every
 segment's (sum, tokens) equals a direct per-document recomputation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
 
-from titan_ledger.components.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
+from titan_ledger.components.signals.doc_loss import DocLossCrossEntropy, DocLossTracker, segment_index
 from titan_ledger.data.layout import Segment, positions_of
 
 

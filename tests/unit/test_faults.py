@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from titan_ledger.components.step_record import StepRecord
+from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.errors import ConfigError
 from titan_ledger.rehearsal import faults
 from titan_ledger.rehearsal.faults import parse_inject, parse_injects
@@ -178,7 +178,7 @@ def test_the_data_runs_out_from_the_rehearsed_step_on():
 
     from torchtitan.components.dataloader import DataloaderExhaustedError
 
-    from titan_ledger.components.sections import RehearsalConfig
+    from titan_ledger.components.ledger.sections import RehearsalConfig
 
     def at(step, end):
         return NS(step=step, config=NS(ledger=NS(rehearsal=NS(data_end=end))))

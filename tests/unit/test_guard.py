@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from titan_ledger.components.guard import SpikeGuard
-from titan_ledger.components.recorder import Reduced
-from titan_ledger.components.spikes import SpikeDetector
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.detection.guard import SpikeGuard
+from titan_ledger.components.detection.spikes import SpikeDetector
+from titan_ledger.components.signals.recorder import Reduced
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 
@@ -25,7 +25,7 @@ def test_flags_become_events_and_rewinds_are_recorded(tmp_path):
         loss, gn = (2.0, 1.0 + 0.01 * (step % 3)) if step < 9 else (5.0, 40.0)
         red = Reduced(None, torch.tensor(loss, dtype=torch.float64), torch.tensor([loss, loss]), None)
         stats = g.observe(red, torch.tensor(gn, dtype=torch.float64))
-        assert g.flag_now() == (step == 9)
+        assert bool(stats[0]) == (step == 9)  # the acting flag the update guard reads
         g.on_row(_row(step, loss, gn), stats.tolist())
     g.record_rewind(from_step=9, to_step=4, window=(5, 9))
     g.close()
@@ -45,6 +45,7 @@ def test_a_note_is_recorded_and_charted_but_never_acted_on(tmp_path):
     spikes.jsonl, no rejected step, no flag for the update guard, ``note/*`` scalars and
     no W&B alert; the same step with every rule acting is a spike."""
     from tests.unit.test_dashboards import _container, _wandb
+    from titan_ledger.components.ledger.dashboards import log_note, log_spike
 
     def run(cfg, folder):
         g = SpikeGuard(Topology(world=2, rank=0, dp_size=2, dp_rank=0, dp_rank_of=(0, 1)), cfg, "skip_update")
@@ -55,8 +56,11 @@ def test_a_note_is_recorded_and_charted_but_never_acted_on(tmp_path):
             doc = torch.tensor([[3.0, 3.3, 2.7, 5], [3.0, 3.3 if step != 12 else 30.0, 2.7, 5]], dtype=torch.float64)
             red = Reduced(None, torch.tensor(3.0, dtype=torch.float64), torch.tensor([3.0, 3.0]), doc)
             stats = g.observe(red, torch.tensor(1.0, dtype=torch.float64))
-            flags.append(g.flag_now())
-            g.on_row(_row(step, 3.0, 1.0), stats.tolist(), _container(w))
+            flags.append(bool(stats[0]))
+            row = _row(step, 3.0, 1.0)
+            event = g.on_row(row, stats.tolist())
+            if event is not None:  # the ledger charts what the guard returns (Ledger.drain)
+                (log_spike if event[0] == "spike" else log_note)(_container(w), row, event[1])
         g.close()
         return g, flags, fake, RunLedger(folder.parent)
 
@@ -83,7 +87,7 @@ def test_other_ranks_write_no_event_files(tmp_path):
 def test_ladder_parsing_and_escalation():
     import pytest
 
-    from titan_ledger.components.guard import Ladder, Rung, parse_ladder
+    from titan_ledger.components.response.ladder import Ladder, Rung, parse_ladder
     from titan_ledger.errors import ConfigError
 
     assert parse_ladder("rollback") == [Rung("rollback", 0)]  # one action: no limit
@@ -103,7 +107,7 @@ def test_ladder_parsing_and_escalation():
 
 
 def test_would_act_answers_for_the_next_flag_without_recording_it():
-    from titan_ledger.components.guard import Ladder, parse_ladder
+    from titan_ledger.components.response.ladder import Ladder, parse_ladder
 
     lad = Ladder(parse_ladder("none,skip_update,none,rollback"), horizon=10)
     answers = []

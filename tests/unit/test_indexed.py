@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from titan_ledger.components.step_record import StepRecord
+from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data import indexed
 from titan_ledger.data.indexed import (
     BLEND_RULE,
@@ -327,8 +327,8 @@ def test_blend_rule_enters_the_fingerprint_only_when_blending(tmp_path):
 def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
     """Real loaders + the real DataLedgerWriter for ``dp`` ranks of an indexed corpus."""
 
-    from titan_ledger.components.data_writer import DataLedgerWriter
-    from titan_ledger.components.topology import Topology
+    from titan_ledger.components.ledger.data_writer import DataLedgerWriter
+    from titan_ledger.components.signals.topology import Topology
     from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
     from titan_ledger.data.loader import LedgerDataLoader
     from titan_ledger.data.prepare import load_tokenizer, prepare
@@ -405,8 +405,8 @@ def test_explicit_rows_stay_readable(tmp_path):
 def test_derived_rows_across_a_dp_change_use_their_segments_layout(tmp_path):
     """Steps 1-2 on 2 DP ranks (mbs 2), resumed at step 3 on 1 rank (mbs 4): each derived
     row is expanded with the layout of the segment that wrote it."""
-    from titan_ledger.components.data_writer import DataLedgerWriter
-    from titan_ledger.components.topology import Topology
+    from titan_ledger.components.ledger.data_writer import DataLedgerWriter
+    from titan_ledger.components.signals.topology import Topology
     from titan_ledger.data.loader import LedgerDataLoader
     from titan_ledger.format import records
     from titan_ledger.format.reader import DataLedger

@@ -3,14 +3,14 @@ given the others are launch checks, config.validate: test_bad_inputs' train-* ca
 
 import pytest
 
-from titan_ledger.components.ledger import (
+from titan_ledger.components.detection.spikes import SpikeDetector
+from titan_ledger.components.ledger.ledger import (
     FilterConfig,
     Ledger,
     OnSpikeConfig,
     RehearsalConfig,
     SkipConfig,
 )
-from titan_ledger.components.spikes import SpikeDetector
 from titan_ledger.errors import ConfigError, SkipError, TitanLedgerError
 from titan_ledger.rehearsal.faults import parse_inject
 

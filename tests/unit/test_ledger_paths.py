@@ -40,9 +40,9 @@ ALLOW = {
     ("titan_ledger/train.py", "spikes.jsonl"),
     ("titan_ledger/train.py", "data_dp"),
     ("titan_ledger/train.py", "ledger"),
-    ("titan_ledger/components/ledger.py", "ledger"),
-    ("titan_ledger/components/dashboards.py", "wandb.json"),
-    ("titan_ledger/components/dashboards.py", "ledger"),
+    ("titan_ledger/components/ledger/ledger.py", "ledger"),
+    ("titan_ledger/components/ledger/dashboards.py", "wandb.json"),
+    ("titan_ledger/components/ledger/dashboards.py", "ledger"),
     ("titan_ledger/tools/rerun/plan.py", "ledger"),
 }
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from titan_ledger.components.optimizer import LedgerOptimizers, describe_groups
+from titan_ledger.components.prevention.optimizer import LedgerOptimizers, describe_groups
 from titan_ledger.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_ledger.components import precision
+from titan_ledger.components.signals import precision
 
 
 class Block(nn.Module):

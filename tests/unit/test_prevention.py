@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ledger.components.prevention import apply_qk_norm
+from titan_ledger.components.prevention.qk_norm import apply_qk_norm
 from titan_ledger.config.toml_frontend import parse, read_job
 
 
@@ -33,7 +33,7 @@ def test_qk_norm_flag_reaches_every_attention_with_its_tp_sharding():
 
 def test_qk_norm_normalizes_each_head_of_q_and_k_before_attention():
     config = _config("--model.qk_norm")
-    from titan_ledger.components import attention
+    from titan_ledger.components.signals import attention
 
     attention.adapt_config(config)
     apply_qk_norm(config.model_spec.model)
@@ -55,7 +55,7 @@ def test_qk_norm_normalizes_each_head_of_q_and_k_before_attention():
     attn.q_norm.register_forward_hook(keep)
     tokens = torch.randint(0, 2048, (1, 16))
     positions = torch.arange(16).unsqueeze(0)
-    from titan_ledger.components.attention import document_causal_mask
+    from titan_ledger.components.signals.attention import document_causal_mask
 
     model(tokens, attention_masks=document_causal_mask(positions), positions=positions)
     q_in, q_out = seen["q"]

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from titan_ledger.components.attention import (
+from titan_ledger.components.prevention.qk_clip import QKClip, QKClipConfig, clip_stats, group_eta, row_scales
+from titan_ledger.components.signals.attention import (
     _max_scaled_score,
     _max_scaled_score_per_head,
     document_causal_mask,
 )
-from titan_ledger.components.qk_clip import QKClip, QKClipConfig, clip_stats, group_eta, row_scales
 from titan_ledger.config.toml_frontend import parse, read_job
 from titan_ledger.errors import ConfigError
 
@@ -86,7 +86,7 @@ def _config(*flags: str):
 
 
 def _model(config):
-    from titan_ledger.components import attention
+    from titan_ledger.components.signals import attention
 
     attention.adapt_config(config)
     with torch.device("meta"):
@@ -136,7 +136,7 @@ def test_qk_clip_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--qk_clip.alpha"):
         QKClipConfig(alpha=1.5)
     config = _config("--qk_clip.enable", "--model.qk_norm")
-    from titan_ledger.components.prevention import apply_qk_norm
+    from titan_ledger.components.prevention.qk_norm import apply_qk_norm
 
     apply_qk_norm(config.model_spec.model)
     with pytest.raises(ConfigError, match="--model.qk_norm"):

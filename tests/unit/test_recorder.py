@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from titan_ledger.components.recorder import NonFiniteLoss, SignalRecorder, check_finite
-from titan_ledger.components.signals import ParamPlan
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.signals.recorder import NonFiniteLoss, SignalRecorder, check_finite
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.sums import ParamPlan
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import records
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from titan_ledger.components import counterfactual
+from titan_ledger.components.response import counterfactual
 from titan_ledger.errors import ConfigError
 from titan_ledger.tools import rerun as rr
 from titan_ledger.tools.rerun import RerunError, Variant, VariantResult

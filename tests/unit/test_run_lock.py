@@ -1,4 +1,4 @@
-"""One live run per dump folder (titan_ledger.components.run_lock), with real processes:
+"""One live run per dump folder (titan_ledger.components.run.run_lock), with real processes:
 a live holder refuses, a kill -9'd holder (reaped or a zombie) is taken over, a PID
 that now belongs to a later process is not mistaken for the holder."""
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from titan_ledger.components import run_lock
+from titan_ledger.components.run import run_lock
 from titan_ledger.errors import ConfigError
 
-HOLD = ("import sys, time; from titan_ledger.components import run_lock; "
+HOLD = ("import sys, time; from titan_ledger.components.run import run_lock; "
         "run_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)")
 
 

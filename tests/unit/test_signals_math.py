@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from titan_ledger.components.attention import CpuAttention, document_causal_mask
-from titan_ledger.components.signals import ParamPlan, clipped_norm, layer_group, local_sums, snapshot, update_sq
+from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
+from titan_ledger.components.signals.sums import ParamPlan, clipped_norm, layer_group, local_sums, snapshot, update_sq
 
 
 def test_layer_group():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.unit.test_diagnose import ledger
-from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline, is_note
+from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline, is_note
 from titan_ledger.errors import ConfigError
 
 

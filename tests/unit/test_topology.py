@@ -1,6 +1,6 @@
 """Topology: who owns the loss, the tokens and the data ledger, for every layout."""
 
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.signals.topology import Topology
 
 
 def test_ownership_rules():

@@ -1,4 +1,4 @@
-"""z-loss and log Z (``[loss] z_loss_weight``, titan_ledger.components.doc_loss), in this
+"""z-loss and log Z (``[loss] z_loss_weight``, titan_ledger.components.signals.doc_loss), in this
 process: the loss and its gradient equal a direct recomputation, masked labels count
 for neither, chunks add up to the whole, and the flags fail with the flag's name.
 (Under TP and PP the same code runs in the session's straight runs, which
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 
-from titan_ledger.components.doc_loss import (
+from titan_ledger.components.signals.doc_loss import (
     ChunkedDocLoss,
     DocLossCrossEntropy,
     LogZStats,

@@ -47,7 +47,7 @@ JOB_KEYS: dict[str, str | None] = {
     "description": None,
     "dump_folder": "dump_folder",
     "print_config": "debug.print_config",
-    # the W&B run's identity (titan_ledger.components.dashboards); WANDB_RUN_* variables win
+    # the W&B run's identity (titan_ledger.components.ledger.dashboards); WANDB_RUN_* variables win
     "name": None,
     "tags": None,
     "notes": None,

@@ -46,7 +46,7 @@ def validate(config, world: int) -> None:
 
 
 def _ledger(config, world: int) -> None:
-    from titan_ledger.components.guard import parse_ladder
+    from titan_ledger.components.response.ladder import parse_ladder
     from titan_ledger.data.layout import parse_skip_steps
     from titan_ledger.data.loader import LedgerDataLoader
     from titan_ledger.rehearsal.faults import parse_die, parse_inject

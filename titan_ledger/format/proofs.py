@@ -1,7 +1,7 @@
 """What a proof at the alarm says, in words: one owner for the verdicts and their line.
 
 Design decision: the proof record (the ``proof`` of a ``spikes.jsonl`` event) is
-written by :mod:`titan_ledger.components.proof` and read by the trainer's console and
+written by :mod:`titan_ledger.components.response.prover` and read by the trainer's console and
 W&B alert and by ``diagnose``/``report``, which must not import torch; so its
 vocabulary and its one-line description live here, pure.
 """

@@ -9,7 +9,7 @@ titan_ledger entry point calls it before importing torchtitan.
 
 The other two CPU gaps are handled where torchtitan has a seam:
 
-* attention: :func:`titan_ledger.components.attention.adapt_config` replaces
+* attention: :func:`titan_ledger.components.signals.attention.adapt_config` replaces
   FlexAttention (no CPU backward) in the model config and applies the reduction below;
 * FSDP reductions: torchtitan sets FSDP's divide factor to 1, which FSDP2 runs as ``ReduceOp.PREMUL_SUM``; gloo has none, so the model's
   ``parallelize_fn`` is wrapped to switch every FSDP module to sum reduction with

@@ -26,7 +26,7 @@ from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format.reader import RunLedger
 
 if TYPE_CHECKING:
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
 
 def _spikes():
@@ -37,7 +37,7 @@ def _spikes():
     from titan_ledger.rehearsal import backend
 
     backend.ensure_installed()
-    from titan_ledger.components import spikes
+    from titan_ledger.components.detection import spikes
 
     return spikes
 

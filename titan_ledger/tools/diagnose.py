@@ -258,7 +258,7 @@ def no_spikes(led: RunLedger) -> str:
     trainer's spikes.jsonl, the default rules offline) and which rules had the history
     they need (``SpikeDetector.Config``: min_history, window / 2) -- a short run is not
     a clean one."""
-    from titan_ledger.components.spikes import SpikeDetector
+    from titan_ledger.components.detection.spikes import SpikeDetector
 
     cfg, rows = SpikeDetector.Config(), led.trained_rows()
     n, first, last = len(rows), rows[0]["step"], rows[-1]["step"]

@@ -131,17 +131,17 @@ def check_dump_folder(config) -> None:
     (the ranks cannot check it: rank 0 takes the lock while the others still parse)."""
     if config.comm.mode == "fake_backend":
         return
-    from titan_ledger.components import run_lock
+    from titan_ledger.components.run import run_lock
 
     run_lock.check(config.dump_folder)
 
 
 def warn_disk(config, world: int) -> None:
     """The dump folder's free space against what the run will write (a warning, never a
-    refusal: ``components/disk_space.py``)."""
+    refusal: ``components/run/disk_space.py``)."""
     if config.comm.mode == "fake_backend":
         return
-    from titan_ledger.components.disk_space import warn_before_launch
+    from titan_ledger.components.run.disk_space import warn_before_launch
 
     try:
         line = warn_before_launch(config, world)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_ledger.components.signals import ParamPlan, clip_coef, local_sums, snapshot, update_sq
-from titan_ledger.components.spikes import is_note as spike_note
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.sums import ParamPlan, clip_coef, local_sums, snapshot, update_sq
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import records
 
 # columns of the local vector every rank contributes to the all-gather
@@ -82,6 +81,9 @@ class RowLayout:
     max_logit: bool
     qk_clip: bool
     per_layer_groups: list[str] | None  # the per-layer norm groups, when recorded
+    #: whether the spike rules' stats say "a note, no acting rule" (detection's ``spikes.is_note``:
+    #: the stats' layout is detection's, which sits above the signals)
+    note_of: Callable[[list[float]], bool] | None = None
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Completed:
 class SignalRecorder:
     def __init__(self, topo: Topology, *, device: torch.device, plan: ParamPlan, attn: list,
                  per_layer: bool, max_logit: bool, max_norm: float, global_batch: int, seq_len: int,
-                 doc_loss=None, logz=None, qk_clip=None):
+                 doc_loss=None, logz=None, qk_clip=None, note_of: Callable[[list[float]], bool] | None = None):
         self.topo = topo
         self.device = device
         self.plan = plan
@@ -127,7 +129,7 @@ class SignalRecorder:
         # QK-clip off: its two row values are NaN (made once, not a fill kernel every step)
         self._qk_off = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
         self.layout = RowLayout(topo.dp_size, topo.dp_rank, max_logit, qk_clip is not None,
-                                plan.groups if per_layer else None)
+                                plan.groups if per_layer else None, note_of)
 
     # ------------------------------------------------------------------ files
     def open(self, folder: Path, header: records.Header) -> None:
@@ -376,7 +378,7 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
         "skipped": False,
         "skipped_samples": skipped_samples,
         "spike": bool(stats[0]) if stats is not None else None,
-        "spike_note": spike_note(stats) if stats is not None else None,
+        "spike_note": layout.note_of(stats) if stats is not None and layout.note_of is not None else None,
         "update_skipped": rec.update_skipped,
         "step_time_s": rec.step_time_s,
         "data_loading_s": rec.data_loading_s,

@@ -3,26 +3,26 @@
 Design decision: one Configurable, ``Ledger``, owns the ``ledger`` config section
 (torchtitan's pattern: nested ``@dataclass(kw_only=True, slots=True) Config``,
 attribute docstrings as ``--help``; its sub-sections are
-:mod:`titan_ledger.components.sections`; checks of values against each other are
+:mod:`titan_ledger.components.ledger.sections`; checks of values against each other are
 launch checks, :func:`titan_ledger.config.validate.validate`). At run time it is a
 thin composition of three components, each built from a :class:`Topology` and
 unit-testable in-process without torchrun:
 
-* :class:`~titan_ledger.components.recorder.SignalRecorder` -- per-step signals, one
+* :class:`~titan_ledger.components.signals.recorder.SignalRecorder` -- per-step signals, one
   collective, rows built a step late (``signals.jsonl``, ``rank<r>.jsonl``);
-* :class:`~titan_ledger.components.data_writer.DataLedgerWriter` -- the data ledger
+* :class:`~titan_ledger.components.ledger.data_writer.DataLedgerWriter` -- the data ledger
   (``data_dp<r>.jsonl``);
-* :class:`~titan_ledger.components.guard.SpikeGuard` -- the spike rules, events, and the
+* :class:`~titan_ledger.components.detection.guard.SpikeGuard` -- the spike rules, events, and the
   host read the update guard / rollback need.
 
-A step is one :class:`~titan_ledger.components.step_record.StepRecord`, handed in
+A step is one :class:`~titan_ledger.components.signals.step_record.StepRecord`, handed in
 whole at ``record`` and fanned out to every writer in one place, :meth:`Ledger.drain`.
 ``Ledger`` itself owns what spans the components: the segments (one ``seq`` per launch
-or rewind; the run folder's rules are :mod:`titan_ledger.components.run_folder`), the
+or rewind; the run folder's rules are :mod:`titan_ledger.components.run.run_folder`), the
 skip windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it at
 ``open`` (first step), ``record`` (after the clip, before ``optimizers.step``),
 ``drain`` and ``close``; what a flagged step does is
-:mod:`titan_ledger.components.recovery`'s.
+:mod:`titan_ledger.components.response.recovery`'s.
 """
 
 from __future__ import annotations
@@ -40,22 +40,25 @@ from torch.profiler import record_function
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import Configurable
 
-from titan_ledger.components.attention import MaxLogitRecorder, forget_pp_metadata_inference
-from titan_ledger.components.data_writer import DataLedgerWriter
-from titan_ledger.components.guard import Ladder, SpikeGuard, parse_ladder
-from titan_ledger.components.recorder import SignalRecorder, check_finite, dashboard
-from titan_ledger.components.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
-from titan_ledger.components.sections import (
+from titan_ledger.components.detection.guard import SpikeGuard
+from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
+from titan_ledger.components.ledger import dashboards
+from titan_ledger.components.ledger.data_writer import DataLedgerWriter
+from titan_ledger.components.ledger.sections import (
     DocLossConfig,
     FilterConfig,
     OnSpikeConfig,
     RehearsalConfig,
     SkipConfig,
 )
-from titan_ledger.components.signals import ParamPlan, natural_key
-from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector, describe
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.response.ladder import Ladder, parse_ladder
+from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
+from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
+from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats, find_doc_loss
+from titan_ledger.components.signals.recorder import SignalRecorder, check_finite, dashboard
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.sums import ParamPlan, natural_key
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import ConfigError
@@ -151,8 +154,8 @@ class Ledger(Configurable):
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
         self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
-        self.doc_loss = None  # a DocLossTracker (set by the trainer when the loss is tracked)
-        self.logz = None  # a LogZStats (set by the trainer when the loss is titan_ledger's)
+        self.doc_loss: DocLossTracker | None = None  # when the loss is tracked per document (attach_loss)
+        self.logz: LogZStats | None = None  # when the loss is titan_ledger's (attach_loss)
         self.qk_clip = None  # a QKClip when [qk_clip] enable (built in setup)
         self.quarantine = Quarantine(config.filter.quarantine)
         self.proven: list[list] = []  # [source, doc, step] a proof convicted (this process)
@@ -164,8 +167,8 @@ class Ledger(Configurable):
         """Bind to a built trainer (after model, optimizer and dataloader exist). The
         launch checks ran before (``config.validate``); this claims the run folder, agrees
         the run's identity and builds the writers."""
-        from titan_ledger.components.optimizer import describe_groups
-        from titan_ledger.components.precision import audit_trainer
+        from titan_ledger.components.prevention.optimizer import describe_groups
+        from titan_ledger.components.signals.precision import audit_trainer
         from titan_ledger.data.loader import LedgerDataLoader
 
         cfg, tcfg = self.config, trainer.config
@@ -194,6 +197,19 @@ class Ledger(Configurable):
         if self.enabled:
             self._build_recorder(trainer)
         self._apply_state()
+
+    def attach_loss(self, loss_fn, *, per_document: bool, cp_enabled: bool, seq_len: int) -> DocLossTracker | None:
+        """Hook the step's signals into the trainer's loss when it is titan_ledger's
+        (``doc_loss.find_doc_loss``): log Z (the output-logit drift signal) and, with
+        ``per_document`` and no context parallelism (CP splits documents over ranks), the
+        per-document loss tracker, which is returned."""
+        ours = find_doc_loss(loss_fn)
+        if ours is not None and self.config.signals:
+            self.logz = ours.logz = LogZStats()
+        if ours is not None and per_document and not cp_enabled:
+            dl = self.config.doc_loss
+            self.doc_loss = ours.tracker = DocLossTracker(dl.k, dl.min_tokens, seq_len)
+        return self.doc_loss
 
     def _claim(self, tcfg) -> str | None:
         """Rank 0: the dump folder holds this run (or, ``--ledger.new_run``, another run is
@@ -238,7 +254,7 @@ class Ledger(Configurable):
         if qk_cfg is not None and qk_cfg.enable:
             from torchtitan.models.common.attention import GQAttention
 
-            from titan_ledger.components.qk_clip import QKClip
+            from titan_ledger.components.prevention.qk_clip import QKClip
 
             pd = trainer.parallel_dims
             self.qk_clip = QKClip(qk_cfg, trainer.model_parts,
@@ -251,7 +267,7 @@ class Ledger(Configurable):
             topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
             max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
             global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
-            doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip)
+            doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip, note_of=is_note)
         if cfg.spike.enable:
             self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
 
@@ -428,9 +444,6 @@ class Ledger(Configurable):
                     self.qk_clip.apply()
             self.qk_clip.head_max = None
 
-    def spike_flag_now(self) -> bool:
-        return self.guard.flag_now() if self.guard is not None else False
-
     def record_action(self, rec: dict) -> None:
         if self.guard is not None:
             self.guard.record_action(rec)
@@ -446,9 +459,12 @@ class Ledger(Configurable):
                 self.data.record(done.rec, doc_loss=done.doc)  # data_dp<r>.jsonl
             if metrics_logger is not None:
                 metrics_logger.log(dashboard(done.row), done.rec.step)
-            if self.guard is not None:
-                self.guard.on_row(done.row, done.stats, metrics_logger,  # spikes.jsonl, rejected_steps.jsonl
-                                  proof=done.rec.proof)
+            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof) \
+                if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
+            if event is not None and metrics_logger is not None:
+                # spike/* and note/* scalars; W&B: a spike's alert and its spike/events table row
+                (dashboards.log_spike if event[0] == "spike" else dashboards.log_note)(metrics_logger, done.row,
+                                                                                       event[1])
             check_finite(done.row, self.recorder.path)
 
     # ------------------------------------------------------------------ data ledger, skips
@@ -488,6 +504,8 @@ class Ledger(Configurable):
         self.skip_windows = parse_skip_steps(
             [f"{a}-{b}" for a, b in self.skip_windows] + [f"{window[0]}-{window[1]}"])
         self.open(resumed_from=to_step, rewind_from=from_step)
+        if metrics_logger is not None:
+            dashboards.log_rewind(metrics_logger, from_step=from_step, to_step=to_step, window=window)
 
     def summary(self) -> dict[str, Any]:
         """What this process wrote (for the end-of-run summary)."""

@@ -107,7 +107,7 @@ class QKClip:
     def __init__(self, cfg: QKClipConfig, model_parts, *, n_layers: int, tp_rank: int, tp_size: int):
         from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
 
-        from titan_ledger.components.attention import MaxLogitRecorder
+        from titan_ledger.components.signals.attention import MaxLogitRecorder
 
         self.cfg = cfg
         self.n_layers = n_layers

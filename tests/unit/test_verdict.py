@@ -1,4 +1,4 @@
-"""titan_ledger.components.proof: the verdict logic, the suspect and its control, the
+"""titan_ledger.components.response.verdict: the verdict logic, the suspect and its control, the
 label masks, and the detector's view of the history before a step (no processes)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from titan_ledger.components.proof import (
+from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
+from titan_ledger.components.response.verdict import (
     Execution,
     Suspect,
     control_of,
-    describe_proof,
     differing_ranks,
     document_tokens,
     faulty_ranks,
@@ -26,8 +26,8 @@ from titan_ledger.components.proof import (
     reproduced,
     same_tensor,
 )
-from titan_ledger.components.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.data.layout import RowTag, Segment
+from titan_ledger.format.proofs import describe_proof
 
 
 def ex(variant, loss, gn, ranks, normal=None):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from torch.profiler import record_function
 
-from titan_ledger.components.step_record import StepRecord
-from titan_ledger.components.topology import Topology
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
 from titan_ledger.format import records
 

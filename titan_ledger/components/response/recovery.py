@@ -1,14 +1,28 @@
-"""``Recovery``: what a flagged step does -- the update guard, the recovery ladder's
-actions (in-process rollback, skip windows, stop with a report).
+"""``Recovery``: what a flagged step does, and the one protocol by which the trainer asks.
 
-Design decision: the trainer asks two questions and nothing else. Before a step,
-:meth:`Recovery.before_step` runs what an earlier decision left pending (a rollback
-reloads a checkpoint in this process; a skip window consumes its steps' data without
-training). Between the clip and ``optimizers.step()``, :meth:`Recovery.decide` says
-whether this step's update is applied. Everything those answers need -- the ladder,
-the checkpoint list, the LR factor that a ``rollback_lr`` rung leaves for every later
-load -- lives here, so the copied ``train_step`` in ``trainer.py`` carries two calls,
-not the policy.
+Design decision: the copied ``train_step`` in ``trainer.py`` makes one call into this
+class at each spot where a decision can change the step, and reads back a named
+answer, never a string:
+
+==========================  ===============================================  ==============
+trainer spot                call                                             answer
+==========================  ===============================================  ==============
+before a step (wrapper)     :meth:`Recovery.before_step`                     consumed: bool
+after the step's execution  :meth:`Recovery.after_execute`                   :class:`Outcome`
+in place of                 :meth:`Recovery.update`                          --
+``optimizers.step()``
+the data ran out            :meth:`Recovery.at_data_end`                     goes on: bool
+a non-finite loss, the end  :meth:`Recovery.settle`                          --
+==========================  ===============================================  ==============
+
+Everything those answers need -- the ladder, the checkpoint list, the LR factor a
+``rollback_lr`` rung leaves for every later load, the proof -- lives here. Each action
+is one method with one caller: the rollback (:meth:`_rollback`, from
+:meth:`before_step`), the skip window (:meth:`_skip_window`, from :meth:`before_step`),
+the late update of a held step (:meth:`_apply_late`, from :meth:`_resolve`) and the
+redo of the step after it (:meth:`_redo`, from :meth:`after_execute`). A step executed
+again -- by the proof or the redo -- goes through
+:class:`~titan_ledger.components.response.reexecution.Reexecution`.
 
 Not calling ``optimizers.step()`` on a rejected step leaves parameters, moments and
 Adam's step count as they were (OLMo-core PR 309/317: the count must not advance).
@@ -18,32 +32,65 @@ question in the step needs the flag on the host before ``optimizers.step()``, a 
 sync every step. Instead the device answers first: :meth:`SpikeGuard.hold` becomes the
 fused AdamW's ``found_inf`` (GradScaler's mechanism), so a flagged step's update is
 withheld with parameters, moments and step count untouched, and the host reads the flag
-at the next step (:meth:`Recovery.resolve`), after that step's forward/backward was
-launched, from the copy the recorder already made. A flagged step is then still exactly
-where it was -- its parameters and optimizer state unchanged, its batches kept one step
--- and is proven and acted on as in the step; an update the decision applies is applied
-at the flagged step's learning rate, and the next step, computed on the old parameters,
-is executed again (:meth:`Recovery.redo`): the run is the one an in-step decision makes.
-Steps whose next event needs the decision made (a checkpoint, validation, the last
-step, a step before a skip window) decide in the step, so a checkpoint never holds an
+at the next step (:meth:`Recovery.after_execute`), after that step's forward/backward
+was launched, from the copy the recorder already made. A flagged step is then still
+exactly where it was -- its parameters and optimizer state unchanged, its batches kept
+one step -- and is proven and acted on as in the step; an update the decision applies
+is applied at the flagged step's learning rate, and the next step, computed on the old
+parameters, is executed again: the run is the one an in-step decision makes. Steps
+whose next event needs the decision made (a checkpoint, validation, the last step, a
+step before a skip window) decide in the step, so a checkpoint never holds an
 undecided update.
+
+A step's flow, deferral included::
+
+    train_step (wrapper)
+      before_step()             pending rollback -> _rollback; skip window -> _skip_window
+      _train_step: fetch; execute (first execution)
+        after_execute()         the previous step's held decision: _resolve (prove, act,
+                                _apply_late) -> Outcome.STANDS | REDONE (_redo) | DROPPED
+        Ledger.record           signals reduced, rules run (device)
+        update()                decide now (flags_now: a host read) or defer (hold on the
+                                device); optimizers.step(); Ledger.after_update
+      at_data_end()             the fetch found no data: the held decision is made
+    train: settle()             the end of training: a held decision is made
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 
 import torch
 
-from titan_ledger.components.optimizer import scale_lr
-from titan_ledger.components.proof import FirstExecution, Prover
-from titan_ledger.components.spikes import STAT_KEYS
-from titan_ledger.components.step_record import StepRecord
+from titan_ledger.components.detection.spikes import STAT_KEYS
+from titan_ledger.components.prevention.optimizer import scale_lr
+from titan_ledger.components.response.ladder import ladder_report
+from titan_ledger.components.response.prover import FirstExecution, Prover
+from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
-from titan_ledger.errors import LedgerStop, python_command
+from titan_ledger.errors import LedgerStop
 from titan_ledger.format import records
 from titan_ledger.format.proofs import describe_proof
+
+
+class Outcome(enum.Enum):
+    """What the previous step's deferred decision meant for the step being trained
+    (:meth:`Recovery.after_execute`)."""
+
+    STANDS = "stands"  # nothing was pending, or the decision changed nothing under this step
+    REDONE = "redone"  # it changed the parameters or the gradients: this step was executed again
+    DROPPED = "dropped"  # it was a rollback: this step is dropped; the rollback and its skip window ran
+
+
+class Update(enum.Enum):
+    """How a step's update goes in (:meth:`Recovery.update`)."""
+
+    APPLY = "apply"  # decided in the step: applied
+    WITHHOLD = "withhold"  # decided in the step: not applied (optimizers.step() not called)
+    HOLD = "hold"  # deferred: optimizers.step() runs with the guard, which withholds a flagged update
 
 
 @dataclass
@@ -60,7 +107,8 @@ _NOTE = STAT_KEYS.index("note")
 
 
 class Recovery:
-    """The recovery side of one ``LedgerTrainer``: built with it, asked once per step."""
+    """The recovery side of one ``LedgerTrainer``: built with it, asked at the spots of the
+    module docstring's table."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -73,13 +121,14 @@ class Recovery:
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
         self._last_proof: dict | None = None  # the proof the last decision made (redo masks its documents)
 
-    # ------------------------------------------------------------------ before a step
+    # ------------------------------------------------------------------ the protocol
     def before_step(self) -> bool:
-        """Run what is pending; True when this call consumed the step (a skip window)."""
+        """Before a step's fetch: run what is pending; True when this call consumed the
+        step (a skip window)."""
         t = self.trainer
         window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.pending_rollback is not None or window is not None):
-            self.resolve()  # (the step before a window decides in the step; this is a safety net)
+            self._resolve()  # (the step before a window decides in the step; this is a safety net)
         if self.pending_rollback is not None:  # in-process rollback (on_spike)
             self._rollback(self.pending_rollback)
             window = t.ledger.skip_window_at(t.step)
@@ -87,6 +136,56 @@ class Recovery:
             return False
         self._skip_window(window)
         return True
+
+    def after_execute(self, rec: StepRecord, executed, need_loss: bool):
+        """After this step's first execution (``executed``: what ``execute`` returned),
+        behind its launched work: the previous step's deferred decision is made. Returns
+        (:class:`Outcome`, the execution that stands: ``executed``, or the redo's)."""
+        outcome = self._previous(rec)
+        if outcome is Outcome.REDONE:
+            executed = self._redo(rec, need_loss)
+        return outcome, executed
+
+    def update(self, rec: StepRecord) -> None:
+        """In place of ``optimizers.step()``, after ``Ledger.record``: whether this step's
+        update is applied -- decided in the step (a flag read on the host, a proof, the
+        ladder), or deferred to the next step with the device withholding a flagged
+        update -- then the update, and what follows it (``Ledger.after_update``)."""
+        t = self.trainer
+        how = self._decide(rec)
+        try:
+            if how is not Update.WITHHOLD:
+                t.optimizers.step()
+        finally:
+            if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
+                for o in t.optimizers.optimizers:
+                    o.found_inf = None
+        t.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
+
+    def at_data_end(self, rec: StepRecord) -> bool:
+        """The data ran out fetching ``rec``'s batches (this step). The previous step's
+        deferred decision is made now; True when it was a rollback, which then ran (as in
+        the step, before this fetch) and training goes on; False: the run ends here."""
+        return self.pending is not None and self._previous(rec) is Outcome.DROPPED
+
+    def settle(self, ok: bool) -> None:
+        """A deferred decision still open is made (``ok``: the end of training, or a
+        non-finite loss whose row must be written with its decision) or, after an error,
+        its step's rows are written as they stand (its update was withheld if it was
+        flagged)."""
+        rec = self.pending
+        if rec is None:
+            return
+        if ok:
+            self._resolve()
+            return
+        self.pending = None
+        stats = self.trainer.ledger.recorder.host_stats(rec)
+        d = rec.deferred
+        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or
+                                             (stats[_NOTE] and self.prover.mode == "all")))
+        rec.deferred = None
+        self._done(rec)
 
     # ------------------------------------------------------------------ the decision
     def _acts(self) -> bool:
@@ -141,22 +240,22 @@ class Recovery:
                     or (t.config.validator.enable and t.validator.should_validate(step))
                     or t.ledger.skip_window_at(step + 1) is not None)
 
-    def decide(self, rec: StepRecord) -> bool | None:
-        """Between the clip and ``optimizers.step()``: True/False, the update is applied or
-        not (decided in the step); None, deferred (the device withholds a flagged step's
-        update through ``found_inf``; call :meth:`after_update` after ``optimizers.step()``)."""
+    def _decide(self, rec: StepRecord) -> Update:
+        """This step's update: :attr:`Update.APPLY`/``WITHHOLD`` decided in the step, or
+        :attr:`Update.HOLD` (deferred: the device withholds a flagged step's update
+        through ``found_inf``)."""
         if not self._acts():
-            rec.batches = None
-            return True
+            self._done(rec)
+            return Update.APPLY
         forced = self._forced(rec.step)
         if self.defers(rec.step):
             self._defer(rec, forced)
-            return None
+            return Update.HOLD
         try:
-            return self._decide(rec, *self.trainer.ledger.flags_now(), forced)
+            applied = self._judge(rec, *self.trainer.ledger.flags_now(), forced)
         finally:
-            rec.batches = None  # the step's batches are not kept past its decision
-            self.prover.release()
+            self._done(rec)  # the step's batches are not kept past its decision
+        return Update.APPLY if applied else Update.WITHHOLD
 
     def _defer(self, rec: StepRecord, forced: bool) -> None:
         t = self.trainer
@@ -179,20 +278,23 @@ class Recovery:
         self.pending = rec
         self.deferred += 1
 
-    def after_update(self) -> None:
-        """After a deferred step's ``optimizers.step()``: the update guard is lifted."""
-        for o in self.trainer.optimizers.optimizers:
-            o.found_inf = None
+    def _previous(self, rec: StepRecord) -> Outcome:
+        """The previous step's deferred decision, made while ``rec`` (this step) was
+        fetched or executed; on a rollback ``rec`` is dropped (:meth:`_drop`)."""
+        outcome = self._resolve()
+        if outcome is Outcome.DROPPED:
+            self._drop(rec)
+        return outcome
 
-    def resolve(self) -> str | None:
+    def _resolve(self) -> Outcome:
         """The deferred decision of the step before this one, made now: its flag read on
         the host from the recorder's copy (long arrived), and a flagged step proven and
-        acted on as in the step. Returns None (nothing else to do), ``"redo"`` (the
-        parameters changed, or a proof overwrote the gradients: this step is executed
-        again, :meth:`redo`) or ``"rollback"`` (a rollback is pending)."""
+        acted on as in the step. ``REDONE``: the parameters changed, or a proof overwrote
+        the gradients (this step must be executed again); ``DROPPED``: a rollback is
+        pending."""
         rec = self.pending
         if rec is None:
-            return None
+            return Outcome.STANDS
         self.pending = None
         t = self.trainer
         ledger = t.ledger
@@ -204,115 +306,35 @@ class Recovery:
         rec.decided = True
         held = d.forced or (acting and d.holds) or (note and self.prover.mode == "all")
         if not held:  # the device applied the update
-            rec.batches = None
-            if acting and not self._decide(rec, acting, note, False, decided_at=t.step):  # the ladder's `none` rung
+            self._done(rec)
+            if acting and not self._judge(rec, acting, note, False, decided_at=t.step):  # the ladder's `none` rung
                 raise RuntimeError(f"titan_ledger: step {rec.step}'s flag was not held but its action withholds "
                                    f"the update")  # (Ladder.would_act answered for this very flag)
-            return None
+            return Outcome.STANDS
         now, t.step = t.step, rec.step  # the hooks and messages see the flagged step
         try:
-            applied = self._decide(rec, acting, note, d.forced, first=d.first, decided_at=now)
+            applied = self._judge(rec, acting, note, d.forced, first=d.first, decided_at=now)
             if applied:
                 self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
                 self._apply_late(rec, d.lrs)
         finally:
             t.step = now
-            rec.batches = None
-            self.prover.release()
+            self._done(rec)
         # its rows now, as in the step: the ledger stops at a non-finite row before this
         # step is recorded (a non-finite loss always flags)
         ledger.drain(block=False, metrics_logger=t.metrics_processor.logger)
         if self.pending_rollback is not None:
-            return "rollback"
-        return "redo" if (applied or rec.proof is not None) else None
+            return Outcome.DROPPED
+        return Outcome.REDONE if (applied or rec.proof is not None) else Outcome.STANDS
 
-    def drop(self, rec: StepRecord) -> None:
-        """``rec`` (this step) is dropped: the previous step's deferred decision was a
-        rollback, which in the step would have run before this step's fetch. What the
-        fetch and execution left is taken back -- the per-step accumulators, the
-        batches and fetch times in torchtitan's throughput metrics -- and the rollback
-        and its skip window run now."""
-        t = self.trainer
-        t.ledger.discard_step_state()
-        mp = t.metrics_processor
-        mp.ntokens_since_last_log -= sum(rec.fetched)
-        if rec.fetched:
-            del mp.data_loading_times[-len(rec.fetched):]
-        t.step_record = rec.batches = None
-        self.before_step()
+    def _done(self, rec: StepRecord) -> None:
+        """``rec``'s decision is made: its batches (device tensors once executed) and the
+        proof's hold on them are let go."""
+        rec.batches = None
+        self.prover.release()
 
-    def at_data_end(self, rec: StepRecord) -> bool:
-        """The data ran out fetching ``rec``'s batches (this step). The previous step's
-        deferred decision is made now; True when it was a rollback, which then ran (as in
-        the step, before this fetch) and training goes on; False: the run ends here."""
-        if self.pending is None:
-            return False
-        if self.resolve() != "rollback":
-            return False
-        self.drop(rec)
-        return True
-
-    def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
-        """The held update of ``rec``, applied a step late at its own learning rates (the
-        schedule has moved on since)."""
-        t = self.trainer
-        opts = list(t.optimizers.optimizers)
-        now = [[_lr(g) for g in o.param_groups] for o in opts]
-        for o, lr in zip(opts, lrs):
-            for g, x in zip(o.param_groups, lr):
-                _set_lr(g, x)
-        if t.ledger.recorder is not None and t.ledger.config.update_norm:
-            t.ledger.recorder.snapshot_params()
-        try:
-            t.optimizers.step()
-        finally:
-            for o, lr in zip(opts, now):
-                for g, x in zip(o.param_groups, lr):
-                    _set_lr(g, x)
-        t.ledger.after_update(True, rec)
-
-    def redo(self, rec: StepRecord, need_loss: bool):
-        """This step again, after the previous step's deferred decision changed the
-        parameters or the gradients: its first execution is discarded (the per-step
-        accumulators drained, the rehearsal's one-time faults re-armed: the discarded one
-        never happened), documents the decision convicted are masked in its batches as the
-        fetch would have, and ``execute`` runs once more."""
-        from titan_ledger.rehearsal import faults
-
-        t = self.trainer
-        t.ledger.discard_step_state()
-        proof = self._last_proof
-        if proof is not None and proof["verdict"] == "bad_data":
-            t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
-        faults.rearm(rec.faults)
-        t.optimizers.zero_grad(set_to_none=t.config.training.disable_cuda_graphs)
-        self.redone += 1
-        t.step_record = rec
-        seen = t.ntokens_seen  # torchtitan counts every forward's tokens: the first execution's count stands
-        try:
-            return t.execute(rec.batches, need_loss)
-        finally:
-            t.ntokens_seen = seen
-
-    def settle(self, ok: bool) -> None:
-        """The end of training: a deferred decision still open is made (``ok``: training
-        ended normally, e.g. the data ran out) or, after an error, its step's rows are
-        written as they stand (its update was withheld if it was flagged)."""
-        rec = self.pending
-        if rec is None:
-            return
-        if ok:
-            self.resolve()
-            return
-        self.pending = None
-        stats = self.trainer.ledger.recorder.host_stats(rec)
-        d = rec.deferred
-        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or
-                                             (stats[_NOTE] and self.prover.mode == "all")))
-        rec.decided, rec.deferred, rec.batches = True, None, None
-
-    def _decide(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
-                first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
+    def _judge(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
+               first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
         """Is this step's update applied? A flagged step is proven first
         (``--ledger.on_spike.prove``) and acted on by what the proof says; the ladder acts
         on an acting flag the proof left standing. In the step, or deferred (``first``:
@@ -355,6 +377,54 @@ class Recovery:
             logger.warning(f"titan_ledger: step {rec.step}: {describe_proof(proof)}")
 
     # ------------------------------------------------------------------ actions
+    def _drop(self, rec: StepRecord) -> None:
+        """``rec`` (this step) is dropped: the previous step's deferred decision was a
+        rollback, which in the step would have run before this step's fetch. What the
+        fetch and execution left is taken back -- the per-step accumulators, the
+        batches and fetch times in torchtitan's throughput metrics -- and the rollback
+        and its skip window run now."""
+        t = self.trainer
+        t.ledger.discard_step_state()
+        mp = t.metrics_processor
+        mp.ntokens_since_last_log -= sum(rec.fetched)
+        if rec.fetched:
+            del mp.data_loading_times[-len(rec.fetched):]
+        t.step_record = rec.batches = None
+        self.before_step()
+
+    def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
+        """The held update of ``rec``, applied a step late at its own learning rates (the
+        schedule has moved on since)."""
+        t = self.trainer
+        opts = list(t.optimizers.optimizers)
+        now = [[_lr(g) for g in o.param_groups] for o in opts]
+        for o, lr in zip(opts, lrs):
+            for g, x in zip(o.param_groups, lr):
+                _set_lr(g, x)
+        if t.ledger.recorder is not None and t.ledger.config.update_norm:
+            t.ledger.recorder.snapshot_params()
+        try:
+            t.optimizers.step()
+        finally:
+            for o, lr in zip(opts, now):
+                for g, x in zip(o.param_groups, lr):
+                    _set_lr(g, x)
+        t.ledger.after_update(True, rec)
+
+    def _redo(self, rec: StepRecord, need_loss: bool):
+        """This step again, after the previous step's deferred decision changed the
+        parameters or the gradients: its first execution is replaced
+        (:class:`Reexecution` with ``replaces``: its accumulators drained, the rehearsal's
+        one-time faults re-armed), documents the decision convicted are masked in its
+        batches as the fetch would have, and ``execute`` runs once more."""
+        t = self.trainer
+        proof = self._last_proof
+        if proof is not None and proof["verdict"] == "bad_data":
+            t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
+        self.redone += 1
+        with Reexecution(t, rec, replaces=True) as again:
+            return again.run(rec.batches, need_loss)
+
     def _skip_window(self, window: tuple[int, int]) -> None:
         """Consume the data of steps ``step..window end`` at once: no forward, backward
         or optimizer step; the LR schedule frozen or advanced per ``--ledger.skip.lr``.
@@ -393,7 +463,6 @@ class Recovery:
         import torch.distributed as dist
         from torchtitan.tools.logging import logger
 
-        from titan_ledger.components.dashboards import log_rewind
         from titan_ledger.format.reader import checkpoints
 
         t = self.trainer
@@ -432,8 +501,8 @@ class Recovery:
             scale_lr(t.lr_schedulers, self.lr_scale)
         ledger.rewind(from_step=spike_step, to_step=load, window=window,
                       metrics_logger=t.metrics_processor.logger)
-        log_rewind(t.metrics_processor.logger, from_step=spike_step, to_step=load, window=window)
         t.step = load + 1
+
 
 
 def _lr(group: dict):
@@ -448,25 +517,3 @@ def _set_lr(group: dict, lr) -> None:
         group["lr"].copy_(lr)  # the same tensor: whoever holds it (a compiled step) sees the value
     else:
         group["lr"] = lr
-
-
-def ladder_report(ledger, config, action: dict) -> str:
-    """One screen: what happened, what was tried, where the evidence is, what to run."""
-    folder = ledger.folder
-    dump = config.dump_folder
-    step = action["step"]
-    py = python_command()  # the interpreter that trained: the commands run as printed
-    tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
-                      for h in ledger.ladder.history) or "nothing"
-    on_spike = config.ledger.on_spike
-    return "\n".join([
-        f"the recovery ladder stopped training at step {step} "
-        f"(--ledger.on_spike.action {on_spike.action}, horizon {on_spike.ladder_horizon} steps)",
-        f"  what happened: spikes kept coming back within the horizon; last at step {step}",
-        f"  what was tried: {tried}",
-        f"  evidence: {folder / records.SPIKES_FILE} (every flag and decision), {folder / records.SIGNALS_FILE}, "
-        f"{folder}/{records.DATA_GLOB} (documents and their losses), checkpoints in {dump}/{config.checkpoint.folder}",
-        f"  next: {py} -m titan_ledger.diagnose {dump} --step {step}",
-        f"        {py} -m titan_ledger.report {dump} --step {step} -o incident.html",
-        f"        {py} -m titan_ledger.replay rerun --dump-folder {dump} --step {step}  (reuses this run's launch)",
-    ])

@@ -39,7 +39,7 @@ dropped from both dashboards while the ledger records signals.
 *Ends.* A stop by a non-finite loss, by the ledger (``max_rollbacks``) or any other
 exception raises an ERROR alert and ends the run with ``finish(exit_code=1)``.
 Spikes raise a WARN alert each and are appended to the ``spike/events`` table; notes
-(the weaker tier, :mod:`titan_ledger.components.spikes`) are ``note/*`` scalars only.
+(the weaker tier, :mod:`titan_ledger.components.detection.spikes`) are ``note/*`` scalars only.
 
 *TensorBoard.* A custom-scalars layout (loss with ``loss_max``; grad norm before and
 after the clip with ``max_norm``; max logit; spikes) and the run's config as text. TB
@@ -488,7 +488,7 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
     """A flagged step: ``spike/*`` scalars on every dashboard, an alert and a table row on W&B."""
     if metrics_logger is None:
         return
-    from titan_ledger.components.spikes import RULES
+    from titan_ledger.components.detection.spikes import RULES
 
     metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
                         "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"]),
@@ -501,7 +501,7 @@ def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
     """A note (weaker evidence, no acting rule): ``note/*`` scalars only, no alert."""
     if metrics_logger is None:
         return
-    from titan_ledger.components.spikes import RULES
+    from titan_ledger.components.detection.spikes import RULES
 
     metrics_logger.log({"note/flag": 1.0, **{f"note/{r}": 1.0 for r in ev["notes"] if r in RULES}}, row["step"])
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from titan_ledger.components.counterfactual import parse_overrides
-from titan_ledger.components.guard import parse_ladder
+from titan_ledger.components.response.counterfactual import parse_overrides
+from titan_ledger.components.response.ladder import parse_ladder
 from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
@@ -114,7 +114,7 @@ class OnSpikeConfig:
     """Rollbacks: stop with an error after this many rewinds in one run."""
 
     prove: Literal["off", "acting", "all"] = "acting"
-    """Proof at the alarm (:mod:`titan_ledger.components.proof`): before its update, a
+    """Proof at the alarm (:mod:`titan_ledger.components.response.prover`): before its update, a
     flagged step is re-executed as is (``same``: a difference is a transient ``hardware``
     fault; the recomputed update is applied) and, when the update is abnormal, with the
     suspect data loss-masked against a control (``bad_data``: the update without it is
@@ -175,7 +175,7 @@ class RehearsalConfig:
     Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
 
     rerun: str = ""
-    """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.components.counterfactual`):
+    """Set by ``python -m titan_ledger.replay rerun`` only (:mod:`titan_ledger.components.response.counterfactual`):
     ``stop=N`` ends training after step N (the LR schedule still spans
     ``--training.steps``), ``lr_scale=X`` / ``eps=X`` override the checkpoint's
     learning rate (scaled) and Adam epsilon from the first step on, e.g.
@@ -183,7 +183,7 @@ class RehearsalConfig:
 
     prove_at: str = ""
     """Rehearsal only: prove these steps (``"2,5-7"``) at the alarm as if a note had
-    fired (``components.proof``), whatever the rules say: every parallelism's
+    fired (``components.response.prover``), whatever the rules say: every parallelism's
     re-execution checked against its first, on clean steps. The proof is recorded as an
     event of its own in spikes.jsonl (``"forced": true``)."""
 

@@ -52,14 +52,14 @@ def apply_overrides(trainer) -> dict[str, float]:
         for opt in trainer.optimizers.optimizers:
             set_beta2(opt, beta2)
     if cap is not None:
-        from titan_ledger.components.attention import MaxLogitRecorder
+        from titan_ledger.components.signals.attention import MaxLogitRecorder
 
         for part in trainer.model_parts:
             for m in part.modules():
                 if isinstance(m, MaxLogitRecorder):
                     m.softcap = cap
     if scale is not None:
-        from titan_ledger.components.optimizer import scale_lr
+        from titan_ledger.components.prevention.optimizer import scale_lr
 
         scale_lr(trainer.lr_schedulers, scale)
     if eps is not None:

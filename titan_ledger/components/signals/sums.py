@@ -9,7 +9,7 @@ hold disjoint pieces, so summing owned contributions over the world counts each
 logical element exactly once -- Megatron's ``param_is_not_tensor_parallel_duplicate``
 rule, derived from DTensor placements. The loss is owned by the last PP stage's
 TP-rank-0 ranks. Everything here is pure tensor code (no process group calls) so
-it is unit-testable; :mod:`titan_ledger.components.recorder` packs it into the collectives.
+it is unit-testable; :mod:`titan_ledger.components.signals.recorder` packs it into the collectives.
 """
 
 from __future__ import annotations

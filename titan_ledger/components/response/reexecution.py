@@ -1,0 +1,88 @@
+"""One way to execute a training step again: :class:`Reexecution`.
+
+Design decision: a step is executed more than once in two places -- the proof at the
+alarm runs *extra* executions of a flagged step (``same``, ``masked``, ``control``,
+and once more to put an applied update back in the gradients), and a deferred decision
+that changed the parameters *replaces* the next step's first execution (the redo).
+Both go through this one context, so what an execution touches is listed once and
+restored once:
+
+==================  ====================================  ================================
+touched             an extra execution (``replaces=False``)  a replacing one (``replaces=True``)
+==================  ====================================  ================================
+gradients           fresh tensors (the caller keeps the first's by reference)  fresh tensors
+the step record     the hooks see the executed step; the trainer's own is put back
+``ntokens_seen``    put back (torchtitan counts every forward's tokens; the first execution's count stands)
+MoE routing counts  put back (an extra execution routes no tokens the load-balancing update may count)
+the RNG state       put back (CPU, and CUDA on a GPU)
+per-step            drained after (what the extra             drained before (the replaced
+accumulators        execution refilled: document losses,      execution's), kept after
+                    log Z, max logits)
+rehearsal faults    left fired (a transient fault happens     re-armed before (the replaced
+                    in the first execution only)              execution never happened)
+==================  ====================================  ================================
+
+MoE counts on a redo: deferral is off when an optimizer step hook (MoE load balancing)
+would read them (``Recovery.deferrable``), so they are put back in both cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from titan_ledger.rehearsal import faults
+
+
+def expert_counts(model_parts) -> list[torch.Tensor]:
+    """MoE layers' ``tokens_per_expert_E`` buffers (torchtitan's MoE): every forward adds
+    its routing counts, and the load-balancing hook turns them into the expert-bias update
+    at ``optimizers.step()``, so an extra execution's counts are taken back out."""
+    return [b for m in model_parts for name, b in m.named_buffers() if name.rsplit(".", 1)[-1] == "tokens_per_expert_E"]
+
+
+class Reexecution:
+    """``with Reexecution(trainer, rec, replaces=...) as again: out = again.run(groups)``:
+    the trainer's own ``execute`` (the copied torchtitan body) on ``groups`` -- ``rec``'s
+    batches, or a masked copy of them -- with everything else put back on exit (the
+    table in the module docstring). ``run`` may be called more than once inside one
+    context (the proof's executions); each gets fresh gradients."""
+
+    def __init__(self, trainer, rec, *, replaces: bool) -> None:
+        self.trainer, self.rec, self.replaces = trainer, rec, replaces
+        self._saved: tuple[Any, ...] | None = None
+
+    def __enter__(self) -> Reexecution:
+        t = self.trainer
+        counts = expert_counts(t.model_parts)
+        cuda = torch.cuda.get_rng_state() if t.device.type == "cuda" else None
+        self._saved = (t.step_record, t.ntokens_seen, counts, [c.clone() for c in counts],
+                       torch.get_rng_state(), cuda)
+        if self.replaces:
+            t.ledger.discard_step_state()  # the replaced execution's accumulators
+            faults.rearm(self.rec.faults)  # ...and its one-time faults: it never happened
+        return self
+
+    def run(self, groups, need_loss: bool = True):
+        """One execution on ``groups`` with fresh gradients; returns ``execute``'s
+        (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
+        t = self.trainer
+        for m in t.model_parts:
+            for p in m.parameters():
+                p.grad = None
+        t.step_record = self.rec  # the hooks see the executed step (a swap repeats; a bitflip is done)
+        out = t.execute(groups, need_loss)
+        if not self.replaces:
+            t.ledger.discard_step_state()  # what the extra execution refilled
+        return out
+
+    def __exit__(self, *exc) -> None:
+        t = self.trainer
+        outer, seen, counts, kept, rng, cuda = self._saved
+        t.step_record, t.ntokens_seen = outer, seen
+        for c, k in zip(counts, kept):
+            c.copy_(k)
+        torch.set_rng_state(rng)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
