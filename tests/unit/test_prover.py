@@ -1,0 +1,150 @@
+"""titan_ledger.components.response.prover: the flagged step re-executed before its
+update, on a fake trainer around a real model (one process, world size 1; the verdicts'
+pure rules are test_verdict.py's, the multi-rank masks the e2e proofs').
+
+Each outcome the prover can reach without a suspect rank -- ``not_data`` (reproducible,
+abnormal or normal), ``hardware`` applying the repeats' update (the first execution was
+faulty), ``hardware`` applying the first (a repeat was), ``hardware`` applying nothing
+(no two agree, bit for bit) -- in the step (the applied gradients are left in place)
+and deferred (from the first execution's checksum; ``load_update`` executes the step
+once more when the gradients are gone), with what the proof touched put back.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_ledger.components.detection.spikes import SpikeDetector
+from titan_ledger.components.response.prover import FirstExecution, Prover
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.sums import loss_sum
+from titan_ledger.components.signals.topology import Topology
+
+
+class _Trainer:
+    """``execute`` trains a linear model on the step's batch; ``noise`` maps an execution
+    number (0: the first) to a factor on its loss, a transient fault in that execution."""
+
+    def __init__(self, noise: dict[int, float] | None = None, grad_norm: float = 1.0):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 2)
+        self.model_parts = [self.model]
+        self.device = torch.device("cpu")
+        self.step_record, self.ntokens_seen, self.executions = None, 0, 0
+        self.noise = noise or {}
+        self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
+        self.config = SimpleNamespace(
+            training=SimpleNamespace(max_norm=1e9),
+            ledger=SimpleNamespace(on_spike=SimpleNamespace(prove="acting", prove_rtol=0.0, prove_noise_factor=100.0)))
+        detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
+        for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
+            detector.step(torch.tensor(2.0 + 0.01 * (i % 3), dtype=torch.float64),
+                          torch.tensor(grad_norm * (1 + 0.01 * (i % 2)), dtype=torch.float64))
+        self.ledger = SimpleNamespace(
+            topo=Topology.single(), guard=SimpleNamespace(detector=detector), last_execution=None,
+            discard_step_state=lambda: None, step_documents=lambda: None, last_dp_loss=lambda: [2.0],
+            quarantine_proven=lambda docs, step: None,
+            config=SimpleNamespace(spike=SimpleNamespace(doc_outlier_floor=0.7)))
+
+    def execute(self, groups, need_loss=True):
+        k = self.executions
+        self.executions += 1
+        self.ntokens_seen += 8
+        loss = (self.model(self.x) - self.y).square().mean() * self.noise.get(k, 1.0)
+        loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters()]))
+        return loss.detach(), norm, torch.tensor(8), torch.tensor(8)
+
+    def first(self, rec):
+        """The step's first execution, as ``_train_step`` and ``Ledger.record`` leave it."""
+        loss, norm, tokens, global_tokens = self.execute(rec.batches)
+        self.ledger.last_execution = (loss_sum(loss, global_tokens), int(tokens), norm)
+        return [p.grad for p in self.model.parameters()]
+
+
+def _prove(trainer, deferred: bool):
+    rec = StepRecord(step=21, start=0.0, batches=[["the step's batch"]])
+    grads = trainer.first(rec)
+    first = FirstExecution.of(trainer) if deferred else None
+    prover = Prover(trainer)
+    seen = trainer.ntokens_seen
+    proof = rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    assert trainer.ntokens_seen == seen and trainer.step_record is None  # put back
+    return prover, rec, proof, grads
+
+
+def _grads(trainer):
+    return [p.grad.clone() for p in trainer.model.parameters()]
+
+
+def _clean(trainer):
+    """The gradients an execution without a fault leaves."""
+    clean = _Trainer()
+    clean.execute(None)
+    return _grads(clean)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_reproducible_step_is_not_data_and_its_first_update_applied(deferred):
+    t = _Trainer(grad_norm=0.01)  # the step's grad norm stands far above the history: abnormal
+    prover, rec, proof, first = _prove(t, deferred)
+    assert proof["verdict"] == "not_data" and proof["applied"] == "original"
+    assert [e["variant"] for e in proof["executions"]] == ["original", "same"]
+    assert proof["executions"][1]["bit_equal"] is True and proof["executions"][0]["normal"] is False
+    if not deferred:  # in the step: the first execution's gradients are back, by reference
+        assert all(p.grad is g for p, g in zip(t.model.parameters(), first))
+    else:
+        prover.load_update(rec, proof["applied"])  # the repeat's gradients are the first's: nothing to execute
+        assert t.executions == 2 and "update_recomputed" not in proof
+
+
+def test_a_normal_update_with_no_suspect_is_not_data_and_no_mask_runs():
+    t = _Trainer(grad_norm=_Trainer().execute(None)[1].item())  # the history's grad norm is the step's
+    _, _, proof, _ = _prove(t, False)
+    assert proof["verdict"] == "not_data" and proof["executions"][0]["normal"] is True
+    assert proof["why"] == "reproducible; the update is normal and no data is suspect"
+    assert [e["variant"] for e in proof["executions"]] == ["original", "same"]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_faulty_first_execution_is_hardware_and_the_repeats_update_is_applied(deferred):
+    t = _Trainer(noise={0: 3.0})  # the first execution's loss tripled: its gradients too
+    prover, rec, proof, first = _prove(t, deferred)
+    assert proof["verdict"] == "hardware" and proof["applied"] == "same" and proof["ranks"] == [0]
+    assert [e["variant"] for e in proof["executions"]] == ["original", "same", "same"]
+    if deferred:
+        prover.load_update(rec, "same")  # the last repeat's gradients are in place
+        assert t.executions == 3 and "update_recomputed" not in proof
+    clean = _clean(t)
+    assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), clean))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_faulty_repeat_is_hardware_and_the_first_update_is_applied(deferred):
+    t = _Trainer(noise={1: 3.0})  # the first repeat faulty; the second agrees with the first execution
+    prover, rec, proof, first = _prove(t, deferred)
+    assert proof["verdict"] == "hardware" and proof["applied"] == "original"
+    if deferred:  # the first execution's gradients were overwritten: the step once more
+        prover.load_update(rec, "original")
+        assert proof["update_recomputed"] == "same" and t.executions == 4
+    else:
+        assert all(p.grad is g for p, g in zip(t.model.parameters(), first))
+    assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), _clean(t)))
+
+
+def test_three_executions_that_differ_within_their_own_noise_reproduced_and_the_noise_is_recorded():
+    """A machine without bit-for-bit execution: no execution stands 100x farther from the
+    other two than the closest pair (the floor), so the step reproduced."""
+    t = _Trainer(noise={0: 3.0, 1: 5.0, 2: 7.0})
+    _, _, proof, _ = _prove(t, False)
+    assert proof["verdict"] == "not_data" and proof["noise"]["factor"] == 100.0
+    assert 0 < proof["noise"]["floor"] < 1
+
+
+def test_no_two_executions_agreeing_beyond_any_noise_applies_nothing():
+    t = _Trainer(noise={1: float("nan"), 2: float("inf")})  # every pair infinitely apart: no floor
+    _, _, proof, _ = _prove(t, False)
+    assert proof["verdict"] == "hardware" and proof["applied"] == "none"

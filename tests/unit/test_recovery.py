@@ -1,0 +1,353 @@
+"""titan_ledger.components.response.recovery: the protocol the trainer calls, as a state
+machine on a fake trainer around a real model and a real fused AdamW (no processes).
+
+The loop below is the copied ``train_step``'s use of the protocol (``before_step``,
+``execute``, ``after_execute``, ``Ledger.record``, ``update``, ``settle``); the fake
+ledger stands in for the recorder's queue (``host_stats``), the rules (a planned flag
+per step) and the writers (rows in step order, a held step's waiting for its
+decision). Every outcome is reached -- ``STANDS``, ``REDONE`` (a late update, a proof
+that overwrote the gradients), ``DROPPED`` (a rollback decided a step late) -- and each
+deferred run is compared, bit for bit, with the same run deciding every step in the
+step: parameters, Adam's moments and step count, the rows and the ladder's actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_ledger.components.detection.guard import SpikeGuard
+from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
+from titan_ledger.components.response.ladder import Ladder, parse_ladder
+from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.recovery import Outcome, Recovery, Update
+from titan_ledger.components.signals.step_record import StepRecord
+from titan_ledger.components.signals.topology import Topology
+from titan_ledger.errors import LedgerStop
+
+_NOTE = STAT_KEYS.index("note")
+DOCS = 4  # documents per step's batch: (step, i)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return [((step, i), torch.randn(3, generator=g), torch.randn(1, generator=g)) for i in range(DOCS)]
+
+
+class _Ledger:
+    """The ledger's side of the protocol: flags from a plan, rows in step order."""
+
+    def __init__(self, trainer, flags: dict[int, tuple[bool, bool]], action: str, folder: Path):
+        self.t, self.flags = trainer, flags
+        self.guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), action)
+        self.ladder = Ladder(parse_ladder(action), 100)
+        self.qk_clip, self.topo, self.folder = None, Topology.single(), folder
+        self.config = SimpleNamespace(update_norm=False)
+        self.recorder = SimpleNamespace(host_stats=lambda rec: self.queued.get(rec.step))
+        self.queued: dict[int, list[float]] = {}
+        self.pending: list[StepRecord] = []
+        self.rows: list[tuple] = []  # (step, update skipped, proof verdict) as written
+        self.actions: list[dict] = []
+        self.quarantine: set = set()
+        self.windows: list[tuple[int, int]] = []
+        self.rewinds = 0
+        self.last_execution = None
+
+    def record(self, rec, executed):
+        acting, note = self.flags.get(rec.step, (False, False))
+        stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        stats[0], stats[_NOTE] = float(acting), float(note)
+        self.guard.last_stats = stats
+        self.queued[rec.step] = stats.tolist()
+        loss, grad_norm, tokens, _ = executed
+        self.last_execution = (loss, tokens, grad_norm)
+        self.pending.append(rec)
+
+    def flags_now(self):
+        return self.flags.get(self.t.step, (False, False))
+
+    def step_event(self):
+        return {"rules": ["ratio"]}
+
+    def drain(self, block, metrics_logger=None):
+        while self.pending and self.pending[0].decided:
+            rec = self.pending.pop(0)
+            self.rows.append((rec.step, rec.update_skipped, rec.proof["verdict"] if rec.proof else None))
+
+    def discard_step_state(self):
+        pass
+
+    def after_update(self, applied, rec=None):
+        pass
+
+    def record_action(self, action):
+        self.actions.append({k: v for k, v in action.items() if k != "decided_at"})
+
+    def remask(self, rec, docs):
+        rec.batches = [[[row for row in rec.batches[0][0] if row[0] not in set(docs)]]]
+
+    def skip_window_at(self, step):
+        return next(((a, b) for a, b in self.windows if a <= step <= b), None)
+
+    def record_skip(self, **kw):
+        self.rows.append(("skipped", kw["first"], kw["last"]))
+
+    @contextlib.contextmanager
+    def keeping_ladder(self):
+        yield
+
+    def rewind(self, *, from_step, to_step, window, metrics_logger=None):
+        self.drain(True)
+        self.pending.clear()
+        self.rows = [r for r in self.rows if r[0] == "skipped" or r[0] <= to_step]
+        self.rewinds += 1
+        self.windows.append(window)
+
+
+class _Trainer:
+    def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
+                 ckpt: int | None = None, fused=True):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(3, 1)
+        self.model_parts = [self.model]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1, fused=fused)
+        self.optimizers = SimpleNamespace(optimizers=[self.opt], step=self.opt.step)
+        self.device = torch.device("cpu")
+        self.step, self.ntokens_seen, self.step_record = 0, 0, None
+        self.gradient_accumulation_steps = self.num_pipeline_parallel_microbatches = 1
+        self.config = SimpleNamespace(
+            ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove, max_rollbacks=3, rollback_back=1,
+                                                            rollback_skip=2, action=action, ladder_horizon=100),
+                                   rehearsal=SimpleNamespace(prove_at=""), skip=SimpleNamespace(lr="freeze")),
+            checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
+                                       folder="checkpoint"),
+            validator=SimpleNamespace(enable=False), training=SimpleNamespace(steps=steps, max_norm=1.0),
+            dump_folder=str(tmp))
+        self.ledger = _Ledger(self, flags, action, tmp / "ledger")
+        self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
+        self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
+                                             get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
+        self.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None, maybe_wait_for_saving=lambda: None,
+                                            load=self._load)
+        self.saved: dict[int, tuple] = {}
+        self.ledger.loader = SimpleNamespace(skip=lambda n: SimpleNamespace(position_before=0, position_after=n))
+        self.recovery = Recovery(self)
+
+    def should_continue_training(self):
+        return self.step < self.config.training.steps
+
+    def _lr_step(self):  # a schedule that moves every step: a late update must use its own step's LR
+        for g in self.opt.param_groups:
+            g["lr"] = 0.1 / (1 + self.step)
+
+    def _load(self, step):
+        model, opt, lr = self.saved[step]
+        self.model.load_state_dict(copy.deepcopy(model))
+        self.opt.load_state_dict(copy.deepcopy(opt))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.step = step
+
+    def save(self):
+        path = Path(self.config.dump_folder) / "checkpoint" / f"step-{self.step}"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ".metadata").touch()
+        self.saved[self.step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
+                                 self.opt.param_groups[0]["lr"])
+
+    def execute(self, groups, need_loss=True):
+        rows = groups[0][0]
+        self.ntokens_seen += len(rows)
+        loss = sum(((self.model(x) - y) ** 2).sum() for _, x, y in rows) / DOCS
+        if self.step_record is not None and self.step_record.inject == "bitflip" and self.step_record.faults:
+            loss = loss * 100  # a transient fault: the first execution only
+            self.step_record.faults = None
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        return loss.detach(), norm, torch.tensor(len(rows)), torch.tensor(len(rows))
+
+    def train(self):
+        """torchtitan's loop around the copied ``train_step``, asking the protocol."""
+        r = self.recovery
+        outcomes = []
+        while self.should_continue_training():
+            self.step += 1
+            if r.before_step():
+                continue
+            rec = self.step_record = StepRecord(step=self.step, start=0.0)
+            rec.batches = [[[row for row in _batch(self.step) if row[0] not in self.ledger.quarantine]]]
+            if (self.step, "bitflip") in self.faults:
+                rec.inject, rec.faults = "bitflip", True
+            for p in self.model.parameters():
+                p.grad = None
+            outcome, executed = r.after_execute(rec, self.execute(rec.batches), True)
+            outcomes.append(outcome)
+            if outcome is Outcome.DROPPED:
+                continue
+            self.step_record = None
+            self.ledger.record(rec, executed)
+            r.update(rec)
+            self.lr_schedulers.step()
+            self.ledger.drain(False)
+            if self.config.checkpoint.enable and self.step % self.config.checkpoint.interval == 0:
+                self.save()
+        r.settle(ok=True)
+        self.ledger.drain(True)
+        return outcomes
+
+    faults: tuple = ()
+
+
+class _Prover:
+    """A proof whose verdict per step is planned; what it applies is executed as the real
+    prover does (through ``Reexecution``): ``masked`` trains without the step's document 0."""
+
+    def __init__(self, trainer, mode, verdicts):
+        self.t, self.mode, self.verdicts = trainer, mode, verdicts
+        self.proofs = 0
+
+    def wanted(self, acting, note):
+        return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
+
+    def release(self):
+        pass
+
+    def _groups(self, rec, applied):
+        if applied == "masked":
+            return [[[row for row in rec.batches[0][0] if row[0] != (rec.step, 0)]]]
+        return rec.batches
+
+    def prove(self, rec, *, acting, event, first=None):
+        self.proofs += 1
+        verdict, applied = self.verdicts[rec.step]
+        if verdict == "bad_data":
+            self.t.ledger.quarantine.add((rec.step, 0))
+        proof = {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else []}
+        if first is None and applied != "none":  # in the step: the applied update is left in the gradients
+            with Reexecution(self.t, rec, replaces=False) as again:
+                again.run(self._groups(rec, applied))
+        return proof
+
+    def load_update(self, rec, applied):
+        with Reexecution(self.t, rec, replaces=False) as again:
+            again.run(self._groups(rec, applied))
+
+
+def _run(tmp, name, **kw):
+    verdicts = kw.pop("verdicts", None)
+    faults = kw.pop("faults", ())
+    t = _Trainer(tmp / name, **kw)
+    t.faults = faults
+    if verdicts is not None:
+        t.recovery.prover = _Prover(t, kw.get("prove", "acting"), verdicts)
+    outcomes = t.train()
+    return t, outcomes
+
+
+def _state(t):
+    st = t.opt.state_dict()["state"]
+    return [p.detach().clone() for p in t.model.parameters()], \
+        [(float(s["step"]), s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in st.values()]
+
+
+def _assert_same_run(a, b):
+    (pa, sa), (pb, sb) = _state(a), _state(b)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb)), "parameters differ"
+    assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(sa, sb))
+    assert a.ledger.rows == b.ledger.rows
+    assert a.ledger.actions == b.ledger.actions
+
+
+FLAGS = {3: (True, False), 4: (True, False), 8: (False, True), 9: (True, True)}
+
+
+@pytest.mark.parametrize("action", ["skip_update", "none", "none,skip_update*9", "skip_update*2,none"])
+def test_a_deferred_run_with_the_ladder_trains_the_run_in_step_decisions_train(tmp_path, action):
+    d, outcomes = _run(tmp_path, "deferred", flags=FLAGS, action=action)
+    s, _ = _run(tmp_path, "in_step", flags=FLAGS, action=action, defer=False)
+    # (`none` with prove off: a flag changes nothing, so nothing is deferred)
+    assert (d.recovery.deferred > 0) is (action != "none") and s.recovery.deferred == 0
+    _assert_same_run(d, s)
+    assert set(outcomes) == {Outcome.STANDS}  # prove off: a held update is withheld, never applied late
+
+
+@pytest.mark.parametrize("verdict,applied", [("not_data", "original"), ("hardware", "same"),
+                                             ("hardware", "none"), ("bad_data", "masked")])
+def test_a_deferred_proof_applies_what_it_decides_and_the_next_step_is_redone(tmp_path, verdict, applied):
+    verdicts = {s: (verdict, applied) for s in FLAGS}
+    d, outcomes = _run(tmp_path, "deferred", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts)
+    s, _ = _run(tmp_path, "in_step", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts, defer=False)
+    _assert_same_run(d, s)
+    # a proof leaves its step's gradients changed: the step after it is always executed again
+    assert Outcome.REDONE in outcomes and d.recovery.redone == outcomes.count(Outcome.REDONE) > 0
+    if verdict == "bad_data":  # the redo trained the next step without the convicted document
+        assert d.ledger.quarantine == {(3, 0), (4, 0), (9, 0)}
+    skipped = applied == "none" or verdict == "not_data"  # not_data: the ladder's skip_update acts
+    assert (3, skipped, verdict) in d.ledger.rows
+
+
+def test_notes_are_proven_only_with_prove_all(tmp_path):
+    verdicts = {s: ("not_data", "original") for s in range(1, 13)}
+    acting, _ = _run(tmp_path, "acting", flags=FLAGS, action="none", prove="acting", verdicts=verdicts)
+    every, _ = _run(tmp_path, "all", flags=FLAGS, action="none", prove="all", verdicts=verdicts)
+    assert acting.recovery.prover.proofs == 3 and every.recovery.prover.proofs == 4  # step 8: a note only
+    _assert_same_run(every, _run(tmp_path, "all_in_step", flags=FLAGS, action="none", prove="all",
+                                 verdicts=verdicts, defer=False)[0])
+
+
+def test_a_rollback_decided_a_step_late_drops_the_step_it_was_decided_in(tmp_path):
+    flags = {7: (True, False)}
+    d, outcomes = _run(tmp_path, "deferred", flags=flags, action="rollback", ckpt=2)
+    s, _ = _run(tmp_path, "in_step", flags=flags, action="rollback", ckpt=2, defer=False)
+    assert outcomes.count(Outcome.DROPPED) == 1 and d.ledger.rewinds == s.ledger.rewinds == 1
+    _assert_same_run(d, s)
+    # rolled back to step 6 (spike 7 - rollback_back 1), then steps 7-8 skipped
+    assert ("skipped", 7, 8) in d.ledger.rows and [r[0] for r in d.ledger.rows].count(7) == 0
+
+
+def test_a_stop_rung_writes_what_is_pending_and_stops_with_the_report(tmp_path):
+    with pytest.raises(LedgerStop, match="the recovery ladder stopped training at step 4"):
+        _run(tmp_path, "stop", flags=FLAGS, action="skip_update,stop")
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"fused": False}, "no found_inf"),
+    ({"ckpt": 1}, "every step is a checkpoint step"),
+    ({"defer": False}, "--ledger.on_spike.no_defer"),
+])
+def test_every_fallback_decides_in_the_step_and_trains_the_same_run(tmp_path, kw, why):
+    t, outcomes = _run(tmp_path, "fallback", flags=FLAGS, action="skip_update", **kw)
+    assert t.recovery.deferred == 0 and t.recovery.pending is None, why
+    ref, _ = _run(tmp_path, "deferred", flags=FLAGS, action="skip_update", ckpt=kw.get("ckpt"),
+                  fused=kw.get("fused", True))
+    _assert_same_run(t, ref)
+
+
+def test_the_update_method_applies_withholds_or_holds_and_lifts_the_guard(tmp_path):
+    t = _Trainer(tmp_path, flags={5: (True, False)}, action="skip_update", steps=20)
+    r = t.recovery
+    seen = []
+    t.optimizers.step = lambda: seen.append(t.opt.found_inf if hasattr(t.opt, "found_inf") else None)
+    for step, want in ((5, Update.HOLD), (6, Update.HOLD)):
+        t.step = step
+        rec = StepRecord(step=step, start=0.0)
+        t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+        assert r._decide(rec) is want
+        r.pending = None  # (decided below through update)
+    t.step = 5
+    rec = StepRecord(step=5, start=0.0)
+    t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+    r.update(rec)
+    assert float(seen[-1]) == 1.0 and t.opt.found_inf is None  # held on the device, then the guard lifted
+    t.config.ledger.on_spike.defer = False
+    r._deferrable = None
+    rec = StepRecord(step=5, start=0.0)
+    n = len(seen)
+    t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+    r.update(rec)
+    assert len(seen) == n and rec.update_skipped  # withheld in the step: optimizers.step() not called
