@@ -24,8 +24,8 @@ import torch
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.components.response.ladder import Ladder, parse_ladder
-from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
+from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.errors import LedgerStop
