@@ -1,4 +1,4 @@
-"""replay rerun's pure logic: variants, planning, flags, comparison, presence, verdict."""
+"""replay rerun's pure logic: variants, planning, flags, comparison, presence, verdicts (``rr.verdict``)."""
 
 from __future__ import annotations
 

@@ -125,6 +125,7 @@ def flip_tensor(t: torch.Tensor, limit: float = LIMIT, gain: float = 100.0) -> d
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
+    # (components.signals.sums.local, which sits above this layer)
     return g.to_local() if hasattr(g, "to_local") else g
 
 
@@ -365,5 +366,5 @@ def jitter_grads(trainer, scale: float) -> None:
             for p in m.parameters():
                 if p.grad is not None:
                     u = float(torch.rand((), generator=gen)) * 2.0 - 1.0
-                    local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    local = _local(p.grad)
                     local.mul_(1.0 + scale * u)

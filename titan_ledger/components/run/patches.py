@@ -1,9 +1,12 @@
-"""The two torchtitan 0.3.0 module globals titan_ledger swaps, each for one call only.
+"""The two torchtitan 0.3.0 module globals titan_ledger swaps for one call only.
 
 Design decision: a patch of a torchtitan global is a last resort (no hook exists), so
-every one lives in this file, as a context manager that restores the global on exit,
-and each names the torchtitan spot it changes (``CHANGED spot``). ``LedgerTrainer``
-enters them around ``Trainer.__init__`` (dry run) and ``Trainer.train`` (CPU).
+every swap for a call lives in this file, as a context manager that restores the
+global on exit, and each names the torchtitan spot it changes (``CHANGED spot``).
+``LedgerTrainer`` enters them around ``Trainer.__init__`` (dry run) and
+``Trainer.train`` (CPU). The only other torchtitan globals we set are the CPU
+rehearsal backend's ``device_type``/``device_module``, bound once for the process
+before torchtitan binds them (``rehearsal/backend.py``: a device, not a call).
 """
 
 from __future__ import annotations

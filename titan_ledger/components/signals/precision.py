@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_ledger.components.signals.sums import local
+
 FP32 = torch.float32
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _names(dtypes) -> str:
@@ -61,7 +59,7 @@ def compute_dtype(model_parts: list[nn.Module]) -> torch.dtype:
             return param_dtype
     for part in model_parts:
         for p in part.parameters():
-            return _local(p).dtype
+            return local(p).dtype
     return FP32
 
 
@@ -88,7 +86,7 @@ def norm_accumulates_in_fp32(norm: nn.Module, dim: int, dtype: torch.dtype, devi
     else:
         run = norm
         weight = getattr(norm, "weight", None)
-        w = _local(weight).float() if weight is not None and tuple(_local(weight).shape) == (dim,) else None
+        w = local(weight).float() if weight is not None and tuple(local(weight).shape) == (dim,) else None
     with torch.no_grad():
         if layer:
             ref = F.layer_norm(x.float(), (dim,), w, None, eps)
@@ -120,7 +118,7 @@ def audit(model_parts: list[nn.Module], optimizers, loss_fn, n_layers: int | Non
     """The checks, from the live objects (see the module docstring)."""
     rows = []
     backend = attention_backend(model_parts)
-    params = [(n, _local(p)) for part in model_parts for n, p in part.named_parameters()]
+    params = [(n, local(p)) for part in model_parts for n, p in part.named_parameters()]
     master = {p.dtype for _, p in params}
     rows.append(_row("master weights", "float32", _names(master), master <= {FP32},
                      "dtype of every (sharded) parameter"))
@@ -131,7 +129,7 @@ def audit(model_parts: list[nn.Module], optimizers, loss_fn, n_layers: int | Non
         for st in getattr(opt, "state", {}).values():
             for k in ("exp_avg", "exp_avg_sq"):
                 if isinstance(st.get(k), torch.Tensor):
-                    moments.add(_local(st[k]).dtype)
+                    moments.add(local(st[k]).dtype)
                     created = True
     # torchtitan's implementation="fused_opt_states_bf16" creates them in bf16 from a step
     # pre-hook: look for that hook on the live optimizers
@@ -175,7 +173,7 @@ def audit(model_parts: list[nn.Module], optimizers, loss_fn, n_layers: int | Non
         name, m = norms[0]
         shape = getattr(m, "normalized_shape", None) or tuple(m.weight.shape)  # global (a DTensor's too)
         dim = int(shape[-1]) if shape else 0
-        device = _local(m.weight).device
+        device = local(m.weight).device
         try:
             ok, err = norm_accumulates_in_fp32(m, dim, compute, device) if dim else (None, float("nan"))
         except Exception as e:  # a norm this probe cannot call: say so, do not guess
