@@ -119,7 +119,6 @@ class Recovery:
         self.pending: StepRecord | None = None  # the step whose decision is deferred
         self._deferrable: bool | None = None
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
-        self._last_proof: dict | None = None  # the proof the last decision made (redo masks its documents)
 
     # ------------------------------------------------------------------ the protocol
     def before_step(self) -> bool:
@@ -141,9 +140,9 @@ class Recovery:
         """After this step's first execution (``executed``: what ``execute`` returned),
         behind its launched work: the previous step's deferred decision is made. Returns
         (:class:`Outcome`, the execution that stands: ``executed``, or the redo's)."""
-        outcome = self._previous(rec)
+        outcome, decided = self._previous(rec)
         if outcome is Outcome.REDONE:
-            executed = self._redo(rec, need_loss)
+            executed = self._redo(rec, decided.proof, need_loss)
         return outcome, executed
 
     def update(self, rec: StepRecord) -> None:
@@ -166,7 +165,7 @@ class Recovery:
         """The data ran out fetching ``rec``'s batches (this step). The previous step's
         deferred decision is made now; True when it was a rollback, which then ran (as in
         the step, before this fetch) and training goes on; False: the run ends here."""
-        return self.pending is not None and self._previous(rec) is Outcome.DROPPED
+        return self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED
 
     def settle(self, ok: bool) -> None:
         """A deferred decision still open is made (``ok``: the end of training, or a
@@ -278,13 +277,15 @@ class Recovery:
         self.pending = rec
         self.deferred += 1
 
-    def _previous(self, rec: StepRecord) -> Outcome:
+    def _previous(self, rec: StepRecord) -> tuple[Outcome, StepRecord | None]:
         """The previous step's deferred decision, made while ``rec`` (this step) was
-        fetched or executed; on a rollback ``rec`` is dropped (:meth:`_drop`)."""
+        fetched or executed; on a rollback ``rec`` is dropped (:meth:`_drop`). Returns
+        the outcome and the decided step's record (its proof)."""
+        decided = self.pending
         outcome = self._resolve()
         if outcome is Outcome.DROPPED:
             self._drop(rec)
-        return outcome
+        return outcome, decided
 
     def _resolve(self) -> Outcome:
         """The deferred decision of the step before this one, made now: its flag read on
@@ -340,9 +341,8 @@ class Recovery:
         on an acting flag the proof left standing. In the step, or deferred (``first``:
         what was kept of the first execution)."""
         ledger = self.trainer.ledger
-        self._last_proof = None
         if self.prover.wanted(acting, note) or forced:
-            proof = rec.proof = self._last_proof = self.prover.prove(
+            proof = rec.proof = self.prover.prove(
                 rec, acting=acting, event=ledger.step_event(), first=first)
             if decided_at is not None:
                 proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
@@ -411,15 +411,14 @@ class Recovery:
                     _set_lr(g, x)
         t.ledger.after_update(True, rec)
 
-    def _redo(self, rec: StepRecord, need_loss: bool):
+    def _redo(self, rec: StepRecord, proof: dict | None, need_loss: bool):
         """This step again, after the previous step's deferred decision changed the
         parameters or the gradients: its first execution is replaced
         (:class:`Reexecution` with ``replaces``: its accumulators drained, the rehearsal's
         one-time faults re-armed), documents the decision convicted are masked in its
         batches as the fetch would have, and ``execute`` runs once more."""
         t = self.trainer
-        proof = self._last_proof
-        if proof is not None and proof["verdict"] == "bad_data":
+        if proof is not None and proof["verdict"] == "bad_data":  # (``proof``: the decided step's)
             t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
         self.redone += 1
         with Reexecution(t, rec, replaces=True) as again:
