@@ -98,17 +98,38 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     assert proof["decided_at"] == REPEAT + 1 and f"decided at step {REPEAT + 1} with its update held" in out
 
 
+def assert_hardware_names_what_its_first_execution_shows(proof) -> list[int]:
+    """A bitflip on DP rank 0, proven ``hardware`` (``same`` applied): the DP ranks the proof
+    must name, read from its first execution's record (never from its ``why``), and the
+    ``why`` that says so. Rank 0 alone where the first execution's clip left it readable:
+    its grad norm finite (rank 0's own gradients differ), or, behind a non-finite norm (the
+    clip zeroes every finite gradient), rank 0's alone left non-finite. Otherwise (a flip
+    that overflows the norm and is zeroed with the rest) every rank, and the why says the
+    ranks cannot be told apart. Returns the named ranks."""
+    first = proof["executions"][0]
+    left = [r for r, x in enumerate(first["per_rank"]) if x["grad_sq"] is None]
+    if first["grad_norm"] is not None:
+        named, says = [0], None
+    elif 0 < len(left) < len(first["per_rank"]):
+        assert left == [0], first  # the flipped rank's gradients, not another's
+        named, says = [0], "the faulty rank's were left non-finite"
+    else:
+        assert left or all(x["grad_sq"] == 0.0 for x in first["per_rank"]), first  # the clip zeroed them
+        named, says = [0, 1], "the ranks it changed cannot be told apart"
+    assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", named), proof
+    if says is None:
+        assert "not finite" not in proof["why"], proof["why"]
+    else:
+        assert "the first execution's grad norm was not finite" in proof["why"] and says in proof["why"], proof["why"]
+    return named
+
+
 def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
     d, out = runs["faults"]
     clean, _ = runs["clean"]
     ev, proof = proof_at(d, FLIP)
     ex = proof["executions"]
-    # the faulty rank, where the first execution's clip left its gradients readable (a
-    # flip that overflows the norm: the clip zeroes every rank's gradients, and it says so)
-    told = ex[0]["grad_norm"] is not None or "the faulty rank's were left non-finite" in proof["why"]
-    named = [0] if told else [0, 1]
-    assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", named), proof
-    assert told or "cannot be told apart" in proof["why"]
+    named = assert_hardware_names_what_its_first_execution_shows(proof)
     assert [e["variant"] for e in ex] == ["original", "same", "same"]
     assert ex[1]["bit_equal"] is False and ex[1]["grad_norm"] == ex[2]["grad_norm"]
     assert ev["action"] == "proof: hardware" and f"rolling back from step {FLIP}" not in out

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 
 from titan_ledger.errors import LedgerError
-from titan_ledger.tools.cli import add_dump_folder, parse_args, run_tool
+from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
 
 def _ap(positional=True):
@@ -27,6 +28,29 @@ def test_two_different_folders_or_none_is_a_usage_error():
     assert e.value.code == 2
     with pytest.raises(SystemExit):
         parse_args(_ap(positional=False), [])
+
+
+def test_a_tool_parser_is_built_from_its_module_and_docstring():
+    doc = "``python -m titan_ledger.plot``: does a thing.\n\nMore.\n\nExamples::\n\n    python -m titan_ledger.plot d\n"
+    ap = ToolParser.for_tool("titan_ledger.tools.plot", doc)
+    assert ap.prog == "python -m titan_ledger.plot"
+    assert ap.description == "does a thing."
+    assert ap.epilog == "Examples:\n\n    python -m titan_ledger.plot d\n"
+    assert ap.formatter_class is argparse.RawDescriptionHelpFormatter
+    assert ToolParser.for_tool("titan_ledger.tools.plot", doc, epilog="e").epilog == "e"
+    assert ToolParser.for_tool("titan_ledger.tools.plot", "no lead.").epilog is None
+
+
+@pytest.mark.parametrize("tool", ["replay", "diagnose", "report", "plot", "export", "lookup", "prepare", "rollback"])
+def test_every_tool_help_names_its_command_once_and_says_what_it_does(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"titan_ledger.tools.{tool}").main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    usage, _, rest = out.partition("\n\n")
+    assert usage.startswith(f"usage: python -m titan_ledger.{tool} ")
+    description = rest.split("\n\n")[0]
+    assert description and "python -m" not in description and not description.startswith(("positional", "options"))
 
 
 def test_errors_are_one_line_and_their_exit_code(capsys):

@@ -5,6 +5,7 @@ W&B itself is replaced by a recording fake (the e2e test reads a real offline ru
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -136,6 +137,7 @@ def test_stable_run_id_and_identity(tmp_path, monkeypatch):
 def test_tensorboard_layout_config_text_and_rewind_subrun(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
     from torch.utils.tensorboard import SummaryWriter
 
     inner = types.SimpleNamespace(writer=SummaryWriter(str(tmp_path)), tag=None)
@@ -151,8 +153,20 @@ def test_tensorboard_layout_config_text_and_rewind_subrun(tmp_path):
     assert [e.step for e in ea.Scalars("ledger/grad_norm")] == list(range(1, 11))  # nothing purged
     assert "grad_norm" not in ea.Tags()["scalars"] and "ledger/max_norm" in ea.Tags()["scalars"]
     assert "config/toml/text_summary" in ea.Tags()["tensors"]
-    layout = ea.Tensors("custom_scalars__config__")
-    assert layout
+    # the custom-scalars layout, written once: every chart of TB_LAYOUT, with its tags
+    (config,) = ea.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    charts = {(c.title, ch.title): list(ch.multiline.tag) for c in layout.category for ch in c.chart}
+    assert charts == {(cat, title): tags for cat, chs in dashboards.TB_LAYOUT.items()
+                      for title, (_kind, tags) in chs.items()}
+    # ... and its charts draw the series this logger writes (the tags are regexes)
+    written = ea.Tags()["scalars"]
+
+    def drawn(title):
+        return sorted(t for t in written if any(re.search(r, t) for r in charts[("titan_ledger", title)]))
+
+    assert drawn("grad norm (pre-clip, post-clip, max_norm)") == ["ledger/grad_norm", "ledger/max_norm"]
+    assert drawn("spikes and rollbacks") == ["rollback/to_step"]
     sub = EventAccumulator(str(tmp_path / "rewind-1"))
     sub.Reload()
     assert [e.step for e in sub.Scalars("ledger/grad_norm")] == [11]

@@ -4,9 +4,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from titan_ledger.data.layout import RowTag, Segment, SkipError, pack_span, parse_skip_steps, sample_id, window_at
+from titan_ledger.data.layout import (
+    EpochOrder,
+    RowTag,
+    Segment,
+    SkipError,
+    pack_span,
+    parse_skip_steps,
+    sample_id,
+    window_at,
+)
 
 
 # --------------------------------------------------------------------------- skip windows
@@ -38,6 +48,17 @@ def test_pack_span_splits_across_documents_and_skips_empty_ones():
     assert pack_span(cum, 0, 20)[-1] == (3, 0, 8)
     with pytest.raises(IndexError):
         pack_span(cum, 15, 10)
+
+
+def test_epoch_order_is_stored_then_seeded_permutations_one_epoch_kept():
+    order = EpochOrder(10, 20, seed=7)
+    assert order(0).tolist() == list(range(10, 20)) and order(0).dtype == np.int64
+    e1 = order(1)
+    assert e1.tolist() == (10 + np.random.default_rng([7, 1]).permutation(10)).tolist()
+    assert order(1) is e1 and order(2).tolist() != e1.tolist() and order(1) is not e1  # one epoch kept
+    assert order(1).tolist() == e1.tolist()  # ... and recomputed the same
+    assert EpochOrder(10, 20, seed=8)(1).tolist() != e1.tolist()
+    assert EpochOrder(10, 20, seed=7, ids=lambda p: p * 100)(1).tolist() == (e1 * 100).tolist()
 
 
 def test_row_tag_round_trip():

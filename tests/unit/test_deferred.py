@@ -109,7 +109,14 @@ def test_a_discarded_first_execution_rearms_the_steps_one_time_fault():
     f.bitflip = False  # the first backward flipped its bit
     faults.rearm(f)
     assert f.bitflip is True
-    faults.rearm(None)  # a step without faults
+    f.bitflip = False  # the second execution flipped it again; a third is rearmed alike
+    faults.rearm(f)
+    assert f == faults.StepFaults(bitflip=True, planned_bitflip=True)
+    group = object()  # a step (or DP rank) with faults but no bitflip planned gets none
+    other = faults.StepFaults(swap_group=group)
+    faults.rearm(other)
+    assert other == faults.StepFaults(swap_group=group) and other.bitflip is False
+    assert faults.rearm(None) is None  # a step without faults: nothing to rearm, and no error
 
 
 def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batches_as_the_fetch_would():

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.data.layout import pack_rows
+from titan_ledger.data.layout import EpochOrder, pack_rows
 from titan_ledger.data.text import (
     Cursor,
     TextStream,
@@ -173,24 +173,17 @@ class HFStream(TextStream):
         if self.hi <= self.lo:
             raise CorpusError(f"--dataloader.source hf: {n} documents, fewer than the {dp_size} "
                               f"DP ranks; use more data or fewer DP ranks")
-        self._orders: dict[int, np.ndarray] = {}
+        self._order = EpochOrder(self.lo, self.hi, self.seed, ids=self._doc_ids)
         self._cache = None
 
     def describe(self) -> str:
         extra = "" if self.spec.files else ",".join(d._fingerprint for d in self.parts)
         return self.spec.describe("map", extra)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """This rank's document ids in epoch order (the text stream's order, as ids)."""
-        got = self._orders.get(epoch)
-        if got is None:
-            pos = np.arange(self.lo, self.hi, dtype=np.int64)
-            if epoch > 0:
-                pos = pos[np.random.default_rng([self.seed, epoch]).permutation(len(pos))]
-            f = np.searchsorted(self.cum, pos, side="right") - 1
-            got = (f << ROW_BITS) | (pos - self.cum[f])
-            self._orders = {epoch: got}
-        return got
+    def _doc_ids(self, pos: np.ndarray) -> np.ndarray:
+        """Global row positions as (file, row) document ids: the text stream's order, as ids."""
+        f = np.searchsorted(self.cum, pos, side="right") - 1
+        return (f << ROW_BITS) | (pos - self.cum[f])
 
     def document(self, doc: int) -> str:
         f, row = split_id(doc)

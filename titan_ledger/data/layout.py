@@ -191,6 +191,31 @@ def pack_rows(documents, seq_len: int, offset: int, build, after) -> Iterator[tu
                inputs if b else None, labels if b else None)
 
 
+class EpochOrder:
+    """THE epoch order of the streamed sources' documents (``text``, ``hf`` map-style):
+    one DP rank's documents ``[lo, hi)``, epoch 0 in stored order (like torchtitan), epoch
+    ``e > 0`` permuted by ``numpy.random.default_rng([seed, e])``. ``ids`` maps an array
+    of those positions to the source's document ids (default: the positions themselves).
+    Calling it with an epoch returns that epoch's ids (int64); one epoch is kept (a
+    stream reads its epochs in turn)."""
+
+    def __init__(self, lo: int, hi: int, seed: int, ids=None):
+        self.lo, self.hi, self.seed, self.ids = int(lo), int(hi), int(seed), ids
+        self._epoch: int | None = None
+        self._ids = None
+
+    def __call__(self, epoch: int):
+        if self._epoch != epoch:
+            import numpy as np  # here, not at the top: the rest of this module is pure Python
+
+            pos = np.arange(self.lo, self.hi, dtype=np.int64)
+            if epoch > 0:
+                pos = pos[np.random.default_rng([self.seed, epoch]).permutation(len(pos))]
+            self._ids = pos if self.ids is None else self.ids(pos)
+            self._epoch = epoch
+        return self._ids
+
+
 # --------------------------------------------------------------------------- skip windows
 from titan_ledger.errors import SkipError  # noqa: E402  (one error hierarchy)
 

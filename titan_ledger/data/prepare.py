@@ -1,4 +1,4 @@
-"""``python -m titan_ledger.prepare``: tokenize text into a Megatron .bin/.idx corpus.
+"""``python -m titan_ledger.prepare``: tokenize JSONL / Parquet / HF datasets text into a Megatron .bin/.idx corpus.
 
 Design decision: tokenize offline, once, with the *run's* tokenizer (torchtitan's
 ``HuggingFaceTokenizer`` loaded from the same ``hf_assets_path``), so a row of the
@@ -33,7 +33,7 @@ an unsharded prepare). ``--shard I`` prepares one shard (a Slurm array task,
 Examples::
 
     python -m titan_ledger.prepare --input data/*.jsonl --output-prefix corpora/web
-    python -m titan_ledger.prepare --input data/ --output-prefix corpora/web --num-shards 64 \
+    python -m titan_ledger.prepare --input data/ --output-prefix corpora/web --num-shards 64 \\
         --shard $SLURM_ARRAY_TASK_ID --workers 16      # then: --num-shards 64 --merge
     python -m titan_ledger.prepare --input shard.parquet --text-key content \\
         --output-prefix corpora/code --tokenizer ./assets/hf/Llama-3.1-8B --workers 8

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_ledger.data.layout import pack_rows
+from titan_ledger.data.layout import EpochOrder, pack_rows
 from titan_ledger.errors import ConfigError, CorpusError
 
 
@@ -155,7 +155,7 @@ class TextStream:
             raise CorpusError(f"--dataloader.dataset {dataset_name!r} has {len(ds)} documents, "
                               f"fewer than the {dp_size} DP ranks; use a larger dataset or fewer "
                               f"DP ranks")
-        self._orders: dict[int, np.ndarray] = {}
+        self._order = EpochOrder(self.lo, self.hi, self.seed)
         self._cache: tuple[int, list[int]] | None = None
 
     def describe(self) -> str:
@@ -163,14 +163,9 @@ class TextStream:
         return f"text:{self.name}:{h.hexdigest()[:16]}"
 
     def order(self, epoch: int) -> np.ndarray:
-        """Document ids of this rank in epoch order (epoch 0: dataset order, like torchtitan)."""
-        got = self._orders.get(epoch)
-        if got is None:
-            got = np.arange(self.lo, self.hi, dtype=np.int64)
-            if epoch > 0:
-                got = got[np.random.default_rng([self.seed, epoch]).permutation(len(got))]
-            self._orders = {epoch: got}  # one epoch at a time is enough
-        return got
+        """Document ids of this rank in epoch order (epoch 0: dataset order, like torchtitan;
+        :class:`~titan_ledger.data.layout.EpochOrder`)."""
+        return self._order(epoch)
 
     def doc_tokens(self, doc: int) -> list[int]:
         if self._cache is not None and self._cache[0] == doc:

@@ -27,6 +27,22 @@ class ToolParser(argparse.ArgumentParser):
     """argparse, but a usage error is ONE stderr line (``prog: error: ... (see --help)``)
     and exit 2, like every other bad input; ``--help`` is unchanged."""
 
+    @classmethod
+    def for_tool(cls, module_name: str, doc: str | None, **kwargs) -> ToolParser:
+        """The parser of the tool in module ``module_name`` (pass ``__name__``), built from
+        its docstring ``doc`` the one way every tool's is: prog ``python -m titan_ledger.<tool>``;
+        description: the docstring's first paragraph, less the lead naming the command;
+        epilog: its ``Examples::`` section, as written. ``kwargs`` (``epilog=``, ...)
+        override any of these."""
+        tool = module_name.rsplit(".", 1)[-1]
+        prog = f"python -m titan_ledger.{tool}"
+        doc = doc or ""
+        kwargs.setdefault("description", doc.split("\n\n")[0].removeprefix(f"``{prog}``: "))
+        if "Examples::" in doc:
+            kwargs.setdefault("epilog", "Examples:" + doc.split("Examples::", 1)[1])
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        return cls(prog=prog, **kwargs)
+
     def error(self, message: str):  # type: ignore[override]
         prog = self.prog.removeprefix("python -m ").split()[0]
         sub = self.prog.split()[-1] if " " in self.prog.removeprefix("python -m ") else ""

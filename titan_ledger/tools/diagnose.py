@@ -45,7 +45,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict
@@ -61,10 +60,7 @@ from titan_ledger.tools.decision import Thresholds, document_scores, judge, spik
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(prog="python -m titan_ledger.diagnose",
-                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                                 epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__, epilog=__doc__.split("\n\n", 1)[1])
     add_dump_folder(ap)
     ap.add_argument("--step", type=int, help="diagnose this step (default: every detected spike)")
     ap.add_argument("--json", action="store_true")

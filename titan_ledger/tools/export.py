@@ -21,7 +21,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -102,9 +101,7 @@ def _size(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(prog="python -m titan_ledger.export", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                    epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
     ap.add_argument("-o", "--out", required=True, metavar="OUT",
                     help="folder to write into (created if missing): OUT/signals.<ext>, OUT/data_step<S>.<ext>")

@@ -20,7 +20,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -86,10 +85,7 @@ def describe(tags: list[RowTag], text: TextSource | None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(
-        prog="python -m titan_ledger.lookup", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap, positional=False)
     ap.add_argument("--step", type=int, help="training step (1-indexed)")
     ap.add_argument("--sample", type=int, help="a sample id instead of a step (indexed corpora)")

@@ -21,7 +21,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -269,10 +268,7 @@ def spike_labels(events: list[dict]) -> list[tuple[int, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(prog="python -m titan_ledger.plot",
-                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
     ap.add_argument("-o", "--out", default="signals.png")
     ap.add_argument("--from-step", type=int)

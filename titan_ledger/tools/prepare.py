@@ -7,7 +7,6 @@ and its one-line errors, so the data layer never imports a tool.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,10 +20,7 @@ PROG = "titan_ledger.prepare"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(
-        prog="python -m titan_ledger.prepare",
-        description="Tokenize JSONL / Parquet / HF datasets text into a Megatron .bin/.idx corpus.",
-        epilog=lib.__doc__.split("Examples::", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, lib.__doc__)
     ap.add_argument("--input", nargs="+", required=True,
                     help="JSONL/Parquet files, folders of them, or a datasets save_to_disk folder")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")

@@ -290,9 +290,7 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_args = _split_train_args(argv)
-    ap = ToolParser(prog="python -m titan_ledger.replay", description=__doc__.split("\n\n")[0],
-                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="compare the samples of two runs",
                        description="Per DP rank, the step-by-step sample ids of two runs must be "

@@ -317,10 +317,7 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(prog="python -m titan_ledger.report",
-                    description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                    epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-                    formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
     ap.add_argument("--step", type=int, help="the spike step (default: every flagged spike, one page each)")
     ap.add_argument("-o", "--out", default="incident.html",

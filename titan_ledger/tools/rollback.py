@@ -19,7 +19,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -92,10 +91,7 @@ def _already(led: RunLedger, step: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ToolParser(prog="python -m titan_ledger.rollback",
-                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                                 epilog="Examples:" + __doc__.split("Examples::", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
     ap.add_argument("--spike-step", required=True, type=int)
     ap.add_argument("--back", type=int, default=100, help="roll back to a checkpoint at or before T - back")
