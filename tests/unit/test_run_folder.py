@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from titan_ledger.components.run.run_folder import config_digest
 
 
-def _config(cls: str, address: str = "0x7f00"):
+def _config(attention: str, address: str = "0x7f00"):
     @dataclass
     class Config:
-        attention: str = f"<class '{cls}'>"
+        attention: str = f"<class '{attention}'>"
         hook: str = f"<function build at {address}>"
         steps: list = field(default_factory=lambda: [1, 2])
 
