@@ -128,11 +128,7 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
 
 
 def config_digest(config) -> str:
-    """SHA-256 of the config, stable across processes (no object addresses) and across
-    titan_ledger's module layout: the built config holds our classes (the CPU attention
-    the backend swaps in), whose repr names their module, so a moved module would
-    otherwise change the digest of an unchanged config."""
+    """SHA-256 of the config, stable across processes (no object addresses)."""
     blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
     blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
-    blob = re.sub(r"titan_ledger(?:\.[a-z_][a-z0-9_]*)*\.(?=[A-Z])", "titan_ledger.", blob)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
