@@ -65,3 +65,15 @@ def test_rerun_folder_shown_and_cli(tmp_path, capsys):
     assert main([str(tmp_path / "nope"), "-o", str(tmp_path / "q.html")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("titan_ledger.report: error: ") for line in err)
+
+
+def test_the_decision_tables_numbers_are_escaped_once(tmp_path):
+    """A list among a question's numbers (the evidence rules the trainer fired) reads as
+    written in the browser: its quotes escaped once, not shown as ``&#x27;``."""
+    d = _run(tmp_path)
+    path = d / "ledger" / records.SPIKES_FILE
+    path.write_text(path.read_text().replace('zscore_loss', 'doc_high'))
+    report(d, 5, tmp_path / "i.html", around=4)
+    page = (tmp_path / "i.html").read_text()
+    assert "evidence_rules=[&#x27;doc_high&#x27;]" in page
+    assert "&amp;#x27;" not in page and "&amp;" not in page.split("<h2>Diagnosis</h2>")[1].split("</table>")[1]

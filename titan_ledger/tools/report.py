@@ -173,9 +173,11 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
                              ["documents", res.get("documents_note") or "(not a bad_data verdict)"]])]
     rows_t = []
     for c in res["checks"]:
-        nums = ", ".join(f"{k}={_num(v)}" for k, v in c.items() if k not in ("question", "answer"))
+        # each value escaped once (_num), the joined cell as it is: evidence_rules=['doc_high']
+        # reads as written, not double-escaped
+        nums = ", ".join(f"{_e(k)}={_num(v)}" for k, v in c.items() if k not in ("question", "answer"))
         ans = _Raw("<span class='yes'>YES</span>" if c["answer"] else "no")
-        rows_t.append([ans, c["question"], _Raw(_e(nums))])
+        rows_t.append([ans, c["question"], _Raw(nums)])
     out.append(_table(["answer", "question", "numbers"], rows_t))
     return "".join(out), res
 
