@@ -342,3 +342,68 @@ def test_two_repeats_are_compared_by_their_checksums_not_only_by_their_totals():
     d = [[2e-7, 3e-7, 2.5e-7]]
     v = judge(original, [r1, r2], None, None, 0.0, False, d, 100.0)
     assert v.verdict == "not_data" and v.noise == 2e-7  # reproduced within the noise; no suspect, no mask
+
+
+# --------------------------------------------------------------------------- group testing
+def _docs(n, size=10):
+    return {("s", i): size + (i % 3) for i in range(n)}
+
+
+def test_halves_split_the_tokens_evenly_and_deterministically():
+    from titan_ledger.components.response.verdict import halves
+
+    sizes = {("s", 0): 100, ("s", 1): 60, ("s", 2): 50, ("s", 3): 10}
+    a, b = halves(sizes)
+    assert a | b == set(sizes) and not a & b
+    assert abs(sum(sizes[d] for d in a) - sum(sizes[d] for d in b)) <= 20
+    assert (a, b) == halves(dict(reversed(list(sizes.items()))))
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 33, 128])
+def test_one_bad_document_is_found_in_two_executions_per_halving(k):
+    from titan_ledger.components.response.verdict import bisect_documents
+
+    bad = ("s", k // 3)
+    calls = []
+
+    def normal_without(docs):
+        calls.append(docs)
+        return bad in docs
+
+    b = bisect_documents(_docs(k), normal_without)
+    assert b.documents == {bad}
+    assert b.executions == len(calls) <= 2 * math.ceil(math.log2(k))
+    assert all(r["a_normal"] != r["b_normal"] for r in b.path)
+
+
+def test_no_document_is_convicted_when_removing_any_data_helps_or_none_does():
+    from titan_ledger.components.response.verdict import bisect_documents
+
+    assert bisect_documents(_docs(16), lambda docs: True).documents == frozenset()  # "removing data"
+    assert bisect_documents(_docs(16), lambda docs: False).documents == frozenset()  # not the data
+    assert bisect_documents({("s", 1): 5}, lambda docs: True).path == []  # one document: nothing to split
+
+
+def test_two_culprits_split_over_both_halves_convict_the_smallest_set_that_alone_explains_it():
+    from titan_ledger.components.response.verdict import bisect_documents
+
+    bad = {("s", 1), ("s", 2)}  # both needed masked for the update to be normal
+
+    b = bisect_documents(_docs(16), lambda docs: bad <= docs)
+    last = b.path[-1]
+    assert not last["a_normal"] and not last["b_normal"]  # they split: neither half alone explains it
+    assert last["a"] | last["b"] == (b.documents or set(_docs(16)))  # the last set that alone did
+    assert bad <= last["a"] | last["b"]
+    if len(b.path) > 1:
+        assert bad <= b.documents and len(b.documents) < 16
+
+
+def test_two_culprits_in_one_half_convict_that_half_and_no_more():
+    from titan_ledger.components.response.verdict import bisect_documents, halves
+
+    sizes = _docs(16)
+    a, _ = halves(sizes)
+    a1, a2 = halves({d: sizes[d] for d in a})
+    bad = {min(a1), min(a2)}  # together in the first half, apart in the second round
+    b = bisect_documents(sizes, lambda docs: bad <= docs)
+    assert b.documents == a and b.executions == 4

@@ -363,6 +363,65 @@ def mask_labels(groups, tags: list, suspect: Suspect, ignore: int):
     return out, hits
 
 
+# --------------------------------------------------------------------------- group testing
+def halves(sizes: dict[tuple[str, int], int]) -> tuple[frozenset, frozenset]:
+    """Two halves of ``sizes``' documents with about equal tokens (pure, deterministic):
+    largest first, each to the lighter half (ties: the first half)."""
+    a: set = set()
+    b: set = set()
+    ta = tb = 0
+    for d in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        if ta <= tb:
+            a.add(d)
+            ta += sizes[d]
+        else:
+            b.add(d)
+            tb += sizes[d]
+    return frozenset(a), frozenset(b)
+
+
+@dataclass
+class Bisection:
+    """The documents group testing convicted (``documents`` empty: none), and its path:
+    per round the two halves and whether masking each brought the update back."""
+
+    documents: frozenset
+    path: list[dict[str, Any]]
+
+    @property
+    def executions(self) -> int:
+        return 2 * len(self.path)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        def docs(x):
+            return [[s, int(d)] for s, d in sorted(x)]
+
+        return [{"masked": docs(r["a"]), "control": docs(r["b"]), "masked_normal": r["a_normal"],
+                 "control_normal": r["b_normal"]} for r in self.path]
+
+
+def bisect_documents(sizes: dict[tuple[str, int], int], normal_without) -> Bisection:
+    """Group testing over a step's documents (every DP rank's): mask one half, then the
+    other half as its control (``normal_without(docs)``: whether the update is normal
+    with ``docs`` masked on every rank); go on into the half whose masking alone brings
+    the update back, down to one document. A round where both or neither half does
+    ends the search: the culprit is not in one half (two culprits split, or removing any
+    data helps), so the last half that alone explained the update is convicted -- none
+    when the first round already could not tell the halves apart. ``2 ceil(log2 k)``
+    executions at most for ``k`` documents."""
+    current = frozenset(sizes)
+    convicted: frozenset = frozenset()
+    path: list[dict[str, Any]] = []
+    while len(current) > 1:
+        a, b = halves({d: sizes[d] for d in current})
+        na, nb = bool(normal_without(a)), bool(normal_without(b))
+        path.append({"a": a, "b": b, "a_normal": na, "b_normal": nb})
+        if na == nb:
+            break
+        current = convicted = a if na else b
+    return Bisection(convicted, path)
+
+
 def normal_update(detector, loss: float, grad_norm: float, held_loss: float | None = None) -> bool:
     """Whether an execution's update is normal for this run: the grad-norm rules
     (z-score with its material move, ratio, grad jump) would not fire on its loss and
