@@ -150,7 +150,7 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
     cfg = SimpleNamespace(
         ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove), rehearsal=SimpleNamespace(prove_at="")),
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
-        validator=SimpleNamespace(enable=validate is not None))
+        validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
     ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
                              topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None)
     return SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),

@@ -111,7 +111,7 @@ class _Ledger:
 
 class _Trainer:
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
-                 ckpt: int | None = None, fused=True):
+                 ckpt: int | None = None, fused=True, keep_grads=True):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
@@ -126,7 +126,10 @@ class _Trainer:
                                    rehearsal=SimpleNamespace(prove_at=""), skip=SimpleNamespace(lr="freeze")),
             checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
                                        folder="checkpoint"),
-            validator=SimpleNamespace(enable=False), training=SimpleNamespace(steps=steps, max_norm=1.0),
+            validator=SimpleNamespace(enable=False),
+            # disable_cuda_graphs: zero_grad frees the gradients every step, so a deferred step keeps
+            # its own (KeptExecution) instead of a checksum pass
+            training=SimpleNamespace(steps=steps, max_norm=1.0, disable_cuda_graphs=keep_grads),
             dump_folder=str(tmp))
         self.ledger = _Ledger(self, flags, action, tmp / "ledger")
         self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
@@ -210,6 +213,7 @@ class _Prover:
     def __init__(self, trainer, mode, verdicts):
         self.t, self.mode, self.verdicts = trainer, mode, verdicts
         self.proofs = 0
+        self.firsts = []  # what each proof got of the first execution
 
     def wanted(self, acting, note):
         return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
@@ -224,6 +228,7 @@ class _Prover:
 
     def prove(self, rec, *, acting, event, first=None):
         self.proofs += 1
+        self.firsts.append(first)
         verdict, applied = self.verdicts[rec.step]
         if verdict == "bad_data":
             self.t.ledger.quarantine.add((rec.step, 0))
@@ -276,11 +281,14 @@ def test_a_deferred_run_with_the_ladder_trains_the_run_in_step_decisions_train(t
     assert set(outcomes) == {Outcome.STANDS}  # prove off: a held update is withheld, never applied late
 
 
+@pytest.mark.parametrize("keep_grads", [True, False])
 @pytest.mark.parametrize("verdict,applied", [("not_data", "original"), ("hardware", "same"),
                                              ("hardware", "none"), ("bad_data", "masked")])
-def test_a_deferred_proof_applies_what_it_decides_and_the_next_step_is_redone(tmp_path, verdict, applied):
+def test_a_deferred_proof_applies_what_it_decides_and_the_next_step_is_redone(tmp_path, verdict, applied,
+                                                                              keep_grads):
     verdicts = {s: (verdict, applied) for s in FLAGS}
-    d, outcomes = _run(tmp_path, "deferred", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts)
+    d, outcomes = _run(tmp_path, "deferred", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts,
+                       keep_grads=keep_grads)
     s, _ = _run(tmp_path, "in_step", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts, defer=False)
     _assert_same_run(d, s)
     # a proof leaves its step's gradients changed: the step after it is always executed again
@@ -289,6 +297,21 @@ def test_a_deferred_proof_applies_what_it_decides_and_the_next_step_is_redone(tm
         assert d.ledger.quarantine == {(3, 0), (4, 0), (9, 0)}
     skipped = applied == "none" or verdict == "not_data"  # not_data: the ladder's skip_update acts
     assert (3, skipped, verdict) in d.ledger.rows
+
+
+def test_a_kept_first_execution_gives_the_proof_the_checksum_taken_in_the_step(tmp_path):
+    """Deferred, a proof gets the first execution's checksum: taken at the step, or (the
+    gradients freed every step anyway) computed from the kept gradients when the flag is
+    read -- the same bits, whatever the next step's backward wrote meanwhile."""
+    verdicts = {s: ("not_data", "original") for s in FLAGS}
+    kept, _ = _run(tmp_path, "kept", flags=FLAGS, action="none", prove="acting", verdicts=verdicts)
+    summed, _ = _run(tmp_path, "summed", flags=FLAGS, action="none", prove="acting", verdicts=verdicts,
+                     keep_grads=False)
+    a, b = kept.recovery.prover.firsts, summed.recovery.prover.firsts
+    assert len(a) == len(b) == 3 and all(x is not None for x in a)
+    for x, y in zip(a, b):
+        assert torch.equal(x.psq, y.psq) and torch.equal(x.sums, y.sums) and x.local_tokens == y.local_tokens
+        assert torch.equal(x.loss_sum, y.loss_sum) and torch.equal(x.grad_norm, y.grad_norm)
 
 
 def test_notes_are_proven_only_with_prove_all(tmp_path):

@@ -67,7 +67,7 @@ import torch
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import scale_lr
 from titan_ledger.components.response.ladder import ladder_report
-from titan_ledger.components.response.prover import FirstExecution, Prover
+from titan_ledger.components.response.prover import FirstExecution, KeptExecution, Prover
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
@@ -98,7 +98,7 @@ class Deferred:
     """What a deferred decision needs a step later (``StepRecord.deferred``)."""
 
     lrs: list[list]  # every optimizer's group learning rates at the step (floats, or tensors copied on the device)
-    first: FirstExecution | None  # the first execution, for a proof (None: prove off)
+    first: FirstExecution | KeptExecution | None  # the first execution, for a proof (None: prove off)
     forced: bool  # --ledger.rehearsal.prove_at names the step
     holds: bool = True  # an acting flag holds the update (False: prove off and the ladder's next rung is none)
 
@@ -159,6 +159,8 @@ class Recovery:
             if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
                 for o in t.optimizers.optimizers:
                     o.found_inf = None
+        if how is Update.HOLD and isinstance(rec.deferred.first, KeptExecution):
+            rec.deferred.first.keep(t)  # the step's gradients, kept for its proof (no checksum pass)
         t.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
 
     def at_data_end(self, rec: StepRecord) -> bool:
@@ -270,12 +272,21 @@ class Recovery:
         opts = list(t.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
-        rec.deferred = Deferred(lrs=[[_lr(g) for g in o.param_groups] for o in opts],
-                                first=FirstExecution.of(t) if mode != "off" else None, forced=forced,
-                                holds=holds)
+        first = None
+        if mode != "off":  # the gradients are freed every step anyway: kept, checksummed only if held
+            first = KeptExecution(t) if self._keeps_grads() else FirstExecution.of(t)
+        rec.deferred = Deferred(lrs=[[_lr(g) for g in o.param_groups] for o in opts], first=first,
+                                forced=forced, holds=holds)
         rec.decided = False  # its rows wait for the decision
         self.pending = rec
         self.deferred += 1
+
+    def _keeps_grads(self) -> bool:
+        """Whether a deferred step's first execution is kept as its gradient tensors
+        (:class:`KeptExecution`): on the CPU, where every step's ``zero_grad`` sets them to
+        None (a checksum pass costs CPU time there, a step's gradients little memory)."""
+        t = self.trainer
+        return t.device.type == "cpu" and bool(t.config.training.disable_cuda_graphs)
 
     def _previous(self, rec: StepRecord) -> tuple[Outcome, StepRecord | None]:
         """The previous step's deferred decision, made while ``rec`` (this step) was
@@ -314,7 +325,8 @@ class Recovery:
             return Outcome.STANDS
         now, t.step = t.step, rec.step  # the hooks and messages see the flagged step
         try:
-            applied = self._judge(rec, acting, note, d.forced, first=d.first, decided_at=now)
+            first = d.first.first(t) if isinstance(d.first, KeptExecution) else d.first
+            applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
             if applied:
                 self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
                 self._apply_late(rec, d.lrs)
