@@ -374,3 +374,24 @@ def test_the_update_method_applies_withholds_or_holds_and_lifts_the_guard(tmp_pa
     t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
     r.update(rec)
     assert len(seen) == n and rec.update_skipped  # withheld in the step: optimizers.step() not called
+
+
+def test_after_an_error_a_held_steps_rows_are_written_as_they_stand(tmp_path):
+    """A rank that dies (or any error) ends training with a step's decision still held:
+    ``settle(ok=False)`` marks it decided, update withheld when it was flagged, so the
+    final drain writes its rows (the launcher's "last complete step" counts it)."""
+    t = _Trainer(tmp_path, flags={4: (True, False)}, action="skip_update", steps=20)
+    r = t.recovery
+    for step in (1, 2, 3, 4):  # the protocol, as the loop in _Trainer.train, stopping after step 4
+        t.step = step
+        rec = t.step_record = StepRecord(step=step, start=0.0, batches=[[_batch(step)]])
+        _, executed = r.after_execute(rec, t.execute(rec.batches), True)
+        t.step_record = None
+        t.ledger.record(rec, executed)
+        r.update(rec)
+        t.ledger.drain(False)
+    assert r.pending is not None and r.pending.step == 4 and not r.pending.decided
+    assert [row[0] for row in t.ledger.rows] == [1, 2, 3]  # step 4's rows wait for its decision
+    r.settle(ok=False)  # (step 5's fetch raised)
+    t.ledger.drain(True)
+    assert t.ledger.rows[-1] == (4, True, None) and r.pending is None

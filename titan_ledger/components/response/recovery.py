@@ -185,7 +185,7 @@ class Recovery:
         d = rec.deferred
         rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or
                                              (stats[_NOTE] and self.prover.mode == "all")))
-        rec.deferred = None
+        rec.decided, rec.deferred = True, None  # its rows are written (train's final drain)
         self._done(rec)
 
     # ------------------------------------------------------------------ the decision
