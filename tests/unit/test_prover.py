@@ -38,7 +38,8 @@ class _Trainer:
         self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
         self.config = SimpleNamespace(
             training=SimpleNamespace(max_norm=1e9),
-            ledger=SimpleNamespace(on_spike=SimpleNamespace(prove="acting", prove_rtol=0.0, prove_noise_factor=100.0)))
+            ledger=SimpleNamespace(on_spike=SimpleNamespace(prove="acting", prove_rtol=0.0, prove_noise_factor=100.0,
+                                                           prove_bisect=False)))
         detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
         for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
             detector.step(torch.tensor(2.0 + 0.01 * (i % 3), dtype=torch.float64),
@@ -148,3 +149,81 @@ def test_no_two_executions_agreeing_beyond_any_noise_applies_nothing():
     t = _Trainer(noise={1: float("nan"), 2: float("inf")})  # every pair infinitely apart: no floor
     _, _, proof, _ = _prove(t, False)
     assert proof["verdict"] == "hardware" and proof["applied"] == "none"
+
+
+# --------------------------------------------------------------------------- group testing
+class _Documents(_Trainer):
+    """Eight rows, one document each; document 5's targets are far off (bad data): its
+    rows' labels decide which tokens count, so a mask removes a document's loss."""
+
+    ROWS, SEQ, BAD = 8, 4, 5
+
+    def __init__(self):
+        super().__init__()
+        self.config.ledger.on_spike.prove_bisect = True
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(self.ROWS, 4, generator=g)
+        self.y = torch.randn(self.ROWS, 2, generator=g)
+        self.y[self.BAD] += 40.0
+        detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
+        clean = self.execute(self.batches(mask={self.BAD}))[1].item()
+        for p in self.model.parameters():
+            p.grad = None
+        self.executions = 0
+        for i in range(20):  # the history: steps without the bad document
+            detector.step(torch.tensor(2.0, dtype=torch.float64), torch.tensor(clean * (1 + 0.02 * (i % 3)),
+                                                                                dtype=torch.float64))
+        self.ledger.guard.detector = detector
+
+    def tags(self):
+        from titan_ledger.data.layout import RowTag, Segment
+
+        return [RowTag(r, "c", (Segment(r, 0, self.SEQ),)) for r in range(self.ROWS)]
+
+    def batches(self, mask=()):
+        labels = torch.ones(self.ROWS, self.SEQ, dtype=torch.long)
+        for r in mask:
+            labels[r] = -100
+        return [[({"input": self.x}, labels)]]
+
+    def execute(self, groups, need_loss=True):
+        self.executions += 1
+        labels = groups[0][0][1]
+        keep = (labels != -100).float()  # (rows, tokens)
+        err = (self.model(self.x) - self.y).square().sum(-1, keepdim=True)  # (rows, 1)
+        tokens = keep.sum()
+        loss = (err * keep).sum() / tokens
+        loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters()]))
+        return loss.detach(), norm, tokens.long(), tokens.long()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_group_testing_convicts_the_document_not_the_batch(deferred):
+    t = _Documents()
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    first = FirstExecution.of(t) if deferred else None
+    prover = Prover(t)
+    proof = rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    assert proof["verdict"] == "bad_data" and proof["applied"] == "masked"
+    assert proof["documents"] == [["c", t.BAD]] and proof["suspect"]["evidence"] == "bisection"
+    rounds = proof["bisection"]
+    assert len(rounds) == 3 and sum(e["variant"] == "bisect" for e in proof["executions"]) == 6  # log2(8) rounds
+    assert all(r["masked_normal"] != r["control_normal"] for r in rounds)
+    assert rec.masked["proof"] == [[t.BAD, 0]]
+    if deferred:
+        prover.load_update(rec, "masked")  # the convicted mask's gradients are in place: nothing more
+    # the applied update is the step without the bad document
+    ref = _Documents()
+    ref.execute(ref.batches(mask={t.BAD}))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(t.model.parameters(), ref.model.parameters()))
+
+
+def test_group_testing_is_off_by_default_and_then_the_step_is_not_data():
+    t = _Documents()
+    t.config.ledger.on_spike.prove_bisect = False
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "not_data" and "bisection" not in proof

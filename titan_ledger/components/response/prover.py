@@ -49,6 +49,9 @@ import torch
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.verdict import (
     Execution,
+    Suspect,
+    Verdict,
+    bisect_documents,
     control_of,
     differing_ranks,
     document_tokens,
@@ -195,6 +198,32 @@ class Prover:
         if rec.proof is not None:
             rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
 
+    def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution,
+                tags_by_dp: dict[int, list], dp_rank: int | None):
+        """Group testing over the step's documents (every DP rank's, or ``dp_rank``'s):
+        each round masks one half on every rank that holds its segments, then the other
+        half as its control (``verdict.bisect_documents``). Returns the bisection and its
+        executions (variant ``bisect``)."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        pool = tags_by_dp if dp_rank is None else {dp_rank: tags_by_dp.get(dp_rank) or []}
+        sizes: dict = {}
+        for tags in pool.values():
+            for d, n in document_tokens(tags or []).items():
+                sizes[d] = sizes.get(d, 0) + n
+        detector = self.trainer.ledger.guard.detector
+        mine = self.trainer.ledger.topo.dp_rank
+        trail: list[Execution] = []
+
+        def normal_without(docs) -> bool:
+            masked = mask_labels(groups, rec.tags, Suspect(mine, frozenset(docs)), IGNORE_INDEX)[0]
+            ex = self._run("bisect", again, masked, first_grads)
+            ex.normal = normal_update(detector, ex.loss, ex.grad_norm, original.loss)
+            trail.append(ex)
+            return ex.normal
+
+        return bisect_documents(sizes, normal_without), trail
+
     def _distances(self, executions: list[Execution]) -> list[list[float]]:
         """Per global rank, the three executions' pairwise distances ``[d(0,1), d(0,2),
         d(1,2)]`` (:func:`local_distance`; one all-gather, a proof whose executions all
@@ -328,6 +357,30 @@ class Prover:
             hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)[1] if suspect.dp_rank == topo.dp_rank else []
         else:
             repeats_after = []
+        bisection = None
+        everywhere = False  # the convicted documents' segments are masked on every rank that holds them
+        if self.config.prove_bisect and tags_by_dp and not original.normal and (
+                v.verdict == "not_data" or (v.verdict == "bad_data" and suspect is not None and suspect.docs is None)):
+            bisection, trail = self._bisect(again, rec, groups, first_grads, original, tags_by_dp,
+                                            None if v.verdict == "not_data" else suspect.dp_rank)
+            repeats_after.extend(trail)
+            if bisection.documents:
+                docs = bisection.documents
+                m_groups, hits = mask_labels(groups, rec.tags, Suspect(topo.dp_rank, docs), IGNORE_INDEX)
+                masked = self._run("masked", again, m_groups, first_grads)  # the convicted set's update, in place
+                masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
+                repeats_after.append(masked)
+                self._groups["masked"] = m_groups
+                holders = sorted(dp for dp, tags in tags_by_dp.items() if set(document_tokens(tags or [])) & docs)
+                suspect, everywhere = Suspect(holders[0] if holders else 0, docs, "bisection"), True
+                searched = len(bisection.path[0]["a"] | bisection.path[0]["b"])
+                v = Verdict("bad_data", "masked", why=f"group testing: masking {len(docs)} of the step's {searched} "
+                                                      f"documents brings the update back to normal; masking the "
+                                                      f"other half, at every round, does not")
+            elif v.applied in ("masked", "control"):  # a whole rank stands: its update in place again
+                rerun = self._run(v.applied, again, self._groups[v.applied], first_grads)
+                rerun.normal = normal_update(detector, rerun.loss, rerun.grad_norm, original.loss)
+                repeats_after.append(rerun)
         last = (repeats_after or [masked or control or repeats[-1]])[-1].variant
         if first is None and (v.applied in ("original", "none") or (v.applied == "same" and last != "same") or
                               (v.applied == "masked" and last != "masked")):
@@ -340,7 +393,7 @@ class Prover:
             docs = suspect.docs
             if docs is None:  # the whole batch of the suspect rank: its documents
                 docs = frozenset(document_tokens(tags_by_dp.get(suspect.dp_rank) or []))
-            if suspect.dp_rank == ledger.topo.dp_rank:
+            if everywhere or suspect.dp_rank == ledger.topo.dp_rank:
                 rec.masked.setdefault("proof", []).extend(hits)
             ledger.quarantine_proven(sorted(docs), rec.step)
             suspect = replace(suspect, docs=frozenset(docs))
@@ -363,6 +416,10 @@ class Prover:
             out["suspect"] = {"dp_rank": suspect.dp_rank, "evidence": suspect.evidence}
             if suspect.docs is not None:
                 out["documents"] = [[s, int(d)] for s, d in sorted(suspect.docs)]
+        if bisection is not None:  # the group testing's path: per round, each half and what masking it did
+            out["bisection"] = bisection.to_json()
+            if everywhere:
+                out["suspect"]["dp_ranks"] = holders
         if ctrl is not None and control is not None:
             out["control"] = {"dp_rank": ctrl.dp_rank, "evidence": ctrl.evidence,
                               **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
