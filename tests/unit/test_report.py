@@ -5,6 +5,7 @@ tests/e2e/test_dashboards_e2e.py (a real run's page in headless chromium)."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 import struct
 
@@ -77,3 +78,32 @@ def test_the_decision_tables_numbers_are_escaped_once(tmp_path):
     page = (tmp_path / "i.html").read_text()
     assert "evidence_rules=[&#x27;doc_high&#x27;]" in page
     assert "&amp;#x27;" not in page and "&amp;" not in page.split("<h2>Diagnosis</h2>")[1].split("</table>")[1]
+
+
+def test_the_page_shows_the_proof_as_it_ran(tmp_path):
+    """Every execution (variant, loss, grad norm, per-rank values), what was applied, and
+    the group testing's rounds; a step without a proof says so."""
+    d = _run(tmp_path)
+    page = (tmp_path / "none.html")
+    report(d, 5, page, around=4)
+    assert "<h2>Proof at the alarm</h2><p class='none'>no proof recorded" in page.read_text()
+    ex = [{"variant": v, "loss": 7.5 - i / 10, "grad_norm": 9.0 - i, "normal": i == 3, "seconds": 0.1,
+           "per_rank": [{"loss": 1900.0 + i, "grad_sq": 40.0, "tokens": 256}, {"loss": 1930.0, "grad_sq": 44.0,
+                                                                               "tokens": 256}]}
+          for i, v in enumerate(["original", "same", "bisect", "masked"])]
+    ex[1]["bit_equal"] = True
+    proof = {"verdict": "bad_data", "applied": "masked", "why": "group testing: masking 1 of the step's 8 documents",
+             "acting": True, "executions": ex, "seconds": 0.4, "decided_at": 6, "documents": [["c", 5]],
+             "suspect": {"dp_rank": 1, "evidence": "bisection", "dp_ranks": [0, 1]},
+             "bisection": [{"masked": [["c", 5], ["c", 6]], "control": [["c", 1], ["c", 2]], "masked_normal": True,
+                            "control_normal": False}]}
+    with open(d / "ledger" / records.SPIKES_FILE, "a") as f:
+        f.write(json.dumps({"step": 5, "rules": ["ratio"], "loss_max_rank": 0, "loss": 5.0, "grad_norm": 1.0,
+                            "action": "proof: bad_data", "proof": proof}) + "\n")
+    report(d, 5, tmp_path / "p.html", around=4)
+    section = (tmp_path / "p.html").read_text().split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
+    for text in ("bad_data", "masked", "decided_at", "bisection", "dp_ranks=[0, 1]", "original", "bisect",
+                 "r0: loss sum 1902, grad sq 40, tokens 256", "Group testing, round by round", "2: c:5, c:6",
+                 "bad data on DP ranks 0, 1, documents c:5"):
+        assert text in section, text
+    assert section.count("<tr>") == 8 + 5 + 2  # facts, executions, rounds (each with its header)

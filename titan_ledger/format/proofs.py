@@ -22,13 +22,15 @@ def describe_proof(proof: dict[str, Any]) -> str:
     docs = proof.get("documents") or []
     named = ", ".join(f"{s}:{d}" for s, d in docs[:4]) + (" ..." if len(docs) > 4 else "")
     suspect = proof.get("suspect") or {}
+    held = suspect.get("dp_ranks") or [suspect.get("dp_rank")]
+    ranks = ("DP ranks " if len(held) > 1 else "DP rank ") + ", ".join(map(str, held))
     if v == "hardware":
         what = (f"hardware (transient): DP rank(s) {', '.join(map(str, proof.get('dp_ranks', [])))} changed "
                 f"between executions; " + {"same": "the recomputed update applied",
                                            "original": "the first update applied",
                                            "none": "no update applied (no two executions agree)"}[applied])
     elif v == "bad_data":
-        what = (f"bad data on DP rank {suspect.get('dp_rank')}" + (f", documents {named}" if named else "")
+        what = (f"bad data on {ranks}" + (f", documents {named}" if named else "")
                 + "; trained without them, quarantined for the rest of the run")
     elif v == "outlier":
         what = (f"outlier data on DP rank {suspect.get('dp_rank')}" + (f" ({named})" if named else "")

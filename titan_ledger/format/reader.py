@@ -285,6 +285,13 @@ class RunLedger:
         never acted on. A spike's own notes ride in its event."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "notes" in e and "rules" not in e]
 
+    def proof_at(self, step: int) -> dict[str, Any] | None:
+        """The proof at the alarm of ``step`` (the last one recorded: a rewound launch may
+        prove it again), from its spike or note event or a forced proof's own event."""
+        found = [e["proof"] for e in self._events(records.SPIKES_FILE, records.SPIKES)
+                 if e.get("proof") is not None and int(e["step"]) == step]
+        return found[-1] if found else None
+
     def rewinds(self) -> list[dict[str, Any]]:
         """In-process rollbacks (``rewind_to``) recorded in ``spikes.jsonl``."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rewind_to" in e]

@@ -193,6 +193,47 @@ def _row_losses(raw: dict) -> dict[tuple[int, int], tuple[float, int]]:
     return out
 
 
+def proof_section(led: RunLedger, step: int) -> str:
+    """The proof at the alarm, as it ran: the verdict and why, what was applied, every
+    execution (variant, loss, grad norm, whether its update was normal, per-rank loss
+    sum, gradient sum of squares and tokens), the suspect and its control, and the group
+    testing's rounds (``--ledger.on_spike.prove_bisect``)."""
+    from titan_ledger.format.proofs import describe_proof
+
+    head = "<h2>Proof at the alarm</h2>"
+    proof = led.proof_at(step)
+    if proof is None:
+        return head + "<p class='none'>no proof recorded at this step (--ledger.on_spike.prove, prove_at)</p>"
+    facts = [["verdict", proof.get("verdict")], ["applied", proof.get("applied")], ["why", proof.get("why")],
+             ["in one line", describe_proof(proof)]]
+    for key in ("decided_at", "update_recomputed", "ranks", "dp_ranks", "documents"):
+        if proof.get(key) is not None:
+            facts.append([key, proof[key]])
+    for key in ("suspect", "control"):
+        if proof.get(key):
+            facts.append([key, ", ".join(f"{k}={v}" for k, v in proof[key].items())])
+    if proof.get("noise"):
+        facts.append(["noise floor", f"{proof['noise'].get('floor')} (factor {proof['noise'].get('factor')})"])
+    runs = []
+    for i, e in enumerate(proof.get("executions", [])):
+        ranks = "; ".join(f"r{r}: loss sum {_num(x.get('loss'))}, grad sq {_num(x.get('grad_sq'))}, "
+                          f"tokens {x.get('tokens')}" for r, x in enumerate(e.get("per_rank", [])))
+        runs.append([i, e.get("variant"), e.get("loss"), e.get("grad_norm"), e.get("normal"),
+                     e.get("bit_equal", ""), e.get("seconds"), _Raw(ranks)])
+    out = head + _table(["", ""], facts) + _table(
+        ["#", "variant", "loss", "grad norm", "update normal", "bit-equal", "seconds", "per rank"], runs)
+    rounds = proof.get("bisection") or []
+    if rounds:
+        def docs(x):
+            return f"{len(x)}: " + ", ".join(f"{s}:{d}" for s, d in x[:6]) + (" ..." if len(x) > 6 else "")
+
+        out += "<p>Group testing, round by round (each half masked on every rank that holds it):</p>" + _table(
+            ["round", "masked", "update normal", "control", "update normal"],
+            [[i + 1, docs(r["masked"]), r["masked_normal"], docs(r["control"]), r["control_normal"]]
+             for i, r in enumerate(rounds)])
+    return out
+
+
 def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
     head = "<h2>Documents of the worst DP rank</h2>"
     try:
@@ -306,7 +347,7 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
     signals, plot_info = signals_section(led, step, around)
     body = [f"<h1>Incident: loss spike at step {step}</h1>",
             f"<p>Run <code>{_e(led.dump_folder)}</code>; {_e(flagged)}.</p>", summary,
-            signals, ranks_section(led, step, around), diag,
+            signals, ranks_section(led, step, around), diag, proof_section(led, step),
             documents_section(led, step, worst), rerun_section(led, step),
             rollback_section(led, step, back, skip)]
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
