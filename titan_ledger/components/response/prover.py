@@ -198,19 +198,14 @@ class Prover:
         if rec.proof is not None:
             rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
 
-    def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution,
-                tags_by_dp: dict[int, list], dp_rank: int | None):
-        """Group testing over the step's documents (every DP rank's, or ``dp_rank``'s):
-        each round masks one half on every rank that holds its segments, then the other
-        half as its control (``verdict.bisect_documents``). Returns the bisection and its
-        executions (variant ``bisect``)."""
+    def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict):
+        """Group testing over the step's documents (``sizes``: tokens per document, every
+        DP rank's or the convicted rank's): each round masks one half on every rank that
+        holds its segments, then the other half as its control
+        (``verdict.bisect_documents``). Returns the bisection and its executions (variant
+        ``bisect``)."""
         from torchtitan.components.loss import IGNORE_INDEX
 
-        pool = tags_by_dp if dp_rank is None else {dp_rank: tags_by_dp.get(dp_rank) or []}
-        sizes: dict = {}
-        for tags in pool.values():
-            for d, n in document_tokens(tags or []).items():
-                sizes[d] = sizes.get(d, 0) + n
         detector = self.trainer.ledger.guard.detector
         mine = self.trainer.ledger.topo.dp_rank
         trail: list[Execution] = []
@@ -350,19 +345,19 @@ class Prover:
         v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
                   distances=distances, noise_factor=factor)
         if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
-            again = self._run("control", again, c_groups, first_grads)
-            again.normal = normal_update(detector, again.loss, again.grad_norm, original.loss)
-            repeats_after = [again]
+            convicted = self._run("control", again, c_groups, first_grads)
+            convicted.normal = normal_update(detector, convicted.loss, convicted.grad_norm, original.loss)
+            repeats_after = [convicted]
             suspect, ctrl = ctrl, suspect
             hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)[1] if suspect.dp_rank == topo.dp_rank else []
         else:
             repeats_after = []
         bisection = None
         everywhere = False  # the convicted documents' segments are masked on every rank that holds them
-        if self.config.prove_bisect and tags_by_dp and not original.normal and (
+        sizes = _documents(tags_by_dp, None if v.verdict == "not_data" or suspect is None else suspect.dp_rank)
+        if self.config.prove_bisect and len(sizes) > 1 and not original.normal and (
                 v.verdict == "not_data" or (v.verdict == "bad_data" and suspect is not None and suspect.docs is None)):
-            bisection, trail = self._bisect(again, rec, groups, first_grads, original, tags_by_dp,
-                                            None if v.verdict == "not_data" else suspect.dp_rank)
+            bisection, trail = self._bisect(again, rec, groups, first_grads, original, sizes)
             repeats_after.extend(trail)
             if bisection.documents:
                 docs = bisection.documents
@@ -451,6 +446,16 @@ def _per_param_sum(grads, device) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64, device=device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([local(g).sum(dtype=torch.float64) if g is not None else zero for g in grads])
+
+
+def _documents(tags_by_dp: dict[int, list], dp_rank: int | None) -> dict:
+    """Tokens per (source, doc) in the step: every DP rank's rows, or ``dp_rank``'s."""
+    pool = tags_by_dp if dp_rank is None else {dp_rank: tags_by_dp.get(dp_rank) or []}
+    sizes: dict = {}
+    for tags in pool.values():
+        for d, n in document_tokens(tags or []).items():
+            sizes[d] = sizes.get(d, 0) + n
+    return sizes
 
 
 def _full(g) -> torch.Tensor:
