@@ -6,10 +6,13 @@ every rank imports torch and torchtitan: ``-X importtime`` is dominated by
 ``torch._inductor``/``torch._dynamo`` through torchtitan's float8 and Flex modules),
 and the suite launches training some 70 times. One server process (``serve``) pays
 the imports once; each launch forks it, and the fork runs torchrun's own ``main``
-(rendezvous, the elastic agent, failure handling: unchanged) with ``--start-method
+(rendezvous, the elastic agent: unchanged) with ``--start-method
 fork --run-path`` so that its ranks are forks too. What a rank runs is
 ``titan_ledger.train.main`` with the launch's argv, environment and working
-directory, as under a cold torchrun.
+directory, as under a cold torchrun. One difference: torchrun's fork start method reports
+ONE failed rank (the first its poll finds), its subprocess one every rank that failed; a
+test of which rank the launcher names when two die close together launches cold
+(``child_env(warm=False)``).
 
 ``python tests/warm_launch.py train SOCKET <train args>`` is the same for one process
 without torchrun (``python -m titan_ledger.train``: the GPU configs' dry runs on the fake
