@@ -40,10 +40,10 @@ Offline replay: ``replay(dump)`` runs ``SpikeDetector`` over the recorded ledger
 the run's own rule config (spikes.jsonl's header) -- the global loss and grad norm
 from ``signals.jsonl``, the per-DP-rank document summary (median segment loss,
 highest and lowest document mean loss, ranked documents) from each
-``data_dp<r>.jsonl`` row's ``doc_loss`` -- and ``check_replay`` compares it with the
-online decision step by step (the ``spike`` field of every signals row, and the
-rules of every spikes.jsonl event). ``dp_loss`` (per-rank losses) is an argument of
-``SpikeDetector.step`` but no rule reads it, so it is not needed. The ledger rounds
+``data_dp<r>.jsonl`` row's ``doc_loss``, each DP rank's loss (``rank_loss``) from
+``rank<r>.jsonl`` -- and ``check_replay`` compares it with the online decision step by
+step (the ``spike`` field of every signals row, and the rules of every spikes.jsonl
+event). The ledger rounds
 the document summary (median to 1e-6, loss sums to 1e-4), so replayed statistics
 can differ from the online ones in the 7th significant digit; the check reports
 the largest difference in the flagged steps' statistics. Once proven identical on
@@ -100,7 +100,7 @@ from bench.zoo import read_proofs  # noqa: E402
 from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
 
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
-         "doc_low", "grad_jump")  # titan_ledger.components.detection.spikes.RULES (checked in the tests)
+         "doc_low", "grad_jump", "grad_move", "rank_loss")  # titan_ledger.components.detection.spikes.RULES (checked in the tests)
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 OUT = ROOT / "outputs" / "false_alarms"
 # replayed vs online statistics of an event (the ledger rounds the doc summary: median to
@@ -304,12 +304,19 @@ def replay(dump: Path, rules: dict | None = None, infer_docs: bool = False) -> l
     dp = dp_size(dump)
     data = [{r["step"]: r for r in read_rows(dump / "ledger" / f"data_dp{k}.jsonl")} for k in range(dp)]
     tracked = any("doc_loss" in r for d in data for r in d.values())
+    # each DP rank's loss (rank_loss): rank<r>.jsonl, global rank r = DP rank r on these FSDP-only
+    # runs (ledgers recorded before the rank rows have none: the rule abstains, as it did online)
+    ranks = [{r["step"]: r for r in read_rows(dump / "ledger" / f"rank{k}.jsonl")}
+             if (dump / "ledger" / f"rank{k}.jsonl").exists() else {} for k in range(dp)]
     det = SpikeDetector(cfg)
     events = []
     for row in trained_rows(dump):
         doc = doc_matrix([d.get(row["step"]) for d in data], infer_docs) if tracked else None
+        losses = [rk.get(row["step"], {}).get("loss") for rk in ranks]
+        dp_loss = torch.tensor([_f(x) for x in losses], dtype=torch.float64) \
+            if dp > 1 and all(x is not None for x in losses) else None
         stats = det.step(torch.tensor(_f(row["loss"]), dtype=torch.float64),
-                         torch.tensor(_f(row["grad_norm"]), dtype=torch.float64), None, doc).tolist()
+                         torch.tensor(_f(row["grad_norm"]), dtype=torch.float64), dp_loss, doc).tolist()
         ev = describe(stats)
         if ev["rules"] or ev["notes"]:
             events.append({"step": row["step"], **ev})
@@ -444,8 +451,13 @@ _BOOLS = ("doc_tail_spread", "one_doc_spread")
 
 
 def _float_fields() -> tuple[str, ...]:
-    return ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier", "doc_outlier_floor",
-            "grad_jump", "separation_gate", "zscore_min_ratio", "grad_novelty")
+    """SpikeDetector.Config's float fields (from their defaults, as ``_int_fields``)."""
+    import dataclasses
+
+    from titan_ledger.components.detection.spikes import SpikeDetector
+
+    return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config)
+                 if type(f.default) is float)
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,

@@ -1,19 +1,18 @@
 """``LedgerTrainer``: torchtitan 0.3.0's ``Trainer`` with the ledger attached.
 
-Design decision: subclass, do not fork, and keep this file a seam. The subclass
-redeclares the nested ``Config`` (else ``config.build()`` builds a plain ``Trainer``)
-and overrides torchtitan's hooks: ``__init__`` (launch checks, the config adapted to
-the backend), ``post_dataloading_process`` (the CPU attention's document mask),
-``state_dict``/``load_state_dict`` (ledger counters), ``batch_generator`` (the step's
-record per batch: ``components.ledger.batches``), ``forward_backward_step`` (rehearsal
-faults), ``train`` (close the ledger). ``train_step`` has no hook between the clip and
-``optimizers.step()``, where the signals are read and a flagged step is decided, so its
-body is copied from torchtitan 0.3.0 as ``_train_step`` + ``execute`` (which a proof
-and a redo run again); changed spots are marked ``# CHANGED``. A step's facts travel in
-one :class:`StepRecord`, handed whole to ``Ledger.record``. What a flagged step does is
-:class:`~titan_ledger.components.response.recovery.Recovery`'s, asked through its
-protocol (one call at each spot, a named answer; its module docstring has the table and
-a step's flow with deferred decisions).
+Design decision: subclass, do not fork, and keep this file a seam. The subclass redeclares
+the nested ``Config`` (else ``config.build()`` builds a plain ``Trainer``) and overrides
+torchtitan's hooks: ``__init__`` (launch checks, the config adapted to the backend),
+``post_dataloading_process`` (the CPU attention's document mask), ``state_dict``
+/``load_state_dict`` (ledger counters), ``batch_generator`` (the step's record per batch:
+``components.ledger.batches``), ``forward_backward_step`` (rehearsal faults), ``train``
+(close the ledger). ``train_step`` has no hook between the clip and ``optimizers.step()``,
+where the signals are read and a flagged step is decided, so its body is copied from
+torchtitan 0.3.0 as ``_train_step`` + ``execute`` (which a proof and a redo run again);
+changed spots are marked ``# CHANGED``. A step's facts travel in one :class:`StepRecord`,
+handed whole to ``Ledger.record``. What a flagged step does is
+:class:`~titan_ledger.components.response.recovery.Recovery`'s, asked through its protocol
+(one call at each spot, a named answer; its docstring has the flow with deferred decisions).
 """
 
 from __future__ import annotations
@@ -340,6 +339,7 @@ class LedgerTrainer(Trainer):
                 else:
                     accumulated_loss.add_(loss)
         with sl.log_trace_span("optim"):
+            faults.before_clip(self, self.step_record and self.step_record.faults)  # ADDED (bitflip@F)
             grad_norm = dist_utils.clip_grad_norm_(
                 [p for m in self.model_parts for p in m.parameters()],
                 self.config.training.max_norm,

@@ -50,7 +50,8 @@ def test_count_every_rule_separately_and_each_tier(fa):
     assert res["per_1e4"] == 3.0
     assert res["note_steps"] == 1 and res["notes_per_1e4"] == 1.0
     assert res["flags_by_rule"] == {"zscore_loss": 1, "zscore_grad_norm": 0, "ratio": 1, "non_finite": 0,
-                                    "rank_separation": 0, "doc_high": 2, "doc_low": 0, "grad_jump": 0}
+                                    "rank_separation": 0, "doc_high": 2, "doc_low": 0, "grad_jump": 0,
+                                    "grad_move": 0, "rank_loss": 0}
     assert res["notes_by_rule"]["doc_low"] == 2 and res["noted_by_rule"] == {"doc_low": ["a@40", "a@41"]}
     assert res["per_1e4_by_rule"]["doc_high"] == 2.0
     assert res["flagged_by_rule"] == {"zscore_loss": ["a@40"], "ratio": ["a@40"], "doc_high": ["a@12", "b@7"]}

@@ -190,3 +190,39 @@ def test_the_data_runs_out_from_the_rehearsed_step_on():
             faults.data_runs_out(at(step, 16))
     with pytest.raises(ConfigError, match="--ledger.rehearsal.data_end"):
         RehearsalConfig(data_end=-1)
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 3.0])
+def test_a_scaled_bitflip_moves_the_norm_by_about_its_factor_with_one_real_bit(factor):
+    """``bitflip@F``: one bit of one element turned 0 -> 1, the one whose flip brings
+    the gradient's norm closest to F x; replicated gradients are not candidates."""
+    g = torch.Generator().manual_seed(0)
+    ps = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate((300, 2000, 50))]
+    for _, p in ps:
+        p.grad = torch.randn(p.numel(), generator=g) * 1e-3
+    before = [p.grad.clone() for _, p in ps]
+    total_sq = sum(float(p.grad.double().square().sum()) for _, p in ps)
+    rec = faults.flip_to_factor(ps, total_sq, factor)
+    after_sq = sum(float(p.grad.double().square().sum()) for _, p in ps)
+    reached = math.sqrt(after_sq / total_sq)
+    assert reached == pytest.approx(factor, rel=0.002) and reached == pytest.approx(rec["factor"], rel=1e-6)
+    changed = [(i, int(j)) for i, ((_, p), b) in enumerate(zip(ps, before)) for j in (p.grad != b).nonzero()]
+    assert len(changed) == 1 and ps[changed[0][0]][0] == rec["param"] and changed[0][1] == rec["index"]
+    old = torch.tensor([rec["before"]]).view(torch.int32)
+    new = torch.tensor([rec["after"]]).view(torch.int32)
+    assert int(old ^ new) == 1 << rec["bit"] and 0 <= rec["bit"] <= 30 and abs(rec["after"]) > abs(rec["before"])
+    assert faults.flip_to_factor(ps, 0.0, factor) is None
+
+
+def test_a_scaled_bitflip_passes_over_replicated_gradients_and_parses():
+    class Replicated(torch.Tensor):  # the one attribute flip_to_factor reads of a DTensor
+        placements = (torch.distributed.tensor.Replicate(),)
+
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.ones(10).as_subclass(Replicated)
+    assert faults.flip_to_factor([("p", p)], 10.0, 2.0) is None
+    assert parse_injects("10:1:bitflip@2,8:0:repeat") == [(10, 1, "bitflip@2"), (8, 0, "repeat")]
+    assert parse_inject("10:1:bitflip@1.5") == (10, 1, "bitflip@1.5") and faults.flip_factor("bitflip@1.5") == 1.5
+    for bad in ("10:1:bitflip@1", "10:1:bitflip@x", "10:1:bitflip@inf", "10:1:bitflip@"):
+        with pytest.raises(ConfigError, match="bitflip@F"):
+            parse_injects(bad)

@@ -268,7 +268,7 @@ def test_a_checkpoint_from_before_the_tiers_loads():
     old["ehist"], old["ecount"] = old["ehist"][:3], old["ecount"][:3]
     again = SpikeDetector(SpikeDetector.Config(window=8))
     again.load_state_dict(old)
-    assert again.ehist.shape[0] == 5 and int(again.ecount[3]) == 0 and int(again.count) == 5
+    assert again.ehist.shape[0] == 6 and int(again.ecount[3]) == 0 and int(again.count) == 5
     # ...and one from before one_doc_spread (no between-document history): it starts empty
     old = det.state_dict()
     old["ehist"], old["ecount"] = old["ehist"][:4], old["ecount"][:4]
@@ -392,3 +392,60 @@ def test_before_undoes_a_readmission_and_the_state_survives_a_checkpoint():
     det4 = SpikeDetector(cfg)
     det4.load_state_dict(old)
     assert int(det4.streak) == 0 and torch.equal(det4.hist, det2.hist)
+
+
+def _noisy(det, steps, dp=0, seed=0):
+    """Clean steps: loss ~3.0, grad norm ~1.0 (±3%), DP ranks' losses within ±0.5%."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        u = torch.rand(2 + dp, generator=g, dtype=torch.float64)
+        dp_loss = 3.0 * (1 + 0.01 * (u[2:] - 0.5)) if dp else None
+        det.step(torch.tensor(3.0 * (1 + 0.02 * (u[0] - 0.5))), 1.0 + 0.06 * (u[1] - 0.5), dp_loss)
+
+
+def test_a_grad_norm_move_with_the_loss_unmoved_is_a_note_that_never_acts():
+    """The finite-fault shape (issue 52): 2x the grad norm's recent median, the loss flat.
+    Below the grad-norm rules' bars (3-4x) it is a note, even with ``notes = ""``; the loss
+    moved with it, or a move the grad-norm rules already see, is not ``grad_move``."""
+    for notes in ("doc_high,doc_low", ""):
+        det = SpikeDetector(SpikeDetector.Config(notes=notes))
+        _noisy(det, 20)
+        ev = describe(det.step(torch.tensor(3.0), torch.tensor(2.0)).tolist())
+        assert ev["rules"] == [] and ev["notes"] == ["grad_move"] and ev["grad_jump_ratio"] > 1.9, ev
+    before = SpikeDetector(SpikeDetector.Config())
+    _noisy(before, 7)  # min_history (8) not reached: no median to move from
+    assert describe(before.step(torch.tensor(3.0), torch.tensor(5.0)).tolist())["notes"] == []
+    det = SpikeDetector(SpikeDetector.Config())
+    _noisy(det, 20)
+    assert describe(det.step(torch.tensor(3.0), torch.tensor(1.6)).tolist())["notes"] == []  # under 1.8x
+    assert "grad_move" not in describe(det.step(torch.tensor(3.5), torch.tensor(2.0)).tolist())["notes"]  # loss up
+    ev = describe(det.step(torch.tensor(3.0), torch.tensor(6.0)).tolist())  # the grad-norm rules' own move
+    assert "grad_jump" in ev["rules"] and "grad_move" not in ev["notes"], ev
+    off = SpikeDetector(SpikeDetector.Config(grad_move=0))
+    _noisy(off, 20)
+    assert describe(off.step(torch.tensor(3.0), torch.tensor(2.0)).tolist())["notes"] == []
+
+
+def test_one_ranks_loss_out_of_its_usual_spread_is_a_note_naming_the_rank():
+    """A DP-4 random batch (issue 52: 8.13 against 7.29-7.38) from the first steps on: the
+    rank whose loss leaves the ranks' median by 6x its usual distance is named in a note."""
+    det = SpikeDetector(SpikeDetector.Config(notes=""))
+    _noisy(det, 10, dp=4)
+    ev = describe(det.step(torch.tensor(3.1), torch.tensor(1.0),
+                           torch.tensor([2.99, 3.01, 3.0, 3.35], dtype=torch.float64)).tolist())
+    assert ev["rules"] == [] and ev["notes"] == ["rank_loss"] and ev["rank_loss_rank"] == 3, ev
+    assert ev["rank_loss_y"] > 6 * ev["rank_loss_median"] and ev["rank_loss_y"] > 0.03
+    # a wide but usual spread (every step like it) is no note; under the floor neither
+    wide = SpikeDetector(SpikeDetector.Config())
+    for i in range(20):
+        stats = wide.step(torch.tensor(3.0), torch.tensor(1.0),
+                          torch.tensor([2.7, 3.3] if i % 2 else [3.3, 2.7], dtype=torch.float64))
+        assert describe(stats.tolist())["notes"] == []
+    tight = SpikeDetector(SpikeDetector.Config())
+    _noisy(tight, 10, dp=2)
+    stats = tight.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.06], dtype=torch.float64))
+    assert describe(stats.tolist())["notes"] == []  # 1% from the median: under rank_loss_floor (3%)
+    # the history survives a checkpoint and ``before`` (six evidence rows)
+    again = SpikeDetector(SpikeDetector.Config())
+    again.load_state_dict(det.state_dict())
+    assert torch.equal(again.ehist, det.ehist) and torch.equal(det.before().ehist[5, :10], det.ehist[5, :10])

@@ -49,7 +49,7 @@ def _ledger(config, world: int) -> None:
     from titan_ledger.components.response.ladder import parse_ladder
     from titan_ledger.data.layout import parse_skip_steps
     from titan_ledger.data.loader import LedgerDataLoader
-    from titan_ledger.rehearsal.faults import parse_die, parse_inject
+    from titan_ledger.rehearsal.faults import parse_die, parse_injects
 
     led, steps = config.ledger, config.training.steps
     rungs = parse_ladder(led.on_spike.action)
@@ -72,14 +72,14 @@ def _ledger(config, world: int) -> None:
     if (led.filter.quarantine or led.filter.repetition) and not (ours and config.dataloader.tagging):
         raise ConfigError("--ledger.filter.quarantine and --ledger.filter.repetition mask documents by the "
                           "rows' provenance: they need LedgerDataLoader with --dataloader.tagging")
-    inj = parse_inject(led.rehearsal.inject)
     dp = dp_size_of(config, world)
-    if inj is not None and inj[1] >= dp:
-        raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: DP rank {inj[1]} does not exist (this "
-                          f"run has DP ranks 0-{dp - 1} on {world} processes)")
-    if inj is not None and inj[0] > steps:
-        raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: step {inj[0]} is after the last step "
-                          f"(--training.steps {steps})")
+    for inj in parse_injects(led.rehearsal.inject or ""):  # every spec, the faults too
+        if inj[1] >= dp:
+            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: DP rank {inj[1]} does not exist "
+                              f"(this run has DP ranks 0-{dp - 1} on {world} processes)")
+        if inj[0] > steps:
+            raise ConfigError(f"--ledger.rehearsal.inject {led.rehearsal.inject}: step {inj[0]} is after the last "
+                              f"step (--training.steps {steps})")
     die = parse_die(led.rehearsal.die)
     if die is not None and (die[1] >= world or die[0] > steps):
         raise ConfigError(f"--ledger.rehearsal.die {led.rehearsal.die}: give a rank of 0-{world - 1} and a step "

@@ -29,10 +29,19 @@ shard's largest magnitude and at most ``LIMIT`` (the grad norm jumps by orders o
 magnitude but stays finite: its square must not overflow float32). Without one,
 the top exponent bit of the largest element (what a real fault most often does;
 the grad norm may then be inf, which the spike rules flag as non-finite).
+
+``bitflip@F`` (issue 52: silent corruption too small for the grad-norm rules): a finite
+flip of a chosen size, still one real bit of one element (exponent or mantissa: an
+exponent bit alone moves an element 2, 4, 16, 256... x, too coarse to aim). Before the step's
+clip every rank joins one grad-norm reduction (the clip's own, at an infinite max norm);
+the rank owning that DP rank's loss then flips, among its local non-replicated gradient
+shards, the bit that brings the global grad norm closest to F x (:func:`flip_to_factor`;
+the factor reached is logged, and the ledger's ``grad_norm`` shows it).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +182,26 @@ def swap_batches(input_dict: dict, labels: torch.Tensor, group) -> tuple[dict, t
 
 INJECT_KINDS = ("repeat", "random", "bitflip", "swap")
 FAULT_KINDS = ("bitflip", "swap")  # not a batch replacement
+#: ``bitflip@F``: a finite flip that moves the step's grad norm F x (F > 1)
+SCALED = "bitflip@"
+
+
+def flip_factor(kind: str) -> float | None:
+    """``bitflip@F`` -> F (> 1), None for any other kind; ConfigError for a bad F."""
+    if not kind.startswith(SCALED):
+        return None
+    try:
+        f = float(kind[len(SCALED):])
+    except ValueError:
+        f = float("nan")
+    if not f > 1 or f == float("inf"):
+        raise ConfigError(f"--ledger.rehearsal.inject ...:{kind}: write bitflip@F with a finite factor F > 1, "
+                          f"e.g. 10:1:bitflip@2")
+    return f
+
+
+def is_fault(kind: str) -> bool:
+    return kind in FAULT_KINDS or kind.startswith(SCALED)
 
 
 def parse_injects(spec: str) -> list[tuple[int, int, str]]:
@@ -187,11 +216,11 @@ def parse_injects(spec: str) -> list[tuple[int, int, str]]:
                 raise IndexError
         except (IndexError, ValueError):
             raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: write STEP:DP_RANK:KIND, e.g. 8:1:repeat") from None
-        if kind not in INJECT_KINDS or step < 1 or rank < 0:
-            raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: KIND is repeat or random (data) or bitflip/swap (faults); STEP >= 1; "
-                              f"DP_RANK >= 0")
+        if (kind not in INJECT_KINDS and flip_factor(kind) is None) or step < 1 or rank < 0:
+            raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: KIND is repeat or random (data) or bitflip, "
+                              f"bitflip@F or swap (faults); STEP >= 1; DP_RANK >= 0")
         out.append((step, rank, kind))
-    if sum(k not in FAULT_KINDS for _, _, k in out) > 1:
+    if sum(not is_fault(k) for _, _, k in out) > 1:
         raise ConfigError(f"--ledger.rehearsal.inject {spec!r}: at most one repeat/random batch (bitflip/swap may be added)")
     return out
 
@@ -202,7 +231,7 @@ def parse_inject(spec: str) -> tuple[int, int, str] | None:
     specs = parse_injects(spec) if spec else []
     if not specs:
         return None
-    return next((s for s in specs if s[2] not in FAULT_KINDS), specs[0])
+    return next((s for s in specs if not is_fault(s[2])), specs[0])
 
 
 
@@ -216,6 +245,10 @@ class StepFaults:
     bitflip: bool = False
     #: ``bitflip`` as planned (:func:`rearm`)
     planned_bitflip: bool = False
+    #: ``bitflip@F``, not yet done (on EVERY rank: the grad norm it aims at is a collective):
+    #: (F, the DP rank whose loss-owning rank flips); the step's first clip clears it
+    scaled: tuple[float, int] | None = None
+    planned_scaled: tuple[float, int] | None = None
 
 
 def rearm(faults: StepFaults | None) -> None:
@@ -223,6 +256,7 @@ def rearm(faults: StepFaults | None) -> None:
     its one-time faults happen in the execution that counts."""
     if faults is not None:
         faults.bitflip = faults.planned_bitflip
+        faults.scaled = faults.planned_scaled
 
 
 def replace_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, kind: str, vocab: int,
@@ -302,17 +336,18 @@ def plan(trainer, rec) -> StepFaults | None:
     the forward (after a ``repeat``/``random`` injection). Neither is a batch
     replacement: a fault spec is taken off ``rec.inject``."""
     die_if_planned(trainer.config.ledger.rehearsal.die, trainer.step, trainer.ledger.topo.rank)
-    if rec.inject in (BITFLIP, SWAP):
+    if rec.inject and is_fault(rec.inject):
         rec.inject = None  # not a batch replacement; the data ledger records no injection
     specs = parse_injects(trainer.config.ledger.rehearsal.inject or "")
     step, dp_rank = trainer.step, trainer.ledger.topo.dp_rank
     flip = (step, dp_rank, BITFLIP) in specs
-    out = StepFaults(bitflip=flip, planned_bitflip=flip)
+    scaled = next(((flip_factor(k), r) for s, r, k in specs if s == step and k.startswith(SCALED)), None)
+    out = StepFaults(bitflip=flip, planned_bitflip=flip, scaled=scaled, planned_scaled=scaled)
     if any(s == step and k == SWAP for s, _, k in specs):
         if trainer.parallel_dims.pp_enabled:
             raise RuntimeError("--ledger.rehearsal.inject ...:swap: not supported under pipeline parallelism")
         out.swap_group = trainer.parallel_dims.get_mesh("batch").get_group()
-    return out if (out.swap_group is not None or out.bitflip) else None
+    return out if (out.swap_group is not None or out.bitflip or out.scaled) else None
 
 
 def before_forward(faults: StepFaults | None, kwargs: dict[str, Any]) -> None:
@@ -337,6 +372,75 @@ def after_backward(trainer, faults: StepFaults | None) -> None:
     from torchtitan.tools.logging import logger
 
     logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip at step {trainer.step}: {done}")
+
+
+def before_clip(trainer, faults: StepFaults | None) -> None:
+    """``bitflip@F``: before the step's first clip, every rank joins one grad-norm
+    computation (torchtitan's ``clip_grad_norm_`` at an infinite max norm: the same
+    reduction as the clip's, its scaling a multiplication by 1.0); then the rank owning
+    the planned DP rank's loss flips the one bit of its local gradients that
+    brings the global grad norm closest to F x (:func:`flip_to_factor`)."""
+    if faults is None or faults.scaled is None:
+        return
+    factor, dp = faults.scaled
+    faults.scaled = None  # once per step
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.tools.logging import logger
+
+    pd = trainer.parallel_dims
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    total = dist_utils.clip_grad_norm_(params, float("inf"), foreach=True, pp_mesh=pd.get_optional_mesh("pp"),
+                                       ep_enabled=pd.ep_enabled)
+    topo = trainer.ledger.topo
+    if topo.loss_rank_of_dp[dp] != topo.rank:
+        return
+    named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
+    done = flip_to_factor(named, float(total) ** 2, factor)
+    logger.warning(f"titan_ledger: --ledger.rehearsal.inject bitflip@{factor:g} at step {trainer.step}: {done}")
+
+
+def flip_to_factor(params, total_sq: float, factor: float) -> dict[str, Any] | None:
+    """Flip the one bit (exponent or mantissa: a 0 turned 1, the element grows) among the local gradient
+    shards of ``params`` (``(name, param)`` pairs) that brings the gradient's global sum of
+    squares ``total_sq`` closest to ``factor``\ :sup:`2` x itself (log distance): a silent
+    corruption of a chosen size, a real bit flip all the same. Gradients replicated across
+    ranks (a DTensor ``Replicate`` placement) are passed over: a flip in one replica is
+    not what the norm counts. Returns what was done (with the factor reached), None when
+    no finite flip exists."""
+    if not total_sq > 0:
+        return None
+    target = math.log(factor)
+    best = None  # (distance, name, tensor, index, bit)
+    for name, p in params:
+        g = p.grad
+        if g is None or any(pl.is_replicate() for pl in getattr(g, "placements", ())):
+            continue
+        local = _local(g)
+        if local.numel() == 0 or local.dtype not in _INT:
+            continue
+        vals = local.detach().reshape(-1)
+        ints = vals.view(_INT[local.dtype])
+        x2 = vals.double().square()
+        for bit in range(torch.finfo(local.dtype).bits - 2, -1, -1):  # every bit but the sign
+            m = _mask(bit, local.dtype)
+            flipped = (ints ^ m).view(local.dtype).double()
+            new_sq = total_sq - x2 + flipped.square()
+            dist_ = (0.5 * (new_sq / total_sq).log() - target).abs()
+            dist_ = torch.where(((ints & m) == 0) & torch.isfinite(flipped) & torch.isfinite(dist_), dist_,
+                                torch.full_like(dist_, math.inf))
+            i = int(dist_.argmin())
+            if math.isfinite(float(dist_[i])) and (best is None or float(dist_[i]) < best[0]):
+                best = (float(dist_[i]), name, local, i, bit)
+    if best is None:
+        return None
+    _, name, local, idx, bit = best
+    flat = local.view(-1)
+    before = float(flat[idx])
+    after = flip_value(before, bit, local.dtype)
+    with torch.no_grad():
+        flat[idx] = after
+    reached = math.sqrt((total_sq - before ** 2 + after ** 2) / total_sq)
+    return {"param": name, "index": idx, "bit": bit, "before": before, "after": after, "factor": reached}
 
 
 #: ``jitter_grads``' generator per global rank (one process is one rank; tests fake several)

@@ -64,6 +64,19 @@ more than ``grad_novelty`` (2) x the largest grad-jump ratio of its last ``grad_
 own: a copy-corpus run from the warm base moved 3.4-5.5x at a dozen clean steps, the
 zoo's faults 3-21x; no constant separates them, the run's own history does). The
 non-finite rule always acts.
+
+Sensitive notes (issue 52: a note costs a proof, not a false action), never acting by
+themselves (``NOTE_ONLY``); with ``--ledger.on_spike.prove all`` each is proven in step and
+acts only when its proof finds a harmful cause:
+
+* grad move: the grad norm ``grad_move`` (1.8) x its recent median or more with the loss
+  unmoved (under ``loss_jump`` over its recent median) -- a finite fault's shape: a flipped
+  bit moves the gradient, not its own step's loss. The grad-norm rules above see 3-4x moves.
+* rank loss (DP >= 2): one DP rank's mean loss stands farther from the ranks' median (log)
+  than ``rank_loss`` (6) x this statistic's own median over the window, and by at least
+  ``rank_loss_floor``: a DP-4 random batch moved its rank's loss 8.13 against 7.29-7.38 on
+  the others, where rank separation (documents, with its warm-up) and the global loss
+  (1/4 of the move) stay silent.
 """
 
 from __future__ import annotations
@@ -77,16 +90,22 @@ from torchtitan.config import Configurable
 from titan_ledger.errors import ConfigError
 
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
-         "doc_low", "grad_jump")
+         "doc_low", "grad_jump", "grad_move", "rank_loss")
+#: rules that are notes whatever ``notes`` says: sensitive, so each costs a proof
+#: (``--ledger.on_spike.prove all``), never a false action; a proof that finds them harmful acts
+NOTE_ONLY = ("grad_move", "rank_loss")
 #: layout of the stats vector ``SpikeDetector.step`` returns (all float64). ``flag``: an
 #: acting rule fired (the step is a spike); each RULES entry: that rule fired *and acts*;
 #: ``note``: a rule fired as a note only; ``note_mask``: which (bit i = RULES[i]).
 STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss_median", "grad_norm_mean",
              "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
-             "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound", "readmitted")
+             "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound", "readmitted",
+             "rank_loss_y", "rank_loss_rank", "rank_loss_median")
 #: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
 DEFAULT_NOTES = "doc_high,doc_low"
+#: rows of the evidence histories (``SpikeDetector.ehist``)
+_EROWS = 6
 
 
 class SpikeDetector(Configurable):
@@ -193,6 +212,22 @@ class SpikeDetector(Configurable):
         (early training's descent is no tail to compare with: a cold start's 3.2x moves at
         steps 9-11 would double the bar for 1,000 steps)."""
 
+        grad_move: float = 1.8
+        """Note only (never acts by itself; proven under ``--ledger.on_spike.prove all``): the
+        grad norm at least this many times the median of its recent steps with the loss
+        unmoved (under ``loss_jump`` over its recent median), after ``min_history`` steps --
+        the shape of a finite hardware fault. 0 disables it."""
+
+        rank_loss: float = 6.0
+        """Note only (DP >= 2): one DP rank's mean loss farther from the ranks' median (log)
+        than this many times the median of that distance over the window, after
+        ``min_history`` steps (no warm-up beyond: a rank's share of the loss is comparable
+        from the first steps on). 0 disables it."""
+
+        rank_loss_floor: float = 0.03
+        """...and by at least this log ratio (3%: a clean DP-4 run's ranks stand within ~1%
+        of their median)."""
+
         readmit_after: int = 64
         """A lasting change of level: after this many consecutive acting-flagged steps
         (finite ones), their values enter the history and the run's new level becomes its
@@ -229,7 +264,8 @@ class SpikeDetector(Configurable):
                                   f"be a note; give comma-separated names from "
                                   f"{', '.join(r for r in RULES if r != 'non_finite')} (or '' for none)")
             for name in ("zscore", "ratio", "loss_jump", "separation", "separation_floor", "doc_outlier",
-                         "doc_outlier_floor", "grad_jump", "separation_gate", "zscore_min_ratio", "grad_novelty"):
+                         "doc_outlier_floor", "grad_jump", "separation_gate", "zscore_min_ratio", "grad_novelty",
+                         "grad_move", "rank_loss", "rank_loss_floor"):
                 if getattr(self, name) < 0:
                     raise ConfigError(f"--ledger.spike.{name} must be >= 0 (0 switches the rule off), "
                                       f"got {getattr(self, name)}")
@@ -241,9 +277,9 @@ class SpikeDetector(Configurable):
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         self._arange = torch.arange(w, device=device)
         # evidence rules: histories of [log grad norm, doc high, doc low, rank separation,
-        # between-document spread], their counts
-        self.ehist = torch.zeros(5, w, dtype=torch.float64, device=device)
-        self.ecount = torch.zeros(5, dtype=torch.int64, device=device)
+        # between-document spread, rank-loss distance], their counts
+        self.ehist = torch.zeros(_EROWS, w, dtype=torch.float64, device=device)
+        self.ecount = torch.zeros(_EROWS, dtype=torch.int64, device=device)
         notes = set(config.note_rules())
         # static per rule: may its flag act? (a note rule's flag is only recorded)
         # grad_novelty's memory: the log grad-jump ratios of the last grad_memory accepted steps
@@ -254,7 +290,8 @@ class SpikeDetector(Configurable):
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.pend = torch.zeros(2, k, dtype=torch.float64, device=device)
         self._rundo = None
-        self._acts = torch.tensor([r not in notes for r in RULES], dtype=torch.bool, device=device)
+        self._acts = torch.tensor([r not in notes and r not in NOTE_ONLY for r in RULES], dtype=torch.bool,
+                                  device=device)
         self._bits = torch.tensor([float(2 ** i) for i in range(len(RULES))], dtype=torch.float64, device=device)
 
     def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, dp_loss: torch.Tensor | None = None,
@@ -299,7 +336,7 @@ class SpikeDetector(Configurable):
         # makes a 1.6x grad norm 9 std (measured on a clean DP-4 run); smaller moves are notes
         material = torch.stack([loss_up, v[1] > c.zscore_min_ratio * median[1]])
         non_finite = ~finite.all()
-        ev, sep_decisive, log_jump, estats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        ev, sep_decisive, log_jump, estats, rl_stats = self._evidence(grad_norm, doc, dp_loss, median[0])
         # grad_novelty: a grad-norm move acts only past the largest this run has shown
         c_j = self.jcount.clamp(max=self.jhist.shape[0])
         if c.grad_novelty > 0:
@@ -308,7 +345,12 @@ class SpikeDetector(Configurable):
         else:
             jbound = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
             grad_decisive = torch.ones((), dtype=torch.bool, device=v.device)
-        fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev])
+        # grad move (a note): a grad-norm move with the loss unmoved (a NaN jump: no)
+        move = (log_jump >= torch.log(torch.tensor(c.grad_move, dtype=torch.float64, device=v.device))) & ~loss_up \
+            if c.grad_move > 0 else torch.zeros((), dtype=torch.bool, device=v.device)
+        # ...the lower bar of the grad-norm rules: silent where one of them fired (acting or noted)
+        move = move & ~(z[1] | ratio.reshape(()) | ev[3])
+        fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev[:4], move.reshape(1), ev[4:]])
         # the tiers: a rule acts if it may (``notes``), rank separation only when decisive
         acts = self._acts.clone()
         acts[RULES.index("rank_separation")] &= sep_decisive
@@ -339,7 +381,7 @@ class SpikeDetector(Configurable):
         return torch.cat([flag.double().reshape(1), acting.double(),
                           torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
                           torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
-                          estats, shown.reshape(1), readmitted.reshape(1)])
+                          estats, shown.reshape(1), readmitted.reshape(1), rl_stats])
 
     def _readmit(self, flagged: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
         """``readmit_after``: keep this step's values while the flagged steps run on; at the
@@ -368,15 +410,17 @@ class SpikeDetector(Configurable):
 
     def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
                   dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
-        """The rank-separation, document and grad-jump rules; (fired [4] bool, rank
-        separation decisive (0-d bool), the log grad-jump ratio (0-d, NaN before
-        ``min_history``), stats [10])."""
+        """The rank-separation, document, grad-jump and rank-loss rules; (fired [5] bool:
+        rank_separation, doc_high, doc_low, grad_jump, rank_loss; rank separation decisive
+        (0-d bool), the log grad-jump ratio (0-d, NaN before ``min_history``), stats [10],
+        the rank-loss stats [3])."""
         c = self.config
         dev = self.ehist.device
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
-        fired = torch.zeros(4, dtype=torch.bool, device=dev)
-        # history-based: log grad norm, doc high, doc low, rank separation, between-doc spread
-        y = torch.full((5,), float("nan"), dtype=torch.float64, device=dev)
+        fired = torch.zeros(5, dtype=torch.bool, device=dev)
+        # history-based: log grad norm, doc high, doc low, rank separation, between-doc
+        # spread, rank-loss distance
+        y = torch.full((_EROWS,), float("nan"), dtype=torch.float64, device=dev)
         y[0] = grad_norm.double().reshape(()).log()
         w = self.ehist.shape[1]
         n_h = self.ecount.clamp(max=w)
@@ -425,6 +469,14 @@ class SpikeDetector(Configurable):
                 y[1], ranks[0] = h.max(), h.argmax().double()
                 y[2], ranks[1] = l_.max(), l_.argmax().double()
                 y[1:3] = torch.where(torch.isfinite(y[1:3]), y[1:3], nan)
+        rl_rank = nan
+        if dp_loss is not None and dp_loss.numel() > 1 and c.rank_loss > 0:
+            # rank loss: each DP rank's log loss against the ranks' median (the mean of the
+            # middle two at an even count: at DP 2 both stand half the gap off)
+            lg = dp_loss.double().reshape(-1).log()
+            dist_ = (lg - lg.quantile(0.5)).abs()
+            y[5], rl_rank = dist_.max(), dist_.argmax().double()
+            y[5] = torch.where(torch.isfinite(y[5]), y[5], nan)  # a rank without tokens: non_finite's
         active = (n_h[:4] >= c.min_history) & torch.isfinite(y[:4])
         if c.doc_outlier > 0:
             # the spread is the MAD, or where the history is degenerate (at 2 rows a rank's
@@ -444,19 +496,24 @@ class SpikeDetector(Configurable):
         jump = (y[0] - hmed[0]).exp()
         if c.grad_jump > 0:
             fired[3] = active[0] & (jump > c.grad_jump)
+        rl_active = (n_h[5] >= c.min_history) & torch.isfinite(y[5])
+        if c.rank_loss > 0:
+            fired[4] = rl_active & (y[5] > c.rank_loss * hmed[5]) & (y[5] > c.rank_loss_floor)
         # every finite value enters its history: one outlier barely moves a median,
         # and a statistic that trends cannot lock the rule into flagging
         take = torch.isfinite(y)
         idx = self.ecount % w
-        rows = torch.arange(5, device=dev)
+        rows = torch.arange(_EROWS, device=dev)
         eold = self.ehist[rows, idx]  # (a tensor index: a copy)
         self._eundo = (idx, eold, self.ecount)
         self.ehist[rows, idx] = torch.where(take, y, eold)
         self.ecount = self.ecount + take.long()
         stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
                              torch.where(active[0], jump, nan), torch.where(active[3], bound, nan)])
+        rl_stats = torch.stack([y[5], torch.where(torch.isfinite(y[5]), rl_rank, nan),
+                                torch.where(rl_active, hmed[5], nan)])
         log_jump = torch.where(active[0], y[0] - hmed[0], nan)
-        return fired, decisive, log_jump, stats
+        return fired, decisive, log_jump, stats, rl_stats
 
     def before(self) -> SpikeDetector:
         """A copy of this detector as it stood before its last ``step``: the run's own
@@ -475,7 +532,7 @@ class SpikeDetector(Configurable):
             det.streak = streak
         det.hist[:, idx] = col
         det.ecount = ecount
-        det.ehist[torch.arange(5, device=eold.device), eidx] = eold
+        det.ehist[torch.arange(_EROWS, device=eold.device), eidx] = eold
         det.jhist, det.jcount = self.jhist.clone(), jcount
         det.jhist[jdx] = jold
         return det

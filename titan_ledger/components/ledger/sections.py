@@ -179,7 +179,9 @@ class RehearsalConfig:
     by a single repeated token (``repeat``) or uniform random tokens (``random``);
     see ``python -m titan_ledger.replay inject``. ``bitflip`` (a hardware-fault
     rehearsal, :mod:`titan_ledger.rehearsal.faults`) flips one exponent bit of one gradient
-    element on that DP rank after the backward, before the clip; ``swap`` makes every DP
+    element on that DP rank after the backward, before the clip; ``bitflip@F`` (e.g.
+    ``bitflip@2``) flips the one bit of that DP rank's gradients that moves the
+    step's grad norm closest to F x, a finite corruption of a chosen size; ``swap`` makes every DP
     rank r train on rank (r+1) % dp's batch at that step (the rank is ignored; write 0).
     Comma-separated specs combine one data kind with faults, e.g. ``8:1:repeat,11:0:bitflip``."""
 

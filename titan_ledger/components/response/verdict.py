@@ -283,7 +283,7 @@ def name_suspect(event: dict[str, Any], dp_loss: list[float] | None, doc_summary
             if docs:
                 return Suspect(int(event[key]), frozenset(docs), rule)
     for rule, key in (("rank_separation", "separation_rank"), ("doc_high", "doc_high_rank"),
-                      ("doc_low", "doc_low_rank")):
+                      ("doc_low", "doc_low_rank"), ("rank_loss", "rank_loss_rank")):
         if rule in fired and event.get(key) is not None and dp_loss and len(dp_loss) > 1:
             return Suspect(int(event[key]), None, rule)
     odd = [i for i, v in enumerate(dp_loss or []) if not math.isfinite(v)]
