@@ -1,4 +1,4 @@
-"""Proof at the alarm, end to end (issue 35): five launches of the debug model, DP 2.
+"""Proof at the alarm, end to end (issue 35): six launches of the debug model, DP 2.
 
 Three 12-step runs -- one with two rehearsal faults and ``action = rollback``: a
 flipped gradient bit on DP rank 0 at step 6 (``hardware``: the recomputed update is
@@ -9,7 +9,8 @@ every step from 2 on forced through a proof, once deciding in the step
 (``--ledger.on_spike.no_defer``) and once deferred (the default: each decision made at
 the next step, behind its launched work) -- then the faulty run resumed from its step-8
 checkpoint, which must train steps 9-12 exactly as it did (the proof at step 10 again,
-its quarantine after it), and the same steps rerun by ``replay rerun`` (a fifth launch). The faulty run defers too, so its comparisons with the clean
+its quarantine after it), and the same steps rerun by ``replay rerun`` (a fifth launch);
+a sixth has one finite flip that moves the grad norm 2x (``bitflip@2``, issue 52). The faulty run defers too, so its comparisons with the clean
 in-step run are deferred-against-in-step, bit for bit.
 """
 
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.slow
 BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
         "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8"]
 FLIP, REPEAT = 6, 10
+FINITE = 10  # a finite flip (bitflip@2) on DP rank 1: the grad norm 2x, the loss unmoved
 RUNS = {
     "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
                "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
@@ -38,6 +40,8 @@ RUNS = {
     # every note proven, and every step from 2 on forced through a proof: none may leave a trace
     "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.on_spike.no_defer"],
     "clean_deferred": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
+    # issue 52: silent corruption below the grad-norm rules' bars, seen as a note and proven
+    "finite": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.inject", f"{FINITE}:1:bitflip@2"],
 }
 
 
@@ -144,6 +148,31 @@ def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
     assert f"hardware (transient): DP rank(s) {', '.join(map(str, named))} changed" in out
     assert FLIP not in rejected_steps(d)
     assert proof["decided_at"] == FLIP + 1  # deferred, against the clean run's in-step decisions
+
+
+def test_a_finite_2x_bitflip_is_noted_proven_hardware_and_the_run_equals_the_fault_free_run(runs):
+    """``bitflip@2`` at step 10 (issue 52): too small to act on (a note: its grad norm
+    ~2x the recent median, under the acting bars), proven in step with ``prove = all``;
+    the proof says ``hardware`` and applies the recomputed update, the note becomes an
+    alarm, and every step equals the fault-free run's bit for bit -- the faulty execution's
+    own grad norm excepted."""
+    d, out = runs["finite"]
+    clean, _ = runs["clean"]
+    ev, proof = proof_at(d, FINITE)
+    assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", [1]), proof
+    ex = proof["executions"]
+    a, b = signals_rows(d), signals_rows(clean)
+    assert 1.9 < ex[0]["grad_norm"] / b[FINITE]["grad_norm"] < 2.1  # the flip's size, as the ledger saw it
+    assert ex[1]["grad_norm"] == b[FINITE]["grad_norm"] and ex[1]["bit_equal"] is False
+    assert ev["rules"] and ev["action"] == "proof: hardware", ev  # promoted: a harmful note acts
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert a[step]["loss"] == b[step]["loss"], step
+        if step != FINITE:
+            assert a[step]["grad_norm"] == b[step]["grad_norm"], step
+    # the detector's decision was a note (below the acting bars); the proof made it an alarm
+    assert ev["promoted_by_proof"] is True and set(ev["notes"]) & {"grad_move", "zscore_grad_norm"}, ev
+    assert "hardware (transient): DP rank(s) 1 changed" in out
 
 
 def test_deferred_decisions_train_exactly_the_run_in_step_decisions_train(runs):
