@@ -437,27 +437,27 @@ def parse_rules(items: list[str]) -> dict:
     return out
 
 
-def _int_fields() -> tuple[str, ...]:
-    """SpikeDetector.Config's integer fields (from their defaults: a new one needs no edit here)."""
+def _fields_of(kind: type) -> tuple[str, ...]:
+    """SpikeDetector.Config's fields of one type (from their defaults: a new one needs no edit here)."""
     import dataclasses
 
+    from titan_ledger.rehearsal import backend
+
+    backend.ensure_installed()  # before torchtitan's modules (spikes imports torchtitan.config)
     from titan_ledger.components.detection.spikes import SpikeDetector
 
-    return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config)
-                 if type(f.default) is int)
+    return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config) if type(f.default) is kind)
+
+
+def _int_fields() -> tuple[str, ...]:
+    return _fields_of(int)
 
 
 _BOOLS = ("doc_tail_spread", "one_doc_spread")
 
 
 def _float_fields() -> tuple[str, ...]:
-    """SpikeDetector.Config's float fields (from their defaults, as ``_int_fields``)."""
-    import dataclasses
-
-    from titan_ledger.components.detection.spikes import SpikeDetector
-
-    return tuple(f.name for f in dataclasses.fields(SpikeDetector.Config)
-                 if type(f.default) is float)
+    return _fields_of(float)
 
 
 def summarize_run(run: Run, dump: Path, seconds: float, fresh: bool, check: bool = True,

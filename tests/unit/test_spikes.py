@@ -428,13 +428,13 @@ def test_a_grad_norm_move_with_the_loss_unmoved_is_a_note_that_never_acts():
 
 def test_one_ranks_loss_out_of_its_usual_spread_is_a_note_naming_the_rank():
     """A DP-4 random batch (issue 52: 8.13 against 7.29-7.38) from the first steps on: the
-    rank whose loss leaves the ranks' median by 6x its usual distance is named in a note."""
+    rank whose loss leaves the ranks' median by 8x its usual distance is named in a note."""
     det = SpikeDetector(SpikeDetector.Config(notes=""))
     _noisy(det, 10, dp=4)
     ev = describe(det.step(torch.tensor(3.1), torch.tensor(1.0),
                            torch.tensor([2.99, 3.01, 3.0, 3.35], dtype=torch.float64)).tolist())
     assert ev["rules"] == [] and ev["notes"] == ["rank_loss"] and ev["rank_loss_rank"] == 3, ev
-    assert ev["rank_loss_y"] > 6 * ev["rank_loss_median"] and ev["rank_loss_y"] > 0.03
+    assert ev["rank_loss_y"] > 8 * ev["rank_loss_median"] and ev["rank_loss_y"] > 0.06
     # a wide but usual spread (every step like it) is no note; under the floor neither
     wide = SpikeDetector(SpikeDetector.Config())
     for i in range(20):
@@ -444,7 +444,7 @@ def test_one_ranks_loss_out_of_its_usual_spread_is_a_note_naming_the_rank():
     tight = SpikeDetector(SpikeDetector.Config())
     _noisy(tight, 10, dp=2)
     stats = tight.step(torch.tensor(3.0), torch.tensor(1.0), torch.tensor([3.0, 3.06], dtype=torch.float64))
-    assert describe(stats.tolist())["notes"] == []  # 1% from the median: under rank_loss_floor (3%)
+    assert describe(stats.tolist())["notes"] == []  # 1% from the median: under rank_loss_floor (6%)
     # the history survives a checkpoint and ``before`` (six evidence rows)
     again = SpikeDetector(SpikeDetector.Config())
     again.load_state_dict(det.state_dict())
