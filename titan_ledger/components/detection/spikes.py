@@ -81,6 +81,7 @@ acts only when its proof finds a harmful cause:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,8 +349,9 @@ class SpikeDetector(Configurable):
             jbound = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
             grad_decisive = torch.ones((), dtype=torch.bool, device=v.device)
         # grad move (a note): a grad-norm move with the loss unmoved (a NaN jump: no)
-        move = (log_jump >= torch.log(torch.tensor(c.grad_move, dtype=torch.float64, device=v.device))) & ~loss_up \
-            if c.grad_move > 0 else torch.zeros((), dtype=torch.bool, device=v.device)
+        # (a Python-float bound: no host-to-device copy per step)
+        move = (log_jump >= math.log(c.grad_move)) & ~loss_up if c.grad_move > 0 \
+            else torch.zeros((), dtype=torch.bool, device=v.device)
         # ...the lower bar of the grad-norm rules: silent where one of them fired (acting or noted)
         move = move & ~(z[1] | ratio.reshape(()) | ev[3])
         fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev[:4], move.reshape(1), ev[4:]])
