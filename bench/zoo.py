@@ -309,13 +309,63 @@ def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
             out.append({"text": planted_text(plant, seed)})
         out.append({"text": d["text"]})
         seen += len(tok.encode(d["text"], add_bos=True, add_eos=True))
+    return prepare_documents(folder, out, "zoo"), planted
+
+
+def prepare_documents(folder: Path, docs: list[dict], name: str) -> Path:
+    """``docs`` as a Megatron corpus ``folder/name`` (the ``prepare`` CLI, one process)."""
     folder.mkdir(parents=True, exist_ok=True)
-    src = folder / "zoo.jsonl"
-    src.write_text("".join(json.dumps(x) + "\n" for x in out))
-    prefix = folder / "zoo"
+    src = folder / f"{name}.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in docs))
+    prefix = folder / name
     subprocess.run([sys.executable, "-m", "titan_ledger.prepare", "--input", str(src), "--output-prefix",
                     str(prefix), "--workers", "0"], cwd=ROOT, env=env(), check=True, capture_output=True)
-    return prefix, planted
+    return prefix
+
+
+@dataclass(frozen=True)
+class Split:
+    """A document planted across two DP ranks' batches of one step (``plant_across``)."""
+    prefix: Path  # the corpus (train with --dataloader.source indexed --dataloader.no_shuffle)
+    doc: int  # its document id in the corpus
+    step: int  # the step whose batches hold all of it
+    dp_ranks: tuple[int, int]  # the two DP ranks it spans
+    tokens: tuple[int, int]  # its trained tokens on each
+
+
+def plant_across(folder: Path, step: int, dp: int, mbs: int, seq_len: int, into: int, word: str = " the",
+                 margin: int = 16) -> Split:
+    """The bundled documents in order, ONE degenerate document (``word`` repeated) inserted
+    so that it starts in DP rank r's batch and ends ``into`` tokens into rank r+1's, both
+    at one step: the first step >= ``step`` (and the first r) with a document boundary
+    in rank r's batch at least ``margin`` tokens before its end (the sequential order
+    without shuffling packs the stream into rows, and rank r's rows of a step come just
+    before rank r+1's: ``layout.sample_id``). Documents are only inserted at boundaries,
+    so the bundled texts are unchanged; trained tokens are a document's length - 1."""
+    from titan_ledger.data.prepare import load_tokenizer
+
+    tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
+    text = [json.loads(x)["text"] for x in CORPUS.read_text().splitlines() if x.strip()]
+    per_rank = mbs * seq_len
+    if not 0 < into <= per_rank - margin:
+        raise ValueError(f"into={into}: 1..{per_rank - margin} tokens fit in one rank's batch")
+    starts, at = [], 0
+    for t in text:  # where each document's trained tokens start in the stream
+        starts.append(at)
+        at += len(tok.encode(t, add_bos=True, add_eos=True)) - 1
+    for t in range(step, step + 1000):
+        for r in range(dp - 1):
+            edge = ((t - 1) * dp + r + 1) * per_rank  # rank r's batch ends, rank r+1's begins
+            inside = [i for i, s in enumerate(starts) if edge - per_rank < s <= edge - margin]
+            if inside:
+                i = inside[-1]
+                n = edge - starts[i] + into  # trained tokens: BOS + (n - 1) words + EOS, minus one
+                planted = word * (n - 1)
+                if len(tok.encode(planted, add_bos=True, add_eos=True)) != n + 1:
+                    raise ValueError(f"{word!r} repeated is not one token a repeat")
+                prefix = prepare_documents(folder, [{"text": x} for x in text[:i] + [planted] + text[i:]], "split")
+                return Split(prefix, i, t, (r, r + 1), (edge - starts[i], into))
+    raise ValueError(f"no document boundary near a rank edge in 1000 steps from {step}")
 
 
 def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:

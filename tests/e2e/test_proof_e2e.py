@@ -11,19 +11,23 @@ the next step, behind its launched work) -- then the faulty run resumed from its
 checkpoint, which must train steps 9-12 exactly as it did (the proof at step 10 again,
 its quarantine after it), and the same steps rerun by ``replay rerun`` (a fifth launch);
 a sixth has one finite flip that moves the grad norm 2x (``bitflip@2``, issue 52). The faulty run defers too, so its comparisons with the clean
-in-step run are deferred-against-in-step, bit for bit.
+in-step run are deferred-against-in-step, bit for bit. A seventh trains a corpus with one
+degenerate document planted across both DP ranks' batches of step 9 (issue 52): neither
+rank's mask explains its update, group testing convicts the document.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import CONFIGS, cli, data_rows, explain, rejected_steps, signals_rows, spike_events, torchrun
+from helpers import CONFIGS, cli, data_rows, explain, load_bench, rejected_steps, signals_rows, spike_events, torchrun
 
 from titan_ledger.format.proofs import HARMFUL
+from titan_ledger.format.reader import DataLedger
 from titan_ledger.format.records import read_ledger
 
 pytestmark = pytest.mark.slow
@@ -48,16 +52,20 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("proof")
+    # a document starting in DP rank 0's batch of step 9 and ending 166 tokens into rank 1's
+    split = load_bench("zoo").plant_across(root / "corpus", 9, 2, 2, 128, 166)
+    args = {**RUNS, "split": ["--dataloader.source", "indexed", "--dataloader.paths", str(split.prefix),
+                              "--dataloader.no_shuffle"]}
 
     def one(name):
         d = root / name
-        return name, d, torchrun([*BASE, *RUNS[name], "--job.dump_folder", str(d)])
+        return name, d, torchrun([*BASE, *args[name], "--job.dump_folder", str(d)])
 
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(one, RUNS))
+        done = list(pool.map(one, args))
     for name, _, p in done:
         assert p.returncode == 0, (name, explain(p))
-    return {name: (d, p.stdout + p.stderr) for name, d, p in done}
+    return {name: (d, p.stdout + p.stderr) for name, d, p in done} | {"split_doc": split}
 
 
 def proof_at(dump, step):
@@ -173,6 +181,48 @@ def test_a_finite_2x_bitflip_is_noted_proven_hardware_and_the_run_equals_the_fau
     # the detector's decision was a note (below the acting bars); the proof made it an alarm
     assert ev["promoted_by_proof"] is True and set(ev["notes"]) & {"grad_move", "zscore_grad_norm"}, ev
     assert "hardware (transient): DP rank(s) 1 changed" in out
+
+
+def test_a_document_split_across_dp_ranks_is_convicted_by_group_testing_not_a_rank(runs):
+    """The planted document holds 90 of DP rank 0's 256 tokens at step 9 and 166 of rank
+    1's. A rank's mask leaves the other rank's part of it, so neither mask brings the
+    update back; group testing over the step's documents (on by default) convicts that one
+    document on both ranks, trains the step without it and quarantines it -- every other
+    document of both batches trains."""
+    d, out = runs["split"]
+    split = runs["split_doc"]
+    assert (split.step, split.dp_ranks, split.tokens) == (9, (0, 1), (90, 166))
+    ev, proof = proof_at(d, split.step)
+    assert ev["action"] == "proof: bad_data", ev
+    assert (proof["verdict"], proof["applied"]) == ("bad_data", "masked"), proof
+    assert proof["documents"] == [["split", split.doc]] and proof["suspect"]["dp_ranks"] == [0, 1], proof
+    ex = proof["executions"]
+    # the rank masks (suspect, control) each left the update abnormal: a rank-level proof
+    # could not convict (it would be not_data and take the action)
+    ranks = [e for e in ex if e["variant"] in ("masked", "control")][:2]
+    assert [e["normal"] for e in ranks] == [False, False] and \
+        sorted(r for e in ranks for r, x in enumerate(e["per_rank"]) if x["tokens"] == 0) == [0, 1], ranks
+    # the bisection: one round per halving, at most ceil(log2 k) for k documents, each round's
+    # halves told apart; two executions a round
+    rounds = proof["bisection"]
+    searched = {tuple(x) for x in rounds[0]["masked"] + rounds[0]["control"]}
+    assert 1 <= len(rounds) <= math.ceil(math.log2(len(searched))), rounds
+    assert all(r["masked_normal"] != r["control_normal"] for r in rounds), rounds
+    assert sum(e["variant"] == "bisect" for e in ex) == 2 * len(rounds)
+    applied = ex[-1]
+    assert applied["variant"] == "masked" and applied["normal"] is True
+    assert [x["tokens"] for x in applied["per_rank"]] == [256 - 90, 256 - 166]
+    # the data rows: exactly the planted document's segments masked, on each rank
+    led = DataLedger(d / "ledger")
+    for r in (0, 1):
+        tags = led.at(split.step, r).tags
+        planted = [[i, j] for i, t in enumerate(tags) for j, seg in enumerate(t.segments) if seg.doc == split.doc]
+        assert sum(tags[i].segments[j].end - tags[i].segments[j].start for i, j in planted) == split.tokens[r]
+        assert data_rows(d, r)[split.step]["masked"]["proof"] == planted, r
+    proven = [json.loads(x) for x in (d / "ledger" / "proven_documents.jsonl").read_text().splitlines()]
+    assert [(p["source"], p["doc"], p["step"]) for p in proven] == [("split", split.doc, split.step)]
+    assert rejected_steps(d) == [] and "rolling back" not in out
+    assert f"bad data on DP ranks 0, 1, documents split:{split.doc}" in out
 
 
 def test_deferred_decisions_train_exactly_the_run_in_step_decisions_train(runs):

@@ -210,6 +210,8 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     assert proof["documents"] == [["c", t.BAD]] and proof["suspect"]["evidence"] == "bisection"
     rounds = proof["bisection"]
     assert len(rounds) == 3 and sum(e["variant"] == "bisect" for e in proof["executions"]) == 6  # log2(8) rounds
+    # the convicted set's update, in place, recorded once, after the rounds
+    assert [e["variant"] for e in proof["executions"]][-7:] == ["bisect"] * 6 + ["masked"]
     assert all(r["masked_normal"] != r["control_normal"] for r in rounds)
     assert rec.masked["proof"] == [[t.BAD, 0]]
     if deferred:
@@ -220,7 +222,7 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(t.model.parameters(), ref.model.parameters()))
 
 
-def test_group_testing_is_off_by_default_and_then_the_step_is_not_data():
+def test_without_group_testing_the_step_is_not_data():
     t = _Documents()
     t.config.ledger.on_spike.prove_bisect = False
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())

@@ -402,7 +402,7 @@ def before_clip(trainer, faults: StepFaults | None) -> None:
 def flip_to_factor(params, total_sq: float, factor: float) -> dict[str, Any] | None:
     """Flip the one bit (exponent or mantissa: a 0 turned 1, the element grows) among the local gradient
     shards of ``params`` (``(name, param)`` pairs) that brings the gradient's global sum of
-    squares ``total_sq`` closest to ``factor``\ :sup:`2` x itself (log distance): a silent
+    squares ``total_sq`` closest to ``factor`` squared times itself (log distance): a silent
     corruption of a chosen size, a real bit flip all the same. Gradients replicated across
     ranks (a DTensor ``Replicate`` placement) are passed over: a flip in one replica is
     not what the norm counts. Returns what was done (with the factor reached), None when

@@ -136,14 +136,15 @@ class OnSpikeConfig:
     the noise floor, measured per parameter and rank and recorded with the proof as
     ``noise``); otherwise the step reproduced within that noise."""
 
-    prove_bisect: bool = False
+    prove_bisect: bool = True
     """When the proof's masks leave a reproducible abnormal update unexplained (masking the
     suspect rank does not restore it, or no rank stands out) or convict a whole rank's
     batch: group testing over the step's documents across every DP rank -- mask one
     half, the other half as its control, down to the documents whose masking alone
     restores the update (at most 2 ceil(log2 k) extra forward/backward passes for k
-    documents). Convicts those documents instead of the batch. Off by default until its
-    cost and verdicts on clean runs are measured (issue 52)."""
+    documents). Convicts those documents instead of the batch. Never runs on a step
+    whose first update is normal (every proof of a clean step), so it costs nothing
+    there; ``--ledger.on_spike.no_prove_bisect`` keeps the rank-level verdicts."""
 
     defer: bool = True
     """Decide a flagged step one step late, with no host read on the others: the update

@@ -362,9 +362,11 @@ class Prover:
             if bisection.documents:
                 docs = bisection.documents
                 m_groups, hits = mask_labels(groups, rec.tags, Suspect(topo.dp_rank, docs), IGNORE_INDEX)
-                masked = self._run("masked", again, m_groups, first_grads)  # the convicted set's update, in place
-                masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
-                repeats_after.append(masked)
+                # the convicted set's update, in place (its own name: ``masked`` stays the rank
+                # mask's execution, which the record lists before the bisection's)
+                in_place = self._run("masked", again, m_groups, first_grads)
+                in_place.normal = normal_update(detector, in_place.loss, in_place.grad_norm, original.loss)
+                repeats_after.append(in_place)
                 self._groups["masked"] = m_groups
                 holders = sorted(dp for dp, tags in tags_by_dp.items() if set(document_tokens(tags or [])) & docs)
                 suspect, everywhere = Suspect(holders[0] if holders else 0, docs, "bisection"), True
