@@ -575,7 +575,9 @@ def proof_rows(events: list[dict]) -> list[dict]:
     step order: ``step``, ``tier`` (``acting``: an acting rule fired; ``note``: notes
     only, proven under ``prove = "all"``), ``promoted`` (a note the proof turned into
     an alarm), ``verdict``, ``applied``, ``dp_rank`` (the suspect DP rank), ``dp_ranks``
-    (hardware: the DP ranks whose executions differed), ``documents`` ([source, doc])."""
+    (hardware: the DP ranks whose executions differed; bad data convicted by group
+    testing: the DP ranks holding its documents), ``documents`` ([source, doc]),
+    ``abnormal`` (the first execution's update was abnormal: what the data did)."""
     out = []
     for e in events:
         p = e.get("proof")
@@ -584,7 +586,9 @@ def proof_rows(events: list[dict]) -> list[dict]:
         out.append({"step": int(e["step"]), "tier": "acting" if p.get("acting") else "note",
                     "promoted": bool(e.get("promoted_by_proof")), "verdict": p["verdict"],
                     "applied": p.get("applied"), "dp_rank": (p.get("suspect") or {}).get("dp_rank"),
-                    "dp_ranks": p.get("dp_ranks"), "documents": p.get("documents")})
+                    "dp_ranks": p.get("dp_ranks") or (p.get("suspect") or {}).get("dp_ranks"),
+                    "documents": p.get("documents"),
+                    "abnormal": (p.get("executions") or [{}])[0].get("normal") is False})
     return sorted(out, key=lambda r: r["step"])
 
 

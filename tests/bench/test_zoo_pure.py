@@ -68,11 +68,17 @@ def test_proof_rows_read_both_tiers_in_step_order():
     rows = zoo.proof_rows(events)
     assert [r["step"] for r in rows] == [12, 20, 30]
     assert rows[0] == {"step": 12, "tier": "note", "promoted": False, "verdict": "outlier", "applied": "same",
-                       "dp_rank": 0, "dp_ranks": None, "documents": None}
+                       "dp_rank": 0, "dp_ranks": None, "documents": None, "abnormal": False}
     assert rows[1]["tier"] == "note" and rows[1]["promoted"] and rows[1]["dp_ranks"] == [1]
     assert rows[2]["tier"] == "acting" and rows[2]["documents"] == [["zoo", 7]] and rows[2]["dp_rank"] == 1
     assert zoo.proof_counts(rows) == {"note": {"outlier": 1, "hardware": 1}, "acting": {"bad_data": 1}}
     assert zoo.proof_rows([]) == [] and zoo.proof_counts([]) == {}
+    # group testing names the ranks holding the documents in its suspect; the first update's verdict
+    bisected = _proof("bad_data", True, 0, [["split", 7]])
+    bisected["suspect"]["dp_ranks"] = [0, 1]
+    bisected["executions"] = [{"variant": "original", "normal": False}]
+    row = zoo.proof_rows([{"step": 9, "rules": ["ratio"], "proof": bisected}])[0]
+    assert row["dp_ranks"] == [0, 1] and row["abnormal"] is True
 
 
 def test_proof_verdict_against_the_truth():

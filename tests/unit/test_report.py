@@ -107,3 +107,6 @@ def test_the_page_shows_the_proof_as_it_ran(tmp_path):
                  "bad data on DP ranks 0, 1, documents c:5"):
         assert text in section, text
     assert section.count("<tr>") == 8 + 5 + 2  # facts, executions, rounds (each with its header)
+    # the diagnosis names both ranks that held the convicted document
+    diagnosis = (tmp_path / "p.html").read_text().split("<h2>Diagnosis</h2>")[1].split("<h2>")[0]
+    assert "bad_data (DP ranks 0, 1)" in diagnosis

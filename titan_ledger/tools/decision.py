@@ -346,6 +346,14 @@ def document_scores(led: RunLedger, step: int) -> list[dict]:
 
 
 CERTAINTIES = ("proven", "evidence", "guess")
+
+
+def rank_phrase(res: dict) -> str:
+    """`` (DP rank r)`` after a verdict's cause, `` (DP ranks 0, 1)`` when a proof convicted
+    documents on several ranks; empty when no rank is named."""
+    if len(res.get("ranks") or ()) > 1:
+        return f" (DP ranks {', '.join(map(str, res['ranks']))})"
+    return f" (DP rank {res['rank']})" if res.get("rank") is not None else ""
 #: a document "stands out" against its step when its loss is >= this many times the
 #: step's median document or <= 1 / this: exp of the trainer's doc_outlier_floor (a
 #: log ratio of 0.7, i.e. 2x), the floor under which its document rules never fire --
@@ -490,6 +498,8 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
     elif v == "bad_data":
         sus = proof.get("suspect") or {}
         docs = proof.get("documents") or []
+        if sus.get("dp_ranks"):  # group testing: the documents' segments lay on these DP ranks
+            res["ranks"] = sus["dp_ranks"]
         res.update(cause="bad_data", certainty="proven", rank=sus.get("dp_rank"), rank_from="proof",
                    certainty_rule=("proven in step: masking the convicted data brought the update back to "
                                    "normal; masking as much other data did not"),

@@ -56,7 +56,7 @@ from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_
 
 # the decision tree (pure); importing it chooses the device backend before torchtitan
 # loads (--rerun parses training configs in this process)
-from titan_ledger.tools.decision import Thresholds, document_scores, judge, spike_check, spike_steps
+from titan_ledger.tools.decision import Thresholds, document_scores, judge, rank_phrase, spike_check, spike_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +166,7 @@ def _main(a) -> int:
 def print_verdict(r: dict) -> None:
     """One verdict as text: cause, certainty and its rule, the trainer's flag, what was
     done, the questions with their numbers, the documents and the quarantine command."""
-    extra = f" (DP rank {r['rank']})" if r.get("rank") is not None else ""
+    extra = rank_phrase(r)
     extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
     extra += f" (the tree said {r['heuristic']})" if r.get("heuristic") else ""
     rewound = "   [judged on the history as it stood when the step ran]" if r.get("rewound") else ""

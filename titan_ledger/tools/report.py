@@ -144,7 +144,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
     prints: cause, certainty and its rule, the trainer's flag, what was done, the
     per-rank losses as the step trained, every question with its numbers."""
-    from titan_ledger.tools.decision import judge
+    from titan_ledger.tools.decision import judge, rank_phrase
 
     try:
         res = judge(led, step)
@@ -152,7 +152,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
         return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(e)}</p>", None
     except Exception as e:
         return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
-    extra = f" (DP rank {res['rank']})" if res.get("rank") is not None else ""
+    extra = rank_phrase(res)
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
     extra += f" (the tree said {res['heuristic']})" if res.get("heuristic") else ""
     rewound = " This step was later rolled back (the history as it stood then is used)." \
