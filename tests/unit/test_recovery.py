@@ -23,7 +23,8 @@ import torch
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
-from titan_ledger.components.response.ladder import Ladder, parse_ladder
+from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
+from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.signals.step_record import StepRecord
@@ -42,8 +43,10 @@ def _batch(step: int):
 class _Ledger:
     """The ledger's side of the protocol: flags from a plan, rows in step order."""
 
-    def __init__(self, trainer, flags: dict[int, tuple[bool, bool]], action: str, folder: Path):
+    def __init__(self, trainer, flags: dict[int, tuple[bool, bool]], action: str, folder: Path,
+                 budget: tuple[float, int] = (0.01, 8)):
         self.t, self.flags = trainer, flags
+        self.note_budget = NoteBudget(*budget)
         self.guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), action)
         self.ladder = Ladder(parse_ladder(action), 100)
         self.qk_clip, self.topo, self.folder = None, Topology.single(), folder
@@ -77,7 +80,7 @@ class _Ledger:
     def drain(self, block, metrics_logger=None):
         while self.pending and self.pending[0].decided:
             rec = self.pending.pop(0)
-            self.rows.append((rec.step, rec.update_skipped, rec.proof["verdict"] if rec.proof else None))
+            self.rows.append((rec.step, rec.update_skipped, rec.proof["verdict"] if rec.proof else rec.unproven))
 
     def discard_step_state(self):
         pass
@@ -111,7 +114,7 @@ class _Ledger:
 
 class _Trainer:
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
-                 ckpt: int | None = None, fused=True, keep_grads=True):
+                 ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8)):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
@@ -131,7 +134,7 @@ class _Trainer:
             # its own (KeptExecution) instead of a checksum pass
             training=SimpleNamespace(steps=steps, max_norm=1.0, disable_cuda_graphs=keep_grads),
             dump_folder=str(tmp))
-        self.ledger = _Ledger(self, flags, action, tmp / "ledger")
+        self.ledger = _Ledger(self, flags, action, tmp / "ledger", budget)
         self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
@@ -206,17 +209,21 @@ class _Trainer:
     faults: tuple = ()
 
 
-class _Prover:
+class _Prover(Prover):
     """A proof whose verdict per step is planned; what it applies is executed as the real
-    prover does (through ``Reexecution``): ``masked`` trains without the step's document 0."""
+    prover does (through ``Reexecution``): ``masked`` trains without the step's document 0.
+    Which steps are proven is the real prover's (``wanted``, ``notes_allowed``: the mode
+    and the ledger's note budget)."""
 
     def __init__(self, trainer, mode, verdicts):
-        self.t, self.mode, self.verdicts = trainer, mode, verdicts
+        self.trainer = self.t = trainer
+        self._mode, self.verdicts = mode, verdicts
         self.proofs = 0
         self.firsts = []  # what each proof got of the first execution
 
-    def wanted(self, acting, note):
-        return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
+    @property
+    def mode(self):
+        return self._mode
 
     def release(self):
         pass
@@ -321,6 +328,36 @@ def test_notes_are_proven_only_with_prove_all(tmp_path):
     assert acting.recovery.prover.proofs == 3 and every.recovery.prover.proofs == 4  # step 8: a note only
     _assert_same_run(every, _run(tmp_path, "all_in_step", flags=FLAGS, action="none", prove="all",
                                  verdicts=verdicts, defer=False)[0])
+
+
+def test_the_note_budget_proves_the_notes_it_holds_and_records_the_rest_unproven(tmp_path):
+    """``prove = "all"`` with a bucket of 2 note proofs refilled at 0.25 a step: notes at
+    steps 2-9 and 11 (step 9 also acting). The bucket proves 2 and 3 (full at the start),
+    then 6 (one token again after 4 steps) and 11; the rest are recorded ``unproven``; the
+    acting flag at 9 is proven whatever the bucket holds, and spends nothing. Deferred and in-step decide alike, bit for bit."""
+    flags = {s: (s == 9, True) for s in (*range(2, 10), 11)}
+    verdicts = {s: ("outlier", "original") for s in range(1, 13)}
+    kw = dict(flags=flags, action="none", prove="all", verdicts=verdicts, budget=(0.25, 2))
+    d, _ = _run(tmp_path, "deferred", **kw)
+    s, _ = _run(tmp_path, "in_step", defer=False, **kw)
+    _assert_same_run(d, s)
+    by = {r[0]: r[2] for r in d.ledger.rows}
+    assert [k for k, v in by.items() if v == "outlier"] == [2, 3, 6, 9, 11]
+    assert [k for k, v in by.items() if v == "budget"] == [4, 5, 7, 8]
+    assert d.recovery.prover.proofs == 5
+
+
+def test_note_budget_refills_alike_however_often_it_is_asked():
+    a, b = NoteBudget(0.3, 2), NoteBudget(0.3, 2)
+    for step in range(1, 40):
+        a.allows(step)  # asked every step (deferred) or only at the notes (in the step)
+    assert a.allows(40) == b.allows(40) and (a.tokens, a.at) == (b.tokens, b.at) == (2_000_000, 40)
+    spent = [st for st in range(41, 60) if b.allows(st) and (b.spend(st) or True)]
+    assert spent == [41, 42, 45, 48, 51, 55, 58]  # 2 at once, then one per 1 / 0.3 steps (integer millionths)
+    c = NoteBudget(0.3, 2)
+    c.load_state_dict(b.state_dict())
+    assert (c.tokens, c.at) == (b.tokens, b.at)
+    assert not NoteBudget(0.0, 0).allows(10)  # 0 and 0: notes never proven
 
 
 def test_a_rollback_decided_a_step_late_drops_the_step_it_was_decided_in(tmp_path):

@@ -76,8 +76,8 @@ class SpikeGuard:
             fired = fired | (stats[_NOTE] > 0)
         return fired.to(torch.float32)
 
-    def on_row(self, row: dict[str, Any], stats: list[float] | None,
-               proof: dict | None = None) -> tuple[str, dict[str, Any]] | None:
+    def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: dict | None = None,
+               unproven: str | None = None) -> tuple[str, dict[str, Any]] | None:
         """A written signals row: if it was flagged, record the event; a note (weaker
         evidence, no acting rule) is recorded, never alerted or acted on -- unless its
         proof at the alarm (``proof``) found a harmful cause: then it is an alarm. A proof
@@ -88,7 +88,7 @@ class SpikeGuard:
 
         promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
         if stats and is_note(stats) and not promoted:
-            return "note", self._note(row, stats, proof)
+            return "note", self._note(row, stats, proof, unproven)
         if proof is not None and not (stats and stats[0]) and not promoted and self._spikes is not None:
             # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at): its own event
             self._spikes.write({"step": row["step"], "proof": proof, "forced": True})
@@ -125,7 +125,8 @@ class SpikeGuard:
                     f"rules' history starts again from these steps (--ledger.spike.readmit_after)")
         return "spike", ev
 
-    def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None) -> dict[str, Any]:
+    def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None,
+              unproven: str | None = None) -> dict[str, Any]:
         from torchtitan.tools.logging import logger
 
         self.noted += 1
@@ -135,6 +136,8 @@ class SpikeGuard:
         _name_suspect(ev)
         if proof is not None:
             ev["proof"] = proof
+        elif unproven:  # prove = "all", past the note budget (OnSpikeConfig.prove_notes_rate)
+            ev["unproven"] = unproven
         if self._spikes is not None:
             self._spikes.write(ev)
         if self.topo.is_rank0:

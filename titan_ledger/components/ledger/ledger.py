@@ -51,7 +51,7 @@ from titan_ledger.components.ledger.sections import (
     RehearsalConfig,
     SkipConfig,
 )
-from titan_ledger.components.response.ladder import Ladder, parse_ladder
+from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
 from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
 from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats, find_doc_loss
@@ -161,6 +161,7 @@ class Ledger(Configurable):
         self.proven: list[list] = []  # [source, doc, step] a proof convicted (this process)
         self.last_reduced = self.last_execution = None  # the step just recorded (proofs)
         self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
+        self.note_budget = NoteBudget(config.on_spike.prove_notes_rate, config.on_spike.prove_notes_burst)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -459,7 +460,7 @@ class Ledger(Configurable):
                 self.data.record(done.rec, doc_loss=done.doc)  # data_dp<r>.jsonl
             if metrics_logger is not None:
                 metrics_logger.log(dashboard(done.row), done.rec.step)
-            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof) \
+            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
             if event is not None and metrics_logger is not None:
                 # spike/* and note/* scalars; W&B: a spike's alert and its spike/events table row
@@ -521,6 +522,7 @@ class Ledger(Configurable):
             self._state.get("spike_detector", "")
         state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
         state["ladder"] = json.dumps(self.ladder.state_dict())
+        state["note_budget"] = json.dumps(self.note_budget.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -538,6 +540,8 @@ class Ledger(Configurable):
             self.guard.load_state_dict(json.loads(det))
         if self._state.get("ladder") and not self._keep_ladder:
             self.ladder.load_state_dict(json.loads(self._state["ladder"]))
+        if self._state.get("note_budget"):  # (a checkpoint from before the budget: full)
+            self.note_budget.load_state_dict(json.loads(self._state["note_budget"]))
 
 
 def read_proven(folder: Path) -> list[list]:

@@ -113,15 +113,30 @@ class OnSpikeConfig:
     max_rollbacks: int = 3
     """Rollbacks: stop with an error after this many rewinds in one run."""
 
-    prove: Literal["off", "acting", "all"] = "acting"
+    prove: Literal["off", "acting", "all"] = "all"
     """Proof at the alarm (:mod:`titan_ledger.components.response.prover`): before its update, a
     flagged step is re-executed as is (``same``: a difference is a transient ``hardware``
     fault; the recomputed update is applied) and, when the update is abnormal, with the
     suspect data loss-masked against a control (``bad_data``: the update without it is
     applied and the documents are quarantined for the rest of the run); ``outlier`` does
-    nothing, ``not_data`` takes ``action``. ``acting``: steps an acting rule flags;
-    ``all``: notes too (a note proven harmful acts); ``off``: act on the flag alone.
-    Costs 1-3 extra forward/backward passes per proven step, nothing on other steps."""
+    nothing, ``not_data`` takes ``action``. ``all`` (the default): steps an acting rule
+    flags, and notes within the note budget (``prove_notes_rate``; a note proven harmful
+    acts: a finite silent corruption of 2x is a note); ``acting``: acting flags only;
+    ``off``: act on the flag alone. Costs 1-3 extra forward/backward passes per proven
+    step, nothing on other steps (docs/spike-response.md: the measured note rate)."""
+
+    prove_notes_rate: float = 0.01
+    """``prove = "all"``: the notes proven are a token bucket's, refilled by this many
+    proofs a step (0.01: one note proof per 100 steps, sustained; a proof of a note
+    costs 1 extra forward/backward, 2 deferred, 3 on a GPU without determinism) and
+    holding at most ``prove_notes_burst``. A note past it is recorded unproven (its
+    event says ``"unproven": "budget"``); acting flags are always proven. Part of the
+    checkpoint, so a resumed run proves the notes the uninterrupted one did."""
+
+    prove_notes_burst: int = 8
+    """``prove = "all"``: how many note proofs the bucket holds (full at the start), so a
+    burst of notes -- a cold start's first steps -- is proven while the sustained rate
+    stays at ``prove_notes_rate``."""
 
     prove_rtol: float = 0.0
     """Proofs: how far two executions of the same data may differ (relative, per rank's
@@ -159,6 +174,9 @@ class OnSpikeConfig:
     def __post_init__(self) -> None:
         if self.prove not in ("off", "acting", "all"):
             raise ConfigError(f"--ledger.on_spike.prove {self.prove!r}: expected off, acting or all")
+        if not (self.prove_notes_rate >= 0 and self.prove_notes_burst >= 0):
+            raise ConfigError(f"--ledger.on_spike.prove_notes_rate {self.prove_notes_rate} / prove_notes_burst "
+                              f"{self.prove_notes_burst}: expected >= 0 (0 and 0: notes are never proven)")
         if not self.prove_noise_factor > 1:
             raise ConfigError(f"--ledger.on_spike.prove_noise_factor must be > 1, got {self.prove_noise_factor}")
         if self.prove_rtol < 0:

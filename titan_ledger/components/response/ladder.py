@@ -1,10 +1,12 @@
 """The recovery ladder: which response a flagged step gets, escalating when spikes come
 back within a horizon (none -> skip_update -> rollback -> rollback_lr -> stop), and the
-one-screen report a ``stop`` rung prints.
+one-screen report a ``stop`` rung prints; and the note budget: which notes
+``prove = "all"`` proves.
 
 Design decision: pure bookkeeping beside the actions it chooses (``recovery`` carries
 them out); the ladder's state survives an in-process rollback and is checkpointed with
-the ledger's counters.
+the ledger's counters, as is the note budget (a resumed run proves the notes the
+uninterrupted one did).
 """
 
 from __future__ import annotations
@@ -127,6 +129,42 @@ class Ladder:
         if s:
             self.rung, self.used = int(s.get("rung", 0)), int(s.get("used", 0))
             self.last_step, self.history = s.get("last_step"), list(s.get("history", []))
+
+
+class NoteBudget:
+    """A token bucket of note proofs (``--ledger.on_spike.prove_notes_rate`` /
+    ``prove_notes_burst``): full at the start, refilled by ``rate`` a step, one token a
+    proven note. Counted in integer millionths, so the decision at a step does not
+    depend on which earlier steps asked (the deferred and the in-step decisions ask at
+    different steps and must agree bit for bit): ``min`` of a refill is the same in one
+    call or in several."""
+
+    UNIT = 1_000_000
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.cap = round(rate * self.UNIT), int(burst) * self.UNIT
+        self.tokens, self.at = self.cap, 0
+
+    def _refill(self, step: int) -> None:
+        if step > self.at:
+            self.tokens = min(self.cap, self.tokens + self.rate * (step - self.at))
+            self.at = step
+
+    def allows(self, step: int) -> bool:
+        """Whether a note at ``step`` is proven (nothing spent until :meth:`spend`)."""
+        self._refill(step)
+        return self.tokens >= self.UNIT
+
+    def spend(self, step: int) -> None:
+        self._refill(step)
+        self.tokens -= self.UNIT
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens, "at": self.at}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s:
+            self.tokens, self.at = min(int(s["tokens"]), self.cap), int(s["at"])
 
 
 def ladder_report(ledger, config, action: dict) -> str:

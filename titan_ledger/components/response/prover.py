@@ -143,8 +143,15 @@ class Prover:
     def mode(self) -> str:
         return self.config.prove
 
-    def wanted(self, acting: bool, note: bool) -> bool:
-        return (self.mode == "acting" and acting) or (self.mode == "all" and (acting or note))
+    def wanted(self, acting: bool, note: bool, step: int) -> bool:
+        """Whether a step flagged so is proven: an acting flag unless ``prove = "off"``,
+        a note with ``prove = "all"`` while the note budget allows (``Ledger.note_budget``)."""
+        return (self.mode != "off" and acting) or (note and self.notes_allowed(step))
+
+    def notes_allowed(self, step: int) -> bool:
+        """Whether a note at ``step`` would be proven (asked before its flag is known, for
+        the deferred hold; nothing spent)."""
+        return self.mode == "all" and self.trainer.ledger.note_budget.allows(step)
 
     # ------------------------------------------------------------------ executions
     def release(self) -> None:

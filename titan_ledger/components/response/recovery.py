@@ -101,6 +101,7 @@ class Deferred:
     first: FirstExecution | KeptExecution | None  # the first execution, for a proof (None: prove off)
     forced: bool  # --ledger.rehearsal.prove_at names the step
     holds: bool = True  # an acting flag holds the update (False: prove off and the ladder's next rung is none)
+    notes: bool = False  # a note holds it (prove = "all" and the note budget allowed a proof at the step)
 
 
 _NOTE = STAT_KEYS.index("note")
@@ -183,8 +184,7 @@ class Recovery:
         self.pending = None
         stats = self.trainer.ledger.recorder.host_stats(rec)
         d = rec.deferred
-        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or
-                                             (stats[_NOTE] and self.prover.mode == "all")))
+        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or (stats[_NOTE] and d.notes)))
         rec.decided, rec.deferred = True, None  # its rows are written (train's final drain)
         self._done(rec)
 
@@ -265,10 +265,12 @@ class Recovery:
         # prove off: a flag the ladder answers with a `none` rung applies its update, so it
         # is not held (held, it would have to be recomputed a step later, from gradients gone)
         holds = mode != "off" or ledger.ladder.would_act(rec.step)
+        notes = False
         if forced:
             hold = torch.ones((), dtype=torch.float32, device=t.device)
         else:
-            hold = ledger.guard.hold(acting=holds, notes=mode == "all")
+            notes = self.prover.notes_allowed(rec.step)
+            hold = ledger.guard.hold(acting=holds, notes=notes)
         opts = list(t.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
@@ -276,7 +278,7 @@ class Recovery:
         if mode != "off":  # the gradients are freed every step anyway: kept, checksummed only if held
             first = KeptExecution(t) if self._keeps_grads() else FirstExecution.of(t)
         rec.deferred = Deferred(lrs=[[_lr(g) for g in o.param_groups] for o in opts], first=first,
-                                forced=forced, holds=holds)
+                                forced=forced, holds=holds, notes=notes)
         rec.decided = False  # its rows wait for the decision
         self.pending = rec
         self.deferred += 1
@@ -316,8 +318,10 @@ class Recovery:
             raise RuntimeError(f"titan_ledger: step {rec.step}'s decision was deferred but its flag was not queued")
         acting, note = bool(stats[0]), bool(stats[_NOTE])
         rec.decided = True
-        held = d.forced or (acting and d.holds) or (note and self.prover.mode == "all")
+        held = d.forced or (acting and d.holds) or (note and d.notes)
         if not held:  # the device applied the update
+            if note and not acting and self.prover.mode == "all":
+                rec.unproven = "budget"
             self._done(rec)
             if acting and not self._judge(rec, acting, note, False, decided_at=t.step):  # the ladder's `none` rung
                 raise RuntimeError(f"titan_ledger: step {rec.step}'s flag was not held but its action withholds "
@@ -353,7 +357,12 @@ class Recovery:
         on an acting flag the proof left standing. In the step, or deferred (``first``:
         what was kept of the first execution)."""
         ledger = self.trainer.ledger
-        if self.prover.wanted(acting, note) or forced:
+        wanted = self.prover.wanted(acting, note, rec.step)
+        if note and not acting and self.prover.mode == "all" and not wanted:
+            rec.unproven = "budget"  # past the note budget: recorded, not proven
+        if wanted and not acting:
+            ledger.note_budget.spend(rec.step)  # a note's proof
+        if wanted or forced:
             proof = rec.proof = self.prover.prove(
                 rec, acting=acting, event=ledger.step_event(), first=first)
             if decided_at is not None:

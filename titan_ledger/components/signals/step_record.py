@@ -57,6 +57,7 @@ class StepRecord:
     update_skipped: bool = False
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
     proof: dict | None = None  # the proof at the alarm (components.response.prover), when one ran
+    unproven: str | None = None  # why a note was not proven under prove = "all" ("budget")
     update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)
     decided: bool = True  # False while the step's decision is deferred (its rows wait for it)
     deferred: Any = None  # recovery.Deferred: what a deferred decision needs a step later
