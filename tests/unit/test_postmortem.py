@@ -257,6 +257,33 @@ def test_a_rerun_summary_decides_certainty(tmp_path):
     assert res["certainty"] == "proven" and res["rerun_verdict"]["removed_by"] == "quarantine"
 
 
+def test_a_rerun_that_contradicts_the_in_step_proof_does_not_override_it(tmp_path):
+    """Issue 51: an LR spike proven ``not_data`` in the step; ``diagnose --rerun`` skipped a
+    window of steps and the spike went away ("bad_data", evidence). The verdict keeps the
+    proof's reading and says what the rerun claimed; a rerun that names a cause that is
+    not the data (lr) after a not_data proof still decides."""
+    from titan_ledger.tools.decision import rerun_contradicts
+    from titan_ledger.tools.rerun.run import write_summary
+
+    proof = {"verdict": "not_data", "applied": "original", "why": "reproducible, abnormal without the suspect data",
+             "executions": []}
+    dump = make_rolled_back_run(tmp_path / "run", action="none", evidence={"proof": proof})
+    led_dir = dump / "ledger"
+    rep = {"step": T, "load_step": LOAD, "stop": T + 1, "variants": [],
+           "verdict": {"step": T, "cause": "bad_data", "proven": True, "removed_by": "skip", "evidence": []}}
+    write_summary(led_dir, rep)
+    res = judge(RunLedger(dump), T)
+    # the heuristics' bad_data stays the guess the proof made it (the rerun's skip did not upgrade it)
+    assert res["certainty"] == "guess" and res["rerun_verdict"]["contradicts_proof"] == "not_data", res
+    assert "contradicting the in-step proof's not_data: the proof stands" in res["certainty_rule"]
+    rep["verdict"].update(cause="lr", removed_by="lr")
+    write_summary(led_dir, rep)
+    res = judge(RunLedger(dump), T)
+    assert res["cause"] == "lr" and "contradicts_proof" not in res["rerun_verdict"]
+    assert rerun_contradicts("bad_data", "lr") and rerun_contradicts("hardware", "bad_data")
+    assert rerun_contradicts("outlier", "hardware") and not rerun_contradicts("bad_data", "bad_data")
+
+
 def test_a_document_extreme_against_its_usual_distance_stands_out_below_2x(tmp_path):
     """The spike zoo's planted repeated document: 0.71x the step's median document (under
     the 2x criterion) but its rank's low side 17.8x its usual distance; masking it alone

@@ -610,12 +610,25 @@ def _certainty(res: dict, event: dict | None, injected: dict) -> tuple[str, str]
                      f"agree on a cause")
 
 
+def rerun_contradicts(proof_verdict: str, rerun_cause: str | None) -> bool:
+    """Whether a rerun's cause contradicts the in-step proof's verdict (pure): a proof that
+    convicted data or hardware and a rerun that names anything else; a proof that found
+    the step reproducible with its suspect data harmless (``not_data``, ``outlier``) and a
+    rerun that names data or hardware. A rerun naming a cause that is not the data
+    (LR, logits, ...) after a ``not_data`` proof says which -- no contradiction."""
+    if proof_verdict in ("bad_data", "hardware"):
+        return rerun_cause != proof_verdict
+    return rerun_cause in ("bad_data", "hardware")
+
+
 def _apply_rerun(led: RunLedger, step: int, res: dict) -> None:
     """A rerun's verdict on ``step`` (``<ledger>/rerun/step<T>.json``) decides when it
     proved something: ``proven`` (same reproduced it and a counterfactual removed it,
     or same did not reproduce it: hardware); bad data is proven only by the
     ``quarantine`` variant (only the named documents masked) -- a ``skip`` (or a
-    ``swap``) that removes it shows only "something in this step's data" (evidence)."""
+    ``swap``) that removes it shows only "something in this step's data" (evidence).
+    A rerun that contradicts the step's in-step proof (:func:`rerun_contradicts`) does not
+    override it: the verdict keeps the proof's cause and says what the rerun claimed."""
     import json
 
     from titan_ledger.format import records
@@ -642,6 +655,16 @@ def _apply_rerun(led: RunLedger, step: int, res: dict) -> None:
                 f"(not which documents: the quarantine variant names them)")
     else:
         rule = f"a rerun reproduced it and the {by or 'counterfactual'} variant removed it"
+    proven = (res.get("proof") or {}).get("verdict")
+    if proven is not None and rerun_contradicts(proven, cause):
+        # the in-step proof re-executed the step itself, its masks against a control; a rerun
+        # that skips steps removes their updates (at their LR), not only their data
+        res["rerun_verdict"] = {"cause": cause, "proven": False, "removed_by": by, "file": str(f),
+                                "contradicts_proof": proven}
+        res["certainty_rule"] += (f"; a rerun from the checkpoint says {cause} ({rule}), contradicting the "
+                                  f"in-step proof's {proven}: the proof stands (it executed the step again "
+                                  f"itself, data masked against a control)")
+        return
     if certainty == "evidence" and res.get("certainty") == "evidence" and heuristic == cause:
         rule = res["certainty_rule"] + "; " + rule
     res.update(cause=cause, certainty=certainty, certainty_rule=rule,
