@@ -407,3 +407,32 @@ def test_two_culprits_in_one_half_convict_that_half_and_no_more():
     bad = {min(a1), min(a2)}  # together in the first half, apart in the second round
     b = bisect_documents(sizes, lambda docs: bad <= docs)
     assert b.documents == a and b.executions == 4
+
+
+def test_a_round_whose_explaining_half_dwarfs_its_control_convicts_nothing():
+    """Issue 51: an LR-driven spike, no bad data: masking a 986-token document "brought the
+    update back", masking the step's other (38-token) document did not. Masking 96% of
+    a batch is no control for 4%: under the size rule nothing is convicted; without it (a
+    rank an equal-size mask already convicted) the round narrows as before."""
+    from titan_ledger.components.response.verdict import BISECT_BALANCE, bisect_documents
+
+    sizes = {("zoo", 7): 986, ("zoo", 8): 38}
+    big_helps = lambda docs: ("zoo", 7) in docs  # noqa: E731
+    b = bisect_documents(sizes, big_helps, BISECT_BALANCE)
+    assert b.documents == frozenset() and b.path[0]["unbalanced"]
+    assert b.to_json()[0]["unbalanced"] is True
+    assert bisect_documents(sizes, big_helps).documents == {("zoo", 7)}
+    # the small half explaining it against the big one convicts (less data masked did it)
+    assert bisect_documents(sizes, lambda docs: ("zoo", 8) in docs, BISECT_BALANCE).documents == {("zoo", 8)}
+    # a later unbalanced round keeps the last fair conviction
+    sizes = {("s", 1): 500, ("s", 2): 60, ("s", 3): 20, ("s", 4): 400}
+    b = bisect_documents(sizes, lambda docs: ("s", 2) in docs, BISECT_BALANCE)
+    assert b.documents == {("s", 2), ("s", 3)} and b.path[-1].get("unbalanced")
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 33])
+def test_the_size_rule_keeps_finding_one_bad_document_among_similar_ones(k):
+    from titan_ledger.components.response.verdict import BISECT_BALANCE, bisect_documents
+
+    bad = ("s", k // 3)
+    assert bisect_documents(_docs(k), lambda docs: bad in docs, BISECT_BALANCE).documents == {bad}

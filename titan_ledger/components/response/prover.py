@@ -48,6 +48,7 @@ import torch
 
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.verdict import (
+    BISECT_BALANCE,
     Execution,
     Suspect,
     Verdict,
@@ -205,12 +206,14 @@ class Prover:
         if rec.proof is not None:
             rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
 
-    def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict):
+    def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict,
+                balance: float | None):
         """Group testing over the step's documents (``sizes``: tokens per document, every
         DP rank's or the convicted rank's): each round masks one half on every rank that
         holds its segments, then the other half as its control
-        (``verdict.bisect_documents``). Returns the bisection and its executions (variant
-        ``bisect``)."""
+        (``verdict.bisect_documents``; ``balance``: its size rule, None inside a rank an
+        equal-size mask already convicted). Returns the bisection and its executions
+        (variant ``bisect``)."""
         from torchtitan.components.loss import IGNORE_INDEX
 
         detector = self.trainer.ledger.guard.detector
@@ -224,7 +227,7 @@ class Prover:
             trail.append(ex)
             return ex.normal
 
-        return bisect_documents(sizes, normal_without), trail
+        return bisect_documents(sizes, normal_without, balance), trail
 
     def _distances(self, executions: list[Execution]) -> list[list[float]]:
         """Per global rank, the three executions' pairwise distances ``[d(0,1), d(0,2),
@@ -364,7 +367,11 @@ class Prover:
         sizes = _documents(tags_by_dp, None if v.verdict == "not_data" or suspect is None else suspect.dp_rank)
         if self.config.prove_bisect and len(sizes) > 1 and not original.normal and (
                 v.verdict == "not_data" or (v.verdict == "bad_data" and suspect is not None and suspect.docs is None)):
-            bisection, trail = self._bisect(again, rec, groups, first_grads, original, sizes)
+            # searching the whole step, the halves are each other's only control: the size rule
+            # (BISECT_BALANCE); inside a rank whose whole batch an equal-size mask (the other
+            # rank's) already convicted, the rounds only narrow it down
+            bisection, trail = self._bisect(again, rec, groups, first_grads, original, sizes,
+                                            BISECT_BALANCE if v.verdict == "not_data" else None)
             repeats_after.extend(trail)
             if bisection.documents:
                 docs = bisection.documents
