@@ -368,10 +368,15 @@ def plant_across(folder: Path, step: int, dp: int, mbs: int, seq_len: int, into:
     raise ValueError(f"no document boundary near a rank edge in 1000 steps from {step}")
 
 
+#: ``--seed N``: torchtitan's ``--debug.seed N`` on every launch (the model's init; the
+#: data order is the corpus's, read in order): a second seed of each scenario (issue 51)
+SEED_ARGS: tuple[str, ...] = ()
+
+
 def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:
     return ["--job.config_file", str(ROOT / "train_configs" / sc.config), "--training.steps", str(steps),
             "--checkpoint.enable", "--checkpoint.interval", str(sc.ckpt_interval), "--dataloader.source", "indexed",
-            "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags]
+            "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags, *SEED_ARGS]
 
 
 def train(args: list[str], dump: Path, log: Path, nproc: int = 2) -> int:
@@ -454,8 +459,11 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     if sc.prevention is not None:  # real: the same run with the cause's prevention
         pdump = base / f"{sc.name}_prevented"
         shutil.rmtree(pdump, ignore_errors=True)
-        res.train_rc = res.train_rc or train(base_args(sc, prefix, sc.steps) + proving + list(sc.prevention),
-                                             pdump, base / f"{sc.name}_prevented.log", sc.nproc)
+        # trained whatever the run's own exit: a run that stopped on a non-finite loss (a
+        # second seed of the LR runs: NaN at steps 205 and 546) is the cause's outcome
+        prc = train(base_args(sc, prefix, sc.steps) + proving + list(sc.prevention),
+                    pdump, base / f"{sc.name}_prevented.log", sc.nproc)
+        res.train_rc = res.train_rc or prc
         pled = RunLedger(pdump)
         res.prevention_flags = pled.spike_steps()
         res.prevented = not res.prevention_flags
@@ -745,6 +753,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prove", choices=("off", "acting", "all"),
                     help="--ledger.on_spike.prove for every launch (default: the config's, acting), and each "
                          "scenario's proofs read back against the truth")
+    ap.add_argument("--seed", type=int, help="--debug.seed for every launch (the model's init): a second seed "
+                                              "of each scenario; default: the config's")
     ap.add_argument("--adam-bound", action="store_true",
                     help="print how far Adam's update can grow after a low-gradient stretch, and exit")
     a = ap.parse_args(argv)
@@ -752,6 +762,9 @@ def main(argv=None) -> int:
         print("\n".join(adam_table()))
         return 0
     a.folder.mkdir(parents=True, exist_ok=True)
+    if a.seed is not None:
+        global SEED_ARGS
+        SEED_ARGS = ("--debug.seed", str(a.seed))
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
         s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "real",
                                                                                       "long", "smoke"))]

@@ -48,6 +48,8 @@ def test_a_real_instability_is_flagged_proven_not_data_and_fingerprinted(tmp_pat
     assert res["train_rc"] == 0 and res["error"] is None and res["flagged_step"] == 22, res
     assert res["proof"]["proof_step"] == 22 and res["proof"]["proof_verdict"] == "not_data", res["proof"]
     assert res["proof"]["proof_match"], res["proof"]
+    # the tree reads the update's size (issue 51: F2): the LR, not the logits it drove up
+    assert res["named_cause"] == "lr", res
     fp = res["fingerprint"]
     assert fp["step"] == 22 and fp["max_logit"]["at"] > 1000 and fp["max_logit"]["before_max"] > 1000, fp
     assert fp["grad_norm"]["at"] > 2 * fp["grad_norm"]["before_median"], fp

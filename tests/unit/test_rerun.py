@@ -253,7 +253,7 @@ def test_parse_variant_forms_and_ledger_values():
     assert rr.parse_variant("skip=28-29") == Variant("skip", steps=(28, 29))
     assert rr.parse_variant("skip=28-29").name == "skip=28-29"
     assert rr.parse_variant("logit_cap=50") == Variant("logit_cap", 50.0)
-    assert rr.parse_variant("zloss=1e-4") == Variant("zloss", 1e-4) and rr.CAUSE_OF["zloss"] == "output_drift"
+    assert rr.parse_variant("zloss=1e-4") == Variant("zloss", 1e-4) and rr.CAUSE_OF["zloss"] == "output_logits"
     assert rr.parse_variant("zloss=1e-4").name == "zloss=0.0001"
     with pytest.raises(rr.RerunError, match="zloss=X"):
         rr.parse_variant("zloss=-1")

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.tools import fingerprints as fp
 
 if TYPE_CHECKING:
     from titan_ledger.components.detection.spikes import SpikeDetector
@@ -41,7 +42,8 @@ def _spikes():
 
     return spikes
 
-CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "transient")
+CAUSES = ("divergence", "logit_growth", "lr", "bad_data", "optimizer_state", "bf16", "hardware", "output_logits",
+          "transient")
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Thresholds:
     zeros: float = 3.0  # num_zeros off its pre median by > 3 MADs (or x2)
     glitch: float = 4.0  # Q3/Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
     doc_extreme: float = 3.0  # Q3: a document >= 3x its usual distance from its rank's median
+    start: int = 5000  # F*: the run's first trained steps read for the LR schedule and "early" levels
+    bars: fp.Bars = field(default_factory=fp.Bars)  # F*: the fingerprints' bars (tools/fingerprints.py)
 
 
 def _finite(xs):
@@ -82,8 +86,15 @@ EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
 
 def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              evidence: dict | None = None, param_dtype: str | None = None,
-             precision: list[dict] | None = None) -> dict:
+             precision: list[dict] | None = None, start: list[dict] | None = None) -> dict:
     """Walk the decision tree for the spike at ``step`` over signals ``rows``.
+
+    ``start``: the run's first trained rows (up to ``th.start`` steps; default: those of
+    ``rows``), for the fingerprints' "early" levels and the LR schedule's warm-up (F1-F3,
+    :mod:`titan_ledger.tools.fingerprints`). The fingerprints are asked first: what the
+    ledger records about Adam's update, the update's size and log Z names the cause more
+    directly than the article's proxies (Q1-Q6), and the article's questions still name
+    the mechanism (``mechanism``: an LR that drove the attention logits up).
 
     ``param_dtype``: the run's compute dtype from the signals header (``float32``,
     ``bfloat16``; None: unknown -- Q5 may then name bf16 and Q6 does not name
@@ -115,11 +126,22 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
 
     loss = at["loss"]
     post_loss = col(post, "loss")
+    bars = th.bars
+    f = fp.read(start if start is not None else [r for r in trained if r["step"] <= step], pre, at, bars)
     diverged = (not math.isfinite(loss)) or (len(post_loss) >= 3 and math.isfinite(med_loss)
                                              and min(post_loss) > med_loss * (1 + th.loss_jump))
     d0 = ask("Q0 divergence: loss non-finite or not back after the spike", diverged, loss=loss,
              pre_median_loss=med_loss, post_min_loss=min(post_loss) if post_loss else None,
              post_steps=len(post_loss))
+
+    fa = ask(f"F1 optimizer_state: Adam's update per unit LR >= {bars.adam_amp:g}x its pre-spike median, after "
+             f"gradients <= {bars.quiet:g}x the run's first steps' (the second moment lagging them)",
+             fp.adam_lagging(f, bars), **f["adam"])
+    fl = ask(f"F2 lr: the update moves the parameters >= {bars.rel_update:.0%} of their norm a step (pre-spike "
+             f"median): the LR too large for the model's scale",
+             fp.lr_scale(f, bars), **f["update"], **{k: v for k, v in f["schedule"].items()})
+    fz = ask(f"F3 output_logits: log Z's max before the spike >= {bars.logz_rise:g}x the run's first steps' and "
+             f">= {bars.logz_level:g}", fp.logz_drift(f, bars), **f["logz"])
 
     logits = col(pre + [at], "max_logit")
     rises = sum(1 for a, b in zip(logits, logits[1:]) if b > a) / max(1, len(logits) - 1)
@@ -205,10 +227,16 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
 
     if d0:
         cause = "divergence"
+    elif fa:
+        cause = "optimizer_state"
+    elif fl:
+        cause = "lr"
     elif q1:
         cause = "bf16" if bf16_run and param_dtype is not None else "logit_growth"
     elif q2:
         cause = "lr"
+    elif fz:
+        cause = "output_logits"
     elif q3:
         cause = "bad_data"
     elif q4:
@@ -220,11 +248,20 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     else:
         cause = "transient"
     # divergence is the emergency; the tree still names what drove it
-    underlying = next((c for c, hit in (("logit_growth", q1), ("lr", q2), ("bad_data", q3),
-                                        ("optimizer_state", q4), ("bf16", q5), ("hardware", q6)) if hit),
+    underlying = next((c for c, hit in (("optimizer_state", fa), ("lr", fl), ("logit_growth", q1), ("lr", q2),
+                                        ("output_logits", fz), ("bad_data", q3), ("optimizer_state", q4),
+                                        ("bf16", q5), ("hardware", q6)) if hit),
                       None)
     out = {"step": step, "cause": cause, "checks": checks,
-           "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None}
+           "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None, "fingerprints": f}
+    named = underlying if cause == "divergence" else cause
+    if named == "lr" and fl and q1:  # the LR drove the logits: QK-norm bounds them, not the spikes (measured)
+        out["mechanism"] = "logit_growth"
+    prevent = fp.prevention(named, f, last_logit, bars)
+    if prevent is None and deviations:  # the precision audit failed: whatever the cause, that is a finding
+        prevent = fp.prevention("bf16", f, bars=bars)
+    if prevent is not None:
+        out["prevention"] = prevent
     if cause == "divergence":
         out["underlying"] = underlying
     if cause == "bad_data" or (cause == "divergence" and underlying == "bad_data"):
@@ -426,8 +463,13 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     events = [e for e in led.spike_events() if int(e["step"]) == step]
     event = events[-1] if events else None
     dtype = led.param_dtype(step)
+    # the run's first rows (the warm-up, the "early" levels): a bounded read from the top of
+    # the file, th.start steps at most, however long the run
+    start = [r for r in led.signals_between(1, min(step, th.start)) if not r.get("skipped")
+             and r.get("loss") is not None and r["step"] <= step]
     try:
-        res = classify(rows, step, th, evidence=event, param_dtype=dtype, precision=led.precision(step))
+        res = classify(rows, step, th, evidence=event, param_dtype=dtype, precision=led.precision(step),
+                       start=start)
     except ValueError as e:
         raise LedgerError(f"--step {step}: {path}: {e}") from None
     res["param_dtype"] = dtype
@@ -467,6 +509,7 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
         res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
     res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
     _apply_proof(res, (event or {}).get("proof") or (note or {}).get("proof"))
+    note_fragile(res)
     if res.get("proof", {}).get("verdict") == "bad_data":  # the convicted documents, with their losses
         scores = {(d["source"], d["doc"]): d for d in document_scores(led, step)}
         res["documents"] = [dict(scores.get((d["source"], d["doc"]), d), criterion=PROOF_CRITERION, proven=True)
@@ -517,6 +560,29 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
                                  f"update was normal with it (an outlier, nothing done)")
     if res["cause"] != heuristic:
         res["heuristic"] = heuristic
+
+
+def note_fragile(res: dict) -> None:
+    """Data proven at a step where a configuration fingerprint (F1 Adam's state, F2 the LR's
+    scale) also holds: both are findings. The documents triggered the update; the
+    configuration made the model that fragile (the real set's LR 0.3 run, no bad data
+    planted: documents convicted at steps 126 and 210 while every update moved the
+    parameters 6% of their norm). The verdict stays the proof's; ``fragile`` says the rest,
+    and ``prevention`` names the configuration's fix."""
+    if res.get("mechanism") and res["cause"] not in ("lr", "divergence"):
+        res.pop("mechanism")  # the LR's mechanism, and a proof named another cause
+    if res["cause"] != "bad_data" or res.get("certainty") != "proven":
+        return
+    hit = {c["question"].split(" ")[0]: c for c in res["checks"] if c["answer"]}
+    cause = "optimizer_state" if "F1" in hit else "lr" if "F2" in hit else None
+    if cause is None:
+        return
+    why = (f"Adam's update per unit LR {hit['F1'].get('adam_amplification')}x its pre-spike median" if cause ==
+           "optimizer_state" else
+           f"the update moved the parameters {hit['F2'].get('relative_update_pre_median', 0):.1%} of their norm a step")
+    res["fragile"] = (f"the run's fingerprint says {cause} as well ({why}): the convicted data triggered this "
+                      f"step in a model its configuration made fragile")
+    res["prevention"] = fp.prevention(cause, res.get("fingerprints"))
 
 
 def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) -> tuple[list[dict], str]:

@@ -11,6 +11,13 @@ otherwise (``Thresholds``).
 The questions, in order:
 
   Q0 divergence      loss non-finite, or it stays above the pre-spike level afterwards
+  F1 optimizer_state Adam's update per unit LR (update_norm / lr: scale-free while the
+                     second moment tracks the gradient) >= 5x its pre-spike median, after
+                     gradients <= 0.1x the run's first steps' (the second moment lagging)
+  F2 lr              the update moves the parameters >= 1% of their norm a step (the
+                     pre-spike median of update_norm / param_norm): the LR too large for
+                     the model's scale; the schedule's position is reported with it
+  F3 output_logits   log Z's max before the spike >= 2x the run's first steps' and >= 20
   Q1 logit_growth    max attention logit rising before the spike and is >= ~100
                      (in a run that computes in bf16 this names bf16: §2.4's danger
                      level is where bf16 rounds the scores; the fp32 rerun decides)
@@ -27,6 +34,15 @@ The questions, in order:
                      back with the loss unmoved, in an fp32 run: nothing in the
                      recorded state explains it (the rerun's `same` proves it)
   else transient
+
+F1-F3 read what the ledger records beyond the article's proxies (``--ledger.update_norm``
+for F1/F2; log Z when the loss is titan_ledger's; :mod:`titan_ledger.tools.fingerprints`)
+and are asked first; a question that cannot be read (no update norm recorded) answers no.
+When F2 names the LR and Q1 also holds, the logits are printed as its ``mechanism``. Every
+verdict on a configuration cause names its ``prevention`` with the flags that set it (the
+LR computed from the run's own update sizes; QK-norm; beta2 0.95; fp32 master weights;
+z-loss 1e-4), and data proven in step in a run whose F1/F2 fingerprint holds says so
+(``also``: the configuration made the model fragile).
 
 Every verdict carries its certainty (``decision.judge``; ``report`` prints the same one):
 proven (a rerun reproduced and removed it; bad data only by the ``quarantine`` variant),
@@ -168,11 +184,17 @@ def print_verdict(r: dict) -> None:
     done, the questions with their numbers, the documents and the quarantine command."""
     extra = rank_phrase(r)
     extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
+    extra += f" (mechanism: {r['mechanism']})" if r.get("mechanism") else ""
     extra += f" (the tree said {r['heuristic']})" if r.get("heuristic") else ""
     rewound = "   [judged on the history as it stood when the step ran]" if r.get("rewound") else ""
     print(f"step {r['step']}: {r['cause']}{extra} -- {r['certainty']}   grad norm {r['grad_norm_ratio']}x "
           f"pre-spike median{rewound}")
     print(f"  certainty: {r['certainty']}: {r['certainty_rule']}")
+    if r.get("prevention"):
+        p = r["prevention"]
+        print(f"  prevention: {p['text']}" + (f"\n    flags: {' '.join(p['flags'])}" if p.get("flags") else ""))
+    if r.get("fragile"):
+        print(f"  also: {r['fragile']}")
     t = r.get("trainer")
     if t:
         named = f", suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else ""

@@ -154,6 +154,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
         return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
     extra = rank_phrase(res)
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
+    extra += f" (mechanism: {res['mechanism']})" if res.get("mechanism") else ""
     extra += f" (the tree said {res['heuristic']})" if res.get("heuristic") else ""
     rewound = " This step was later rolled back (the history as it stood then is used)." \
         if res.get("rewound") else ""
@@ -170,7 +171,11 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
            _table(["", ""], [["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
                              ["trainer", flag], ["done", res["done"]],
                              ["per-rank losses at the step", losses],
-                             ["documents", res.get("documents_note") or "(not a bad_data verdict)"]])]
+                             ["documents", res.get("documents_note") or "(not a bad_data verdict)"],
+                             *([["prevention", res["prevention"]["text"]
+                                 + (f" ({' '.join(res['prevention']['flags'])})" if res["prevention"].get("flags")
+                                    else "")]] if res.get("prevention") else []),
+                             *([["also", res["fragile"]]] if res.get("fragile") else [])])]
     rows_t = []
     for c in res["checks"]:
         # each value escaped once (_num), the joined cell as it is: evidence_rules=['doc_high']

@@ -37,7 +37,7 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
               scaled back after each update -- the prevention the run can keep
   zloss=X     the z-loss at weight X over the window (``--loss.z_loss_weight X``; PaLM's
               1e-4): does the spike need the output logits' log Z to drift? (cause
-              ``output_drift``; never in the escalation: ask for it)
+              ``output_logits``; never in the escalation: ask for it)
   quarantine  only the documents the verdict names masked (``--ledger.filter.quarantine``
               with a file the rerun writes into its folder), the rest of the batch
               trained: the sharp counterfactual -- the one that PROVES bad data (a bare
@@ -73,7 +73,7 @@ hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
 the cause: ``quarantine`` -> bad_data (proven), ``skip`` -> bad_data (certainty
 ``evidence`` only: "something in this step's data"), ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
--> optimizer_state, ``logit_cap`` / ``qk_clip`` -> logit_growth, ``clip`` -> clip, ``zloss`` -> output_drift. None removes it ->
+-> optimizer_state, ``logit_cap`` / ``qk_clip`` -> logit_growth, ``clip`` -> clip, ``zloss`` -> output_logits. None removes it ->
 ``unproven``. A step T that is no spike in the original (not flagged, and neither the
 grad nor the loss test holds for its own numbers) -> ``unproven`` with ``not_a_spike``:
 a counterfactual cannot remove what is not there (``skip`` would look like a cure).

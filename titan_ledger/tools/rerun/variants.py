@@ -19,11 +19,12 @@ PRE = 50  # trained steps before T that describe "normal"
 #: of the batch trained); ``skip`` (the whole step) shows "something in this step"
 CAUSE_OF = {"quarantine": "bad_data", "skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
             "eps": "optimizer_state", "logit_cap": "logit_growth", "qk_clip": "logit_growth", "clip": "clip",
-            "zloss": "output_drift"}
+            "zloss": "output_logits"}
 CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
 PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
             "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
+            "output_logits": ["same", "zloss=1e-4"],
             "logit_growth": ["same", "fp32", "logit_cap", "qk_clip"], "divergence": ["same", "quarantine", "skip"],
             "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
 #: after an unproven plan: the other counterfactuals, most specific first ("lr",
