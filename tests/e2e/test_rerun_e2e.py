@@ -1,11 +1,12 @@
-"""replay rerun end to end (issue 13): four training launches in all.
+"""replay rerun end to end (issue 13): five training launches in all.
 
 One 12-step run with two rehearsal faults, checkpoints every 4 steps: a bad batch
 (``8:1:repeat``: data, so a rerun reproduces it) and a flipped gradient bit
 (``11:0:bitflip``: a hardware fault, not data, so a rerun does not). Then one
 ``same`` rerun from step-4 through step 11 (bit-equal through step 10, the step-8
 spike included; the step-11 spike not reproduced -> hardware) and one ``skip``
-rerun of step 8 (the spike is gone -> bad_data, ``same`` reused). ``diagnose
+rerun of step 8 (the spike is gone; its same-size control, step 7 skipped instead, keeps
+it -> bad_data, ``same`` reused). ``diagnose
 --rerun`` reuses both reruns (no launch) and says its heuristic was wrong (``hardware``:
 from signals alone a repeated batch looks like a flipped bit in an fp32 run). A ``skip``
 rerun of the quiet step 6 gets no cause (``not_a_spike``).
@@ -90,8 +91,12 @@ def test_skip_removes_the_data_spike_and_proves_bad_data(same_and_skip_8):
     assert not skip["reused"] and skip["present"] is False and skip["at_step"] == {"skipped": True}
     assert skip["bit_equal_steps"] == [5, 6, 7] and skip["data_equal"]  # same samples, 8 consumed untrained
     assert by["fp32"]["applicable"] is False  # debug_cpu trains in fp32
+    # the skip's same-size control, run at once: step 7 skipped instead, the spike at 8 stays
+    ctl = by["control:skip=7"]
+    assert not ctl["reused"] and ctl["present"] is True and ctl["data_equal"], ctl
     v = rep["verdict"]
     assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and not v["proven"]
+    assert any("control:skip=7: still present" in e for e in v["evidence"]), v["evidence"]
 
 
 def test_diagnose_rerun_reuses_the_reruns_and_reports_the_proven_cause(base, same_and_skip_8):

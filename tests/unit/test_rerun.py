@@ -150,7 +150,8 @@ def test_no_verdict_at_a_step_that_is_not_a_spike():
     v = rr.verdict([res("same", True, **quiet), res("skip", False, **quiet)], 8, heuristic="bad_data")
     assert v["cause"] == "unproven" and not v["proven"] and v["not_a_spike"], v
     assert not v["heuristic_confirmed"] and "not a spike" in v["evidence"][0]
-    v = rr.verdict([res("same", True, original_spike=True), res("skip", False, original_spike=True)], 8)
+    v = rr.verdict([res("same", True, original_spike=True), res("skip", False, original_spike=True),
+                    res("control", True, "control:skip=7", original_spike=True)], 8)
     assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and not v["proven"] and "not_a_spike" not in v
 
 
@@ -163,7 +164,8 @@ def res(kind, present, name=None, **kw):
 def test_verdicts():
     v = rr.verdict([res("same", False)], 8)
     assert v["cause"] == "hardware" and v["proven"] and "NOT reproduced" in v["evidence"][0]
-    v = rr.verdict([res("same", True), res("skip", False)], 8, heuristic="bad_data")
+    ctl = res("control", True, "control:skip=7")  # as many other steps skipped: still there
+    v = rr.verdict([res("same", True), res("skip", False), ctl], 8, heuristic="bad_data")
     assert v["cause"] == "bad_data" and v["certainty"] == "evidence" and v["heuristic_confirmed"]
     assert not v["proven"]  # a skip shows "something in this step", not which documents
     v = rr.verdict([res("same", True), res("skip", True), res("lr", False, "lr=0.5")], 8, heuristic="bad_data")
@@ -172,7 +174,7 @@ def test_verdicts():
     assert v["cause"] == "optimizer_state"
     v = rr.verdict([res("same", True), res("skip", True)], 8)
     assert v["cause"] == "unproven" and not v["proven"]
-    v = rr.verdict([res("skip", False)], 8)  # without `same` nothing is proven
+    v = rr.verdict([res("skip", False), ctl], 8)  # without `same` nothing is proven
     assert v["cause"] == "bad_data" and not v["proven"]
     na = VariantResult("fp32", "fp32", None, applicable=False, note="fp32 already")
     v = rr.verdict([res("same", True), na], 8, heuristic="bf16")
@@ -337,7 +339,8 @@ def test_bad_data_is_proven_only_by_the_quarantine_variant():
     step" (certainty evidence); masking only the named documents proves bad data."""
     same = rr.VariantResult("same", "same", None, present=True, at_step={}, original_at_step={})
     skip = rr.VariantResult("skip", "skip", None, present=False, at_step={"skipped": True})
-    v = rr.verdict([same, skip], 8, heuristic="bad_data")
+    ctl = rr.VariantResult("control:skip=7", "control", None, present=True, at_step={})
+    v = rr.verdict([same, skip, ctl], 8, heuristic="bad_data")
     assert v["cause"] == "bad_data" and v["removed_by"] == "skip" and v["certainty"] == "evidence"
     assert "something in step 8's data" in v["certainty_rule"]
     q = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=False, at_step={"loss": 2.0})
@@ -345,7 +348,7 @@ def test_bad_data_is_proven_only_by_the_quarantine_variant():
     assert v["removed_by"] == "quarantine" and v["certainty"] == "proven" and v["proven"]
     assert any("only the named documents masked (stdlib_docs:7)" in e for e in v["evidence"])
     q_kept = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=True, at_step={})
-    v = rr.verdict([same, q_kept, skip], 8)  # the named documents were not it; the step's data was
+    v = rr.verdict([same, q_kept, skip, ctl], 8)  # the named documents were not it; the step's data was
     assert v["removed_by"] == "skip" and v["certainty"] == "evidence"
     v = rr.verdict([rr.VariantResult("same", "same", None, present=False, at_step={}, original_at_step={})], 8)
     assert v["cause"] == "hardware" and v["certainty"] == "proven" and v["removed_by"] == "same"
@@ -367,3 +370,45 @@ def test_the_quarantine_variant_masks_only_the_named_documents(tmp_path):
     from titan_ledger.data.filters import Quarantine
 
     assert Quarantine([str(tmp_path / "quarantine.jsonl")]).docs == {("stdlib_docs", 7), ("stdlib_docs", 236)}
+
+
+def test_a_skip_convicts_the_data_only_against_its_same_size_control():
+    """Issue 51: a tiny-model run whose LR spiked it in the warm-up (nothing injected):
+    skip=6-19 removed the spike and the rerun printed "bad_data". A skip removes updates
+    (the LR frozen over them), not only data: skipping as many OTHER steps is its control."""
+    same = res("same", True)
+    skip = res("skip", False, "skip=6-19")
+    gone = res("control", False, "control:skip=2-5")
+    v = rr.verdict([same, skip, gone], 20, heuristic="bad_data")
+    assert v["cause"] == "unproven" and not v["proven"] and v.get("certainty") is None, v
+    assert any("control:skip=2-5: gone as well" in e and "not bad_data" in e for e in v["evidence"])
+    # a cause the LR variant proves is still found behind the uncontrolled skip
+    v = rr.verdict([same, skip, gone, res("lr", False, "lr=0.5")], 20)
+    assert v["cause"] == "lr" and v["proven"] and v["removed_by"] == "lr"
+    # no control fitted the window: nothing is convicted, and the verdict says why
+    na = VariantResult("control:skip", "control", None, applicable=False, note="no same-size control fits")
+    for extra in ([na], []):
+        v = rr.verdict([same, skip, *extra], 20)
+        assert v["cause"] == "unproven", v
+        assert any("the data is not convicted" in e for e in v["evidence"]), v["evidence"]
+    kept = res("control", True, "control:skip=2-5")
+    v = rr.verdict([same, skip, kept], 20)
+    assert v["cause"] == "bad_data" and v["removed_by"] == "skip" and v["certainty"] == "evidence"
+    assert any("the skipped steps' data removed it, not their number" in e for e in v["evidence"])
+
+
+def test_a_skips_control_skips_as_many_other_steps_nearest_the_spike():
+    from titan_ledger.tools.rerun.plan import skip_control
+
+    trained = list(range(1, 31))
+    c = skip_control(Variant("skip"), 8, 4, trained)  # skip 8 alone, checkpoint 4: skip 7 instead
+    assert c == Variant("control", steps=(7,)) and c.name == "control:skip=7" and c.slug(8) == "control_skip7"
+    assert rr.variant_args(c, 8, _Cfg()) == (["--ledger.skip.steps", "2-3,7"], {})
+    # the skip's steps after the spike stay skipped in the control (both runs lose them)
+    c = skip_control(Variant("skip", steps=(9, 10, 12)), 10, 4, trained)
+    assert c.steps == (7, 8, 12)
+    # the issue's case: checkpoint 5, skip=6-19, spike 20 -- no other step before it
+    c = skip_control(Variant("skip", steps=tuple(range(6, 20))), 20, 5, trained)
+    assert c == Variant("control") and rr.variant_args(c, 20, _Cfg()) is None
+    # a later spike leaves room: the 14 trained steps nearest it, outside the skip
+    assert skip_control(Variant("skip", steps=tuple(range(6, 20))), 40, 0, list(range(1, 41))).steps == tuple(range(26, 40))

@@ -17,7 +17,13 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
   same        nothing (reproducibility)
   skip        step T's data consumed without training (``--ledger.skip.steps T``); from
               ``diagnose --rerun``, every step of the window whose rows hold the
-              documents the verdict named (a planted document spans several steps)
+              documents the verdict named (a planted document spans several steps).
+              A skip that removes a reproduced spike is followed at once by its
+              same-size control (``control:skip=...``, :func:`.plan.skip_control`): as
+              many OTHER trained steps before T skipped instead, the nearest first. A
+              skip removes its steps' updates (and, the LR frozen over them, holds back
+              every later step's LR), not only their data; the data is convicted only
+              when the control leaves the spike (none fits the window: not convicted)
   lr=X        the learning rate scaled by X over the window (the checkpoint restores
               the optimizer's param-group LR and torchtitan rebuilds the scheduler's
               base LR from the config, so a plain ``--optimizer.lr`` would only act
@@ -72,7 +78,8 @@ Verdict: not reproduced under ``same`` -> ``hardware`` (non-determinism or a
 hardware fault: the rerun saw the same data from the same state); reproduced
 under ``same`` -> deterministic, and the first counterfactual that removes it names
 the cause: ``quarantine`` -> bad_data (proven), ``skip`` -> bad_data (certainty
-``evidence`` only: "something in this step's data"), ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
+``evidence`` only: "something in this step's data"; and only when its control kept the
+spike), ``lr`` -> lr, ``fp32`` -> bf16, ``beta2`` / ``eps``
 -> optimizer_state, ``logit_cap`` / ``qk_clip`` -> logit_growth, ``clip`` -> clip, ``zloss`` -> output_logits. None removes it ->
 ``unproven``. A step T that is no spike in the original (not flagged, and neither the
 grad nor the loss test holds for its own numbers) -> ``unproven`` with ``not_a_spike``:

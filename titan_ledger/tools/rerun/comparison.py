@@ -219,7 +219,7 @@ def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = N
                           or loss_like(o_t, o_t, med_loss))
     like = lambda s: spike_like(o_t, r_by.get(s), med) or loss_like(o_t, r_by.get(s), med_loss)  # noqa: E731
     at_t = next((row for row in res.steps if row["step"] == T), {})
-    if v.kind == "skip":
+    if v.kind in ("skip", "control"):  # the control is judged exactly as the skip it controls
         trained_after = [s for s in range(T, last + 1) if r_by.get(s) and not r_by[s].get("skipped")]
         if not trained_after:  # nothing trained after the skip: "gone" would prove nothing
             res.present = None

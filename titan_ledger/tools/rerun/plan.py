@@ -22,6 +22,8 @@ class Plan:
     variants: list[Variant]
     checkpoint_folder: str = "checkpoint"
     ledger_folder: str = "ledger"
+    #: the original's trained steps in the window (a skip's control is chosen among them)
+    trained: tuple[int, ...] = ()
 
     @property
     def steps_per_variant(self) -> int:
@@ -67,7 +69,8 @@ def make_plan(dump, step: int, variants: list[Variant], *, load_step: int | None
     for v in variants:
         if v not in seen:
             seen.append(v)
-    return Plan(Path(dump), step, load_step, stop, seen, checkpoint_folder, ledger_folder)
+    return Plan(Path(dump), step, load_step, stop, seen, checkpoint_folder, ledger_folder,
+                tuple(s for s in sorted(set(trained)) if load_step < s <= stop))
 
 
 def strip_train_args(train_args: list[str], drop_inject: bool = False) -> list[str]:
@@ -122,3 +125,21 @@ def checkpoints_of(dump: Path, folder: str) -> list[int]:
     from titan_ledger.format.reader import checkpoints
 
     return checkpoints(dump, folder)
+
+
+def skip_control(skip: Variant, step: int, load_step: int, trained: list[int]) -> Variant:
+    """The same-size control of a ``skip`` that removed the spike (pure): as many OTHER
+    trained steps of the window before the spike skipped instead (the latest first, so
+    the LR they hold back is the nearest match), the skip's own steps after the spike
+    kept (both runs lose them). A skip removes its steps' updates -- with the LR frozen
+    over them (``--ledger.skip.lr freeze``), the LR of every later step as well -- not
+    only their data: if skipping as many other steps removes the spike too, the data is
+    not convicted (issue 51: 14 warm-up steps skipped "proved" an LR spike bad data).
+    ``Variant("control")`` without steps (not applicable) when the window holds too few
+    other steps: load from an earlier checkpoint (``--from``) to make room."""
+    own = set(skip.skip_list(step))
+    before = sorted(s for s in own if load_step < s <= step)
+    free = [s for s in sorted(trained, reverse=True) if load_step < s < step and s not in own]
+    if len(free) < len(before):
+        return Variant("control")
+    return Variant("control", steps=tuple(sorted([*free[:len(before)], *(s for s in own if s > step)])))

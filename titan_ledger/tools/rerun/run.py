@@ -14,7 +14,14 @@ from typing import Any
 
 from titan_ledger.format import records
 from titan_ledger.tools.rerun.comparison import VariantResult, compare
-from titan_ledger.tools.rerun.plan import Plan, checkpoints_of, make_plan, resolve_variant, strip_train_args
+from titan_ledger.tools.rerun.plan import (
+    Plan,
+    checkpoints_of,
+    make_plan,
+    resolve_variant,
+    skip_control,
+    strip_train_args,
+)
 from titan_ledger.tools.rerun.variants import (
     ESCALATION,
     PLAN_FOR,
@@ -69,6 +76,9 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
             note = "the max logit at the spike is below the danger level (100): no growth to cap"
         elif v.kind == "qk_clip":
             note = "the run has QK-norm (the clip would change nothing) or clips already (--qk_clip.enable)"
+        elif v.kind == "control":
+            note = ("the window before the spike holds fewer other trained steps than the skip removes: no "
+                    "same-size control fits (load from an earlier checkpoint: --from)")
         else:
             note = "not applicable to this run"
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)
@@ -207,6 +217,22 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
         log(plan.budget_line(n_launch))
     results = [run_variant(plan, v, base, config, nproc, fresh=fresh, log=log) for v in plan.variants]
     spent = n_launch * plan.steps_per_variant
+
+    def controlled() -> int:
+        """A skip that removed a reproduced spike gets its same-size control (plan.skip_control),
+        run at once: the verdict convicts the data only if the control leaves the spike."""
+        sk = next((r for r in results if r.kind == "skip" and r.applicable and r.present is False), None)
+        same = next((r for r in results if r.kind == "same" and r.applicable), None)
+        if sk is None or any(r.kind == "control" for r in results) or not (same and same.present):
+            return 0
+        v = skip_control(next(x for x in [*plan.variants, *(escalate or [])] if x.name == sk.variant), step,
+                         plan.load_step, list(plan.trained))
+        log(f"rerun: {sk.variant} removed the spike at step {step}; its control skips as many other steps: "
+            f"{v.name}" + ("" if v.steps else " -- none fit the window (load from an earlier checkpoint)"))
+        results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
+        return plan.steps_per_variant if v.steps else 0
+
+    spent += controlled()
     vd = verdict(results, step, heuristic)
     escalated = []
     for v in escalate or []:
@@ -222,6 +248,7 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
         results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
         spent += plan.steps_per_variant
         escalated.append(v.name)
+        spent += controlled()
         vd = verdict(results, step, heuristic)
     if escalated:
         vd["escalated"] = escalated

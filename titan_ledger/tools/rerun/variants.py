@@ -39,9 +39,10 @@ class RerunError(TitanLedgerError):
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | quarantine | swap | lr | eps | clip | logit_cap | qk_clip | zloss | fp32
+    kind: str  # same | skip | control | quarantine | swap | lr | eps | clip | logit_cap | qk_clip | zloss | fp32
     value: float | None = None
-    #: skip: the steps to skip (empty: the spike step alone)
+    #: skip: the steps to skip (empty: the spike step alone); control: the skip's same-size
+    #: control, as many OTHER steps of the window skipped (:func:`~.plan.skip_control`)
     steps: tuple[int, ...] = ()
     #: quarantine: the ``(source, doc)`` documents masked (empty: none named: not applicable)
     docs: tuple[tuple[str, int], ...] = ()
@@ -50,6 +51,8 @@ class Variant:
     def name(self) -> str:
         if self.kind == "skip" and self.steps:
             return f"skip={_ranges(list(self.steps))}"
+        if self.kind == "control":
+            return f"control:skip={_ranges(list(self.steps))}" if self.steps else "control:skip"
         if self.kind == "quarantine" and self.docs:
             return "quarantine=" + ",".join(f"{s}:{d}" for s, d in self.docs)
         return self.kind if self.value is None else f"{self.kind}={self.value:g}"
@@ -59,6 +62,8 @@ class Variant:
             return "quarantine" + ("_" + "_".join(str(d) for _, d in self.docs) if self.docs else "")
         if self.kind == "skip":
             return "skip" + (_ranges(list(self.steps)).replace(",", "_") if self.steps else str(step))
+        if self.kind == "control":
+            return "control_skip" + _ranges(list(self.steps)).replace(",", "_")
         return self.name.replace("=", "_")
 
     def skip_list(self, step: int) -> list[int]:
@@ -156,9 +161,11 @@ def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str],
             return None
         path = f"{folder}/{records.QUARANTINE_FILE}" if folder is not None else records.QUARANTINE_FILE
         return ["--ledger.filter.quarantine", ",".join([*config.ledger.filter.quarantine, path])], {}
-    if v.kind == "skip":
+    if v.kind == "skip" or (v.kind == "control" and v.steps):
         windows = [*config.ledger.skip.steps, *(str(s) for s in v.skip_list(step))]
         return ["--ledger.skip.steps", ",".join(windows)], {}
+    if v.kind == "control":
+        return None  # no same-size control fits the window (~.plan.skip_control)
     if v.kind == "swap":
         kept = [p for p in (config.ledger.rehearsal.inject or "").split(",") if p.strip() and not p.strip().endswith(":bitflip")]
         return ["--ledger.rehearsal.inject", ",".join([*kept, f"{step}:0:swap"])], {}

@@ -60,6 +60,24 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                         if kind == "quarantine" else
                         f"loss {at.get('loss')}, grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
                 evidence.append(f"{r.variant}: gone ({what}): {c}")
+        if "skip" in kinds:  # a skip convicts only against its same-size control (plan.skip_control)
+            ctl = by.get("control") or next((r for r in results if r.kind == "control"), None)
+            if ctl is None or not ctl.applicable or ctl.present is None:
+                why = ("no same-size control ran" if ctl is None else
+                       f"its control could not run ({ctl.note or 'not applicable'})")
+                evidence.append(f"skip: removed it, but {why}: a skip removes its steps' updates (and, with the "
+                                f"LR frozen over them, holds back every later step's LR), not only their data: "
+                                f"the data is not convicted")
+            elif ctl.present is False:
+                evidence.append(f"{ctl.variant}: gone as well (as many other steps skipped): removing that many "
+                                f"updates removed it, not this data: not bad_data")
+            else:
+                evidence.append(f"{ctl.variant}: still present (as many other steps skipped): the skipped steps' "
+                                f"data removed it, not their number")
+                ctl = "kept"
+            if ctl != "kept":
+                i = kinds.index("skip")
+                del gone[i], kinds[i]
         sw = by.get("swap")
         if sw is not None and sw.swap:
             f = sw.swap.get("follows")
