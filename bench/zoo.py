@@ -124,7 +124,11 @@ SHARP_5E3 = ("--optimizer.lr", "5e-3", "--lr_scheduler.warmup_steps", "5", *CONS
 # ~50 ms a step on one core) in one process, the text read in order, cosine decay over
 # the run, every checkpoint kept (diagnose --rerun starts from the one before the spike),
 # the update norm recorded. No fault is injected: the configuration is the cause.
-REAL = ("--lr_scheduler.decay_type", "cosine", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0")
+# The first step's checkpoint too (issue 51): an LR too large for the model moves the weights
+# 2-16% a step from step 1 on (diagnose's onset), and a rerun that starts after the onset
+# inherits the damage: from step-20 halving the LR moved the spike, from step-1 it removes it.
+REAL = ("--lr_scheduler.decay_type", "cosine", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.enable_first_step_checkpoint")
 REAL_LR3 = ("--optimizer.lr", "0.3", "--lr_scheduler.warmup_steps", "20", *REAL)
 REAL_LR1 = ("--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", *REAL)
 # The optimizer-state cause (Bai et al.; the article's section 2.6): a long low-gradient
@@ -132,7 +136,8 @@ REAL_LR1 = ("--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", *REAL)
 # tokens -- then the ordinary text, at a constant LR under beta2 0.999 and a tiny eps.
 EASY_TEXT, EASY_DOCS = " the end." * 400, 1500
 REAL_ADAM = ("--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "100", *CONSTANT_LR, "--ledger.update_norm",
-             "--checkpoint.keep_latest_k", "0", "--optimizer.betas", "0.9", "0.999", "--optimizer.eps", "1e-15")
+             "--checkpoint.keep_latest_k", "0", "--checkpoint.enable_first_step_checkpoint", "--optimizer.betas", "0.9",
+             "0.999", "--optimizer.eps", "1e-15")
 
 
 @dataclass(frozen=True)

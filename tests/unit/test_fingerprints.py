@@ -155,3 +155,32 @@ def test_data_proven_in_a_run_the_lr_made_fragile_says_both():
     quiet.update(cause="bad_data", certainty="proven")
     note_fragile(quiet)
     assert "fragile" not in quiet  # no configuration fingerprint: the data alone
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("lr_", "quiet"))])
+def test_without_update_norm_the_lr_is_read_from_the_param_norms_own_moves(name):
+    """--ledger.update_norm is off by default: F2 then reads the param norm's change a step
+    (a lower bound of the update, >= 0.2%), F1 cannot be read and says what it needs, and
+    the LR's prevention gives no value it cannot compute."""
+    c = CASES[name]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "update_norm"} for r in rs]  # noqa: E731
+    got = classify(strip(c["rows"]), c["step"], precision=c["precision"], start=strip(c["start"]))
+    assert ("F2" in _yes(got)) == name.startswith("lr_"), got["checks"]
+    assert next(x for x in got["checks"] if x["question"].startswith("F1 "))["needs"] == "--ledger.update_norm"
+    if name.startswith("lr_"):
+        assert got["cause"] == "lr" and got["prevention"]["flags"] == []
+        assert "--ledger.update_norm" in got["prevention"]["text"]
+
+
+def test_the_lr_fingerprints_onset_is_where_the_large_updates_began():
+    """The real set's LR runs moved the weights >= 2% from their first step: onset 1 (a
+    rerun from the first step's checkpoint then proves the LR; tests/bench/test_zoo.py)."""
+    assert _classify("lr_divergence_real_seed0")["onset"] == 1
+    bars = fp.Bars()
+    rows = [{"step": s, "param_norm": 100.0, "update_norm": 0.5 if s < 30 else 3.0} for s in range(1, 50)]
+    assert fp.lr_onset(rows[:40], rows[40:], 50, bars) == 30  # 0.5% a step until 29, then 3%
+    assert fp.lr_onset(rows[:10], rows[35:], 50, bars) is None  # the stretch reaches past a gap: earlier
+    assert fp.lr_onset(rows[:20], [], 21, bars) is None  # no large update before the step
+    # without update_norm: the param norm's own moves (0.3% a step from step 30)
+    rows = [{"step": s, "param_norm": 100.0 * (1.003 ** max(0, s - 29))} for s in range(1, 50)]
+    assert fp.lr_onset(rows, [], 50, bars) == 30

@@ -134,11 +134,14 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              pre_median_loss=med_loss, post_min_loss=min(post_loss) if post_loss else None,
              post_steps=len(post_loss))
 
+    if f["adam"]["update_per_lr"] is None:  # F1 needs the update; F2 falls back on the param norm
+        f["adam"]["needs"] = "--ledger.update_norm"
     fa = ask(f"F1 optimizer_state: Adam's update per unit LR >= {bars.adam_amp:g}x its pre-spike median, after "
              f"gradients <= {bars.quiet:g}x the run's first steps' (the second moment lagging them)",
              fp.adam_lagging(f, bars), **f["adam"])
     fl = ask(f"F2 lr: the update moves the parameters >= {bars.rel_update:.0%} of their norm a step (pre-spike "
-             f"median): the LR too large for the model's scale",
+             f"median; without --ledger.update_norm, the param norm itself >= {bars.rel_norm_change:.1%}): the LR "
+             f"too large for the model's scale",
              fp.lr_scale(f, bars), **f["update"], **{k: v for k, v in f["schedule"].items()})
     fz = ask(f"F3 output_logits: log Z's max before the spike >= {bars.logz_rise:g}x the run's first steps' and "
              f">= {bars.logz_level:g}", fp.logz_drift(f, bars), **f["logz"])
@@ -257,6 +260,8 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
     named = underlying if cause == "divergence" else cause
     if named == "lr" and fl and q1:  # the LR drove the logits: QK-norm bounds them, not the spikes (measured)
         out["mechanism"] = "logit_growth"
+    if named == "lr" and fl:  # where the update grew too large: a rerun or rollback starts before it
+        out["onset"] = fp.lr_onset(start if start is not None else trained, pre, step, bars)
     prevent = fp.prevention(named, f, last_logit, bars)
     if prevent is None and deviations:  # the precision audit failed: whatever the cause, that is a finding
         prevent = fp.prevention("bf16", f, bars=bars)

@@ -193,6 +193,9 @@ def print_verdict(r: dict) -> None:
     if r.get("prevention"):
         p = r["prevention"]
         print(f"  prevention: {p['text']}" + (f"\n    flags: {' '.join(p['flags'])}" if p.get("flags") else ""))
+    if r.get("onset"):
+        print(f"  onset: the fingerprint began at step {r['onset']}: a rerun or a rollback that should remove "
+              f"the cause starts from a checkpoint before it")
     if r.get("fragile"):
         print(f"  also: {r['fragile']}")
     t = r.get("trainer")

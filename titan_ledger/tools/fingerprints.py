@@ -42,6 +42,10 @@ class Bars:
     logz_rise: float = 2.0  # log Z's max before the spike >= 2x its early level ...
     logz_level: float = 20.0  # ... and >= 20 (exp(20): the output logits far from calibrated)
     rel_update: float = 0.01  # LR: the update moves the parameters >= 1% of their norm a step (pre-spike median)
+    # ... or, without --ledger.update_norm, the param norm itself moves >= 0.2% a step: a lower
+    # bound of the update's size (|d||w||| <= ||dw||; the real set's LR runs: 0.27-4.5%, 0.1-0.56x
+    # their relative update; LR 3e-3: 0.029%, which is weight decay's lr x wd)
+    rel_norm_change: float = 0.002
 
 
 def _fin(xs):
@@ -119,12 +123,18 @@ def logz(start: list[dict], pre: list[dict], at: dict, bars: Bars) -> dict:
 
 def relative_update(pre: list[dict], at: dict) -> dict:
     """The update's size against the parameters (update norm / param norm) at the step
-    and its pre-spike median: how far one step moves the model."""
+    and its pre-spike median: how far one step moves the model; and, read whether or not
+    the run recorded ``update_norm``, the param norm's own change a step (its pre-spike
+    median; a lower bound of the relative update)."""
     def rel(r):
         u, p = r.get("update_norm"), r.get("param_norm")
         return u / p if isinstance(u, (int, float)) and isinstance(p, (int, float)) and p > 0 else None
 
-    return {"relative_update": _r(rel(at)), "relative_update_pre_median": _r(_median([rel(r) for r in pre]))}
+    pn = [(r["step"], r.get("param_norm")) for r in pre]
+    moves = [abs(b - a) / a for (s, a), (t, b) in zip(pn, pn[1:])
+             if t == s + 1 and isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0]
+    return {"relative_update": _r(rel(at)), "relative_update_pre_median": _r(_median([rel(r) for r in pre])),
+            "param_norm_change_pre_median": _r(_median(moves))}
 
 
 def read(start: list[dict], pre: list[dict], at: dict, bars: Bars | None = None) -> dict:
@@ -144,9 +154,46 @@ def adam_lagging(f: dict, bars: Bars) -> bool:
 def lr_scale(f: dict, bars: Bars) -> bool:
     """The LR too large for the model's scale: the pre-spike median update is >= ``rel_update``
     of the parameter norm a step (the real set's LR runs: 4-16%; the same model at LR 3e-3:
-    0.03%). Measured in the weights, so it holds after the warm-up as well as in it."""
-    u = f["update"]["relative_update_pre_median"]
-    return u is not None and u >= bars.rel_update
+    0.03%), else -- no ``update_norm`` recorded -- the param norm's own change a step
+    >= ``rel_norm_change``. Measured in the weights, so it holds after the warm-up as well
+    as in it."""
+    u, moved = f["update"]["relative_update_pre_median"], f["update"]["param_norm_change_pre_median"]
+    if u is not None:
+        return u >= bars.rel_update
+    return moved is not None and moved >= bars.rel_norm_change  # no update_norm recorded: the lower bound
+
+
+def lr_onset(start: list[dict], pre: list[dict], step: int, bars: Bars) -> int | None:
+    """Where the LR's fingerprint began (pure): the first step of the unbroken stretch of
+    trained steps before ``step`` whose update moved the parameters >= ``rel_update`` of
+    their norm (without ``update_norm``: whose param norm moved >= ``rel_norm_change``).
+    None when that stretch reaches back past the rows read (``start`` and ``pre`` not
+    contiguous: it began earlier) or there is none. A rerun or a rollback that should
+    remove the cause starts from a checkpoint before it (the real set's LR runs: step 1,
+    the first warm-up step already moved the weights 2.1-7%)."""
+    rows = sorted({r["step"]: r for r in (*start, *pre) if r["step"] < step}.values(), key=lambda r: r["step"])
+
+    def big(a: dict, b: dict | None) -> bool | None:
+        u, p = a.get("update_norm"), a.get("param_norm")
+        if isinstance(u, (int, float)) and isinstance(p, (int, float)) and p > 0:
+            return u / p >= bars.rel_update
+        if b is None or not isinstance(p, (int, float)) or not isinstance(b.get("param_norm"), (int, float)) \
+                or b["param_norm"] <= 0:
+            return None
+        return abs(p - b["param_norm"]) / b["param_norm"] >= bars.rel_norm_change
+
+    onset = None
+    for i in range(len(rows) - 1, -1, -1):
+        r, before = rows[i], rows[i - 1] if i > 0 else None
+        if before is not None and before["step"] != r["step"] - 1:
+            before = None
+        hit = big(r, before)
+        if not hit:
+            break
+        onset = r["step"]
+        if i > 0 and rows[i - 1]["step"] != r["step"] - 1:
+            return None  # a gap: the stretch began before the rows read
+    return onset
 
 
 def lr_position(f: dict, bars: Bars) -> bool:
@@ -191,7 +238,8 @@ def prevention(cause: str, f: dict | None, max_logit: float | None = None, bars:
                         if s.get("after_peak") is not None and s.get("warmup_steps") else "")
                 return {"text": f"peak LR <= {lr:g}, which keeps the update under {bars.rel_update:.0%} of the param "
                                 f"norm a step{where}{warm}", "flags": ["--optimizer.lr", f"{lr:g}"]}
-        return {"text": "a lower peak LR (--optimizer.lr) or a longer warm-up (--lr_scheduler.warmup_steps)",
+        return {"text": "a lower peak LR (--optimizer.lr)" + (
+                    "; with --ledger.update_norm recorded, diagnose computes the value" if u is None else ""),
                 "flags": []}
     if cause == "logit_growth":
         t = 100.0 if max_logit is None or max_logit > 1000 else max(10.0, round(max_logit / 4, -1))

@@ -303,14 +303,32 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
         tree = res.get("heuristic") or res["cause"]
         p0 = prepare(dump, step, ["same"], train_args, after=after, nproc=nproc, ledger_folder=ledger_folder)
         plan0, config = p0[0], p0[1]
+        # the rerun starts where the fingerprint began (decision: ``onset``), from the last
+        # checkpoint before it: from the one just before the spike, a rerun of an LR cause
+        # inherits the damage and can only move the spike (issue 51)
+        load, onset = plan0.load_step, res.get("onset")
+        if onset is not None:
+            cks = checkpoints_of(Path(dump), config.checkpoint.folder)
+            # before the onset; else at it (the run's first step, --checkpoint.enable_first_step_checkpoint)
+            before = [c for c in cks if c <= onset - 1] or [c for c in cks if c == onset]
+            load = before[-1] if before else load
+            log(f"  step {step}: the fingerprint began at step {onset}: "
+                + (f"rerun from checkpoint step-{load}" if before else
+                   f"no checkpoint at or before it (from step-{plan0.load_step}, the rerun starts after the "
+                   f"onset and may move the spike rather than remove it)"))
         # skip widens over the most extreme document only (the verdict's first; for any
         # other heuristic, the step's most extreme recorded one, for the escalation)
         docs = (res.get("documents") or document_scores(led, step))[:1]
         named = tuple(sorted({(d["source"], int(d["doc"])) for d in res.get("documents") or []}))
 
-        def resolve(spec, docs=docs, named=named, step=step, load=plan0.load_step, config=config):
+        prevent = (res.get("prevention") or {}).get("flags") or []
+        peak = ((res.get("fingerprints") or {}).get("schedule") or {}).get("peak_lr")
+
+        def resolve(spec, docs=docs, named=named, step=step, load=load, config=config):
             if spec == "quarantine":  # only the documents the verdict names (never a fallback)
                 return Variant("quarantine", docs=named)
+            if spec == "lr" and prevent[:1] == ["--optimizer.lr"] and peak:
+                return Variant("lr", float(f"{float(prevent[1]) / peak:.3g}"))  # the LR the tree named
             return resolve_variant(spec, led, step, load, config, docs)
 
         variants = [resolve(v) for v in PLAN_FOR.get(tree, ["same"])]
@@ -327,8 +345,8 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
         # window would remove the spike by leaving nothing trained after it
         last_skip = max((x for v in [*variants, *esc] if v.kind == "skip" for x in v.skip_list(step)),
                         default=step)
-        p = prepare(dump, step, variants, train_args, after=after + (last_skip - step), nproc=nproc,
-                    ledger_folder=ledger_folder)
+        p = prepare(dump, step, variants, train_args, load_step=None if load == plan0.load_step else load,
+                    after=after + (last_skip - step), nproc=nproc, ledger_folder=ledger_folder)
         jobs.append((res, p, esc))
     total = sum(p[0].steps_per_variant * p[3] for _, p, _ in jobs)
     log(f"rerun budget: {total} training steps in all over {len(jobs)} spike(s), more only to escalate "
