@@ -36,6 +36,7 @@ def test_an_lr_too_large_for_the_model_is_named_lr_on_both_seeds_with_the_lr_tha
     assert got["cause"] == "lr" and "F2" in _yes(got), got
     rel = got["fingerprints"]["update"]["relative_update_pre_median"]
     assert 0.04 <= rel <= 0.16  # 4-16% of the param norm a step
+    assert got["margins"]["F2"] == pytest.approx(rel / 0.01)  # how sure: how far past its bar
     flags = got["prevention"]["flags"]
     lr = got["fingerprints"]["schedule"]["peak_lr"]
     assert flags[0] == "--optimizer.lr" and float(flags[1]) == pytest.approx(lr * 0.01 / rel, rel=0.05)

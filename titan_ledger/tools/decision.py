@@ -257,6 +257,15 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
                       None)
     out = {"step": step, "cause": cause, "checks": checks,
            "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None, "fingerprints": f}
+    # how sure: each fingerprint that answered yes, as its reading over its bar (the real set's
+    # LR runs: F2 at 2.7-16x; the same model at LR 3e-3: 0.03x)
+    a, u = f["adam"], f["update"]
+    margins = {"F1": fa and min(a["adam_amplification"] / bars.adam_amp, bars.quiet / max(a["quiet_gradients"], 1e-30)),
+               "F2": fl and (u["relative_update_pre_median"] / bars.rel_update
+                             if u["relative_update_pre_median"] is not None
+                             else u["param_norm_change_pre_median"] / bars.rel_norm_change),
+               "F3": fz and f["logz"]["logz_rise"] / bars.logz_rise}
+    out["margins"] = {k: _round(v) for k, v in margins.items() if v}
     named = underlying if cause == "divergence" else cause
     if named == "lr" and fl and q1:  # the LR drove the logits: QK-norm bounds them, not the spikes (measured)
         out["mechanism"] = "logit_growth"
@@ -652,6 +661,8 @@ def _certainty(res: dict, event: dict | None, injected: dict) -> tuple[str, str]
     (:func:`_apply_rerun`)."""
     cause = res["cause"]
     decided = next((c["question"].split(":")[0] for c in res["checks"] if c["answer"]), None)
+    if decided and decided.split(" ")[0] in (res.get("margins") or {}):  # how far past its bar the fingerprint sat
+        decided += f", {res['margins'][decided.split(' ')[0]]:.3g}x its bar"
     if event is None:
         noted = res.get("trainer_notes")
         return "guess", (f"heuristics only ({decided or 'no question answered yes'}); the trainer did not "
