@@ -175,6 +175,8 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
                              *([["prevention", res["prevention"]["text"]
                                  + (f" ({' '.join(res['prevention']['flags'])})" if res["prevention"].get("flags")
                                     else "")]] if res.get("prevention") else []),
+                             *([["onset", f"the fingerprint began at step {res['onset']}: a rerun or rollback "
+                                          f"that should remove the cause starts before it"]] if res.get("onset") else []),
                              *([["also", res["fragile"]]] if res.get("fragile") else [])])]
     rows_t = []
     for c in res["checks"]:
