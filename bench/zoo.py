@@ -110,6 +110,9 @@ from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
 
 TOKENS_PER_STEP = 2 * 4 * 256  # DP 2 x 4 rows x 256 tokens
 CORPUS = ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl"
+#: diagnose --rerun's training-step budget per scenario: a rerun starts where the
+#: fingerprint began (step 1 for the real set's LR runs: 2 x 225 steps for a spike at 224)
+RERUN_MAX_STEPS = 600
 MATCH_AFTER = 5  # a flag up to 5 steps after the true step is the same spike (an LR jump needs a few)
 CONSTANT_LR = ("--lr_scheduler.min_lr_factor", "1.0")  # warmup 2, then constant
 # The "sharp" model: the debug model learns a synthetic copy task (each document one
@@ -509,7 +512,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
             res.named_documents = sorted(set(docs))
             res.first_named_document = docs[0] if docs else None
     if rerun:
-        d, err = diagnose(dump, "--step", str(res.flagged_step), "--rerun", "--rerun-max-steps", "120", "--",
+        d, err = diagnose(dump, "--step", str(res.flagged_step), "--rerun", "--rerun-max-steps", str(RERUN_MAX_STEPS), "--",
                           *args)
         if d is None:
             res.error = f"diagnose --rerun: {err}"

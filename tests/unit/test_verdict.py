@@ -425,9 +425,13 @@ def test_a_round_whose_explaining_half_dwarfs_its_control_convicts_nothing():
     # the small half explaining it against the big one convicts (less data masked did it)
     assert bisect_documents(sizes, lambda docs: ("zoo", 8) in docs, BISECT_BALANCE).documents == {("zoo", 8)}
     # a later unbalanced round keeps the last fair conviction
-    sizes = {("s", 1): 500, ("s", 2): 60, ("s", 3): 20, ("s", 4): 400}
+    sizes = {("s", 1): 600, ("s", 2): 500, ("s", 3): 100, ("s", 4): 10}
     b = bisect_documents(sizes, lambda docs: ("s", 2) in docs, BISECT_BALANCE)
-    assert b.documents == {("s", 2), ("s", 3)} and b.path[-1].get("unbalanced")
+    assert b.documents == {("s", 2), ("s", 3)} and b.path[-1].get("unbalanced")  # 500 against 100
+    # the zoo's planted repeated document: 1,501 of 2,048 tokens, 2.74x its control -- convicted
+    b = bisect_documents({("zoo", 36): 1501, ("zoo", 35): 300, ("zoo", 37): 247}, lambda d: ("zoo", 36) in d,
+                         BISECT_BALANCE)
+    assert b.documents == {("zoo", 36)}
 
 
 @pytest.mark.parametrize("k", [2, 3, 8, 33])

@@ -404,10 +404,12 @@ class Bisection:
 #: a group-testing round convicts a half only when it holds at most this many times its
 #: control half's tokens (:func:`bisect_documents` with ``balance``): masking 96% of a batch
 #: brings almost any update back. Measured (issue 51): the tiny model at LR 0.3, no bad data,
-#: step 26 -- one document of 986 tokens against one of 38: masking the 986 "brought the update
-#: back" (grad norm 1.91 against 2.43), masking the 38 did not, and the document was convicted
-#: and quarantined. 2x still lets three documents of about equal size split 1:2.
-BISECT_BALANCE = 2.0
+#: step 26 -- one document of 986 tokens against one of 38 (26x): masking the 986 "brought the
+#: update back" (grad norm 1.91 against 2.43), masking the 38 did not, and the document was
+#: convicted and quarantined. The largest true conviction in the spike zoo: 2.74x (the planted
+#: repeated document of ``bad_data_repeat_b``, 1,501 of the step's 2,048 tokens: masking it took
+#: the grad norm from 12.5 to 1.07, masking the rest to 17.1); 2x lost it.
+BISECT_BALANCE = 4.0
 
 
 def bisect_documents(sizes: dict[tuple[str, int], int], normal_without,
