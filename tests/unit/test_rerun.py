@@ -344,7 +344,8 @@ def test_bad_data_is_proven_only_by_the_quarantine_variant():
     assert v["cause"] == "bad_data" and v["removed_by"] == "skip" and v["certainty"] == "evidence"
     assert "something in step 8's data" in v["certainty_rule"]
     q = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=False, at_step={"loss": 2.0})
-    v = rr.verdict([same, q, skip], 8, heuristic="bad_data")
+    qc = rr.VariantResult("control:quarantine=stdlib_docs:9", "qcontrol", None, present=True, at_step={})
+    v = rr.verdict([same, q, qc, skip], 8, heuristic="bad_data")
     assert v["removed_by"] == "quarantine" and v["certainty"] == "proven" and v["proven"]
     assert any("only the named documents masked (stdlib_docs:7)" in e for e in v["evidence"])
     q_kept = rr.VariantResult("quarantine=stdlib_docs:7", "quarantine", None, present=True, at_step={})
@@ -412,3 +413,33 @@ def test_a_skips_control_skips_as_many_other_steps_nearest_the_spike():
     assert c == Variant("control") and rr.variant_args(c, 20, _Cfg()) is None
     # a later spike leaves room: the 14 trained steps nearest it, outside the skip
     assert skip_control(Variant("skip", steps=tuple(range(6, 20))), 40, 0, list(range(1, 41))).steps == tuple(range(26, 40))
+
+
+def test_a_quarantine_convicts_its_documents_only_against_as_much_other_text():
+    from titan_ledger.tools.rerun.plan import quarantine_control
+
+    same = res("same", True)
+    q = res("quarantine", False, "quarantine=zoo:32")
+    gone = res("qcontrol", False, "control:quarantine=zoo:30")
+    v = rr.verdict([same, q, gone], 28, heuristic="bad_data")
+    assert v["cause"] == "unproven" and any("not these documents" in e for e in v["evidence"]), v
+    kept = res("qcontrol", True, "control:quarantine=zoo:30")
+    v = rr.verdict([same, q, kept], 28, heuristic="bad_data")
+    assert v["cause"] == "bad_data" and v["proven"] and v["removed_by"] == "quarantine"
+    v = rr.verdict([same, q], 28)
+    assert v["cause"] == "unproven" and any("the documents are not convicted" in e for e in v["evidence"])
+    # the control: other documents of the same steps, at least as many tokens, at most 2x
+    tokens = {("zoo", 32): 768, ("zoo", 30): 900, ("zoo", 31): 500, ("zoo", 33): 400, ("zoo", 90): 5000}
+    steps = {("zoo", 32): {28}, ("zoo", 30): {27, 28}, ("zoo", 31): {28}, ("zoo", 33): {28}, ("zoo", 90): {20}}
+    c = quarantine_control(Variant("quarantine", docs=(("zoo", 32),)), tokens, steps)
+    assert c.docs == (("zoo", 30),) and c.name == "control:quarantine=zoo:30" and c.slug(28) == "control_quarantine_30"
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(ledger=SimpleNamespace(filter=SimpleNamespace(quarantine=[])))
+    args, over = rr.variant_args(c, 28, cfg, "/f")
+    assert args[0] == "--ledger.filter.quarantine" and args[1].startswith("/f/") and over == {}
+    tokens[("zoo", 30)] = 2000  # too large alone (> 2x): the next ones fill it
+    assert quarantine_control(Variant("quarantine", docs=(("zoo", 32),)), tokens, steps).docs == \
+        (("zoo", 31), ("zoo", 33))
+    lone = quarantine_control(Variant("quarantine", docs=(("zoo", 32),)), {("zoo", 32): 768}, {("zoo", 32): {28}})
+    assert lone == Variant("qcontrol") and rr.variant_args(lone, 28, cfg) is None

@@ -49,7 +49,11 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
               trained: the sharp counterfactual -- the one that PROVES bad data (a bare
               ``quarantine`` takes the documents that stand out at a flagged step,
               ``decision.judge``; ``quarantine=SOURCE:DOC,...`` names them; none named,
-              e.g. an injected batch: not applicable)
+              e.g. an injected batch: not applicable). A quarantine that removes a
+              reproduced spike is followed at once by its same-size control
+              (``control:quarantine=...``, :func:`.plan.quarantine_control`: other
+              documents of the same steps, as many tokens); the documents are convicted
+              only when the control leaves the spike
   swap        step T's batches rotated across DP ranks (``--ledger.rehearsal.inject T:0:swap``:
               DP rank r trains on rank (r+1) % dp's batch): does the anomaly (the
               spike event's suspect DP rank, else ``loss_max_rank``) follow the data

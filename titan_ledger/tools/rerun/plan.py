@@ -143,3 +143,50 @@ def skip_control(skip: Variant, step: int, load_step: int, trained: list[int]) -
     if len(free) < len(before):
         return Variant("control")
     return Variant("control", steps=tuple(sorted([*free[:len(before)], *(s for s in own if s > step)])))
+
+
+def window_documents(led, first: int, last: int) -> tuple[dict, dict]:
+    """Every document trained in steps ``first``..``last`` (the data ledger): its tokens
+    there and the steps it appears at, keyed ``(source, doc)``."""
+    tokens: dict[tuple[str, int], int] = {}
+    steps: dict[tuple[str, int], set] = {}
+    for s in range(first, last + 1):
+        for r in led.data.ranks_at(s):
+            sd = led.data.at(s, r)
+            if not sd or sd.skipped:
+                continue
+            for t in sd.tags:
+                for seg in t.segments:
+                    k = (t.source, seg.doc)
+                    tokens[k] = tokens.get(k, 0) + len(seg)
+                    steps.setdefault(k, set()).add(s)
+    return tokens, steps
+
+
+#: a quarantine's control masks at least as many tokens as it, and at most this many times
+QUARANTINE_CONTROL_SLACK = 2.0
+
+
+def quarantine_control(q: Variant, tokens: dict, steps: dict) -> Variant:
+    """The same-size control of a ``quarantine`` that removed the spike (pure): other
+    documents of the steps the named ones train at, as many tokens (at least, and at most
+    :data:`QUARANTINE_CONTROL_SLACK` x), largest first -- the in-step proof's "mask as much
+    other data". Masking any text of a step can move its update; the named documents are
+    convicted only if masking as much other text of the same steps leaves the spike.
+    ``Variant("qcontrol")`` without documents (not applicable) when the steps hold too
+    little other text."""
+    named = set(q.docs)
+    need = sum(tokens.get(d, 0) for d in named)
+    at = set().union(*(steps.get(d, set()) for d in named)) if named else set()
+    pool = sorted((d for d in tokens if d not in named and steps.get(d, set()) & at),
+                  key=lambda d: (-tokens[d], d))
+    chosen, total = [], 0
+    for d in pool:
+        if total >= need:
+            break
+        if total + tokens[d] <= QUARANTINE_CONTROL_SLACK * need:
+            chosen.append(d)
+            total += tokens[d]
+    if not need or total < need:
+        return Variant("qcontrol")
+    return Variant("qcontrol", docs=tuple(sorted(chosen)))

@@ -18,9 +18,11 @@ from titan_ledger.tools.rerun.plan import (
     Plan,
     checkpoints_of,
     make_plan,
+    quarantine_control,
     resolve_variant,
     skip_control,
     strip_train_args,
+    window_documents,
 )
 from titan_ledger.tools.rerun.variants import (
     ESCALATION,
@@ -79,6 +81,9 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
         elif v.kind == "control":
             note = ("the window before the spike holds fewer other trained steps than the skip removes: no "
                     "same-size control fits (load from an earlier checkpoint: --from)")
+        elif v.kind == "qcontrol":
+            note = ("the steps the named documents train at hold less other text than they do: no same-size "
+                    "control fits")
         else:
             note = "not applicable to this run"
         return VariantResult(v.name, v.kind, None, applicable=False, note=note)
@@ -100,8 +105,8 @@ def run_variant(plan: Plan, v: Variant, base_args: list[str], config, nproc: int
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         _link_checkpoint(plan, folder)
-        if v.kind == "quarantine":
-            write_quarantine(v, folder)  # only the named documents masked; the rest of the batch trains
+        if v.kind in ("quarantine", "qcontrol"):
+            write_quarantine(v, folder)  # only these documents masked; the rest of the batch trains
         validate([*args, "--job.dump_folder", str(folder)], nproc)
         logf = folder / "rerun.log"
         log(f"rerun {v.name}: training steps {plan.load_step + 1}-{plan.stop} in {folder} (log: {logf})")
@@ -219,18 +224,30 @@ def rerun(dump, step: int, variants: list[str] | list[Variant], train_args: list
     spent = n_launch * plan.steps_per_variant
 
     def controlled() -> int:
-        """A skip that removed a reproduced spike gets its same-size control (plan.skip_control),
-        run at once: the verdict convicts the data only if the control leaves the spike."""
-        sk = next((r for r in results if r.kind == "skip" and r.applicable and r.present is False), None)
+        """A skip or a quarantine that removed a reproduced spike gets its same-size control
+        (plan.skip_control, plan.quarantine_control), run at once: the verdict convicts the
+        data only if the control leaves the spike."""
         same = next((r for r in results if r.kind == "same" and r.applicable), None)
-        if sk is None or any(r.kind == "control" for r in results) or not (same and same.present):
-            return 0
-        v = skip_control(next(x for x in [*plan.variants, *(escalate or [])] if x.name == sk.variant), step,
-                         plan.load_step, list(plan.trained))
-        log(f"rerun: {sk.variant} removed the spike at step {step}; its control skips as many other steps: "
-            f"{v.name}" + ("" if v.steps else " -- none fit the window (load from an earlier checkpoint)"))
-        results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
-        return plan.steps_per_variant if v.steps else 0
+        spent_here = 0
+        for kind, ctl_kind in (("skip", "control"), ("quarantine", "qcontrol")):
+            hit = next((r for r in results if r.kind == kind and r.applicable and r.present is False), None)
+            if hit is None or any(r.kind == ctl_kind for r in results) or not (same and same.present):
+                continue
+            orig = next(x for x in [*plan.variants, *(escalate or [])] if x.name == hit.variant)
+            if kind == "skip":
+                v = skip_control(orig, step, plan.load_step, list(plan.trained))
+                what = "skips as many other steps"
+            else:
+                from titan_ledger.format.reader import RunLedger
+
+                v = quarantine_control(orig, *window_documents(RunLedger(plan.dump, plan.ledger_folder),
+                                                               plan.load_step + 1, step))
+                what = "masks as many tokens of other documents of the same steps"
+            log(f"rerun: {hit.variant} removed the spike at step {step}; its control {what}: {v.name}"
+                + ("" if v.steps or v.docs else " -- none fits"))
+            results.append(run_variant(plan, v, base, config, nproc, fresh=fresh, log=log))
+            spent_here += plan.steps_per_variant if v.steps or v.docs else 0
+        return spent_here
 
     spent += controlled()
     vd = verdict(results, step, heuristic)

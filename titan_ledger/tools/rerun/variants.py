@@ -39,12 +39,13 @@ class RerunError(TitanLedgerError):
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # same | skip | control | quarantine | swap | lr | eps | clip | logit_cap | qk_clip | zloss | fp32
+    kind: str  # same | skip | control | quarantine | qcontrol | swap | lr | eps | clip | logit_cap | qk_clip | zloss | fp32
     value: float | None = None
     #: skip: the steps to skip (empty: the spike step alone); control: the skip's same-size
     #: control, as many OTHER steps of the window skipped (:func:`~.plan.skip_control`)
     steps: tuple[int, ...] = ()
-    #: quarantine: the ``(source, doc)`` documents masked (empty: none named: not applicable)
+    #: quarantine: the ``(source, doc)`` documents masked (empty: none named: not applicable);
+    #: qcontrol: its same-size control, other documents of the same steps (~.plan.quarantine_control)
     docs: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -53,6 +54,9 @@ class Variant:
             return f"skip={_ranges(list(self.steps))}"
         if self.kind == "control":
             return f"control:skip={_ranges(list(self.steps))}" if self.steps else "control:skip"
+        if self.kind == "qcontrol":
+            return ("control:quarantine=" + ",".join(f"{s}:{d}" for s, d in self.docs)) if self.docs \
+                else "control:quarantine"
         if self.kind == "quarantine" and self.docs:
             return "quarantine=" + ",".join(f"{s}:{d}" for s, d in self.docs)
         return self.kind if self.value is None else f"{self.kind}={self.value:g}"
@@ -64,6 +68,8 @@ class Variant:
             return "skip" + (_ranges(list(self.steps)).replace(",", "_") if self.steps else str(step))
         if self.kind == "control":
             return "control_skip" + _ranges(list(self.steps)).replace(",", "_")
+        if self.kind == "qcontrol":
+            return "control_quarantine" + ("_" + "_".join(str(d) for _, d in self.docs) if self.docs else "")
         return self.name.replace("=", "_")
 
     def skip_list(self, step: int) -> list[int]:
@@ -156,7 +162,7 @@ def variant_args(v: Variant, step: int, config, folder=None) -> tuple[list[str],
     ``folder``: the rerun's folder (a quarantine file is written there: :func:`write_quarantine`)."""
     if v.kind == "same":
         return [], {}
-    if v.kind == "quarantine":
+    if v.kind in ("quarantine", "qcontrol"):  # the control masks other documents the same way
         if not v.docs:
             return None
         path = f"{folder}/{records.QUARANTINE_FILE}" if folder is not None else records.QUARANTINE_FILE

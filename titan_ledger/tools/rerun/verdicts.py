@@ -60,6 +60,24 @@ def verdict(results: list[VariantResult], step: int, heuristic: str | None = Non
                         if kind == "quarantine" else
                         f"loss {at.get('loss')}, grad norm {at.get('grad_norm')}, flagged {r.flagged or 'none'}")
                 evidence.append(f"{r.variant}: gone ({what}): {c}")
+        if "quarantine" in kinds:  # likewise a quarantine (plan.quarantine_control)
+            qc = next((r for r in results if r.kind == "qcontrol"), None)
+            if qc is None or not qc.applicable or qc.present is None:
+                why = ("no same-size control ran" if qc is None else
+                       f"its control could not run ({qc.note or 'not applicable'})")
+                evidence.append(f"quarantine: removed it, but {why}: masking any text of a step can move its "
+                                f"update: the documents are not convicted")
+                qc = None
+            elif qc.present is False:
+                evidence.append(f"{qc.variant}: gone as well (as many tokens of other documents masked): "
+                                f"not these documents")
+                qc = None
+            else:
+                evidence.append(f"{qc.variant}: still present (as many tokens of other documents masked): "
+                                f"these documents, not the amount of text")
+            if qc is None:
+                i = kinds.index("quarantine")
+                del gone[i], kinds[i]
         if "skip" in kinds:  # a skip convicts only against its same-size control (plan.skip_control)
             ctl = by.get("control") or next((r for r in results if r.kind == "control"), None)
             if ctl is None or not ctl.applicable or ctl.present is None:
