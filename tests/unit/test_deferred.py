@@ -14,7 +14,7 @@ import torch
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
-from titan_ledger.components.response import recovery
+from titan_ledger.components.prevention.optimizer import group_lr
 from titan_ledger.components.response.prover import _per_param_sq, _per_param_sum
 from titan_ledger.components.response.recovery import Recovery
 from titan_ledger.components.signals.recorder import SignalRecorder
@@ -142,13 +142,14 @@ def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batch
 
 
 def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,
-             prove="acting", action="none"):
+             prove="acting", action="none", snapshots=0):
     from titan_ledger.components.response.ladder import Ladder, parse_ladder
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], fused=fused)
     cfg = SimpleNamespace(
-        ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove), rehearsal=SimpleNamespace(prove_at="")),
+        ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove), rehearsal=SimpleNamespace(prove_at=""),
+                              snapshots=SimpleNamespace(every=snapshots)),
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
     ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
@@ -173,6 +174,8 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
     ({"defer": False}, False),
     ({"prove": "off"}, False),  # a flag changes nothing: nothing to decide at all
     ({"prove": "off", "action": "skip_update"}, True),
+    ({"snapshots": 5}, False),  # a host snapshot is taken after step 10's decided update
+    ({"snapshots": 3}, True),
 ])
 def test_which_steps_defer_their_decision(kw, defers):
     step = kw.pop("step", 10)
@@ -253,7 +256,7 @@ def test_a_late_update_is_applied_at_the_flagged_steps_learning_rate_a_tensor_on
     t.optimizers = SimpleNamespace(optimizers=[opt], step=opt.step)
     after = []
     t.ledger.recorder, t.ledger.after_update = None, lambda applied, rec=None: after.append(applied)
-    saved = [[recovery._lr(g) for g in opt.param_groups]]
+    saved = [[group_lr(g) for g in opt.param_groups]]
     if tensor_lr:
         opt.param_groups[0]["lr"].fill_(0.5)  # the scheduler's next value, in place
     else:

@@ -126,7 +126,8 @@ class _Trainer:
         self.config = SimpleNamespace(
             ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove, max_rollbacks=3, rollback_back=1,
                                                             rollback_skip=2, action=action, ladder_horizon=100),
-                                   rehearsal=SimpleNamespace(prove_at=""), skip=SimpleNamespace(lr="freeze")),
+                                   rehearsal=SimpleNamespace(prove_at=""), skip=SimpleNamespace(lr="freeze"),
+                                   snapshots=SimpleNamespace(every=0)),
             checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
                                        folder="checkpoint"),
             validator=SimpleNamespace(enable=False),

@@ -59,6 +59,15 @@ def _ledger(config, world: int) -> None:
     if any(r.rolls_back for r in rungs) and not config.checkpoint.enable:
         raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action}: a rollback reloads checkpoints: set "
                           f"--checkpoint.enable")
+    snap = led.snapshots
+    if snap.every and not (led.signals and led.spike.enable and led.on_spike.prove != "off"):
+        raise ConfigError(f"--ledger.snapshots.every {snap.every}: the window proof runs at a not_data proof; it "
+                          f"needs --ledger.signals, --ledger.spike.enable and --ledger.on_spike.prove acting or all "
+                          f"(or set --ledger.snapshots.every 0)")
+    if snap.every and config.qk_clip.enable:
+        raise ConfigError(f"--ledger.snapshots.every {snap.every}: QK-clip rescales weights after each update from "
+                          f"the step's logits, which the window proof does not replay; drop --qk_clip.enable or "
+                          f"set --ledger.snapshots.every 0")
     windows = parse_skip_steps(led.skip.steps)
     late = [w for w in windows if w[0] > steps]
     if late and not led.skip.auto:

@@ -37,6 +37,20 @@ def describe_proof(proof: dict[str, Any]) -> str:
                 + ", the update is normal with it; nothing done")
     else:
         what = "not the data (reproducible): " + proof.get("why", "")
+        if proof.get("window"):
+            what += "; " + describe_window(proof["window"])
     n = len(proof.get("executions", [])) - 1
     late = f", decided at step {proof['decided_at']} with its update held" if "decided_at" in proof else ""
     return f"proven in step ({n} extra execution{'s' if n != 1 else ''}, {proof.get('seconds', 0):.2f} s{late}): {what}"
+
+
+def describe_window(window: dict[str, Any]) -> str:
+    """The window proof (``proof["window"]``, :mod:`titan_ledger.components.response.snapshots`)
+    in words."""
+    if "from_step" not in window:
+        return f"window proof not run: {window.get('why', '')}"
+    runs = ", ".join(f"{r['variant']} {'normal' if r['normal'] else 'spiked'} (grad norm {r['grad_norm']:.3g})"
+                     for r in window.get("runs", []))
+    head = f"{window['cause']} proven" if window.get("cause") else "no cause proven"
+    return (f"{head} by the window from the host snapshot of step {window['from_step']} re-run in process "
+            f"({window['steps']} steps, {window.get('seconds', 0):.1f} s: {runs}): {window.get('why', '')}")

@@ -23,6 +23,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError
+from titan_ledger.format.proofs import describe_window
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools import fingerprints as fp
 
@@ -566,7 +567,17 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
     elif v == "not_data":
         res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the suspect's "
                                  f"data ({proof.get('why', '')})")
-        if heuristic in ("bad_data", "hardware", "transient"):
+        window = proof.get("window") or {}
+        if window:
+            res["proof"]["window"] = window
+        if window.get("cause"):  # the trainer re-ran the window from a host snapshot: the cause is proven
+            res.update(cause=window["cause"], certainty="proven",
+                       certainty_rule=f"proven in process: {describe_window(window)}")
+            if res.get("mechanism") and window["cause"] != "lr":
+                res.pop("mechanism")
+            if window["cause"] != heuristic:
+                res["prevention"] = fp.prevention(window["cause"], res.get("fingerprints"))
+        elif heuristic in ("bad_data", "hardware", "transient"):
             res["certainty"] = "guess"
             res["certainty_rule"] += f"; the heuristics' {heuristic} is contradicted by the proof"
     else:  # outlier

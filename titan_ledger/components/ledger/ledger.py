@@ -50,6 +50,7 @@ from titan_ledger.components.ledger.sections import (
     OnSpikeConfig,
     RehearsalConfig,
     SkipConfig,
+    SnapshotsConfig,
 )
 from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
@@ -129,6 +130,9 @@ class Ledger(Configurable):
         on_spike: OnSpikeConfig = field(default_factory=lambda: OnSpikeConfig())
         """What a flagged step does: the action or recovery ladder and its limits
         (``[ledger.on_spike]``)."""
+
+        snapshots: SnapshotsConfig = field(default_factory=lambda: SnapshotsConfig())
+        """Host-memory snapshots and the in-process window proof (``[ledger.snapshots]``)."""
 
         rehearsal: RehearsalConfig = field(default_factory=lambda: RehearsalConfig())
         """Fault injection and counterfactual reruns (``[ledger.rehearsal]``); rehearsal only."""

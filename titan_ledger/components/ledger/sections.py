@@ -1,4 +1,4 @@
-"""The ``[ledger]`` table's sub-sections: ``doc_loss``, ``filter``, ``skip``, ``on_spike``, ``rehearsal``.
+"""The ``[ledger]`` table's sub-sections: ``doc_loss``, ``filter``, ``skip``, ``on_spike``, ``snapshots``, ``rehearsal``.
 
 Design decision: the table groups its fields by what they control, each group a
 nested dataclass (torchtitan's own nesting: ``--ledger.skip.steps``), one name per
@@ -15,6 +15,7 @@ from typing import Literal
 
 from titan_ledger.components.response.counterfactual import parse_overrides
 from titan_ledger.components.response.ladder import parse_ladder
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES
 from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
@@ -189,6 +190,58 @@ class OnSpikeConfig:
                 raise ConfigError(f"--ledger.on_spike.{name} must be >= 0, got {getattr(self, name)}")
         if self.rollback_skip < 1:
             raise ConfigError(f"--ledger.on_spike.rollback_skip must be >= 1, got {self.rollback_skip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SnapshotsConfig:
+    every: int = 0
+    """Keep this rank's model and optimizer state in host memory every N steps (and at
+    the process's first step), a ring of ``keep``, with the batches trained since the
+    oldest (:mod:`titan_ledger.components.response.snapshots`). At an acting flag the
+    proof found ``not_data``, the window from the oldest snapshot to the flagged step is
+    re-run in this process once per candidate cause (``causes``) and once unchanged,
+    the cause whose variant alone brings the flagged step's update back to normal is
+    recorded in the proof, the state is put back and the configured action runs; a
+    rollback whose target a snapshot covers restores it from host memory instead of
+    loading a checkpoint. 0: off. Costs ``keep`` + 1 copies of the parameters and
+    optimizer moments in host memory (docs/spike-response.md)."""
+
+    keep: int = 2
+    """How many snapshots the ring holds; the window proof starts from the oldest, so the
+    window reaches back ``every`` x (``keep`` - 1) to ``every`` x ``keep`` steps."""
+
+    causes: list[str] = field(default_factory=lambda: ["lr", "adam"])
+    """The variants the window proof runs besides the unchanged window: ``lr`` (every
+    step's learning rate x ``lr_factor``: the learning rate) and ``adam`` (Adam's beta2
+    set to ``beta2``: the optimizer state)."""
+
+    lr_factor: float = 0.1
+    """The ``lr`` variant's scale on every step's learning rate in the window."""
+
+    beta2: float = 0.95
+    """The ``adam`` variant's beta2 over the window (the article's section 2.6: 0.95); a
+    group whose beta2 is lower keeps its own."""
+
+    eps: float = 1e-8
+    """The ``adam`` variant's epsilon over the window; a group whose epsilon is larger
+    keeps its own. A run already at ``beta2`` and ``eps`` does not run the variant (it
+    would change nothing)."""
+
+    max_proofs: int = 2
+    """Window proofs per process (each costs (len(causes) + 1) x the window's steps of
+    forward/backward and updates); later ``not_data`` flags are recorded unproven."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1 or self.max_proofs < 0:
+            raise ConfigError(f"--ledger.snapshots.every {self.every} / keep {self.keep} / max_proofs "
+                              f"{self.max_proofs}: expected every >= 0 (0: off), keep >= 1, max_proofs >= 0")
+        bad = [c for c in self.causes if c not in SNAPSHOT_CAUSES]
+        if bad:
+            raise ConfigError(f"--ledger.snapshots.causes {','.join(bad)}: expected some of "
+                              f"{', '.join(SNAPSHOT_CAUSES)}")
+        if not 0 < self.lr_factor < 1 or not 0 < self.beta2 < 1 or not self.eps > 0:
+            raise ConfigError(f"--ledger.snapshots.lr_factor {self.lr_factor} / beta2 {self.beta2} / eps "
+                              f"{self.eps}: expected lr_factor and beta2 in (0, 1), eps > 0")
 
 
 @dataclass(kw_only=True, slots=True)

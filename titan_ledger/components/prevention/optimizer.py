@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
@@ -133,3 +134,19 @@ def scale_lr(lr_schedulers, factor: float) -> None:
         sched._last_lr = [lr * factor for lr in sched.get_last_lr()]
         for g in sched.optimizer.param_groups:
             g["lr"] = g["lr"] * factor
+
+
+def group_lr(group: dict):
+    """A param group's learning rate as it is now: a tensor one (a scheduler fills it in
+    place) is copied on the device, not read on the host."""
+    lr = group["lr"]
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def set_group_lr(group: dict, lr) -> None:
+    """Put ``lr`` (a :func:`group_lr`) in a param group: a tensor LR in place, so that
+    whoever holds it (a compiled step) sees the value."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].copy_(lr)
+    else:
+        group["lr"] = lr

@@ -65,10 +65,11 @@ from dataclasses import dataclass
 import torch
 
 from titan_ledger.components.detection.spikes import STAT_KEYS
-from titan_ledger.components.prevention.optimizer import scale_lr
+from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
 from titan_ledger.components.response.ladder import ladder_report
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, Prover
 from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.snapshots import SnapshotRing, WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop
@@ -114,6 +115,8 @@ class Recovery:
     def __init__(self, trainer) -> None:
         self.trainer = trainer
         self.prover = Prover(trainer)
+        self.snapshots = SnapshotRing(trainer)  # [ledger.snapshots]: off unless every > 0
+        self.window = WindowProof(trainer, self.snapshots)
         self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
         self.pending_rollback: int | None = None  # the spiked step a rollback starts from
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
@@ -126,6 +129,7 @@ class Recovery:
         """Before a step's fetch: run what is pending; True when this call consumed the
         step (a skip window)."""
         t = self.trainer
+        self.snapshots.at_start()  # a snapshot due after the last step; at the first, the state it starts from
         window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.pending_rollback is not None or window is not None):
             self._resolve()  # (the step before a window decides in the step; this is a safety net)
@@ -152,9 +156,11 @@ class Recovery:
         ladder), or deferred to the next step with the device withholding a flagged
         update -- then the update, and what follows it (``Ledger.after_update``)."""
         t = self.trainer
+        self.snapshots.log_step(rec)  # its batches and LRs, for a window proof's replay
         how = self._decide(rec)
         try:
             if how is not Update.WITHHOLD:
+                self.snapshots.before_update()
                 t.optimizers.step()
         finally:
             if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
@@ -163,6 +169,8 @@ class Recovery:
         if how is Update.HOLD and isinstance(rec.deferred.first, KeptExecution):
             rec.deferred.first.keep(t)  # the step's gradients, kept for its proof (no checksum pass)
         t.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
+        if how is not Update.HOLD:
+            self.snapshots.after_decision(rec)
 
     def at_data_end(self, rec: StepRecord) -> bool:
         """The data ran out fetching ``rec``'s batches (this step). The previous step's
@@ -239,7 +247,8 @@ class Recovery:
         return not (not t.should_continue_training()
                     or (ck.enable and (step % ck.interval == 0 or (step == 1 and ck.enable_first_step_checkpoint)))
                     or (t.config.validator.enable and t.validator.should_validate(step))
-                    or t.ledger.skip_window_at(step + 1) is not None)
+                    or t.ledger.skip_window_at(step + 1) is not None
+                    or self.snapshots.due(step))
 
     def _decide(self, rec: StepRecord) -> Update:
         """This step's update: :attr:`Update.APPLY`/``WITHHOLD`` decided in the step, or
@@ -277,7 +286,7 @@ class Recovery:
         first = None
         if mode != "off":  # the gradients are freed every step anyway: kept, checksummed only if held
             first = KeptExecution(t) if self._keeps_grads() else FirstExecution.of(t)
-        rec.deferred = Deferred(lrs=[[_lr(g) for g in o.param_groups] for o in opts], first=first,
+        rec.deferred = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
                                 forced=forced, holds=holds, notes=notes)
         rec.decided = False  # its rows wait for the decision
         self.pending = rec
@@ -337,6 +346,7 @@ class Recovery:
         finally:
             t.step = now
             self._done(rec)
+        self.snapshots.after_decision(rec, late=True)  # a late update the replay cannot repeat clears the ring
         # its rows now, as in the step: the ledger stops at a non-finite row before this
         # step is recorded (a non-finite loss always flags)
         ledger.drain(block=False, metrics_logger=t.metrics_processor.logger)
@@ -367,6 +377,8 @@ class Recovery:
                 rec, acting=acting, event=ledger.step_event(), first=first)
             if decided_at is not None:
                 proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
+            if self.window.wanted(proof):  # not the data: which cause, from the host snapshot's window
+                proof["window"] = self.window.prove(rec)
             self._say(rec, proof)
             if proof["verdict"] != "not_data":  # resolved by the proof (its event says so), not by the ladder
                 rec.update_skipped = proof["applied"] == "none"
@@ -418,10 +430,10 @@ class Recovery:
         schedule has moved on since)."""
         t = self.trainer
         opts = list(t.optimizers.optimizers)
-        now = [[_lr(g) for g in o.param_groups] for o in opts]
+        now = [[group_lr(g) for g in o.param_groups] for o in opts]
         for o, lr in zip(opts, lrs):
             for g, x in zip(o.param_groups, lr):
-                _set_lr(g, x)
+                set_group_lr(g, x)
         if t.ledger.recorder is not None and t.ledger.config.update_norm:
             t.ledger.recorder.snapshot_params()
         try:
@@ -429,7 +441,7 @@ class Recovery:
         finally:
             for o, lr in zip(opts, now):
                 for g, x in zip(o.param_groups, lr):
-                    _set_lr(g, x)
+                    set_group_lr(g, x)
         t.ledger.after_update(True, rec)
 
     def _redo(self, rec: StepRecord, proof: dict | None, need_loss: bool):
@@ -469,6 +481,7 @@ class Recovery:
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
                     f"LR schedule {t.config.ledger.skip.lr}")
         t.step = last
+        self.snapshots.clear()  # skipped steps are not replayed: the next due step starts the ring again
 
     def _rollback(self, spike_step: int) -> None:
         """Reload the last checkpoint at or before ``spike - rollback_back`` in this
@@ -508,32 +521,26 @@ class Recovery:
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
         load = decision[0]
+        # a host snapshot at least as recent as that checkpoint is restored instead (seconds, no load)
+        snap = self.snapshots.covering(spike_step - cfg.rollback_back, load)
+        if snap is not None:
+            load = snap.step
         if load is None:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
                                f"step {spike_step - cfg.rollback_back} to roll back to "
                                f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
         window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
-        logger.warning(f"titan_ledger: rolling back from step {spike_step} to checkpoint step-{load}; "
+        logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
+                       f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
                        f"skipping steps {window[0]}-{window[1]}")
         with ledger.keeping_ladder():
-            t.checkpointer.load(step=load)  # sets t.step = load via the train state
+            if snap is not None:
+                self.snapshots.restore_run(snap)  # sets t.step = load via the train state
+            else:
+                t.checkpointer.load(step=load)  # sets t.step = load via the train state
         if self.lr_scale != 1.0:
             scale_lr(t.lr_schedulers, self.lr_scale)
         ledger.rewind(from_step=spike_step, to_step=load, window=window,
                       metrics_logger=t.metrics_processor.logger)
         t.step = load + 1
-
-
-
-def _lr(group: dict):
-    """A param group's learning rate as it is now: a tensor one (a scheduler fills it in
-    place) is copied on the device, not read on the host."""
-    lr = group["lr"]
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
-
-
-def _set_lr(group: dict, lr) -> None:
-    if isinstance(group["lr"], torch.Tensor):
-        group["lr"].copy_(lr)  # the same tensor: whoever holds it (a compiled step) sees the value
-    else:
-        group["lr"] = lr
+        self.snapshots.clear()  # the rewound steps are another timeline (and a skip window follows)

@@ -471,3 +471,26 @@ def mean_loss(ranks: list[list[float]]) -> float:
     sums (CP pieces included), token owners their tokens (once per DP rank)."""
     tokens = sum(r[2] for r in ranks)
     return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
+
+
+#: the window proof's variants (``[ledger.snapshots] causes``) and the cause each proves
+SNAPSHOT_CAUSES = {"lr": "lr", "adam": "optimizer_state"}
+
+
+def window_verdict(same_normal: bool, removed: dict[str, bool]) -> tuple[str | None, str]:
+    """The in-process window proof's decision (pure): the window re-run from a host
+    snapshot unchanged (``same_normal``: its flagged step's update came out normal) and
+    once per candidate cause (``removed``: cause -> its variant's update came out
+    normal). A cause is proven only when the unchanged window reproduces the spike and
+    that cause's variant alone removes it; two variants that both remove it prove
+    neither (each is a prevention, not the cause). Returns (cause or None, why)."""
+    if same_normal:
+        return None, "the window re-run unchanged did not reproduce the spike: nothing to prove against"
+    fixed = sorted(c for c, ok in removed.items() if ok)
+    if len(fixed) == 1:
+        others = sorted(c for c in removed if c != fixed[0])
+        return fixed[0], (f"the window re-run unchanged reproduced the spike; with the {fixed[0]} variant alone "
+                          f"the update came out normal" + (f" ({', '.join(others)} did not)" if others else ""))
+    if fixed:
+        return None, f"the variants of {', '.join(fixed)} each removed it: none is proven the cause"
+    return None, f"no variant ({', '.join(sorted(removed)) or 'none run'}) removed the spike from this window"

@@ -1,0 +1,81 @@
+"""Host snapshots and the window proof end to end (issue 51 item 4): two launches.
+
+A real instability, no fault injected: the tiny model (FSDP2 over 2 gloo ranks) at LR
+1.0 after a 20-step warm-up flags step 9 (the loss ratio); the proof at the alarm finds
+the step reproducible and not the data (``not_data``). With ``--ledger.snapshots.every
+4 --ledger.snapshots.keep 3`` the trainer then re-runs steps 1-9 from the host snapshot
+of step 0 in process -- unchanged (the flag reproduces, bit for bit) and with every
+step's LR x 0.1 (the update comes out normal) -- and records ``lr`` proven; the
+rollback the run is configured for then restores the host snapshot of step 8 instead of
+loading checkpoint step-8. The same command without the ring rolls back from the
+checkpoint: every row of the two runs is equal, bit for bit (the window proof leaves no
+trace in the run, and the host rollback restores what the checkpoint load does).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import CONFIGS, cli, explain, signals_ledger, spike_events, torchrun
+
+from titan_ledger.tools import diagnose
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--training.steps", "12",
+         "--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.decay_type", "cosine",
+         "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0", "--debug.seed", "0",
+         "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
+         "--ledger.on_spike.rollback_skip", "2"]
+RING = ["--ledger.snapshots.every", "4", "--ledger.snapshots.keep", "3"]
+SPIKE = 9
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, extra in (("ring", RING), ("plain", [])):
+        d = tmp_path_factory.mktemp("snapshots") / name
+        p = torchrun(FLAGS + extra + ["--job.dump_folder", str(d)])
+        assert p.returncode == 0, explain(p)
+        out[name] = (d, p.stdout + p.stderr)
+    return out
+
+
+def window_at(dump, step):
+    return next(e["proof"]["window"] for e in spike_events(dump)
+                if e["step"] == step and (e.get("proof") or {}).get("window"))
+
+
+def test_the_lr_is_proven_in_process_from_the_host_snapshot(runs):
+    d, log = runs["ring"]
+    w = window_at(d, SPIKE)
+    assert w["cause"] == "lr" and w["from_step"] == 0 and w["steps"] == SPIKE
+    same, lr = w["runs"]
+    led = signals_ledger(d)  # the spiked step's row (superseded by the rollback)
+    row = next(r for r in led.superseded + led.history if r.get("step") == SPIKE and r.get("loss") is not None)
+    assert same["variant"] == "same" and not same["normal"]
+    assert (same["loss"], same["grad_norm"]) == (row["loss"], row["grad_norm"])  # the window replayed bit for bit
+    assert lr["variant"] == "lr" and lr["normal"] and lr["grad_norm"] < row["grad_norm"] / 5
+    assert "adam not run" in w["why"]  # torchtitan's default beta2 is 0.95 already: the variant would change nothing
+    assert f"rolling back from step {SPIKE} to the host snapshot of step 8" in log
+    rc, out, err = cli(diagnose.main, [str(d), "--step", str(SPIKE), "--json"])
+    assert rc == 0, err
+    res = json.loads(out)["spikes"][0]
+    assert (res["cause"], res["certainty"]) == ("lr", "proven")
+    assert res["certainty_rule"].startswith("proven in process: lr proven by the window")
+
+
+def test_the_run_with_the_ring_equals_the_run_without_it_bit_for_bit(runs):
+    (a, _), (b, plain_log) = runs["ring"], runs["plain"]
+    assert f"rolling back from step {SPIKE} to checkpoint step-8" in plain_log
+    skip = {"step_time_s", "data_loading_s", "run_id", "time", "config_digest", "argv", "superseded_by"}
+    la, lb = signals_ledger(a), signals_ledger(b)
+    for rows_a, rows_b in ((la.history, lb.history), (la.superseded, lb.superseded)):
+        assert len(rows_a) == len(rows_b)
+        for x, y in zip(rows_a, rows_b):
+            assert {k: v for k, v in x.items() if k not in skip} == {k: v for k, v in y.items() if k not in skip}
+    assert any(r["step"] == SPIKE and r.get("loss") is not None for r in la.superseded)  # rewound real rows
+    ra, rb = ([(e["step"], e["rules"], (e.get("proof") or {}).get("verdict")) for e in spike_events(x)] for x in (a, b))
+    assert ra == rb

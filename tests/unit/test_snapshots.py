@@ -1,0 +1,238 @@
+"""Host snapshots (``components.response.snapshots``) and the window proof's decision
+(``verdict.window_verdict``): no processes.
+
+The snapshot's promise is bit-equality: a model and its AdamW trained k steps from a
+restored snapshot end where the uninterrupted run ended, and the state at the alarm,
+restored after a replay that changed the optimizer's settings, continues as if the
+replay never ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from titan_ledger.components.response.snapshots import HostState, SnapshotRing, WindowProof
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
+from titan_ledger.errors import ConfigError
+
+
+def model_and_adam(seed: int = 0, fused: bool = False):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-15, fused=fused)
+    return model, opt
+
+
+def batches(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data) -> list[float]:
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def state_bits(model, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out.extend(v.clone() for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_restored_snapshot_trains_to_the_same_bits_as_the_uninterrupted_run(fused):
+    data = batches(12)
+    model, opt = model_and_adam(fused=fused)
+    train(model, opt, data[:5])
+    snap = HostState().capture(list(model.parameters()), [opt])
+    losses = train(model, opt, data[5:])
+    end = state_bits(model, opt)
+    snap.restore(list(model.parameters()), [opt])
+    assert train(model, opt, data[5:]) == losses
+    assert same_bits(state_bits(model, opt), end)
+
+
+def test_a_snapshot_is_a_copy_not_a_view_and_the_tensors_keep_their_identity():
+    model, opt = model_and_adam()
+    train(model, opt, batches(2))
+    params = list(model.parameters())
+    ids = [id(p) for p in params] + [id(v) for p in params for v in opt.state[p].values()]
+    snap = HostState().capture(params, [opt])
+    before = state_bits(model, opt)
+    train(model, opt, batches(3, seed=7))
+    opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = 0.5, (0.9, 0.95)  # a scheduler, a variant
+    assert not same_bits(state_bits(model, opt), before)
+    snap.restore(params, [opt])
+    assert same_bits(state_bits(model, opt), before)
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    assert ids == [id(p) for p in params] + [id(v) for p in params for v in opt.state[p].values()]
+    n_state = sum(v.numel() * v.element_size() for p in params for v in opt.state[p].values())
+    assert snap.nbytes == sum(p.numel() * p.element_size() for p in params) + n_state
+
+
+def test_a_snapshot_from_before_the_first_step_restores_what_lazy_initialisation_creates():
+    """A run's first snapshot (the init, before Adam has state): restoring it zeroes the
+    moments and the step count, and the next steps equal a fresh optimizer's bit for bit."""
+    data = batches(6)
+    model, opt = model_and_adam()
+    snap = HostState().capture(list(model.parameters()), [opt])
+    assert snap.opt == [None] * len(list(model.parameters()))
+    fresh = train(model, opt, data)
+    end = state_bits(model, opt)
+    snap.restore(list(model.parameters()), [opt])
+    assert train(model, opt, data) == fresh
+    assert same_bits(state_bits(model, opt), end)
+
+
+def test_a_buffer_set_is_reused_when_the_shapes_match():
+    model, opt = model_and_adam()
+    train(model, opt, batches(1))
+    snap = HostState().capture(list(model.parameters()), [opt])
+    buffers = [id(b) for b in snap.params]
+    train(model, opt, batches(2, seed=3))
+    snap.capture(list(model.parameters()), [opt])
+    assert [id(b) for b in snap.params] == buffers
+    assert all(torch.equal(b, p.detach()) for b, p in zip(snap.params, model.parameters()))
+
+
+def test_restoring_state_a_parameter_never_had_is_refused():
+    model, opt = model_and_adam()
+    train(model, opt, batches(1))
+    snap = HostState().capture(list(model.parameters()), [opt])
+    with pytest.raises(RuntimeError, match="backwards in time"):
+        snap.restore(list(model.parameters()), [torch.optim.AdamW(model.parameters())])
+
+
+# --------------------------------------------------------------------------- the decision
+def test_one_variant_alone_removing_the_spike_proves_its_cause():
+    cause, why = window_verdict(False, {"lr": True, "adam": False})
+    assert cause == "lr" and "adam did not" in why
+    assert SNAPSHOT_CAUSES[cause] == "lr" and SNAPSHOT_CAUSES["adam"] == "optimizer_state"
+
+
+def test_an_unreproduced_window_proves_nothing_even_when_a_variant_is_normal():
+    cause, why = window_verdict(True, {"lr": True})
+    assert cause is None and "did not reproduce" in why
+
+
+def test_two_variants_that_both_remove_it_prove_neither():
+    cause, why = window_verdict(False, {"lr": True, "adam": True})
+    assert cause is None and "adam, lr" in why
+
+
+def test_no_variant_removing_it_is_unproven():
+    cause, why = window_verdict(False, {"lr": False, "adam": False})
+    assert cause is None and "no variant" in why
+
+
+# --------------------------------------------------------------------------- the ring
+class _Cfg:
+    def __init__(self, every: int, keep: int, max_proofs: int = 2) -> None:
+        self.every, self.keep, self.max_proofs = every, keep, max_proofs
+
+
+class _Rec:
+    def __init__(self, step: int) -> None:
+        self.step, self.batches, self.proof, self.update_skipped = step, [[step]], None, False
+
+
+class _Trainer:
+    """What ``SnapshotRing`` reads of a ``LedgerTrainer``: a model, its optimizers, the
+    state dicts a rollback restores."""
+
+    class _Sched:
+        def state_dict(self):
+            return {"last_epoch": 3}
+
+    class _Loader:
+        def state_dict(self):
+            return {"position": torch.tensor(96)}
+
+    def __init__(self, every: int, keep: int) -> None:
+        self.model, opt = model_and_adam()
+        self.model_parts = [self.model]
+        self.optimizers = type("Opts", (), {"optimizers": [opt]})()
+        self.lr_schedulers, self.dataloader = self._Sched(), self._Loader()
+        self.device = torch.device("cpu")
+        self.step = 1
+        snaps = type("S", (), {"snapshots": _Cfg(every, keep)})()
+        self.config = type("C", (), {"ledger": snaps})()
+
+    def state_dict(self):
+        return {"step": self.step}
+
+
+def test_the_ring_keeps_keep_snapshots_and_the_steps_since_the_oldest():
+    t = _Trainer(every=10, keep=3)
+    ring = SnapshotRing(t)
+    ring.at_start()
+    for step in range(1, 37):
+        t.step = step
+        ring.at_start()  # a snapshot due after the previous step is taken here
+        if step == 36:
+            break
+        rec = _Rec(step)
+        ring.log_step(rec)
+        ring.after_decision(rec)
+    assert [s.step for s in ring.ring] == [10, 20, 30]
+    assert sorted(ring.log) == list(range(11, 36))
+    assert ring.window(35).step == 10 and ring.window(12).step == 10
+    assert ring.window(11) is None  # no update between the snapshot and the step: nothing a variant changes
+    assert ring.covering(25, checkpoint=20).step == 20 and ring.covering(25, checkpoint=21) is None
+    assert ring.covering(9, checkpoint=None) is None
+    assert ring.ring[0].run["dataloader"]["position"].item() == 96  # a host copy for a rollback
+
+
+def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
+    t = _Trainer(every=10, keep=2)
+    ring = SnapshotRing(t)
+    ring.at_start()
+    for step in range(1, 16):
+        t.step = step
+        ring.at_start()
+        rec = _Rec(step)
+        if step == 14:
+            rec.proof = {"verdict": "bad_data"}
+        ring.log_step(rec)
+        ring.after_decision(rec)
+    assert [s.step for s in ring.ring] == [14] and sorted(ring.log) == [15]
+    assert ring.window(16).step == 14 and ring.window(14) is None
+    assert ring.ring[0].run["trainer"]["step"] == 14  # what a checkpoint of step 14 holds
+    rec = _Rec(16)
+    rec.proof = {"verdict": "hardware"}
+    ring.after_decision(rec, late=True)  # decided a step late: nothing to snapshot, the ring is cleared
+    assert ring.ring == [] and ring.window(17) is None
+
+
+def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
+    t = _Trainer(every=10, keep=2)
+    ring = SnapshotRing(t)
+    proof = WindowProof(t, ring)
+    assert proof.wanted({"verdict": "not_data", "acting": True})
+    assert not proof.wanted({"verdict": "not_data", "acting": False})  # a note
+    assert not proof.wanted({"verdict": "bad_data", "acting": True})
+    ring.proofs = 2
+    assert not proof.wanted({"verdict": "not_data", "acting": True})
+
+
+def test_the_config_names_the_flag_to_fix():
+    from titan_ledger.components.ledger.sections import SnapshotsConfig
+
+    with pytest.raises(ConfigError, match="--ledger.snapshots.causes"):
+        SnapshotsConfig(every=10, causes=["lr", "logits"])
+    with pytest.raises(ConfigError, match="--ledger.snapshots.every"):
+        SnapshotsConfig(every=-1)
+    with pytest.raises(ConfigError, match="lr_factor"):
+        SnapshotsConfig(every=10, lr_factor=2.0)

@@ -1,0 +1,421 @@
+"""Host-memory snapshots and the window proof they pay for: no second job.
+
+Design decision: the proof at the alarm (:mod:`.prover`) re-executes the flagged step
+and answers "data or hardware?"; for every other cause -- the learning rate, Adam's
+state -- the step alone proves nothing, because the cause acted on the steps *before*
+it. A rerun from a checkpoint (``diagnose --rerun``) is a second job on the run's whole
+world size. Instead, ``[ledger.snapshots] every = K`` keeps, every K steps and at the
+process's first step, a copy of what each rank holds -- its local shards of the
+parameters and of the optimizer state (FSDP2/TP/PP: the sharded state, never
+gathered), the LR schedulers', dataloader's and trainer's state -- in host memory, a
+ring of ``keep``; and, per step since the oldest, the step's batches (references: the
+tensors the step trained on), its learning rates and whether its update was applied.
+
+At an acting flag whose proof says ``not_data``, :class:`WindowProof` re-runs the
+window from the oldest snapshot to the flagged step in this process through the
+trainer's own ``execute`` and ``optimizers.step()`` -- once unchanged (``same``, the
+control: it must reproduce the flag), once per candidate cause with its variant
+(``lr``: every step's LR x ``lr_factor``; ``adam``: beta2 ``beta2``, epsilon ``eps``) -- judges the
+flagged step's update of each by the proof's own bars (``verdict.normal_update``) and
+decides with :func:`~.verdict.window_verdict` (one variant alone removes it: that
+cause is proven). What it touched -- parameters, optimizer state, gradients, the
+groups' LR, betas and epsilon -- is put back from a copy taken first (:class:`HostState`), the
+cause is recorded in the proof (``proof["window"]``), and the configured action runs.
+A rollback whose target a snapshot covers restores it (:meth:`SnapshotRing.restore_run`)
+instead of loading a checkpoint.
+
+What the replay cannot repeat restarts the ring: a step whose proof applied an update
+other than its batches' plain execution (``bad_data``'s masked update, ``hardware``'s)
+is snapshotted at once (in the step; decided a step late, the ring is emptied); after a
+rollback or a skip window the ring is emptied and the next due step starts it again, so
+that a rollback goes where a checkpoint of the same steps would take it. Rehearsal faults that
+act inside an execution (``swap``, ``bitflip``, ``nondeterminism``) are not replayed:
+``same`` then differs, and nothing is proven. QK-clip (an update after the update) is
+refused at launch (``config.validate``).
+
+Copies: on the CPU a clone; on a GPU into pinned host buffers allocated once per ring
+slot, on a side stream, the next update waiting on its event (:meth:`SnapshotRing.before_update`)
+so that the forward/backward overlaps the copy. Memory: ``keep`` + 1 copies of each
+rank's parameters and optimizer state (the ``+ 1``: the state at the alarm, held while
+the window proof runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
+from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, normal_update, window_verdict
+from titan_ledger.components.signals.sums import local, loss_sum
+
+
+# --------------------------------------------------------------------------- the state
+class HostState:
+    """One copy of the tensors a rank holds -- its parameters' local shards, then per
+    optimizer and parameter the local shards of the state tensors (``step``, the
+    moments) -- in host memory, with the param groups' settings (the LR a scheduler set,
+    betas, eps: an optimizer checkpoint's ``param_groups``). Pure torch (no process group): ``capture`` and
+    ``restore`` are unit-tested on a module and its optimizer.
+
+    A parameter the optimizer holds no state for yet (before its first step) is
+    recorded as absent; restoring it zeroes the state that exists since, which is what
+    Adam's lazy initialisation creates (zero moments, step 0), so the next step computes
+    the same bits as the first one did."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.opt: list[dict[str, torch.Tensor] | None] = []  # per (optimizer, group, param): host copies or absent
+        self.groups: list[list[dict]] = []  # per optimizer and group: its settings (lr, betas, eps, ...)
+        self.nbytes = 0
+        self._event = None
+
+    @staticmethod
+    def _state_of(optimizers) -> list[tuple[dict | None, Any]]:
+        return [(o.state.get(p), p) for o in optimizers for g in o.param_groups for p in g["params"]]
+
+    def capture(self, params: list[torch.Tensor], optimizers, stream=None) -> HostState:
+        """Copy ``params`` and the ``optimizers``' state (reusing this object's buffers
+        when their shapes match). ``stream`` (CUDA): copy there, asynchronously (the
+        caller makes the next in-place update wait on :meth:`wait_on`)."""
+        sources = [local(p.detach()) for p in params]
+        states = self._state_of(optimizers)
+        fresh = len(self.params) != len(sources) or len(self.opt) != len(states) or any(
+            (s is None) != (b is None) or (s is not None and set(s) != set(b)) for (s, _), b in zip(states, self.opt))
+        if fresh:
+            self.params = [_host_like(x) for x in sources]
+            self.opt = [None if s is None else {k: _host_like(local(v)) for k, v in s.items()
+                                                if isinstance(v, torch.Tensor)} for s, _ in states]
+            self.nbytes = sum(b.numel() * b.element_size() for b in self._buffers())
+        self.groups = [[{k: _host_copy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
+                       for o in optimizers]
+        pairs = list(zip(self.params, sources))
+        for (s, _), bufs in zip(states, self.opt):
+            if s is not None:
+                pairs.extend((bufs[k], local(s[k].detach())) for k in bufs)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for b, x in pairs:
+                    b.copy_(x, non_blocking=True)
+            self._event = stream.record_event()
+        else:
+            for b, x in pairs:
+                b.copy_(x)
+        return self
+
+    def _buffers(self):
+        yield from self.params
+        for bufs in self.opt:
+            if bufs is not None:
+                yield from bufs.values()
+
+    def wait_on(self) -> None:
+        """The device's next work waits for this copy (before parameters change in place)."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def ready(self) -> None:
+        """The host waits for this copy (before reading it)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def restore(self, params: list[torch.Tensor], optimizers) -> None:
+        """Put the copy back into ``params`` and the ``optimizers``' state, in place (the
+        tensors keep their identity: a compiled step or a DTensor wrapper still holds them)."""
+        self.ready()
+        with torch.no_grad():
+            for p, b in zip(params, self.params, strict=True):
+                local(p.data).copy_(b, non_blocking=True)
+            states = self._state_of(optimizers)
+            if len(states) != len(self.opt):
+                raise RuntimeError("titan_ledger: a snapshot's optimizer state does not match the optimizers' "
+                                   "parameters (were parameter groups rebuilt?)")
+            for (s, p), bufs in zip(states, self.opt):
+                if bufs is None:
+                    for v in (s or {}).values():  # absent then: what lazy initialisation creates
+                        if isinstance(v, torch.Tensor):
+                            local(v).zero_()
+                    continue
+                if s is None:
+                    raise RuntimeError("titan_ledger: a snapshot holds optimizer state for a parameter that has none "
+                                       "now; snapshots are restored backwards in time only")
+                for k, b in bufs.items():
+                    local(s[k]).copy_(b, non_blocking=True)
+            for o, kept in zip(optimizers, self.groups, strict=True):  # what an optimizer checkpoint restores too
+                for g, settings in zip(o.param_groups, kept, strict=True):
+                    for k, v in settings.items():
+                        if k == "lr":
+                            set_group_lr(g, v)
+                        else:
+                            g[k] = copy.deepcopy(v)
+
+
+def _host_like(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cuda":
+        return torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+    return torch.empty_like(x, device="cpu")
+
+
+@dataclass
+class Snapshot:
+    """The state after ``step`` steps: the tensors, and what a rollback restores besides."""
+
+    step: int
+    tensors: HostState
+    run: dict[str, Any] = field(default_factory=dict)  # trainer, dataloader, LR schedulers: state dicts
+
+
+@dataclass
+class Logged:
+    """What the replay of one trained step needs (:meth:`SnapshotRing.log_step`)."""
+
+    rec: Any  # the StepRecord: ``update_skipped`` is read at replay time (a deferred decision sets it later)
+    batches: Any
+    lrs: list[list]
+
+
+# --------------------------------------------------------------------------- the ring (seam)
+class SnapshotRing:
+    """The ring of one ``LedgerTrainer`` (``Recovery`` drives it: one call at each spot)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.ring: list[Snapshot] = []
+        self.log: dict[int, Logged] = {}
+        self._spare: list[HostState] = []
+        self._stream = None
+        self._started = False
+        self._due: tuple[str, int] | None = None  # ("capture" | "reset", step): taken at the next step's start
+        self.proofs = 0
+
+    @property
+    def config(self):
+        return self.trainer.config.ledger.snapshots
+
+    @property
+    def on(self) -> bool:
+        return self.config.every > 0
+
+    def due(self, step: int) -> bool:
+        """Whether the state after ``step`` is snapshotted (the step decides in the step)."""
+        return self.on and step % self.config.every == 0
+
+    def _params(self) -> list:
+        return [p for m in self.trainer.model_parts for p in m.parameters()]
+
+    def _optimizers(self) -> list:
+        return list(self.trainer.optimizers.optimizers)
+
+    def capture(self, step: int) -> None:
+        """Snapshot the state after ``step`` (the oldest slot's buffers reused). Taken
+        where a checkpoint of ``step`` would be -- at the start of the next step, after
+        the LR schedulers stepped and with no decision pending -- so that a rollback to
+        it restores what a checkpoint load does."""
+        t = self.trainer
+        if t.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        while len(self.ring) >= self.config.keep:
+            self._spare.append(self.ring.pop(0).tensors)
+        tensors = (self._spare.pop() if self._spare else HostState()).capture(
+            self._params(), self._optimizers(), self._stream)
+        run = {"trainer": {**_host_copy(t.state_dict()), "step": step},
+               "lr_schedulers": _host_copy(t.lr_schedulers.state_dict()),
+               "dataloader": _host_copy(t.dataloader.state_dict())}
+        self.ring.append(Snapshot(step, tensors, run))
+        oldest = self.ring[0].step
+        self.log = {s: e for s, e in self.log.items() if s > oldest}
+
+    def at_start(self) -> None:
+        """The start of a step (before a pending rollback or skip window runs): a snapshot
+        due after the previous step is taken; at the process's first step, the state it
+        starts from (a fresh run's init, or the checkpoint it resumed)."""
+        if not self.on:
+            return
+        if not self._started:
+            self._started = True
+            self.capture(self.trainer.step - 1)
+        if self._due is not None:
+            what, step = self._due
+            self._due = None
+            self.reset(step) if what == "reset" else self.capture(step)
+
+    def clear(self) -> None:
+        """No snapshot stands: the next due step starts the ring again."""
+        self._spare.extend(s.tensors for s in self.ring)
+        self.ring, self.log, self._due = [], {}, None
+
+    def reset(self, step: int) -> None:
+        """What the replay cannot repeat happened: the ring restarts from the state after
+        ``step`` (called at the next step's start, where that state is the trainer's)."""
+        if self.on:
+            self.clear()
+            self.capture(step)
+
+    def log_step(self, rec) -> None:
+        """Before ``rec``'s update: its batches and learning rates, for a replay."""
+        if self.on and self.ring:
+            self.log[rec.step] = Logged(rec, rec.batches, [[group_lr(g) for g in o.param_groups]
+                                                           for o in self._optimizers()])
+
+    def before_update(self) -> None:
+        """A copy still in flight finishes on the device before the parameters change."""
+        if self.ring and self._stream is not None:
+            self.ring[-1].tensors.wait_on()
+
+    def after_decision(self, rec, late: bool = False) -> None:
+        """After ``rec``'s update: a snapshot due, or a reset when the replay cannot repeat
+        the applied update (a proof's masked or recomputed one), is taken at the next
+        step's start. ``late``: decided a step late (the next step's batches are fetched
+        already): the ring is cleared instead, and the next due step starts it again."""
+        if not self.on:
+            return
+        if (rec.proof or {}).get("verdict") in ("bad_data", "hardware"):
+            if late:
+                self.clear()
+            else:
+                self._due = ("reset", rec.step)
+        elif self.due(rec.step) and not late:
+            self._due = ("capture", rec.step)
+
+    def window(self, step: int) -> Snapshot | None:
+        """The oldest snapshot from which every step up to ``step`` can be replayed, with
+        at least one update before it (a variant changes updates, not the step itself)."""
+        for snap in self.ring:
+            if snap.step < step - 1 and all(s in self.log for s in range(snap.step + 1, step)):
+                return snap
+        return None
+
+    def covering(self, target: int, checkpoint: int | None) -> Snapshot | None:
+        """The newest snapshot at or before ``target`` that is not older than
+        ``checkpoint`` (the step a rollback would load; None: none)."""
+        fit = [s for s in self.ring if s.step <= target and (checkpoint is None or s.step >= checkpoint)]
+        return fit[-1] if fit else None
+
+    def restore_run(self, snap: Snapshot) -> None:
+        """A rollback to ``snap`` from host memory: what a checkpoint load restores --
+        parameters, optimizer state, LR schedulers, the dataloader's position (its
+        iterator restarts there), the trainer's step and ledger counters."""
+        t = self.trainer
+        snap.tensors.restore(self._params(), self._optimizers())
+        t.lr_schedulers.load_state_dict(copy.deepcopy(snap.run["lr_schedulers"]))
+        t.dataloader.load_state_dict(copy.deepcopy(snap.run["dataloader"]))
+        t.load_state_dict(copy.deepcopy(snap.run["trainer"]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensors.nbytes for s in self.ring)
+
+
+def _host_copy(obj):
+    """A state dict, its tensors copied to the host (a later in-place update must not change it)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+# --------------------------------------------------------------------------- the proof
+class WindowProof:
+    """Re-runs the window before a ``not_data`` alarm with each candidate cause's variant
+    (the module docstring); ``Recovery._judge`` asks it after the step's proof."""
+
+    def __init__(self, trainer, ring: SnapshotRing) -> None:
+        self.trainer, self.ring = trainer, ring
+
+    def wanted(self, proof: dict) -> bool:
+        r = self.ring
+        return r.on and proof.get("verdict") == "not_data" and proof.get("acting") and r.proofs < r.config.max_proofs
+
+    def prove(self, rec) -> dict[str, Any]:
+        """The window proof of the flagged step ``rec`` (its batches still held): the
+        record that goes in ``proof["window"]``."""
+        import torch.distributed as dist
+
+        t, ring = self.trainer, self.ring
+        cfg = ring.config
+        snap = ring.window(rec.step)
+        if snap is None:
+            return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
+                                          f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
+        ring.proofs += 1
+        start = time.perf_counter()
+        params, opts = ring._params(), ring._optimizers()
+        now = HostState().capture(params, opts)  # the state at the alarm, put back after
+        grads = [p.grad for p in params]
+        betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
+        causes = [c for c in cfg.causes if c != "adam" or self._changes_adam(opts)]
+        detector = t.ledger.guard.detector
+        runs: list[dict] = []
+        try:
+            with Reexecution(t, None, replaces=False) as again:
+                for variant in ("same", *causes):
+                    snap.tensors.restore(params, opts)
+                    for s in range(snap.step + 1, rec.step):
+                        entry = ring.log[s]
+                        self._variant(opts, entry.lrs, betas, variant)
+                        again.run(entry.batches)
+                        if not entry.rec.update_skipped:
+                            t.optimizers.step()
+                    # the flagged step's forward/backward on the window's parameters (no update: no LR)
+                    loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
+                    mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
+                    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                    runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
+                                 "normal": normal_update(detector, mean, norm)})
+        finally:
+            now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
+            for p, g in zip(params, grads):
+                p.grad = g
+        by = {r["variant"]: r for r in runs}
+        cause, why = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes})
+        if "adam" in cfg.causes and "adam" not in causes:
+            why += f"; adam not run (every group already has beta2 <= {cfg.beta2} and eps >= {cfg.eps})"
+        if dist.is_initialized():
+            dist.barrier()  # every rank leaves together (the window's collectives are done)
+        return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
+                "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
+                "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _changes_adam(self, opts) -> bool:
+        cfg = self.ring.config
+        return any(g.get("betas") is not None and (g["betas"][1] > cfg.beta2 or g.get("eps", cfg.eps) < cfg.eps)
+                   for o in opts for g in o.param_groups)
+
+    def _variant(self, opts, lrs: list[list], kept: list[list], variant: str) -> None:
+        """Every param group's LR, betas and epsilon for one replayed step of ``variant``
+        (``same``: as the run had them)."""
+        cfg = self.ring.config
+        for o, lr, ks in zip(opts, lrs, kept):
+            for g, x, (betas, eps) in zip(o.param_groups, lr, ks):
+                set_group_lr(g, x * cfg.lr_factor if variant == "lr" else x)
+                adam = variant == "adam" and betas is not None
+                if betas is not None:
+                    g["betas"] = (betas[0], min(betas[1], cfg.beta2)) if adam else betas
+                if eps is not None:
+                    g["eps"] = max(eps, cfg.eps) if adam else eps
+
+
+def _global_loss(trainer, local_sum, local_tokens: int) -> float:
+    """The step's mean loss over every rank (loss owners add their sums, token owners their
+    tokens: PP's last stage, one TP rank of each DP replica)."""
+    import torch.distributed as dist
+
+    topo = trainer.ledger.topo
+    f64 = {"dtype": torch.float64, "device": trainer.device}
+    v = torch.stack([local_sum.detach().double().reshape(()) if (local_sum is not None and topo.owns_loss)
+                     else torch.zeros((), **f64),
+                     torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64)])
+    if topo.world > 1:
+        dist.all_reduce(v)
+    return float(v[0] / v[1]) if float(v[1]) else math.nan
