@@ -377,7 +377,7 @@ class Recovery:
                 rec, acting=acting, event=ledger.step_event(), first=first)
             if decided_at is not None:
                 proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
-            if self.window.wanted(proof):  # not the data: which cause, from the host snapshot's window
+            if self.window.wanted(proof, forced):  # not the data: which cause, from the host snapshot's window
                 proof["window"] = self.window.prove(rec)
             self._say(rec, proof)
             if proof["verdict"] != "not_data":  # resolved by the proof (its event says so), not by the ladder

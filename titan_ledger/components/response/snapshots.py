@@ -333,9 +333,15 @@ class WindowProof:
     def __init__(self, trainer, ring: SnapshotRing) -> None:
         self.trainer, self.ring = trainer, ring
 
-    def wanted(self, proof: dict) -> bool:
+    def wanted(self, proof: dict, forced: bool = False) -> bool:
+        """An acting flag proven ``not_data``, or a step ``--ledger.rehearsal.prove_at``
+        names and its proof left standing (``not_data``, ``outlier``: the window replayed
+        on a clean step, every parallelism's replay checked against the run), within
+        ``max_proofs``."""
         r = self.ring
-        return r.on and proof.get("verdict") == "not_data" and proof.get("acting") and r.proofs < r.config.max_proofs
+        v = proof.get("verdict")
+        return r.on and r.proofs < r.config.max_proofs and (
+            (v == "not_data" and bool(proof.get("acting"))) or (forced and v in ("not_data", "outlier")))
 
     def prove(self, rec) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
