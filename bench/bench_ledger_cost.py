@@ -46,7 +46,10 @@ adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
 1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``), the proof at
 the alarm ``ledger_prove_off`` / ``ledger_prove_all`` (``--ledger.on_spike.prove``; both:
 their ratio is printed), ``ledger_no_defer`` (``--ledger.on_spike.no_defer``: decisions in the step,
-a host read per step; ``ledger / ledger_no_defer`` is what deferring costs) to the paired repeats, and ``stock_busy``,
+a host read per step; ``ledger / ledger_no_defer`` is what deferring costs), ``ledger_snapshots``
+(``--ledger.snapshots.every 4 --ledger.snapshots.keep 2``: its copy comes once in 4 steps, so
+``ledger_snapshots / ledger`` is printed on the mean step, with the host memory the ring held)
+to the paired repeats, and ``stock_busy``,
 the calibration: the stock Trainer plus
 ``--busy-ms`` of CPU time spun after every step (11 ms is ~2% of a step here); the
 instrument must report stock_busy / stock at 1 + busy / step.
@@ -91,6 +94,10 @@ VARIANTS = {
     "ledger_prove_all": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "all"],
     # decisions in the step (a host read of the flag per step) instead of deferred ones
     "ledger_no_defer": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.no_defer"],
+    # host-memory snapshots (issue 51): a copy of the parameters and Adam's moments every 4
+    # steps, a ring of 2; its cost comes once in 4 steps, so it is compared by the mean
+    "ledger_snapshots": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.snapshots.every", "4",
+                         "--ledger.snapshots.keep", "2"],
     # calibration: the stock Trainer plus a known CPU cost per step (--busy-ms of thread
     # CPU time spun in Python after each train_step); the paired ratio must find it
     "stock_busy": ["--module", "bench.stock_cpu", "--config", "debug_cpu_stock"],
@@ -305,7 +312,8 @@ def worker(args: argparse.Namespace, _train_args: list[str]) -> None:
             torch.distributed.destroy_process_group()
     if errors:
         raise errors[0]
-    result = {"trainers": [{"name": e["name"], "class": type(t).__name__, "steps": r}
+    result = {"trainers": [{"name": e["name"], "class": type(t).__name__, "steps": r,
+                            "snapshot_bytes": t.recovery.snapshots.nbytes if hasattr(t, "recovery") else None}
                            for e, t, r in zip(spec["trainers"], trainers, records)],
               "span_counts": span_counts, "num_threads": torch.get_num_threads(),
               "titan_ledger": str(Path(sys.modules["titan_ledger"].__file__).parent),
@@ -373,6 +381,7 @@ def run_one(variants: list[str], steps: int, cpu: int | None, warmup: int, spans
         result = json.loads(res.read_text())
         result["run_wall_s"] = time.perf_counter() - w0
         result["by_name"] = {t["name"]: t["steps"] for t in result["trainers"]}
+        result["snapshot_bytes"] = {t["name"]: t.get("snapshot_bytes") for t in result["trainers"]}
         return result
 
 
@@ -452,6 +461,8 @@ def paired(args) -> dict:
         for v in variants:
             kept = kept_steps(res["by_name"][v], args.warmup)
             rec[v] = {"cpu_s": statistics.median(s["cpu_s"] for s in kept),
+                      "cpu_s_mean": statistics.fmean(s["cpu_s"] for s in kept),
+                      "snapshot_bytes": res["snapshot_bytes"].get(v),
                       "thread_s": statistics.median(s["thread_s"] for s in kept),
                       "wall_s": statistics.median(s["wall_s"] for s in kept),
                       "steps_cpu_s": [s["cpu_s"] for s in res["by_name"][v]],
@@ -492,6 +503,13 @@ def paired(args) -> dict:
         out["prove_all_over_off"] = ratio_stats([r["ledger_prove_all"]["cpu_s"] / r["ledger_prove_off"]["cpu_s"]
                                                  for r in runs])
         print(f"ledger_prove_all / ledger_prove_off: {out['prove_all_over_off']}", file=sys.stderr, flush=True)
+    if "ledger_snapshots" in variants:
+        # a cost once every K steps: the mean step (amortised), not the median
+        out["snapshots_over_ledger_mean"] = ratio_stats([r["ledger_snapshots"]["cpu_s_mean"] / r["ledger"]["cpu_s_mean"]
+                                                         for r in runs])
+        out["snapshot_bytes"] = runs[0]["ledger_snapshots"]["snapshot_bytes"]
+        print(f"ledger_snapshots / ledger (mean step CPU, every 4 keep 2): {out['snapshots_over_ledger_mean']}; "
+              f"host memory held: {out['snapshot_bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
     if "stock_busy" in variants:
         out["variants"]["stock_busy"]["busy_ms"] = busy_ms
         out["variants"]["stock_busy"]["expected_cpu_ratio"] = (

@@ -379,12 +379,15 @@ def plant_across(folder: Path, step: int, dp: int, mbs: int, seq_len: int, into:
 #: ``--seed N``: torchtitan's ``--debug.seed N`` on every launch (the model's init; the
 #: data order is the corpus's, read in order): a second seed of each scenario (issue 51)
 SEED_ARGS: tuple[str, ...] = ()
+# --snapshots EVERY:KEEP: the host-memory ring and its window proof in every launch (issue 51)
+SNAPSHOT_ARGS: tuple[str, ...] = ()
 
 
 def base_args(sc: Scenario, prefix: Path, steps: int) -> list[str]:
     return ["--job.config_file", str(ROOT / "train_configs" / sc.config), "--training.steps", str(steps),
             "--checkpoint.enable", "--checkpoint.interval", str(sc.ckpt_interval), "--dataloader.source", "indexed",
-            "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags, *SEED_ARGS]
+            "--dataloader.paths", str(prefix), "--dataloader.no_shuffle", *sc.flags, *SEED_ARGS,
+            *SNAPSHOT_ARGS]
 
 
 def train(args: list[str], dump: Path, log: Path, nproc: int = 2) -> int:
@@ -420,6 +423,8 @@ class Result:
     train_rc: int = 0
     error: str | None = None
     proof: dict | None = None  # with --prove: proof_verdict() of the run's proofs
+    heuristic: str | None = None  # diagnose's cause before a proof decided it (the tree's reading)
+    window: list | None = None  # with --snapshots: [step, cause, from_step, seconds] per window proof
     fingerprint: dict | None = None  # real: the signals before the flagged step (fingerprint())
     prevented: bool | None = None  # real: the run with the prevention has no acting flag
     prevention_flags: list[int] | None = None  # real: its flagged steps
@@ -492,6 +497,9 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
         near = flagged[:1]
     res.flagged_step = near[0] if near else None
     res.other_flags = [s for s in flagged if s != res.flagged_step and s not in near]
+    if SNAPSHOT_ARGS:
+        res.window = [[e["step"], w.get("cause"), w.get("from_step"), w.get("seconds")]
+                      for e in led.spike_events() if (w := (e.get("proof") or {}).get("window"))]
     if prove:
         proofs = read_proofs(dump)
         # a real cause has no step by construction: its spike is the first flagged step
@@ -507,6 +515,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     else:
         v = d["spikes"][0]
         res.named_cause = v["cause"]
+        res.heuristic = v.get("heuristic", v["cause"])
         if planted:  # diagnose lists the suspect rank's documents furthest from the median first
             docs = [x["doc"] for x in v.get("documents", [])]
             res.named_documents = sorted(set(docs))
@@ -763,6 +772,9 @@ def main(argv=None) -> int:
                          "scenario's proofs read back against the truth")
     ap.add_argument("--seed", type=int, help="--debug.seed for every launch (the model's init): a second seed "
                                               "of each scenario; default: the config's")
+    ap.add_argument("--snapshots", metavar="EVERY:KEEP",
+                    help="--ledger.snapshots.every/keep for every launch: each acting not_data proof's window "
+                         "re-run in process from the host snapshot (Result.window)")
     ap.add_argument("--adam-bound", action="store_true",
                     help="print how far Adam's update can grow after a low-gradient stretch, and exit")
     a = ap.parse_args(argv)
@@ -770,9 +782,12 @@ def main(argv=None) -> int:
         print("\n".join(adam_table()))
         return 0
     a.folder.mkdir(parents=True, exist_ok=True)
+    global SEED_ARGS, SNAPSHOT_ARGS
     if a.seed is not None:
-        global SEED_ARGS
         SEED_ARGS = ("--debug.seed", str(a.seed))
+    if a.snapshots:
+        every, _, keep = a.snapshots.partition(":")
+        SNAPSHOT_ARGS = ("--ledger.snapshots.every", every, "--ledger.snapshots.keep", keep or "2")
     chosen = [BY_NAME[n] for n in a.only] if a.only else [
         s for s in SCENARIOS if a.set == s.set or (a.set == "all" and s.set not in ("sharp", "attempted", "real",
                                                                                       "long", "smoke"))]
