@@ -37,7 +37,6 @@ from dataclasses import dataclass
 class Bars:
     adam_amp: float = 5.0  # Adam's update per unit LR at the spike >= 5x its pre-spike median
     quiet: float = 0.1  # ... after the grad norm sat <= 0.1x the run's first steps' (v shrank)
-    warmup_after: float = 1.0  # the spike in the warm-up or <= 1 warm-up length after the LR's peak
     early: int = 20  # the run's first trained steps: "early" for log Z and the grad norm
     logz_rise: float = 2.0  # log Z's max before the spike >= 2x its early level ...
     logz_level: float = 20.0  # ... and >= 20 (exp(20): the output logits far from calibrated)
@@ -194,17 +193,6 @@ def lr_onset(start: list[dict], pre: list[dict], step: int, bars: Bars) -> int |
         if i > 0 and rows[i - 1]["step"] != r["step"] - 1:
             return None  # a gap: the stretch began before the rows read
     return onset
-
-
-def lr_position(f: dict, bars: Bars) -> bool:
-    """The spike in the warm-up or within ``warmup_after`` warm-up lengths of the LR's peak,
-    at that peak: the schedule's most fragile stretch (the article's "check the schedule's
-    corner")."""
-    s = f["schedule"]
-    if s["warming_up"]:
-        return True
-    return (s["after_peak_warmups"] is not None and s["after_peak_warmups"] <= bars.warmup_after
-            and s["lr_vs_peak"] is not None and s["lr_vs_peak"] >= 0.9)
 
 
 def logz_drift(f: dict, bars: Bars) -> bool:
