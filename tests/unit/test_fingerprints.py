@@ -185,3 +185,27 @@ def test_the_lr_fingerprints_onset_is_where_the_large_updates_began():
     # without update_norm: the param norm's own moves (0.3% a step from step 30)
     rows = [{"step": s, "param_norm": 100.0 * (1.003 ** max(0, s - 29))} for s in range(1, 50)]
     assert fp.lr_onset(rows, [], 50, bars) == 30
+
+
+def test_a_window_proof_that_named_a_cause_decides_the_verdict_and_its_prevention():
+    """The trainer's window proof (host snapshots) re-ran the window and one variant alone
+    removed the spike: ``diagnose`` says that cause, proven in process, with that cause's
+    prevention, and keeps the tree's reading as ``heuristic``; a window proof that named
+    nothing leaves the tree's verdict as it was."""
+    from titan_ledger.tools.decision import _apply_proof
+
+    window = {"cause": "optimizer_state", "variant": "adam", "why": "with the adam variant alone ...",
+              "from_step": 0, "steps": 26, "seconds": 2.0,
+              "runs": [{"variant": "same", "loss": 9.0, "grad_norm": 9.2, "normal": False},
+                       {"variant": "adam", "loss": 6.1, "grad_norm": 0.4, "normal": True}]}
+    res = {**_classify("lr_warmup_real_seed0"), "certainty": "evidence", "certainty_rule": "F2"}  # as judge() has it
+    _apply_proof(res, {"verdict": "not_data", "applied": "original", "why": "reproducible", "window": window})
+    assert (res["cause"], res["certainty"], res["heuristic"]) == ("optimizer_state", "proven", "lr")
+    assert res["certainty_rule"].startswith("proven in process: optimizer_state proven by the window")
+    assert "mechanism" not in res and "--optimizer.betas" in res["prevention"]["flags"]
+    assert res["proof"]["window"]["from_step"] == 0
+    res = {**_classify("lr_warmup_real_seed0"), "certainty": "evidence", "certainty_rule": "F2"}
+    before = dict(res)
+    _apply_proof(res, {"verdict": "not_data", "applied": "original", "why": "reproducible",
+                       "window": {**window, "cause": None, "variant": None}})
+    assert (res["cause"], res["certainty"]) == (before["cause"], before["certainty"])

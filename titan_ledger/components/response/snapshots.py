@@ -208,10 +208,10 @@ class SnapshotRing:
         """Whether the state after ``step`` is snapshotted (the step decides in the step)."""
         return self.on and step % self.config.every == 0
 
-    def _params(self) -> list:
+    def params(self) -> list:
         return [p for m in self.trainer.model_parts for p in m.parameters()]
 
-    def _optimizers(self) -> list:
+    def optimizers(self) -> list:
         return list(self.trainer.optimizers.optimizers)
 
     def capture(self, step: int) -> None:
@@ -225,7 +225,7 @@ class SnapshotRing:
         while len(self.ring) >= self.config.keep:
             self._spare.append(self.ring.pop(0).tensors)
         tensors = (self._spare.pop() if self._spare else HostState()).capture(
-            self._params(), self._optimizers(), self._stream)
+            self.params(), self.optimizers(), self._stream)
         run = {"trainer": {**_host_copy(t.state_dict()), "step": step},
                "lr_schedulers": _host_copy(t.lr_schedulers.state_dict()),
                "dataloader": _host_copy(t.dataloader.state_dict())}
@@ -263,7 +263,7 @@ class SnapshotRing:
         """Before ``rec``'s update: its batches and learning rates, for a replay."""
         if self.on and self.ring:
             self.log[rec.step] = Logged(rec, rec.batches, [[group_lr(g) for g in o.param_groups]
-                                                           for o in self._optimizers()])
+                                                           for o in self.optimizers()])
 
     def before_update(self) -> None:
         """A copy still in flight finishes on the device before the parameters change."""
@@ -304,7 +304,7 @@ class SnapshotRing:
         parameters, optimizer state, LR schedulers, the dataloader's position (its
         iterator restarts there), the trainer's step and ledger counters."""
         t = self.trainer
-        snap.tensors.restore(self._params(), self._optimizers())
+        snap.tensors.restore(self.params(), self.optimizers())
         t.lr_schedulers.load_state_dict(copy.deepcopy(snap.run["lr_schedulers"]))
         t.dataloader.load_state_dict(copy.deepcopy(snap.run["dataloader"]))
         t.load_state_dict(copy.deepcopy(snap.run["trainer"]))
@@ -356,7 +356,7 @@ class WindowProof:
                                           f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
         ring.proofs += 1
         start = time.perf_counter()
-        params, opts = ring._params(), ring._optimizers()
+        params, opts = ring.params(), ring.optimizers()
         now = HostState().capture(params, opts)  # the state at the alarm, put back after
         grads = [p.grad for p in params]
         betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
