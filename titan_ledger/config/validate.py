@@ -60,10 +60,12 @@ def _ledger(config, world: int) -> None:
         raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action}: a rollback reloads checkpoints: set "
                           f"--checkpoint.enable")
     snap = led.snapshots
-    if snap.every and not (led.signals and led.spike.enable and led.on_spike.prove != "off"):
-        raise ConfigError(f"--ledger.snapshots.every {snap.every}: the window proof runs at a not_data proof; it "
-                          f"needs --ledger.signals, --ledger.spike.enable and --ledger.on_spike.prove acting or all "
-                          f"(or set --ledger.snapshots.every 0)")
+    if snap.every and not (led.signals and led.spike.enable and
+                           (led.on_spike.prove != "off" or any(r.rolls_back for r in rungs))):
+        raise ConfigError(f"--ledger.snapshots.every {snap.every}: nothing would read the snapshots: the window "
+                          f"proof runs at a not_data proof (--ledger.on_spike.prove acting or all) and a rollback "
+                          f"restores one (--ledger.on_spike.action rollback), both on flags (--ledger.signals, "
+                          f"--ledger.spike.enable); or set --ledger.snapshots.every 0")
     if snap.every and config.qk_clip.enable:
         raise ConfigError(f"--ledger.snapshots.every {snap.every}: QK-clip rescales weights after each update from "
                           f"the step's logits, which the window proof does not replay; drop --qk_clip.enable or "

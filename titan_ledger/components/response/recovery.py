@@ -533,11 +533,14 @@ class Recovery:
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
                        f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
                        f"skipping steps {window[0]}-{window[1]}")
+        loaded = time.perf_counter()
         with ledger.keeping_ladder():
             if snap is not None:
                 self.snapshots.restore_run(snap)  # sets t.step = load via the train state
             else:
                 t.checkpointer.load(step=load)  # sets t.step = load via the train state
+        logger.info(f"titan_ledger: step {load}'s state restored in {time.perf_counter() - loaded:.3f} s "
+                    f"({'host memory' if snap is not None else 'checkpoint load'})")
         if self.lr_scale != 1.0:
             scale_lr(t.lr_schedulers, self.lr_scale)
         ledger.rewind(from_step=spike_step, to_step=load, window=window,
