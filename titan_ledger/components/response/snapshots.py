@@ -265,6 +265,12 @@ class SnapshotRing:
             self.log[rec.step] = Logged(rec, rec.batches, [[group_lr(g) for g in o.param_groups]
                                                            for o in self.optimizers()])
 
+    def settle(self) -> None:
+        """Every copy in flight is done (the host waits): before anything rewrites the
+        parameters outside an update -- a window proof's replays, a rollback's restore."""
+        for snap in self.ring:
+            snap.tensors.ready()
+
     def before_update(self) -> None:
         """A copy still in flight finishes on the device before the parameters change."""
         if self.ring and self._stream is not None:
@@ -304,6 +310,7 @@ class SnapshotRing:
         parameters, optimizer state, LR schedulers, the dataloader's position (its
         iterator restarts there), the trainer's step and ledger counters."""
         t = self.trainer
+        self.settle()
         snap.tensors.restore(self.params(), self.optimizers())
         t.lr_schedulers.load_state_dict(copy.deepcopy(snap.run["lr_schedulers"]))
         t.dataloader.load_state_dict(copy.deepcopy(snap.run["dataloader"]))
@@ -355,6 +362,7 @@ class WindowProof:
             return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
                                           f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
         ring.proofs += 1
+        ring.settle()
         start = time.perf_counter()
         params, opts = ring.params(), ring.optimizers()
         now = HostState().capture(params, opts)  # the state at the alarm, put back after
