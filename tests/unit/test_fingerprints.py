@@ -209,3 +209,25 @@ def test_a_window_proof_that_named_a_cause_decides_the_verdict_and_its_preventio
     _apply_proof(res, {"verdict": "not_data", "applied": "original", "why": "reproducible",
                        "window": {**window, "cause": None, "variant": None}})
     assert (res["cause"], res["certainty"]) == (before["cause"], before["certainty"])
+
+
+def test_data_convicted_where_the_window_at_a_lower_lr_removes_the_spike_too_says_both_proven():
+    """The proof convicted documents, and the window proof re-ran the window with the data
+    unmasked: the LR variant alone removed the spike as well. The verdict stays the
+    proof's (bad data, proven); ``fragile`` says the LR is proven too, and the prevention
+    is the LR's -- not the fingerprint's guess, which note_fragile leaves alone then."""
+    from titan_ledger.format.proofs import describe_proof
+    from titan_ledger.tools.decision import _apply_proof, note_fragile
+
+    window = {"cause": "lr", "variant": "lr", "why": "with the lr variant alone ...", "from_step": 100, "steps": 26,
+              "seconds": 3.0, "runs": [{"variant": "same", "loss": 9.0, "grad_norm": 94.7, "normal": False},
+                                       {"variant": "lr", "loss": 6.1, "grad_norm": 2.0, "normal": True}]}
+    proof = {"verdict": "bad_data", "applied": "masked", "why": "group testing", "window": window,
+             "suspect": {"dp_rank": 0, "evidence": "bisection"}, "documents": [["zoo", 3], ["zoo", 4]]}
+    res = {**_classify("lr_warmup_real_seed0"), "certainty": "evidence", "certainty_rule": "F2"}
+    _apply_proof(res, proof)
+    note_fragile(res)
+    assert (res["cause"], res["certainty"]) == ("bad_data", "proven")
+    assert res["fragile"].startswith("proven in process: with the convicted data unmasked, lr proven by the window")
+    assert res["prevention"]["flags"][0] == "--optimizer.lr"
+    assert "lr removes the spike as well" in describe_proof(proof)

@@ -222,7 +222,10 @@ def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
     proof = WindowProof(t, ring)
     assert proof.wanted({"verdict": "not_data", "acting": True})
     assert not proof.wanted({"verdict": "not_data", "acting": False})  # a note
-    assert not proof.wanted({"verdict": "bad_data", "acting": True})
+    assert proof.wanted({"verdict": "bad_data", "acting": False})  # data convicted: does the LR remove it too?
+    assert not proof.wanted({"verdict": "hardware", "acting": True})
+    assert not proof.wanted({"verdict": "outlier", "acting": False})
+    assert proof.wanted({"verdict": "outlier", "acting": False}, forced=True)  # --ledger.rehearsal.prove_at
     ring.proofs = 2
     assert not proof.wanted({"verdict": "not_data", "acting": True})
 

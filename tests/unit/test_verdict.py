@@ -16,6 +16,7 @@ from titan_ledger.components.response.verdict import (
     differing_ranks,
     document_tokens,
     faulty_ranks,
+    flags_again,
     judge,
     local_distance,
     mask_labels,
@@ -228,6 +229,22 @@ def test_normal_update_uses_the_grad_norm_rules_own_bars():
     assert normal_update(det, 4.9, 1.02)
     assert not normal_update(det, math.nan, 1.0)
     assert STAT_KEYS[0] == "flag"
+
+
+def test_flags_again_reads_the_loss_rules_too():
+    """The window proof's test: a loss-only spike (the grad norm ordinary) is flagged again,
+    which the update's bars (normal_update) call normal; an ordinary step is not; a
+    non-finite value is."""
+    cfg = SpikeDetector.Config(window=8, min_history=4)
+    det = SpikeDetector(cfg)
+    for i in range(12):
+        det.step(torch.tensor(5.0 - 0.01 * i + 0.005 * (i % 2), dtype=torch.float64),
+                 torch.tensor(1.0 + 0.01 * (i % 3), dtype=torch.float64))
+    stats = det.step(torch.tensor(9.0, dtype=torch.float64), torch.tensor(1.01, dtype=torch.float64))
+    assert stats[0] == 1  # the loss alone flagged it
+    assert flags_again(det, 9.0, 1.01) and normal_update(det, 9.0, 1.01)
+    assert not flags_again(det, 4.9, 1.01)
+    assert flags_again(det, math.nan, 1.0)
 
 
 def test_describe_proof_says_what_was_done():

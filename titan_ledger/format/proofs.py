@@ -32,6 +32,9 @@ def describe_proof(proof: dict[str, Any]) -> str:
     elif v == "bad_data":
         what = (f"bad data on {ranks}" + (f", documents {named}" if named else "")
                 + "; trained without them, quarantined for the rest of the run")
+        if (proof.get("window") or {}).get("cause"):
+            what += (f"; with the data unmasked, {proof['window']['cause']} removes the spike as well (a model its "
+                     f"configuration made fragile): " + describe_window(proof["window"]))
     elif v == "outlier":
         what = (f"outlier data on DP rank {suspect.get('dp_rank')}" + (f" ({named})" if named else "")
                 + ", the update is normal with it; nothing done")

@@ -564,6 +564,13 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
                    documents=[{"source": s, "doc": int(d), "dp_rank": sus.get("dp_rank")} for s, d in docs],
                    documents_note=f"convicted by the proof at the alarm ({len(docs)} document(s)), "
                                   f"quarantined by the trainer from the next step on")
+        window = proof.get("window") or {}
+        if window:
+            res["proof"]["window"] = window
+        if window.get("cause"):  # the data unmasked, a variant over the window removed the spike as well
+            res["fragile"] = (f"proven in process: with the convicted data unmasked, {describe_window(window)}; "
+                              f"the data triggered this step in a model its configuration made fragile")
+            res["prevention"] = fp.prevention(window["cause"], res.get("fingerprints"))
     elif v == "not_data":
         res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the suspect's "
                                  f"data ({proof.get('why', '')})")
@@ -596,8 +603,8 @@ def note_fragile(res: dict) -> None:
     and ``prevention`` names the configuration's fix."""
     if res.get("mechanism") and res["cause"] not in ("lr", "divergence"):
         res.pop("mechanism")  # the LR's mechanism, and a proof named another cause
-    if res["cause"] != "bad_data" or res.get("certainty") != "proven":
-        return
+    if res["cause"] != "bad_data" or res.get("certainty") != "proven" or "fragile" in res:
+        return  # (a window proof said it already, proven)
     hit = {c["question"].split(" ")[0]: c for c in res["checks"] if c["answer"]}
     cause = "optimizer_state" if "F1" in hit else "lr" if "F2" in hit else None
     if cause is None:

@@ -11,12 +11,14 @@ gathered), the LR schedulers', dataloader's and trainer's state -- in host memor
 ring of ``keep``; and, per step since the oldest, the step's batches (references: the
 tensors the step trained on), its learning rates and whether its update was applied.
 
-At an acting flag whose proof says ``not_data``, :class:`WindowProof` re-runs the
+At an acting flag whose proof says ``not_data`` (and where the proof convicted data: the
+data unmasked, does a variant remove the spike as well?), :class:`WindowProof` re-runs the
 window from the oldest snapshot to the flagged step in this process through the
 trainer's own ``execute`` and ``optimizers.step()`` -- once unchanged (``same``, the
 control: it must reproduce the flag), once per candidate cause with its variant
 (``lr``: every step's LR x ``lr_factor``; ``adam``: beta2 ``beta2``, epsilon ``eps``) -- judges the
-flagged step's update of each by the proof's own bars (``verdict.normal_update``) and
+flagged step of each by the trainer's own acting rules against the run's history
+(``verdict.flags_again``: the loss's and the grad norm's) and
 decides with :func:`~.verdict.window_verdict` (one variant alone removes it: that
 cause is proven). What it touched -- parameters, optimizer state, gradients, the
 groups' LR, betas and epsilon -- is put back from a copy taken first (:class:`HostState`), the
@@ -52,7 +54,7 @@ import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.reexecution import Reexecution
-from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, normal_update, window_verdict
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
 from titan_ledger.components.signals.sums import local, loss_sum
 
 
@@ -341,14 +343,18 @@ class WindowProof:
         self.trainer, self.ring = trainer, ring
 
     def wanted(self, proof: dict, forced: bool = False) -> bool:
-        """An acting flag proven ``not_data``, or a step ``--ledger.rehearsal.prove_at``
-        names and its proof left standing (``not_data``, ``outlier``: the window replayed
-        on a clean step, every parallelism's replay checked against the run), within
-        ``max_proofs``."""
+        """Within ``max_proofs``: an acting flag proven ``not_data`` (which cause, then);
+        data convicted (``bad_data``: does a variant remove the spike with the data
+        unmasked as well? -- the real set's LR runs had documents convicted at steps
+        where every update moved the weights 6% of their norm); or a step
+        ``--ledger.rehearsal.prove_at`` names and its proof left standing (``not_data``,
+        ``outlier``: the window replayed on a clean step, every parallelism's replay
+        checked against the run)."""
         r = self.ring
         v = proof.get("verdict")
         return r.on and r.proofs < r.config.max_proofs and (
-            (v == "not_data" and bool(proof.get("acting"))) or (forced and v in ("not_data", "outlier")))
+            (v == "not_data" and bool(proof.get("acting"))) or v == "bad_data"
+            or (forced and v in ("not_data", "outlier")))
 
     def prove(self, rec) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
@@ -386,7 +392,7 @@ class WindowProof:
                     mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                     runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
-                                 "normal": normal_update(detector, mean, norm)})
+                                 "normal": not flags_again(detector, mean, norm)})
         finally:
             now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
             for p, g in zip(params, grads):

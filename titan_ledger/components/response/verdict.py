@@ -451,19 +451,36 @@ def normal_update(detector, loss: float, grad_norm: float, held_loss: float | No
     (a masked or control execution: the first execution's loss): the loss the rules'
     loss conditions see -- masking data lowers the loss whatever it does to the update,
     and a mask is judged by its update alone."""
-    from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
-
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return False
     if held_loss is not None and math.isfinite(held_loss):
         loss = held_loss
+    stats = _rules_at(detector, loss, grad_norm)
+    return not any(stats[r] for r in ("zscore_grad_norm", "ratio", "grad_jump", "non_finite"))
+
+
+def flags_again(detector, loss: float, grad_norm: float) -> bool:
+    """Whether the acting rules -- the loss's and the grad norm's, every one on its own bar
+    (no novelty gate) -- flag this (loss, pre-clip grad norm) against the history before
+    the step, or a value is not finite: the window proof's test of a re-run flagged step
+    (a spike the loss rules flagged is one a variant must remove too; the update's bars
+    alone, :func:`normal_update`, called a loss-only flag reproduced "normal")."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return True
+    return bool(_rules_at(detector, loss, grad_norm)["flag"])
+
+
+def _rules_at(detector, loss: float, grad_norm: float) -> dict[str, float]:
+    """Every rule's statistic for (loss, grad norm) as the step's own detector, as it stood
+    before the step, would compute it (no novelty gate, no notes)."""
+    from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
+
     det = detector.before()
     raw = SpikeDetector(replace(detector.config, grad_novelty=0.0, notes=""), det.hist.device)
     for name in ("hist", "count", "ehist", "ecount", "jhist", "jcount"):
         setattr(raw, name, getattr(det, name))
-    stats = dict(zip(STAT_KEYS, raw.step(torch.tensor(loss, dtype=torch.float64),
-                                         torch.tensor(grad_norm, dtype=torch.float64)).tolist()))
-    return not any(stats[r] for r in ("zscore_grad_norm", "ratio", "grad_jump", "non_finite"))
+    return dict(zip(STAT_KEYS, raw.step(torch.tensor(loss, dtype=torch.float64),
+                                        torch.tensor(grad_norm, dtype=torch.float64)).tolist()))
 
 
 def mean_loss(ranks: list[list[float]]) -> float:
