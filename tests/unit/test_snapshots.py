@@ -156,22 +156,36 @@ class _Trainer:
         def state_dict(self):
             return {"last_epoch": 3}
 
-    class _Loader:
-        def state_dict(self):
-            return {"position": torch.tensor(96)}
+        def load_state_dict(self, sd):
+            pass
 
-    def __init__(self, every: int, keep: int) -> None:
+    class _Loader:
+        def __init__(self) -> None:
+            self.position = 96
+
+        def state_dict(self):
+            return {"position": torch.tensor(self.position)}
+
+        def load_state_dict(self, sd):
+            self.position = int(sd["position"])
+
+    def __init__(self, every: int, keep: int, prove: str = "all", exclude: tuple = ()) -> None:
         self.model, opt = model_and_adam()
         self.model_parts = [self.model]
         self.optimizers = type("Opts", (), {"optimizers": [opt]})()
         self.lr_schedulers, self.dataloader = self._Sched(), self._Loader()
         self.device = torch.device("cpu")
         self.step = 1
-        snaps = type("S", (), {"snapshots": _Cfg(every, keep)})()
-        self.config = type("C", (), {"ledger": snaps})()
+        ledger = type("L", (), {"snapshots": _Cfg(every, keep),
+                                "on_spike": type("O", (), {"prove": prove})()})()
+        checkpoint = type("K", (), {"exclude_from_loading": list(exclude)})()
+        self.config = type("C", (), {"ledger": ledger, "checkpoint": checkpoint})()
 
     def state_dict(self):
         return {"step": self.step}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
 
 
 def test_the_ring_keeps_keep_snapshots_and_the_steps_since_the_oldest():
@@ -214,6 +228,69 @@ def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
     rec.proof = {"verdict": "hardware"}
     ring.after_decision(rec, late=True)  # decided a step late: nothing to snapshot, the ring is cleared
     assert ring.ring == [] and ring.window(17) is None
+
+
+def test_a_buffer_an_optimizer_step_hook_moves_is_in_the_snapshot():
+    """MoE load balancing: ``expert_bias`` (a persistent buffer) is moved by a hook on
+    ``optimizers.step()``, from counts a forward fills; a replay runs both, so it must
+    start from the buffers' bits as well as the parameters'."""
+    t = _Trainer(every=10, keep=2)
+    model, opt = t.model, t.optimizers.optimizers[0]
+    model.register_buffer("expert_bias", torch.zeros(4))
+    model.register_buffer("tokens_per_expert", torch.zeros(4), persistent=False)
+    opt.register_step_post_hook(lambda o, *_: (model.expert_bias.add_(model.tokens_per_expert.sign()),
+                                               model.tokens_per_expert.zero_()))
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        model.tokens_per_expert.add_(out.detach().sum(0))
+        ((out - y) ** 2).mean().backward()
+        opt.step()
+
+    data = batches(6)
+    for x, y in data[:2]:
+        step(x, y)
+    ring = SnapshotRing(t)
+    ring.capture(2)
+    for x, y in data[2:]:
+        step(x, y)
+    end = [b.clone() for b in model.buffers()] + state_bits(model, opt)
+    assert model.expert_bias.abs().sum() > 0
+    ring.restore_run(ring.ring[0])
+    for x, y in data[2:]:
+        step(x, y)
+    assert same_bits([b.clone() for b in model.buffers()] + state_bits(model, opt), end)
+
+
+def test_a_rollback_from_the_ring_restores_what_the_checkpoint_load_would():
+    t = _Trainer(every=10, keep=2, exclude=("dataloader", "optimizer"))
+    model, opt = t.model, t.optimizers.optimizers[0]
+    train(model, opt, batches(2))
+    ring = SnapshotRing(t)
+    ring.capture(2)
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    train(model, opt, batches(3, seed=9))
+    t.dataloader.position, t.step = 160, 5
+    ring.restore_run(ring.ring[0])
+    assert same_bits([p.detach() for p in model.parameters()], params)  # the model: always
+    assert t.step == 2  # the train state: not excluded
+    assert t.dataloader.position == 160  # --checkpoint.exclude_from_loading dataloader
+    assert not same_bits([opt.state[p]["exp_avg"] for p in model.parameters()], moments)  # ... optimizer
+
+
+def test_a_ring_only_a_rollback_reads_keeps_no_batches():
+    t = _Trainer(every=10, keep=2, prove="off")
+    ring = SnapshotRing(t)
+    ring.at_start()
+    for step in range(1, 15):
+        t.step = step
+        ring.at_start()
+        rec = _Rec(step)
+        ring.log_step(rec)
+        ring.after_decision(rec)
+    assert [s.step for s in ring.ring] == [0, 10] and ring.log == {}
 
 
 def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():

@@ -7,9 +7,11 @@ it. A rerun from a checkpoint (``diagnose --rerun``) is a second job on the run'
 world size. Instead, ``[ledger.snapshots] every = K`` keeps, every K steps and at the
 process's first step, a copy of what each rank holds -- its local shards of the
 parameters and of the optimizer state (FSDP2/TP/PP: the sharded state, never
-gathered), the LR schedulers', dataloader's and trainer's state -- in host memory, a
-ring of ``keep``; and, per step since the oldest, the step's batches (references: the
-tensors the step trained on), its learning rates and whether its update was applied.
+gathered), its buffers (MoE's expert bias, which an optimizer step hook moves), the LR
+schedulers', dataloader's and trainer's state -- in host memory, a ring of ``keep``;
+and, when a window proof can run (``--ledger.on_spike.prove`` not off), per step since
+the oldest, the step's batches (references: the tensors the step trained on), its
+learning rates and whether its update was applied.
 
 At an acting flag whose proof says ``not_data`` (and where the proof convicted data: the
 data unmasked, does a variant remove the spike as well?), :class:`WindowProof` re-runs the
@@ -24,7 +26,8 @@ cause is proven). What it touched -- parameters, optimizer state, gradients, the
 groups' LR, betas and epsilon -- is put back from a copy taken first (:class:`HostState`), the
 cause is recorded in the proof (``proof["window"]``), and the configured action runs.
 A rollback whose target a snapshot covers restores it (:meth:`SnapshotRing.restore_run`)
-instead of loading a checkpoint.
+instead of loading a checkpoint, and restores what that load would (not what
+``--checkpoint.exclude_from_loading`` names).
 
 What the replay cannot repeat restarts the ring: a step whose proof applied an update
 other than its batches' plain execution (``bad_data``'s masked update, ``hardware``'s)
@@ -60,7 +63,8 @@ from titan_ledger.components.signals.sums import local, loss_sum
 
 # --------------------------------------------------------------------------- the state
 class HostState:
-    """One copy of the tensors a rank holds -- its parameters' local shards, then per
+    """One copy of the tensors a rank holds -- its parameters' local shards and its
+    buffers (``params``: whatever tensors the caller passes, in place), then per
     optimizer and parameter the local shards of the state tensors (``step``, the
     moments) -- in host memory, with the param groups' settings (the LR a scheduler set,
     betas, eps: an optimizer checkpoint's ``param_groups``). Pure torch (no process group): ``capture`` and
@@ -131,11 +135,15 @@ class HostState:
 
     def restore(self, params: list[torch.Tensor], optimizers) -> None:
         """Put the copy back into ``params`` and the ``optimizers``' state, in place (the
-        tensors keep their identity: a compiled step or a DTensor wrapper still holds them)."""
+        tensors keep their identity: a compiled step or a DTensor wrapper still holds them).
+        ``optimizers`` None: the parameters alone (a rollback whose checkpoint load would
+        exclude the optimizer)."""
         self.ready()
         with torch.no_grad():
             for p, b in zip(params, self.params, strict=True):
                 local(p.data).copy_(b, non_blocking=True)
+            if optimizers is None:
+                return
             states = self._state_of(optimizers)
             if len(states) != len(self.opt):
                 raise RuntimeError("titan_ledger: a snapshot's optimizer state does not match the optimizers' "
@@ -210,8 +218,20 @@ class SnapshotRing:
         """Whether the state after ``step`` is snapshotted (the step decides in the step)."""
         return self.on and step % self.config.every == 0
 
-    def params(self) -> list:
-        return [p for m in self.trainer.model_parts for p in m.parameters()]
+    @property
+    def replays(self) -> bool:
+        """Whether a window proof can run (``--ledger.on_spike.prove`` not off): only then
+        are the steps' batches kept -- a ring a rollback alone reads holds no batches."""
+        return self.on and self.trainer.config.ledger.on_spike.prove != "off"
+
+    def tensors(self) -> list:
+        """What a snapshot copies of the model: every parameter's local shard, then every
+        buffer -- the persistent ones a checkpoint holds (MoE's ``expert_bias``, which an
+        optimizer step hook moves: a replay runs that hook too) and the counters a
+        forward fills (``tokens_per_expert``), so that a replay starts from the bits the
+        run had."""
+        return ([p for m in self.trainer.model_parts for p in m.parameters()]
+                + [b for m in self.trainer.model_parts for b in m.buffers()])
 
     def optimizers(self) -> list:
         return list(self.trainer.optimizers.optimizers)
@@ -227,7 +247,7 @@ class SnapshotRing:
         while len(self.ring) >= self.config.keep:
             self._spare.append(self.ring.pop(0).tensors)
         tensors = (self._spare.pop() if self._spare else HostState()).capture(
-            self.params(), self.optimizers(), self._stream)
+            self.tensors(), self.optimizers(), self._stream)
         run = {"trainer": {**_host_copy(t.state_dict()), "step": step},
                "lr_schedulers": _host_copy(t.lr_schedulers.state_dict()),
                "dataloader": _host_copy(t.dataloader.state_dict())}
@@ -263,7 +283,7 @@ class SnapshotRing:
 
     def log_step(self, rec) -> None:
         """Before ``rec``'s update: its batches and learning rates, for a replay."""
-        if self.on and self.ring:
+        if self.replays and self.ring:
             self.log[rec.step] = Logged(rec, rec.batches, [[group_lr(g) for g in o.param_groups]
                                                            for o in self.optimizers()])
 
@@ -312,11 +332,15 @@ class SnapshotRing:
         parameters, optimizer state, LR schedulers, the dataloader's position (its
         iterator restarts there), the trainer's step and ledger counters."""
         t = self.trainer
+        # what --checkpoint.exclude_from_loading keeps a checkpoint load from restoring,
+        # the snapshot does not restore either: a rollback goes where the load would
+        excluded = set(t.config.checkpoint.exclude_from_loading or ())
         self.settle()
-        snap.tensors.restore(self.params(), self.optimizers())
-        t.lr_schedulers.load_state_dict(copy.deepcopy(snap.run["lr_schedulers"]))
-        t.dataloader.load_state_dict(copy.deepcopy(snap.run["dataloader"]))
-        t.load_state_dict(copy.deepcopy(snap.run["trainer"]))
+        snap.tensors.restore(self.tensors(), None if "optimizer" in excluded else self.optimizers())
+        for key, part, state in (("lr_scheduler", t.lr_schedulers, "lr_schedulers"),
+                                 ("dataloader", t.dataloader, "dataloader"), ("train_state", t, "trainer")):
+            if key not in excluded:
+                part.load_state_dict(copy.deepcopy(snap.run[state]))
 
     @property
     def nbytes(self) -> int:
@@ -370,9 +394,9 @@ class WindowProof:
         ring.proofs += 1
         ring.settle()
         start = time.perf_counter()
-        params, opts = ring.params(), ring.optimizers()
+        params, opts = ring.tensors(), ring.optimizers()
         now = HostState().capture(params, opts)  # the state at the alarm, put back after
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params]  # (a buffer's: None)
         betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
         causes = [c for c in cfg.causes if c != "adam" or self._changes_adam(opts)]
         detector = t.ledger.guard.detector
