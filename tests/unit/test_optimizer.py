@@ -81,3 +81,36 @@ def test_a_checkpoint_without_the_split_resumes_into_it_and_back():
 def test_an_unknown_preset_names_the_flag():
     with pytest.raises(ConfigError, match="--optimizer.no_decay 'olmo'"):
         LedgerOptimizers.Config(no_decay="olmo")
+
+
+def test_scale_lr_sets_a_total_factor_that_repeated_checkpoint_loads_do_not_compound():
+    """The recovery ladder's ``rollback_lr`` keeps the product of its factors and scales
+    after every checkpoint load; torchtitan's load keeps the schedulers' base LRs, so a
+    scale that multiplied them again would compound (0.5, then 0.5 x 0.5 on a base
+    already halved: 0.125 instead of 0.25)."""
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from titan_ledger.components.prevention.optimizer import scale_lr
+
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheds = LRSchedulersContainer([opt], lambda step: min(1.0, (step + 1) / 10))
+    for _ in range(4):
+        opt.step()
+        scheds.step()
+    saved = scheds.state_dict()
+    full = opt.param_groups[0]["lr"]
+    assert full == pytest.approx(1e-2 * 5 / 10)
+    scale_lr(scheds, 0.5)  # the first rollback_lr rung
+    assert opt.param_groups[0]["lr"] == pytest.approx(full * 0.5)
+    for _ in range(3):
+        opt.step()
+        scheds.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 8 / 10 * 0.5)
+    scheds.load_state_dict(saved)  # a later rollback loads the checkpoint again ...
+    scale_lr(scheds, 0.5 * 0.5)  # ... and a second rung's factor joins the first
+    assert opt.param_groups[0]["lr"] == pytest.approx(full * 0.25)
+    assert scheds.schedulers[0].get_last_lr()[0] == pytest.approx(full * 0.25)
+    opt.step()
+    scheds.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 6 / 10 * 0.25)

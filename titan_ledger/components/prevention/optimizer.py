@@ -126,14 +126,21 @@ def describe_groups(optimizers) -> list[dict[str, Any]]:
 
 
 def scale_lr(lr_schedulers, factor: float) -> None:
-    """Scale the LR from now on: the schedulers' base LRs (torchtitan rebuilds them
-    from the config) and the optimizer's current ones (a checkpoint restores those).
-    Used by the recovery ladder's ``rollback_lr`` and by ``replay rerun``'s ``lr_scale``."""
+    """The LR from now on is ``factor`` x the config's: the schedulers' base LRs
+    (torchtitan rebuilds them from the config; its checkpoint load keeps them as they
+    are) and the optimizer's current ones (a checkpoint restores those). ``factor`` is
+    the total, not a further step: the base LRs the config gave are kept on the scheduler
+    the first time, so that calling it again after every checkpoint load -- the recovery
+    ladder's cumulative ``rollback_lr`` factor -- does not compound. Used by the ladder
+    and by ``replay rerun``'s ``lr_scale``."""
     for sched in lr_schedulers.schedulers:
-        sched.base_lrs = [b * factor for b in sched.base_lrs]
-        sched._last_lr = [lr * factor for lr in sched.get_last_lr()]
-        for g in sched.optimizer.param_groups:
-            g["lr"] = g["lr"] * factor
+        if getattr(sched, "titan_ledger_unscaled", None) is None:
+            sched.titan_ledger_unscaled = list(sched.base_lrs)  # what the config gave
+        sched.base_lrs = [b * factor for b in sched.titan_ledger_unscaled]
+        # the schedule's value at its position, from the scaled base (what a step computes)
+        sched._last_lr = [b * lr_lambda(sched.last_epoch) for b, lr_lambda in zip(sched.base_lrs, sched.lr_lambdas)]
+        for g, lr in zip(sched.optimizer.param_groups, sched._last_lr, strict=True):
+            set_group_lr(g, lr)
 
 
 def group_lr(group: dict):
