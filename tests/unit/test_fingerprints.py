@@ -231,3 +231,21 @@ def test_data_convicted_where_the_window_at_a_lower_lr_removes_the_spike_too_say
     assert res["fragile"].startswith("proven in process: with the convicted data unmasked, lr proven by the window")
     assert res["prevention"]["flags"][0] == "--optimizer.lr"
     assert "lr removes the spike as well" in describe_proof(proof)
+
+
+def test_a_forced_proofs_window_on_an_outlier_is_shown_and_proves_nothing():
+    """``--ledger.rehearsal.prove_at`` on a step whose suspect data stood out but whose
+    update was normal: the window replayed there is kept in ``diagnose``'s proof and in
+    the console line, and the verdict stays the tree's."""
+    from titan_ledger.format.proofs import describe_proof
+    from titan_ledger.tools.decision import _apply_proof
+
+    window = {"cause": None, "variant": None, "why": "the unchanged re-run did not flag the step", "from_step": 0,
+              "steps": 6, "seconds": 0.4, "runs": [{"variant": "same", "loss": 6.0, "grad_norm": 0.4, "normal": True}]}
+    proof = {"verdict": "outlier", "applied": "original", "window": window, "suspect": {"dp_rank": 1}}
+    res = {**_classify("lr_warmup_real_seed0"), "certainty": "evidence", "certainty_rule": "F2"}
+    before = (res["cause"], res["certainty"])
+    _apply_proof(res, proof)
+    assert (res["cause"], res["certainty"]) == before
+    assert res["proof"]["window"]["from_step"] == 0
+    assert "no cause proven by the window from the host snapshot of step 0" in describe_proof(proof)

@@ -38,6 +38,8 @@ def describe_proof(proof: dict[str, Any]) -> str:
     elif v == "outlier":
         what = (f"outlier data on DP rank {suspect.get('dp_rank')}" + (f" ({named})" if named else "")
                 + ", the update is normal with it; nothing done")
+        if proof.get("window"):  # a --ledger.rehearsal.prove_at step: the window replayed on a clean step
+            what += "; " + describe_window(proof["window"])
     else:
         what = "not the data (reproducible): " + proof.get("why", "")
         if proof.get("window"):

@@ -590,6 +590,8 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
     else:  # outlier
         res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: the suspect data stood out and the "
                                  f"update was normal with it (an outlier, nothing done)")
+        if proof.get("window"):  # a forced proof's window (--ledger.rehearsal.prove_at): shown, proves nothing
+            res["proof"]["window"] = proof["window"]
     if res["cause"] != heuristic:
         res["heuristic"] = heuristic
 
