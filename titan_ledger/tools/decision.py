@@ -546,7 +546,7 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
         return
     v = proof["verdict"]
     res["proof"] = {k: proof[k] for k in ("verdict", "applied", "why", "suspect", "control", "documents",
-                                          "dp_ranks", "seconds", "executions") if k in proof}
+                                          "dp_ranks", "seconds", "executions", "window") if k in proof}
     heuristic = res["cause"]
     if v == "hardware":
         ranks = ", ".join(map(str, proof.get("dp_ranks", [])))
@@ -565,8 +565,6 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
                    documents_note=f"convicted by the proof at the alarm ({len(docs)} document(s)), "
                                   f"quarantined by the trainer from the next step on")
         window = proof.get("window") or {}
-        if window:
-            res["proof"]["window"] = window
         if window.get("cause"):  # the data unmasked, a variant over the window removed the spike as well
             res["fragile"] = (f"proven in process: with the convicted data unmasked, {describe_window(window)}; "
                               f"the data triggered this step in a model its configuration made fragile")
@@ -575,8 +573,6 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
         res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the suspect's "
                                  f"data ({proof.get('why', '')})")
         window = proof.get("window") or {}
-        if window:
-            res["proof"]["window"] = window
         if window.get("cause"):  # the trainer re-ran the window from a host snapshot: the cause is proven
             res.update(cause=window["cause"], certainty="proven",
                        certainty_rule=f"proven in process: {describe_window(window)}")
@@ -590,8 +586,6 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
     else:  # outlier
         res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: the suspect data stood out and the "
                                  f"update was normal with it (an outlier, nothing done)")
-        if proof.get("window"):  # a forced proof's window (--ledger.rehearsal.prove_at): shown, proves nothing
-            res["proof"]["window"] = proof["window"]
     if res["cause"] != heuristic:
         res["heuristic"] = heuristic
 

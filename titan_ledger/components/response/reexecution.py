@@ -77,12 +77,18 @@ class Reexecution:
             t.ledger.discard_step_state()  # what the extra execution refilled
         return out
 
-    def __exit__(self, *exc) -> None:
-        t = self.trainer
-        outer, seen, counts, kept, rng, cuda = self._saved
-        t.step_record, t.ntokens_seen = outer, seen
-        for c, k in zip(counts, kept):
-            c.copy_(k)
+    def rewind_rng(self) -> None:
+        """The RNG back to its state at entry: executions that must draw the same random
+        numbers (the window proof's variants) each start here."""
+        rng, cuda = self._saved[4:]
         torch.set_rng_state(rng)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
+
+    def __exit__(self, *exc) -> None:
+        t = self.trainer
+        outer, seen, counts, kept = self._saved[:4]
+        t.step_record, t.ntokens_seen = outer, seen
+        for c, k in zip(counts, kept):
+            c.copy_(k)
+        self.rewind_rng()

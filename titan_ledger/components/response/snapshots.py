@@ -403,14 +403,11 @@ class WindowProof:
         runs: list[dict] = []
         try:
             with Reexecution(t, None, replaces=False) as again:
-                rng = torch.get_rng_state(), (torch.cuda.get_rng_state() if t.device.type == "cuda" else None)
                 for variant in ("same", *causes):
                     snap.tensors.restore(params, opts)
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
-                    torch.set_rng_state(rng[0])
-                    if rng[1] is not None:
-                        torch.cuda.set_rng_state(rng[1])
+                    again.rewind_rng()
                     for s in range(snap.step + 1, rec.step):
                         entry = ring.log[s]
                         self._variant(opts, entry.lrs, betas, variant)
