@@ -69,14 +69,14 @@ BASE = ["--job.config_file", "train_configs/debug_cpu.toml", "--training.local_b
 # tests/e2e/test_deferred_e2e.py: BASE + PAIRS["ladder"] (+ --ledger.on_spike.no_defer)
 LADDER = ["--ledger.on_spike.prove", "off",
           "--training.steps", "18", "--ledger.spike.window", "5",
-          "--ledger.on_spike.action", "none,skip_update,rollback*3",
+          "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update,rollback*3",
           "--ledger.rehearsal.inject", "6:0:bitflip,10:1:bitflip,13:0:bitflip,15:1:repeat",
           "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.on_spike.rollback_back", "0",
           "--ledger.on_spike.rollback_skip", "1", "--ledger.rehearsal.data_end", "16"]
 # tests/e2e/test_proof_e2e.py: BASE + RUNS["faults"]
 PROOF = ["--training.steps", "12", "--ledger.spike.window", "8",
          "--ledger.rehearsal.inject", "6:0:bitflip,10:1:repeat",
-         "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
+         "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--ledger.rehearsal.prove_at", "11-12"]
 PROOF_ALL = ["--training.steps", "12", "--ledger.spike.window", "8",
              "--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"]

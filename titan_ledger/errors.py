@@ -66,6 +66,13 @@ class LedgerWarning(UserWarning):
     (``tools.cli.run_tool``)."""
 
 
+class ProofFailure(RuntimeError):
+    """A proof that cannot be completed (components.response): an execution past its
+    deadline (``--ledger.on_spike.prove_timeout``) or not finite where the step was. It
+    never leaves the response: the step is decided as it would be without the proof, and
+    its event records why."""
+
+
 class LedgerStop(TitanLedgerError):
     """Training stopped by the ledger (the recovery ladder): a report, exit 1."""
 

@@ -219,8 +219,12 @@ class LedgerTrainer(Trainer):
             microbatch_groups.append(microbatches)
         rec = self.step_record  # CHANGED: the rest is ``execute``, which a proof re-runs on these batches
         rec.batches = microbatch_groups
+        tokens = self.count_tokens(microbatch_groups)  # CHANGED: counted once, before the first execution
+        if self.recovery.no_tokens(rec, *tokens):  # CHANGED: every label masked: consumed whole, never a NaN
+            return
         # CHANGED: the previous step's deferred decision, made behind this step's launched work
-        outcome, executed = self.recovery.after_execute(rec, self.execute(microbatch_groups, need_loss), need_loss)
+        executed = self.execute(microbatch_groups, need_loss, tokens)
+        outcome, executed = self.recovery.after_execute(rec, executed, need_loss)
         if outcome is Outcome.DROPPED:  # a rollback: this step is dropped (the rollback and its skip window ran)
             return
         accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = executed
@@ -290,10 +294,10 @@ class LedgerTrainer(Trainer):
             extra_metrics=extra_metrics,
         )
 
-    def execute(self, microbatch_groups, need_loss: bool = True):
-        """ADDED: the rest of torchtitan 0.3.0's train_step body on the fetched batches (valid
-        tokens, every forward/backward, the clip), so that a proof re-runs exactly the step.
-        Returns (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
+    def count_tokens(self, microbatch_groups) -> tuple[torch.Tensor, torch.Tensor]:
+        """ADDED: the step's valid label tokens, this rank's (host) and the batch mesh's
+        (device) -- torchtitan 0.3.0's train_step's count, split out of ``execute`` so that a
+        step with none is seen before its forward (``Recovery.no_tokens``)."""
         parallel_dims = self.parallel_dims
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         for microbatches in microbatch_groups:
@@ -307,6 +311,16 @@ class LedgerTrainer(Trainer):
             )
         else:
             global_valid_tokens = local_valid_tokens.to(self.device)
+        return local_valid_tokens, global_valid_tokens
+
+    def execute(self, microbatch_groups, need_loss: bool = True, tokens=None):
+        """ADDED: the rest of torchtitan 0.3.0's train_step body on the fetched batches (valid
+        tokens, every forward/backward, the clip), so that a proof re-runs exactly the step.
+        ``tokens``: ``count_tokens``'s, when the step counted them already. Returns
+        (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
+        parallel_dims = self.parallel_dims
+        local_valid_tokens, global_valid_tokens = tokens if tokens is not None else \
+            self.count_tokens(microbatch_groups)
 
         accumulated_loss: torch.Tensor | None = None
         for microbatches in microbatch_groups:

@@ -34,11 +34,11 @@ BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.local_
         "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
 PAIRS = {
     "ladder": ["--training.steps", "18", "--ledger.spike.window", "5",
-               "--ledger.on_spike.action", "none,skip_update,rollback*3",
+               "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update,rollback*3",
                "--ledger.rehearsal.inject", "6:0:bitflip,10:1:bitflip,13:0:bitflip,15:1:repeat",
                "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.on_spike.rollback_back", "0",
                "--ledger.on_spike.rollback_skip", "1", "--ledger.rehearsal.data_end", "16"],
-    "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.on_spike.action", "none,skip_update"],
+    "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update"],
 }
 PAIRS["non_finite_quiet"] = [*PAIRS["non_finite"], "--metrics.log_freq", "10"]  # step 3 logs nothing
 TIMING = {"step_time_s", "data_loading_s", "time", "run_id"}

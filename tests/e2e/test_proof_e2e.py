@@ -38,14 +38,15 @@ FLIP, REPEAT = 6, 10
 FINITE = 10  # a finite flip (bitflip@2) on DP rank 1: the grad norm 2x, the loss unmoved
 RUNS = {
     "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
-               "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
+               "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
                # after the quarantine: steps whose token counts are not a power of two, proven clean
                "--ledger.rehearsal.prove_at", f"{REPEAT + 1}-12"],
     # every note proven, and every step from 2 on forced through a proof: none may leave a trace
     "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.on_spike.no_defer"],
     "clean_deferred": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
     # issue 52: silent corruption below the grad-norm rules' bars, seen as a note and proven
-    "finite": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.inject", f"{FINITE}:1:bitflip@2"],
+    "finite": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.inject", f"{FINITE}:1:bitflip@2",
+               "--ledger.on_spike.act", "act"],
 }
 
 
@@ -55,7 +56,7 @@ def runs(tmp_path_factory):
     # a document starting in DP rank 0's batch of step 9 and ending 166 tokens into rank 1's
     split = load_bench("zoo").plant_across(root / "corpus", 9, 2, 2, 128, 166)
     args = {**RUNS, "split": ["--dataloader.source", "indexed", "--dataloader.paths", str(split.prefix),
-                              "--dataloader.no_shuffle"]}
+                              "--dataloader.no_shuffle", "--ledger.on_spike.act", "act"]}
 
     def one(name):
         d = root / name
@@ -301,7 +302,8 @@ def test_on_a_machine_that_is_not_bit_reproducible_the_proof_measures_the_noise(
     rehearsed): no re-execution is bit-equal, so every forced proof of a clean step runs a
     third execution, measures the noise floor and finds nothing (no hardware verdict, the
     first update applied); the flipped bit at step 5 stands out of that noise by orders of
-    magnitude and is still proven ``hardware``, on its rank. tiny_cpu, DP 2."""
+    magnitude and is still proven ``hardware``, on its rank (observed: under the default
+    policy what it would apply is recorded, nothing applied). tiny_cpu, DP 2."""
     d = tmp_path / "noisy"
     p = torchrun(["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--training.steps", "8",
                   "--ledger.rehearsal.nondeterminism", "1e-6", "--ledger.rehearsal.prove_at", "2-8",
@@ -321,7 +323,9 @@ def test_on_a_machine_that_is_not_bit_reproducible_the_proof_measures_the_noise(
             # the faulty rank, or both where the flip overflowed the norm and the clip zeroed
             # every rank's gradients (as in the bitflip test above)
             named = [1] if ex[0]["grad_norm"] is not None else [0, 1]
-            assert (proof["verdict"], proof["applied"], proof["dp_ranks"]) == ("hardware", "same", named), proof
+            # the default policy observes: what the verdict would apply is recorded, the first update applied
+            assert (proof["verdict"], proof["would_apply"], proof["dp_ranks"]) == ("hardware", "same", named), proof
+            assert (proof["applied"], proof["held_back"]) == ("original", "observe"), proof
             gap = min(proof["noise"]["distances"][1][:2])
             assert gap > 1e4 * floor, proof["noise"]
         else:

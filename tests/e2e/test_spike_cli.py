@@ -45,7 +45,7 @@ LONG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps"
 def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
     guard = tmp_path / "guard"
     p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.rehearsal.inject", "10:1:repeat",
-                          "--ledger.on_spike.action", "skip_update", "--metrics.enable_tensorboard"])
+                          "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "skip_update", "--metrics.enable_tensorboard"])
     assert p.returncode == 0, explain(p)
     assert "SPIKE at step 10" in p.stdout + p.stderr
     assert read_tb(guard, "spike/flag") == {10: 1.0}
@@ -112,7 +112,7 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
 
 def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_path):
     flags = SHORT + ["--ledger.rehearsal.inject", "10:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "4",
-                     "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
+                     "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
                      "--ledger.on_spike.rollback_skip", "2"]
     live = tmp_path / "live"
     p = torchrun(flags + ["--job.dump_folder", str(live)])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ledger.tools import fingerprints as fp
+from titan_ledger.components.detection import fingerprints as fp
 from titan_ledger.tools.decision import Thresholds, classify
 
 CASES = json.loads((Path(__file__).parent / "data" / "real_fingerprints.json").read_text())

@@ -45,4 +45,4 @@ def test_spike_rules_are_checked_too():
 def test_good_values_parse():
     assert parse_inject("8:1:repeat") == (8, 1, "repeat")
     Ledger.Config(skip=SkipConfig(steps=["5-9", "12"]), rehearsal=RehearsalConfig(inject="3:0:random"),
-                  on_spike=OnSpikeConfig(action="rollback"))
+                  on_spike=OnSpikeConfig(act="act", action="rollback"))

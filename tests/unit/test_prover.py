@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from titan_ledger.components.detection.spikes import SpikeDetector
+from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
 from titan_ledger.components.response.prover import FirstExecution, Prover
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import loss_sum
@@ -37,9 +38,9 @@ class _Trainer:
         self.noise = noise or {}
         self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
         self.config = SimpleNamespace(
-            training=SimpleNamespace(max_norm=1e9),
-            ledger=SimpleNamespace(on_spike=SimpleNamespace(prove="acting", prove_rtol=0.0, prove_noise_factor=100.0,
-                                                           prove_bisect=False)))
+            training=SimpleNamespace(max_norm=1e9, seq_len=4),
+            ledger=SimpleNamespace(on_spike=OnSpikeConfig(prove="acting", prove_bisect=False),
+                                   rehearsal=RehearsalConfig()))
         detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
         for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
             detector.step(torch.tensor(2.0 + 0.01 * (i % 3), dtype=torch.float64),
@@ -47,8 +48,12 @@ class _Trainer:
         self.ledger = SimpleNamespace(
             topo=Topology.single(), guard=SimpleNamespace(detector=detector), last_execution=None,
             discard_step_state=lambda: None, step_documents=lambda: None, last_dp_loss=lambda: [2.0],
-            quarantine_proven=lambda docs, step: None,
-            config=SimpleNamespace(spike=SimpleNamespace(doc_outlier_floor=0.7)))
+            quarantine_proven=lambda docs, step: self.quarantined.append((docs, step)),
+            config=SimpleNamespace(spike=SimpleNamespace(doc_outlier_floor=0.7)),
+            adam_level=None, recorder=None, global_batch=8,
+            # every document its own content, 4 tokens, of an unknown corpus size (a text source)
+            loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None))
+        self.quarantined: list = []
 
     def execute(self, groups, need_loss=True):
         k = self.executions
@@ -74,6 +79,8 @@ def _prove(trainer, deferred: bool):
     seen = trainer.ntokens_seen
     proof = rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
     assert trainer.ntokens_seen == seen and trainer.step_record is None  # put back
+    if not deferred:  # in the step, Recovery loads what it applies at once
+        prover.load_update(rec, proof["applied"])
     return prover, rec, proof, grads
 
 
@@ -213,9 +220,11 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     # the convicted set's update, in place, recorded once, after the rounds
     assert [e["variant"] for e in proof["executions"]][-7:] == ["bisect"] * 6 + ["masked"]
     assert all(r["masked_normal"] != r["control_normal"] for r in rounds)
-    assert rec.masked["proof"] == [[t.BAD, 0]]
-    if deferred:
-        prover.load_update(rec, "masked")  # the convicted mask's gradients are in place: nothing more
+    assert "proof" not in rec.masked and not t.quarantined  # a proof decides nothing: Recovery acts
+    prover.convict(rec, proof)
+    assert rec.masked["proof"] == [[t.BAD, 0]] and t.quarantined == [([("c", t.BAD)], 21)]
+    prover.load_update(rec, "masked")  # the convicted mask's gradients are in place: nothing more
+    assert "update_recomputed" not in proof
     # the applied update is the step without the bad document
     ref = _Documents()
     ref.execute(ref.batches(mask={t.BAD}))
@@ -229,3 +238,90 @@ def test_without_group_testing_the_step_is_not_data():
     t.first(rec)
     proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
     assert proof["verdict"] == "not_data" and "bisection" not in proof
+
+
+# --------------------------------------------------------------------------- Adam first, content, failures
+def _adam_history(t, norms):
+    """Real AdamW steps on gradients of these norms, the rows' levels fed the same norms
+    (what a run's written rows give ``Ledger.adam_level``)."""
+    from titan_ledger.components.response.optimizer_state import AdamLevel
+
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-6, betas=(0.9, 0.95))
+    level = AdamLevel(0.95, 1000)
+    g = torch.Generator().manual_seed(3)
+    for n in norms:
+        grads = [torch.randn(p.shape, generator=g) for p in t.model.parameters()]
+        total = torch.linalg.vector_norm(torch.stack([x.norm() for x in grads]))
+        for p, x in zip(t.model.parameters(), grads):
+            p.grad = x * (n / total)
+        opt.step()
+        level.observe({"grad_norm_clipped": n})
+    for p in t.model.parameters():
+        p.grad = None
+    t.optimizers = SimpleNamespace(optimizers=[opt])
+    t.ledger.recorder = SimpleNamespace(plan=SimpleNamespace(params=list(t.model.parameters())))
+    t.ledger.adam_level = level
+
+
+def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_masked():
+    """components.response.optimizer_state: after a plateau (gradients 1e-3 for 200 steps
+    after 50 at 100) the step's Adam update recomputed with v restored to its long-run
+    level is far smaller: ``optimizer_state``, and the masks never run (group testing
+    would have convicted the document). After a healthy history at the step's own
+    gradient scale, the same step convicts the document."""
+    t = _Documents()
+    _adam_history(t, [100.0] * 50 + [1e-3] * 200)
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "optimizer_state" and proof["applied"] == "original"
+    assert proof["optimizer"]["amplification"] >= 2.0 and proof["optimizer"]["restore"] > 1e3
+    assert [e["variant"] for e in proof["executions"]] == ["original", "same"] and "documents" not in proof
+    t = _Documents()
+    _adam_history(t, [20.0] * 250)
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "bad_data" and proof["optimizer"]["amplification"] == pytest.approx(1.0)
+
+
+def test_a_convicted_document_whose_copy_the_step_also_trained_is_not_convicted():
+    """The control must be other content: every document the same text (the memorisation
+    plateau's corpus), so masking one explains nothing a mask of its copy would not."""
+    t = _Documents()
+    t.ledger.loader = SimpleNamespace(document_facts=lambda s, d: (4, "the same text"), corpus_share=lambda s, n: None)
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "not_data" and "content of other documents" in proof["why"]
+    assert "coverage" not in proof
+
+
+def test_a_conviction_records_how_much_of_the_data_its_quarantine_would_mask():
+    t = _Documents()
+    t.ledger.loader = SimpleNamespace(document_facts=lambda s, d: (40 if d == t.BAD else 4, f"{d}"),
+                                      corpus_share=lambda s, n: n / 1000)
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    # 8 rows x 4 tokens a step: a 40-token document could fill a whole step
+    assert proof["verdict"] == "bad_data" and proof["coverage"]["tokens"] == 40
+    assert proof["coverage"]["share"] == 0.04 and "whole step" in proof["coverage"]["refused"]
+
+
+@pytest.mark.parametrize("fault", ["proof:raise", "proof:oom", "proof:timeout", "proof:nan", "bisect:raise"])
+def test_a_proof_that_fails_raises_and_abandon_puts_the_first_gradients_back(fault):
+    from titan_ledger.errors import ProofFailure
+    from titan_ledger.rehearsal.faults import ResponseFault
+
+    t = _Documents()
+    t.config.ledger.rehearsal.response_fault = fault
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    first = t.first(rec)
+    prover = Prover(t)
+    seen = t.ntokens_seen
+    with pytest.raises((ProofFailure, ResponseFault, torch.OutOfMemoryError)):
+        prover.prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert t.ntokens_seen == seen and t.step_record is None  # the re-execution context put back
+    prover.abandon(rec)
+    assert all(p.grad is g for p, g in zip(t.model.parameters(), first)) and not prover._hits

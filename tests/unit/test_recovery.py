@@ -23,6 +23,8 @@ import torch
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
+from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
+from titan_ledger.components.response.bounds import Breaker
 from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
 from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
@@ -49,6 +51,9 @@ class _Ledger:
         self.note_budget = NoteBudget(*budget)
         self.guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), action)
         self.ladder = Ladder(parse_ladder(action), 100)
+        self.breaker = Breaker(4, 100)
+        self.recent: list = []  # (no rows: no LR fingerprint)
+        self.events: list[dict] = []
         self.qk_clip, self.topo, self.folder = None, Topology.single(), folder
         self.config = SimpleNamespace(update_norm=False)
         self.recorder = SimpleNamespace(host_stats=lambda rec: self.queued.get(rec.step))
@@ -91,6 +96,12 @@ class _Ledger:
     def record_action(self, action):
         self.actions.append({k: v for k, v in action.items() if k != "decided_at"})
 
+    def record_event(self, ev):
+        self.events.append(ev)
+
+    def alert(self, title, text, metrics_logger=None):
+        self.events.append({"alert": text})
+
     def remask(self, rec, docs):
         rec.batches = [[[row for row in rec.batches[0][0] if row[0] not in set(docs)]]]
 
@@ -124,9 +135,10 @@ class _Trainer:
         self.step, self.ntokens_seen, self.step_record = 0, 0, None
         self.gradient_accumulation_steps = self.num_pipeline_parallel_microbatches = 1
         self.config = SimpleNamespace(
-            ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove, max_rollbacks=3, rollback_back=1,
-                                                            rollback_skip=2, action=action, ladder_horizon=100),
-                                   rehearsal=SimpleNamespace(prove_at=""), skip=SimpleNamespace(lr="freeze"),
+            ledger=SimpleNamespace(on_spike=OnSpikeConfig(act="act", defer=defer, prove=prove, max_rollbacks=3,
+                                                          rollback_back=1, rollback_skip=2, action=action,
+                                                          ladder_horizon=100),
+                                   rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"),
                                    snapshots=SimpleNamespace(every=0)),
             checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
                                        folder="checkpoint"),
@@ -238,15 +250,17 @@ class _Prover(Prover):
         self.proofs += 1
         self.firsts.append(first)
         verdict, applied = self.verdicts[rec.step]
-        if verdict == "bad_data":
-            self.t.ledger.quarantine.add((rec.step, 0))
-        proof = {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else []}
-        if first is None and applied != "none":  # in the step: the applied update is left in the gradients
-            with Reexecution(self.t, rec, replaces=False) as again:
-                again.run(self._groups(rec, applied))
-        return proof
+        return {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else []}
+
+    def convict(self, rec, proof):
+        self.t.ledger.quarantine.add((rec.step, 0))
+
+    def abandon(self, rec):
+        pass
 
     def load_update(self, rec, applied):
+        if applied == "none":
+            return
         with Reexecution(self.t, rec, replaces=False) as again:
             again.run(self._groups(rec, applied))
 

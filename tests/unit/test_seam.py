@@ -1,5 +1,5 @@
 """The seam stays thin and the decision protocol stays one (issue 50): ``trainer.py`` is
-at most 350 lines and asks ``Recovery`` only through its protocol (the table in
+at most 370 lines and asks ``Recovery`` only through its protocol (the table in
 ``components/response/recovery.py``); the late update, the redo, the rollback and the
 drop are each one method with one caller; every execution of a step beyond the first
 goes through ``Reexecution`` (no other module swaps ``step_record``/``ntokens_seen`` or
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "titan_ledger"
-PROTOCOL = {"before_step", "after_execute", "update", "at_data_end", "settle"}
+PROTOCOL = {"before_step", "no_tokens", "after_execute", "update", "at_data_end", "settle"}
 
 
 def _calls(tree: ast.AST, owner: str | None = None) -> list[str]:
@@ -27,7 +27,7 @@ def _calls(tree: ast.AST, owner: str | None = None) -> list[str]:
 
 def test_the_trainer_is_a_thin_seam_that_asks_recovery_through_its_protocol():
     src = (PKG / "trainer.py").read_text()
-    assert len(src.splitlines()) <= 350
+    assert len(src.splitlines()) <= 370  # (issue 60: the step's tokens counted before its first execution)
     asked = _calls(ast.parse(src), "recovery")
     assert set(asked) <= PROTOCOL, f"trainer.py calls Recovery outside its protocol: {set(asked) - PROTOCOL}"
     assert {"before_step", "after_execute", "update"} <= set(asked)

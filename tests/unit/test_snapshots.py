@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from titan_ledger.components.ledger.sections import RehearsalConfig
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing, WindowProof
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
 from titan_ledger.errors import ConfigError
@@ -176,7 +177,7 @@ class _Trainer:
         self.lr_schedulers, self.dataloader = self._Sched(), self._Loader()
         self.device = torch.device("cpu")
         self.step = 1
-        ledger = type("L", (), {"snapshots": _Cfg(every, keep),
+        ledger = type("L", (), {"snapshots": _Cfg(every, keep), "rehearsal": RehearsalConfig(),
                                 "on_spike": type("O", (), {"prove": prove})()})()
         checkpoint = type("K", (), {"exclude_from_loading": list(exclude)})()
         self.config = type("C", (), {"ledger": ledger, "checkpoint": checkpoint})()
@@ -218,7 +219,7 @@ def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
         ring.at_start()
         rec = _Rec(step)
         if step == 14:
-            rec.proof = {"verdict": "bad_data"}
+            rec.proof = {"verdict": "bad_data", "applied": "masked"}
         ring.log_step(rec)
         ring.after_decision(rec)
     assert [s.step for s in ring.ring] == [14] and sorted(ring.log) == [15]

@@ -418,6 +418,40 @@ class LedgerDataLoader(ParallelAwareDataloader):
         self._restart = True
         return SkipInfo(before, self._position, tags)
 
+    # ------------------------------------------------------------------ documents
+    def document_facts(self, source: str, doc: int) -> tuple[int, str] | None:
+        """``(tokens, content digest)`` of document ``doc`` of corpus ``source`` as this
+        run's corpus holds it (BOS and EOS included): a proof's content control and its
+        quarantine bound read them, on a flagged step only. None where the source cannot
+        read a document back by its id (a streaming source) or does not hold ``source``."""
+        src = self.source
+        if src is None:
+            return None
+        if self.kind == "indexed":
+            corpus = next((c for c in src.corpora if c.name == source), None)
+            if corpus is None:
+                return None
+            tokens = corpus.doc_tokens(int(doc))
+        elif getattr(src, "name", None) == source and hasattr(src, "doc_tokens"):
+            tokens = src.doc_tokens(int(doc))
+        else:
+            return None
+        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
+        return len(arr), hashlib.blake2b(arr.tobytes(), digest_size=8).hexdigest()
+
+    def corpus_share(self, source: str, tokens: int) -> float | None:
+        """The share of the training data that ``tokens`` tokens of corpus ``source`` are:
+        over that corpus's tokens, times its blend weight (an indexed corpus: the
+        expected share of any stretch of a shuffled run, exact over an epoch); None where
+        the corpus's size is not known before it is read (text and hf sources)."""
+        if self.kind != "indexed" or self.source is None:
+            return None
+        for corpus, weight in zip(self.source.corpora, self.source.weights):
+            if corpus.name == source:
+                total = int(np.asarray(corpus.lengths, dtype=np.int64).sum())
+                return float(tokens) / total * float(weight) if total else None
+        return None
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         cursors = {str(self.dp_rank): self._cursor.to_json()}

@@ -472,3 +472,44 @@ def jitter_grads(trainer, scale: float) -> None:
                     u = float(torch.rand((), generator=gen)) * 2.0 - 1.0
                     local = _local(p.grad)
                     local.mul_(1.0 + scale * u)
+
+
+# --------------------------------------------------------------------------- the response's own failures
+#: where ``--ledger.rehearsal.response_fault`` can fail the response, and how
+RESPONSE_PLACES = ("proof", "bisect", "window", "snapshot", "restore")
+RESPONSE_KINDS = ("raise", "nan", "oom", "timeout")
+
+
+class ResponseFault(RuntimeError):
+    """A failure the rehearsal injected inside the response (``response_fault ...:raise``)."""
+
+
+def parse_response_faults(spec: str) -> dict[str, str]:
+    """``--ledger.rehearsal.response_fault "proof:raise,snapshot:oom"`` -> ``{place: kind}``:
+    at every pass through ``place`` the response fails so (``raise``: an exception;
+    ``oom``: an out-of-memory error, host memory for snapshot and restore; ``nan``: the
+    execution's results not finite; ``timeout``: the proof's deadline passed)."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in str(spec or "").split(",") if p.strip()):
+        where, _, kind = part.partition(":")
+        ok = where in RESPONSE_PLACES and kind in RESPONSE_KINDS and where not in out and not (
+            where in ("snapshot", "restore") and kind in ("nan", "timeout"))
+        if not ok:
+            raise ConfigError(f"--ledger.rehearsal.response_fault {spec!r}: {part!r} is not PLACE:KIND; places "
+                              f"{', '.join(RESPONSE_PLACES)}, kinds {', '.join(RESPONSE_KINDS)} (snapshot and "
+                              f"restore: raise or oom), each place once, e.g. proof:raise,snapshot:oom")
+        out[where] = kind
+    return out
+
+
+def response_fault(faults: dict[str, str] | None, where: str) -> str | None:
+    """At ``where`` in the response: raise the injected exception, or return the kind the
+    caller applies itself (``nan``, ``timeout``); None when nothing is injected there."""
+    kind = (faults or {}).get(where)
+    if kind == "raise":
+        raise ResponseFault(f"rehearsal: --ledger.rehearsal.response_fault {where}:raise")
+    if kind == "oom":
+        if where in ("snapshot", "restore"):
+            raise MemoryError(f"rehearsal: --ledger.rehearsal.response_fault {where}:oom (host memory)")
+        raise torch.OutOfMemoryError(f"rehearsal: --ledger.rehearsal.response_fault {where}:oom")
+    return kind

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
 
+from titan_ledger.components.detection import fingerprints as fp
 from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format.proofs import describe_window
 from titan_ledger.format.reader import RunLedger
-from titan_ledger.tools import fingerprints as fp
 
 if TYPE_CHECKING:
     from titan_ledger.components.detection.spikes import SpikeDetector
@@ -65,7 +65,7 @@ class Thresholds:
     glitch: float = 4.0  # Q3/Q6: grad norm >= 4x its pre median (the spike rules' grad_jump)
     doc_extreme: float = 3.0  # Q3: a document >= 3x its usual distance from its rank's median
     start: int = 5000  # F*: the run's first trained steps read for the LR schedule and "early" levels
-    bars: fp.Bars = field(default_factory=fp.Bars)  # F*: the fingerprints' bars (tools/fingerprints.py)
+    bars: fp.Bars = field(default_factory=fp.Bars)  # F*: the fingerprints' bars (components/detection/fingerprints.py)
 
 
 def _finite(xs):
@@ -92,7 +92,7 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
 
     ``start``: the run's first trained rows (up to ``th.start`` steps; default: those of
     ``rows``), for the fingerprints' "early" levels and the LR schedule's warm-up (F1-F3,
-    :mod:`titan_ledger.tools.fingerprints`). The fingerprints are asked first: what the
+    :mod:`titan_ledger.components.detection.fingerprints`). The fingerprints are asked first: what the
     ledger records about Adam's update, the update's size and log Z names the cause more
     directly than the article's proxies (Q1-Q6), and the article's questions still name
     the mechanism (``mechanism``: an LR that drove the attention logits up).

@@ -36,7 +36,7 @@ The questions, in order:
   else transient
 
 F1-F3 read what the ledger records beyond the article's proxies (``--ledger.update_norm``
-for F1/F2; log Z when the loss is titan_ledger's; :mod:`titan_ledger.tools.fingerprints`)
+for F1/F2; log Z when the loss is titan_ledger's; :mod:`titan_ledger.components.detection.fingerprints`)
 and are asked first; a question that cannot be read (no update norm recorded) answers no.
 When F2 names the LR and Q1 also holds, the logits are printed as its ``mechanism``. Every
 verdict on a configuration cause names its ``prevention`` with the flags that set it (the

@@ -42,7 +42,8 @@ import signal
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, ConfigError, TitanLedgerError, fail_line
 from titan_ledger.tools.runs import torchrun_prefix
@@ -169,14 +170,28 @@ def torchrun_argv(nproc: int, torchrun_opts: list[str], train_args: list[str]) -
             "-m", "titan_ledger.train", *train_args]
 
 
+#: what a rank's own error says when it failed because a peer vanished (it is a bystander):
+#: gloo's broken socket, NCCL's remote exit
+_LOST_PEER = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|"
+                        r"remote process exited")
+
+
 @dataclass
 class RankFailure:
-    """torchrun's root cause: the first rank that failed."""
+    """One rank's failure in torchrun's summary; ``error``: its traceback there (its error
+    file's; for a signal, torchrun's "Signal 9 (SIGKILL) received by PID ...")."""
 
     rank: int
     local_rank: int
     exitcode: int
     host: str = ""
+    error: str = field(default="", compare=False, repr=False)
+
+    @property
+    def lost_peer(self) -> str | None:
+        """An exit on a vanished peer (its own error says so): the words, else None."""
+        m = _LOST_PEER.search(self.error) if self.exitcode > 0 else None
+        return m.group(0) if m else None
 
     def what(self) -> str:
         if self.exitcode < 0:
@@ -186,31 +201,41 @@ class RankFailure:
                 name = f"signal {-self.exitcode}"
             why = " (what the OOM killer sends)" if name == "SIGKILL" else ""
             return f"was killed by {name} (signal {-self.exitcode}){why}"
+        if self.lost_peer:
+            return (f"exited with code {self.exitcode} on a lost peer ({self.lost_peer}): another rank died "
+                    f"first, and torchrun's summary does not name it (another node's?)")
         return f"exited with code {self.exitcode}"
 
 
-_SUMMARY_START = re.compile(r"^(Failures:|Root Cause \(first observed failure\):)")
 _BLOCK = re.compile(r"^\[\d+\]:\s*$")
-_FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
+_FIELD = re.compile(r"^\s*(rank|exitcode|host|traceback)\s*:\s*(.*?)\s*$")
 
 
 def parse_failures(lines: list[str]) -> list[RankFailure]:
     """Every rank failure in torchrun's failure summary (``ChildFailedError``: its
-    "Failures:" and "Root Cause" blocks, the root cause first), [] when the lines hold
+    "Failures:" and "Root Cause" blocks, the root cause first; the last summary in the
+    lines), each with its traceback there (``RankFailure.error``), [] when the lines hold
     none (torchrun itself failed, or was killed)."""
-    starts = [i for i, line in enumerate(lines) if _SUMMARY_START.match(line)]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Failures:")] or \
+        [i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure):")]
     if not starts:
         return []
     blocks: list[dict[str, str]] = []
     root: list[dict[str, str]] = []
-    into = blocks
-    for line in lines[starts[0]:]:
+    into, in_traceback = blocks, False
+    for line in lines[starts[-1]:]:
         if line.startswith("Root Cause"):
-            into = root
+            into, in_traceback = root, False
         elif _BLOCK.match(line):
             into.append({})
+            in_traceback = False
+        elif line.startswith(("-----", "=====")):  # a section's end (a traceback's too)
+            in_traceback = False
+        elif into and in_traceback:  # the traceback's next line (torchrun indents them)
+            into[-1]["traceback"] += "\n" + line.strip()
         elif into and (m := _FIELD.match(line)) and m.group(1) not in into[-1]:
             into[-1][m.group(1)] = m.group(2)
+            in_traceback = m.group(1) == "traceback"
         if line.startswith("=====") and into is root:
             break
     out = []
@@ -219,23 +244,27 @@ def parse_failures(lines: list[str]) -> list[RankFailure]:
         code = re.match(r"(-?\d+)", fields.get("exitcode", ""))
         if rank and code:
             local = int(rank.group(2)) if rank.group(2) is not None else int(rank.group(1))
-            f = RankFailure(int(rank.group(1)), local, int(code.group(1)), fields.get("host", ""))
+            f = RankFailure(int(rank.group(1)), local, int(code.group(1)), fields.get("host", ""),
+                            fields.get("traceback", "").strip())
             if f not in out:
                 out.append(f)
     return out
 
 
 def cause_of(failures: list[RankFailure]) -> RankFailure | None:
-    """The rank that died first. torchrun's "first observed failure" is not always it: a
-    SIGKILLed rank leaves no error file, and its peer, whose collective broke a moment
-    later, may be observed first (exit 1, "Connection reset by peer"). So: leave out the
-    ranks torchrun itself stopped (SIGTERM, its stop signal), then a rank killed by a
-    signal (SIGKILL, SIGSEGV, SIGABRT) is the cause when there is one; else torchrun's
-    root cause (the list's first)."""
+    """The rank that died first, whatever the order of ``failures``. torchrun's "first
+    observed failure" is not always it: it orders by whole seconds, a SIGKILLed rank's
+    time being when torchrun noticed it (it leaves no error file) and its peer's the
+    moment its collective broke (exit 1, "Connection reset by peer"), often a second
+    earlier. So the ranks' own evidence decides: leave out the ranks torchrun itself
+    stopped (SIGTERM, its stop signal); then a rank killed by a signal (SIGKILL, SIGSEGV,
+    SIGABRT) is the cause; else a rank that exited on its own error; a rank whose error
+    says its peer vanished (``RankFailure.lost_peer``) last; among equals torchrun's
+    order (its root cause first)."""
     if not failures:
         return None
     ours = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
-    return next((f for f in ours if f.exitcode < 0), ours[0])
+    return min(ours, key=lambda f: 0 if f.exitcode < 0 else 2 if f.lost_peer else 1)  # min: the first of equals
 
 
 def run_state(config) -> tuple[int | None, int | None]:
@@ -361,10 +390,12 @@ def _pdeathsig() -> None:
 
 def supervise(cmd: list[str]) -> tuple[int, list[str], HeldOutput]:
     """Run torchrun; its stderr passes through line by line, less what :class:`HeldOutput`
-    holds. Returns (exit code, the last 400 stderr lines, the held output)."""
+    holds. Returns (exit code, the last stderr lines, the held output): 20,000 lines, room
+    for torchrun's whole failure summary (a traceback per failed rank: 8 ranks' fill 400
+    lines, and a tail that cut its "Failures:" block would lose the killed rank)."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=_pdeathsig)
     prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-    tail: list[str] = []
+    tail: deque[str] = deque(maxlen=20_000)
     held = HeldOutput()
     try:
         for raw in proc.stderr:
@@ -373,13 +404,12 @@ def supervise(cmd: list[str]) -> tuple[int, list[str], HeldOutput]:
                 sys.stderr.write(now)
                 sys.stderr.flush()
             tail.append(line.rstrip("\n"))
-            del tail[:-400]
         code = proc.wait()
     except KeyboardInterrupt:  # the terminal's SIGINT reached torchrun too: let it finish
         code = proc.wait()
     finally:
         signal.signal(signal.SIGTERM, prev)
-    return code, tail, held
+    return code, list(tail), held
 
 
 def main(argv: list[str] | None = None) -> int:

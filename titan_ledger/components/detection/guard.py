@@ -77,18 +77,18 @@ class SpikeGuard:
         return fired.to(torch.float32)
 
     def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: dict | None = None,
-               unproven: str | None = None) -> tuple[str, dict[str, Any]] | None:
+               unproven: str | None = None, proof_failed: dict | None = None) -> tuple[str, dict[str, Any]] | None:
         """A written signals row: if it was flagged, record the event; a note (weaker
         evidence, no acting rule) is recorded, never alerted or acted on -- unless its
         proof at the alarm (``proof``) found a harmful cause: then it is an alarm. A proof
         rides in the event; a step it resolved (anything but ``not_data``) is not on the
         auto-skip list. Returns ``("spike", event)`` or ``("note", event)`` for the
         dashboards (the ledger charts it), None when the row was neither."""
-        from titan_ledger.format.proofs import HARMFUL, describe_proof
+        from titan_ledger.format.proofs import HARMFUL, describe_proof, resolves
 
         promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
         if stats and is_note(stats) and not promoted:
-            return "note", self._note(row, stats, proof, unproven)
+            return "note", self._note(row, stats, proof, unproven, proof_failed)
         if proof is not None and not (stats and stats[0]) and not promoted and self._spikes is not None:
             # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at): its own event
             self._spikes.write({"step": row["step"], "proof": proof, "forced": True})
@@ -105,10 +105,12 @@ class SpikeGuard:
         _name_suspect(ev)
         if proof is not None:
             ev["proof"] = proof
-            ev["action"] = self.on_spike if proof["verdict"] == "not_data" else f"proof: {proof['verdict']}"
+            ev["action"] = self.on_spike if not resolves(proof) else f"proof: {proof['verdict']}"
+        if proof_failed is not None:
+            ev["proof_failed"] = proof_failed
         if self._spikes is not None:
             self._spikes.write(ev)
-            if proof is None or proof["verdict"] == "not_data":
+            if proof is None or not resolves(proof):
                 self._rejected.write({"step": row["step"], "rules": ev["rules"]})
         if self.topo.is_rank0:
             logger.warning(
@@ -126,7 +128,7 @@ class SpikeGuard:
         return "spike", ev
 
     def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None,
-              unproven: str | None = None) -> dict[str, Any]:
+              unproven: str | None = None, proof_failed: dict | None = None) -> dict[str, Any]:
         from torchtitan.tools.logging import logger
 
         self.noted += 1
@@ -136,6 +138,8 @@ class SpikeGuard:
         _name_suspect(ev)
         if proof is not None:
             ev["proof"] = proof
+        elif proof_failed is not None:
+            ev["proof_failed"] = proof_failed
         elif unproven:  # prove = "all", past the note budget (OnSpikeConfig.prove_notes_rate)
             ev["unproven"] = unproven
         if self._spikes is not None:
@@ -149,6 +153,12 @@ class SpikeGuard:
         """A recovery-ladder decision (what was done about a flagged step)."""
         if self._spikes is not None:
             self._spikes.write({**rec, "ladder": True})
+
+    def record_event(self, ev: dict) -> None:
+        """An event of the response itself (``{"step", "breaker": ...}``, ``{"step",
+        "response_failure": ...}``)."""
+        if self._spikes is not None:
+            self._spikes.write(ev)
 
     def record_rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         if self._spikes is not None:

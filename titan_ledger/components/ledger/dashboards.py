@@ -511,6 +511,16 @@ def log_rewind(metrics_logger, *, from_step: int, to_step: int, window: tuple[in
         x.rewind(from_step=from_step, to_step=to_step, window=window)
 
 
+def alert(metrics_logger, title: str, text: str, level: str = "ERROR") -> None:
+    """An alert of the response itself (the circuit breaker's pause): W&B's alert, and the
+    text in TensorBoard (``response/events``)."""
+    for x in _ours(metrics_logger):
+        if isinstance(x, LedgerWandB):
+            x._alert(title, text, level)
+        elif isinstance(x, LedgerTensorBoard):
+            x.writer.add_text("response/events", text, int(x.last_step or 0))
+
+
 def log_stop(metrics_logger, err: BaseException | str, exit_code: int = 1) -> None:
     """Training stopped by an exception: ERROR alert, ``finish(exit_code)`` at close."""
     reason = err if isinstance(err, str) else (f"{type(err).__name__}: {err}".strip() or type(err).__name__)

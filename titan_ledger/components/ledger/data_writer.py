@@ -82,8 +82,11 @@ class DataLedgerWriter:
             return None
         return [start, start + self.global_batch], step_digest(t.digest for t in tags)
 
-    def record_skip(self, *, first: int, last: int, info) -> None:
-        """A skipped window: ``info`` is the loader's SkipInfo (positions, tags)."""
+    def record_skip(self, *, first: int, last: int, info, why: str | None = None,
+                    masked: dict | None = None) -> None:
+        """A skipped window: ``info`` is the loader's SkipInfo (positions, tags); ``why``
+        and ``masked``: a step consumed untrained because its masks left no token
+        (``"no_tokens"``, and the masks as a trained step's row lists them)."""
         if self._writer is None:
             return
         row = {"step": first, "last_step": last, "skipped": True,
@@ -92,6 +95,10 @@ class DataLedgerWriter:
                           "global_batch": self.global_batch}}
         if info.tags is not None:
             row["rows"] = [t.to_json() for t in info.tags]
+        if why is not None:
+            row["why"] = why
+        if masked:
+            row["masked"] = masked
         self._writer.write(row)
 
     def close(self) -> None:

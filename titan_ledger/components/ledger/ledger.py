@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,7 +53,9 @@ from titan_ledger.components.ledger.sections import (
     SkipConfig,
     SnapshotsConfig,
 )
+from titan_ledger.components.response.bounds import Breaker
 from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
+from titan_ledger.components.response.optimizer_state import AdamLevel
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
 from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
 from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats, find_doc_loss
@@ -166,6 +169,12 @@ class Ledger(Configurable):
         self.last_reduced = self.last_execution = None  # the step just recorded (proofs)
         self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
         self.note_budget = NoteBudget(config.on_spike.prove_notes_rate, config.on_spike.prove_notes_burst)
+        self.breaker = Breaker(config.on_spike.breaker_actions, config.on_spike.breaker_window)
+        #: the last rows written (a proof reads the LR's fingerprint from them) and Adam's
+        #: second-moment level (``optimizer_state``), both from the rows as they are written
+        self.recent: deque = deque(maxlen=64)
+        self.adam_level: AdamLevel | None = None
+        self.global_batch = 0
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -196,6 +205,10 @@ class Ledger(Configurable):
         self.precision = audit_trainer(trainer, topo.is_rank0)
         # the optimizer's parameter groups and their weight decay (the no_decay presets)
         self.param_groups = describe_groups(trainer.optimizers)
+        betas = next((g.get("betas") for o in getattr(trainer.optimizers, "optimizers", []) for g in o.param_groups
+                      if g.get("betas") is not None), None)
+        if betas is not None:  # Adam: its second moment's level, for the proof's optimizer-state test
+            self.adam_level = AdamLevel(float(betas[1]), int(cfg.on_spike.adam_horizon))
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch, skip_lr=cfg.skip.lr,
                                          tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
@@ -453,6 +466,18 @@ class Ledger(Configurable):
         if self.guard is not None:
             self.guard.record_action(rec)
 
+    def alert(self, title: str, text: str, metrics_logger=None) -> None:
+        """An alert of the response itself on the dashboards (W&B's alert, TensorBoard's
+        ``response/events`` text)."""
+        if metrics_logger is not None:
+            dashboards.alert(metrics_logger, title, text)
+
+    def record_event(self, ev: dict) -> None:
+        """An event of the response itself (the circuit breaker, a failure inside the
+        response) in spikes.jsonl."""
+        if self.guard is not None:
+            self.guard.record_event(ev)
+
     def drain(self, block: bool, metrics_logger=None) -> None:
         """Write every step whose device->host copy is done, in step order: the one place a
         step fans out -- signals row, rank row, data row, dashboards, spike events."""
@@ -464,7 +489,11 @@ class Ledger(Configurable):
                 self.data.record(done.rec, doc_loss=done.doc)  # data_dp<r>.jsonl
             if metrics_logger is not None:
                 metrics_logger.log(dashboard(done.row), done.rec.step)
-            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven) \
+            self.recent.append(done.row)
+            if self.adam_level is not None:
+                self.adam_level.observe(done.row)
+            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven,
+                                      proof_failed=done.rec.proof_failed) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
             if event is not None and metrics_logger is not None:
                 # spike/* and note/* scalars; W&B: a spike's alert and its spike/events table row
@@ -487,6 +516,26 @@ class Ledger(Configurable):
             self.recorder.record_skip(first=first, last=last, n_samples=info.position_after - info.position_before,
                                       lr=lr, step_start=step_start, skip_lr=self.config.skip.lr,
                                       metrics_logger=metrics_logger)
+
+    def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger=None) -> None:
+        """A step whose masks left no label token on any rank (``Recovery.no_tokens``): its
+        samples consumed untrained, recorded as a one-step skipped window whose data rows
+        say why (``"why": "no_tokens"``) and hold the step's rows and masks."""
+        from titan_ledger.data.loader import SkipInfo
+
+        after = self.loader.position if self.loader is not None else 0
+        info = SkipInfo(after - self.global_batch, after, list(rec.tags) if rec.tags else None)
+        self.drain(block=True, metrics_logger=metrics_logger)  # rows stay in step order
+        if self.data is not None:
+            self.data.record_skip(first=rec.step, last=rec.step, info=info, why="no_tokens",
+                                  masked=rec.masked_or_none())
+        if self.recorder is not None:
+            self.recorder.record_skip(first=rec.step, last=rec.step, n_samples=self.global_batch, lr=lr,
+                                      step_start=rec.start, skip_lr=self.config.skip.lr,
+                                      metrics_logger=metrics_logger)
+        if self.topo.is_rank0 and self.guard is not None:
+            self.guard.record_event({"step": rec.step, "no_tokens": True,
+                                     "masked": sorted(k for k, v in rec.masked.items() if v)})
 
     @contextlib.contextmanager
     def keeping_ladder(self):
@@ -527,6 +576,9 @@ class Ledger(Configurable):
         state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
         state["ladder"] = json.dumps(self.ladder.state_dict())
         state["note_budget"] = json.dumps(self.note_budget.state_dict())
+        state["breaker"] = json.dumps(self.breaker.state_dict())
+        if self.adam_level is not None:
+            state["adam_level"] = json.dumps(self.adam_level.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -544,6 +596,10 @@ class Ledger(Configurable):
             self.guard.load_state_dict(json.loads(det))
         if self._state.get("ladder") and not self._keep_ladder:
             self.ladder.load_state_dict(json.loads(self._state["ladder"]))
+        if self._state.get("breaker") and not self._keep_ladder:  # (like the ladder: this process's actions)
+            self.breaker.load_state_dict(json.loads(self._state["breaker"]))
+        if self._state.get("adam_level") and self.adam_level is not None:
+            self.adam_level.load_state_dict(json.loads(self._state["adam_level"]))
         if self._state.get("note_budget"):  # (a checkpoint from before the budget: full)
             self.note_budget.load_state_dict(json.loads(self._state["note_budget"]))
 

@@ -19,7 +19,7 @@ from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES
 from titan_ledger.data.filters import Quarantine
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
-from titan_ledger.rehearsal.faults import parse_die, parse_inject
+from titan_ledger.rehearsal.faults import parse_die, parse_inject, parse_response_faults
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,10 +86,29 @@ class SkipConfig:
         parse_skip_steps(self.steps)  # raises SkipError naming the entry
 
 
+#: what the response may change by itself (``--ledger.on_spike.act``)
+POLICIES = ("observe", "act")
+
+
 @dataclass(kw_only=True, slots=True)
 class OnSpikeConfig:
+    act: Literal["observe", "act"] = "observe"
+    """What the response may change by itself -- one contract for every automatic
+    action. ``observe`` (the default): flagged steps are proven and recorded -- the
+    verdict, its evidence and what acting would have done ("would have ...") -- and
+    training is bit-equal to a run with ``prove = "off"``: no update withheld or
+    replaced, no document masked or quarantined, no rollback. The default because an
+    action on a false conviction can damage or end a week-long run (a memorisation
+    plateau convicted an innocent document, emptied the next step and stopped the run on
+    a NaN); read what the proofs say (``diagnose``, ``report``), then opt in. ``act``:
+    the proof's verdicts act -- ``hardware``: the update of the executions that agree;
+    ``bad_data``: the step trained without the convicted documents and those
+    quarantined, within ``quarantine_max`` -- and ``action`` (the ladder) acts on flags
+    no proof resolved; at most ``breaker_actions`` actions within ``breaker_window``
+    steps. An ``action`` other than ``none`` needs ``act``."""
+
     action: str = "none"
-    """What a flagged step does: ``none`` (record it), ``skip_update`` (do not apply
+    """What a flagged step does (``act = "act"``): ``none`` (record it), ``skip_update`` (do not apply
     its optimizer update; Adam's step count does not advance; decided on the device,
     see ``defer``), ``rollback`` (reload the last
     checkpoint at or before step - rollback_back, skip rollback_skip steps from
@@ -117,10 +136,13 @@ class OnSpikeConfig:
     prove: Literal["off", "acting", "all"] = "all"
     """Proof at the alarm (:mod:`titan_ledger.components.response.prover`): before its update, a
     flagged step is re-executed as is (``same``: a difference is a transient ``hardware``
-    fault; the recomputed update is applied) and, when the update is abnormal, with the
-    suspect data loss-masked against a control (``bad_data``: the update without it is
-    applied and the documents are quarantined for the rest of the run); ``outlier`` does
-    nothing, ``not_data`` takes ``action``. ``all`` (the default): steps an acting rule
+    fault), its Adam update recomputed under a healthy second moment (``adam_check``:
+    ``optimizer_state``) and, when the update is abnormal, with the suspect data
+    loss-masked against a control of other content (``bad_data``); ``outlier`` and
+    ``not_data`` name no harmful data. What a verdict changes is ``act``'s: under
+    ``observe`` nothing (the event says what acting would have done); under ``act``
+    ``hardware`` applies the recomputed update, ``bad_data`` the update without the
+    documents and quarantines them, and the ladder (``action``) takes the rest. ``all`` (the default): steps an acting rule
     flags, and notes within the note budget (``prove_notes_rate``; a note proven harmful
     acts: a finite silent corruption of 2x is a note); ``acting``: acting flags only;
     ``off``: act on the flag alone. Costs 1-3 extra forward/backward passes per proven
@@ -172,7 +194,68 @@ class OnSpikeConfig:
     Adam/AdamW (``--optimizer.implementation fused``, the default) and QK-clip off;
     otherwise, or with ``false``, every step reads its flag on the host before its update."""
 
+    quarantine_max: float = 0.01
+    """``act``: the largest share of the corpus's tokens a proof's quarantine may mask
+    (the convicted documents' tokens over the corpus's: 0.01 = 1%, the expected share of
+    any 1,000 steps of a shuffled corpus). A conviction whose documents cover more, or any
+    of whose documents holds as many tokens as a whole step (masking it would leave a
+    step with nothing to train on), is not applied: the verdict stands, one warning
+    names the documents and their share, and the ladder (``action``) decides the step."""
+
+    quarantine_fragile: bool = False
+    """``act``: also quarantine data convicted in a run the LR's fingerprint already marks
+    fragile (the weights moving >= 0.2% of their norm a step: "data, in a run made fragile
+    by the LR"). Off: such a conviction is recorded, nothing masked, and the ladder decides."""
+
+    adam_check: float = 4.0
+    """The proof's optimizer-state test, before any data is masked (no extra
+    forward/backward): Adam's updates are recomputed from the same state and gradients
+    with the second moment restored to its long-run level (``adam_horizon``); when the
+    updates the state stood for are at least this many times the restored ones, Adam's
+    state, not the data, made the step abnormal (its second moment decayed over quiet
+    gradients, Bai et al. 2025): the verdict is ``optimizer_state`` and no data is
+    masked. 4: v 16x below its long-run level (a memorisation plateau: 53-1,300x; clean
+    runs: at most 1.15x). 0: off."""
+
+    adam_horizon: int = 1000
+    """Steps over which Adam's second moment's long-run level is averaged (an exponential
+    average of the clipped gradient's squared norm; Adam's own averages over 1/(1-beta2)
+    steps, 20 at beta2 0.95)."""
+
+    prove_timeout: float = 300.0
+    """Seconds a proof (its executions, group testing, the window proof) may take; past it
+    the proof is abandoned at its next execution, the state put back, and the step
+    decided as it would be without the proof (the event records the failure)."""
+
+    breaker_actions: int = 4
+    """``act``: the circuit breaker -- more than this many automatic actions (masked or
+    recomputed updates, quarantines, withheld updates, rollbacks) within
+    ``breaker_window`` steps pause acting: one ERROR line and a W&B alert, the response
+    observes (records and proves, changes nothing) until ``breaker_window`` steps pass
+    without one; spikes.jsonl records the pause and the resumption."""
+
+    breaker_window: int = 100
+    """The circuit breaker's window in steps (``breaker_actions``)."""
+
     def __post_init__(self) -> None:
+        if self.act not in POLICIES:
+            raise ConfigError(f"--ledger.on_spike.act {self.act!r}: expected observe (record and prove, change "
+                              f"nothing) or act")
+        if self.act == "observe" and any(r.action != "none" for r in parse_ladder(self.action)):
+            raise ConfigError(f"--ledger.on_spike.action {self.action}: an action that changes training, and "
+                              f"--ledger.on_spike.act is observe (the default: record and prove, change nothing); "
+                              f"add --ledger.on_spike.act act, or set --ledger.on_spike.action none")
+        if not (0 < self.quarantine_max <= 1):
+            raise ConfigError(f"--ledger.on_spike.quarantine_max {self.quarantine_max}: expected a share of the "
+                              f"corpus in (0, 1], e.g. 0.01")
+        if self.adam_check < 0 or (0 < self.adam_check <= 1) or self.adam_horizon < 1:
+            raise ConfigError(f"--ledger.on_spike.adam_check {self.adam_check} / adam_horizon {self.adam_horizon}: "
+                              f"expected adam_check 0 (off) or > 1 and adam_horizon >= 1")
+        if not self.prove_timeout > 0:
+            raise ConfigError(f"--ledger.on_spike.prove_timeout must be > 0 seconds, got {self.prove_timeout}")
+        if self.breaker_actions < 1 or self.breaker_window < 1:
+            raise ConfigError(f"--ledger.on_spike.breaker_actions {self.breaker_actions} / breaker_window "
+                              f"{self.breaker_window}: expected both >= 1")
         if self.prove not in ("off", "acting", "all"):
             raise ConfigError(f"--ledger.on_spike.prove {self.prove!r}: expected off, acting or all")
         if not (self.prove_notes_rate >= 0 and self.prove_notes_burst >= 0):
@@ -285,6 +368,15 @@ class RehearsalConfig:
     ``--debug.deterministic``: what proofs at the alarm then measure as the noise floor
     (``--ledger.on_spike.prove_noise_factor``). 0: off."""
 
+    response_fault: str = ""
+    """Rehearsal only: ``PLACE:KIND[,PLACE:KIND]`` -- the response itself fails at every pass
+    through PLACE (``proof``: its executions; ``bisect``: group testing; ``window``: the
+    window proof; ``snapshot``: a host snapshot's copy; ``restore``: a rollback's restore
+    from host memory) with KIND (``raise``: an exception; ``oom``: out of memory, host
+    memory for snapshot and restore; ``nan``: the execution's results not finite;
+    ``timeout``: the proof's deadline passed), e.g. ``proof:raise``. Training goes on as
+    it would without that part of the response, and the event records the failure."""
+
     data_end: int = 0
     """Rehearsal only: the data runs out at step N -- fetching its first batch raises
     torchtitan's ``DataloaderExhaustedError``, as a finite dataset does
@@ -299,5 +391,6 @@ class RehearsalConfig:
             raise ConfigError(f"--ledger.rehearsal.nondeterminism must be in [0, 1), got {self.nondeterminism}")
         parse_inject(self.inject)
         parse_die(self.die)
+        parse_response_faults(self.response_fault)
         parse_skip_steps(self.prove_at, "--ledger.rehearsal.prove_at")
         parse_overrides(self.rerun)  # raises ConfigError naming the entry

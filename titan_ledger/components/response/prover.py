@@ -46,7 +46,9 @@ from typing import Any
 
 import torch
 
-from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
+from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
+from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.verdict import (
     BISECT_BALANCE,
     Execution,
@@ -63,10 +65,14 @@ from titan_ledger.components.response.verdict import (
     name_suspect,
     noise_record,
     normal_update,
+    optimizer_verdict,
     reproduced,
     same_tensor,
+    shared_content,
 )
 from titan_ledger.components.signals.sums import local, loss_sum
+from titan_ledger.errors import ProofFailure
+from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 
 @dataclass
@@ -82,6 +88,9 @@ class FirstExecution:
     grad_norm: Any
     psq: Any
     sums: Any
+    #: the gradients themselves, by reference, where they were kept anyway
+    #: (:class:`KeptExecution`): the first update can then be applied bit for bit
+    grads: list | None = None
 
     @classmethod
     def of(cls, trainer, grads: list | None = None, execution: tuple | None = None) -> FirstExecution:
@@ -118,16 +127,22 @@ class KeptExecution:
             p.grad = None
 
     def first(self, trainer) -> FirstExecution:
-        """The checksum of the kept gradients (the tensors are let go)."""
+        """The checksum of the kept gradients, which it holds on to until the decision is
+        made (an update applied as it was needs them, bit for bit)."""
         if self.grads is None:
             raise RuntimeError("titan_ledger: a deferred step's gradients were not kept after its update")
-        first, self.grads = FirstExecution.of(trainer, self.grads, self.execution), None
+        first = FirstExecution.of(trainer, self.grads, self.execution)
+        first.grads, self.grads = self.grads, None
         return first
 
 
 # --------------------------------------------------------------------------- the seam
 class Prover:
-    """Re-executes a flagged step of one ``LedgerTrainer`` (``Recovery`` asks it)."""
+    """Re-executes a flagged step of one ``LedgerTrainer`` (``Recovery`` asks it). A proof
+    decides nothing about training: it returns its record (:meth:`prove`), and what the
+    step applies is ``Recovery``'s (the ``act`` policy, the bounds), which then asks for
+    it: :meth:`convict` (the quarantine and the step's masks) and :meth:`load_update` (the
+    gradients of the update to apply)."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
@@ -135,6 +150,10 @@ class Prover:
         # what the gradients hold after the last proof (deferred decisions apply from them)
         self._rec = self._in_grads = None
         self._groups: dict[str, Any] = {}
+        self._first_grads: list | None = None  # the first execution's gradients, by reference, when kept
+        self._hits: list = []  # this rank's [row, segment] of the convicted documents (applied by convict)
+        self._deadline = math.inf
+        self._faults: dict[str, str] | None = None
 
     @property
     def config(self):
@@ -143,6 +162,13 @@ class Prover:
     @property
     def mode(self) -> str:
         return self.config.prove
+
+    @property
+    def faults(self) -> dict[str, str]:
+        """``--ledger.rehearsal.response_fault`` (the response's own failures, rehearsed)."""
+        if self._faults is None:
+            self._faults = parse_response_faults(self.trainer.config.ledger.rehearsal.response_fault)
+        return self._faults
 
     def wanted(self, acting: bool, note: bool, step: int) -> bool:
         """Whether a step flagged so is proven: an acting flag unless ``prove = "off"``,
@@ -160,6 +186,8 @@ class Prover:
         executed) are not kept until the next proof."""
         self._rec = self._in_grads = None
         self._groups = {}
+        self._first_grads = None
+        self._hits = []
 
     def _params(self) -> list:
         return [p for m in self.trainer.model_parts for p in m.parameters()]
@@ -169,8 +197,14 @@ class Prover:
         context), gathered per rank;
         ``first``: the first execution's gradients (in the step) or its
         :class:`FirstExecution` (deferred), which ``equal`` is judged against; ``prev``: a
-        second repeat's first repeat, compared by checksum (a fifth per-rank value)."""
+        second repeat's first repeat, compared by checksum (a fifth per-rank value). A
+        variant that masks data (not ``same``) whose results are not finite fails the
+        proof (:class:`ProofFailure`): a mask's update is judged by its numbers."""
         t = self.trainer
+        kind = response_fault(self.faults, "bisect" if variant == "bisect" else "proof")  # (rehearsal)
+        if kind == "timeout":
+            self._deadline = -math.inf
+        check_deadline(t, self._deadline, "the proof")
         t0 = time.perf_counter()
         params = self._params()
         loss, grad_norm, local_tokens, global_tokens = again.run(groups)
@@ -190,12 +224,27 @@ class Prover:
         ex = self._gathered(variant, loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
                             seconds=time.perf_counter() - t0, again=again)
         ex.sums = sums
+        if variant != "same" and kind == "nan":
+            ex.loss = ex.grad_norm = math.nan  # (rehearsal: every rank alike)
+        if variant != "same" and not (math.isfinite(ex.loss) and math.isfinite(ex.grad_norm)):
+            raise ProofFailure(f"the {variant} execution's loss or grad norm was not finite "
+                               f"({ex.loss}, {ex.grad_norm})")
         return ex
 
     def load_update(self, rec, applied: str) -> None:
-        """After a deferred proof (or none): leave in the gradients the update ``applied``
-        names (``original``/``same``: the step as it is; ``masked``/``control``: the proof's
-        mask), executing the step once more when they are not already there."""
+        """Leave in the gradients the update ``applied`` names (``original``: the step as it
+        was first executed -- its own gradients where they were kept, by reference, else
+        executed again; ``same``: a repeat; ``masked``/``control``: the proof's mask;
+        ``none``: nothing is applied), executing the step once more only when they are
+        not already there."""
+        if applied == "none":
+            return
+        if applied == "original" and self._rec is rec and self._first_grads is not None:
+            if self._in_grads != "original":
+                for p, g in zip(self._params(), self._first_grads):
+                    p.grad = g
+                self._in_grads = "original"
+            return
         want = {"original": "same", "same": "same", "masked": "masked", "control": "control"}.get(applied)
         if want is None or (self._rec is rec and self._in_grads == want):
             return
@@ -205,6 +254,30 @@ class Prover:
         self._rec, self._in_grads = rec, want
         if rec.proof is not None:
             rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
+
+    def abandon(self, rec) -> None:
+        """A proof failed part-way: what its last execution left is taken back -- the
+        per-step accumulators it refilled, the convicted documents' masks -- and the
+        gradients go back to the first execution's where they were kept (else
+        :meth:`load_update` executes the step again)."""
+        self.trainer.ledger.discard_step_state()
+        self._hits = []
+        if self._rec is rec and self._first_grads is not None:
+            for p, g in zip(self._params(), self._first_grads):
+                p.grad = g
+            self._in_grads = "original"
+        else:
+            self._in_grads = None
+
+    def convict(self, rec, proof: dict) -> None:
+        """Act on a ``bad_data`` proof (``Recovery``, when the policy and the bounds allow):
+        the convicted documents quarantined for the rest of the run (every rank) and the
+        step's masks recorded in its data row (the ranks whose rows held them)."""
+        if self._rec is rec and self._hits:
+            rec.masked.setdefault("proof", []).extend(self._hits)
+        docs = [(s, int(d)) for s, d in proof.get("documents", [])]
+        if docs:
+            self.trainer.ledger.quarantine_proven(sorted(docs), rec.step)
 
     def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict,
                 balance: float | None):
@@ -277,18 +350,69 @@ class Prover:
         g = float(_full(grad_norm))
         return min(1.0, max_norm / (g + 1e-6)) if max_norm > 0 and math.isfinite(g) else 1.0
 
+    # ------------------------------------------------------------------ Adam first, content
+    def _adam_check(self) -> dict[str, Any] | None:
+        """The step's Adam update recomputed from the gradients now in place (a repeat that
+        reproduced the first execution) with the second moment restored to its long-run
+        level (``optimizer_state``'s module): ``{"amplification", "restore", ...}``, all
+        ranks summed (one all-reduce); None when off, before any applied update, or when
+        no parameter has Adam's state yet."""
+        import torch.distributed as dist
+
+        t = self.trainer
+        ledger = t.ledger
+        bar = float(self.config.adam_check)
+        ratio = ledger.adam_level.ratio() if ledger.adam_level is not None else None
+        if bar <= 0 or ratio is None or ledger.recorder is None:
+            return None
+        restore = max(1.0, ratio) if math.isfinite(ratio) else 1e12
+        where = {id(p): (o, g) for o in t.optimizers.optimizers for g in o.param_groups for p in g["params"]}
+        entries = []
+        for p in ledger.recorder.plan.params:  # owned pieces: every logical element once
+            og = where.get(id(p))
+            if p.grad is None or og is None:
+                continue
+            o, g = og
+            st = o.state.get(p) or {}
+            if "exp_avg_sq" not in st or g.get("betas") is None:
+                continue
+            step = st.get("step", 0)
+            entries.append(AdamEntry(local(p.grad), local(st["exp_avg"]), local(st["exp_avg_sq"]),
+                                     float(step.item() if isinstance(step, torch.Tensor) else step),
+                                     float(g["betas"][0]), float(g["betas"][1]), float(g.get("eps", 1e-8))))
+        if ledger.topo.world == 1 and not entries:
+            return None
+        norms = update_norms(entries, restore, t.device)
+        if ledger.topo.world > 1:
+            dist.all_reduce(norms)
+        n = norms.tolist()
+        if n[0] <= 0.0:
+            return None
+        return {"amplification": round(amplification(n[2:]), 4), "amplification_step": round(amplification(n[:2]), 4),
+                "restore": round(ratio, 4) if math.isfinite(ratio) else None,
+                "bar": bar, "horizon": int(self.config.adam_horizon)}
+
+    def _content(self, docs) -> dict:
+        """(tokens, content digest) of each document (the corpus's, read back by the
+        loader; None where it cannot be): the content control and the quarantine bound."""
+        loader = self.trainer.ledger.loader
+        return {d: (loader.document_facts(*d) if loader is not None else None) for d in docs}
+
     # ------------------------------------------------------------------ the proof
     def prove(self, rec, *, acting: bool, event: dict[str, Any], first: FirstExecution | None = None
               ) -> dict[str, Any]:
         """Prove the flagged step ``rec`` (its first execution as ``Ledger.record`` saw
-        it); in the step (``first`` None), leave in the gradients the update to apply;
-        deferred (``first``: what was kept of the first execution), :meth:`load_update`
-        does when an update is applied. Returns the proof record (the ``proof`` of the
-        step's spike event) with ``verdict`` and ``applied``."""
+        it; ``first``: what a deferred decision kept of it). Returns the proof record (the
+        ``proof`` of the step's spike event) with ``verdict`` and ``applied``, the update
+        the verdict calls for; nothing about training is changed (``Recovery`` decides
+        and asks :meth:`convict` and :meth:`load_update`). Raises when the proof cannot be
+        completed (:class:`ProofFailure`, or what an execution raised): ``Recovery`` then
+        calls :meth:`abandon` and decides without it."""
         import torch.distributed as dist
 
         t = self.trainer
         start = time.perf_counter()
+        self._deadline = start + float(self.config.prove_timeout)
         with Reexecution(t, rec, replaces=False) as again:
             out = self._prove(rec, again, acting=acting, event=event, first=first)
         out["seconds"] = round(time.perf_counter() - start, 4)
@@ -308,10 +432,12 @@ class Prover:
             first_grads = [p.grad for p in params]
             loss_sum, local_tokens, grad_norm = ledger.last_execution
             psq = _per_param_sq(first_grads, t.device)
+            self._first_grads = first_grads
         else:
             first_grads = first
             loss_sum, local_tokens, grad_norm, psq = first.loss_sum, first.local_tokens, first.grad_norm, first.psq
-        self._rec, self._in_grads, self._groups = rec, None, {"same": rec.batches}
+            self._first_grads = first.grads  # (kept where they cost nothing: the CPU)
+        self._rec, self._in_grads, self._groups, self._hits = rec, "original", {"same": rec.batches}, []
         detector = ledger.guard.detector
         original = self._gathered("original", loss_sum, psq, local_tokens, True, grad_norm)
         original.normal = normal_update(detector, original.loss, original.grad_norm)
@@ -324,11 +450,18 @@ class Prover:
         hits: list = []
         tags_by_dp: dict[int, list] = {}
         distances = None
+        adam = None
         if differing_ranks(original, repeats[0], rtol):
             repeats.append(self._run("same", again, groups, first_grads, prev=repeats[0]))
             if differing_ranks(repeats[0], repeats[1], rtol) and differing_ranks(original, repeats[1], rtol):
                 distances = self._distances([original, *repeats])  # not bit-reproducible: measure the noise
-        if reproduced(original, repeats, rtol, distances, factor)[0]:
+        ok = reproduced(original, repeats, rtol, distances, factor)[0]
+        if ok and not original.normal and repeats[-1] is repeats[0]:
+            # Adam first: the gradients in place are the first execution's, reproduced
+            adam = self._adam_check()
+        v = optimizer_verdict(adam["amplification"], float(self.config.adam_check), adam["restore"] or 1.0) \
+            if adam is not None else None
+        if ok and v is None:
             tags_by_dp = _gather_tags(rec.tags if topo.data_writer else None, topo)
             summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
             fired = [*event.get("rules", []), *event.get("notes", [])]
@@ -352,8 +485,9 @@ class Prover:
                 masked = self._run("masked", again, m_groups, first_grads)
                 masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
                 self._groups.update(masked=m_groups, control=c_groups)
-        v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
-                  distances=distances, noise_factor=factor)
+        if v is None:
+            v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
+                      distances=distances, noise_factor=factor)
         if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
             convicted = self._run("control", again, c_groups, first_grads)
             convicted.normal = normal_update(detector, convicted.loss, convicted.grad_norm, original.loss)
@@ -392,26 +526,31 @@ class Prover:
                 rerun = self._run(v.applied, again, self._groups[v.applied], first_grads)
                 rerun.normal = normal_update(detector, rerun.loss, rerun.grad_norm, original.loss)
                 repeats_after.append(rerun)
-        last = (repeats_after or [masked or control or repeats[-1]])[-1].variant
-        if first is None and (v.applied in ("original", "none") or (v.applied == "same" and last != "same") or
-                              (v.applied == "masked" and last != "masked")):
-            for p, g in zip(params, first_grads):
-                p.grad = g
-            self._in_grads = "original"
-        elif first is not None and v.verdict == "hardware" and v.applied == "original":
+        if first is not None and v.verdict == "hardware" and v.applied == "original" and self._first_grads is None:
             self._in_grads = None  # the last repeat may be the odd one: executed again if applied
+        content = None
         if v.verdict == "bad_data" and suspect is not None:
             docs = suspect.docs
             if docs is None:  # the whole batch of the suspect rank: its documents
                 docs = frozenset(document_tokens(tags_by_dp.get(suspect.dp_rank) or []))
-            if everywhere or suspect.dp_rank == ledger.topo.dp_rank:
-                rec.masked.setdefault("proof", []).extend(hits)
-            ledger.quarantine_proven(sorted(docs), rec.step)
             suspect = replace(suspect, docs=frozenset(docs))
+            every = set(_documents(tags_by_dp, None))
+            content = self._content(sorted(every))
+            shared = shared_content(docs, every - set(docs),
+                                    {d: (f[1] if f is not None else None) for d, f in content.items()})
+            if shared:  # the control must be other content: a copy of it trained normally beside it
+                v = Verdict("not_data", "original",
+                            why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
+                                f"of other documents this step trained on (or content that cannot be read back): "
+                                f"masking them explains nothing a mask of their copies would not")
+            elif everywhere or suspect.dp_rank == topo.dp_rank:
+                self._hits = hits  # applied only if the step acts on the conviction (convict)
         self.proofs += 1
         executions = [original, *repeats, *(e for e in (control, masked) if e is not None), *repeats_after]
         out = {"verdict": v.verdict, "applied": v.applied, "why": v.why, "acting": acting,
                "executions": [e.to_json() for e in executions], "seconds": 0.0}
+        if adam is not None:
+            out["optimizer"] = adam
         if v.verdict == "hardware" and not math.isfinite(original.grad_norm):
             named = v.ranks and all(not math.isfinite(original.ranks[r][1]) for r in v.ranks) and \
                 len(v.ranks) < len(original.ranks)
@@ -427,6 +566,8 @@ class Prover:
             out["suspect"] = {"dp_rank": suspect.dp_rank, "evidence": suspect.evidence}
             if suspect.docs is not None:
                 out["documents"] = [[s, int(d)] for s, d in sorted(suspect.docs)]
+            if v.verdict == "bad_data" and content is not None:
+                out["coverage"] = self._coverage(sorted(suspect.docs), content).to_json()
         if bisection is not None:  # the group testing's path: per round, each half and what masking it did
             out["bisection"] = bisection.to_json()
             if everywhere:
@@ -435,6 +576,16 @@ class Prover:
             out["control"] = {"dp_rank": ctrl.dp_rank, "evidence": ctrl.evidence,
                               **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
         return out
+
+    def _coverage(self, docs: list, content: dict) -> Coverage:
+        """How much of the data quarantining ``docs`` would mask (``bounds``)."""
+        ledger = self.trainer.ledger
+        loader = ledger.loader
+        sizes = {d: (content.get(d) or (None, None))[0] for d in docs}
+        shares = {d: (loader.corpus_share(d[0], sizes[d]) if loader is not None and sizes[d] is not None else None)
+                  for d in docs}
+        step_tokens = ledger.global_batch * int(self.trainer.config.training.seq_len)
+        return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.config.quarantine_max))
 
 
 def _per_param_sq(grads, device) -> torch.Tensor:

@@ -8,6 +8,7 @@ answer, never a string:
 trainer spot                call                                             answer
 ==========================  ===============================================  ==============
 before a step (wrapper)     :meth:`Recovery.before_step`                     consumed: bool
+the step's tokens counted   :meth:`Recovery.no_tokens`                       consumed: bool
 after the step's execution  :meth:`Recovery.after_execute`                   :class:`Outcome`
 in place of                 :meth:`Recovery.update`                          --
 ``optimizers.step()``
@@ -130,6 +131,12 @@ class Recovery:
         step (a skip window)."""
         t = self.trainer
         self.snapshots.at_start()  # a snapshot due after the last step; at the first, the state it starts from
+        for step, e in self.snapshots.failures:  # (a copy that failed: the ring restarts at the next due step)
+            self._response_failure(step, "snapshot", e)
+        self.snapshots.failures.clear()
+        if t.ledger.breaker.paused:  # a paused breaker resumes once a window passed without an action
+            t.ledger.breaker.tick(t.step)
+            self._breaker_events(t.step)
         window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.pending_rollback is not None or window is not None):
             self._resolve()  # (the step before a window decides in the step; this is a safety net)
@@ -177,6 +184,36 @@ class Recovery:
         deferred decision is made now; True when it was a rollback, which then ran (as in
         the step, before this fetch) and training goes on; False: the run ends here."""
         return self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED
+
+    def no_tokens(self, rec: StepRecord, local_tokens: int, global_tokens) -> bool:
+        """Before ``rec``'s first execution, its valid label tokens counted (``local``: this
+        rank's, a host int; ``global``: the batch mesh's sum, on the device): True when
+        every label of the step is masked on every rank (a quarantine, the repetition
+        filter), and the step was consumed whole instead of trained -- no forward or
+        backward, no update, Adam's step count not advanced, the LR schedule as over a
+        skipped window (``--ledger.skip.lr``), its rows saying why -- never trained into
+        a NaN loss. Only a rank with no token of its own reads the global count (a device
+        sync there alone): every rank of a step with none reads it and agrees."""
+        if int(local_tokens) > 0 or int(global_tokens) > 0:
+            return False
+        from torchtitan.tools.logging import logger
+
+        t = self.trainer
+        if self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED:
+            return True  # the previous step's decision was a rollback: this step is dropped, the rollback ran
+        t.step_record = None
+        lr_mode = t.config.ledger.skip.lr
+        if lr_mode == "advance":
+            t.lr_schedulers.step()
+        lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
+        t.ledger.record_masked_step(rec, lr=lr, metrics_logger=t.metrics_processor.logger)
+        self._done(rec)
+        self.snapshots.clear()  # a step consumed untrained is not replayed: the next due step starts the ring
+        if t.ledger.topo.is_rank0:
+            what = ", ".join(sorted(k for k, v in rec.masked.items() if v)) or "masks"
+            logger.warning(f"titan_ledger: step {t.step}: every label token of the step is masked ({what}): "
+                           f"the step is skipped whole (no update; LR schedule {lr_mode}), not trained into a NaN")
+        return True
 
     def settle(self, ok: bool) -> None:
         """A deferred decision still open is made (``ok``: the end of training, or a
@@ -341,7 +378,8 @@ class Recovery:
             first = d.first.first(t) if isinstance(d.first, KeptExecution) else d.first
             applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
             if applied:
-                self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
+                applied = self._load_late(rec)
+            if applied:
                 self._apply_late(rec, d.lrs)
         finally:
             t.step = now
@@ -354,6 +392,30 @@ class Recovery:
             return Outcome.DROPPED
         return Outcome.REDONE if (applied or rec.proof is not None) else Outcome.STANDS
 
+    def _load_late(self, rec: StepRecord) -> bool:
+        """A held step's update, decided applied, loaded into the gradients (the next step's
+        are there now). Loading it may execute the step again; if that fails, the update is
+        withheld instead (what a ``skip_update`` does) and the failure recorded: no failure
+        inside the response stops training. Returns whether it is applied."""
+        try:
+            self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
+            return True
+        except Exception as e:
+            self.prover.abandon(rec)
+            rec.update_skipped = True
+            rec.proof_failed = rec.proof_failed or _failure("update", e)
+            self._warn(f"titan_ledger: step {rec.step}: its held update could not be recomputed "
+                       f"({_failure('update', e)['error']}); the update is withheld")
+            return False
+
+    def _response_failure(self, step: int, where: str, e: BaseException) -> None:
+        """A failure inside the response outside a proof (a snapshot's copy, a restore): one
+        warning and an event (spikes.jsonl); training goes on without that part."""
+        failure = _failure(where, e)
+        self._warn(f"titan_ledger: step {step}: the response's {where} failed ({failure['error']}); "
+                   f"training goes on without it")
+        self.trainer.ledger.record_event({"step": step, "response_failure": failure})
+
     def _done(self, rec: StepRecord) -> None:
         """``rec``'s decision is made: its batches (device tensors once executed) and the
         proof's hold on them are let go."""
@@ -363,31 +425,139 @@ class Recovery:
     def _judge(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
                first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
         """Is this step's update applied? A flagged step is proven first
-        (``--ledger.on_spike.prove``) and acted on by what the proof says; the ladder acts
-        on an acting flag the proof left standing. In the step, or deferred (``first``:
-        what was kept of the first execution)."""
+        (``--ledger.on_spike.prove``); what its verdict changes is the policy's
+        (``--ledger.on_spike.act``: observe changes nothing) within the bounds (the
+        quarantine's size, the circuit breaker); the ladder acts on an acting flag no proof
+        resolved. In the step, or deferred (``first``: what was kept of the first
+        execution; the caller then loads the update, ``_resolve``)."""
         ledger = self.trainer.ledger
         wanted = self.prover.wanted(acting, note, rec.step)
         if note and not acting and self.prover.mode == "all" and not wanted:
             rec.unproven = "budget"  # past the note budget: recorded, not proven
         if wanted and not acting:
             ledger.note_budget.spend(rec.step)  # a note's proof
-        if wanted or forced:
-            proof = rec.proof = self.prover.prove(
-                rec, acting=acting, event=ledger.step_event(), first=first)
-            if decided_at is not None:
-                proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
-            if self.window.wanted(proof, forced):  # not the data: which cause, from the host snapshot's window
+        variant = "original"
+        try:
+            if wanted or forced:
+                proof = self._proven(rec, acting, forced, first, decided_at)
+                if proof is not None:
+                    resolved, variant = self._act_on(rec, proof)
+                    if resolved:
+                        rec.update_skipped = variant == "none"
+                        return variant != "none"
+            if not (ledger.ladder.acts and acting):
+                return True
+            return self._ladder(rec, decided_at)
+        finally:
+            if first is None and decided_at is None and rec.proof is not None:
+                self.prover.load_update(rec, variant)  # in the step: the gradients of what is applied
+
+    def _proven(self, rec: StepRecord, acting: bool, forced: bool, first, decided_at) -> dict | None:
+        """The step's proof (and its window proof), or None when it failed: then the state
+        the proof touched is put back, the failure is recorded in the step's event
+        (``proof_failed``), and the step is decided as it would be without a proof -- no
+        failure inside the response stops training."""
+        ledger = self.trainer.ledger
+        try:
+            proof = self.prover.prove(rec, acting=acting, event=ledger.step_event(), first=first)
+        except Exception as e:
+            self.prover.abandon(rec)
+            rec.proof_failed = _failure("proof", e)
+            self._warn(f"titan_ledger: step {rec.step}: the proof failed ({rec.proof_failed['error']}); the step "
+                       f"is decided as without a proof, the state it touched put back")
+            return None
+        rec.proof = proof
+        if decided_at is not None:
+            proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
+        proof["policy"] = self.trainer.config.ledger.on_spike.act
+        if self.window.wanted(proof, forced):  # not the data: which cause, from the host snapshot's window
+            try:
                 proof["window"] = self.window.prove(rec)
+            except Exception as e:
+                proof["window"] = {"cause": None, **_failure("window", e)}
+                self.trainer.ledger.discard_step_state()
+        return proof
+
+    def _act_on(self, rec: StepRecord, proof: dict) -> tuple[bool, str]:
+        """What the proof's verdict changes: ``(resolved, variant)`` -- whether the proof
+        resolved the step (else the ladder decides it) and the update applied (``original``,
+        ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
+        holds the verdict back (the quarantine's size, a run already fragile, the
+        breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
+        cfg = self.trainer.config.ledger.on_spike
+        verdict, wants = proof["verdict"], proof["applied"]
+        if verdict in ("not_data", "optimizer_state"):
             self._say(rec, proof)
-            if proof["verdict"] != "not_data":  # resolved by the proof (its event says so), not by the ladder
-                rec.update_skipped = proof["applied"] == "none"
-                return proof["applied"] != "none"
-        if not (ledger.ladder.acts and acting):
-            return True
+            return False, "original"  # no data or fault to act on: the ladder (and the window proof's cause)
+        if verdict == "outlier" or wants == "original":
+            self._say(rec, proof)
+            return True, "original"
+        held = None
+        if cfg.act == "observe":
+            held = "observe"
+        elif verdict == "bad_data" and (proof.get("coverage") or {}).get("refused"):
+            held = "quarantine_bound"
+        elif verdict == "bad_data" and not cfg.quarantine_fragile:
+            fragile = self._fragile()
+            if fragile is not None:
+                proof["fragile"], held = fragile, "fragile"
+        if held is None and not self._breaker_allows(rec.step):
+            held = "breaker"
+        if held is not None:
+            proof.update(would_apply=wants, applied="original", held_back=held)
+            self._say(rec, proof)
+            # observe: resolved, nothing done (its action is none); a bound: the ladder decides
+            return held == "observe", "original"
+        self.trainer.ledger.breaker.record(rec.step)
+        if verdict == "bad_data":
+            self.prover.convict(rec, proof)
+        self._say(rec, proof)
+        return True, wants
+
+    def _fragile(self) -> dict | None:
+        """The LR's fingerprint in the rows written before this step (the weights moving >=
+        0.2% of their norm a step, the pre-spike median): a conviction in such a run is
+        "data, in a run made fragile by the LR" (diagnose's ``also``)."""
+        from titan_ledger.components.detection import fingerprints as fp
+
+        rows = list(self.trainer.ledger.recent)[-20:]
+        bars = fp.Bars()
+        reading = {"update": fp.relative_update(rows, {})}
+        if len(rows) >= 5 and fp.lr_scale(reading, bars):
+            return {"cause": "lr", **reading["update"]}
+        return None
+
+    def _breaker_allows(self, step: int) -> bool:
+        """Whether the circuit breaker lets an action be taken at ``step``; a pause or a
+        resumption is recorded (spikes.jsonl), a pause also said as one ERROR line and a
+        W&B alert."""
+        ok = self.trainer.ledger.breaker.allows(step)
+        self._breaker_events(step)
+        return ok
+
+    def _breaker_events(self, step: int) -> None:
+        ledger = self.trainer.ledger
+        for ev in ledger.breaker.take_events():
+            ledger.record_event(ev)
+            if ev["breaker"] == "paused":
+                self._alert(f"titan_ledger: the response is thrashing: {len(ev['actions'])} actions in "
+                            f"{ev['window']} steps (steps {', '.join(map(str, ev['actions']))}; "
+                            f"--ledger.on_spike.breaker_actions {ev['limit']}); acting paused at step {step}, "
+                            f"recording continues")
+            else:
+                self._warn(f"titan_ledger: acting resumed at step {step} (paused at step {ev['paused_at']}: "
+                           f"{ledger.breaker.window} steps without an action)")
+
+    def _ladder(self, rec: StepRecord, decided_at: int | None) -> bool:
+        """The recovery ladder's answer to an acting flag no proof resolved."""
+        ledger = self.trainer.ledger
         rung, action = ledger.ladder.on_spike(rec.step)  # the recovery ladder decides
         if decided_at is not None:  # deferred: decided at that step, its update held until then
             action = {**action, "decided_at": decided_at}
+        changes = rung is not None and rung.action not in ("none", "stop")
+        if changes and not self._breaker_allows(rec.step):
+            ledger.record_action({**action, "held_back": "breaker"})
+            return True
         ledger.record_action(action)
         if rung is not None and rung.action == "none":
             return True
@@ -397,6 +567,7 @@ class Recovery:
             # with a one-screen report (exit 1)
             ledger.drain(block=True, metrics_logger=self.trainer.metrics_processor.logger)
             raise LedgerStop(ladder_report(ledger, self.trainer.config, action))
+        ledger.breaker.record(rec.step)
         if rung.rolls_back:
             self.pending_rollback = rec.step
             if rung.lr is not None:
@@ -404,10 +575,31 @@ class Recovery:
         return False
 
     def _say(self, rec: StepRecord, proof: dict) -> None:
+        """The proof's line: a WARNING when it found a harmful cause, acted, or named Adam's
+        state at an acting flag; else INFO (an outlier, a note's proof, a reproducible step
+        on a clean run are no alarm; the SPIKE line of an acting flag is a WARNING anyway)."""
+        from torchtitan.tools.logging import logger
+
+        if not self.trainer.ledger.topo.is_rank0:
+            return
+        line = f"titan_ledger: step {rec.step}: {describe_proof(proof)}"
+        harmful = proof["verdict"] in ("hardware", "bad_data") or proof.get("applied") not in (None, "original") \
+            or (proof["verdict"] == "optimizer_state" and proof.get("acting"))
+        (logger.warning if harmful else logger.info)(line)
+
+    def _warn(self, line: str) -> None:
         from torchtitan.tools.logging import logger
 
         if self.trainer.ledger.topo.is_rank0:
-            logger.warning(f"titan_ledger: step {rec.step}: {describe_proof(proof)}")
+            logger.warning(line)
+
+    def _alert(self, line: str) -> None:
+        """One ERROR line and, with W&B on, an alert (rank 0)."""
+        from torchtitan.tools.logging import logger
+
+        if self.trainer.ledger.topo.is_rank0:
+            logger.error(line)
+            self.trainer.ledger.alert("titan_ledger: acting paused", line, self.trainer.metrics_processor.logger)
 
     # ------------------------------------------------------------------ actions
     def _drop(self, rec: StepRecord) -> None:
@@ -451,7 +643,8 @@ class Recovery:
         one-time faults re-armed), documents the decision convicted are masked in its
         batches as the fetch would have, and ``execute`` runs once more."""
         t = self.trainer
-        if proof is not None and proof["verdict"] == "bad_data":  # (``proof``: the decided step's)
+        if proof is not None and proof["verdict"] == "bad_data" and proof["applied"] in ("masked", "control"):
+            # (``proof``: the decided step's, which convicted and quarantined its documents)
             t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
         self.redone += 1
         with Reexecution(t, rec, replaces=True) as again:
@@ -520,25 +713,32 @@ class Recovery:
             decision = [steps[-1] if steps else None]
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
-        load = decision[0]
+        checkpoint = decision[0]
         # a host snapshot at least as recent as that checkpoint is restored instead (seconds, no load)
-        snap = self.snapshots.covering(spike_step - cfg.rollback_back, load)
-        if snap is not None:
-            load = snap.step
+        snap = self.snapshots.covering(spike_step - cfg.rollback_back, checkpoint)
+        load = snap.step if snap is not None else checkpoint
         if load is None:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
                                f"step {spike_step - cfg.rollback_back} to roll back to "
                                f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
+        loaded = time.perf_counter()
+        with ledger.keeping_ladder():
+            if snap is not None:
+                try:
+                    self.snapshots.restore_run(snap)  # sets t.step = load via the train state
+                except Exception as e:  # the checkpoint load overwrites whatever the restore left
+                    self._response_failure(spike_step, "restore", e)
+                    if checkpoint is None:
+                        raise RuntimeError(f"titan_ledger: spike at step {spike_step}: the host snapshot of step "
+                                           f"{snap.step} could not be restored and no checkpoint at or before step "
+                                           f"{spike_step - cfg.rollback_back} exists to roll back to") from e
+                    snap, load = None, checkpoint
+            if snap is None:
+                t.checkpointer.load(step=load)  # sets t.step = load via the train state
         window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
                        f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
                        f"skipping steps {window[0]}-{window[1]}")
-        loaded = time.perf_counter()
-        with ledger.keeping_ladder():
-            if snap is not None:
-                self.snapshots.restore_run(snap)  # sets t.step = load via the train state
-            else:
-                t.checkpointer.load(step=load)  # sets t.step = load via the train state
         logger.info(f"titan_ledger: step {load}'s state restored in {time.perf_counter() - loaded:.3f} s "
                     f"({'host memory' if snap is not None else 'checkpoint load'})")
         if self.lr_scale != 1.0:
@@ -547,3 +747,8 @@ class Recovery:
                       metrics_logger=t.metrics_processor.logger)
         t.step = load + 1
         self.snapshots.clear()  # the rewound steps are another timeline (and a skip window follows)
+
+
+def _failure(where: str, e: BaseException) -> dict:
+    """What a failure inside the response records (the event's ``proof_failed``, a window's)."""
+    return {"where": where, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -28,11 +28,29 @@ would read them (``Recovery.deferrable``), so they are put back in both cases.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
+from titan_ledger.errors import ProofFailure
 from titan_ledger.rehearsal import faults
+
+
+def check_deadline(trainer, deadline: float, what: str) -> None:
+    """Past ``deadline`` (``time.perf_counter``): :class:`ProofFailure`. Every rank asks at
+    the same point of a proof and they agree (one MAX of a flag), so that none goes on
+    into a collective the others have left."""
+    import torch.distributed as dist
+
+    over = time.perf_counter() > deadline
+    if trainer.ledger.topo.world > 1:
+        flag = torch.tensor(1.0 if over else 0.0, device=trainer.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        over = bool(flag.item())
+    if over:
+        raise ProofFailure(f"{what} ran past --ledger.on_spike.prove_timeout "
+                           f"{trainer.config.ledger.on_spike.prove_timeout:g} s")
 
 
 def expert_counts(model_parts) -> list[torch.Tensor]:

@@ -56,9 +56,11 @@ from typing import Any
 import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
-from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
 from titan_ledger.components.signals.sums import local, loss_sum
+from titan_ledger.errors import ProofFailure
+from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 
 # --------------------------------------------------------------------------- the state
@@ -205,6 +207,7 @@ class SnapshotRing:
         self._started = False
         self._due: tuple[str, int] | None = None  # ("capture" | "reset", step): taken at the next step's start
         self.proofs = 0
+        self.failures: list[tuple[int, BaseException]] = []  # copies that failed (Recovery records them)
 
     @property
     def config(self):
@@ -242,6 +245,7 @@ class SnapshotRing:
         the LR schedulers stepped and with no decision pending -- so that a rollback to
         it restores what a checkpoint load does."""
         t = self.trainer
+        response_fault(parse_response_faults(t.config.ledger.rehearsal.response_fault), "snapshot")  # (rehearsal)
         if t.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream()
         while len(self.ring) >= self.config.keep:
@@ -258,16 +262,22 @@ class SnapshotRing:
     def at_start(self) -> None:
         """The start of a step (before a pending rollback or skip window runs): a snapshot
         due after the previous step is taken; at the process's first step, the state it
-        starts from (a fresh run's init, or the checkpoint it resumed)."""
+        starts from (a fresh run's init, or the checkpoint it resumed). A copy that fails
+        (host memory) empties the ring, and the failure is kept for ``Recovery`` to record:
+        training goes on, and the next due step tries again."""
         if not self.on:
             return
-        if not self._started:
-            self._started = True
-            self.capture(self.trainer.step - 1)
-        if self._due is not None:
-            what, step = self._due
-            self._due = None
-            self.reset(step) if what == "reset" else self.capture(step)
+        try:
+            if not self._started:
+                self._started = True
+                self.capture(self.trainer.step - 1)
+            if self._due is not None:
+                what, step = self._due
+                self._due = None
+                self.reset(step) if what == "reset" else self.capture(step)
+        except Exception as e:
+            self.clear()
+            self.failures.append((self.trainer.step, e))
 
     def clear(self) -> None:
         """No snapshot stands: the next due step starts the ring again."""
@@ -305,7 +315,8 @@ class SnapshotRing:
         already): the ring is cleared instead, and the next due step starts it again."""
         if not self.on:
             return
-        if (rec.proof or {}).get("verdict") in ("bad_data", "hardware"):
+        proof = rec.proof or {}
+        if proof.get("verdict") == "hardware" or proof.get("applied") not in (None, "original"):
             if late:
                 self.clear()
             else:
@@ -336,6 +347,7 @@ class SnapshotRing:
         # the snapshot does not restore either: a rollback goes where the load would
         excluded = set(t.config.checkpoint.exclude_from_loading or ())
         self.settle()
+        response_fault(parse_response_faults(t.config.ledger.rehearsal.response_fault), "restore")  # (rehearsal)
         snap.tensors.restore(self.tensors(), None if "optimizer" in excluded else self.optimizers())
         for key, part, state in (("lr_scheduler", t.lr_schedulers, "lr_schedulers"),
                                  ("dataloader", t.dataloader, "dataloader"), ("train_state", t, "trainer")):
@@ -400,10 +412,14 @@ class WindowProof:
         betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
         causes = [c for c in cfg.causes if c != "adam" or self._changes_adam(opts)]
         detector = t.ledger.guard.detector
+        faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
+        deadline = start + float(t.config.ledger.on_spike.prove_timeout)
         runs: list[dict] = []
         try:
             with Reexecution(t, None, replaces=False) as again:
                 for variant in ("same", *causes):
+                    kind = response_fault(faults, "window")  # (rehearsal)
+                    check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof")
                     snap.tensors.restore(params, opts)
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
@@ -418,6 +434,12 @@ class WindowProof:
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
                     mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                    if kind == "nan" and variant != "same":
+                        mean = norm = math.nan  # (rehearsal: every rank alike)
+                    if variant != "same" and runs and math.isfinite(runs[0]["loss"]) and \
+                            math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
+                        raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
+                                           f"unchanged window was")
                     runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
                                  "normal": not flags_again(detector, mean, norm)})
         finally:

@@ -154,8 +154,8 @@ def odd_one_out(distances: list[list[float]], factor: float) -> tuple[int | None
 
 @dataclass
 class Verdict:
-    verdict: str  # one of VERDICTS
-    applied: str  # original | same | masked | none (no update: no two executions agreed)
+    verdict: str  # one of format.proofs.VERDICTS
+    applied: str  # original | same | masked | control | none (no update: no two executions agreed)
     ranks: list[int] = field(default_factory=list)  # hardware: the ranks that changed
     why: str = ""
     noise: float | None = None  # the execution noise floor, when three executions differed
@@ -248,6 +248,29 @@ def _odd_verdict(odd: int, floor: float, distances: list[list[float]], factor: f
     return Verdict("hardware", "same" if odd == 0 else "original", ranks,
                    f"{who} stood {factor:g}x farther from the other two than their execution noise "
                    f"({floor:.2g} relative)")
+
+
+def optimizer_verdict(amplification: float, bar: float, restore: float) -> Verdict | None:
+    """``optimizer_state`` when the updates Adam's state stood for, recomputed with its
+    second moment restored to its long-run level (``restore`` x), are ``amplification`` x
+    smaller and that is at least ``bar`` (pure; ``optimizer_state``'s module): the state,
+    not the data, made the steps abnormal, so no data is masked. None otherwise."""
+    if bar <= 0 or not (amplification >= bar):
+        return None
+    return Verdict("optimizer_state", "original",
+                   why=f"Adam's second moment stood {restore:.3g}x below its long-run level: with it restored, the "
+                       f"updates it stood for are {amplification:.3g}x smaller (>= --ledger.on_spike.adam_check "
+                       f"{bar:g}); the optimizer's state, not the data, made the update abnormal")
+
+
+def shared_content(convicted, others, digests: dict) -> list:
+    """Of the ``convicted`` documents, those a conviction cannot stand on (pure): another
+    document of the step that is not convicted (``others``) has the same content
+    (``digests``: (source, doc) -> content digest), or the content is unknown (None).
+    Masking a document whose copy the step also trained on explains nothing a mask of
+    the copy would not: the control must be other content."""
+    seen = {digests.get(d) for d in others} - {None}
+    return sorted(d for d in convicted if digests.get(d) is None or digests.get(d) in seen)
 
 
 # --------------------------------------------------------------------------- suspects

@@ -15,8 +15,8 @@ the trainer (``train_step``)               ``step``, ``start``, ``inject``, ``fa
 ``Ledger.take_provenance`` (each fetch)    ``masked``, ``masked_tokens``, ``data_written``
 the recorder (``Ledger.record``, drain)    ``step_time_s``, ``consumed_samples``,
                                            ``update_sq``
-``Recovery`` (the decision) and its        ``update_skipped``, ``proof``, ``decided``,
-prover                                     ``deferred``, ``masked["proof"]``;
+``Recovery`` (the decision) and its        ``update_skipped``, ``proof``, ``proof_failed``,
+prover                                     ``decided``, ``deferred``, ``masked["proof"]``;
                                            ``batches`` let go once decided
 ``Ledger.remask`` (a redo after a          ``masked``, ``masked_tokens``
 deferred proof convicted documents)
@@ -57,6 +57,7 @@ class StepRecord:
     update_skipped: bool = False
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
     proof: dict | None = None  # the proof at the alarm (components.response.prover), when one ran
+    proof_failed: dict | None = None  # {"where", "error"}: the proof failed, the step decided without it
     unproven: str | None = None  # why a note was not proven under prove = "all" ("budget")
     update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)
     decided: bool = True  # False while the step's decision is deferred (its rows wait for it)
