@@ -16,21 +16,30 @@ def test_a_small_quarantine_is_applied_and_its_coverage_recorded():
     assert cov.to_json()["share"] == 0.004 and "refused" not in cov.to_json()
 
 
-def test_a_document_as_long_as_a_step_is_refused_it_could_empty_a_step():
-    """The memorisation plateau (issue 60): a 1,202-token document convicted on a model
-    that trains 1,024 tokens a step; its quarantine left the next step with nothing."""
-    cov = quarantine_coverage([A], {A: 1202}, {A: 0.0007}, step_tokens=1024, max_share=0.01)
-    assert cov.refused and "whole step" in cov.refused and "1202 tokens" in cov.refused
-    assert "c:1 (1202 tokens, 0.070% of the corpus" in cov.describe()
+def test_a_step_the_quarantine_would_empty_is_refused():
+    """The memorisation plateau (issue 60), read ahead in the corpus's order: document 358
+    (1,202 tokens) filled all of step 421 (1,024 tokens a step); its quarantine left that
+    step with nothing and the run stopped on the NaN."""
+    ahead = {"steps": 1000, "rows": 8000, "tokens": 1202, "total": 1_024_000, "empty": [1]}
+    cov = quarantine_coverage([A], {A: 1202}, {A: 0.0007}, step_tokens=1024, max_share=0.01, ahead=ahead)
+    assert cov.refused == "masking them would leave 1 of the next 1000 steps with nothing to train on"
+    assert "c:1 (1202 tokens, 0.070% of the corpus, 0.117% of the next 1000 steps)" in cov.describe()
+    assert cov.to_json()["ahead"]["empty"] == [1]
 
 
-def test_a_quarantine_past_the_share_is_refused_and_an_unknown_share_is_not():
-    big = quarantine_coverage([A, B], {A: 500, B: 500}, {A: 0.006, B: 0.006}, 2048, 0.01)
-    assert big.refused and "1.200% of the corpus" in big.refused and "--ledger.on_spike.quarantine_max" in big.refused
-    unknown = quarantine_coverage([A], {A: 500}, {A: None}, 2048, 0.01)  # a text source: only the step rule
-    assert unknown.refused is None and unknown.share is None
-    unread = quarantine_coverage([A], {A: None}, {A: None}, 2048, 0.01)  # its size unknown: not checkable
-    assert unread.refused and "size is unknown" in unread.refused
+def test_a_share_of_the_next_steps_past_the_bound_is_refused_though_the_corpus_share_is_small():
+    """A corpus read in order: a document's share of the corpus says little about the
+    stretch it sits in."""
+    ahead = {"steps": 100, "rows": 800, "tokens": 3000, "total": 102_400, "empty": []}
+    cov = quarantine_coverage([A], {A: 3000}, {A: 0.001}, 1024, 0.01, ahead=ahead)
+    assert cov.refused and "2.930% of the next 100 steps' tokens" in cov.refused
+
+
+def test_without_reading_ahead_one_document_as_long_as_a_dp1_step_is_refused():
+    cov = quarantine_coverage([A], {A: 1202}, {A: None}, 1024, 0.01, lone_doc_step=1024)
+    assert cov.refused and "could leave a step with nothing" in cov.refused
+    # at DP >= 2 each rank streams its own documents: one cannot fill a step
+    assert quarantine_coverage([A], {A: 1813}, {A: None}, 512, 0.01, lone_doc_step=None).refused is None
 
 
 def test_the_breaker_pauses_at_the_action_past_its_limit_and_resumes_after_a_quiet_window():

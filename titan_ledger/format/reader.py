@@ -292,6 +292,14 @@ class RunLedger:
                  if e.get("proof") is not None and int(e["step"]) == step]
         return found[-1] if found else None
 
+    def response_events(self) -> list[dict[str, Any]]:
+        """What the response recorded of itself in ``spikes.jsonl``: the circuit breaker's
+        pauses and resumptions (``breaker``), steps consumed whole because every label
+        was masked (``no_tokens``), failures inside the response outside a proof
+        (``response_failure``; a failed proof is its step event's ``proof_failed``)."""
+        keys = ("breaker", "no_tokens", "response_failure")
+        return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if any(k in e for k in keys)]
+
     def rewinds(self) -> list[dict[str, Any]]:
         """In-process rollbacks (``rewind_to``) recorded in ``spikes.jsonl``."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rewind_to" in e]

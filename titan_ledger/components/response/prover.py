@@ -584,8 +584,15 @@ class Prover:
         sizes = {d: (content.get(d) or (None, None))[0] for d in docs}
         shares = {d: (loader.corpus_share(d[0], sizes[d]) if loader is not None and sizes[d] is not None else None)
                   for d in docs}
-        step_tokens = ledger.global_batch * int(self.trainer.config.training.seq_len)
-        return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.config.quarantine_max))
+        seq_len = int(self.trainer.config.training.seq_len)
+        step_tokens = ledger.global_batch * seq_len
+        ahead = loader.upcoming(set(docs), 1000, ledger.global_batch) \
+            if loader is not None and hasattr(loader, "upcoming") else None
+        # read as it streams (text, hf), a DP rank's rows are its own documents': one document
+        # can fill a step only at DP 1
+        lone = step_tokens if ledger.topo.dp_size == 1 else None
+        return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.config.quarantine_max),
+                                   ahead=ahead, lone_doc_step=lone)
 
 
 def _per_param_sq(grads, device) -> torch.Tensor:
