@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
-from helpers import CONFIGS, child_env, cli, explain, py, torchrun, unsharded_model  # noqa: E402
+from helpers import CONFIGS, child_env, cli, explain, py, signals_ledger, torchrun, unsharded_model  # noqa: E402
 
 # --------------------------------------------------------------------------- the shared runs
 
@@ -208,7 +208,12 @@ class Runs:
         # (its peer's socket reset) exits within torchrun's poll interval of rank 1's
         # SIGKILL, that was rank 0 (CI, 2026-12-04). A cold launch's subprocess ranks are
         # all reported, as for a user, and the launcher then names the killed one.
-        with mock.patch.dict(os.environ, child_env(warm=False)):
+        # clear=True: patch.dict only adds keys, so without it the warm launcher that
+        # conftest's _tools_launch_warm put in os.environ stayed (issue 60 item 7: the
+        # "cold" launch still ran with --start-method fork).
+        with mock.patch.dict(os.environ, child_env(warm=False), clear=True):
+            assert launch.torchrun_prefix() == [sys.executable, "-m", "torch.distributed.run"], \
+                launch.torchrun_prefix()
             rc, out, err = cli(launch.main, argv)
         ended = time.time()
         with mock.patch.dict(os.environ, child_env()):
@@ -216,13 +221,15 @@ class Runs:
             assert rc == 1 and died, f"rc={rc}\n{err[-6000:]}"
             lines = [x for x in err.splitlines() if x.startswith("titan_ledger.launch: ")]
             before = checkpoints(dump)
+            history = [row["step"] for row in signals_ledger(dump).history]  # what the killed run recorded
             resume = shlex.split(lines[-1].split("): ", 1)[1])
             assert resume[1:3] == ["-m", "titan_ledger.launch"], lines
             rc2, out2, err2 = cli(launch.main, resume[3:])
         assert rc2 == 0 and "Traceback" not in err2, err2[-6000:]  # (its INFO lines went to the fd 1 of this process)
         return {"killed_at_step": int(died.group(1)), "ended_s": ended - float(died.group(2)), "lines": lines,
                 "last_lines": err.splitlines()[-3:], "checkpoints_before_kill": before, "resume": resume,
-                "resumed_from_checkpoint": int(re.search(r"loads checkpoint step-(\d+)", lines[-1]).group(1))}
+                "resumed_from_checkpoint": int(re.search(r"loads checkpoint step-(\d+)", lines[-1]).group(1)),
+                "ledger_steps_before_resume": history, "stderr": err}
 
     # ---- other shared runs
     def indexed_toml(self) -> Path:

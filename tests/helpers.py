@@ -28,8 +28,8 @@ def child_env(warm: bool = True, **extra: str) -> dict[str, str]:
     env.update(extra)
     if warm and _warm_socket():  # the tools' own launches (drill, rerun) go warm too
         env[TORCHRUN_ENV] = shlex.join(_warm_client())
-    elif not warm:  # cold even inside a slow test (conftest's _tools_launch_warm sets it in os.environ)
-        env.pop(TORCHRUN_ENV, None)
+    elif not warm:  # cold even inside a slow test (conftest's _tools_launch_warm sets it in os.environ;
+        env.pop(TORCHRUN_ENV, None)  # into os.environ: mock.patch.dict(..., clear=True), else the key stays)
     return env
 
 

@@ -53,7 +53,11 @@ def test_kill9_resume_trains_exactly_the_same_samples_and_losses(runs, case):
     assert audit["compute dtype"]["found"] == "float32" and audit["attention softmax / accumulation"]["found"] == "cpu"
     if PARALLELISMS[case].dp > 1:  # FSDP's policy, read from its parameter groups
         assert "FSDP MixedPrecisionPolicy" in audit["gradient reduction"]["how"], audit["gradient reduction"]
-    assert {r["step"] for r in led.superseded} >= {4} and led.torn_lines <= 1
+    if PARALLELISMS[case].lost_rank:  # exactly the rows the killed run wrote after the checkpoint (see below)
+        killed = report["ledger_steps_before_resume"]
+        assert {r["step"] for r in led.superseded} == set(killed) - {1, 2, 3} and led.torn_lines <= 1, killed
+    else:
+        assert {r["step"] for r in led.superseded} >= {4} and led.torn_lines <= 1
     gb = 4 * PARALLELISMS[case].dp  # 4 rows per DP rank
     for row in led.history:
         s = row["step"]
@@ -80,14 +84,26 @@ def test_kill9_resume_dashboards_match(runs):
 
 def test_a_rank_that_dies_alone_is_named_with_the_last_step_and_the_resume_command(runs):
     """The launcher's last three lines after rank 1's SIGKILL at the start of step 5 (PP:
-    rank 1 holds the last stage), and how soon the job ended (issue 37: within 60 s)."""
+    rank 1 holds the last stage), and how soon the job ended (issue 37: within 60 s).
+
+    The last complete step is the one the killed run's ledger holds: 3 or 4. Rows 1-3 are
+    certain (step 3's checkpoint drained them); step 4's row waits for the decision rank 0
+    makes behind step 5's launched work (or writes as it stands when its collective breaks),
+    so it exists only if rank 0 got that far before torchrun's SIGTERM stopped it: a race
+    no launcher rule decides (cold, rank 1's DataLoader workers hold its sockets open for
+    seconds after the SIGKILL and rank 0 is stopped first: 3; issue 60 item 7)."""
     _, r = runs.resumed("PP")
     lines = r["lines"]
-    assert len(lines) == 3 and lines == r["last_lines"], r
+    # on failure: the launcher's whole stderr (the ranks' tracebacks, torchrun's summary)
+    said = f"{lines}\n--- the launcher's stderr:\n{r['stderr'][-20000:]}"
+    assert len(lines) == 3 and lines == r["last_lines"], said
     assert lines[0].startswith("titan_ledger.launch: rank 1 (local rank 1 on ") and (
-        ") was killed by SIGKILL (signal 9) (what the OOM killer sends); torchrun stopped the other ranks" in lines[0]), lines
-    assert lines[1] == "titan_ledger.launch: the ledger's last complete step: 4; newest complete checkpoint: step 3"
-    assert lines[2].startswith("titan_ledger.launch: resume (the same command; it loads checkpoint step-3): ")
+        ") was killed by SIGKILL (signal 9) (what the OOM killer sends); torchrun stopped the other ranks" in lines[0]), said
+    steps = r["ledger_steps_before_resume"]
+    assert steps in ([1, 2, 3], [1, 2, 3, 4]), (steps, said)
+    assert lines[1] == (f"titan_ledger.launch: the ledger's last complete step: {steps[-1]}; newest complete "
+                        f"checkpoint: step 3"), said
+    assert lines[2].startswith("titan_ledger.launch: resume (the same command; it loads checkpoint step-3): "), said
     assert "--ledger.rehearsal.die" not in r["resume"] and r["resume"][r["resume"].index("--") + 1:] == \
         runs.args("PP") + ["--job.dump_folder", r["resume"][-1]]
     assert 0 < r["ended_s"] < 60, r["ended_s"]
