@@ -356,13 +356,15 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
         lines.append("  signals      none (ledger.signals is off)")
 
     spikes = folder / "spikes.jsonl"
+    events = read_ledger(spikes).history if spikes.is_file() else []
     if spikes.is_file():  # the event log keeps spikes that a rollback rewound
-        spike_steps = sorted({r["step"] for r in read_ledger(spikes).history if "rules" in r})
+        spike_steps = sorted({r["step"] for r in events if "rules" in r})
     if spike_steps:
         shown = ", ".join(map(str, spike_steps[:10])) + (" ..." if len(spike_steps) > 10 else "")
         lines.append(f"  spikes       {len(spike_steps)} flagged: steps {shown}")
     else:
         lines.append("  spikes       none flagged")
+    lines += _response_lines(events)
 
     # the data ledger's extent per DP rank through its offset index: O(log n) a file (a
     # 512-rank run's data ledger is ~20 GB; rank 0 must not parse it to say goodbye)
@@ -401,11 +403,46 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
     py = python_command()  # the interpreter that trained: the commands run as printed
     lines += [
         "  look at it:",
-        f"    {py} -m titan_ledger.plot {dump} -o signals.png{opt}",
+        f"    {py} -m titan_ledger.plot {dump} -o {dump / 'signals.png'}{opt}",
         f"    {py} -m titan_ledger.diagnose {dump}{opt}",
         f"    {py} -m titan_ledger.lookup --dump-folder {dump} --step {look}{opt}",
     ]
+    if spike_steps:
+        lines.append(f"    {py} -m titan_ledger.report {dump} --step {spike_steps[0]} -o "
+                     f"{dump / f'incident-step{spike_steps[0]}.html'}{opt}")
+    lines.append(f"    {py} -m titan_ledger.export {dump} -o {dump / 'export'}{opt}")
     return "\n".join(lines)
+
+
+def _response_lines(events: list[dict]) -> list[str]:
+    """The summary's lines on what the response did: notes, proofs by verdict and what
+    they changed or would have changed, and the response's own events (breaker, steps
+    consumed untrained, failures). Pure: ``events`` are spikes.jsonl's."""
+    from collections import Counter
+
+    notes = sum(1 for e in events if "notes" in e and "rules" not in e)
+    proofs = [e["proof"] for e in events if e.get("proof")]
+    out = []
+    if notes:
+        out.append(f"  notes        {notes} recorded, never acted on")
+    if proofs:
+        by = Counter(p["verdict"] for p in proofs)
+        verdicts = ", ".join(f"{n} {v}" for v, n in by.most_common())
+        acted = sum(1 for p in proofs if p.get("applied") not in (None, "original"))
+        held = Counter(p["held_back"] for p in proofs if p.get("held_back"))
+        done = [f"{acted} acted on"] if acted else []
+        done += [f"{n} held back ({'would have acted: --ledger.on_spike.act observe' if k == 'observe' else k})"
+                 for k, n in held.items()]
+        out.append(f"  proofs       {len(proofs)}: {verdicts}" + (f"; {'; '.join(done)}" if done else "; nothing changed"))
+    failed = sum(1 for e in events if "proof_failed" in e or "response_failure" in e)
+    untrained = sum(1 for e in events if e.get("no_tokens"))
+    paused = sum(1 for e in events if e.get("breaker") == "paused")
+    extra = [f"{failed} failure(s) inside the response, training went on" if failed else "",
+             f"{untrained} step(s) consumed untrained (every label masked)" if untrained else "",
+             f"acting paused {paused} time(s) by the circuit breaker" if paused else ""]
+    if any(extra):
+        out.append("  response     " + "; ".join(x for x in extra if x))
+    return out
 
 
 # --------------------------------------------------------------------------- #

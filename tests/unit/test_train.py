@@ -45,9 +45,30 @@ def test_run_summary_counts_rows_spikes_checkpoints_and_names_commands(tmp_path)
     _tiny_ledger(tmp_path / "one", dp=1)
     assert "data ledger  steps 1-3 (data_dp0.jsonl)" in train.run_summary(tmp_path / "one")
     assert "step-2, step-3" in text and "step-9" not in text
-    assert f"python -m titan_ledger.plot {tmp_path} -o signals.png" in text
+    assert f"python -m titan_ledger.plot {tmp_path} -o {tmp_path / 'signals.png'}" in text  # into the dump folder
     assert f"python -m titan_ledger.diagnose {tmp_path}" in text
     assert f"python -m titan_ledger.lookup --dump-folder {tmp_path} --step 2" in text  # the spike
+    assert f"python -m titan_ledger.report {tmp_path} --step 2 -o {tmp_path / 'incident-step2.html'}" in text
+    assert f"python -m titan_ledger.export {tmp_path} -o {tmp_path / 'export'}" in text
+
+
+def test_run_summary_counts_notes_proofs_and_what_the_response_held_back(tmp_path):
+    """Under the default policy (observe) a proof's verdict changes nothing: the summary
+    says how many proofs would have acted, beside the notes and the response's events."""
+    led = _tiny_ledger(tmp_path)
+    _write(led / "spikes.jsonl", SPIKES.id, [
+        {"step": 2, "rules": ["ratio"], "proof": {"verdict": "bad_data", "applied": "original",
+                                                   "would_apply": "masked", "held_back": "observe"}},
+        {"step": 3, "notes": ["doc_low"], "proof": {"verdict": "outlier", "applied": "original"}},
+        {"step": 3, "notes": ["grad_jump"], "proof": {"verdict": "optimizer_state", "applied": "original"}},
+        {"step": 4, "no_tokens": True, "masked": ["quarantine"]},
+        {"step": 5, "response_failure": {"where": "snapshot", "error": "MemoryError"}}])
+    text = train.run_summary(tmp_path, "ledger")
+    assert "  notes        2 recorded, never acted on" in text
+    assert ("  proofs       3: 1 bad_data, 1 outlier, 1 optimizer_state; 1 held back (would have acted: "
+            "--ledger.on_spike.act observe)") in text
+    assert ("  response     1 failure(s) inside the response, training went on; 1 step(s) consumed untrained "
+            "(every label masked)") in text
 
 
 def test_run_summary_without_spikes_or_checkpoints_and_uneven_ranks(tmp_path):
