@@ -1,4 +1,4 @@
-"""Host snapshots and the window proof end to end (issue 51 item 4): four launches.
+"""Host snapshots and the window proof end to end (issue 51 item 4): five launches.
 
 A real instability, no fault injected: the tiny model (FSDP2 over 2 gloo ranks) at LR
 1.0 after a 20-step warm-up flags step 9 (the loss ratio); the proof at the alarm finds
@@ -9,7 +9,9 @@ step's LR x 0.1 (the update comes out normal) -- and records ``lr`` proven; the
 rollback the run is configured for then restores the host snapshot of step 8 instead of
 loading checkpoint step-8. The same command without the ring rolls back from the
 checkpoint: every row of the two runs is equal, bit for bit (the window proof leaves no
-trace in the run, and the host rollback restores what the checkpoint load does). Then
+trace in the run, and the host rollback restores what the checkpoint load does). A
+third, whose restore from host memory fails (``--ledger.rehearsal.response_fault
+restore:raise``, issue 60), loads the checkpoint instead and trains the same rows. Then
 PP 2 and FSDP2 x TP 2: a forced proof's window replays a clean step bit for bit.
 """
 
@@ -38,7 +40,8 @@ SPIKE = 9
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for name, extra in (("ring", RING), ("plain", [])):
+    for name, extra in (("ring", RING), ("plain", []),
+                        ("restore_fails", [*RING, "--ledger.rehearsal.response_fault", "restore:raise"])):
         d = tmp_path_factory.mktemp("snapshots") / name
         p = torchrun(FLAGS + extra + ["--job.dump_folder", str(d)])
         assert p.returncode == 0, explain(p)
@@ -83,6 +86,20 @@ def test_the_run_with_the_ring_equals_the_run_without_it_bit_for_bit(runs):
     assert any(r["step"] == SPIKE and r.get("loss") is not None for r in la.superseded)  # rewound real rows
     ra, rb = ([(e["step"], e["rules"], (e.get("proof") or {}).get("verdict")) for e in spike_events(x)] for x in (a, b))
     assert ra == rb
+
+
+def test_a_restore_from_host_memory_that_fails_loads_the_checkpoint_instead(runs):
+    (a, log), (b, _) = runs["restore_fails"], runs["plain"]
+    assert "the response's restore failed (ResponseFault: rehearsal: --ledger.rehearsal.response_fault " \
+           "restore:raise); training goes on without it" in log
+    assert f"rolling back from step {SPIKE} to checkpoint step-8" in log
+    skip = {"step_time_s", "data_loading_s", "run_id", "time", "config_digest", "argv", "superseded_by"}
+    la, lb = signals_ledger(a), signals_ledger(b)
+    assert [{k: v for k, v in x.items() if k not in skip} for x in la.history] == \
+        [{k: v for k, v in y.items() if k not in skip} for y in lb.history]
+    from titan_ledger.format.reader import RunLedger
+
+    assert [e["response_failure"]["where"] for e in RunLedger(a).response_events()] == ["restore"]
 
 
 @pytest.mark.parametrize("config,nproc", [("debug_cpu_pp.toml", 2), ("debug_cpu_fsdp_tp.toml", 4)])

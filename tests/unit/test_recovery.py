@@ -125,7 +125,8 @@ class _Ledger:
 
 class _Trainer:
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
-                 ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8)):
+                 ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8), act="act",
+                 breaker=(4, 100)):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
@@ -135,7 +136,7 @@ class _Trainer:
         self.step, self.ntokens_seen, self.step_record = 0, 0, None
         self.gradient_accumulation_steps = self.num_pipeline_parallel_microbatches = 1
         self.config = SimpleNamespace(
-            ledger=SimpleNamespace(on_spike=OnSpikeConfig(act="act", defer=defer, prove=prove, max_rollbacks=3,
+            ledger=SimpleNamespace(on_spike=OnSpikeConfig(act=act, defer=defer, prove=prove, max_rollbacks=3,
                                                           rollback_back=1, rollback_skip=2, action=action,
                                                           ladder_horizon=100),
                                    rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"),
@@ -148,6 +149,7 @@ class _Trainer:
             training=SimpleNamespace(steps=steps, max_norm=1.0, disable_cuda_graphs=keep_grads),
             dump_folder=str(tmp))
         self.ledger = _Ledger(self, flags, action, tmp / "ledger", budget)
+        self.ledger.breaker = Breaker(*breaker)
         self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
@@ -249,8 +251,11 @@ class _Prover(Prover):
     def prove(self, rec, *, acting, event, first=None):
         self.proofs += 1
         self.firsts.append(first)
-        verdict, applied = self.verdicts[rec.step]
-        return {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else []}
+        verdict, applied, *extra = self.verdicts[rec.step]
+        if verdict == "fail":
+            raise RuntimeError("the proof failed")
+        return {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else [],
+                **(extra[0] if extra else {})}
 
     def convict(self, rec, proof):
         self.t.ledger.quarantine.add((rec.step, 0))
@@ -447,3 +452,60 @@ def test_after_an_error_a_held_steps_rows_are_written_as_they_stand(tmp_path):
     r.settle(ok=False)  # (step 5's fetch raised)
     t.ledger.drain(True)
     assert t.ledger.rows[-1] == (4, True, None) and r.pending is None
+
+
+# --------------------------------------------------------------------------- the policy and its bounds (issue 60)
+def test_observe_records_what_a_verdict_would_do_and_trains_the_run_no_response_trains(tmp_path):
+    """``act = "observe"``: a ``bad_data`` or ``hardware`` verdict is recorded with what it
+    would apply, nothing is quarantined, and the run -- deferred or in the step -- trains
+    bit for bit as the run without proofs."""
+    verdicts = {3: ("bad_data", "masked"), 4: ("hardware", "same"), 9: ("hardware", "none")}
+    kw = dict(flags=FLAGS, action="none", prove="acting", verdicts=verdicts, act="observe")
+    d, _ = _run(tmp_path, "deferred", **kw)
+    s, _ = _run(tmp_path, "in_step", defer=False, **kw)
+    off, _ = _run(tmp_path, "off", flags=FLAGS, action="none", prove="off", act="observe")
+    (pd, sd), (po, so) = _state(d), _state(off)
+    assert all(torch.equal(x, y) for x, y in zip(pd, po))
+    assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(sd, so))
+    _assert_same_run(d, s)
+    assert not d.ledger.quarantine and not any(r[1] for r in d.ledger.rows)  # no update withheld
+    assert d.recovery.prover.proofs == 3 and d.ledger.breaker.steps == []  # nothing acted: nothing counted
+
+
+def test_a_quarantine_the_bound_refuses_leaves_the_step_to_the_ladder(tmp_path):
+    refused = {"coverage": {"refused": "masking them would leave 1 of the next 1000 steps with nothing"}}
+    verdicts = {s: ("bad_data", "masked", refused) for s in FLAGS}
+    d, _ = _run(tmp_path, "deferred", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts)
+    s, _ = _run(tmp_path, "in_step", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts,
+                defer=False)
+    _assert_same_run(d, s)
+    assert not d.ledger.quarantine  # nothing quarantined
+    assert (3, True, "bad_data") in d.ledger.rows  # the ladder's skip_update took the step
+    assert [a["action"] for a in d.ledger.actions] == ["skip_update"] * 3
+
+
+def test_the_breaker_holds_back_the_action_past_its_limit_and_records_the_pause(tmp_path):
+    verdicts = {s: ("hardware", "none") for s in FLAGS}
+    d, _ = _run(tmp_path, "deferred", flags=FLAGS, action="none", prove="acting", verdicts=verdicts,
+                breaker=(1, 3))
+    s, _ = _run(tmp_path, "in_step", flags=FLAGS, action="none", prove="acting", verdicts=verdicts,
+                breaker=(1, 3), defer=False)
+    _assert_same_run(d, s)
+    # step 3's proof withholds its update (an action); step 4 would be the second within 3
+    # steps: held back, its update applied; step 9 is a window later: acting again
+    assert [(r[0], r[1]) for r in d.ledger.rows if r[2] == "hardware"] == [(3, True), (4, False), (9, True)]
+    ev = [e for e in d.ledger.events if "breaker" in e]
+    assert [e["breaker"] for e in ev] == ["paused", "resumed"] and ev[0]["step"] == 4, ev
+    assert any("the response is thrashing: 1 actions in 3 steps" in e.get("alert", "") for e in d.ledger.events)
+
+
+def test_a_proof_that_fails_decides_the_step_as_without_a_proof(tmp_path):
+    """No failure inside the response stops training: the step goes to the ladder, as with
+    ``prove = "off"``, and the run trains as that run does."""
+    verdicts = {s: ("fail", "original") for s in FLAGS}
+    d, _ = _run(tmp_path, "failing", flags=FLAGS, action="skip_update", prove="acting", verdicts=verdicts)
+    off, _ = _run(tmp_path, "off", flags=FLAGS, action="skip_update", prove="off")
+    (pd, sd), (po, so) = _state(d), _state(off)
+    assert all(torch.equal(x, y) for x, y in zip(pd, po))
+    assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(sd, so))
+    assert [(r[0], r[1]) for r in d.ledger.rows] == [(r[0], r[1]) for r in off.ledger.rows]

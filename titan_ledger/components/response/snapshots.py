@@ -379,7 +379,8 @@ class WindowProof:
         self.trainer, self.ring = trainer, ring
 
     def wanted(self, proof: dict, forced: bool = False) -> bool:
-        """Within ``max_proofs``: an acting flag proven ``not_data`` (which cause, then);
+        """Within ``max_proofs``: an acting flag proven ``not_data`` or ``optimizer_state``
+        (which cause, then: Adam's variant proves the state by intervention);
         data convicted (``bad_data``: does a variant remove the spike with the data
         unmasked as well? -- the real set's LR runs had documents convicted at steps
         where every update moved the weights 6% of their norm); or a step
@@ -389,7 +390,7 @@ class WindowProof:
         r = self.ring
         v = proof.get("verdict")
         return r.on and r.proofs < r.config.max_proofs and (
-            (v == "not_data" and bool(proof.get("acting"))) or v == "bad_data"
+            (v in ("not_data", "optimizer_state") and bool(proof.get("acting"))) or v == "bad_data"
             or (forced and v in ("not_data", "outlier")))
 
     def prove(self, rec) -> dict[str, Any]:
