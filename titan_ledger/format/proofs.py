@@ -26,11 +26,13 @@ HELD_BACK = {
 
 
 def resolves(proof: dict[str, Any]) -> bool:
-    """Whether the proof resolved its step (else the ladder, ``action``, decided it): a
-    verdict that names no data or fault to act on (``not_data``, ``optimizer_state``) and
-    one a bound held back (the quarantine's size, a fragile run, the breaker) do not."""
-    return proof.get("verdict") not in ("not_data", "optimizer_state") and \
-        proof.get("held_back") in (None, "observe")
+    """Whether the proof resolved its step (its event's action is the proof's, and the step
+    is not on the auto-skip list): a verdict that acted or called for nothing (``outlier``;
+    ``hardware`` keeping the first update). One that names no data or fault to act on
+    (``not_data``, ``optimizer_state``) or that the policy or a bound held back (observe,
+    the quarantine's size, a fragile run, the breaker) did not: the configured ``action``
+    is the step's."""
+    return proof.get("verdict") not in ("not_data", "optimizer_state") and proof.get("held_back") is None
 
 
 def _done(proof: dict[str, Any], applied: str, verdict: str) -> str:
