@@ -20,11 +20,11 @@ def test_a_step_the_quarantine_would_empty_is_refused():
     """The memorisation plateau (issue 60), read ahead in the corpus's order: document 358
     (1,202 tokens) filled all of step 421 (1,024 tokens a step); its quarantine left that
     step with nothing and the run stopped on the NaN."""
-    ahead = {"steps": 1000, "rows": 8000, "tokens": 1202, "total": 1_024_000, "empty": [1]}
+    ahead = {"steps": 1000, "rows": 8000, "tokens": 1202, "total": 1_024_000, "empty": [1], "with": [[0, 1], [1, 1024]]}
     cov = quarantine_coverage([A], {A: 1202}, {A: 0.0007}, step_tokens=1024, max_share=0.01, ahead=ahead)
     assert cov.refused == "masking them would leave 1 of the next 1000 steps with nothing to train on"
     assert "c:1 (1202 tokens, 0.070% of the corpus, 0.117% of the next 1000 steps)" in cov.describe()
-    assert cov.to_json()["ahead"]["empty"] == [1]
+    assert cov.to_json()["ahead"]["empty"] == [1] and "with" not in cov.to_json()["ahead"]
 
 
 def test_a_share_of_the_next_steps_past_the_bound_is_refused_though_the_corpus_share_is_small():

@@ -289,26 +289,26 @@ def test_tagging_work_is_in_profiler_spans(tok, corpus, source):
 
 
 def test_reading_ahead_counts_what_a_quarantine_would_leave_of_the_next_steps(tok, corpus):
-    """``LedgerDataLoader.upcoming`` and ``document_facts``: the rows of the next steps,
-    from the last one fetched, read in the corpus's own order -- the same rows training
-    then fetches -- so a quarantine's bound knows which steps it would empty."""
+    """``LedgerDataLoader.scan`` and ``document_facts``: the rows of the steps from a
+    sample position on, read in the corpus's own order -- the same rows training fetches
+    -- so a quarantine's bound knows which steps it would empty, and which earlier steps
+    held the documents."""
     dl = loader(tok, corpus, shuffle=False, mbs=2)
     gb = 2  # DP 1 x 2 rows a step
-    fetched = take(dl, 1)
-    later = take(dl, 3)  # the next three steps, as training fetches them
-    dl2 = loader(tok, corpus, shuffle=False, mbs=2)
-    take(dl2, 1)
-    docs = {("bundled", s[0]) for _, _, _, tags in later[:1] for t in tags for s in t[2]}
-    ahead = dl2.upcoming(docs, steps=4, global_batch=gb)
-    want = sum(s[2] - s[1] for _, _, _, tags in fetched + later for t in tags for s in t[2] if ("bundled", s[0]) in docs)
-    assert ahead["steps"] == 4 and ahead["rows"] == 8 and ahead["tokens"] == want
-    assert ahead["total"] == 4 * gb * SEQ
-    every = {("bundled", s[0]) for _, _, _, tags in fetched + later for t in tags for s in t[2]}
-    assert dl2.upcoming(every, steps=4, global_batch=gb)["empty"] == [0, 1, 2, 3]
-    assert dl2.upcoming(docs, steps=10, global_batch=gb, max_rows=6)["steps"] == 3  # capped by rows
-    n, digest = dl2.document_facts("bundled", 5)
-    assert n == len(IndexedCorpus(corpus, SEQ, seed=0).doc_tokens(5)) and dl2.document_facts("bundled", 5)[1] == digest
-    assert dl2.document_facts("other", 5) is None and dl2.corpus_share("bundled", n) > 0
+    steps = take(dl, 4)  # what training fetches
+    docs = {("bundled", s[0]) for t in steps[1][3] for s in t[2]}
+    want = [[k, sum(s[2] - s[1] for t in tags for s in t[2] if ("bundled", s[0]) in docs)]
+            for k, (_, _, _, tags) in enumerate(steps)]
+    got = dl.scan(docs, 0, 4, gb)
+    assert got["with"] == [w for w in want if w[1]] and got["tokens"] == sum(w[1] for w in want)
+    assert got["steps"] == 4 and got["rows"] == 8 and got["total"] == 4 * gb * SEQ
+    every = {("bundled", s[0]) for _, _, _, tags in steps for t in tags for s in t[2]}
+    assert dl.scan(every, 0, 4, gb)["empty"] == [0, 1, 2, 3]
+    assert dl.scan(docs, gb, 3, gb)["with"][0][0] == 0  # from the second step on: offsets from there
+    assert dl.scan(docs, 0, 10, gb, max_rows=6)["steps"] == 3  # capped by rows
+    n, digest = dl.document_facts("bundled", 5)
+    assert n == len(IndexedCorpus(corpus, SEQ, seed=0).doc_tokens(5)) and dl.document_facts("bundled", 5)[1] == digest
+    assert dl.document_facts("other", 5) is None and dl.corpus_share("bundled", n) > 0
     text = loader(tok)
-    assert text.upcoming(docs, 4, gb) is None and text.corpus_share("stdlib_docs", 10) is None
+    assert text.scan(docs, 0, 4, gb) is None and text.corpus_share("stdlib_docs", 10) is None
     assert text.document_facts("stdlib_docs", 5)[0] > 0

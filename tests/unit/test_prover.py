@@ -294,7 +294,7 @@ def test_a_convicted_document_whose_copy_the_step_also_trained_is_not_convicted(
     t.first(rec)
     proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
     assert proof["verdict"] == "not_data" and "content of other documents" in proof["why"]
-    assert "coverage" not in proof
+    assert "would_apply" not in proof
 
 
 def test_a_conviction_records_how_much_of_the_data_its_quarantine_would_mask():
@@ -325,3 +325,37 @@ def test_a_proof_that_fails_raises_and_abandon_puts_the_first_gradients_back(fau
     assert t.ntokens_seen == seen and t.step_record is None  # the re-execution context put back
     prover.abandon(rec)
     assert all(p.grad is g for p, g in zip(t.model.parameters(), first)) and not prover._hits
+
+
+def test_a_document_that_trained_before_without_a_flag_is_not_convicted():
+    """Read back in the corpus's order: the convicted document trained 2 x 4 tokens in
+    earlier steps. Both flagged: they prove nothing, the document is convicted. Neither
+    flagged: it trained, twice as much of it as this step holds, without a flag -- what
+    made this step abnormal is not its content (an ordinary code file convicted by group
+    testing in ``bench/adversarial.py``'s code_tables run before this rule)."""
+    from titan_ledger.data.layout import RowTag, Segment
+
+    t = _Documents()
+    t.config.training.local_batch_size = 8
+    t.ledger.global_batch = 8
+    tags = [RowTag(80 + r, "c", (Segment(r, 0, t.SEQ),)) for r in range(t.ROWS)]  # step 11: samples 80-87
+
+    def scan(docs, first, steps, gb, max_rows=200_000):
+        if first == 80:  # the flagged step and after: nothing emptied
+            return {"steps": steps, "rows": steps * gb, "tokens": 4, "total": 10_000, "empty": [], "with": [[0, 4]]}
+        assert (first, steps) == (0, 10)  # the ten steps before it
+        return {"steps": 10, "rows": 80, "tokens": 8, "total": 320, "empty": [], "with": [[2, 4], [6, 4]]}
+
+    t.ledger.loader = SimpleNamespace(document_facts=lambda s, d: (4, f"{d}"), corpus_share=lambda s, n: None, scan=scan)
+    t.ledger.flagged_at = {16, 48}  # steps 3 and 7 (offsets 2 and 6) were flagged: they prove nothing
+    rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "bad_data" and proof["coverage"]["ahead"]["before_clean"] == 0
+    t.ledger.flagged_at = set()
+    for p in t.model.parameters():
+        p.grad = None
+    rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
+    t.first(rec)
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    assert proof["verdict"] == "not_data" and "trained 8 tokens in earlier steps without a flag (4 here)" in proof["why"]

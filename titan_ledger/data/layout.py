@@ -28,6 +28,12 @@ def sample_id(position: int, dp_rank: int, mbs: int, row: int) -> int:
     return position + dp_rank * mbs + row
 
 
+def round_start(sample: int, dp_rank: int, mbs: int) -> int:
+    """The position of the round holding ``sample``, the first row of DP rank
+    ``dp_rank``'s batch in it (``sample_id``'s inverse)."""
+    return sample - dp_rank * mbs
+
+
 def round_size(mbs: int, dp_size: int) -> int:
     """Samples one dataloader batch on every DP rank consumes."""
     return mbs * dp_size

@@ -452,31 +452,36 @@ class LedgerDataLoader(ParallelAwareDataloader):
                 return float(tokens) / total * float(weight) if total else None
         return None
 
-    def upcoming(self, docs: set, steps: int, global_batch: int, max_rows: int = 200_000) -> dict | None:
-        """What masking ``docs`` ({(source, doc)}) would leave of the next ``steps`` steps
-        from the step last fetched (included), read ahead in the corpus's own order (the
-        layout's sample ids, all DP ranks; at most ``max_rows`` rows): ``{"steps", "rows",
-        "tokens"`` (theirs) ``, "total"`` (all) ``, "empty"`` (step offsets every token of
-        which is theirs) ``}``. An indexed corpus only (its rows are a function of the
-        sample id); None for text and hf sources, which are read as they stream."""
-        if self.kind != "indexed" or self.source is None or global_batch <= 0:
+    def scan(self, docs: set, first: int, steps: int, global_batch: int, max_rows: int = 200_000) -> dict | None:
+        """``docs`` ({(source, doc)}) in the ``steps`` steps from global sample position
+        ``first`` on, read in the corpus's own order (the layout's sample ids, all DP ranks;
+        at most ``max_rows`` rows): ``{"steps", "rows", "tokens"`` (theirs) ``, "total"``
+        (all) ``, "empty"`` (step offsets every token of which is theirs) ``, "with"``
+        (``[offset, their tokens]`` of each step holding some) ``}``. An indexed corpus only
+        (its rows are a function of the sample id); None for text and hf sources, which
+        are read as they stream. A proof's quarantine reads the steps ahead of a
+        conviction (would one be emptied?) and behind it (did these documents train
+        before without a flag?)."""
+        if self.kind != "indexed" or self.source is None or global_batch <= 0 or steps <= 0:
             return None
-        start = max(0, self._position - global_batch)
+        first = max(0, int(first))
         n = max(1, min(int(steps), int(max_rows) // global_batch))
         mine = tot = 0
-        empty = []
+        empty, holding = [], []
         for t in range(n):
             step_mine = step_tot = 0
-            for i in range(start + t * global_batch, start + (t + 1) * global_batch):
+            for i in range(first + t * global_batch, first + (t + 1) * global_batch):
                 tag = self.source.tag(i)
                 for seg in tag.segments:
                     step_tot += len(seg)
                     if (tag.source, seg.doc) in docs:
                         step_mine += len(seg)
-            if step_tot and step_mine == step_tot:
-                empty.append(t)
+            if step_mine:
+                holding.append([t, step_mine])
+                if step_mine == step_tot:
+                    empty.append(t)
             mine, tot = mine + step_mine, tot + step_tot
-        return {"steps": n, "rows": n * global_batch, "tokens": mine, "total": tot, "empty": empty}
+        return {"steps": n, "rows": n * global_batch, "tokens": mine, "total": tot, "empty": empty, "with": holding}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
-from titan_ledger.data.layout import RowTag, round_size, sample_id, step_digest
+from titan_ledger.data.layout import RowTag, round_size, round_start, sample_id, step_digest
 from titan_ledger.format import records
 
 
@@ -75,7 +75,7 @@ class DataLedgerWriter:
         mbs, dp, r = loader.mbs, self.topo.dp_size, self.topo.dp_rank
         if len(tags) * dp != self.global_batch or len(tags) % mbs:
             return None
-        start = tags[0].sample_id - r * mbs
+        start = round_start(tags[0].sample_id, r, mbs)
         R = round_size(mbs, dp)
         if any(t.digest is None or t.sample_id != sample_id(start + (k // mbs) * R, r, mbs, k % mbs)
                for k, t in enumerate(tags)):

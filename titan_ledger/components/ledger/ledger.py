@@ -174,6 +174,9 @@ class Ledger(Configurable):
         #: second-moment level (``optimizer_state``), both from the rows as they are written
         self.recent: deque = deque(maxlen=64)
         self.adam_level: AdamLevel | None = None
+        #: the first sample position of every step this process flagged (a proof asks whether
+        #: convicted documents trained before without a flag)
+        self.flagged_at: set[int] = set()
         self.global_batch = 0
 
     # ------------------------------------------------------------------ setup
@@ -492,6 +495,8 @@ class Ledger(Configurable):
             self.recent.append(done.row)
             if self.adam_level is not None:
                 self.adam_level.observe(done.row)
+            if done.row.get("spike") and isinstance(done.row.get("consumed_samples"), int):
+                self.flagged_at.add(done.row["consumed_samples"] - self.global_batch)
             event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven,
                                       proof_failed=done.rec.proof_failed) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl

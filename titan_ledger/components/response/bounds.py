@@ -37,8 +37,8 @@ class Coverage:
     def to_json(self) -> dict[str, Any]:
         out = {"documents": self.documents, "tokens": self.tokens, "longest": self.longest,
                "share": None if self.share is None else round(self.share, 8), "step_tokens": self.step_tokens}
-        if self.ahead is not None:
-            out["ahead"] = {**self.ahead, "empty": self.ahead["empty"][:10]}
+        if self.ahead is not None:  # (the per-step lists cut: a record, not a dump)
+            out["ahead"] = {**{k: v for k, v in self.ahead.items() if k != "with"}, "empty": self.ahead["empty"][:10]}
         if self.refused:
             out["refused"] = self.refused
         return out

@@ -538,11 +538,18 @@ class Prover:
             content = self._content(sorted(every))
             shared = shared_content(docs, every - set(docs),
                                     {d: (f[1] if f is not None else None) for d, f in content.items()})
+            here = sum(n for d, n in _documents(tags_by_dp, None).items() if d in docs)
+            coverage = self._coverage(sorted(docs), content, tags_by_dp)
+            before = (coverage.ahead or {}).get("before_clean", 0) if coverage.ahead else 0
             if shared:  # the control must be other content: a copy of it trained normally beside it
                 v = Verdict("not_data", "original",
                             why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
                                 f"of other documents this step trained on (or content that cannot be read back): "
                                 f"masking them explains nothing a mask of their copies would not")
+            elif before >= here > 0:  # the same documents trained before, as much of them, without a flag
+                v = Verdict("not_data", "original",
+                            why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
+                                f"without a flag ({here} here): what made this step abnormal is not their content")
             elif everywhere or suspect.dp_rank == topo.dp_rank:
                 self._hits = hits  # applied only if the step acts on the conviction (convict)
         self.proofs += 1
@@ -566,8 +573,8 @@ class Prover:
             out["suspect"] = {"dp_rank": suspect.dp_rank, "evidence": suspect.evidence}
             if suspect.docs is not None:
                 out["documents"] = [[s, int(d)] for s, d in sorted(suspect.docs)]
-            if v.verdict == "bad_data" and content is not None:
-                out["coverage"] = self._coverage(sorted(suspect.docs), content).to_json()
+            if content is not None:
+                out["coverage"] = coverage.to_json()
         if bisection is not None:  # the group testing's path: per round, each half and what masking it did
             out["bisection"] = bisection.to_json()
             if everywhere:
@@ -577,17 +584,32 @@ class Prover:
                               **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
         return out
 
-    def _coverage(self, docs: list, content: dict) -> Coverage:
-        """How much of the data quarantining ``docs`` would mask (``bounds``)."""
-        ledger = self.trainer.ledger
+    def _coverage(self, docs: list, content: dict, tags_by_dp: dict) -> Coverage:
+        """How much of the data quarantining ``docs`` would mask (``bounds``), with --
+        an indexed corpus, read in its order from the flagged step's first sample -- the
+        next 1,000 steps (an emptied one?) and the 1,000 before (``before_clean``: their
+        tokens in earlier steps this process did not flag)."""
+        from titan_ledger.data.layout import round_start
+
+        t = self.trainer
+        ledger = t.ledger
         loader = ledger.loader
         sizes = {d: (content.get(d) or (None, None))[0] for d in docs}
         shares = {d: (loader.corpus_share(d[0], sizes[d]) if loader is not None and sizes[d] is not None else None)
                   for d in docs}
-        seq_len = int(self.trainer.config.training.seq_len)
-        step_tokens = ledger.global_batch * seq_len
-        ahead = loader.upcoming(set(docs), 1000, ledger.global_batch) \
-            if loader is not None and hasattr(loader, "upcoming") else None
+        seq_len = int(t.config.training.seq_len)
+        gb = ledger.global_batch
+        step_tokens = gb * seq_len
+        ahead = None
+        first = next(((dp, tags[0]) for dp, tags in sorted(tags_by_dp.items()) if tags), None)
+        if loader is not None and hasattr(loader, "scan") and first is not None:
+            start = round_start(first[1].sample_id, first[0], int(t.config.training.local_batch_size))
+            ahead = loader.scan(set(docs), start, 1000, gb)
+            back = min(1000, start // gb) if gb else 0
+            behind = loader.scan(set(docs), start - back * gb, back, gb) if back else None
+            if ahead is not None:
+                ahead["before_clean"] = sum(n for k, n in (behind or {}).get("with", [])
+                                            if start - (back - k) * gb not in ledger.flagged_at)
         # read as it streams (text, hf), a DP rank's rows are its own documents': one document
         # can fill a step only at DP 1
         lone = step_tokens if ledger.topo.dp_size == 1 else None
