@@ -434,6 +434,10 @@ def _response_lines(events: list[dict]) -> list[str]:
         done += [f"{n} held back ({'would have acted: --ledger.on_spike.act observe' if k == 'observe' else k})"
                  for k, n in held.items()]
         out.append(f"  proofs       {len(proofs)}: {verdicts}" + (f"; {'; '.join(done)}" if done else "; nothing changed"))
+    stalls = [e for e in events if e.get("stall")]
+    if stalls:
+        out.append(f"  stalls       {len(stalls)}: " + ", ".join(f"step {e['step']} ({e['stall']['kind']})"
+                                                            for e in stalls[:5]))
     failed = sum(1 for e in events if "proof_failed" in e or "response_failure" in e)
     untrained = sum(1 for e in events if e.get("no_tokens"))
     paused = sum(1 for e in events if e.get("breaker") == "paused")

@@ -118,24 +118,31 @@ def test_restoring_state_a_parameter_never_had_is_refused():
 
 # --------------------------------------------------------------------------- the decision
 def test_one_variant_alone_removing_the_spike_proves_its_cause():
-    cause, why = window_verdict(False, {"lr": True, "adam": False})
-    assert cause == "lr" and "adam did not" in why
+    cause, why, fixes = window_verdict(False, {"lr": True, "adam": False}, {"lr": 0.4, "adam": 0.0})
+    assert cause == "lr" and "not by adam" in why and "loss +0.4 over the window's last steps" in why
+    assert fixes == [{"variant": "lr", "cause": "lr", "cost": 0.4}]
     assert SNAPSHOT_CAUSES[cause] == "lr" and SNAPSHOT_CAUSES["adam"] == "optimizer_state"
 
 
 def test_an_unreproduced_window_proves_nothing_even_when_a_variant_is_normal():
-    cause, why = window_verdict(True, {"lr": True})
-    assert cause is None and "did not reproduce" in why
+    cause, why, fixes = window_verdict(True, {"lr": True})
+    assert cause is None and "did not reproduce" in why and fixes == []
 
 
-def test_two_variants_that_both_remove_it_prove_neither():
-    cause, why = window_verdict(False, {"lr": True, "adam": True})
-    assert cause is None and "adam, lr" in why
+def test_where_several_fixes_remove_it_the_cheapest_names_the_cause_and_the_others_are_said():
+    """Issue 61: "QK-clip removes it at no loss cost; LR x 0.3 also does, +0.4 loss" --
+    the truth may be LR-driven logit growth; the cheapest fix is the one a user wants."""
+    cause, why, fixes = window_verdict(False, {"lr": True, "logit_cap": True, "eps": False, "zloss": True},
+                                       {"lr": 0.4, "logit_cap": 0.01, "eps": 0.0, "zloss": None})
+    assert cause == "logit_cap" and [f["variant"] for f in fixes] == ["logit_cap", "lr", "zloss"]
+    assert [f["cause"] for f in fixes] == ["logit_growth", "lr", "output_logits"]
+    assert "also removed by lr (loss +0.4 over the window's last steps), zloss (cost unknown)" in why
+    assert why.endswith("not by eps")
 
 
 def test_no_variant_removing_it_is_unproven():
-    cause, why = window_verdict(False, {"lr": False, "adam": False})
-    assert cause is None and "no variant" in why
+    cause, why, fixes = window_verdict(False, {"lr": False, "adam": False})
+    assert cause is None and "no variant" in why and fixes == []
 
 
 # --------------------------------------------------------------------------- the ring

@@ -91,11 +91,22 @@ def describe_proof(proof: dict[str, Any]) -> str:
 
 def describe_window(window: dict[str, Any]) -> str:
     """The window proof (``proof["window"]``, :mod:`titan_ledger.components.response.snapshots`)
-    in words."""
+    in words: each re-run, and the fixes that removed the spike, the cheapest first."""
     if "from_step" not in window:
-        return f"window proof not run: {window.get('why', '')}"
-    runs = ", ".join(f"{r['variant']} {'normal' if r['normal'] else 'spiked'} (grad norm {r['grad_norm']:.3g})"
+        return f"window proof not run: {window.get('why', '')}" + (
+            f" (failed: {window['error']})" if window.get("error") else "")
+
+    def cost(r):
+        c = r.get("cost")
+        return "" if c is None or r.get("variant") == "same" else f", loss {c:+.3g}"
+
+    runs = ", ".join(f"{r['variant']} {'normal' if r['normal'] else 'spiked'} (grad norm {r['grad_norm']:.3g}{cost(r)})"
                      for r in window.get("runs", []))
     head = f"{window['cause']} proven" if window.get("cause") else "no cause proven"
+    fixes = window.get("fixes") or []
+    best = ""
+    if fixes:
+        best = "; the cheapest fix: " + fixes[0]["variant"] + (
+            f" (then {', '.join(f['variant'] for f in fixes[1:])})" if len(fixes) > 1 else "")
     return (f"{head} by the window from the host snapshot of step {window['from_step']} re-run in process "
-            f"({window['steps']} steps, {window.get('seconds', 0):.1f} s: {runs}): {window.get('why', '')}")
+            f"({window['steps']} steps, {window.get('seconds', 0):.1f} s: {runs}): {window.get('why', '')}{best}")

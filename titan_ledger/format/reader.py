@@ -296,8 +296,9 @@ class RunLedger:
         """What the response recorded of itself in ``spikes.jsonl``: the circuit breaker's
         pauses and resumptions (``breaker``), steps consumed whole because every label
         was masked (``no_tokens``), failures inside the response outside a proof
-        (``response_failure``; a failed proof is its step event's ``proof_failed``)."""
-        keys = ("breaker", "no_tokens", "response_failure")
+        (``response_failure``; a failed proof is its step event's ``proof_failed``), and
+        the stall rule's flags (``stall``: a run that stops learning or slowly diverges)."""
+        keys = ("breaker", "no_tokens", "response_failure", "stall")
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if any(k in e for k in keys)]
 
     def rewinds(self) -> list[dict[str, Any]]:

@@ -512,8 +512,8 @@ def log_rewind(metrics_logger, *, from_step: int, to_step: int, window: tuple[in
 
 
 def alert(metrics_logger, title: str, text: str, level: str = "ERROR") -> None:
-    """An alert of the response itself (the circuit breaker's pause): W&B's alert, and the
-    text in TensorBoard (``response/events``)."""
+    """An alert of the response itself (the circuit breaker's pause, a stall): W&B's alert,
+    and the text in TensorBoard (``response/events``)."""
     for x in _ours(metrics_logger):
         if isinstance(x, LedgerWandB):
             x._alert(title, text, level)

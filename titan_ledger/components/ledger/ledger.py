@@ -43,6 +43,7 @@ from torchtitan.config import Configurable
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
+from titan_ledger.components.detection.stall import StallConfig, StallWatch, describe_stall
 from titan_ledger.components.ledger import dashboards
 from titan_ledger.components.ledger.data_writer import DataLedgerWriter
 from titan_ledger.components.ledger.sections import (
@@ -130,6 +131,11 @@ class Ledger(Configurable):
         spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)
         """Spike rules on loss and grad norm (on device, every step)."""
 
+        stall: StallConfig = field(default_factory=StallConfig)
+        """The stall rule: the loss's trend against its own past, window by window (a run
+        that stops learning while its attention logits grow, or slowly diverges), on the
+        host from the written rows (``[ledger.stall]``)."""
+
         on_spike: OnSpikeConfig = field(default_factory=lambda: OnSpikeConfig())
         """What a flagged step does: the action or recovery ladder and its limits
         (``[ledger.on_spike]``)."""
@@ -177,6 +183,8 @@ class Ledger(Configurable):
         #: the first sample position of every step this process flagged (a proof asks whether
         #: convicted documents trained before without a flag)
         self.flagged_at: set[int] = set()
+        self.stall = StallWatch(config.stall) if config.stall.enable else None
+        self.stalls: list[dict] = []  # stall events this process raised (Recovery proves the newest)
         self.global_batch = 0
 
     # ------------------------------------------------------------------ setup
@@ -469,6 +477,19 @@ class Ledger(Configurable):
         if self.guard is not None:
             self.guard.record_action(rec)
 
+    def _on_stall(self, ev: dict, metrics_logger=None) -> None:
+        """A stall flag: its event, a WARNING, a dashboard scalar and alert."""
+        from torchtitan.tools.logging import logger
+
+        self.stalls.append(ev)
+        self.record_event(ev)
+        if self.topo.is_rank0:
+            logger.warning(f"titan_ledger: {describe_stall(ev)}")
+        if metrics_logger is not None:
+            metrics_logger.log({"stall/flag": 1.0, "stall/best_loss": float(ev["stall"]["best"])}, ev["step"])
+            if self.topo.is_rank0:
+                self.alert(f"titan_ledger: stall at step {ev['step']}", describe_stall(ev), metrics_logger)
+
     def alert(self, title: str, text: str, metrics_logger=None) -> None:
         """An alert of the response itself on the dashboards (W&B's alert, TensorBoard's
         ``response/events`` text)."""
@@ -497,6 +518,9 @@ class Ledger(Configurable):
                 self.adam_level.observe(done.row)
             if done.row.get("spike") and isinstance(done.row.get("consumed_samples"), int):
                 self.flagged_at.add(done.row["consumed_samples"] - self.global_batch)
+            stall = self.stall.observe(done.row) if self.stall is not None else None
+            if stall is not None:
+                self._on_stall(stall, metrics_logger)
             event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven,
                                       proof_failed=done.rec.proof_failed) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
@@ -582,6 +606,8 @@ class Ledger(Configurable):
         state["ladder"] = json.dumps(self.ladder.state_dict())
         state["note_budget"] = json.dumps(self.note_budget.state_dict())
         state["breaker"] = json.dumps(self.breaker.state_dict())
+        if self.stall is not None:
+            state["stall"] = json.dumps(self.stall.state_dict())
         if self.adam_level is not None:
             state["adam_level"] = json.dumps(self.adam_level.state_dict())
         return state
@@ -603,6 +629,8 @@ class Ledger(Configurable):
             self.ladder.load_state_dict(json.loads(self._state["ladder"]))
         if self._state.get("breaker") and not self._keep_ladder:  # (like the ladder: this process's actions)
             self.breaker.load_state_dict(json.loads(self._state["breaker"]))
+        if self._state.get("stall") and self.stall is not None:
+            self.stall.load_state_dict(json.loads(self._state["stall"]))
         if self._state.get("adam_level") and self.adam_level is not None:
             self.adam_level.load_state_dict(json.loads(self._state["adam_level"]))
         if self._state.get("note_budget"):  # (a checkpoint from before the budget: full)

@@ -293,10 +293,16 @@ class SnapshotsConfig:
     """How many snapshots the ring holds; the window proof starts from the oldest, so the
     window reaches back ``every`` x (``keep`` - 1) to ``every`` x ``keep`` steps."""
 
-    causes: list[str] = field(default_factory=lambda: ["lr", "adam"])
-    """The variants the window proof runs besides the unchanged window: ``lr`` (every
-    step's learning rate x ``lr_factor``: the learning rate) and ``adam`` (Adam's beta2
-    set to ``beta2``: the optimizer state)."""
+    causes: list[str] = field(default_factory=lambda: ["lr", "adam", "eps", "logit_cap", "zloss"])
+    """The fixes the window proof tries, each a re-run of the window besides the unchanged
+    one: ``lr`` (every step's learning rate x ``lr_factor``: the learning rate), ``adam``
+    (beta2 ``beta2``, epsilon ``eps``: the optimizer state), ``eps`` (Adam's epsilon raised
+    to ``eps_fix``: the optimizer state), ``logit_cap`` (the attention logits soft-capped at
+    ``logit_cap``: logit growth) and ``zloss`` (z-loss at ``zloss``: the output logits). A
+    fix that would change nothing here (the run already has it) is not run. Each removes
+    the spike or not, at a cost (its loss over the window's last ``cost_steps`` steps
+    against the unchanged run's); the cheapest that removes it names the cause, the
+    others are listed."""
 
     lr_factor: float = 0.1
     """The ``lr`` variant's scale on every step's learning rate in the window."""
@@ -310,6 +316,22 @@ class SnapshotsConfig:
     keeps its own. A run already at ``beta2`` and ``eps`` does not run the variant (it
     would change nothing)."""
 
+    eps_fix: float = 1e-6
+    """The ``eps`` fix: Adam's epsilon raised to this over the window (a group whose epsilon
+    is larger keeps its own). 1e-6 removed the memorisation plateau's spikes on the tiny
+    model (docs/benchmarks.md)."""
+
+    logit_cap: float = 30.0
+    """The ``logit_cap`` fix: every attention logit soft-capped at this (``cap x
+    tanh(logit / cap)``, Gemma 2's) over the window."""
+
+    zloss: float = 1e-4
+    """The ``zloss`` fix: the loss's z-loss weight over the window (PaLM's 1e-4)."""
+
+    cost_steps: int = 5
+    """A fix's cost is its mean loss over the window's last this many steps, against the
+    unchanged re-run's."""
+
     max_proofs: int = 2
     """Window proofs per process (each costs (len(causes) + 1) x the window's steps of
     forward/backward and updates); later ``not_data`` flags are recorded unproven."""
@@ -322,6 +344,9 @@ class SnapshotsConfig:
         if bad:
             raise ConfigError(f"--ledger.snapshots.causes {','.join(bad)}: expected some of "
                               f"{', '.join(SNAPSHOT_CAUSES)}")
+        if not (self.eps_fix > 0 and self.logit_cap > 0 and self.zloss > 0 and self.cost_steps >= 1):
+            raise ConfigError(f"--ledger.snapshots.eps_fix {self.eps_fix} / logit_cap {self.logit_cap} / zloss "
+                              f"{self.zloss} / cost_steps {self.cost_steps}: expected each > 0 (cost_steps >= 1)")
         if not 0 < self.lr_factor < 1 or not 0 < self.beta2 < 1 or not self.eps > 0:
             raise ConfigError(f"--ledger.snapshots.lr_factor {self.lr_factor} / beta2 {self.beta2} / eps "
                               f"{self.eps}: expected lr_factor and beta2 in (0, 1), eps > 0")

@@ -411,7 +411,9 @@ class WindowProof:
         now = HostState().capture(params, opts)  # the state at the alarm, put back after
         grads = [p.grad for p in params]  # (a buffer's: None)
         betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
-        causes = [c for c in cfg.causes if c != "adam" or self._changes_adam(opts)]
+        causes = [c for c in cfg.causes if (c != "adam" or self._changes_adam(opts))
+                  and (c != "eps" or self._raises_eps(opts)) and (c != "zloss" or self._loss() is not None)
+                  and (c != "logit_cap" or self._attention())]
         detector = t.ledger.guard.detector
         faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
         deadline = start + float(t.config.ledger.on_spike.prove_timeout)
@@ -425,14 +427,19 @@ class WindowProof:
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
                     again.rewind_rng()
+                    self._model_variant(variant)
+                    last: list[float] = []  # the window's last steps' losses: what the fix cost
                     for s in range(snap.step + 1, rec.step):
                         entry = ring.log[s]
                         self._variant(opts, entry.lrs, betas, variant)
-                        again.run(entry.batches)
+                        lo, _, lt, gt = again.run(entry.batches)
+                        if rec.step - s <= cfg.cost_steps:
+                            last.append(_global_loss(t, loss_sum(lo, gt), int(lt)))
                         if not entry.rec.update_skipped:
                             t.optimizers.step()
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
+                    self._model_variant("same")
                     mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                     if kind == "nan" and variant != "same":
@@ -441,21 +448,62 @@ class WindowProof:
                             math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
                         raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
                                            f"unchanged window was")
+                    end = sum(last) / len(last) if last else None
                     runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
-                                 "normal": not flags_again(detector, mean, norm)})
+                                 "normal": not flags_again(detector, mean, norm),
+                                 "loss_end": end if end is None or math.isfinite(end) else None})
         finally:
+            self._model_variant("same")  # the attention's cap and the loss's z-loss as the run has them
             now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
             for p, g in zip(params, grads):
                 p.grad = g
         by = {r["variant"]: r for r in runs}
-        cause, why = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes})
-        if "adam" in cfg.causes and "adam" not in causes:
-            why += f"; adam not run (every group already has beta2 <= {cfg.beta2} and eps >= {cfg.eps})"
+        base = by["same"]["loss_end"]
+        for r in runs:
+            r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
+        cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
+                                           {c: by[c]["cost"] for c in causes})
+        skipped = sorted(set(cfg.causes) - set(causes))
+        if skipped:
+            why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
         if dist.is_initialized():
             dist.barrier()  # every rank leaves together (the window's collectives are done)
         return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
-                "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
-                "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "seconds": round(time.perf_counter() - start, 4)}
+                "fixes": fixes, "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
+                "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
+                "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _raises_eps(self, opts) -> bool:
+        eps = self.ring.config.eps_fix
+        return any(g.get("eps") is not None and g["eps"] < eps for o in opts for g in o.param_groups)
+
+    def _loss(self):
+        """The run's loss when it is titan_ledger's (its z-loss weight can be set)."""
+        from titan_ledger.components.signals.doc_loss import find_doc_loss
+
+        ours = find_doc_loss(self.trainer.loss_fn)
+        return ours if ours is not None and hasattr(ours, "z_loss_weight") else None
+
+    def _attention(self) -> list:
+        """The attention modules whose logits a cap can bound (titan_ledger's recorder)."""
+        from titan_ledger.components.signals.attention import MaxLogitRecorder
+
+        return [m for part in self.trainer.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
+
+    def _model_variant(self, variant: str) -> None:
+        """What a variant changes outside the optimizer, set for its window and back to the
+        run's own after it (``same``): the attention's logit cap (``logit_cap``: a tanh
+        soft cap, replay rerun's own), the loss's z-loss weight (``zloss``)."""
+        cfg = self.ring.config
+        if not hasattr(self, "_kept"):
+            loss = self._loss()
+            self._kept = ([(m, m.softcap) for m in self._attention()],
+                          (loss, loss.z_loss_weight) if loss is not None else None)
+        caps, z = self._kept
+        for m, cap in caps:
+            m.softcap = cfg.logit_cap if variant == "logit_cap" else cap
+        if z is not None:
+            z[0].z_loss_weight = cfg.zloss if variant == "zloss" else z[1]
 
     def _changes_adam(self, opts) -> bool:
         cfg = self.ring.config
@@ -473,7 +521,7 @@ class WindowProof:
                 if betas is not None:
                     g["betas"] = (betas[0], min(betas[1], cfg.beta2)) if adam else betas
                 if eps is not None:
-                    g["eps"] = max(eps, cfg.eps) if adam else eps
+                    g["eps"] = max(eps, cfg.eps) if adam else max(eps, cfg.eps_fix) if variant == "eps" else eps
 
 
 def _global_loss(trainer, local_sum, local_tokens: int) -> float:

@@ -513,24 +513,41 @@ def mean_loss(ranks: list[list[float]]) -> float:
     return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
 
 
-#: the window proof's variants (``[ledger.snapshots] causes``) and the cause each proves
-SNAPSHOT_CAUSES = {"lr": "lr", "adam": "optimizer_state"}
+#: the window proof's variants (``[ledger.snapshots] causes``) and the cause each one's fix
+#: proves: the LR scaled, Adam's beta2 / epsilon, a cap on the attention logits, z-loss
+SNAPSHOT_CAUSES = {"lr": "lr", "adam": "optimizer_state", "eps": "optimizer_state", "logit_cap": "logit_growth",
+                   "zloss": "output_logits"}
 
 
-def window_verdict(same_normal: bool, removed: dict[str, bool]) -> tuple[str | None, str]:
+def window_verdict(same_normal: bool, removed: dict[str, bool],
+                   costs: dict[str, float | None] | None = None) -> tuple[str | None, str, list[dict]]:
     """The in-process window proof's decision (pure): the window re-run from a host
     snapshot unchanged (``same_normal``: its flagged step's update came out normal) and
-    once per candidate cause (``removed``: cause -> its variant's update came out
-    normal). A cause is proven only when the unchanged window reproduces the spike and
-    that cause's variant alone removes it; two variants that both remove it prove
-    neither (each is a prevention, not the cause). Returns (cause or None, why)."""
+    once per candidate fix (``removed``: variant -> its flagged step came out normal;
+    ``costs``: variant -> its loss over the window's last steps minus the unchanged
+    run's, what the fix cost in learning). Nothing is proven unless the unchanged window
+    reproduces the spike. Every fix that removes it is listed, the cheapest first (an
+    unknown cost last); the cause is the mechanism of the cheapest, and where several
+    remove it the others are said too ("LR-driven logit growth" is a true answer).
+    Returns (variant of the cheapest fix or None, why, fixes)."""
+    costs = costs or {}
+    fixes = sorted(({"variant": c, "cause": SNAPSHOT_CAUSES.get(c, c), "cost": costs.get(c)}
+                    for c, ok in removed.items() if ok),
+                   key=lambda f: (f["cost"] is None, f["cost"] if f["cost"] is not None else 0.0, f["variant"]))
     if same_normal:
-        return None, "the window re-run unchanged did not reproduce the spike: nothing to prove against"
-    fixed = sorted(c for c, ok in removed.items() if ok)
-    if len(fixed) == 1:
-        others = sorted(c for c in removed if c != fixed[0])
-        return fixed[0], (f"the window re-run unchanged reproduced the spike; with the {fixed[0]} variant alone "
-                          f"the update came out normal" + (f" ({', '.join(others)} did not)" if others else ""))
-    if fixed:
-        return None, f"the variants of {', '.join(fixed)} each removed it: none is proven the cause"
-    return None, f"no variant ({', '.join(sorted(removed)) or 'none run'}) removed the spike from this window"
+        return None, "the window re-run unchanged did not reproduce the spike: nothing to prove against", []
+    if not fixes:
+        return None, f"no variant ({', '.join(sorted(removed)) or 'none run'}) removed the spike from this window", []
+
+    def cost(f):
+        return "cost unknown" if f["cost"] is None else f"loss {f['cost']:+.3g} over the window's last steps"
+
+    best, others = fixes[0], fixes[1:]
+    failed = sorted(c for c, ok in removed.items() if not ok)
+    why = (f"the window re-run unchanged reproduced the spike; the {best['variant']} variant removed it "
+           f"({cost(best)})")
+    if others:
+        why += "; also removed by " + ", ".join(f"{f['variant']} ({cost(f)})" for f in others)
+    if failed:
+        why += f"; not by {', '.join(failed)}"
+    return best["variant"], why, fixes
