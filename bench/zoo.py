@@ -141,6 +141,16 @@ EASY_TEXT, EASY_DOCS = " the end." * 400, 1500
 REAL_ADAM = ("--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "100", *CONSTANT_LR, "--ledger.update_norm",
              "--checkpoint.keep_latest_k", "0", "--checkpoint.enable_first_step_checkpoint", "--optimizer.betas", "0.9",
              "0.999", "--optimizer.eps", "1e-15")
+# Adam's plateau (issue 61; Wortsman et al. 2023b, Bai et al. 2025): one text repeated (the
+# ``easy_only`` corpus), a constant LR, no weight decay, QK-norm: the model memorises it (loss
+# ~0.007), the gradient falls to ~1e-3, Adam's second moment follows it down and every update
+# stays full-size until the loss spikes (7 and 12 flags in 800 steps on two seeds).
+PLATEAU = ("--lr_scheduler.warmup_steps", "20", *CONSTANT_LR, "--optimizer.weight_decay", "0", "--model.qk_norm",
+           "--ledger.update_norm", "--checkpoint.keep_latest_k", "0", "--checkpoint.enable_first_step_checkpoint")
+# the attention-logit stall (issue 61; Wortsman et al. 2023): LR 0.1 after a 20-step warm-up, no
+# weight decay, cosine decay: the loss stops improving near 6.3 by step 150 while the max
+# attention logit climbs from 2e3 to 5.8e4 -- no spike; the stall rule flags it
+STALL = ("--optimizer.lr", "0.1", "--lr_scheduler.warmup_steps", "20", "--optimizer.weight_decay", "0", *REAL)
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class Scenario:
     ckpt_interval: int = 10
     # real: the flags of the same run with the cause's prevention (``Result.prevented``)
     prevention: tuple[str, ...] | None = None
+    stall: bool = False  # the cause stalls training, it does not spike: the stall rule's flags are its flags
 
 
 SCENARIOS = [
@@ -249,6 +260,21 @@ SCENARIOS = [
               "500", "--lr_scheduler.decay_ratio", "0.1", "--ledger.update_norm", "--checkpoint.keep_latest_k", "0"),
              set="long", config="tiny_cpu.toml", nproc=1, ckpt_interval=100_000,
              prevention=("--loss.z_loss_weight", "1e-4")),
+    # issue 61: Adam's plateau; its prevention eps 1e-6 (measured: no flag); its twin at a third of
+    # the LR (the plateau comes later, the spike with it: the LR is not the whole story)
+    Scenario("optimizer_state_plateau", "optimizer_state", 800, ("--optimizer.lr", "1e-2", *PLATEAU), set="real",
+             corpus="easy_only", config="tiny_cpu.toml", nproc=1, ckpt_interval=20,
+             prevention=("--optimizer.eps", "1e-6")),
+    Scenario("optimizer_state_plateau_lr3e3", "optimizer_state", 1500, ("--optimizer.lr", "3e-3", *PLATEAU),
+             set="real", corpus="easy_only", config="tiny_cpu.toml", nproc=1, ckpt_interval=20,
+             prevention=("--optimizer.eps", "1e-6")),
+    # issue 61: the attention-logit stall and its twin with a 500-step warm-up (the logits still
+    # pass 1e4); the prevention QK-norm (measured: logits ~36, the loss going on down)
+    Scenario("logit_stall_real", "logit_growth", 1000, STALL, set="real", config="tiny_cpu.toml", nproc=1,
+             ckpt_interval=20, prevention=("--model.qk_norm",), stall=True),
+    Scenario("logit_stall_warmup500", "logit_growth", 1000, (*STALL, "--lr_scheduler.warmup_steps", "500"),
+             set="real", config="tiny_cpu.toml", nproc=1, ckpt_interval=20, prevention=("--model.qk_norm",),
+             stall=True),
     # smoke: the divergence's first spike (step 22 of the 2,000-step run) for the CI test
     Scenario("real_smoke", "lr", 40, REAL_LR1, set="smoke", config="tiny_cpu.toml", nproc=1, ckpt_interval=20),
     Scenario("optimizer_state", "optimizer_state", 100,
@@ -308,7 +334,8 @@ def build_corpus(folder: Path, plant: str | None, plant_step: int, seed: int,
     tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
     text = [json.loads(x) for x in CORPUS.read_text().splitlines() if x.strip()]
     docs = (copy_documents(tok, seed) if corpus == "copy" else
-            [{"text": EASY_TEXT}] * EASY_DOCS + text * 3 if corpus == "easy" else text)
+            [{"text": EASY_TEXT}] * EASY_DOCS + text * 3 if corpus == "easy" else
+            [{"text": EASY_TEXT}] * EASY_DOCS if corpus == "easy_only" else text)
     out, seen, planted = [], 0, []
     target = (plant_step - 1) * TOKENS_PER_STEP
     for d in docs:
@@ -468,7 +495,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
         rows = led.trained_rows()
         res.true_step = next((b["step"] for a, b in zip(rows, rows[1:])
                               if b["step"] > sc.relaunch[0] and b["lr"] >= 2 * a["lr"]), None)
-    flagged = led.spike_steps()
+    flagged = led.spike_steps() if not sc.stall else stall_steps(led)
     if sc.prevention is not None:  # real: the same run with the cause's prevention
         pdump = base / f"{sc.name}_prevented"
         shutil.rmtree(pdump, ignore_errors=True)
@@ -478,7 +505,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
                     pdump, base / f"{sc.name}_prevented.log", sc.nproc)
         res.train_rc = res.train_rc or prc
         pled = RunLedger(pdump)
-        res.prevention_flags = pled.spike_steps()
+        res.prevention_flags = pled.spike_steps() if not sc.stall else stall_steps(pled)
         res.prevented = not res.prevention_flags
         res.audit, res.end = end_state(led)
         res.prevention_audit, res.prevention_end = end_state(pled)
@@ -540,6 +567,11 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
 FINGERPRINT_KEYS = ("max_logit", "logz_max", "grad_norm", "update_norm", "param_norm", "loss")
 
 
+def stall_steps(led) -> list[int]:
+    """The steps the stall rule flagged (``components.detection.stall``): a stall's "spike"."""
+    return [int(e["step"]) for e in led.response_events() if e.get("stall")]
+
+
 def fingerprint(rows: list[dict], step: int, window: int = 20) -> dict:
     """What the signals did before ``step`` (pure): per key of :data:`FINGERPRINT_KEYS`,
     the median over the first ``window`` trained steps, the median and max over the
@@ -589,9 +621,10 @@ def end_state(led) -> tuple[list[str], dict]:
 #: ``hardware``, an LR relaunch reproducible and not the data (``not_data``). A control
 #: (None) has none: no proof on it may find a harmful cause (``format.proofs.HARMFUL``).
 EXPECTED_VERDICT = {"bad_data": "bad_data", "hardware": "hardware", "lr": "not_data",
-                    # the real causes (issue 36): reproducible, and not the data
-                    "logit_growth": "not_data", "output_logits": "not_data", "optimizer_state": "not_data",
-                    "bf16": "not_data", "embedding": "not_data"}
+                    # the real causes (issue 36): reproducible, and not the data; Adam's state is
+                    # named in the step when its second moment decayed (issue 61: Adam first)
+                    "logit_growth": "not_data", "output_logits": "not_data",
+                    "optimizer_state": ("not_data", "optimizer_state"), "bf16": "not_data", "embedding": "not_data"}
 
 
 def proof_rows(events: list[dict]) -> list[dict]:
@@ -657,7 +690,8 @@ def proof_verdict(cause: str | None, true_step: int | None, proofs: list[dict],
     if cause is None:
         out["proof_match"] = not out["proof_harmful_elsewhere"]
     else:
-        out["proof_match"] = first is not None and first["verdict"] == EXPECTED_VERDICT.get(cause)
+        want = EXPECTED_VERDICT.get(cause)
+        out["proof_match"] = first is not None and first["verdict"] in (want if isinstance(want, tuple) else (want,))
     if true_documents:
         out["proof_named_planted"] = bool(first) and any(
             int(d) in true_documents for _, d in (first["documents"] or []))

@@ -524,6 +524,8 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
         res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
     res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
     _apply_proof(res, (event or {}).get("proof") or (note or {}).get("proof"))
+    _apply_stall(res, next((e for e in reversed(led.response_events()) if e.get("stall")
+                            and int(e["step"]) == step), None))
     note_fragile(res)
     if res.get("proof", {}).get("verdict") == "bad_data":  # the convicted documents, with their losses
         scores = {(d["source"], d["doc"]): d for d in document_scores(led, step)}
@@ -531,6 +533,27 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
                             for d in res["documents"]]
     _apply_rerun(led, step, res)
     return res
+
+
+def _apply_stall(res: dict, event: dict | None) -> None:
+    """A step the stall rule flagged (``components.detection.stall``): no spike, a finding.
+    ``stalled`` needs the attention logits past its bar, so its cause is logit growth (the
+    evidence: the loss's windows and the logits), with QK-norm's prevention; a ``diverging``
+    loss keeps the tree's cause, with the stall beside it."""
+    if event is None:
+        return
+    from titan_ledger.components.detection.stall import describe_stall
+
+    st = event["stall"]
+    res["stall"] = st
+    if st["kind"] == "stalled":
+        if res.get("cause") != "logit_growth":
+            res["heuristic"] = res.get("cause")
+        res.update(cause="logit_growth", certainty="evidence",
+                   certainty_rule=f"evidence: the stall rule ({describe_stall(event)})",
+                   prevention=fp.prevention("logit_growth", res.get("fingerprints"), st.get("max_logit")))
+    else:
+        res["certainty_rule"] = f"{res.get('certainty_rule', '')}; {describe_stall(event)}".lstrip("; ")
 
 
 #: how the documents of a bad_data proof were chosen (diagnose, report)

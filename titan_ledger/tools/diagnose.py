@@ -160,7 +160,7 @@ def _main(a) -> int:
         print(no_spikes(led))
     for r in results:
         sc = r.get("spike_check")
-        if sc is not None and not sc["is_spike"]:
+        if sc is not None and not sc["is_spike"] and not r.get("stall"):
             print(f"step {r['step']}: NOT A SPIKE: no spike rule fires and the trainer did not flag it: "
                   f"grad norm {sc['grad_norm_vs_median']}x the median of the {sc['pre_steps']} steps "
                   f"before (ratio rule needs > {sc['ratio_needs']}x), loss {sc['loss_vs_median']}x "
@@ -243,6 +243,7 @@ def acted_steps(led: RunLedger) -> list[int]:
     offline (:func:`spike_steps`)."""
     steps = set(led.spike_steps()) | {int(r["step"]) for r in led.rewinds()}
     steps |= {int(r["step"]) for r in led.ladder_actions()}
+    steps |= {int(e["step"]) for e in led.response_events() if e.get("stall")}  # a stall: no spike, a finding
     steps |= {int(r["step"]) for r in led.signal_rows() if r.get("update_skipped")}
     return sorted(steps) or spike_steps(led)
 
