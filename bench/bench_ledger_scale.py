@@ -40,7 +40,7 @@ ledger):
   the import; load_config: load_config on the empty folder); ``in-proc s`` = the call
   alone, timed inside the child.
 * point queries: ``lookup --step mid``, ``lookup --step end``, ``diagnose D --step T``,
-  ``report D --step T -o ...``, ``rollback D --spike-step T --skip-from T --back 100`` (the
+  ``report D --step T -o ...``, ``rollback D --step T --skip-from T --back 100`` (the
   default window right after the checkpoint need not contain T; ``--back`` T/2 on tiny runs), and the postmortem of T
   (no CLI: ``python -c`` of ``tools.postmortem.actions_at(RunLedger(D), T)``).
 * whole-run readers (MB/s = ledger MB / wall s): ``replay check D D``, ``diagnose D``
@@ -211,8 +211,8 @@ def commands(dump: Path, info: dict, out: Path, empty: Path) -> list[dict]:
     add("point", f"diagnose --step {spike}", [*m, "titan_ledger.diagnose", str(dump), "--step", str(spike)])
     add("point", f"report --step {spike}",
         [*m, "titan_ledger.report", str(dump), "--step", str(spike), "-o", str(out / "report-step.html")])
-    add("point", f"rollback --spike-step {spike}",  # a window from the spike: valid whatever the checkpoint spacing
-        [*m, "titan_ledger.rollback", str(dump), "--spike-step", str(spike), "--skip-from", str(spike),
+    add("point", f"rollback --step {spike}",  # a window from the spike: valid whatever the checkpoint spacing
+        [*m, "titan_ledger.rollback", str(dump), "--step", str(spike), "--skip-from", str(spike),
          "--back", str(min(100, spike // 2))])
     add("point", f"postmortem {spike} (actions_at)",
         [py, "-c", "from titan_ledger.format.reader import RunLedger; "

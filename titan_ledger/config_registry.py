@@ -90,7 +90,8 @@ def debug_cpu() -> LedgerTrainer.Config:
     return config
 
 
-def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4, embedding_std: float | None = None):
+def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4, embedding_std: float | None = None,
+                vocab: int = 2048):
     """A llama3 model small enough for 10^4-step runs on a CPU core (issue 36).
 
     Copied from torchtitan.models.llama3._debugmodel (0.3.0); CHANGED: dim 256 -> 64,
@@ -109,13 +110,13 @@ def _tiny_model(dim: int = 64, n_layers: int = 2, n_heads: int = 4, embedding_st
 
     config = Llama3Model.Config(
         dim=dim,
-        vocab_size=2048,
+        vocab_size=vocab,
         tok_embeddings=Embedding.Config(  # CHANGED: embedding_std (issue 36: Takase et al.'s 0.02)
-            num_embeddings=2048, embedding_dim=dim,
+            num_embeddings=vocab, embedding_dim=dim,
             param_init=_EMBEDDING_INIT if embedding_std is None else {
                 "weight": functools.partial(torch.nn.init.normal_, std=embedding_std)}),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=_output_linear_init(dim)),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         layers=_build_llama3_layers(
             fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),  # CHANGED: 256 -> 64
@@ -152,6 +153,22 @@ def tiny_cpu_small_embedding() -> LedgerTrainer.Config:
     config = tiny_cpu()
     config.model_spec = _tiny_model(embedding_std=0.02)
     config.dump_folder = "./outputs/tiny_cpu_small_embedding"
+    return config
+
+
+def wortsman_small() -> LedgerTrainer.Config:
+    """The GPU scenario set's model (issue 61, ``bench/device/scenarios.py``): a 4-layer
+    llama3, dim 256, 4 heads (about 3.1 M non-embedding parameters: Wortsman et al.
+    2023's small proxies), a 32,768-token output layer over the bundled tokenizer's
+    2,048 tokens (the rest are never a label: their logits are what drifts in an
+    output-logit divergence), seq_len 256, 32 rows a step."""
+    config = tiny_cpu()
+    config.model_spec = _tiny_model(dim=256, n_layers=4, n_heads=4, vocab=32768)
+    config.loss = ChunkedDocLoss.Config(
+        loss_fn=DocLossCrossEntropy.Config(global_vocab_size=decoder_vocab_size(config.model_spec)))
+    config.dump_folder = "./outputs/wortsman_small"
+    config.training.seq_len = 256
+    config.training.local_batch_size = 32
     return config
 
 

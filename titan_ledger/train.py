@@ -405,7 +405,7 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
         "  look at it:",
         f"    {py} -m titan_ledger.plot {dump} -o {dump / 'signals.png'}{opt}",
         f"    {py} -m titan_ledger.diagnose {dump}{opt}",
-        f"    {py} -m titan_ledger.lookup --dump-folder {dump} --step {look}{opt}",
+        f"    {py} -m titan_ledger.lookup {dump} --step {look}{opt}",
     ]
     if spike_steps:
         lines.append(f"    {py} -m titan_ledger.report {dump} --step {spike_steps[0]} -o "

@@ -63,7 +63,7 @@ def test_lookup_and_rollback_say_it_was_rolled_back(run):
     assert rc == 0, err
     assert "rolled back to checkpoint step-8" in out and "batch replaced by an injection (repeat" in out
     assert "stdlib_docs  doc " in out and "c4_test" not in out  # the bundled corpus by its own name
-    rc, out, err = cli(rollback.main, ["--dump-folder", run, "--spike-step", "10", "--back", "1", "--skip", "2"])
+    rc, out, err = cli(rollback.main, ["--dump-folder", run, "--step", "10", "--back", "1", "--skip", "2"])
     assert rc == 0, err
     assert "step 10: already rolled back in process" in out
 

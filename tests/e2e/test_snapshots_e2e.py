@@ -59,13 +59,20 @@ def test_the_lr_is_proven_in_process_from_the_host_snapshot(runs):
     d, log = runs["ring"]
     w = window_at(d, SPIKE)
     assert w["cause"] == "lr" and w["from_step"] == 0 and w["steps"] == SPIKE
-    same, lr = w["runs"]
+    by = {r["variant"]: r for r in w["runs"]}
+    same, lr = by["same"], by["lr"]
     led = signals_ledger(d)  # the spiked step's row (superseded by the rollback)
     row = next(r for r in led.superseded + led.history if r.get("step") == SPIKE and r.get("loss") is not None)
-    assert same["variant"] == "same" and not same["normal"]
+    assert not same["normal"]
     assert (same["loss"], same["grad_norm"]) == (row["loss"], row["grad_norm"])  # the window replayed bit for bit
-    assert lr["variant"] == "lr" and lr["normal"] and lr["grad_norm"] < row["grad_norm"] / 5
-    assert "adam not run" in w["why"]  # torchtitan's default beta2 is 0.95 already: the variant would change nothing
+    assert lr["normal"] and lr["grad_norm"] < row["grad_norm"] / 5
+    # every fix tried, each with its cost (the window's last steps' loss against the unchanged
+    # re-run's); the LR's lowers it (the run learns better at 0.1x), the others' raise it: the
+    # cheapest fix that removes the spike names the cause
+    assert sorted(by) == ["eps", "logit_cap", "lr", "same", "zloss"] and lr["cost"] < 0
+    assert w["fixes"][0] == {"variant": "lr", "cause": "lr", "cost": lr["cost"]}
+    assert all(f["cost"] >= lr["cost"] for f in w["fixes"])
+    assert "not run: adam" in w["why"]  # torchtitan's default beta2 is 0.95 already: the variant would change nothing
     assert f"rolling back from step {SPIKE} to the host snapshot of step 8" in log
     rc, out, err = cli(diagnose.main, [str(d), "--step", str(SPIKE), "--json"])
     assert rc == 0, err

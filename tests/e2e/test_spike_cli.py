@@ -106,7 +106,7 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
     p = py("-m", "titan_ledger.plot", d, "-o", png)
     assert p.returncode == 0 and "1 spikes" in p.stdout and png.stat().st_size > 10_000
     # rollback planner: checkpoint-free run -> a clear error naming the flag
-    rc, out, err = cli(rollback.main, ["--dump-folder", d, "--spike-step", "24"])
+    rc, out, err = cli(rollback.main, ["--dump-folder", d, "--step", "24"])
     assert rc == 2 and len(error_lines(err)) == 1 and "checkpoint" in err, out + err
 
 
@@ -124,7 +124,7 @@ def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_pa
     assert cur[9]["skipped"] and cur[9]["last_step"] == 10 and 11 in cur
     # the planner proposes the same fix, as flags and as an overlay (its subprocess smoke test)
     overlay = tmp_path / "rollback.toml"
-    r = py("-m", "titan_ledger.rollback", "--dump-folder", live, "--spike-step", "10",
+    r = py("-m", "titan_ledger.rollback", "--dump-folder", live, "--step", "10",
            "--back", "1", "--skip", "2", "--write", overlay, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = json.loads(r.stdout)

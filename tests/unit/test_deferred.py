@@ -152,8 +152,11 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
                               snapshots=SimpleNamespace(every=snapshots)),
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
+    from titan_ledger.components.response.bounds import Breaker
+
     ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
-                             topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None)
+                             topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None,
+                             breaker=Breaker(4, 100))
     return SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
                            metrics_processor=SimpleNamespace(should_log=lambda s: log),
                            should_continue_training=lambda: more,

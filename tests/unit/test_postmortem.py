@@ -149,7 +149,7 @@ def test_lookup_and_rollback_say_the_step_was_rolled_back(tmp_path, capsys):
     assert out.startswith(f"step {T}: SKIPPED (window 21-26)") and "rolled back to checkpoint step-20" in out
     assert lookup.main(["--dump-folder", str(dump), "--step", str(T), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["actions"]["rewind"]["to"] == LOAD
-    assert rollback.main(["--dump-folder", str(dump), "--spike-step", str(T), "--back", "1", "--skip", "6"]) == 0
+    assert rollback.main(["--dump-folder", str(dump), "--step", str(T), "--back", "1", "--skip", "6"]) == 0
     out = capsys.readouterr().out
     assert f"step {T}: already rolled back in process" in out and "skipped 21\u201326" in out
 

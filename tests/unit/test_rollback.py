@@ -25,12 +25,12 @@ def test_rollback_plan_and_overlay():
 
 
 def test_cli_names_the_folder_and_the_fix(tmp_path, capsys):
-    assert main(["--dump-folder", str(tmp_path / "nope"), "--spike-step", "5", "--back", "0"]) == 2
+    assert main(["--dump-folder", str(tmp_path / "nope"), "--step", "5", "--back", "0"]) == 2
     assert "no such dump folder" in capsys.readouterr().err
-    assert main([str(tmp_path), "--spike-step", "5", "--back", "0"]) == 2
+    assert main([str(tmp_path), "--step", "5", "--back", "0"]) == 2
     err = capsys.readouterr().err
     assert "no complete checkpoint" in err and "--checkpoint.enable" in err and "smaller --back" not in err
     (tmp_path / "checkpoint" / "step-3").mkdir(parents=True)
     (tmp_path / "checkpoint" / "step-3" / ".metadata").write_bytes(b"x")
-    assert main([str(tmp_path), "--spike-step", "5", "--back", "1", "--skip", "4", "--json"]) == 0
+    assert main([str(tmp_path), "--step", "5", "--back", "1", "--skip", "4", "--json"]) == 0
     assert '"load_step": 3' in capsys.readouterr().out

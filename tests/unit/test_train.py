@@ -47,7 +47,7 @@ def test_run_summary_counts_rows_spikes_checkpoints_and_names_commands(tmp_path)
     assert "step-2, step-3" in text and "step-9" not in text
     assert f"python -m titan_ledger.plot {tmp_path} -o {tmp_path / 'signals.png'}" in text  # into the dump folder
     assert f"python -m titan_ledger.diagnose {tmp_path}" in text
-    assert f"python -m titan_ledger.lookup --dump-folder {tmp_path} --step 2" in text  # the spike
+    assert f"python -m titan_ledger.lookup {tmp_path} --step 2" in text  # the spike
     assert f"python -m titan_ledger.report {tmp_path} --step 2 -o {tmp_path / 'incident-step2.html'}" in text
     assert f"python -m titan_ledger.export {tmp_path} -o {tmp_path / 'export'}" in text
 
@@ -78,7 +78,7 @@ def test_run_summary_without_spikes_or_checkpoints_and_uneven_ranks(tmp_path):
     assert "spikes       none flagged" in text
     assert "checkpoints  none" in text
     assert "dp0: 4, dp1: 4, dp2: 1" in text
-    assert f"--dump-folder {tmp_path} --step 4" in text  # the last step
+    assert f"titan_ledger.lookup {tmp_path} --step 4" in text  # the last step
     assert "--ledger-folder" not in text
 
 

@@ -78,6 +78,19 @@ def load_tokenizer(path: str | os.PathLike):
     return HuggingFaceTokenizer(tokenizer_path=str(path))
 
 
+def load_decoder(path: str | os.PathLike):
+    """The run's tokenizer for decoding only (``tokenizers.Tokenizer``, the object
+    torchtitan's ``HuggingFaceTokenizer.decode`` calls): the same text from the same ids,
+    without importing torch or torchtitan -- what an offline tool showing a document needs."""
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    if not f.exists():
+        raise ConfigError(f"--tokenizer {path}: no tokenizer.json there; give the run's "
+                          f"hf_assets_path (default: the bundled tokenizer)")
+    return Tokenizer.from_file(str(f))
+
+
 def iter_texts(inputs: list[str], text_key: str) -> Iterator[str]:
     """Texts of JSONL / Parquet files, folders of them, or a ``datasets`` save_to_disk folder."""
     for raw in inputs:

@@ -285,6 +285,17 @@ class RunLedger:
         never acted on. A spike's own notes ride in its event."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "notes" in e and "rules" not in e]
 
+    def spike_rules(self) -> dict[str, Any] | None:
+        """The spike rules' settings the run recorded (``[ledger.spike]``, the newest
+        spikes.jsonl header's ``rules``); None when it ran no rules. Offline tools read the
+        run's own thresholds here instead of importing the rules (torch)."""
+        path = self.folder / records.SPIKES_FILE
+        if not path.exists():
+            return None
+        segs = records.read_ledger(path, records.SPIKES).segments
+        rules = segs[-1].header.extra.get("rules") if segs else None
+        return dict(rules) if isinstance(rules, dict) else None
+
     def proof_at(self, step: int) -> dict[str, Any] | None:
         """The proof at the alarm of ``step`` (the last one recorded: a rewound launch may
         prove it again), from its spike or note event or a forced proof's own event."""

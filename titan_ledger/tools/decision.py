@@ -317,11 +317,21 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
 
 
+def rules_of(led: RunLedger):
+    """The spike rules' settings of ``led``'s run as it recorded them (attribute access,
+    like ``SpikeDetector.Config``): no torch; the defaults (importing the rules) only for
+    a run that recorded none."""
+    from types import SimpleNamespace
+
+    rules = led.spike_rules()
+    return SimpleNamespace(**rules) if rules else _spikes().SpikeDetector.Config()
+
+
 def spike_check(rows: list[dict], step: int, flagged: bool, th: Thresholds | None = None,
                 det: SpikeDetector.Config | None = None) -> dict:
     """Is ``step`` a spike at all? The spike rules' numbers at that step against the
     ``th.pre`` trained steps before it (``diagnose --step`` on an ordinary step says
-    so before walking the tree)."""
+    so before walking the tree). ``det``: the run's rules (:func:`rules_of`)."""
     th, det = th or Thresholds(), det or _spikes().SpikeDetector.Config()
     trained = [r for r in rows if not r.get("skipped") and r.get("loss") is not None]
     at = next(r for r in trained if r["step"] == step)
@@ -417,15 +427,19 @@ def rank_phrase(res: dict) -> str:
 #: 17.8x the usual distance above it) and sat at 0.71x the step's median; masking it alone
 #: removed the spike
 @cache
-def _doc_standout() -> float:
-    """``DOC_STANDOUT``: exp of the spike rules' default ``doc_outlier_floor`` (their one owner)."""
-    return math.exp(_spikes().SpikeDetector.Config().doc_outlier_floor)
+def _default_floor() -> float:
+    return float(_spikes().SpikeDetector.Config().doc_outlier_floor)
 
 
-@cache
-def _doc_criterion() -> str:
+def _doc_standout(floor: float | None = None) -> float:
+    """``DOC_STANDOUT``: exp of the spike rules' ``doc_outlier_floor`` (their one owner): the
+    run's own (``floor``, as its spikes.jsonl recorded it), else the default."""
+    return math.exp(_default_floor() if floor is None else float(floor))
+
+
+def _doc_criterion(floor: float | None = None) -> str:
     """``DOC_CRITERION``: the rule above in words (quarantine records carry it)."""
-    x = _doc_standout()
+    x = _doc_standout(floor)
     return (f"document loss >= {x:.2g}x the step's median document or <= 1/{x:.2g} "
             f"of it (|log ratio| >= {math.log(x):g}, the spike rules' "
             f"doc_outlier_floor), or the document furthest from the step's median on a DP rank whose "
@@ -556,6 +570,32 @@ def _apply_stall(res: dict, event: dict | None) -> None:
         res["certainty_rule"] = f"{res.get('certainty_rule', '')}; {describe_stall(event)}".lstrip("; ")
 
 
+#: above this many DP ranks, per-rank values are summarised (the median, the spread, the worst
+#: ranks) instead of listed: a DP-512 run's 512 losses on one line read as noise
+RANKS_LISTED = 16
+
+
+def rank_summary(values: dict[str, float | None], worst: int = 3) -> str:
+    """Per-DP-rank values in words (pure): every rank up to :data:`RANKS_LISTED`, else the
+    count, median, the 10th-90th percentile spread, the ``worst`` highest ranks and any
+    rank without a finite value."""
+    fin = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    bad = [k for k in values if k not in fin]
+    if len(values) <= RANKS_LISTED:
+        return ", ".join(f"rank {k} {v:.4f}" if k in fin else f"rank {k} {v}" for k, v in values.items())
+    xs = sorted(fin.values())
+    if not xs:
+        return f"{len(values)} ranks, none finite"
+
+    def q(p):
+        return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
+
+    top = sorted(fin.items(), key=lambda kv: -kv[1])[:worst]
+    return (f"{len(values)} ranks: median {statistics.median(xs):.4f}, 10-90% {q(0.1):.4f}-{q(0.9):.4f}, "
+            f"highest " + ", ".join(f"rank {k} {v:.4f}" for k, v in top)
+            + (f"; not finite: ranks {', '.join(bad[:8])}" + (" ..." if len(bad) > 8 else "") if bad else ""))
+
+
 #: how the documents of a bad_data proof were chosen (diagnose, report)
 PROOF_CRITERION = "convicted by the proof at the alarm: masking them brought the update back, a control did not"
 
@@ -568,8 +608,7 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
     if not proof:
         return
     v = proof["verdict"]
-    res["proof"] = {k: proof[k] for k in ("verdict", "applied", "why", "suspect", "control", "documents",
-                                          "dp_ranks", "seconds", "executions", "window") if k in proof}
+    res["proof"] = dict(proof)  # the record as the trainer wrote it: every view renders the same one
     heuristic = res["cause"]
     if v == "hardware":
         ranks = ", ".join(map(str, proof.get("dp_ranks", [])))
@@ -581,20 +620,27 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
         docs = proof.get("documents") or []
         if sus.get("dp_ranks"):  # group testing: the documents' segments lay on these DP ranks
             res["ranks"] = sus["dp_ranks"]
+        quarantined = proof.get("applied") in ("masked", "control")
         res.update(cause="bad_data", certainty="proven", rank=sus.get("dp_rank"), rank_from="proof",
                    certainty_rule=("proven in step: masking the convicted data brought the update back to "
                                    "normal; masking as much other data did not"),
                    documents=[{"source": s, "doc": int(d), "dp_rank": sus.get("dp_rank")} for s, d in docs],
-                   documents_note=f"convicted by the proof at the alarm ({len(docs)} document(s)), "
-                                  f"quarantined by the trainer from the next step on")
+                   documents_note=f"convicted by the proof at the alarm ({len(docs)} document(s)), " + (
+                       "quarantined by the trainer from the next step on" if quarantined else
+                       f"not quarantined ({proof.get('held_back') or 'not applied'}): trained as they were"))
         window = proof.get("window") or {}
         if window.get("cause"):  # the data unmasked, a variant over the window removed the spike as well
             res["fragile"] = (f"proven in process: with the convicted data unmasked, {describe_window(window)}; "
                               f"the data triggered this step in a model its configuration made fragile")
             res["prevention"] = fp.prevention(window["cause"], res.get("fingerprints"))
-    elif v == "not_data":
-        res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the suspect's "
-                                 f"data ({proof.get('why', '')})")
+    elif v in ("not_data", "optimizer_state"):
+        if v == "optimizer_state":  # Adam first: the updates recomputed with v restored were that much smaller
+            res.update(cause="optimizer_state", certainty="proven",
+                       certainty_rule=f"proven in step (no extra forward/backward): {proof.get('why', '')}")
+            res["prevention"] = fp.prevention("optimizer_state", res.get("fingerprints"))
+        else:
+            res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the "
+                                     f"suspect's data ({proof.get('why', '')})")
         window = proof.get("window") or {}
         if window.get("cause"):  # the trainer re-ran the window from a host snapshot: the cause is proven
             res.update(cause=window["cause"], certainty="proven",
@@ -650,9 +696,10 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
     scores = document_scores(led, step)
     if not scores:
         return [], "the run recorded no per-document losses at this step: no documents to name"
+    floor = (led.spike_rules() or {}).get("doc_outlier_floor")  # the run's own rule (no torch)
     why: dict[tuple, str] = {}
     for d in scores:
-        if d["vs_median"] >= _doc_standout() or d["vs_median"] <= 1 / _doc_standout():
+        if d["vs_median"] >= _doc_standout(floor) or d["vs_median"] <= 1 / _doc_standout(floor):
             why[(d["source"], d["doc"])] = f"{d['vs_median']:.2f}x the step's median document"
     th = Thresholds()
     for side, y, m, rk in (("high", "doc_high_y", "doc_y_median_high", "doc_high_rank"),
@@ -672,11 +719,11 @@ def _standout(led: RunLedger, step: int, rank, event, injected: dict, n: int) ->
                        f"distance from the rank's median (the trainer's statistic)")
     out = [d for d in scores if (d["source"], d["doc"]) in why]
     if not out:
-        return [], f"no document stands out against the step ({_doc_criterion()}): nothing to quarantine"
+        return [], f"no document stands out against the step ({_doc_criterion(floor)}): nothing to quarantine"
     mine = [d for d in out if rank is None or d["dp_rank"] == rank]
     chosen = (mine or out)[:n]
-    return ([dict(d, criterion=_doc_criterion(), stands_out=why[(d["source"], d["doc"])]) for d in chosen],
-            f"documents that stand out: {_doc_criterion()}")
+    return ([dict(d, criterion=_doc_criterion(floor), stands_out=why[(d["source"], d["doc"])]) for d in chosen],
+            f"documents that stand out: {_doc_criterion(floor)}")
 
 
 def _why_noted(note: dict) -> str | None:

@@ -72,7 +72,16 @@ from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_
 
 # the decision tree (pure); importing it chooses the device backend before torchtitan
 # loads (--rerun parses training configs in this process)
-from titan_ledger.tools.decision import Thresholds, document_scores, judge, rank_phrase, spike_check, spike_steps
+from titan_ledger.tools.decision import (
+    Thresholds,
+    document_scores,
+    judge,
+    rank_phrase,
+    rank_summary,
+    rules_of,
+    spike_check,
+    spike_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +132,7 @@ def _main(a) -> int:
             ran = (led.folder / records.SPIKES_FILE).exists()
             flagged = set(led.spike_steps()) if ran else set(spike_steps(led))
             hist = led.history_at(s, Thresholds().pre, 0)
-            res["spike_check"] = spike_check(hist[0] if hist else [], s, s in flagged)
+            res["spike_check"] = spike_check(hist[0] if hist else [], s, s in flagged, det=rules_of(led))
         if res.get("documents"):
             res["documents"] = with_text(led, res["documents"])
         if res.get("documents") and not res["documents"][0].get("proven"):  # (proven: quarantined already)
@@ -213,8 +222,7 @@ def print_verdict(r: dict) -> None:
         print(f"  proof: {describe_proof(r['proof'])}")
     print(f"  done: {r['done']}")
     if r.get("rank_losses"):
-        print("  per-rank losses at the step: " + ", ".join(f"rank {k} {v:.4f}" if isinstance(v, float) else
-                                                          f"rank {k} {v}" for k, v in r["rank_losses"].items()))
+        print("  per-rank losses at the step: " + rank_summary(r["rank_losses"]))
     for c in r["checks"]:
         nums = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("question", "answer"))
         print(f"  {'YES' if c['answer'] else 'no ':<4}{c['question']}\n        {nums}")

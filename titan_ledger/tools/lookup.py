@@ -12,10 +12,10 @@ document's tokens as stored (BOS first), over its input tokens.
 
 Examples::
 
-    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5
-    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5 --rank 1 --text
-    python -m titan_ledger.lookup --dump-folder outputs/debug_cpu --step 5 --json
-    python -m titan_ledger.lookup --dump-folder outputs/indexed --sample 123456 --text
+    python -m titan_ledger.lookup outputs/debug_cpu --step 5
+    python -m titan_ledger.lookup outputs/debug_cpu --step 5 --rank 1 --text
+    python -m titan_ledger.lookup outputs/debug_cpu --step 5 --json
+    python -m titan_ledger.lookup outputs/indexed --sample 123456 --text
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class TextSource:
         self.ledger = ledger
         self.hdr = ledger.header()
         self._tok = None
+        self._dec = None
         self._ds = None
 
     def tokenizer(self):
@@ -69,8 +70,17 @@ class TextSource:
         text = self._proc(self._ds[int(doc)])
         return self.tokenizer().encode(text, add_bos=True, add_eos=True)
 
+    def decoder(self):
+        """Decoding needs no torch (``prepare.load_decoder``): an indexed corpus's documents
+        are shown without importing it; text and hf sources encode with the run's own."""
+        if self._dec is None:
+            from titan_ledger.data.prepare import load_decoder
+
+            self._dec = load_decoder(self.hdr["tokenizer"])
+        return self._dec
+
     def text(self, source: str, doc: int, start: int, end: int) -> str:
-        return self.tokenizer().decode(self.doc_tokens(source, doc)[start:end])
+        return self.decoder().decode(list(self.doc_tokens(source, doc)[start:end]))
 
 
 def describe(tags: list[RowTag], text: TextSource | None) -> list[dict]:
@@ -86,7 +96,7 @@ def describe(tags: list[RowTag], text: TextSource | None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser.for_tool(__name__, __doc__)
-    add_dump_folder(ap, positional=False)
+    add_dump_folder(ap)
     ap.add_argument("--step", type=int, help="training step (1-indexed)")
     ap.add_argument("--sample", type=int, help="a sample id instead of a step (indexed corpora)")
     ap.add_argument("--rank", type=int, help="only this DP rank")

@@ -144,7 +144,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
     prints: cause, certainty and its rule, the trainer's flag, what was done, the
     per-rank losses as the step trained, every question with its numbers."""
-    from titan_ledger.tools.decision import judge, rank_phrase
+    from titan_ledger.tools.decision import judge, rank_phrase, rank_summary
 
     try:
         res = judge(led, step)
@@ -165,7 +165,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
             + (f"; suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else "")
             if t else "not flagged" + (f" (a note: {', '.join(res['trainer_notes'])}; recorded, never acted on)"
                                        if res.get("trainer_notes") else ""))
-    losses = ", ".join(f"rank {k}: {_num(v)}" for k, v in (res.get("rank_losses") or {}).items()) or "none recorded"
+    losses = rank_summary(res["rank_losses"]) if res.get("rank_losses") else "none recorded"
     out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)} &mdash; {_e(res['certainty'])}</p>",
            f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
            _table(["", ""], [["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
@@ -282,7 +282,7 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
     median = f"; median document loss on this rank {_num(dl.get('median'))}" if "median" in dl else ""
     inj = f"; <b>injected batch ({_e(raw['injected'])})</b>" if raw.get("injected") else ""
     return (head + f"<p>DP rank {rank} at step {step}: {len(raw.get('rows', []))} rows; {note}{median}{inj}. "
-            f"Text: <code>python -m titan_ledger.lookup --dump-folder {_e(led.dump_folder)} --step {step} "
+            f"Text: <code>python -m titan_ledger.lookup {_e(led.dump_folder)} --step {step} "
             f"--rank {rank} --text</code></p>" +
             _table(["sample id", "source", "document", "tokens span", "mean loss", "loss tokens"], rows))
 
@@ -318,7 +318,7 @@ def rollback_section(led: RunLedger, step: int, back: int, skip: int) -> str:
     launches = led.launches()
     world = launches[-1].get("world_size", "N") if launches else "N"
     overlay = led.dump_folder / f"rollback_step{step}.toml"
-    cmd1 = (f"python -m titan_ledger.rollback --dump-folder {led.dump_folder} --spike-step {step} "
+    cmd1 = (f"python -m titan_ledger.rollback --dump-folder {led.dump_folder} --step {step} "
             f"--back {back} --skip {skip} --write {overlay}")
     cmd2 = (f"torchrun --nproc_per_node {world} -m titan_ledger.train --job.config_file &lt;the run's TOML&gt; "
             f"&lt;its other flags, unchanged&gt; --job.overlay {_e(overlay)}")

@@ -11,8 +11,8 @@ checkpoint, and a changed ``training.steps`` changes the schedule after it.
 
 Examples::
 
-    python -m titan_ledger.rollback --dump-folder outputs/run --spike-step 137000
-    python -m titan_ledger.rollback --dump-folder outputs/run --spike-step 137000 \\
+    python -m titan_ledger.rollback --dump-folder outputs/run --step 137000
+    python -m titan_ledger.rollback --dump-folder outputs/run --step 137000 \\
         --back 100 --skip 300 --write rollback.toml
     torchrun ... -m titan_ledger.train --job.config_file X.toml --job.overlay rollback.toml
 """
@@ -33,7 +33,7 @@ from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_
 def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
          skip_from: int | None = None, existing: list[str] | None = None) -> dict:
     if spike_step < 1:
-        raise PlanError("--spike-step must be a 1-indexed step")
+        raise PlanError("--step must be a 1-indexed step")
     if back < 0 or skip < 1:
         raise PlanError(f"--back must be >= 0 and --skip >= 1 (got --back {back}, --skip {skip})")
     target = spike_step - back
@@ -93,13 +93,17 @@ def _already(led: RunLedger, step: int) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
-    ap.add_argument("--spike-step", required=True, type=int)
+    ap.add_argument("--step", required=True, type=int, help="the spike's step (as lookup, diagnose and report take it)")
     ap.add_argument("--back", type=int, default=100, help="roll back to a checkpoint at or before T - back")
     ap.add_argument("--skip", type=int, default=200, help="steps (global batches) to skip")
     ap.add_argument("--skip-from", type=int, help="first skipped step (default: right after the checkpoint)")
     ap.add_argument("--checkpoint-folder", default="checkpoint")
     ap.add_argument("--write", type=Path, help="write the overrides as a TOML overlay")
     ap.add_argument("--json", action="store_true")
+    old = "--spike" + "-step"  # (the old spelling, refused with the new one's name)
+    given = sys.argv[1:] if argv is None else argv
+    if any(x == old or x.startswith(old + "=") for x in given):
+        ap.error(f"{old} is now --step (one name across the tools: lookup, diagnose, report, rollback)")
     a = parse_args(ap, argv)
     return run_tool("titan_ledger.rollback", lambda: _main(a))
 
@@ -114,11 +118,11 @@ def _main(a) -> int:
         raise PlanError(f"--write {a.write}: folder {a.write.parent} does not exist; create it first")
     if (led.folder / records.SIGNALS_FILE).exists():
         last = led.last_signal_step(windows=True) or 0  # the newest rows only, not the history
-        if a.spike_step > last:
-            raise PlanError(f"--spike-step {a.spike_step} is after the last recorded step {last} of "
+        if a.step > last:
+            raise PlanError(f"--step {a.step} is after the last recorded step {last} of "
                             f"{led.folder / records.SIGNALS_FILE}; give the step the spike happened at")
-    done = _already(led, a.spike_step)
-    p = plan(ckpts, a.spike_step, a.back, a.skip, a.skip_from, existing_skips(led))
+    done = _already(led, a.step)
+    p = plan(ckpts, a.step, a.back, a.skip, a.skip_from, existing_skips(led))
     if done is not None:
         p["already"] = done
     if a.write:
@@ -130,7 +134,7 @@ def _main(a) -> int:
     if done is not None:
         what = ("already rolled back in process" if done["rewind"] else
                 "its update already skipped by the trainer" if done["update_skipped"] else "already handled")
-        print(f"step {a.spike_step}: {what}: {done['summary']}\n"
+        print(f"step {a.step}: {what}: {done['summary']}\n"
               f"(the plan below is for a relaunch that rolls back further or skips more)")
     print(f"spike at step {p['spike_step']}: resume from checkpoint step-{p['load_step']} "
           f"({p['steps_lost']} steps back), skip steps {p['skip_window'][0]}-{p['skip_window'][1]}")
