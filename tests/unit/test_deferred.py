@@ -156,7 +156,7 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
 
     ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
                              topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None,
-                             breaker=Breaker(4, 100))
+                             breaker=Breaker(4, 100), stalls=[])
     return SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
                            metrics_processor=SimpleNamespace(should_log=lambda s: log),
                            should_continue_training=lambda: more,

@@ -199,3 +199,46 @@ def test_a_finite_grad_jump_with_an_extreme_document_is_bad_data_not_hardware():
     rows[T - 1]["grad_norm"] = float("inf")  # a document does not make a non-finite grad norm
     ev.update(doc_high_y=0.134)
     assert classify(rows, T, evidence=ev, param_dtype="float32")["cause"] == "hardware"
+
+
+def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_path, capsys):
+    """The stall rule's flag is a finding diagnose lists; ``stalled`` (the logits past 1e4)
+    is logit growth on the evidence, and the window proof the trainer ran at the next step
+    (a forced proof naming the stall) proves the fix that lowered the loss."""
+    from titan_ledger.format.reader import RunLedger
+    from titan_ledger.tools.decision import judge
+
+    from .bad_input_ledgers import signal_row
+
+    led = tmp_path / "run" / "ledger"
+    led.mkdir(parents=True)
+    hdr = {"run_id": "a", "seq": 1, "resumed_from": 0, "time": 1.0, "world_size": 1, "dp_size": 1}
+    records.append_segment(led, records.Header(schema="", run_id="a", seq=1, resumed_from=0, time=1.0))
+    w = records.RecordWriter(led / records.SIGNALS_FILE, {"schema": records.SIGNALS.id, **hdr})
+    for s in range(1, 401):
+        w.write(signal_row(s, loss=6.3 + 0.01 * (s % 3), max_logit=2e4))
+    w.close()
+    stall = {"kind": "stalled", "best": 6.28, "windows": [[350, 6.34, 2.3e4]], "window": 50, "max_logit": 2.3e4,
+             "since": 150}
+    e = records.RecordWriter(led / records.SPIKES_FILE, {"schema": records.SPIKES.id, **hdr, "rules": {}})
+    e.write({"step": 350, "stall": stall})
+    e.close()
+    run = RunLedger(tmp_path / "run")
+    res = judge(run, 350)
+    assert res["cause"] == "logit_growth" and res["certainty"] == "evidence" and "STALL at step 350" in \
+        res["certainty_rule"] and "--model.qk_norm" in res["prevention"]["flags"]
+    window = {"cause": "logit_growth", "variant": "logit_cap", "stall": True, "from_step": 280, "steps": 71,
+              "why": "the stall: ... the logit_cap variant lowered the loss (loss -0.2 ...)",
+              "fixes": [{"variant": "logit_cap", "cause": "logit_growth", "cost": -0.2}],
+              "runs": [{"variant": "same", "normal": True, "grad_norm": 1.7, "cost": 0.0},
+                       {"variant": "logit_cap", "normal": True, "grad_norm": 1.2, "cost": -0.2}]}
+    e = records.RecordWriter(led / records.SPIKES_FILE, {"schema": records.SPIKES.id, **hdr, "rules": {}})
+    e.write({"step": 351, "forced": True, "proof": {"verdict": "not_data", "applied": "original", "window": window,
+                                                    "stall": {"step": 350, "kind": "stalled"}}})
+    e.close()
+    res = judge(RunLedger(tmp_path / "run"), 350)
+    assert (res["cause"], res["certainty"]) == ("logit_growth", "proven")
+    assert res["certainty_rule"].startswith("proven in process: logit_growth proven by the window")
+    assert main([str(tmp_path / "run")]) == 0  # listed without --step: the stall is a finding
+    out = capsys.readouterr().out
+    assert out.startswith("step 350: logit_growth (the tree said transient) -- proven"), out[:200]

@@ -26,6 +26,8 @@ def test_plot_writes_a_png(tmp_path):
     assert info["rows"] == 8 and info["skipped_windows"] == 0
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["--dump_folder", str(tmp_path), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert main([str(tmp_path)]) == 0 and (tmp_path / "signals.png").is_file()  # default: into the dump folder
 
 
 def test_missing_run_is_one_line_exit_2(tmp_path, capsys):

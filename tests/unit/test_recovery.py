@@ -53,6 +53,7 @@ class _Ledger:
         self.ladder = Ladder(parse_ladder(action), 100)
         self.breaker = Breaker(4, 100)
         self.recent: list = []  # (no rows: no LR fingerprint)
+        self.stalls: list = []  # (no stall flags)
         self.events: list[dict] = []
         self.qk_clip, self.topo, self.folder = None, Topology.single(), folder
         self.config = SimpleNamespace(update_norm=False)

@@ -104,3 +104,150 @@ def data_table(ledger: RunLedger | str | os.PathLike, step: int) -> pa.Table:
                     out[k].append(v)
     typed = {"int": pa.int64(), "str": pa.string(), "bool": pa.bool_()}
     return pa.table({k: pa.array(v, type=typed[DATA_COLUMNS[k]]) for k, v in out.items()})
+
+
+# --------------------------------------------------------------------------- events, ranks, documents
+#: the columns of :func:`spikes_table`: one row per spikes.jsonl event, its proof flattened
+SPIKE_COLUMNS = {
+    "step": "int", "kind": "str", "rules": "list", "notes": "list", "action": "str", "loss": "float",
+    "grad_norm": "float", "suspect_dp_rank": "int", "loss_max_rank": "int",
+    "proof_verdict": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
+    "proof_policy": "str", "proof_executions": "int", "proof_seconds": "float", "proof_documents": "list",
+    "proof_adam_amplification": "float", "proof_window_cause": "str", "proof_window_fixes": "list",
+    "proof_failed": "str", "ladder_action": "str", "rewind_to": "int", "breaker": "str", "stall_kind": "str",
+    "response_failure": "str",
+}
+
+
+def event_kind(e: dict) -> str:
+    """What a spikes.jsonl event is (pure): ``spike``, ``note``, ``forced_proof``,
+    ``ladder``, ``rewind``, ``breaker``, ``no_tokens``, ``stall``, ``response_failure``."""
+    if "rules" in e:
+        return "spike"
+    if "notes" in e:
+        return "note"
+    for key, kind in (("ladder", "ladder"), ("rewind_to", "rewind"), ("breaker", "breaker"),
+                      ("no_tokens", "no_tokens"), ("stall", "stall"), ("response_failure", "response_failure"),
+                      ("forced", "forced_proof")):
+        if e.get(key) is not None:
+            return kind
+    return "other"
+
+
+def event_row(e: dict) -> dict:
+    """One event as a :data:`SPIKE_COLUMNS` row (pure): the proof flattened into
+    ``proof_*`` columns (the verdict, what was applied and what would have been, the
+    executions, the documents as ``source:doc``, Adam's amplification, the window
+    proof's cause and fixes)."""
+    p = e.get("proof") or {}
+    w = p.get("window") or {}
+    return {
+        "step": int(e["step"]), "kind": event_kind(e), "rules": list(e.get("rules") or []),
+        "notes": list(e.get("notes") or []), "action": e.get("action") if not e.get("ladder") else None,
+        "loss": e.get("loss"), "grad_norm": e.get("grad_norm"), "suspect_dp_rank": e.get("suspect_dp_rank"),
+        "loss_max_rank": e.get("loss_max_rank"), "proof_verdict": p.get("verdict"),
+        "proof_applied": p.get("applied"), "proof_would_apply": p.get("would_apply"),
+        "proof_held_back": p.get("held_back"), "proof_policy": p.get("policy"),
+        "proof_executions": max(0, len(p["executions"]) - 1) if p.get("executions") else None,
+        "proof_seconds": p.get("seconds"), "proof_documents": [f"{s}:{d}" for s, d in p.get("documents") or []],
+        "proof_adam_amplification": (p.get("optimizer") or {}).get("amplification"),
+        "proof_window_cause": w.get("cause"), "proof_window_fixes": [f["variant"] for f in w.get("fixes") or []],
+        "proof_failed": (e.get("proof_failed") or {}).get("error"),
+        "ladder_action": e.get("action") if e.get("ladder") else None, "rewind_to": e.get("rewind_to"),
+        "breaker": e.get("breaker"), "stall_kind": (e.get("stall") or {}).get("kind"),
+        "response_failure": (e.get("response_failure") or {}).get("error"),
+    }
+
+
+def _typed(rows: dict[str, list], kinds: dict[str, str]) -> pa.Table:
+    import pyarrow as pa
+
+    def num(v, kind):
+        if v is None or isinstance(v, bool):
+            return v
+        if kind == "int":
+            return int(v) if isinstance(v, (int, float)) and v == v and abs(v) != float("inf") else None
+        return float(v) if isinstance(v, (int, float)) else None  # (a non-finite value: a float)
+
+    types = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_(),
+             "list": pa.list_(pa.string())}
+    cols = {}
+    for k, kind in kinds.items():
+        vals = rows[k] if kind in ("str", "bool", "list") else [num(v, kind) for v in rows[k]]
+        cols[k] = pa.array(vals, type=types[kind])
+    return pa.table(cols)
+
+
+def spikes_table(ledger: RunLedger | str | os.PathLike) -> pa.Table:
+    """Every event of ``spikes.jsonl`` (every launch's: an event log is never
+    superseded), one row each, :data:`SPIKE_COLUMNS`: "which documents were quarantined,
+    and when", "every step by verdict" are one query (docs/tools.md)."""
+    led = ledger_of(ledger)
+    path = led.folder / records.SPIKES_FILE
+    events = records.read_ledger(path, records.SPIKES).history if path.exists() else []
+    out: dict[str, list] = {k: [] for k in SPIKE_COLUMNS}
+    for e in events:
+        if "step" not in e:
+            continue
+        for k, v in event_row(e).items():
+            out[k].append(v)
+    return _typed(out, SPIKE_COLUMNS)
+
+
+#: the columns of :func:`ranks_tables` and :func:`documents_tables`
+RANK_COLUMNS = {"step": "int", "rank": "int", "loss": "float", "tokens": "int"}
+DOC_COLUMNS = {"step": "int", "dp_rank": "int", "side": "str", "row": "int", "segment": "int", "source": "str",
+               "doc": "int", "loss": "float", "tokens": "int"}
+
+
+def ranks_tables(ledger: RunLedger | str | os.PathLike, first: int, last: int, chunk: int = 1000):
+    """Each global rank's own loss and tokens (``rank<r>.jsonl``) over steps
+    ``first``..``last``, as tables of at most ``chunk`` steps (through the offset index:
+    memory bounded by a chunk, whatever the run's length or DP size)."""
+    led = ledger_of(ledger)
+    for a in range(first, last + 1, chunk):
+        b = min(last, a + chunk - 1)
+        out: dict[str, list] = {k: [] for k in RANK_COLUMNS}
+        rows = led.rank_rows_between(a, b)
+        for step in range(a, b + 1):
+            for r in sorted(rows):
+                for row in rows[r]:
+                    if row["step"] == step:
+                        for k, v in zip(RANK_COLUMNS, (step, r, row.get("loss"), row.get("tokens"))):
+                            out[k].append(v)
+        yield _typed(out, RANK_COLUMNS)
+
+
+def documents_tables(ledger: RunLedger | str | os.PathLike, first: int, last: int, chunk: int = 100):
+    """The per-document losses the data ledger recorded (each DP rank's highest and
+    lowest segments a step, ``doc_loss``: ``side`` top or bottom) over ``first``..``last``,
+    with each segment's document, in tables of at most ``chunk`` steps."""
+    led = ledger_of(ledger)
+    data = led.data
+    for a in range(first, last + 1, chunk):
+        out: dict[str, list] = {k: [] for k in DOC_COLUMNS}
+        for step in range(a, min(last, a + chunk - 1) + 1):
+            for r in data.ranks_at(step):
+                raw = data.row(r, step) or {}
+                dl = raw.get("doc_loss")
+                if not dl or raw.get("skipped"):
+                    continue
+                tags = data.at(step, r).tags
+                for side in ("top", "bottom"):
+                    for row, seg, s, t in dl.get(side, []):
+                        if row >= len(tags) or seg >= len(tags[row].segments):
+                            continue
+                        doc = tags[row].segments[seg].doc
+                        for k, v in zip(DOC_COLUMNS, (step, r, side, row, seg, tags[row].source, doc,
+                                                      s / t if t else None, t)):
+                            out[k].append(v)
+        yield _typed(out, DOC_COLUMNS)
+
+
+def data_tables(ledger: RunLedger | str | os.PathLike, first: int, last: int):
+    """:func:`data_table` for each step ``first``..``last`` the run has a row for (a
+    table a step: memory bounded by one step)."""
+    led = ledger_of(ledger)
+    for step in range(first, last + 1):
+        if led.data.ranks_at(step):
+            yield data_table(led, step)

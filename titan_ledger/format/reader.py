@@ -285,6 +285,12 @@ class RunLedger:
         never acted on. A spike's own notes ride in its event."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "notes" in e and "rules" not in e]
 
+    def proofs(self) -> list[tuple[int, dict[str, Any]]]:
+        """Every proof at the alarm recorded, ``(step, proof)`` in order: spikes', notes' and
+        forced ones' (a stall's proof is a forced one: ``proof["stall"]`` names its flag)."""
+        return [(int(e["step"]), e["proof"]) for e in self._events(records.SPIKES_FILE, records.SPIKES)
+                if e.get("proof") is not None and "step" in e]
+
     def spike_rules(self) -> dict[str, Any] | None:
         """The spike rules' settings the run recorded (``[ledger.spike]``, the newest
         spikes.jsonl header's ``rules``); None when it ran no rules. Offline tools read the

@@ -538,8 +538,9 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
         res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
     res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
     _apply_proof(res, (event or {}).get("proof") or (note or {}).get("proof"))
-    _apply_stall(res, next((e for e in reversed(led.response_events()) if e.get("stall")
-                            and int(e["step"]) == step), None))
+    stall = next((e for e in reversed(led.response_events()) if e.get("stall") and int(e["step"]) == step), None)
+    _apply_stall(res, stall, next((p for _, p in reversed(led.proofs()) if (p.get("stall") or {}).get("step") == step),
+                                  None) if stall is not None else None)
     note_fragile(res)
     if res.get("proof", {}).get("verdict") == "bad_data":  # the convicted documents, with their losses
         scores = {(d["source"], d["doc"]): d for d in document_scores(led, step)}
@@ -549,17 +550,28 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
     return res
 
 
-def _apply_stall(res: dict, event: dict | None) -> None:
+def _apply_stall(res: dict, event: dict | None, proof: dict | None = None) -> None:
     """A step the stall rule flagged (``components.detection.stall``): no spike, a finding.
     ``stalled`` needs the attention logits past its bar, so its cause is logit growth (the
     evidence: the loss's windows and the logits), with QK-norm's prevention; a ``diverging``
-    loss keeps the tree's cause, with the stall beside it."""
+    loss keeps the tree's cause, with the stall beside it. The window proof the trainer ran
+    at the next step (``proof``: its ``stall`` names this flag) proves the cause whose fix
+    lowered the loss, the cheapest first."""
     if event is None:
         return
     from titan_ledger.components.detection.stall import describe_stall
 
     st = event["stall"]
     res["stall"] = st
+    window = (proof or {}).get("window") or {}
+    if window.get("cause"):
+        res["stall_proof"] = proof
+        if res.get("cause") != window["cause"]:
+            res["heuristic"] = res.get("cause")
+        res.update(cause=window["cause"], certainty="proven",
+                   certainty_rule=f"proven in process: {describe_window(window)} ({describe_stall(event)})",
+                   prevention=fp.prevention(window["cause"], res.get("fingerprints"), st.get("max_logit")))
+        return
     if st["kind"] == "stalled":
         if res.get("cause") != "logit_growth":
             res["heuristic"] = res.get("cause")

@@ -28,7 +28,14 @@ from pathlib import Path
 
 from titan_ledger.errors import ConfigError, LedgerError
 from titan_ledger.format import records
-from titan_ledger.format.arrow import data_table, signals_table
+from titan_ledger.format.arrow import (
+    data_table,
+    data_tables,
+    documents_tables,
+    ranks_tables,
+    signals_table,
+    spikes_table,
+)
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -39,32 +46,79 @@ FORMATS = {"parquet": "parquet", "csv": "csv", "arrow": "arrow"}
 def write(table, path: Path, fmt: str) -> int:
     """Write ``table`` to ``path`` in ``fmt`` (via ``<path>.tmp``, renamed into place);
     returns the file's size in bytes."""
+    return write_batches(iter([table]), path, fmt)[1]
+
+
+def _flat(table, fmt: str):
+    """CSV holds no lists: a list column becomes its items joined by ``;``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if fmt != "csv":
+        return table
+    for i, f in enumerate(table.schema):
+        if pa.types.is_list(f.type):
+            joined = pc.binary_join(table.column(i), ";")
+            table = table.set_column(i, f.name, joined)
+    return table
+
+
+def write_batches(tables, path: Path, fmt: str) -> tuple[int, int]:
+    """Write the tables (one schema) one after another into ``path`` in ``fmt`` -- memory
+    bounded by one table -- via ``<path>.tmp``, renamed into place when complete; returns
+    (rows, bytes). A failure leaves no file."""
     tmp = path.with_name(path.name + ".tmp")
+    writer = None
+    rows = 0
     try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
+        for table in tables:
+            table = _flat(table, fmt)
+            if writer is None:
+                if fmt == "parquet":
+                    import pyarrow.parquet as pq
 
-            pq.write_table(table, tmp)
-        elif fmt == "csv":
-            import pyarrow.csv as pc
+                    writer = pq.ParquetWriter(tmp, table.schema)
+                elif fmt == "csv":
+                    import pyarrow.csv as pcsv
 
-            pc.write_csv(table, tmp)
-        else:
-            import pyarrow as pa
+                    writer = pcsv.CSVWriter(str(tmp), table.schema)
+                else:
+                    import pyarrow as pa
 
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
+                    writer = pa.ipc.new_file(pa.OSFile(str(tmp), "wb"), table.schema)
+            writer.write_table(table)
+            rows += table.num_rows
+        if writer is None:
+            raise LedgerError(f"{path.name}: nothing to write")
+        writer.close()
+        writer = None
         os.replace(tmp, path)
     finally:
+        if writer is not None:
+            writer.close()
         tmp.unlink(missing_ok=True)
-    return path.stat().st_size
+    return rows, path.stat().st_size
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    """``--steps A:B`` -> (A, B), inclusive, 1 <= A <= B."""
+    a, sep, b = str(spec).partition(":")
+    try:
+        first, last = int(a), int(b)
+    except ValueError:
+        first = last = 0
+    if not sep or not 1 <= first <= last:
+        raise ConfigError(f"--steps {spec}: give A:B, the first and last step (1 <= A <= B), e.g. 1000:2000")
+    return first, last
 
 
 def export(dump_folder: str | os.PathLike, out: str | os.PathLike, fmt: str = "parquet",
-           step: int | None = None, ledger_folder: str = records.LEDGER_FOLDER) -> list[dict]:
-    """Write the signals table (and ``step``'s data table) into the folder ``out``
-    (created if missing); returns one ``{"path", "rows", "columns", "bytes", "read_s",
-    "write_s"}`` per file written."""
+           step: int | None = None, ledger_folder: str = records.LEDGER_FOLDER,
+           steps: tuple[int, int] | None = None) -> list[dict]:
+    """Write the signals and spikes tables (and ``step``'s data table; with ``steps``
+    (A, B), the per-rank losses, the per-document losses and the data rows of steps A..B,
+    streamed) into the folder ``out`` (created if missing); returns one ``{"path", "rows",
+    "columns", "bytes", "read_s", "write_s"}`` per file written."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
     out = Path(out)
@@ -85,8 +139,23 @@ def export(dump_folder: str | os.PathLike, out: str | os.PathLike, fmt: str = "p
             raise LedgerError(f"--step {step}: no DP rank has a data-ledger row for it in {led.folder}"
                               f"{held}; give a step the run consumed")
         tables.append((f"data_step{step}", data_table(led, step), time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    tables.append(("spikes", spikes_table(led), time.perf_counter() - t0))
     out.mkdir(parents=True, exist_ok=True)
     done = []
+    if steps is not None:
+        first, last = steps
+        for name, make in (("ranks", ranks_tables), ("documents", documents_tables), ("data", data_tables)):
+            path = out / f"{name}_steps{first}-{last}.{FORMATS[fmt]}"
+            t0 = time.perf_counter()
+            try:
+                rows, size = write_batches(make(led, first, last), path, fmt)
+            except LedgerError as e:
+                if "nothing to write" not in str(e):
+                    raise
+                continue  # (no rows of that kind in the range: no file)
+            done.append({"path": str(path), "rows": rows, "columns": None, "bytes": size, "read_s": 0.0,
+                         "write_s": time.perf_counter() - t0})
     for name, table, read_s in tables:
         path = out / f"{name}.{FORMATS[fmt]}"
         t0 = time.perf_counter()
@@ -109,13 +178,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="file format (default parquet; arrow: the Arrow IPC file format, Feather v2)")
     ap.add_argument("--step", type=int, metavar="S",
                     help="also write step S's data rows: one row per (DP rank, row, segment)")
+    ap.add_argument("--steps", metavar="A:B",
+                    help="also write steps A..B's per-rank losses (ranks_stepsA-B), per-document losses "
+                         "(documents_stepsA-B) and data rows (data_stepsA-B), streamed")
     a = parse_args(ap, argv)
     return run_tool("titan_ledger.export", lambda: _main(a))
 
 
 def _main(a) -> int:
-    for f in export(a.dump_folder, a.out, a.format, a.step, a.ledger_folder):
-        print(f"wrote {f['path']}: {f['rows']} rows x {f['columns']} columns, {_size(f['bytes'])} "
+    steps = parse_steps(a.steps) if a.steps else None
+    for f in export(a.dump_folder, a.out, a.format, a.step, a.ledger_folder, steps=steps):
+        cols = f" x {f['columns']} columns" if f["columns"] is not None else ""
+        print(f"wrote {f['path']}: {f['rows']} rows{cols}, {_size(f['bytes'])} "
               f"({f['bytes']} bytes), read {f['read_s']:.2f} s, written {f['write_s']:.2f} s")
     return 0
 

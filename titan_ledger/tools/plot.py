@@ -270,7 +270,7 @@ def spike_labels(events: list[dict]) -> list[tuple[int, str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
-    ap.add_argument("-o", "--out", default="signals.png")
+    ap.add_argument("-o", "--out", help="the image (default: signals.png in the dump folder)")
     ap.add_argument("--from-step", type=int)
     ap.add_argument("--to-step", type=int)
     ap.add_argument("--max-norm", type=float,
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(a) -> int:
     if a.from_step is not None and a.to_step is not None and a.from_step > a.to_step:
         raise ConfigError(f"--from-step {a.from_step} is after --to-step {a.to_step}")
+    if a.out is None:  # beside the run's ledger, not in whatever folder the user stands in
+        a.out = str(Path(a.dump_folder) / "signals.png")
     out = Path(a.out)
     if not out.parent.is_dir():
         raise ConfigError(f"-o {a.out}: folder {out.parent} does not exist; create it first")

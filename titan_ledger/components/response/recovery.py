@@ -124,6 +124,8 @@ class Recovery:
         self.pending: StepRecord | None = None  # the step whose decision is deferred
         self._deferrable: bool | None = None
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
+        self._stalls_seen = 0  # the stall rule's flags already proven (Ledger.stalls)
+        self._stall: dict | None = None  # the stall event this step's forced proof answers
 
     # ------------------------------------------------------------------ the protocol
     def before_step(self) -> bool:
@@ -239,6 +241,19 @@ class Recovery:
         ledger = self.trainer.ledger
         return ledger.guard is not None and (self.prover.mode != "off" or ledger.ladder.acts)
 
+    def _stall_due(self) -> bool:
+        """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
+        proven as a forced one, and its window proof asks which fix lowers the loss (the
+        snapshots' window; nothing without them)."""
+        stalls = self.trainer.ledger.stalls
+        if len(stalls) <= self._stalls_seen:
+            return False
+        self._stalls_seen = len(stalls)
+        if not (self.snapshots.replays and self.window.ring.proofs < self.window.ring.config.max_proofs):
+            return False
+        self._stall = stalls[-1]
+        return True
+
     def _forced(self, step: int) -> bool:
         if self._prove_at is None:
             self._prove_at = parse_skip_steps(self.trainer.config.ledger.rehearsal.prove_at,
@@ -294,7 +309,7 @@ class Recovery:
         if not self._acts():
             self._done(rec)
             return Update.APPLY
-        forced = self._forced(rec.step)
+        forced = self._forced(rec.step) or self._stall_due()
         if self.defers(rec.step):
             self._defer(rec, forced)
             return Update.HOLD
@@ -470,9 +485,12 @@ class Recovery:
         if decided_at is not None:
             proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
         proof["policy"] = self.trainer.config.ledger.on_spike.act
+        stall, self._stall = self._stall, None
+        if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
+            proof["stall"] = {"step": stall["step"], "kind": stall["stall"]["kind"]}
         if self.window.wanted(proof, forced):  # not the data: which cause, from the host snapshot's window
             try:
-                proof["window"] = self.window.prove(rec)
+                proof["window"] = self.window.prove(rec, stall=stall is not None)
             except Exception as e:
                 proof["window"] = {"cause": None, **_failure("window", e)}
                 self.trainer.ledger.discard_step_state()

@@ -393,9 +393,11 @@ class WindowProof:
             (v in ("not_data", "optimizer_state") and bool(proof.get("acting"))) or v == "bad_data"
             or (forced and v in ("not_data", "outlier")))
 
-    def prove(self, rec) -> dict[str, Any]:
+    def prove(self, rec, stall: bool = False) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
-        record that goes in ``proof["window"]``."""
+        record that goes in ``proof["window"]``. ``stall``: the stall rule flagged the run
+        (no spike at ``rec``): a fix removes it when it lowers the window's last steps'
+        loss by the rule's ``min_gain`` against the unchanged re-run's."""
         import torch.distributed as dist
 
         t, ring = self.trainer, self.ring
@@ -461,15 +463,23 @@ class WindowProof:
         base = by["same"]["loss_end"]
         for r in runs:
             r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
-        cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
-                                           {c: by[c]["cost"] for c in causes})
+        if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
+            gain = float(t.config.ledger.stall.min_gain)
+            removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
+                       for c in causes}
+            cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes})
+            why = f"the stall: {why}".replace("removed it", "lowered the loss").replace("removed by",
+                                                                                       "lowered by")
+        else:
+            cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
+                                               {c: by[c]["cost"] for c in causes})
         skipped = sorted(set(cfg.causes) - set(causes))
         if skipped:
             why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
         if dist.is_initialized():
             dist.barrier()  # every rank leaves together (the window's collectives are done)
         return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
-                "fixes": fixes, "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
+                "fixes": fixes, **({"stall": True} if stall else {}), "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
                 "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
                 "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "seconds": round(time.perf_counter() - start, 4)}
 
