@@ -233,13 +233,17 @@ class LedgerWandB:
         self.spikes += 1
         step = int(row["step"])
         rules = ", ".join(ev.get("rules", []))
+        proof = ev.get("proof") or {}
         self.spike_rows.append([step, rules, _f(row.get("loss")), _f(row.get("loss_max")),
                                 row.get("loss_max_rank"), _f(row.get("grad_norm")),
-                                _f(ev.get("grad_norm_median")), _f(row.get("max_logit")), ev.get("action")])
+                                _f(ev.get("grad_norm_median")), _f(row.get("max_logit")), ev.get("action"),
+                                proof.get("verdict"), proof.get("applied"), proof.get("would_apply"),
+                                proof.get("held_back"), _proof_line(proof) if proof else None])
         self.log({"spike/count": self.spikes}, step)
         try:
             table = self.wandb.Table(columns=["step", "rules", "loss", "loss_max", "loss_max_rank", "grad_norm",
-                                              "grad_norm_median", "max_logit", "action"],
+                                              "grad_norm_median", "max_logit", "action", "proof_verdict",
+                                              "proof_applied", "proof_would_apply", "proof_held_back", "proof"],
                                      data=[list(r) for r in self.spike_rows])
             self.wandb.log({"spike/events": table}, step=self._advance(step))
         except Exception:
@@ -318,8 +322,13 @@ class LedgerTensorBoard:
     def spike(self, row: dict[str, Any], ev: dict[str, Any]) -> None:
         self.writer.add_text("spike/events",
                              f"step {row['step']}: rules {', '.join(ev.get('rules', []))}; worst DP rank "
-                             f"{row.get('loss_max_rank')}; grad norm {_fmt(row.get('grad_norm'))}",
+                             f"{row.get('loss_max_rank')}; grad norm {_fmt(row.get('grad_norm'))}; action "
+                             f"{ev.get('action')}" + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else ""),
                              int(row["step"]))
+
+    def proof(self, step: int, proof: dict[str, Any]) -> None:
+        """A note's proof in words (a spike's rides in ``spike/events``)."""
+        self.writer.add_text("proof/events", f"step {step}: {_proof_line(proof)}", int(step))
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         self.rewinds += 1
@@ -484,26 +493,60 @@ def _proof_line(proof: dict[str, Any]) -> str:
     return describe_proof(proof)
 
 
+def proof_scalars(proof: dict[str, Any] | None) -> dict[str, float]:
+    """A proof as dashboard scalars (pure): ``proof/<verdict>`` 1.0, ``proof/executions``,
+    ``proof/seconds``, ``proof/acted`` (the update it applied was not the step's own),
+    ``proof/held_back`` (the policy or a bound kept it from acting: observe, the
+    quarantine's size, a fragile run, the breaker), ``proof/adam_amplification``; with a
+    window proof ``proof/window_<cause>`` 1.0. Empty without a proof."""
+    if not proof:
+        return {}
+    from titan_ledger.format.proofs import VERDICTS
+
+    out = {f"proof/{v}": float(proof.get("verdict") == v) for v in VERDICTS}
+    out["proof/executions"] = float(max(0, len(proof.get("executions") or []) - 1))
+    if isinstance(proof.get("seconds"), (int, float)):
+        out["proof/seconds"] = float(proof["seconds"])
+    out["proof/acted"] = float(proof.get("applied") not in (None, "original"))
+    out["proof/held_back"] = float(proof.get("held_back") is not None)
+    amp = (proof.get("optimizer") or {}).get("amplification")
+    if isinstance(amp, (int, float)):
+        out["proof/adam_amplification"] = float(amp)
+    cause = (proof.get("window") or {}).get("cause")
+    if cause:
+        out[f"proof/window_{cause}"] = 1.0
+    return out
+
+
 def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
-    """A flagged step: ``spike/*`` scalars on every dashboard, an alert and a table row on W&B."""
+    """A flagged step: ``spike/*`` and ``proof/*`` scalars on every dashboard, an alert and a
+    table row on W&B (the proof's verdict, what it applied, what it would have), the event
+    and its proof as TensorBoard text."""
     if metrics_logger is None:
         return
     from titan_ledger.components.detection.spikes import RULES
 
     metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
                         "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"]),
-                        "spike/loss_max_rank": float(row["loss_max_rank"])}, row["step"])
+                        "spike/loss_max_rank": float(row["loss_max_rank"]), **proof_scalars(ev.get("proof"))},
+                       row["step"])
     for x in _ours(metrics_logger):
         x.spike(row, ev)
 
 
 def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
-    """A note (weaker evidence, no acting rule): ``note/*`` scalars only, no alert."""
+    """A note (weaker evidence, no acting rule): ``note/*`` scalars and its proof's
+    ``proof/*`` (TensorBoard: the proof in words), no alert."""
     if metrics_logger is None:
         return
     from titan_ledger.components.detection.spikes import RULES
 
-    metrics_logger.log({"note/flag": 1.0, **{f"note/{r}": 1.0 for r in ev["notes"] if r in RULES}}, row["step"])
+    metrics_logger.log({"note/flag": 1.0, **{f"note/{r}": 1.0 for r in ev["notes"] if r in RULES},
+                        **proof_scalars(ev.get("proof"))}, row["step"])
+    if ev.get("proof"):
+        for x in _ours(metrics_logger):
+            if isinstance(x, LedgerTensorBoard):
+                x.proof(int(row["step"]), ev["proof"])
 
 
 def log_rewind(metrics_logger, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
