@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -389,3 +390,23 @@ def first_batches(config, dp: int) -> list[tuple]:
         rows.append((torch.cat([g[0]["input"] for g in got]), torch.cat([g[1] for g in got]),
                      torch.cat([g[0]["positions"] for g in got])))
     return rows
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def chromium_dom(page: Path, profile: Path) -> str:
+    """The DOM headless chromium builds from ``page`` (``--dump-dom``): what a browser
+    shows, tables and all. Skips without chromium (fails in CI, where .ci/run installs it)."""
+    import pytest
+
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
+             f"--user-data-dir={profile}"]
+    p = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout

@@ -112,17 +112,17 @@ def os_error_line(err: OSError) -> str | None:
     return f"{path}{' -> ' + str(path2) if path2 else ''}: {what}"
 
 
-def python_command() -> str:
-    """How a printed next command names the interpreter: ``python`` when that is the one
-    running (an activated venv), else this interpreter's path, relative to the working
-    directory when it lies below it (``.venv/bin/python``). A fresh clone that follows the
-    README without activating the venv would otherwise run the system Python, which has
-    no torch."""
+def python_command(exe: str | None = None) -> str:
+    """How a printed next command names the interpreter (``exe``: a run's own, from its
+    launch header; default: this one): ``python`` when that is the one on PATH (an
+    activated venv), else its path, relative to the working directory when it lies below
+    it (``.venv/bin/python``). A fresh clone that follows the README without activating
+    the venv would otherwise run the system Python, which has no torch."""
     import os
     import shutil
     import sys
 
-    exe = os.path.abspath(sys.executable)
+    exe = os.path.abspath(exe or sys.executable)
     on_path = shutil.which("python")
     if on_path and os.path.abspath(on_path) == exe:
         return "python"

@@ -564,7 +564,7 @@ def run(argv: list[str]) -> None:
         if is_ledger:  # CHANGED from torchtitan: the tools reuse the recorded launch (segment headers)
             from titan_ledger.components.run.run_folder import Launch
 
-            trainer.ledger.launch = Launch(list(argv), os.getcwd())
+            trainer.ledger.launch = Launch(list(argv), os.getcwd(), sys.executable)
         if dry_run:  # CHANGED from torchtitan: build-only dry run
             log.info(
                 f"titan_ledger dry run: built {type(trainer).__name__} for world size "

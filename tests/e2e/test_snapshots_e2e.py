@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import CONFIGS, cli, explain, signals_ledger, spike_events, torchrun
+from helpers import CONFIGS, chromium_dom, cli, explain, signals_ledger, spike_events, torchrun
 
 from titan_ledger.format.records import read_ledger
 from titan_ledger.tools import diagnose
@@ -79,6 +79,39 @@ def test_the_lr_is_proven_in_process_from_the_host_snapshot(runs):
     res = json.loads(out)["spikes"][0]
     assert (res["cause"], res["certainty"]) == ("lr", "proven")
     assert res["certainty_rule"].startswith("proven in process: lr proven by the window")
+
+
+def test_the_in_process_lr_page_tells_one_story_in_a_browser(runs, tmp_path):
+    """Issue 62: the incident page of the LR proven in process, as chromium builds it: the
+    Diagnosis box and the proof's cause row both say lr proven by the window proof; the
+    window's re-runs are table rows (variant, removed the spike, loss cost); no empty header
+    row; the rerun section says the step was proven in process; the rollback plan fits
+    this 12-step run and its commands use the run's interpreter."""
+    import re
+    import sys
+
+    from titan_ledger.errors import python_command
+    from titan_ledger.tools.report import report
+
+    d, _ = runs["ring"]
+    out = tmp_path / "lr.html"
+    report(d, SPIKE, out)
+    dom = chromium_dom(out, tmp_path / "profile")
+    box = dom.split("<h2>Diagnosis</h2>")[1].split("<table>")[0]
+    proof = dom.split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
+    headline = "lr (proven by the window proof from the host snapshot of step 0)"
+    assert re.search(r"<p class=\"verdict\">lr\b", box) and headline in box, box
+    assert f"<tr><th>cause</th><td>{headline}</td></tr>" in proof, proof[:2000]
+    rows = re.findall(r"<tr><td>window from step 0</td><td>(\w+)</td>(?:<td>[^<]*</td>){3}<td>(\w*)</td>"
+                      r"<td>[^<]*</td><td>([^<]*)</td>", proof)
+    assert [r[0] for r in rows] == ["same", "lr", "eps", "logit_cap", "zloss"], rows
+    fixes = [f["variant"] for f in window_at(d, SPIKE)["fixes"]]
+    assert [r[0] for r in rows if r[1] == "yes"] == sorted(fixes, key=[r[0] for r in rows].index), rows
+    assert rows[0][1] == "" and rows[1][1] == "yes" and rows[1][2].startswith("-"), rows
+    assert "<th></th>" not in dom and "grad sq" not in dom
+    assert "No rerun: the step was proven in process" in dom
+    plan = dom.split("<h2>Rollback plan</h2>")[1]
+    assert "Fitted to this run" in plan and "the earliest checkpoint before the spike" in plan and f"{python_command(sys.executable)} -m" in plan
 
 
 def test_the_run_with_the_ring_equals_the_run_without_it_bit_for_bit(runs):

@@ -181,7 +181,9 @@ def test_proof_on_every_view(tmp_path):
     s = dashboards.proof_scalars(proof)
     assert s["proof/bad_data"] == 1.0 and s["proof/not_data"] == 0.0 and s["proof/executions"] == 2.0
     assert s["proof/acted"] == 0.0 and s["proof/held_back"] == 1.0 and s["proof/adam_amplification"] == 1.3
-    assert s["proof/window_adam"] == 1.0 and s["proof/seconds"] == 2.5
+    assert s["proof/cause_bad_data"] == 1.0 and s["proof/seconds"] == 2.5  # the data, convicted in step
+    lr = dashboards.proof_scalars({**proof, "verdict": "not_data", "window": {"cause": "lr", "from_step": 20}})
+    assert lr["proof/cause_lr"] == 1.0 and lr["proof/not_data"] == 1.0  # the window proved the LR
     acted = dashboards.proof_scalars({**proof, "applied": "quarantine", "held_back": None})
     assert acted["proof/acted"] == 1.0 and acted["proof/held_back"] == 0.0
     assert dashboards.proof_scalars(None) == {}

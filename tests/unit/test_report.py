@@ -5,9 +5,13 @@ tests/e2e/test_dashboards_e2e.py (a real run's page in headless chromium)."""
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 import struct
+from pathlib import Path
+
+import pytest
 
 from tests.unit.test_plot import assert_legible
 from titan_ledger.format import records
@@ -51,7 +55,7 @@ def test_page_has_every_section_and_inlined_images(tmp_path):
     assert_legible(layout, [5])
     assert not re.search(r'(src|href)="(https?:|file:|/)', page)  # self-contained
     assert "Q0 divergence" in page and "Q5 bf16" in page  # every question, with numbers
-    assert "no data ledger" in page and "does not exist or is empty" in page  # missing inputs said
+    assert "no data ledger" in page and "No rerun was run for this step" in page  # missing inputs said
     assert "no plan:" in page and "checkpoint" in page
 
 
@@ -102,11 +106,51 @@ def test_the_page_shows_the_proof_as_it_ran(tmp_path):
                             "action": "proof: bad_data", "proof": proof}) + "\n")
     report(d, 5, tmp_path / "p.html", around=4)
     section = (tmp_path / "p.html").read_text().split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
-    for text in ("bad_data", "masked", "decided_at", "bisection", "dp_ranks=[0, 1]", "original", "bisect",
-                 "r0: loss sum 1902, grad sq 40, tokens 256", "Group testing, round by round", "2: c:5, c:6",
-                 "bad data on DP ranks 0, 1, documents c:5"):
+    for text in ("bad_data (proven in step)", "masked", "decided at", "bisection", "dp_ranks=[0, 1]", "original",
+                 "bisect", "DP rank 0: loss sum 1902 over 256 tokens, gradient sum of squares 40",
+                 "Group testing, round by round", "2: c:5, c:6", "bad data on DP ranks 0, 1, documents c:5"):
         assert text in section, text
-    assert section.count("<tr>") == 8 + 5 + 2  # facts, executions, rounds (each with its header)
+    assert section.count("<tr>") == 7 + 5 + 2  # facts, executions, rounds (each with its header)
+    assert "<th></th>" not in section and "grad sq" not in section  # no empty headers, plain words
     # the diagnosis names both ranks that held the convicted document
     diagnosis = (tmp_path / "p.html").read_text().split("<h2>Diagnosis</h2>")[1].split("<h2>")[0]
     assert "bad_data (DP ranks 0, 1)" in diagnosis
+
+
+REAL_PROOFS = json.loads((Path(__file__).parent / "data" / "proofs.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["bad_data", "hardware", "lr_window", "outlier"])
+def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_path, kind, capsys):
+    """Real proof records (tests/unit/data/proofs.json, written by real zoo runs): the
+    Diagnosis box, the proof section's cause row, the console line and ``diagnose`` all
+    name the cause the typed record proves; the window's re-runs are rows of the table."""
+    from titan_ledger.format.proofs import Proof, describe_proof
+    from titan_ledger.tools import diagnose
+
+    ev = dict(REAL_PROOFS[kind], step=5)
+    d = _run(tmp_path)
+    path = d / "ledger" / records.SPIKES_FILE
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1] + [json.dumps(ev)]) + "\n")  # its event in place of the synthetic one
+    p = Proof.of(ev["proof"])
+    report(d, 5, tmp_path / "p.html", around=4)
+    page = (tmp_path / "p.html").read_text()
+    box = page.split("<h2>Diagnosis</h2>")[1].split("<table>")[0]
+    section = page.split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
+    head = html.escape(p.headline)
+    assert head in box and f"<tr><th>cause</th><td>{head}</td></tr>" in section
+    cause = re.search(r"<p class='verdict'>([a-z_]+)", box).group(1)
+    line = describe_proof(ev["proof"])
+    words = {"bad_data": "bad data on DP rank", "hardware": "hardware (transient)",
+             "lr_window": "lr (proven by the window proof)", "outlier": "outlier data on DP rank"}[kind]
+    assert words in line
+    if kind != "outlier":  # an outlier proves nothing: the box keeps the signals' cause, and says the proof
+        assert cause == p.cause
+    assert section.count("<td>window from step") == sum(r.kind == "window" for r in p.runs)
+    if kind == "lr_window":
+        assert p.runs[-5].variant == "same" and [r.removed for r in p.runs[-4:]] == [True, False, False, False]
+        assert "removed the spike" in section and "+2.167" in section  # the LR fix's loss cost
+    assert diagnose.main([str(d), "--step", "5"]) == 0
+    out = capsys.readouterr().out
+    assert line in out and (p.cause if kind != "outlier" else "outlier") in out

@@ -29,6 +29,7 @@ import numpy as np
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format import columns, records
+from titan_ledger.format.proofs import Proof
 from titan_ledger.format.reader import SIGNAL_ROW_KEYS, RunLedger, same_run
 
 if TYPE_CHECKING:
@@ -111,12 +112,15 @@ def data_table(ledger: RunLedger | str | os.PathLike, step: int) -> pa.Table:
 SPIKE_COLUMNS = {
     "step": "int", "kind": "str", "rules": "list", "notes": "list", "action": "str", "loss": "float",
     "grad_norm": "float", "suspect_dp_rank": "int", "loss_max_rank": "int",
-    "proof_verdict": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
+    "proof_verdict": "str", "proof_cause": "str", "proof_how": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
     "proof_policy": "str", "proof_executions": "int", "proof_seconds": "float", "proof_documents": "list",
     "proof_adam_amplification": "float", "proof_window_cause": "str", "proof_window_fixes": "list",
     "proof_failed": "str", "ladder_action": "str", "rewind_to": "int", "breaker": "str", "stall_kind": "str",
     "response_failure": "str",
 }
+
+
+_NO_PROOF = {k: None for k in SPIKE_COLUMNS if k.startswith("proof_") and k != "proof_failed"}
 
 
 def event_kind(e: dict) -> str:
@@ -139,19 +143,12 @@ def event_row(e: dict) -> dict:
     ``proof_*`` columns (the verdict, what was applied and what would have been, the
     executions, the documents as ``source:doc``, Adam's amplification, the window
     proof's cause and fixes)."""
-    p = e.get("proof") or {}
-    w = p.get("window") or {}
+    p = e.get("proof")
     return {
         "step": int(e["step"]), "kind": event_kind(e), "rules": list(e.get("rules") or []),
         "notes": list(e.get("notes") or []), "action": e.get("action") if not e.get("ladder") else None,
         "loss": e.get("loss"), "grad_norm": e.get("grad_norm"), "suspect_dp_rank": e.get("suspect_dp_rank"),
-        "loss_max_rank": e.get("loss_max_rank"), "proof_verdict": p.get("verdict"),
-        "proof_applied": p.get("applied"), "proof_would_apply": p.get("would_apply"),
-        "proof_held_back": p.get("held_back"), "proof_policy": p.get("policy"),
-        "proof_executions": max(0, len(p["executions"]) - 1) if p.get("executions") else None,
-        "proof_seconds": p.get("seconds"), "proof_documents": [f"{s}:{d}" for s, d in p.get("documents") or []],
-        "proof_adam_amplification": (p.get("optimizer") or {}).get("amplification"),
-        "proof_window_cause": w.get("cause"), "proof_window_fixes": [f["variant"] for f in w.get("fixes") or []],
+        "loss_max_rank": e.get("loss_max_rank"), **(Proof.of(p).columns() if p else _NO_PROOF),
         "proof_failed": (e.get("proof_failed") or {}).get("error"),
         "ladder_action": e.get("action") if e.get("ladder") else None, "rewind_to": e.get("rewind_to"),
         "breaker": e.get("breaker"), "stall_kind": (e.get("stall") or {}).get("kind"),

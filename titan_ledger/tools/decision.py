@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from titan_ledger.components.detection import fingerprints as fp
 from titan_ledger.errors import LedgerCorrupt, LedgerError
-from titan_ledger.format.proofs import describe_window
+from titan_ledger.format.proofs import Proof, describe_window
 from titan_ledger.format.reader import RunLedger
 
 if TYPE_CHECKING:
@@ -654,8 +654,9 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
             res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the "
                                      f"suspect's data ({proof.get('why', '')})")
         window = proof.get("window") or {}
-        if window.get("cause"):  # the trainer re-ran the window from a host snapshot: the cause is proven
-            res.update(cause=window["cause"], certainty="proven",
+        typed = Proof.of(proof)
+        if typed.how == "window":  # the trainer re-ran the window from a host snapshot: the cause is proven
+            res.update(cause=typed.cause, certainty="proven",
                        certainty_rule=f"proven in process: {describe_window(window)}")
             if res.get("mechanism") and window["cause"] != "lr":
                 res.pop("mechanism")

@@ -71,6 +71,12 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _facts(rows: list[list[Any]]) -> str:
+    """A two-column table of facts: each row's name as its header cell, no empty header row."""
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{v if isinstance(v, _Raw) else _num(v)}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
 class _Raw(str):
     """Already-escaped HTML for a table cell."""
 
@@ -144,6 +150,7 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
     prints: cause, certainty and its rule, the trainer's flag, what was done, the
     per-rank losses as the step trained, every question with its numbers."""
+    from titan_ledger.format.proofs import Proof
     from titan_ledger.tools.decision import judge, rank_phrase, rank_summary
 
     try:
@@ -168,7 +175,9 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     losses = rank_summary(res["rank_losses"]) if res.get("rank_losses") else "none recorded"
     out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)} &mdash; {_e(res['certainty'])}</p>",
            f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
-           _table(["", ""], [["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
+           *([f"<p>Proof at the alarm: <b>{_e(Proof.of(res['proof']).headline)}</b> (below).</p>"]
+             if res.get("proof") else []),
+           _facts([["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
                              ["trainer", flag], ["done", res["done"]],
                              ["per-rank losses at the step", losses],
                              ["documents", res.get("documents_note") or "(not a bad_data verdict)"],
@@ -201,35 +210,51 @@ def _row_losses(raw: dict) -> dict[tuple[int, int], tuple[float, int]]:
 
 
 def proof_section(led: RunLedger, step: int) -> str:
-    """The proof at the alarm, as it ran: the verdict and why, what was applied, every
-    execution (variant, loss, grad norm, whether its update was normal, per-rank loss
-    sum, gradient sum of squares and tokens), the suspect and its control, and the group
-    testing's rounds (``--ledger.on_spike.prove_bisect``)."""
-    from titan_ledger.format.proofs import describe_proof
+    """The proof at the alarm, as it ran, rendered from the typed record
+    (:class:`titan_ledger.format.proofs.Proof`, as the Diagnosis box and the console are):
+    the cause it proves and how, the in-step verdict and why, what was applied (and what
+    would have been), then every run as one table -- the step's executions and the window's
+    re-runs from the host snapshot (variant, loss, grad norm, update normal, removed the
+    spike, seconds, loss cost) -- each DP rank's share in words, the suspect and its
+    control, and the group testing's rounds (``--ledger.on_spike.prove_bisect``)."""
+    from titan_ledger.format.proofs import HELD_BACK, Proof
 
     head = "<h2>Proof at the alarm</h2>"
-    proof = led.proof_at(step)
-    if proof is None:
+    record = led.proof_at(step)
+    if record is None:
         return head + "<p class='none'>no proof recorded at this step (--ledger.on_spike.prove, prove_at)</p>"
-    facts = [["verdict", proof.get("verdict")], ["applied", proof.get("applied")], ["why", proof.get("why")],
-             ["in one line", describe_proof(proof)]]
+    p = Proof.of(record)
+    facts = [["cause", p.headline], ["in-step verdict", f"{p.verdict}: {p.why}"],
+             ["applied", p.applied]]
+    if p.held_back is not None:
+        facts.append(["would have applied", f"{p.would_apply} (held back by {HELD_BACK.get(p.held_back, p.held_back)})"])
+    if p.fixes:
+        facts.append(["fixes that removed it", ", ".join(p.fixes) + " (the cheapest first)"])
+    facts.append(["in one line", p.line()])
     for key in ("decided_at", "update_recomputed", "ranks", "dp_ranks", "documents"):
-        if proof.get(key) is not None:
-            facts.append([key, proof[key]])
+        if record.get(key) is not None:
+            facts.append([key.replace("_", " "), record[key]])
     for key in ("suspect", "control"):
-        if proof.get(key):
-            facts.append([key, ", ".join(f"{k}={v}" for k, v in proof[key].items())])
-    if proof.get("noise"):
-        facts.append(["noise floor", f"{proof['noise'].get('floor')} (factor {proof['noise'].get('factor')})"])
-    runs = []
-    for i, e in enumerate(proof.get("executions", [])):
-        ranks = "; ".join(f"r{r}: loss sum {_num(x.get('loss'))}, grad sq {_num(x.get('grad_sq'))}, "
-                          f"tokens {x.get('tokens')}" for r, x in enumerate(e.get("per_rank", [])))
-        runs.append([i, e.get("variant"), e.get("loss"), e.get("grad_norm"), e.get("normal"),
-                     e.get("bit_equal", ""), e.get("seconds"), _Raw(ranks)])
-    out = head + _table(["", ""], facts) + _table(
-        ["#", "variant", "loss", "grad norm", "update normal", "bit-equal", "seconds", "per rank"], runs)
-    rounds = proof.get("bisection") or []
+        if record.get(key):
+            facts.append([key, ", ".join(f"{k}={v}" for k, v in record[key].items())])
+    if record.get("noise"):
+        facts.append(["noise floor", f"{record['noise'].get('floor')} (factor {record['noise'].get('factor')})"])
+    window = record.get("window") or {}
+    where = {"step": "the step", "window": f"window from step {p.window_from}"}
+    runs = [[where[r.kind], r.variant, r.loss, r.grad_norm, _yes_no(r.normal), _yes_no(r.removed),
+             r.seconds if r.seconds is not None else "", "" if r.cost is None or r.variant == "same" else f"{r.cost:+.4g}",
+             _yes_no(r.bit_equal), r.ranks_in_words()] for r in p.runs]
+    out = head + _facts(facts) + _table(
+        ["run", "variant", "loss", "grad norm", "update normal", "removed the spike", "seconds", "loss cost",
+         "bit-equal", "per DP rank"], runs)
+    if window.get("runs"):
+        out += (f"<p>The window re-ran steps {p.window_from + 1}-{p.window_from + window['steps']} from the host "
+                f"snapshot of step {p.window_from} ({window['steps']} steps, "
+                f"{_num(window.get('seconds'))} s in all) once per variant; loss cost: the loss over its last steps "
+                f"against the unchanged re-run's.</p>")
+    elif window:
+        out += f"<p>Window proof not run: {_e(window.get('why', ''))}</p>"
+    rounds = record.get("bisection") or []
     if rounds:
         def docs(x):
             return f"{len(x)}: " + ", ".join(f"{s}:{d}" for s, d in x[:6]) + (" ..." if len(x) > 6 else "")
@@ -239,6 +264,10 @@ def proof_section(led: RunLedger, step: int) -> str:
             [[i + 1, docs(r["masked"]), r["masked_normal"], docs(r["control"]), r["control_normal"]]
              for i, r in enumerate(rounds)])
     return out
+
+
+def _yes_no(v: bool | None) -> str:
+    return "" if v is None else "yes" if v else "no"
 
 
 def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
@@ -282,9 +311,17 @@ def documents_section(led: RunLedger, step: int, worst: int | None) -> str:
     median = f"; median document loss on this rank {_num(dl.get('median'))}" if "median" in dl else ""
     inj = f"; <b>injected batch ({_e(raw['injected'])})</b>" if raw.get("injected") else ""
     return (head + f"<p>DP rank {rank} at step {step}: {len(raw.get('rows', []))} rows; {note}{median}{inj}. "
-            f"Text: <code>python -m titan_ledger.lookup {_e(led.dump_folder)} --step {step} "
+            f"Text: <code>{_e(_python(led))} -m titan_ledger.lookup {_e(led.dump_folder)} --step {step} "
             f"--rank {rank} --text</code></p>" +
             _table(["sample id", "source", "document", "tokens span", "mean loss", "loss tokens"], rows))
+
+
+def _python(led: RunLedger) -> str:
+    """The interpreter of the run's last launch (its header), as a command names it."""
+    from titan_ledger.errors import python_command
+
+    launches = led.launches()
+    return python_command(launches[-1].get("python") if launches else None)
 
 
 def rerun_section(led: RunLedger, step: int) -> str:
@@ -292,7 +329,11 @@ def rerun_section(led: RunLedger, step: int) -> str:
     head = "<h2>Rerun results</h2>"
     files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
     if not files:
-        return head + f"<p class='none'>none ({_e(folder)} does not exist or is empty)</p>"
+        cmd = f"{_python(led)} -m titan_ledger.diagnose {led.dump_folder} --step {step} --rerun"
+        if led.proof_at(step) is not None:
+            return head + (f"<p>No rerun: the step was proven in process (Proof at the alarm, above). A rerun "
+                           f"from a checkpoint, out of process, would test it again: <code>{_e(cmd)}</code></p>")
+        return head + f"<p class='none'>No rerun was run for this step. To run one: <code>{_e(cmd)}</code></p>"
     parts = []
     for p in files[:20]:
         text = p.read_text(errors="replace")
@@ -305,28 +346,35 @@ def rerun_section(led: RunLedger, step: int) -> str:
 
 
 def rollback_section(led: RunLedger, step: int, back: int, skip: int) -> str:
-    from titan_ledger.tools.rollback import existing_skips, plan
+    """The PaLM rollback for ``step`` (``rollback.fitted_plan``: ``--back``/``--skip`` fitted
+    to the checkpoints that exist and the run's length, saying so) and the commands that
+    apply it, with the run's own interpreter."""
+    from titan_ledger.tools.rollback import existing_skips, fitted_plan
 
     head = "<h2>Rollback plan</h2>"
+    last = led.last_signal_step(windows=True) or step
     try:
-        p = plan(led.checkpoints(), step, back, skip, existing=existing_skips(led))
+        p, fitted = fitted_plan(led.checkpoints(), step, back, skip, last, existing=existing_skips(led))
     except TitanLedgerError as e:
         return head + f"<p class='none'>no plan: {_e(e)}</p>"
+    back, skip = step - p["load_step"], p["skip_window"][1] - p["skip_window"][0] + 1
     rewinds = [r for r in led.rewinds() if int(r["step"]) == step]
     done = (f"<p>Already applied in process: rolled back to step-{rewinds[0]['rewind_to']}, skipping "
             f"{rewinds[0]['skip_window'][0]}-{rewinds[0]['skip_window'][1]}.</p>") if rewinds else ""
+    fit = ("<p>Fitted to this run: " + "; ".join(_e(x) for x in fitted) + ".</p>") if fitted else ""
     launches = led.launches()
     world = launches[-1].get("world_size", "N") if launches else "N"
+    py = _python(led)
     overlay = led.dump_folder / f"rollback_step{step}.toml"
-    cmd1 = (f"python -m titan_ledger.rollback --dump-folder {led.dump_folder} --step {step} "
+    cmd1 = (f"{py} -m titan_ledger.rollback {led.dump_folder} --step {step} "
             f"--back {back} --skip {skip} --write {overlay}")
-    cmd2 = (f"torchrun --nproc_per_node {world} -m titan_ledger.train --job.config_file &lt;the run's TOML&gt; "
-            f"&lt;its other flags, unchanged&gt; --job.overlay {_e(overlay)}")
+    cmd2 = (f"{_e(py)} -m torch.distributed.run --nproc_per_node {world} -m titan_ledger.train --job.config_file "
+            f"&lt;the run's TOML&gt; &lt;its other flags, unchanged&gt; --job.overlay {_e(overlay)}")
     flags = " ".join(f'"{x}"' if "," in x else x for x in p["overrides"])
-    return (head + done + _table(["spike step", "load checkpoint", "skip window", "steps lost", "skip_steps"],
-                                 [[p["spike_step"], f"step-{p['load_step']}",
-                                   f"{p['skip_window'][0]}-{p['skip_window'][1]}", p["steps_lost"],
-                                   ", ".join(p["skip_steps"])]]) +
+    return (head + done + fit + _table(["spike step", "load checkpoint", "skip window", "steps lost", "skip_steps"],
+                                       [[p["spike_step"], f"step-{p['load_step']}",
+                                         f"{p['skip_window'][0]}-{p['skip_window'][1]}", p["steps_lost"],
+                                         ", ".join(p["skip_steps"])]]) +
             f"<p>Apply it (write the overlay, then relaunch the same command with it):</p>"
             f"<pre>{_e(cmd1)}\n{cmd2}</pre><p>or add the overrides directly: <code>{_e(flags)}</code></p>")
 
@@ -373,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--out", default="incident.html",
                     help="output page; with several spikes, NAME-step<T>.html per spike")
     ap.add_argument("--around", type=int, default=30, help="steps shown before and after the spike")
-    ap.add_argument("--back", type=int, default=100, help="rollback plan: checkpoint at or before T - back")
-    ap.add_argument("--skip", type=int, default=200, help="rollback plan: steps to skip")
+    ap.add_argument("--back", type=int, default=100, help="rollback plan: checkpoint at or before T - back (fitted "
+                    "to the checkpoints that exist: the earliest before the spike when none is that far back)")
+    ap.add_argument("--skip", type=int, default=200, help="rollback plan: steps to skip (at most to the run's last "
+                    "recorded step)")
     a = parse_args(ap, argv)
     return run_tool("titan_ledger.report", lambda: _main(a))
 

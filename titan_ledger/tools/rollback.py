@@ -11,8 +11,8 @@ checkpoint, and a changed ``training.steps`` changes the schedule after it.
 
 Examples::
 
-    python -m titan_ledger.rollback --dump-folder outputs/run --step 137000
-    python -m titan_ledger.rollback --dump-folder outputs/run --step 137000 \\
+    python -m titan_ledger.rollback outputs/run --step 137000
+    python -m titan_ledger.rollback outputs/run --step 137000 \\
         --back 100 --skip 300 --write rollback.toml
     torchrun ... -m titan_ledger.train --job.config_file X.toml --job.overlay rollback.toml
 """
@@ -57,6 +57,28 @@ def plan(ckpts: list[int], spike_step: int, back: int = 100, skip: int = 200,
             "skip_steps": skip_steps, "steps_lost": spike_step - load,
             "overrides": ["--checkpoint.load_step", str(load),
                           "--ledger.skip.steps", ",".join(skip_steps)]}
+
+
+def fitted_plan(ckpts: list[int], spike_step: int, back: int, skip: int, last_step: int,
+                existing: list[str] | None = None) -> tuple[dict, list[str]]:
+    """The incident page's plan (pure): :func:`plan` with ``back`` and ``skip`` fitted to
+    the run -- the checkpoint at or before ``spike_step - back``, else the earliest one
+    before the spike (a short run has none 100 steps back); the skip window at most to
+    the run's last recorded step (``last_step``) -- and what was fitted, in words. No
+    checkpoint before the spike: :class:`PlanError`, as :func:`plan` says it."""
+    before = [c for c in ckpts if c < spike_step]
+    if not before:
+        return plan(ckpts, spike_step, back, skip, existing=existing), []  # raises, naming the fix
+    said = []
+    load = max((c for c in before if c <= spike_step - back), default=min(before))
+    if load > spike_step - back:
+        said.append(f"--back {back} would go to step {spike_step - back}: the earliest checkpoint before the spike "
+                    f"is step {load}, so --back {spike_step - load}")
+    end = max(spike_step, last_step)
+    fit = min(skip, end - load)
+    if fit < skip:
+        said.append(f"--skip {skip} would skip past the run's last recorded step {last_step}: --skip {fit}")
+    return plan(ckpts, spike_step, spike_step - load, fit, existing=existing), said
 
 
 def overlay_toml(p: dict) -> str:

@@ -494,28 +494,14 @@ def _proof_line(proof: dict[str, Any]) -> str:
 
 
 def proof_scalars(proof: dict[str, Any] | None) -> dict[str, float]:
-    """A proof as dashboard scalars (pure): ``proof/<verdict>`` 1.0, ``proof/executions``,
-    ``proof/seconds``, ``proof/acted`` (the update it applied was not the step's own),
-    ``proof/held_back`` (the policy or a bound kept it from acting: observe, the
-    quarantine's size, a fragile run, the breaker), ``proof/adam_amplification``; with a
-    window proof ``proof/window_<cause>`` 1.0. Empty without a proof."""
+    """A proof as dashboard scalars (:meth:`titan_ledger.format.proofs.Proof.scalars`: the
+    verdict, the cause it proves, executions, seconds, acted, held back, Adam's
+    amplification); empty without a proof."""
     if not proof:
         return {}
-    from titan_ledger.format.proofs import VERDICTS
+    from titan_ledger.format.proofs import Proof
 
-    out = {f"proof/{v}": float(proof.get("verdict") == v) for v in VERDICTS}
-    out["proof/executions"] = float(max(0, len(proof.get("executions") or []) - 1))
-    if isinstance(proof.get("seconds"), (int, float)):
-        out["proof/seconds"] = float(proof["seconds"])
-    out["proof/acted"] = float(proof.get("applied") not in (None, "original"))
-    out["proof/held_back"] = float(proof.get("held_back") is not None)
-    amp = (proof.get("optimizer") or {}).get("amplification")
-    if isinstance(amp, (int, float)):
-        out["proof/adam_amplification"] = float(amp)
-    cause = (proof.get("window") or {}).get("cause")
-    if cause:
-        out[f"proof/window_{cause}"] = 1.0
-    return out
+    return Proof.of(proof).scalars()
 
 
 def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:

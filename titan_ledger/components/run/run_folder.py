@@ -28,14 +28,19 @@ from titan_ledger.format.reader import latest_data_header
 
 @dataclass(frozen=True)
 class Launch:
-    """The launch as the entry point received it: its training flags and working directory."""
+    """The launch as the entry point received it: its training flags, working directory and
+    interpreter (the tools' printed commands use the run's own: a venv's python has torch)."""
 
     argv: list[str] = field(default_factory=list)
     cwd: str = ""
+    python: str = ""
 
     def header(self) -> dict[str, Any]:
         """The segment-header keys (empty when the trainer was built without ``train.run``)."""
-        return {"argv": [str(a) for a in self.argv], "cwd": str(self.cwd)} if self.cwd else {}
+        if not self.cwd:
+            return {}
+        return {"argv": [str(a) for a in self.argv], "cwd": str(self.cwd), **({"python": self.python} if self.python
+                                                                               else {})}
 
 
 @dataclass(frozen=True)
