@@ -154,3 +154,18 @@ def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_pat
     assert diagnose.main([str(d), "--step", "5"]) == 0
     out = capsys.readouterr().out
     assert line in out and (p.cause if kind != "outlier" else "outlier") in out
+
+
+def test_above_dp_16_the_per_rank_section_summarises(tmp_path):
+    """20 loss-owning ranks: the section says count, median, spread and the worst ranks in
+    words (not 20 table rows), and draws the median, the band and the worst three."""
+    d = _run(tmp_path)
+    for r in range(20):
+        w = records.RecordWriter(d / "ledger" / records.rank_file(r),
+                                 {"schema": records.RANK.id, "run_id": "a", "resumed_from": 0, "seq": 1})
+        for s in range(1, 13):
+            w.write({"step": s, "loss": 3.0 + r / 100 + (1.0 if (s == 5 and r == 17) else 0.0), "tokens": 256})
+        w.close()
+    report(d, 5, tmp_path / "p.html", around=4)
+    ranks = (tmp_path / "p.html").read_text().split("<h2>Per-rank losses</h2>")[1].split("<h2>")[0]
+    assert "20 ranks: median" in ranks and "highest rank 17 4.1700" in ranks and "<td>" not in ranks

@@ -119,11 +119,32 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from titan_ledger.tools.decision import RANKS_LISTED, rank_summary
+
     fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
-    at = []
-    for r, rows in sorted(per.items()):
-        sel = [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None]
-        if sel:
+    series = {r: [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None
+                  and math.isfinite(x["loss"])] for r, rows in sorted(per.items())}
+    series = {r: sel for r, sel in series.items() if sel}
+    if len(series) <= RANKS_LISTED:
+        for r, sel in series.items():
+            ax.plot([x["step"] for x in sel], [x["loss"] for x in sel], marker=".", lw=0.8, label=f"rank {r}")
+    else:  # DP 512: the median, the 10-90% band and the ranks worst at the step, not 512 lines
+        by_step: dict[int, list[float]] = {}
+        for sel in series.values():
+            for x in sel:
+                by_step.setdefault(x["step"], []).append(x["loss"])
+        steps = sorted(by_step)
+        qs = [sorted(by_step[s]) for s in steps]
+
+        def q(xs, p):
+            return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
+
+        ax.fill_between(steps, [q(x, 0.1) for x in qs], [q(x, 0.9) for x in qs], alpha=0.25,
+                        label=f"10-90% of {len(series)} ranks")
+        ax.plot(steps, [q(x, 0.5) for x in qs], lw=1.0, label="median rank")
+        at_step = {r: next((x["loss"] for x in sel if x["step"] == step), -math.inf) for r, sel in series.items()}
+        for r in sorted(at_step, key=lambda k: -at_step[k])[:3]:
+            sel = series[r]
             ax.plot([x["step"] for x in sel], [x["loss"] for x in sel], marker=".", lw=0.8, label=f"rank {r}")
     ax.axvline(step, color="red", lw=0.8)
     ax.set_xlabel("step")
@@ -136,7 +157,10 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     hits = led.rank_rows_at(step)
     current = {r for r, rows in per.items() if any(x["step"] == step and not x.get("skipped") for x in rows)}
     at = [[r, hits[r].get("loss"), hits[r].get("tokens")] for r in sorted(hits)]
-    if not at:
+    if len(at) > RANKS_LISTED:  # in words: count, median, spread, the worst ranks
+        table = (f"<p>Each loss-owning rank's own average loss ({_e(records.RANK_GLOB)}) at step {step}: "
+                 f"{_e(rank_summary({str(r): hits[r].get('loss') for r in sorted(hits)}))}.</p>")
+    elif not at:
         table = f"<p class='none'>no rank file holds a trained row of step {step}</p>"
     else:
         when = "" if set(hits) <= current else \
