@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from titan_ledger.components.ledger.sections import RehearsalConfig
-from titan_ledger.components.response.snapshots import HostState, SnapshotRing, WindowProof
+from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
+from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.errors import ConfigError
 
 

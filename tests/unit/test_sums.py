@@ -5,7 +5,7 @@ import math
 import torch
 
 from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
-from titan_ledger.components.signals.sums import ParamPlan, clipped_norm, layer_group, local_sums, snapshot, update_sq
+from titan_ledger.components.signals.sums import ParamPlan, clip_coef, layer_group, local_sums, snapshot, update_sq
 
 
 def test_layer_group():
@@ -15,12 +15,12 @@ def test_layer_group():
     assert layer_group("norm.weight") == "norm"
 
 
-def test_clipped_norm_matches_torch_clip():
+def test_clip_coef_matches_torch_clip():
     for total in (0.5, 1.0, 3.0):
         p = torch.nn.Parameter(torch.zeros(4))
         p.grad = torch.full((4,), total / 2.0)  # norm == total
         torch.nn.utils.clip_grad_norm_([p], max_norm=1.0)
-        got = clipped_norm(torch.tensor(total), 1.0).item()
+        got = (torch.tensor(total) * clip_coef(torch.tensor(total), 1.0)).item()
         assert math.isclose(got, p.grad.norm().item(), rel_tol=1e-6)
 
 

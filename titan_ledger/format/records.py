@@ -244,31 +244,6 @@ class SignalRow(TypedDict, total=False):
     skip_lr: str  # skipped windows only
 
 
-class DataRow(TypedDict, total=False):
-    """One row of ``data_dp<r>.jsonl``."""
-
-    step: int
-    skipped: bool
-    rows: list  # [[sample_id, source, [[doc, start, end], ...]], ...]
-    injected: str  # rehearsal: this rank's tokens were replaced
-    last_step: int  # skipped windows only
-    samples: list  # [first, end) sample range of a skipped window
-    layout: dict  # the batch layout a window was consumed with
-
-
-class SpikeEvent(TypedDict, total=False):
-    """One event of ``spikes.jsonl``: a flagged step (``rules``: the acting rules that
-    fired; ``notes``: rules that fired as notes), a note-only step (``notes``, no
-    ``rules``), a ladder decision, or a rewind a spike caused."""
-
-    step: int
-    rules: list
-    notes: list
-    action: str
-    rewind_to: int
-    skip_window: list
-
-
 @dataclass
 class Header:
     """The fields every segment header has; kind-specific fields ride in ``extra``."""

@@ -42,7 +42,6 @@ the factor reached is logged, and the ledger's ``grad_norm`` shows it).
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,26 +72,6 @@ def _mask(bit: int, dtype: torch.dtype) -> int:
     width = torch.finfo(dtype).bits
     m = 1 << bit
     return m - (1 << width) if bit == width - 1 else m  # the sign bit as a negative int
-
-
-def choose_bit(value: float, dtype: torch.dtype = torch.float32, limit: float = LIMIT) -> int:
-    """The highest exponent bit of ``value`` that is 0 and whose flip gives a magnitude
-    in (|value|, limit]; else the highest exponent bit that is 0 (a large effect
-    either way); else the lowest exponent bit."""
-    bits = list(_EXP_BITS[dtype])
-    zero = [b for b in bits if not _bit_set(value, b, dtype)]
-    for b in zero:
-        v = abs(flip_value(value, b, dtype))
-        if abs(value) < v <= limit:
-            return b
-    return zero[0] if zero else bits[-1]
-
-
-def _bit_set(value: float, bit: int, dtype: torch.dtype) -> bool:
-    if dtype == torch.float32:
-        return bool(struct.unpack("<I", struct.pack("<f", value))[0] >> bit & 1)
-    t = torch.tensor([value], dtype=dtype).view(_INT[dtype])
-    return bool((int(t[0]) >> bit) & 1)
 
 
 def flip_tensor(t: torch.Tensor, limit: float = LIMIT, gain: float = 100.0) -> dict[str, Any] | None:

@@ -70,7 +70,8 @@ from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set
 from titan_ledger.components.response.ladder import ladder_report
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, Prover
 from titan_ledger.components.response.reexecution import Reexecution
-from titan_ledger.components.response.snapshots import SnapshotRing, WindowProof
+from titan_ledger.components.response.snapshots import SnapshotRing
+from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop

@@ -1,10 +1,11 @@
 """One way to execute a training step again: :class:`Reexecution`.
 
-Design decision: a step is executed more than once in two places -- the proof at the
+Design decision: a step is executed more than once in three places -- the proof at the
 alarm runs *extra* executions of a flagged step (``same``, ``masked``, ``control``,
-and once more to put an applied update back in the gradients), and a deferred decision
-that changed the parameters *replaces* the next step's first execution (the redo).
-Both go through this one context, so what an execution touches is listed once and
+and once more to put an applied update back in the gradients), a deferred decision
+that changed the parameters *replaces* the next step's first execution (the redo), and
+the window proof (:mod:`.window_proof`) re-runs the window's steps from a host snapshot
+(extra executions, on state it puts back itself). All go through this one context, so what an execution touches is listed once and
 restored once:
 
 ==================  ====================================  ================================

@@ -146,8 +146,3 @@ def loss_sum(accumulated_loss: torch.Tensor | None, global_valid_tokens: torch.T
 def clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor ``clip_grad_norm_`` multiplied the gradients by (torch's eps 1e-6)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-
-
-def clipped_norm(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The norm after ``clip_grad_norm_``."""
-    return total_norm * clip_coef(total_norm, max_norm)

@@ -1,0 +1,217 @@
+"""The window proof: the cause that is not the data, proven in process by intervention.
+
+Design decision: the proof at the alarm (:mod:`.prover`) re-executes the flagged step and
+answers "data or hardware?"; every other cause -- the learning rate, Adam's state, logit
+growth, the output logits -- acted on the steps *before* it, so the step alone proves
+nothing. From the oldest host snapshot (:mod:`.snapshots`) :class:`WindowProof` re-runs
+the window to the flagged step in this process, through the trainer's own ``execute``
+and ``optimizers.step()``: once unchanged (``same``, the control: it must reproduce the
+flag) and once per candidate fix (``lr``: every step's LR x ``lr_factor``; ``adam``:
+beta2 and epsilon; ``eps``: epsilon raised; ``logit_cap``: a soft cap on the attention
+scores; ``zloss``: a z-loss weight). Each variant's flagged step is judged by the
+trainer's own acting rules against the run's history (``verdict.flags_again``), and
+each pays a cost: the loss over the window's last steps against the unchanged re-run's.
+:func:`~.verdict.window_verdict` names the cause whose own fix removed it, the cheapest
+fix first (a stall: the fix that lowered the loss). What it touched -- parameters,
+optimizer state, gradients, the groups' LR, betas and epsilon, the attention's cap and
+the loss's z-loss weight -- is put back from a copy taken first
+(:class:`~.snapshots.HostState`), and the record goes in ``proof["window"]``.
+
+Its own module: the ring owns memory and restore (a rollback uses it without any proof);
+the window proof owns the replay and the judgement. Every variant starts from the same
+RNG state (:meth:`~.reexecution.Reexecution.rewind_rng`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from titan_ledger.components.prevention.optimizer import set_group_lr
+from titan_ledger.components.response.reexecution import Reexecution, check_deadline
+from titan_ledger.components.response.snapshots import HostState, SnapshotRing
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
+from titan_ledger.components.signals.sums import loss_sum
+from titan_ledger.errors import ProofFailure
+from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
+
+
+class WindowProof:
+    """Re-runs the window before a ``not_data`` alarm with each candidate cause's variant
+    (the module docstring); ``Recovery._judge`` asks it after the step's proof."""
+
+    def __init__(self, trainer, ring: SnapshotRing) -> None:
+        self.trainer, self.ring = trainer, ring
+
+    def wanted(self, proof: dict, forced: bool = False) -> bool:
+        """Within ``max_proofs``: an acting flag proven ``not_data`` or ``optimizer_state``
+        (which cause, then: Adam's variant proves the state by intervention);
+        data convicted (``bad_data``: does a variant remove the spike with the data
+        unmasked as well? -- the real set's LR runs had documents convicted at steps
+        where every update moved the weights 6% of their norm); or a step
+        ``--ledger.rehearsal.prove_at`` names and its proof left standing (``not_data``,
+        ``outlier``: the window replayed on a clean step, every parallelism's replay
+        checked against the run)."""
+        r = self.ring
+        v = proof.get("verdict")
+        return r.on and r.proofs < r.config.max_proofs and (
+            (v in ("not_data", "optimizer_state") and bool(proof.get("acting"))) or v == "bad_data"
+            or (forced and v in ("not_data", "outlier")))
+
+    def prove(self, rec, stall: bool = False) -> dict[str, Any]:
+        """The window proof of the flagged step ``rec`` (its batches still held): the
+        record that goes in ``proof["window"]``. ``stall``: the stall rule flagged the run
+        (no spike at ``rec``): a fix removes it when it lowers the window's last steps'
+        loss by the rule's ``min_gain`` against the unchanged re-run's."""
+        import torch.distributed as dist
+
+        t, ring = self.trainer, self.ring
+        cfg = ring.config
+        snap = ring.window(rec.step)
+        if snap is None:
+            return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
+                                          f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
+        ring.proofs += 1
+        ring.settle()
+        start = time.perf_counter()
+        params, opts = ring.tensors(), ring.optimizers()
+        now = HostState().capture(params, opts)  # the state at the alarm, put back after
+        grads = [p.grad for p in params]  # (a buffer's: None)
+        betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
+        causes = [c for c in cfg.causes if (c != "adam" or self._changes_adam(opts))
+                  and (c != "eps" or self._raises_eps(opts)) and (c != "zloss" or self._loss() is not None)
+                  and (c != "logit_cap" or self._attention())]
+        detector = t.ledger.guard.detector
+        faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
+        deadline = start + float(t.config.ledger.on_spike.prove_timeout)
+        runs: list[dict] = []
+        try:
+            with Reexecution(t, None, replaces=False) as again:
+                for variant in ("same", *causes):
+                    kind = response_fault(faults, "window")  # (rehearsal)
+                    check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof")
+                    snap.tensors.restore(params, opts)
+                    # every variant draws the same random numbers (dropout, if a model has it);
+                    # the run's own draws per step are not kept, so with dropout ``same`` differs
+                    again.rewind_rng()
+                    self._model_variant(variant)
+                    last: list[float] = []  # the window's last steps' losses: what the fix cost
+                    for s in range(snap.step + 1, rec.step):
+                        entry = ring.log[s]
+                        self._variant(opts, entry.lrs, betas, variant)
+                        lo, _, lt, gt = again.run(entry.batches)
+                        if rec.step - s <= cfg.cost_steps:
+                            last.append(_global_loss(t, loss_sum(lo, gt), int(lt)))
+                        if not entry.rec.update_skipped:
+                            t.optimizers.step()
+                    # the flagged step's forward/backward on the window's parameters (no update: no LR)
+                    loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
+                    self._model_variant("same")
+                    mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
+                    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                    if kind == "nan" and variant != "same":
+                        mean = norm = math.nan  # (rehearsal: every rank alike)
+                    if variant != "same" and runs and math.isfinite(runs[0]["loss"]) and \
+                            math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
+                        raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
+                                           f"unchanged window was")
+                    end = sum(last) / len(last) if last else None
+                    runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
+                                 "normal": not flags_again(detector, mean, norm),
+                                 "loss_end": end if end is None or math.isfinite(end) else None})
+        finally:
+            self._model_variant("same")  # the attention's cap and the loss's z-loss as the run has them
+            now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
+            for p, g in zip(params, grads):
+                p.grad = g
+        by = {r["variant"]: r for r in runs}
+        base = by["same"]["loss_end"]
+        for r in runs:
+            r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
+        if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
+            gain = float(t.config.ledger.stall.min_gain)
+            removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
+                       for c in causes}
+            cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes})
+            why = f"the stall: {why}".replace("removed it", "lowered the loss").replace("removed by",
+                                                                                       "lowered by")
+        else:
+            cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
+                                               {c: by[c]["cost"] for c in causes})
+        skipped = sorted(set(cfg.causes) - set(causes))
+        if skipped:
+            why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
+        if dist.is_initialized():
+            dist.barrier()  # every rank leaves together (the window's collectives are done)
+        return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
+                "fixes": fixes, **({"stall": True} if stall else {}), "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
+                "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
+                "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _raises_eps(self, opts) -> bool:
+        eps = self.ring.config.eps_fix
+        return any(g.get("eps") is not None and g["eps"] < eps for o in opts for g in o.param_groups)
+
+    def _loss(self):
+        """The run's loss when it is titan_ledger's (its z-loss weight can be set)."""
+        from titan_ledger.components.signals.doc_loss import find_doc_loss
+
+        ours = find_doc_loss(self.trainer.loss_fn)
+        return ours if ours is not None and hasattr(ours, "z_loss_weight") else None
+
+    def _attention(self) -> list:
+        """The attention modules whose logits a cap can bound (titan_ledger's recorder)."""
+        from titan_ledger.components.signals.attention import MaxLogitRecorder
+
+        return [m for part in self.trainer.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
+
+    def _model_variant(self, variant: str) -> None:
+        """What a variant changes outside the optimizer, set for its window and back to the
+        run's own after it (``same``): the attention's logit cap (``logit_cap``: a tanh
+        soft cap, replay rerun's own), the loss's z-loss weight (``zloss``)."""
+        cfg = self.ring.config
+        if not hasattr(self, "_kept"):
+            loss = self._loss()
+            self._kept = ([(m, m.softcap) for m in self._attention()],
+                          (loss, loss.z_loss_weight) if loss is not None else None)
+        caps, z = self._kept
+        for m, cap in caps:
+            m.softcap = cfg.logit_cap if variant == "logit_cap" else cap
+        if z is not None:
+            z[0].z_loss_weight = cfg.zloss if variant == "zloss" else z[1]
+
+    def _changes_adam(self, opts) -> bool:
+        cfg = self.ring.config
+        return any(g.get("betas") is not None and (g["betas"][1] > cfg.beta2 or g.get("eps", cfg.eps) < cfg.eps)
+                   for o in opts for g in o.param_groups)
+
+    def _variant(self, opts, lrs: list[list], kept: list[list], variant: str) -> None:
+        """Every param group's LR, betas and epsilon for one replayed step of ``variant``
+        (``same``: as the run had them)."""
+        cfg = self.ring.config
+        for o, lr, ks in zip(opts, lrs, kept):
+            for g, x, (betas, eps) in zip(o.param_groups, lr, ks):
+                set_group_lr(g, x * cfg.lr_factor if variant == "lr" else x)
+                adam = variant == "adam" and betas is not None
+                if betas is not None:
+                    g["betas"] = (betas[0], min(betas[1], cfg.beta2)) if adam else betas
+                if eps is not None:
+                    g["eps"] = max(eps, cfg.eps) if adam else max(eps, cfg.eps_fix) if variant == "eps" else eps
+
+
+def _global_loss(trainer, local_sum, local_tokens: int) -> float:
+    """The step's mean loss over every rank (loss owners add their sums, token owners their
+    tokens: PP's last stage, one TP rank of each DP replica)."""
+    import torch.distributed as dist
+
+    topo = trainer.ledger.topo
+    f64 = {"dtype": torch.float64, "device": trainer.device}
+    v = torch.stack([local_sum.detach().double().reshape(()) if (local_sum is not None and topo.owns_loss)
+                     else torch.zeros((), **f64),
+                     torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64)])
+    if topo.world > 1:
+        dist.all_reduce(v)
+    return float(v[0] / v[1]) if float(v[1]) else math.nan
