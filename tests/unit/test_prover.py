@@ -50,7 +50,7 @@ class _Trainer:
             discard_step_state=lambda: None, step_documents=lambda: None, last_dp_loss=lambda: [2.0],
             quarantine_proven=lambda docs, step: self.quarantined.append((docs, step)),
             config=SimpleNamespace(spike=SimpleNamespace(doc_outlier_floor=0.7)),
-            adam_level=None, recorder=None, global_batch=8,
+            adam_level=None, recorder=None, global_batch=8, recent=[], flagged_at=set(),
             # every document its own content, 4 tokens, of an unknown corpus size (a text source)
             loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None))
         self.quarantined: list = []
@@ -359,3 +359,20 @@ def test_a_document_that_trained_before_without_a_flag_is_not_convicted():
     t.first(rec)
     proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
     assert proof["verdict"] == "not_data" and "trained 8 tokens in earlier steps without a flag (4 here)" in proof["why"]
+
+
+def test_a_run_that_flags_step_after_step_convicts_no_document():
+    """The LR-1.0 divergence of the real set: from step 123 on, group testing convicted a
+    document at 14 steps, each with 5-21 flags in the 64 steps before it (every planted
+    document of the zoo: 0). With ``unstable_flags`` (4) flagged rows among the 64
+    written before the step, the verdict is ``not_data``, saying why; 3 convict."""
+    def proof_with(flags: int) -> dict:
+        t = _Documents()
+        t.ledger.recent = [{"step": s, "spike": s >= 20 - flags} for s in range(1, 20)]
+        rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+        t.first(rec)
+        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+
+    assert proof_with(3)["verdict"] == "bad_data"
+    p = proof_with(4)
+    assert p["verdict"] == "not_data" and "the run flagged 4 of the 64 steps before this one" in p["why"]

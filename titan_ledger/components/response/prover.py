@@ -546,6 +546,11 @@ class Prover:
                             why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
                                 f"of other documents this step trained on (or content that cannot be read back): "
                                 f"masking them explains nothing a mask of their copies would not")
+            elif unstable := self._unstable(rec.step):  # the run flags step after step: its fragility, not data
+                v = Verdict("not_data", "original",
+                            why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
+                                f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
+                                f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
             elif before >= here > 0:  # the same documents trained before, as much of them, without a flag
                 v = Verdict("not_data", "original",
                             why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
@@ -584,6 +589,16 @@ class Prover:
                               **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
         return out
 
+    def _unstable(self, step: int) -> int:
+        """The flagged steps among the :data:`UNSTABLE_WINDOW` written before ``step`` when
+        they reach ``unstable_flags`` (else 0): a run diverging as a whole."""
+        bar = int(self.config.unstable_flags)
+        if bar <= 0:
+            return 0
+        n = sum(1 for r in self.trainer.ledger.recent
+                if r.get("spike") and step - UNSTABLE_WINDOW <= int(r.get("step", 0)) < step)
+        return n if n >= bar else 0
+
     def _coverage(self, docs: list, content: dict, tags_by_dp: dict) -> Coverage:
         """How much of the data quarantining ``docs`` would mask (``bounds``), with --
         an indexed corpus, read in its order from the flagged step's first sample -- the
@@ -615,6 +630,11 @@ class Prover:
         lone = step_tokens if ledger.topo.dp_size == 1 else None
         return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.config.quarantine_max),
                                    ahead=ahead, lone_doc_step=lone)
+
+
+#: the steps before a conviction whose flags say whether the run is unstable as a whole
+#: (``--ledger.on_spike.unstable_flags``; the ledger keeps the last 64 rows written)
+UNSTABLE_WINDOW = 64
 
 
 def _per_param_sq(grads, device) -> torch.Tensor:
