@@ -4,7 +4,7 @@ A real instability, no fault injected: the tiny model (FSDP2 over 2 gloo ranks) 
 1.0 after a 20-step warm-up flags step 9 (the loss ratio); the proof at the alarm finds
 the step reproducible and not the data (``not_data``). With ``--ledger.snapshots.every
 4 --ledger.snapshots.keep 3`` the trainer then re-runs steps 1-9 from the host snapshot
-of step 0 in process -- unchanged (the flag reproduces, bit for bit) and with every
+of step 0 in process (``components.response.window_proof``) -- unchanged (the flag reproduces, bit for bit) and with every
 step's LR x 0.1 (the update comes out normal) -- and records ``lr`` proven; the
 rollback the run is configured for then restores the host snapshot of step 8 instead of
 loading checkpoint step-8. The same command without the ring rolls back from the

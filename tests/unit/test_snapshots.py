@@ -148,8 +148,8 @@ def test_no_variant_removing_it_is_unproven():
 
 # --------------------------------------------------------------------------- the ring
 class _Cfg:
-    def __init__(self, every: int, keep: int, max_proofs: int = 2) -> None:
-        self.every, self.keep, self.max_proofs = every, keep, max_proofs
+    def __init__(self, every: int, keep: int, max_proofs: int = 2, max_stall_proofs: int = 1) -> None:
+        self.every, self.keep, self.max_proofs, self.max_stall_proofs = every, keep, max_proofs, max_stall_proofs
 
 
 class _Rec:
@@ -314,6 +314,10 @@ def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
     assert proof.wanted({"verdict": "outlier", "acting": False}, forced=True)  # --ledger.rehearsal.prove_at
     ring.proofs = 2
     assert not proof.wanted({"verdict": "not_data", "acting": True})
+    # a stall has a budget of its own: the spikes before it have not spent it
+    assert proof.wanted({"verdict": "outlier", "acting": False}, forced=True, stall=True)
+    ring.stall_proofs = 1
+    assert not proof.wanted({"verdict": "outlier", "acting": False}, forced=True, stall=True)
 
 
 def test_the_config_names_the_flag_to_fix():

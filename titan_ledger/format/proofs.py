@@ -90,7 +90,9 @@ class Proof:
         v = record["verdict"]
         window = record.get("window") or {}
         wcause = window.get("cause")
-        if wcause and v in ("not_data", "optimizer_state"):
+        if v == "optimizer_state":  # measured in step (v restored); the window confirms it with Adam's own fix
+            cause, how = v, "window" if wcause == v else "in_step"
+        elif wcause and v == "not_data":
             cause, how = wcause, "window"
         elif v == "not_data":
             cause, how = v, "ruled_out"
@@ -209,8 +211,12 @@ def describe_proof(proof: dict[str, Any]) -> str:
             what += "; " + describe_window(proof["window"])
     elif v == "optimizer_state":
         what = "Adam's state (not the data): " + proof.get("why", "")
-        if proof.get("window"):
-            what += "; " + describe_window(proof["window"])
+        window = proof.get("window") or {}
+        if window and window.get("cause") not in (None, v):  # Adam's own fix did not remove it; another did
+            what += (f"; Adam's own fix did not remove it in the window, {window['cause']}'s did: "
+                     + describe_window(window))
+        elif window:
+            what += "; " + describe_window(window)
     else:
         what = "not the data (reproducible): " + proof.get("why", "")
         if proof.get("window"):

@@ -658,11 +658,14 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
         if typed.how == "window":  # the trainer re-ran the window from a host snapshot: the cause is proven
             res.update(cause=typed.cause, certainty="proven",
                        certainty_rule=f"proven in process: {describe_window(window)}")
-            if res.get("mechanism") and window["cause"] != "lr":
+            if res.get("mechanism") and typed.cause != "lr":
                 res.pop("mechanism")
-            if window["cause"] != heuristic:
-                res["prevention"] = fp.prevention(window["cause"], res.get("fingerprints"))
-        elif heuristic in ("bad_data", "hardware", "transient"):
+            if typed.cause != heuristic:
+                res["prevention"] = fp.prevention(typed.cause, res.get("fingerprints"))
+        elif window.get("cause"):  # Adam's state measured in step; in the window another fix removed it
+            res["certainty_rule"] += (f"; in the window Adam's own fix did not remove it, {window['cause']}'s did "
+                                      f"(proven in process: {describe_window(window)})")
+        elif v == "not_data" and heuristic in ("bad_data", "hardware", "transient"):
             res["certainty"] = "guess"
             res["certainty_rule"] += f"; the heuristics' {heuristic} is contradicted by the proof"
     else:  # outlier

@@ -250,7 +250,7 @@ class Recovery:
         if len(stalls) <= self._stalls_seen:
             return False
         self._stalls_seen = len(stalls)
-        if not (self.snapshots.replays and self.window.ring.proofs < self.window.ring.config.max_proofs):
+        if not (self.snapshots.replays and self.window.ring.stall_proofs < self.window.ring.config.max_stall_proofs):
             return False
         self._stall = stalls[-1]
         return True
@@ -489,9 +489,11 @@ class Recovery:
         stall, self._stall = self._stall, None
         if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
             proof["stall"] = {"step": stall["step"], "kind": stall["stall"]["kind"]}
-        if self.window.wanted(proof, forced):  # not the data: which cause, from the host snapshot's window
+        if self.window.wanted(proof, forced, stall=stall is not None):  # not the data: which cause, from the host snapshot's window
             try:
-                proof["window"] = self.window.prove(rec, stall=stall is not None)
+                proof["window"] = self.window.prove(rec, stall=stall is not None,
+                                                    prior="optimizer_state" if proof["verdict"] == "optimizer_state"
+                                                    else None)
             except Exception as e:
                 proof["window"] = {"cause": None, **_failure("window", e)}
                 self.trainer.ledger.discard_step_state()

@@ -193,7 +193,8 @@ class SnapshotRing:
         self._stream = None
         self._started = False
         self._due: tuple[str, int] | None = None  # ("capture" | "reset", step): taken at the next step's start
-        self.proofs = 0
+        self.proofs = 0  # window proofs of spikes (--ledger.snapshots.max_proofs)
+        self.stall_proofs = 0  # of stalls (max_stall_proofs)
         self.failures: list[tuple[int, BaseException]] = []  # copies that failed (Recovery records them)
 
     @property

@@ -520,7 +520,8 @@ SNAPSHOT_CAUSES = {"lr": "lr", "adam": "optimizer_state", "eps": "optimizer_stat
 
 
 def window_verdict(same_normal: bool, removed: dict[str, bool],
-                   costs: dict[str, float | None] | None = None) -> tuple[str | None, str, list[dict]]:
+                   costs: dict[str, float | None] | None = None,
+                   prior: str | None = None) -> tuple[str | None, str, list[dict]]:
     """The in-process window proof's decision (pure): the window re-run from a host
     snapshot unchanged (``same_normal``: its flagged step's update came out normal) and
     once per candidate fix (``removed``: variant -> its flagged step came out normal;
@@ -529,7 +530,12 @@ def window_verdict(same_normal: bool, removed: dict[str, bool],
     reproduces the spike. Every fix that removes it is listed, the cheapest first (an
     unknown cost last); the cause is the mechanism of the cheapest, and where several
     remove it the others are said too ("LR-driven logit growth" is a true answer).
-    Returns (variant of the cheapest fix or None, why, fixes)."""
+    ``prior``: the cause the step's own proof already measured (``optimizer_state``: the
+    updates recomputed under a restored second moment were that much smaller): where a
+    fix of that mechanism removes it as well, it names the cause -- confirmed by its own
+    fix -- and the cheapest fix is still listed first. An LR cut removes almost any
+    instability; it names the cause only where no fix of a measured mechanism does.
+    Returns (variant of the fix that names the cause or None, why, fixes)."""
     costs = costs or {}
     fixes = sorted(({"variant": c, "cause": SNAPSHOT_CAUSES.get(c, c), "cost": costs.get(c)}
                     for c, ok in removed.items() if ok),
@@ -550,4 +556,9 @@ def window_verdict(same_normal: bool, removed: dict[str, bool],
         why += "; also removed by " + ", ".join(f"{f['variant']} ({cost(f)})" for f in others)
     if failed:
         why += f"; not by {', '.join(failed)}"
+    own = next((f for f in fixes if prior is not None and f["cause"] == prior), None)
+    if own is not None and own is not best:
+        why += (f"; the step's own proof measured {prior}, and its fix ({own['variant']}) removes it: "
+                f"{prior} is the cause, {best['variant']} the cheapest fix")
+        return own["variant"], why, fixes
     return best["variant"], why, fixes

@@ -46,7 +46,7 @@ class WindowProof:
     def __init__(self, trainer, ring: SnapshotRing) -> None:
         self.trainer, self.ring = trainer, ring
 
-    def wanted(self, proof: dict, forced: bool = False) -> bool:
+    def wanted(self, proof: dict, forced: bool = False, stall: bool = False) -> bool:
         """Within ``max_proofs``: an acting flag proven ``not_data`` or ``optimizer_state``
         (which cause, then: Adam's variant proves the state by intervention);
         data convicted (``bad_data``: does a variant remove the spike with the data
@@ -57,15 +57,19 @@ class WindowProof:
         checked against the run)."""
         r = self.ring
         v = proof.get("verdict")
+        if stall:  # the stall rule's forced proof: its own budget, whatever the step's verdict
+            return r.on and r.stall_proofs < r.config.max_stall_proofs
         return r.on and r.proofs < r.config.max_proofs and (
             (v in ("not_data", "optimizer_state") and bool(proof.get("acting"))) or v == "bad_data"
             or (forced and v in ("not_data", "outlier")))
 
-    def prove(self, rec, stall: bool = False) -> dict[str, Any]:
+    def prove(self, rec, stall: bool = False, prior: str | None = None) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
         record that goes in ``proof["window"]``. ``stall``: the stall rule flagged the run
         (no spike at ``rec``): a fix removes it when it lowers the window's last steps'
-        loss by the rule's ``min_gain`` against the unchanged re-run's."""
+        loss by the rule's ``min_gain`` against the unchanged re-run's. ``prior``: the cause
+        the step's proof measured (``optimizer_state``), which its own fix confirms
+        (``verdict.window_verdict``)."""
         import torch.distributed as dist
 
         t, ring = self.trainer, self.ring
@@ -74,7 +78,10 @@ class WindowProof:
         if snap is None:
             return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
                                           f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
-        ring.proofs += 1
+        if stall:
+            ring.stall_proofs += 1
+        else:
+            ring.proofs += 1
         ring.settle()
         start = time.perf_counter()
         params, opts = ring.tensors(), ring.optimizers()
@@ -140,7 +147,7 @@ class WindowProof:
                                                                                        "lowered by")
         else:
             cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
-                                               {c: by[c]["cost"] for c in causes})
+                                               {c: by[c]["cost"] for c in causes}, prior=prior)
         skipped = sorted(set(cfg.causes) - set(causes))
         if skipped:
             why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
