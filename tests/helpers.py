@@ -410,3 +410,16 @@ def chromium_dom(page: Path, profile: Path) -> str:
     p = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout
+
+
+def host_double(obj):
+    """A unit test's stand-in for a ``LedgerTrainer`` gets the ``Host`` protocol's three
+    moves (``attend``, ``as_step``, ``move_to``; components/response/host.py) as the
+    trainer's own methods, bound to it: the double moves the step as the trainer does."""
+    import types
+
+    from titan_ledger.trainer import LedgerTrainer
+
+    for name in ("attend", "as_step", "move_to"):
+        setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
+    return obj

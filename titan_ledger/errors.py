@@ -79,6 +79,12 @@ class LedgerStop(TitanLedgerError):
     exit_code = EXIT_NEGATIVE
 
 
+class NonFiniteLoss(RuntimeError):
+    """torchtitan's "Loss is not finite ... Stopping training." (a ``RuntimeError`` as
+    there), raised by its own type so that ``Recovery.settling`` makes a deferred decision
+    and writes its row before the stop, as the step would have."""
+
+
 def fail_line(prog: str, err: BaseException) -> str:
     """The one line a CLI prints for ``err``."""
     return f"{prog}: error: {err}"

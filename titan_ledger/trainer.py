@@ -53,6 +53,7 @@ from titan_ledger.components.signals.sums import loss_sum  # noqa: E402
 from titan_ledger.config.toml_frontend import world_size_from_env  # noqa: E402
 from titan_ledger.config.validate import validate  # noqa: E402
 from titan_ledger.data.loader import LedgerDataLoader  # noqa: E402
+from titan_ledger.errors import NonFiniteLoss  # noqa: E402
 from titan_ledger.rehearsal import faults  # noqa: E402  ADDED (bitflip, swap, repeat, random)
 
 
@@ -139,13 +140,11 @@ class LedgerTrainer(Trainer):
 
         dashboards.attach(self)  # W&B / TensorBoard: monotonic steps, identity, layout
         try:
-            with patches.no_final_sleep_on_cpu():
+            # a decision still deferred when training ends is made; after a stop, written as it stands
+            with patches.no_final_sleep_on_cpu(), self.recovery.settling():
                 super().train()
-            self.recovery.settle(ok=True)  # a decision still deferred (the data ran out) is made
         except BaseException as e:  # a stop (non-finite loss, max_rollbacks, ...): exit code 1
             dashboards.log_stop(self.metrics_processor.logger, e)
-            with contextlib.suppress(Exception):  # (the error that stopped training is the one to see)
-                self.recovery.settle(ok=False)  # a deferred step's rows are written as they stand
             raise
         finally:
             self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
@@ -179,6 +178,24 @@ class LedgerTrainer(Trainer):
         if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
             # a checkpoint follows: the ledgers must hold every step it covers
             ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
+
+    # ------------------------------------------------------------------ ADDED: the Host protocol
+    # (components/response/host.py): the response asks for these by name; only this class
+    # writes ``step`` and ``step_record`` (tests/unit/test_seam.py)
+    def attend(self, rec: StepRecord | None) -> StepRecord | None:
+        before, self.step_record = self.step_record, rec
+        return before
+
+    @contextlib.contextmanager
+    def as_step(self, step: int):
+        now, self.step = self.step, step
+        try:
+            yield
+        finally:
+            self.step = now
+
+    def move_to(self, step: int) -> None:
+        self.step = step
 
     def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rehearsal.rerun stop=N
         return super().should_continue_training() and counterfactual.before_stop(self)
@@ -220,12 +237,12 @@ class LedgerTrainer(Trainer):
         rec = self.step_record  # CHANGED: the rest is ``execute``, which a proof re-runs on these batches
         rec.batches = microbatch_groups
         tokens = self.count_tokens(microbatch_groups)  # CHANGED: counted once, before the first execution
-        if self.recovery.no_tokens(rec, *tokens):  # CHANGED: every label masked: consumed whole, never a NaN
-            return
-        # CHANGED: the previous step's deferred decision, made behind this step's launched work
-        executed = self.execute(microbatch_groups, need_loss, tokens)
-        outcome, executed = self.recovery.after_execute(rec, executed, need_loss)
-        if outcome is Outcome.DROPPED:  # a rollback: this step is dropped (the rollback and its skip window ran)
+        # CHANGED: the step executed once -- unless every label is masked (consumed whole,
+        # never trained into a NaN) -- and the previous step's deferred decision made behind
+        # its launched work (which may execute it again, or drop it for a rollback)
+        outcome, executed = self.recovery.first_execution(
+            rec, tokens, need_loss, run=lambda: self.execute(microbatch_groups, need_loss, tokens))
+        if outcome in (Outcome.EMPTY, Outcome.DROPPED):
             return
         accumulated_loss, grad_norm, local_valid_tokens, global_valid_tokens = executed
 
@@ -273,11 +290,7 @@ class LedgerTrainer(Trainer):
         self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
         if not math.isfinite(global_avg_loss):
-            # CHANGED: a deferred decision is made and recorded first, and its row written (the
-            # ledger stops at a non-finite row, as it did in the step)
-            self.recovery.settle(ok=True)
-            self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
-            raise RuntimeError(
+            raise NonFiniteLoss(  # CHANGED (was RuntimeError): Recovery.settling decides a deferred step first
                 f"Loss is not finite (global_avg_loss={global_avg_loss}) at "
                 f"step {self.step}. Stopping training."
             )

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import host_double
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -157,10 +158,10 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
     ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
                              topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None,
                              breaker=Breaker(4, 100), stalls=[])
-    return SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
-                           metrics_processor=SimpleNamespace(should_log=lambda s: log),
-                           should_continue_training=lambda: more,
-                           validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0))
+    return host_double(SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
+                                       metrics_processor=SimpleNamespace(should_log=lambda s: log),
+                                       should_continue_training=lambda: more,
+                                       validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0)))
 
 
 @pytest.mark.parametrize("kw,defers", [

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import host_double
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
@@ -35,6 +36,7 @@ class _Trainer:
         self.model_parts = [self.model]
         self.device = torch.device("cpu")
         self.step_record, self.ntokens_seen, self.executions = None, 0, 0
+        host_double(self)
         self.noise = noise or {}
         self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
         self.config = SimpleNamespace(

@@ -2,7 +2,8 @@
 machine on a fake trainer around a real model and a real fused AdamW (no processes).
 
 The loop below is the copied ``train_step``'s use of the protocol (``before_step``,
-``execute``, ``after_execute``, ``Ledger.record``, ``update``, ``settle``); the fake
+``first_execution`` around ``execute``, ``Ledger.record``, ``update``, ``settling``
+around the loop); the fake
 ledger stands in for the recorder's queue (``host_stats``), the rules (a planned flag
 per step) and the writers (rows in step order, a held step's waiting for its
 decision). Every outcome is reached -- ``STANDS``, ``REDONE`` (a late update, a proof
@@ -20,11 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import host_double
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
 from titan_ledger.components.response.bounds import Breaker
+from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
 from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
@@ -125,6 +128,10 @@ class _Ledger:
 
 
 class _Trainer:
+    """A test double of the ``Host`` protocol (components/response/host.py): torchtitan's
+    components faked around a real model and a real fused AdamW, the protocol's own
+    methods the trainer's."""
+
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
                  ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8), act="act",
                  breaker=(4, 100)):
@@ -158,6 +165,9 @@ class _Trainer:
                                             load=self._load)
         self.saved: dict[int, tuple] = {}
         self.ledger.loader = SimpleNamespace(skip=lambda n: SimpleNamespace(position_before=0, position_after=n))
+        self.validator = self.dataloader = None  # (validation off; the loader is the ledger's)
+        host_double(self)
+        assert isinstance(self, Host)  # the double offers what the response is given
         self.recovery = Recovery(self)
 
     def should_continue_training(self):
@@ -197,28 +207,30 @@ class _Trainer:
         """torchtitan's loop around the copied ``train_step``, asking the protocol."""
         r = self.recovery
         outcomes = []
-        while self.should_continue_training():
-            self.step += 1
-            if r.before_step():
-                continue
-            rec = self.step_record = StepRecord(step=self.step, start=0.0)
-            rec.batches = [[[row for row in _batch(self.step) if row[0] not in self.ledger.quarantine]]]
-            if (self.step, "bitflip") in self.faults:
-                rec.inject, rec.faults = "bitflip", True
-            for p in self.model.parameters():
-                p.grad = None
-            outcome, executed = r.after_execute(rec, self.execute(rec.batches), True)
-            outcomes.append(outcome)
-            if outcome is Outcome.DROPPED:
-                continue
-            self.step_record = None
-            self.ledger.record(rec, executed)
-            r.update(rec)
-            self.lr_schedulers.step()
-            self.ledger.drain(False)
-            if self.config.checkpoint.enable and self.step % self.config.checkpoint.interval == 0:
-                self.save()
-        r.settle(ok=True)
+        with r.settling():
+            while self.should_continue_training():
+                self.step += 1
+                if r.before_step():
+                    continue
+                rec = self.step_record = StepRecord(step=self.step, start=0.0)
+                rec.batches = [[[row for row in _batch(self.step) if row[0] not in self.ledger.quarantine]]]
+                if (self.step, "bitflip") in self.faults:
+                    rec.inject, rec.faults = "bitflip", True
+                for p in self.model.parameters():
+                    p.grad = None
+                n = len(rec.batches[0][0])
+                outcome, executed = r.first_execution(rec, (n, torch.tensor(n)), True,
+                                                      run=lambda rec=rec: self.execute(rec.batches))
+                outcomes.append(outcome)
+                if outcome in (Outcome.EMPTY, Outcome.DROPPED):
+                    continue
+                self.step_record = None
+                self.ledger.record(rec, executed)
+                r.update(rec)
+                self.lr_schedulers.step()
+                self.ledger.drain(False)
+                if self.config.checkpoint.enable and self.step % self.config.checkpoint.interval == 0:
+                    self.save()
         self.ledger.drain(True)
         return outcomes
 
@@ -436,21 +448,22 @@ def test_the_update_method_applies_withholds_or_holds_and_lifts_the_guard(tmp_pa
 
 def test_after_an_error_a_held_steps_rows_are_written_as_they_stand(tmp_path):
     """A rank that dies (or any error) ends training with a step's decision still held:
-    ``settle(ok=False)`` marks it decided, update withheld when it was flagged, so the
+    ``settling`` marks it decided, update withheld when it was flagged, so the
     final drain writes its rows (the launcher's "last complete step" counts it)."""
     t = _Trainer(tmp_path, flags={4: (True, False)}, action="skip_update", steps=20)
     r = t.recovery
-    for step in (1, 2, 3, 4):  # the protocol, as the loop in _Trainer.train, stopping after step 4
-        t.step = step
-        rec = t.step_record = StepRecord(step=step, start=0.0, batches=[[_batch(step)]])
-        _, executed = r.after_execute(rec, t.execute(rec.batches), True)
-        t.step_record = None
-        t.ledger.record(rec, executed)
-        r.update(rec)
-        t.ledger.drain(False)
-    assert r.pending is not None and r.pending.step == 4 and not r.pending.decided
-    assert [row[0] for row in t.ledger.rows] == [1, 2, 3]  # step 4's rows wait for its decision
-    r.settle(ok=False)  # (step 5's fetch raised)
+    with pytest.raises(OSError), r.settling():
+        for step in (1, 2, 3, 4):  # the protocol, as the loop in _Trainer.train, stopping after step 4
+            t.step = step
+            rec = t.step_record = StepRecord(step=step, start=0.0, batches=[[_batch(step)]])
+            _, executed = r.first_execution(rec, (4, torch.tensor(4)), True, run=lambda: t.execute(rec.batches))
+            t.step_record = None
+            t.ledger.record(rec, executed)
+            r.update(rec)
+            t.ledger.drain(False)
+        assert r.pending is not None and r.pending.step == 4 and not r.pending.decided
+        assert [row[0] for row in t.ledger.rows] == [1, 2, 3]  # step 4's rows wait for its decision
+        raise OSError("step 5's fetch")
     t.ledger.drain(True)
     assert t.ledger.rows[-1] == (4, True, None) and r.pending is None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from helpers import host_double
 
 from titan_ledger.components.response.reexecution import Reexecution, expert_counts
 from titan_ledger.components.signals.step_record import StepRecord
@@ -32,6 +33,7 @@ class _Trainer:
         self.device = torch.device("cpu")
         self.step_record = "the trainer's own"
         self.ntokens_seen = 7
+        host_double(self)
         self.seen_records, self.discarded = [], 0
         self.accumulator = 0  # (per-document sums, log Z, max logits)
         self.ledger = SimpleNamespace(discard_step_state=self._discard)

@@ -1,5 +1,5 @@
 """The seam stays thin and the decision protocol stays one (issue 50): ``trainer.py`` is
-at most 370 lines and asks ``Recovery`` only through its protocol (the table in
+at most 400 lines and asks ``Recovery`` only through its protocol (the table in
 ``components/response/recovery.py``); the late update, the redo, the rollback and the
 drop are each one method with one caller; every execution of a step beyond the first
 goes through ``Reexecution`` (no other module swaps ``step_record``/``ntokens_seen`` or
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "titan_ledger"
-PROTOCOL = {"before_step", "no_tokens", "after_execute", "update", "at_data_end", "settle"}
+PROTOCOL = {"before_step", "first_execution", "update", "at_data_end", "settling"}
 
 
 def _calls(tree: ast.AST, owner: str | None = None) -> list[str]:
@@ -27,10 +27,14 @@ def _calls(tree: ast.AST, owner: str | None = None) -> list[str]:
 
 def test_the_trainer_is_a_thin_seam_that_asks_recovery_through_its_protocol():
     src = (PKG / "trainer.py").read_text()
-    assert len(src.splitlines()) <= 370  # (issue 60: the step's tokens counted before its first execution)
+    # a guard against growth, not a target (issue 63: no line packed to meet it); 400 since
+    # the Host protocol's three methods
+    assert len(src.splitlines()) <= 400
     asked = _calls(ast.parse(src), "recovery")
     assert set(asked) <= PROTOCOL, f"trainer.py calls Recovery outside its protocol: {set(asked) - PROTOCOL}"
-    assert {"before_step", "after_execute", "update"} <= set(asked)
+    assert {"before_step", "first_execution", "update"} <= set(asked)
+    # five places ask, one per spot where torchtitan's loop can change what a step is (issue 63)
+    assert len(asked) <= 5, f"trainer.py asks Recovery from {len(asked)} places: {asked}"
 
 
 def test_each_action_is_one_method_with_one_caller():
@@ -58,3 +62,35 @@ def test_only_reexecution_executes_a_step_again():
                             swaps.append(str(path.relative_to(PKG)))
     assert not executes, f"modules that call execute themselves: {executes}"
     assert not swaps, f"modules that set a trainer's ntokens_seen: {swaps}"
+
+
+def test_only_the_trainer_moves_the_step_or_changes_the_step_record():
+    """The response asks the ``Host`` protocol (``attend``, ``as_step``, ``move_to``;
+    components/response/host.py) instead of writing the trainer's ``step`` or
+    ``step_record``: no module but trainer.py assigns either on a trainer."""
+    def trainer_like(v: ast.AST) -> bool:  # t, trainer, self.trainer, self (in a trainer-like class)
+        return (isinstance(v, ast.Name) and v.id in ("t", "trainer", "host")) or \
+            (isinstance(v, ast.Attribute) and v.attr in ("trainer", "host"))
+
+    writes = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "trainer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(e, ast.Attribute) and (e.attr == "step_record" or
+                                                         (e.attr == "step" and trainer_like(e.value))):
+                        writes.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not writes, f"the trainer's step or step_record written outside trainer.py: {writes}"
+
+
+def test_the_trainer_implements_the_host_protocol_the_response_is_given():
+    from titan_ledger.components.response.host import Host
+    from titan_ledger.trainer import LedgerTrainer
+
+    methods = [n for n, v in vars(Host).items() if callable(v) and not n.startswith("_")]
+    assert {"attend", "as_step", "move_to", "execute"} <= set(methods)
+    assert all(callable(getattr(LedgerTrainer, n, None)) for n in methods), methods

@@ -547,7 +547,7 @@ class Ledger(Configurable):
                                       metrics_logger=metrics_logger)
 
     def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger=None) -> None:
-        """A step whose masks left no label token on any rank (``Recovery.no_tokens``): its
+        """A step whose masks left no label token on any rank (``Recovery.first_execution``): its
         samples consumed untrained, recorded as a one-step skipped window whose data rows
         say why (``"why": "no_tokens"``) and hold the step's rows and masks."""
         from titan_ledger.data.loader import SkipInfo

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
+from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.verdict import (
@@ -114,7 +115,7 @@ class KeptExecution:
     of a step); on a GPU it is a device pass, and a second set of gradients is the memory
     that is short, so it stays (``Recovery``: CPU only)."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Host) -> None:
         self.execution = trainer.ledger.last_execution  # (loss sum, local tokens, grad norm) as recorded
         self.grads: list | None = None
 
@@ -144,7 +145,7 @@ class Prover:
     it: :meth:`convict` (the quarantine and the step's masks) and :meth:`load_update` (the
     gradients of the update to apply)."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Host) -> None:
         self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
         self.proofs = 0
         # what the gradients hold after the last proof (deferred decisions apply from them)

@@ -8,20 +8,25 @@ answer, never a string:
 trainer spot                call                                             answer
 ==========================  ===============================================  ==============
 before a step (wrapper)     :meth:`Recovery.before_step`                     consumed: bool
-the step's tokens counted   :meth:`Recovery.no_tokens`                       consumed: bool
-after the step's execution  :meth:`Recovery.after_execute`                   :class:`Outcome`
+the step's execution        :meth:`Recovery.first_execution`                 :class:`Outcome`
+(its tokens counted)                                                         and the
+                                                                             execution
 in place of                 :meth:`Recovery.update`                          --
 ``optimizers.step()``
 the data ran out            :meth:`Recovery.at_data_end`                     goes on: bool
-a non-finite loss, the end  :meth:`Recovery.settle`                          --
+around ``train``            :meth:`Recovery.settling` (a context)            --
 ==========================  ===============================================  ==============
+
+Five places, each a spot where torchtitan's loop can change what a step is; a
+non-finite loss is raised as :class:`~titan_ledger.errors.NonFiniteLoss`, which
+``settling`` answers, instead of a sixth call before the raise.
 
 Everything those answers need -- the ladder, the checkpoint list, the LR factor a
 ``rollback_lr`` rung leaves for every later load, the proof -- lives here. Each action
 is one method with one caller: the rollback (:meth:`_rollback`, from
 :meth:`before_step`), the skip window (:meth:`_skip_window`, from :meth:`before_step`),
 the late update of a held step (:meth:`_apply_late`, from :meth:`_resolve`) and the
-redo of the step after it (:meth:`_redo`, from :meth:`after_execute`). A step executed
+redo of the step after it (:meth:`_redo`, from :meth:`_after_execute`). A step executed
 again -- by the proof or the redo -- goes through
 :class:`~titan_ledger.components.response.reexecution.Reexecution`.
 
@@ -33,7 +38,7 @@ question in the step needs the flag on the host before ``optimizers.step()``, a 
 sync every step. Instead the device answers first: :meth:`SpikeGuard.hold` becomes the
 fused AdamW's ``found_inf`` (GradScaler's mechanism), so a flagged step's update is
 withheld with parameters, moments and step count untouched, and the host reads the flag
-at the next step (:meth:`Recovery.after_execute`), after that step's forward/backward
+at the next step (:meth:`Recovery.first_execution`), after that step's forward/backward
 was launched, from the copy the recorder already made. A flagged step is then still
 exactly where it was -- its parameters and optimizer state unchanged, its batches kept
 one step -- and is proven and acted on as in the step; an update the decision applies
@@ -47,26 +52,30 @@ A step's flow, deferral included::
 
     train_step (wrapper)
       before_step()             pending rollback -> _rollback; skip window -> _skip_window
-      _train_step: fetch; execute (first execution)
-        after_execute()         the previous step's held decision: _resolve (prove, act,
+      _train_step: fetch; count tokens
+        first_execution()       none left: consumed whole (Outcome.EMPTY); else execute,
+                                then the previous step's held decision: _resolve (prove, act,
                                 _apply_late) -> Outcome.STANDS | REDONE (_redo) | DROPPED
         Ledger.record           signals reduced, rules run (device)
         update()                decide now (flags_now: a host read) or defer (hold on the
                                 device); optimizers.step(); Ledger.after_update
       at_data_end()             the fetch found no data: the held decision is made
-    train: settle()             the end of training: a held decision is made
+    train: settling()           the end of training, a NonFiniteLoss: a held decision is made
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
+from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import ladder_report
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, Prover
 from titan_ledger.components.response.reexecution import Reexecution
@@ -74,15 +83,16 @@ from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
-from titan_ledger.errors import LedgerStop
+from titan_ledger.errors import LedgerStop, NonFiniteLoss
 from titan_ledger.format import records
 from titan_ledger.format.proofs import describe_proof
 
 
 class Outcome(enum.Enum):
     """What the previous step's deferred decision meant for the step being trained
-    (:meth:`Recovery.after_execute`)."""
+    (:meth:`Recovery.first_execution`)."""
 
+    EMPTY = "empty"  # every label of the step is masked: consumed whole, never executed
     STANDS = "stands"  # nothing was pending, or the decision changed nothing under this step
     REDONE = "redone"  # it changed the parameters or the gradients: this step was executed again
     DROPPED = "dropped"  # it was a rollback: this step is dropped; the rollback and its skip window ran
@@ -114,7 +124,7 @@ class Recovery:
     """The recovery side of one ``LedgerTrainer``: built with it, asked at the spots of the
     module docstring's table."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Host) -> None:
         self.trainer = trainer
         self.prover = Prover(trainer)
         self.snapshots = SnapshotRing(trainer)  # [ledger.snapshots]: off unless every > 0
@@ -151,10 +161,18 @@ class Recovery:
         self._skip_window(window)
         return True
 
-    def after_execute(self, rec: StepRecord, executed, need_loss: bool):
-        """After this step's first execution (``executed``: what ``execute`` returned),
-        behind its launched work: the previous step's deferred decision is made. Returns
-        (:class:`Outcome`, the execution that stands: ``executed``, or the redo's)."""
+    def first_execution(self, rec: StepRecord, tokens: tuple, need_loss: bool, run: Callable[[], tuple]):
+        """This step's first execution (``run``: the trainer's ``execute`` on its batches;
+        ``tokens``: its valid label tokens, this rank's and the batch mesh's) and, behind
+        its launched work, the previous step's deferred decision. Returns
+        (:class:`Outcome`, the execution that stands: ``run``'s, the redo's, or None):
+        ``EMPTY`` when no label of the step is left to train (:meth:`_no_tokens`; ``run``
+        not called)."""
+        if self._no_tokens(rec, *tokens):
+            return Outcome.EMPTY, None
+        return self._after_execute(rec, run(), need_loss)
+
+    def _after_execute(self, rec: StepRecord, executed, need_loss: bool):
         outcome, decided = self._previous(rec)
         if outcome is Outcome.REDONE:
             executed = self._redo(rec, decided.proof, need_loss)
@@ -188,7 +206,7 @@ class Recovery:
         the step, before this fetch) and training goes on; False: the run ends here."""
         return self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED
 
-    def no_tokens(self, rec: StepRecord, local_tokens: int, global_tokens) -> bool:
+    def _no_tokens(self, rec: StepRecord, local_tokens: int, global_tokens) -> bool:
         """Before ``rec``'s first execution, its valid label tokens counted (``local``: this
         rank's, a host int; ``global``: the batch mesh's sum, on the device): True when
         every label of the step is masked on every rank (a quarantine, the repetition
@@ -204,7 +222,7 @@ class Recovery:
         t = self.trainer
         if self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED:
             return True  # the previous step's decision was a rollback: this step is dropped, the rollback ran
-        t.step_record = None
+        t.attend(None)
         lr_mode = t.config.ledger.skip.lr
         if lr_mode == "advance":
             t.lr_schedulers.step()
@@ -218,7 +236,30 @@ class Recovery:
                            f"the step is skipped whole (no update; LR schedule {lr_mode}), not trained into a NaN")
         return True
 
-    def settle(self, ok: bool) -> None:
+    @contextlib.contextmanager
+    def settling(self):
+        """Around torchtitan's ``train``: a decision still deferred is made when training
+        ends (the data ran out, the last step) or stops on a non-finite loss
+        (:class:`~titan_ledger.errors.NonFiniteLoss`: its row is written with its decision
+        before the stop, as the step would have: the ledger stops at a non-finite row);
+        after any other stop its step's rows are written as they stand."""
+        try:
+            yield
+        except NonFiniteLoss:
+            t = self.trainer
+            try:
+                self._settle(ok=True)
+                t.ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
+            except BaseException as stop:  # the ledger's stop at the non-finite row: the one to see
+                raise stop from None
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the error that stopped training is the one to see)
+                self._settle(ok=False)
+            raise
+        self._settle(ok=True)
+
+    def _settle(self, ok: bool) -> None:
         """A deferred decision still open is made (``ok``: the end of training, or a
         non-finite loss whose row must be written with its decision) or, after an error,
         its step's rows are written as they stand (its update was withheld if it was
@@ -389,16 +430,16 @@ class Recovery:
                 raise RuntimeError(f"titan_ledger: step {rec.step}'s flag was not held but its action withholds "
                                    f"the update")  # (Ladder.would_act answered for this very flag)
             return Outcome.STANDS
-        now, t.step = t.step, rec.step  # the hooks and messages see the flagged step
+        now = t.step
         try:
-            first = d.first.first(t) if isinstance(d.first, KeptExecution) else d.first
-            applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
-            if applied:
-                applied = self._load_late(rec)
-            if applied:
-                self._apply_late(rec, d.lrs)
+            with t.as_step(rec.step):  # the hooks and messages see the flagged step
+                first = d.first.first(t) if isinstance(d.first, KeptExecution) else d.first
+                applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
+                if applied:
+                    applied = self._load_late(rec)
+                if applied:
+                    self._apply_late(rec, d.lrs)
         finally:
-            t.step = now
             self._done(rec)
         self.snapshots.after_decision(rec, late=True)  # a late update the replay cannot repeat clears the ring
         # its rows now, as in the step: the ledger stops at a non-finite row before this
@@ -635,7 +676,8 @@ class Recovery:
         mp.ntokens_since_last_log -= sum(rec.fetched)
         if rec.fetched:
             del mp.data_loading_times[-len(rec.fetched):]
-        t.step_record = rec.batches = None
+        t.attend(None)
+        rec.batches = None
         self.before_step()
 
     def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
@@ -694,7 +736,7 @@ class Recovery:
         logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
                     f"LR schedule {t.config.ledger.skip.lr}")
-        t.step = last
+        t.move_to(last)
         self.snapshots.clear()  # skipped steps are not replayed: the next due step starts the ring again
 
     def _rollback(self, spike_step: int) -> None:
@@ -766,7 +808,7 @@ class Recovery:
             scale_lr(t.lr_schedulers, self.lr_scale)
         ledger.rewind(from_step=spike_step, to_step=load, window=window,
                       metrics_logger=t.metrics_processor.logger)
-        t.step = load + 1
+        t.move_to(load + 1)
         self.snapshots.clear()  # the rewound steps are another timeline (and a skip window follows)
 
 

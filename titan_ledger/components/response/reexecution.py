@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from titan_ledger.components.response.host import Host
 from titan_ledger.errors import ProofFailure
 from titan_ledger.rehearsal import faults
 
@@ -68,7 +69,7 @@ class Reexecution:
     table in the module docstring). ``run`` may be called more than once inside one
     context (the proof's executions); each gets fresh gradients."""
 
-    def __init__(self, trainer, rec, *, replaces: bool) -> None:
+    def __init__(self, trainer: Host, rec, *, replaces: bool) -> None:
         self.trainer, self.rec, self.replaces = trainer, rec, replaces
         self._saved: tuple[Any, ...] | None = None
 
@@ -90,7 +91,7 @@ class Reexecution:
         for m in t.model_parts:
             for p in m.parameters():
                 p.grad = None
-        t.step_record = self.rec  # the hooks see the executed step (a swap repeats; a bitflip is done)
+        t.attend(self.rec)  # the hooks see the executed step (a swap repeats; a bitflip is done)
         out = t.execute(groups, need_loss)
         if not self.replaces:
             t.ledger.discard_step_state()  # what the extra execution refilled
@@ -107,7 +108,8 @@ class Reexecution:
     def __exit__(self, *exc) -> None:
         t = self.trainer
         outer, seen, counts, kept = self._saved[:4]
-        t.step_record, t.ntokens_seen = outer, seen
+        t.attend(outer)
+        t.ntokens_seen = seen
         for c, k in zip(counts, kept):
             c.copy_(k)
         self.rewind_rng()

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
+from titan_ledger.components.response.host import Host
 from titan_ledger.components.signals.sums import local
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
@@ -185,7 +186,7 @@ class Logged:
 class SnapshotRing:
     """The ring of one ``LedgerTrainer`` (``Recovery`` drives it: one call at each spot)."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Host) -> None:
         self.trainer = trainer
         self.ring: list[Snapshot] = []
         self.log: dict[int, Logged] = {}

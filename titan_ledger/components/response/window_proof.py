@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from titan_ledger.components.prevention.optimizer import set_group_lr
+from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
@@ -43,7 +44,7 @@ class WindowProof:
     """Re-runs the window before a ``not_data`` alarm with each candidate cause's variant
     (the module docstring); ``Recovery._judge`` asks it after the step's proof."""
 
-    def __init__(self, trainer, ring: SnapshotRing) -> None:
+    def __init__(self, trainer: Host, ring: SnapshotRing) -> None:
         self.trainer, self.ring = trainer, ring
 
     def wanted(self, proof: dict, forced: bool = False, stall: bool = False) -> bool:

@@ -1,0 +1,76 @@
+"""``Host``: what the response layer uses of the trainer that runs it, as a typed protocol.
+
+Design decision: ``Recovery``, ``Prover``, ``Reexecution``, the snapshot ring and the
+window proof act on a running ``LedgerTrainer``, but they are given this surface, not
+the class: torchtitan's own components (read and driven as torchtitan drives them),
+``execute`` (the copied step body, called only through ``Reexecution``), and three
+named changes of the loop's position. Only ``trainer.py`` writes ``step`` and
+``step_record`` (``tests/unit/test_seam.py`` checks every module's assignments): the
+response asks for
+
+* :meth:`Host.attend` -- the record the hooks fill (a re-execution's step, none after a
+  step was consumed whole or dropped),
+* :meth:`Host.as_step` -- the step the hooks and messages see while a decision made a step
+  late runs (the flagged step's, then the current one's again),
+* :meth:`Host.move_to` -- the step this ``train_step`` call is, where a skip window or a
+  rollback moved it (torchtitan's loop adds one per call).
+
+A test double (``tests/unit/test_recovery.py``) implements the same protocol, so the
+state machine is exercised on the surface the trainer offers, not on a copy of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Host(Protocol):
+    """The trainer as the response layer sees it (``LedgerTrainer`` implements it)."""
+
+    # torchtitan's components, read and driven as torchtitan's loop drives them
+    config: Any
+    device: Any
+    model_parts: list
+    optimizers: Any
+    lr_schedulers: Any
+    dataloader: Any
+    checkpointer: Any
+    metrics_processor: Any
+    validator: Any
+    gradient_accumulation_steps: int
+    num_pipeline_parallel_microbatches: int
+    ntokens_seen: int  # (Reexecution puts an extra execution's count back)
+    # ours
+    ledger: Any  # the Ledger: its public methods
+
+    @property
+    def step(self) -> int:
+        """The step being trained (read-only here: :meth:`move_to`, :meth:`as_step`)."""
+        ...
+
+    @property
+    def step_record(self) -> Any:
+        """The record the hooks fill (read-only here: :meth:`attend`)."""
+        ...
+
+    def execute(self, microbatch_groups: list, need_loss: bool, tokens: Any = None) -> tuple:
+        """The copied step body: forward/backward and clip (through ``Reexecution`` only)."""
+        ...
+
+    def should_continue_training(self) -> bool: ...
+
+    def attend(self, rec: Any) -> Any:
+        """The hooks fill ``rec`` from now (None: no step's); returns the record before."""
+        ...
+
+    def as_step(self, step: int) -> AbstractContextManager[None]:
+        """Within the block the hooks and messages see ``step``; then the step before."""
+        ...
+
+    def move_to(self, step: int) -> None:
+        """This ``train_step`` call is ``step`` (a skip window consumed up to it, a rollback
+        restarted from before it); the loop trains ``step + 1`` next."""
+        ...
+
