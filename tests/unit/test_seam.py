@@ -94,3 +94,24 @@ def test_the_trainer_implements_the_host_protocol_the_response_is_given():
     methods = [n for n, v in vars(Host).items() if callable(v) and not n.startswith("_")]
     assert {"attend", "as_step", "move_to", "execute"} <= set(methods)
     assert all(callable(getattr(LedgerTrainer, n, None)) for n in methods), methods
+
+
+def test_the_response_compares_verdicts_and_rungs_as_enums_not_strings():
+    """Verdicts (``format.proofs.Finding``), what was applied (``Applied``), rungs
+    (``ladder.Action``) and the proving mode (``prover.ProveMode``) are compared as members
+    in components/response/, never as string literals (issue 63)."""
+    from titan_ledger.components.response.ladder import Action
+    from titan_ledger.components.response.prover import ProveMode
+    from titan_ledger.format.proofs import Applied, Finding
+
+    names = {m.value for e in (Finding, Applied, Action, ProveMode) for m in e}
+    bad = []
+    for path in (PKG / "components" / "response").glob("*.py"):
+        if path.name == "counterfactual.py":  # its "stop" is the rerun's override key (stop=N), not a rung
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for c in ast.walk(node):
+                    if isinstance(c, ast.Constant) and c.value in names:
+                        bad.append(f"{path.name}:{node.lineno} {c.value!r}")
+    assert not bad, f"string comparisons of verdicts or rungs: {bad}"

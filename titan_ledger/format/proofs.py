@@ -14,12 +14,36 @@ top box, its proof table and the console line cannot disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
+
+class Finding(StrEnum):
+    """A proof's verdict (its ``verdict`` field), worst first. A ``StrEnum``: the record
+    on disk holds the plain string, and a member equals it, so readers of old records and
+    the response layer's comparisons agree."""
+
+    HARDWARE = "hardware"  # the executions of one batch disagree: a fault, not the data
+    BAD_DATA = "bad_data"  # the update is normal without documents it is abnormal with
+    OPTIMIZER_STATE = "optimizer_state"  # normal from the same gradients under a healthy Adam state
+    NOT_DATA = "not_data"  # reproducible, abnormal, and no data explains it
+    OUTLIER = "outlier"  # the data stood out, the update was normal
+
+
+class Applied(StrEnum):
+    """Which execution's update a proof applied (its ``applied`` field)."""
+
+    ORIGINAL = "original"  # the first execution's
+    SAME = "same"  # a repeat's (the first was faulty)
+    MASKED = "masked"  # the suspect's data masked
+    CONTROL = "control"  # the control's data masked (it was the control's data)
+    NONE = "none"  # no update: no two executions agreed
+
+
 #: the verdicts, worst first
-VERDICTS = ("hardware", "bad_data", "optimizer_state", "not_data", "outlier")
+VERDICTS = tuple(Finding)
 #: the verdicts that act on a note (``prove = "all"``)
-HARMFUL = ("hardware", "bad_data")
+HARMFUL = (Finding.HARDWARE, Finding.BAD_DATA)
 
 
 #: why a verdict that calls for an action did not act (a proof's ``held_back``)

@@ -12,11 +12,23 @@ uninterrupted one did).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from titan_ledger.errors import python_command
 from titan_ledger.format import records
 
-ACTIONS = ("none", "skip_update", "rollback", "rollback_lr", "stop")
+
+class Action(StrEnum):
+    """A rung's action (``--ledger.on_spike.action``); the TOML's string equals its member."""
+
+    NONE = "none"
+    SKIP_UPDATE = "skip_update"
+    ROLLBACK = "rollback"
+    ROLLBACK_LR = "rollback_lr"
+    STOP = "stop"
+
+
+ACTIONS = tuple(Action)
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class Rung:
 
     @property
     def rolls_back(self) -> bool:
-        return self.action in ("rollback", "rollback_lr")
+        return self.action in (Action.ROLLBACK, Action.ROLLBACK_LR)
 
     @property
     def name(self) -> str:
@@ -58,14 +70,14 @@ def parse_ladder(spec: str) -> list[Rung]:
             lr = float(arg) if arg else None
         except ValueError:
             attempts, lr = -1, None
-        bad = (action not in ACTIONS or attempts < 0 or (action == "rollback_lr") != (lr is not None)
-               or (lr is not None and not 0 < lr < 1) or (action in ("none", "stop") and times))
+        bad = (action not in ACTIONS or attempts < 0 or (action == Action.ROLLBACK_LR) != (lr is not None)
+               or (lr is not None and not 0 < lr < 1) or (action in (Action.NONE, Action.STOP) and times))
         if bad:
             raise ConfigError(f"--ledger.on_spike.action {spec!r}: {e!r} is not an action; use none, skip_update, "
                               f"rollback, rollback_lr:X (0 < X < 1) or stop, each optionally *N attempts, "
                               f"e.g. skip_update*2,rollback,rollback_lr:0.5,stop")
         rungs.append(Rung(action, attempts, lr))
-    if any(r.action == "stop" for r in rungs[:-1]):
+    if any(r.action == Action.STOP for r in rungs[:-1]):
         raise ConfigError(f"--ledger.on_spike.action {spec!r}: stop can only be the last rung")
     return rungs
 
@@ -87,7 +99,7 @@ class Ladder:
 
     @property
     def acts(self) -> bool:
-        return any(r.action != "none" for r in self.rungs)
+        return any(r.action != Action.NONE for r in self.rungs)
 
     @property
     def rolls_back(self) -> bool:
@@ -120,7 +132,7 @@ class Ladder:
         rung, _ = self.on_spike(step)
         self.rung, self.used, self.last_step = saved[:3]
         del self.history[saved[3]:]
-        return rung is None or rung.action != "none"
+        return rung is None or rung.action != Action.NONE
 
     def state_dict(self) -> dict:
         return {"rung": self.rung, "used": self.used, "last_step": self.last_step, "history": self.history}

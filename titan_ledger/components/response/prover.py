@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ from titan_ledger.components.response.verdict import (
 )
 from titan_ledger.components.signals.sums import local, loss_sum
 from titan_ledger.errors import ProofFailure
+from titan_ledger.format.proofs import Applied, Finding
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 
@@ -137,6 +139,14 @@ class KeptExecution:
         return first
 
 
+class ProveMode(StrEnum):
+    """Which flags are proven (``--ledger.on_spike.prove``; the TOML's string equals its member)."""
+
+    OFF = "off"  # none: the ladder answers every flag
+    ACTING = "acting"  # acting flags
+    ALL = "all"  # acting flags, and notes within the note budget
+
+
 # --------------------------------------------------------------------------- the seam
 class Prover:
     """Re-executes a flagged step of one ``LedgerTrainer`` (``Recovery`` asks it). A proof
@@ -174,12 +184,12 @@ class Prover:
     def wanted(self, acting: bool, note: bool, step: int) -> bool:
         """Whether a step flagged so is proven: an acting flag unless ``prove = "off"``,
         a note with ``prove = "all"`` while the note budget allows (``Ledger.note_budget``)."""
-        return (self.mode != "off" and acting) or (note and self.notes_allowed(step))
+        return (self.mode != ProveMode.OFF and acting) or (note and self.notes_allowed(step))
 
     def notes_allowed(self, step: int) -> bool:
         """Whether a note at ``step`` would be proven (asked before its flag is known, for
         the deferred hold; nothing spent)."""
-        return self.mode == "all" and self.trainer.ledger.note_budget.allows(step)
+        return self.mode == ProveMode.ALL and self.trainer.ledger.note_budget.allows(step)
 
     # ------------------------------------------------------------------ executions
     def release(self) -> None:
@@ -225,9 +235,9 @@ class Prover:
         ex = self._gathered(variant, loss_sum(loss, global_tokens), psq, local_tokens, equal, grad_norm,
                             seconds=time.perf_counter() - t0, again=again)
         ex.sums = sums
-        if variant != "same" and kind == "nan":
+        if variant != Applied.SAME and kind == "nan":
             ex.loss = ex.grad_norm = math.nan  # (rehearsal: every rank alike)
-        if variant != "same" and not (math.isfinite(ex.loss) and math.isfinite(ex.grad_norm)):
+        if variant != Applied.SAME and not (math.isfinite(ex.loss) and math.isfinite(ex.grad_norm)):
             raise ProofFailure(f"the {variant} execution's loss or grad norm was not finite "
                                f"({ex.loss}, {ex.grad_norm})")
         return ex
@@ -238,15 +248,16 @@ class Prover:
         executed again; ``same``: a repeat; ``masked``/``control``: the proof's mask;
         ``none``: nothing is applied), executing the step once more only when they are
         not already there."""
-        if applied == "none":
+        if applied == Applied.NONE:
             return
-        if applied == "original" and self._rec is rec and self._first_grads is not None:
-            if self._in_grads != "original":
+        if applied == Applied.ORIGINAL and self._rec is rec and self._first_grads is not None:
+            if self._in_grads != Applied.ORIGINAL:
                 for p, g in zip(self._params(), self._first_grads):
                     p.grad = g
-                self._in_grads = "original"
+                self._in_grads = Applied.ORIGINAL
             return
-        want = {"original": "same", "same": "same", "masked": "masked", "control": "control"}.get(applied)
+        # the execution whose gradients stand for ``applied`` (the first's: a repeat's, equal)
+        want = Applied.SAME if applied == Applied.ORIGINAL else applied
         if want is None or (self._rec is rec and self._in_grads == want):
             return
         groups = self._groups.get(want) if self._rec is rec else None
@@ -266,7 +277,7 @@ class Prover:
         if self._rec is rec and self._first_grads is not None:
             for p, g in zip(self._params(), self._first_grads):
                 p.grad = g
-            self._in_grads = "original"
+            self._in_grads = Applied.ORIGINAL
         else:
             self._in_grads = None
 
@@ -438,14 +449,14 @@ class Prover:
             first_grads = first
             loss_sum, local_tokens, grad_norm, psq = first.loss_sum, first.local_tokens, first.grad_norm, first.psq
             self._first_grads = first.grads  # (kept where they cost nothing: the CPU)
-        self._rec, self._in_grads, self._groups, self._hits = rec, "original", {"same": rec.batches}, []
+        self._rec, self._in_grads, self._groups, self._hits = rec, Applied.ORIGINAL, {Applied.SAME: rec.batches}, []
         detector = ledger.guard.detector
-        original = self._gathered("original", loss_sum, psq, local_tokens, True, grad_norm)
+        original = self._gathered(Applied.ORIGINAL, loss_sum, psq, local_tokens, True, grad_norm)
         original.normal = normal_update(detector, original.loss, original.grad_norm)
         rtol = float(self.config.prove_rtol)
         factor = float(self.config.prove_noise_factor)
         groups = rec.batches
-        repeats = [self._run("same", again, groups, first_grads)]
+        repeats = [self._run(Applied.SAME, again, groups, first_grads)]
         masked = control = None
         suspect = ctrl = None
         hits: list = []
@@ -453,7 +464,7 @@ class Prover:
         distances = None
         adam = None
         if differing_ranks(original, repeats[0], rtol):
-            repeats.append(self._run("same", again, groups, first_grads, prev=repeats[0]))
+            repeats.append(self._run(Applied.SAME, again, groups, first_grads, prev=repeats[0]))
             if differing_ranks(repeats[0], repeats[1], rtol) and differing_ranks(original, repeats[1], rtol):
                 distances = self._distances([original, *repeats])  # not bit-reproducible: measure the noise
         ok = reproduced(original, repeats, rtol, distances, factor)[0]
@@ -477,20 +488,20 @@ class Prover:
             if suspect is not None and ctrl is not None and not original.normal:
                 mine = topo.dp_rank
                 c_groups = mask_labels(groups, rec.tags, ctrl, IGNORE_INDEX)[0] if ctrl.dp_rank == mine else groups
-                control = self._run("control", again, c_groups, first_grads)
+                control = self._run(Applied.CONTROL, again, c_groups, first_grads)
                 control.normal = normal_update(detector, control.loss, control.grad_norm, original.loss)
                 if suspect.dp_rank == mine:
                     m_groups, hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)
                 else:
                     m_groups = groups
-                masked = self._run("masked", again, m_groups, first_grads)
+                masked = self._run(Applied.MASKED, again, m_groups, first_grads)
                 masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
                 self._groups.update(masked=m_groups, control=c_groups)
         if v is None:
             v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
                       distances=distances, noise_factor=factor)
-        if v.applied == "control":  # the control's data convicted: its update again (no grads kept)
-            convicted = self._run("control", again, c_groups, first_grads)
+        if v.applied == Applied.CONTROL:  # the control's data convicted: its update again (no grads kept)
+            convicted = self._run(Applied.CONTROL, again, c_groups, first_grads)
             convicted.normal = normal_update(detector, convicted.loss, convicted.grad_norm, original.loss)
             repeats_after = [convicted]
             suspect, ctrl = ctrl, suspect
@@ -499,38 +510,38 @@ class Prover:
             repeats_after = []
         bisection = None
         everywhere = False  # the convicted documents' segments are masked on every rank that holds them
-        sizes = _documents(tags_by_dp, None if v.verdict == "not_data" or suspect is None else suspect.dp_rank)
+        sizes = _documents(tags_by_dp, None if v.verdict == Finding.NOT_DATA or suspect is None else suspect.dp_rank)
         if self.config.prove_bisect and len(sizes) > 1 and not original.normal and (
-                v.verdict == "not_data" or (v.verdict == "bad_data" and suspect is not None and suspect.docs is None)):
+                v.verdict == Finding.NOT_DATA or (v.verdict == Finding.BAD_DATA and suspect is not None and suspect.docs is None)):
             # searching the whole step, the halves are each other's only control: the size rule
             # (BISECT_BALANCE); inside a rank whose whole batch an equal-size mask (the other
             # rank's) already convicted, the rounds only narrow it down
             bisection, trail = self._bisect(again, rec, groups, first_grads, original, sizes,
-                                            BISECT_BALANCE if v.verdict == "not_data" else None)
+                                            BISECT_BALANCE if v.verdict == Finding.NOT_DATA else None)
             repeats_after.extend(trail)
             if bisection.documents:
                 docs = bisection.documents
                 m_groups, hits = mask_labels(groups, rec.tags, Suspect(topo.dp_rank, docs), IGNORE_INDEX)
                 # the convicted set's update, in place (its own name: ``masked`` stays the rank
                 # mask's execution, which the record lists before the bisection's)
-                in_place = self._run("masked", again, m_groups, first_grads)
+                in_place = self._run(Applied.MASKED, again, m_groups, first_grads)
                 in_place.normal = normal_update(detector, in_place.loss, in_place.grad_norm, original.loss)
                 repeats_after.append(in_place)
-                self._groups["masked"] = m_groups
+                self._groups[Applied.MASKED] = m_groups
                 holders = sorted(dp for dp, tags in tags_by_dp.items() if set(document_tokens(tags or [])) & docs)
                 suspect, everywhere = Suspect(holders[0] if holders else 0, docs, "bisection"), True
                 searched = len(bisection.path[0]["a"] | bisection.path[0]["b"])
-                v = Verdict("bad_data", "masked", why=f"group testing: masking {len(docs)} of the step's {searched} "
+                v = Verdict(Finding.BAD_DATA, Applied.MASKED, why=f"group testing: masking {len(docs)} of the step's {searched} "
                                                       f"documents brings the update back to normal; masking the "
                                                       f"other half, at every round, does not")
-            elif v.applied in ("masked", "control"):  # a whole rank stands: its update in place again
+            elif v.applied in (Applied.MASKED, Applied.CONTROL):  # a whole rank stands: its update in place again
                 rerun = self._run(v.applied, again, self._groups[v.applied], first_grads)
                 rerun.normal = normal_update(detector, rerun.loss, rerun.grad_norm, original.loss)
                 repeats_after.append(rerun)
-        if first is not None and v.verdict == "hardware" and v.applied == "original" and self._first_grads is None:
+        if first is not None and v.verdict == Finding.HARDWARE and v.applied == Applied.ORIGINAL and self._first_grads is None:
             self._in_grads = None  # the last repeat may be the odd one: executed again if applied
         content = None
-        if v.verdict == "bad_data" and suspect is not None:
+        if v.verdict == Finding.BAD_DATA and suspect is not None:
             docs = suspect.docs
             if docs is None:  # the whole batch of the suspect rank: its documents
                 docs = frozenset(document_tokens(tags_by_dp.get(suspect.dp_rank) or []))
@@ -543,17 +554,17 @@ class Prover:
             coverage = self._coverage(sorted(docs), content, tags_by_dp)
             before = (coverage.ahead or {}).get("before_clean", 0) if coverage.ahead else 0
             if shared:  # the control must be other content: a copy of it trained normally beside it
-                v = Verdict("not_data", "original",
+                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                             why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
                                 f"of other documents this step trained on (or content that cannot be read back): "
                                 f"masking them explains nothing a mask of their copies would not")
             elif unstable := self._unstable(rec.step):  # the run flags step after step: its fragility, not data
-                v = Verdict("not_data", "original",
+                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                             why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
                                 f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
                                 f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
             elif before >= here > 0:  # the same documents trained before, as much of them, without a flag
-                v = Verdict("not_data", "original",
+                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                             why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
                                 f"without a flag ({here} here): what made this step abnormal is not their content")
             elif everywhere or suspect.dp_rank == topo.dp_rank:
@@ -564,7 +575,7 @@ class Prover:
                "executions": [e.to_json() for e in executions], "seconds": 0.0}
         if adam is not None:
             out["optimizer"] = adam
-        if v.verdict == "hardware" and not math.isfinite(original.grad_norm):
+        if v.verdict == Finding.HARDWARE and not math.isfinite(original.grad_norm):
             named = v.ranks and all(not math.isfinite(original.ranks[r][1]) for r in v.ranks) and \
                 len(v.ranks) < len(original.ranks)
             out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "

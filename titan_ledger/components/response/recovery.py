@@ -76,8 +76,8 @@ import torch
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
 from titan_ledger.components.response.host import Host
-from titan_ledger.components.response.ladder import ladder_report
-from titan_ledger.components.response.prover import FirstExecution, KeptExecution, Prover
+from titan_ledger.components.response.ladder import Action, ladder_report
+from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import WindowProof
@@ -85,7 +85,7 @@ from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, NonFiniteLoss
 from titan_ledger.format import records
-from titan_ledger.format.proofs import describe_proof
+from titan_ledger.format.proofs import Applied, Finding, describe_proof
 
 
 class Outcome(enum.Enum):
@@ -281,7 +281,7 @@ class Recovery:
     def _acts(self) -> bool:
         """Whether a flag can change what a step does (a proof or an acting ladder)."""
         ledger = self.trainer.ledger
-        return ledger.guard is not None and (self.prover.mode != "off" or ledger.ladder.acts)
+        return ledger.guard is not None and (self.prover.mode != ProveMode.OFF or ledger.ladder.acts)
 
     def _stall_due(self) -> bool:
         """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
@@ -300,7 +300,7 @@ class Recovery:
         if self._prove_at is None:
             self._prove_at = parse_skip_steps(self.trainer.config.ledger.rehearsal.prove_at,
                                               "--ledger.rehearsal.prove_at")
-        return self.prover.mode != "off" and window_at(self._prove_at, step) is not None
+        return self.prover.mode != ProveMode.OFF and window_at(self._prove_at, step) is not None
 
     @property
     def deferrable(self) -> bool:
@@ -367,7 +367,7 @@ class Recovery:
         mode = self.prover.mode
         # prove off: a flag the ladder answers with a `none` rung applies its update, so it
         # is not held (held, it would have to be recomputed a step later, from gradients gone)
-        holds = mode != "off" or ledger.ladder.would_act(rec.step)
+        holds = mode != ProveMode.OFF or ledger.ladder.would_act(rec.step)
         notes = False
         if forced:
             hold = torch.ones((), dtype=torch.float32, device=t.device)
@@ -378,7 +378,7 @@ class Recovery:
         for o in opts:
             o.found_inf = hold
         first = None
-        if mode != "off":  # the gradients are freed every step anyway: kept, checksummed only if held
+        if mode != ProveMode.OFF:  # the gradients are freed every step anyway: kept, checksummed only if held
             first = KeptExecution(t) if self._keeps_grads() else FirstExecution.of(t)
         rec.deferred = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
                                 forced=forced, holds=holds, notes=notes)
@@ -423,7 +423,7 @@ class Recovery:
         rec.decided = True
         held = d.forced or (acting and d.holds) or (note and d.notes)
         if not held:  # the device applied the update
-            if note and not acting and self.prover.mode == "all":
+            if note and not acting and self.prover.mode == ProveMode.ALL:
                 rec.unproven = "budget"
             self._done(rec)
             if acting and not self._judge(rec, acting, note, False, decided_at=t.step):  # the ladder's `none` rung
@@ -455,7 +455,7 @@ class Recovery:
         withheld instead (what a ``skip_update`` does) and the failure recorded: no failure
         inside the response stops training. Returns whether it is applied."""
         try:
-            self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else "original")
+            self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else Applied.ORIGINAL)
             return True
         except Exception as e:
             self.prover.abandon(rec)
@@ -489,19 +489,19 @@ class Recovery:
         execution; the caller then loads the update, ``_resolve``)."""
         ledger = self.trainer.ledger
         wanted = self.prover.wanted(acting, note, rec.step)
-        if note and not acting and self.prover.mode == "all" and not wanted:
+        if note and not acting and self.prover.mode == ProveMode.ALL and not wanted:
             rec.unproven = "budget"  # past the note budget: recorded, not proven
         if wanted and not acting:
             ledger.note_budget.spend(rec.step)  # a note's proof
-        variant = "original"
+        variant = Applied.ORIGINAL
         try:
             if wanted or forced:
                 proof = self._proven(rec, acting, forced, first, decided_at)
                 if proof is not None:
                     resolved, variant = self._act_on(rec, proof)
                     if resolved:
-                        rec.update_skipped = variant == "none"
-                        return variant != "none"
+                        rec.update_skipped = variant == Applied.NONE
+                        return variant != Applied.NONE
             if not (ledger.ladder.acts and acting):
                 return True
             return self._ladder(rec, decided_at)
@@ -533,7 +533,7 @@ class Recovery:
         if self.window.wanted(proof, forced, stall=stall is not None):  # not the data: which cause, from the host snapshot's window
             try:
                 proof["window"] = self.window.prove(rec, stall=stall is not None,
-                                                    prior="optimizer_state" if proof["verdict"] == "optimizer_state"
+                                                    prior=Finding.OPTIMIZER_STATE if proof["verdict"] == Finding.OPTIMIZER_STATE
                                                     else None)
             except Exception as e:
                 proof["window"] = {"cause": None, **_failure("window", e)}
@@ -548,30 +548,30 @@ class Recovery:
         breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
         cfg = self.trainer.config.ledger.on_spike
         verdict, wants = proof["verdict"], proof["applied"]
-        if verdict in ("not_data", "optimizer_state"):
+        if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
             self._say(rec, proof)
-            return False, "original"  # no data or fault to act on: the ladder (and the window proof's cause)
-        if verdict == "outlier" or wants == "original":
+            return False, Applied.ORIGINAL  # no data or fault to act on: the ladder (and the window proof's cause)
+        if verdict == Finding.OUTLIER or wants == Applied.ORIGINAL:
             self._say(rec, proof)
-            return True, "original"
+            return True, Applied.ORIGINAL
         held = None
         if cfg.act == "observe":
             held = "observe"
-        elif verdict == "bad_data" and (proof.get("coverage") or {}).get("refused"):
+        elif verdict == Finding.BAD_DATA and (proof.get("coverage") or {}).get("refused"):
             held = "quarantine_bound"
-        elif verdict == "bad_data" and not cfg.quarantine_fragile:
+        elif verdict == Finding.BAD_DATA and not cfg.quarantine_fragile:
             fragile = self._fragile()
             if fragile is not None:
                 proof["fragile"], held = fragile, "fragile"
         if held is None and not self._breaker_allows(rec.step):
             held = "breaker"
         if held is not None:
-            proof.update(would_apply=wants, applied="original", held_back=held)
+            proof.update(would_apply=wants, applied=Applied.ORIGINAL, held_back=held)
             self._say(rec, proof)
             # observe: resolved, nothing done (its action is none); a bound: the ladder decides
-            return held == "observe", "original"
+            return held == "observe", Applied.ORIGINAL
         self.trainer.ledger.breaker.record(rec.step)
-        if verdict == "bad_data":
+        if verdict == Finding.BAD_DATA:
             self.prover.convict(rec, proof)
         self._say(rec, proof)
         return True, wants
@@ -616,15 +616,15 @@ class Recovery:
         rung, action = ledger.ladder.on_spike(rec.step)  # the recovery ladder decides
         if decided_at is not None:  # deferred: decided at that step, its update held until then
             action = {**action, "decided_at": decided_at}
-        changes = rung is not None and rung.action not in ("none", "stop")
+        changes = rung is not None and rung.action not in (Action.NONE, Action.STOP)
         if changes and not self._breaker_allows(rec.step):
             ledger.record_action({**action, "held_back": "breaker"})
             return True
         ledger.record_action(action)
-        if rung is not None and rung.action == "none":
+        if rung is not None and rung.action == Action.NONE:
             return True
         rec.update_skipped = True
-        if rung is None or rung.action == "stop":
+        if rung is None or rung.action == Action.STOP:
             # the ladder is exhausted (or says stop): write what is pending, then stop
             # with a one-screen report (exit 1)
             ledger.drain(block=True, metrics_logger=self.trainer.metrics_processor.logger)
@@ -645,8 +645,8 @@ class Recovery:
         if not self.trainer.ledger.topo.is_rank0:
             return
         line = f"titan_ledger: step {rec.step}: {describe_proof(proof)}"
-        harmful = proof["verdict"] in ("hardware", "bad_data") or proof.get("applied") not in (None, "original") \
-            or (proof["verdict"] == "optimizer_state" and proof.get("acting"))
+        harmful = proof["verdict"] in (Finding.HARDWARE, Finding.BAD_DATA) or proof.get("applied") not in (None, Applied.ORIGINAL) \
+            or (proof["verdict"] == Finding.OPTIMIZER_STATE and proof.get("acting"))
         (logger.warning if harmful else logger.info)(line)
 
     def _warn(self, line: str) -> None:
@@ -706,7 +706,7 @@ class Recovery:
         one-time faults re-armed), documents the decision convicted are masked in its
         batches as the fetch would have, and ``execute`` runs once more."""
         t = self.trainer
-        if proof is not None and proof["verdict"] == "bad_data" and proof["applied"] in ("masked", "control"):
+        if proof is not None and proof["verdict"] == Finding.BAD_DATA and proof["applied"] in (Applied.MASKED, Applied.CONTROL):
             # (``proof``: the decided step's, which convicted and quarantined its documents)
             t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
         self.redone += 1

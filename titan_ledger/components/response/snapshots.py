@@ -47,7 +47,9 @@ import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.prover import ProveMode
 from titan_ledger.components.signals.sums import local
+from titan_ledger.format.proofs import Applied, Finding
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 
@@ -214,7 +216,7 @@ class SnapshotRing:
     def replays(self) -> bool:
         """Whether a window proof can run (``--ledger.on_spike.prove`` not off): only then
         are the steps' batches kept -- a ring a rollback alone reads holds no batches."""
-        return self.on and self.trainer.config.ledger.on_spike.prove != "off"
+        return self.on and self.trainer.config.ledger.on_spike.prove != ProveMode.OFF
 
     def tensors(self) -> list:
         """What a snapshot copies of the model: every parameter's local shard, then every
@@ -305,7 +307,7 @@ class SnapshotRing:
         if not self.on:
             return
         proof = rec.proof or {}
-        if proof.get("verdict") == "hardware" or proof.get("applied") not in (None, "original"):
+        if proof.get("verdict") == Finding.HARDWARE or proof.get("applied") not in (None, Applied.ORIGINAL):
             if late:
                 self.clear()
             else:

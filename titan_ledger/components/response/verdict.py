@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from titan_ledger.format.proofs import Applied, Finding
+
 
 @dataclass
 class Execution:
@@ -47,7 +49,7 @@ class Execution:
                "normal": self.normal, "seconds": round(self.seconds, 4),
                "per_rank": [{"loss": _num(r[0]), "grad_sq": _num(r[1]), "tokens": int(r[2])}
                             for r in self.ranks]}
-        if self.variant == "same":
+        if self.variant == Applied.SAME:
             out["bit_equal"] = all(r[3] == 1 for r in self.ranks)
         return out
 
@@ -80,7 +82,7 @@ def differing_ranks(a: Execution, b: Execution, rtol: float) -> list[int]:
         if rtol == 0:
             # b's gradients against a's, bit for bit (a checksum per parameter): the first
             # execution's flag, or a second repeat's against the first repeat
-            flag = y[3] if a.variant == "original" else (y[4] if len(y) > 4 else 1)
+            flag = y[3] if a.variant == Applied.ORIGINAL else (y[4] if len(y) > 4 else 1)
             same = _same(x[0], y[0]) and _same(x[1], y[1]) and flag == 1
         else:  # (inf is within no tolerance of a finite value)
             same = all(_same(p, q) or (math.isfinite(p) and math.isfinite(q) and
@@ -201,36 +203,36 @@ def _judge(original, repeats, masked, control, rtol, suspect, distances, noise_f
             raise ValueError("judge: the step changed between executions; a third decides")
         second = repeats[1]
         if not differing_ranks(first, second, rtol):
-            return Verdict("hardware", "same", faulty_ranks(original, first, changed),
+            return Verdict(Finding.HARDWARE, Applied.SAME, faulty_ranks(original, first, changed),
                            "the first execution differed from two that agree")
         again = differing_ranks(original, second, rtol)
         if not again:
-            return Verdict("hardware", "original", faulty_ranks(first, second, differing_ranks(first, second, rtol)),
+            return Verdict(Finding.HARDWARE, Applied.ORIGINAL, faulty_ranks(first, second, differing_ranks(first, second, rtol)),
                            "the second execution differed from two that agree")
         odd, floor = odd_one_out(distances, noise_factor) if distances is not None else (None, math.inf)
         if odd is not None and math.isfinite(floor):  # not bit-reproducible, but one stands out of its noise
             return _odd_verdict(odd, floor, distances, noise_factor)
-        return Verdict("hardware", "none", sorted(set(changed) | set(again)), "no two of three executions agree")
+        return Verdict(Finding.HARDWARE, Applied.NONE, sorted(set(changed) | set(again)), "no two of three executions agree")
     if original.normal:
         if suspect:
-            return Verdict("outlier", "original", why="reproducible; the update is normal with the suspect data")
-        return Verdict("not_data", "original", why="reproducible; the update is normal and no data is suspect")
+            return Verdict(Finding.OUTLIER, Applied.ORIGINAL, why="reproducible; the update is normal with the suspect data")
+        return Verdict(Finding.NOT_DATA, Applied.ORIGINAL, why="reproducible; the update is normal and no data is suspect")
     if masked is None or control is None:
-        return Verdict("not_data", "original", why="reproducible and abnormal; no suspect data to mask "
+        return Verdict(Finding.NOT_DATA, Applied.ORIGINAL, why="reproducible and abnormal; no suspect data to mask "
                                                    "against a control")
     if masked.normal and not control.normal:
-        return Verdict("bad_data", "masked", why="masking the suspect data brings the update back to "
+        return Verdict(Finding.BAD_DATA, Applied.MASKED, why="masking the suspect data brings the update back to "
                                                  "normal; masking as much other data does not")
     if control.normal and not masked.normal:
         # two disjoint masks of equal size, one restores the update: the other is its control,
         # whichever the evidence named (at DP 2 a rank's loss cannot tell which rank it is)
-        return Verdict("bad_data", "control", why="masking the control's data brings the update back to "
+        return Verdict(Finding.BAD_DATA, Applied.CONTROL, why="masking the control's data brings the update back to "
                                                   "normal; masking the suspect's does not: the control's "
                                                   "data is the bad data")
     if masked.normal and control.normal:
-        return Verdict("not_data", "original", why="masking the suspect or the control data brings the "
+        return Verdict(Finding.NOT_DATA, Applied.ORIGINAL, why="masking the suspect or the control data brings the "
                                                    "update back: removing data, not bad data")
-    return Verdict("not_data", "original", why="reproducible, and abnormal without the suspect data")
+    return Verdict(Finding.NOT_DATA, Applied.ORIGINAL, why="reproducible, and abnormal without the suspect data")
 
 
 def noise_record(floor: float, factor: float, distances: list[list[float]]) -> dict[str, Any]:
@@ -245,7 +247,7 @@ def _odd_verdict(odd: int, floor: float, distances: list[list[float]], factor: f
     mine = _MINE[odd]
     ranks = [r for r, d in enumerate(distances) if min(d[mine[0]], d[mine[1]]) > factor * floor]
     who = "the first execution" if odd == 0 else "a repeat"
-    return Verdict("hardware", "same" if odd == 0 else "original", ranks,
+    return Verdict(Finding.HARDWARE, Applied.SAME if odd == 0 else Applied.ORIGINAL, ranks,
                    f"{who} stood {factor:g}x farther from the other two than their execution noise "
                    f"({floor:.2g} relative)")
 
@@ -257,7 +259,7 @@ def optimizer_verdict(amplification: float, bar: float, restore: float) -> Verdi
     not the data, made the steps abnormal, so no data is masked. None otherwise."""
     if bar <= 0 or not (amplification >= bar):
         return None
-    return Verdict("optimizer_state", "original",
+    return Verdict(Finding.OPTIMIZER_STATE, Applied.ORIGINAL,
                    why=f"Adam's second moment stood {restore:.3g}x below its long-run level: with it restored, the "
                        f"updates it stood for are {amplification:.3g}x smaller (>= --ledger.on_spike.adam_check "
                        f"{bar:g}); the optimizer's state, not the data, made the update abnormal")
@@ -515,7 +517,7 @@ def mean_loss(ranks: list[list[float]]) -> float:
 
 #: the window proof's variants (``[ledger.snapshots] causes``) and the cause each one's fix
 #: proves: the LR scaled, Adam's beta2 / epsilon, a cap on the attention logits, z-loss
-SNAPSHOT_CAUSES = {"lr": "lr", "adam": "optimizer_state", "eps": "optimizer_state", "logit_cap": "logit_growth",
+SNAPSHOT_CAUSES = {"lr": "lr", "adam": Finding.OPTIMIZER_STATE, "eps": Finding.OPTIMIZER_STATE, "logit_cap": "logit_growth",
                    "zloss": "output_logits"}
 
 

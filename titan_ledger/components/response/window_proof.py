@@ -37,7 +37,12 @@ from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
 from titan_ledger.components.signals.sums import loss_sum
 from titan_ledger.errors import ProofFailure
+from titan_ledger.format.proofs import Finding
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
+
+#: the window re-run with nothing changed (the reference every fix is measured against;
+#: ``same`` in the record, as the in-step proof's repeat)
+UNCHANGED = "same"
 
 
 class WindowProof:
@@ -61,8 +66,8 @@ class WindowProof:
         if stall:  # the stall rule's forced proof: its own budget, whatever the step's verdict
             return r.on and r.stall_proofs < r.config.max_stall_proofs
         return r.on and r.proofs < r.config.max_proofs and (
-            (v in ("not_data", "optimizer_state") and bool(proof.get("acting"))) or v == "bad_data"
-            or (forced and v in ("not_data", "outlier")))
+            (v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and bool(proof.get("acting"))) or v == Finding.BAD_DATA
+            or (forced and v in (Finding.NOT_DATA, Finding.OUTLIER)))
 
     def prove(self, rec, stall: bool = False, prior: str | None = None) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
@@ -98,7 +103,7 @@ class WindowProof:
         runs: list[dict] = []
         try:
             with Reexecution(t, None, replaces=False) as again:
-                for variant in ("same", *causes):
+                for variant in (UNCHANGED, *causes):
                     kind = response_fault(faults, "window")  # (rehearsal)
                     check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof")
                     snap.tensors.restore(params, opts)
@@ -117,12 +122,12 @@ class WindowProof:
                             t.optimizers.step()
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
-                    self._model_variant("same")
+                    self._model_variant(UNCHANGED)
                     mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                    if kind == "nan" and variant != "same":
+                    if kind == "nan" and variant != UNCHANGED:
                         mean = norm = math.nan  # (rehearsal: every rank alike)
-                    if variant != "same" and runs and math.isfinite(runs[0]["loss"]) and \
+                    if variant != UNCHANGED and runs and math.isfinite(runs[0]["loss"]) and \
                             math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
                         raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
                                            f"unchanged window was")
@@ -131,12 +136,12 @@ class WindowProof:
                                  "normal": not flags_again(detector, mean, norm),
                                  "loss_end": end if end is None or math.isfinite(end) else None})
         finally:
-            self._model_variant("same")  # the attention's cap and the loss's z-loss as the run has them
+            self._model_variant(UNCHANGED)  # the attention's cap and the loss's z-loss as the run has them
             now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
             for p, g in zip(params, grads):
                 p.grad = g
         by = {r["variant"]: r for r in runs}
-        base = by["same"]["loss_end"]
+        base = by[UNCHANGED]["loss_end"]
         for r in runs:
             r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
         if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
@@ -147,7 +152,7 @@ class WindowProof:
             why = f"the stall: {why}".replace("removed it", "lowered the loss").replace("removed by",
                                                                                        "lowered by")
         else:
-            cause, why, fixes = window_verdict(by["same"]["normal"], {c: by[c]["normal"] for c in causes},
+            cause, why, fixes = window_verdict(by[UNCHANGED]["normal"], {c: by[c]["normal"] for c in causes},
                                                {c: by[c]["cost"] for c in causes}, prior=prior)
         skipped = sorted(set(cfg.causes) - set(causes))
         if skipped:
