@@ -85,6 +85,14 @@ def _slope(ys):
 EVIDENCE_RULES = ("rank_separation", "doc_high", "doc_low")
 
 
+#: the decision tree's order after Q0 (divergence): each question and the cause it names
+#: when it is the first answered yes (Q1 names bf16 in a known bf16 run); a divergence's
+#: driver is named by the same order
+CAUSE_ORDER = (("F1", "optimizer_state"), ("F2", "lr"), ("Q1", "logit_growth"), ("Q2", "lr"),
+               ("F3", "output_logits"), ("Q3", "bad_data"), ("Q4", "optimizer_state"), ("Q5", "bf16"),
+               ("Q6", "hardware"))
+
+
 def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              evidence: dict | None = None, param_dtype: str | None = None,
              precision: list[dict] | None = None, start: list[dict] | None = None) -> dict:
@@ -229,33 +237,17 @@ def classify(rows: list[dict], step: int, th: Thresholds | None = None,
              grad_norm=gn, pre_median_grad_norm=med_gn, next_grad_norm=nxt, loss=loss,
              pre_median_loss=med_loss, param_dtype=param_dtype)
 
+    # the tree's order, one table: the first question answered yes names the cause; a
+    # divergence (Q0) is the emergency, and the same order names what drove it
+    answers = {"F1": fa, "F2": fl, "Q1": q1, "Q2": q2, "F3": fz, "Q3": q3, "Q4": q4, "Q5": q5, "Q6": q6}
+    first = next((q for q, _ in CAUSE_ORDER if answers[q]), None)
+    underlying = dict(CAUSE_ORDER)[first] if first else None
     if d0:
         cause = "divergence"
-    elif fa:
-        cause = "optimizer_state"
-    elif fl:
-        cause = "lr"
-    elif q1:
-        cause = "bf16" if bf16_run and param_dtype is not None else "logit_growth"
-    elif q2:
-        cause = "lr"
-    elif fz:
-        cause = "output_logits"
-    elif q3:
-        cause = "bad_data"
-    elif q4:
-        cause = "optimizer_state"
-    elif q5:
+    elif first == "Q1" and bf16_run and param_dtype is not None:  # growing logits in a known bf16 run
         cause = "bf16"
-    elif q6:
-        cause = "hardware"
     else:
-        cause = "transient"
-    # divergence is the emergency; the tree still names what drove it
-    underlying = next((c for c, hit in (("optimizer_state", fa), ("lr", fl), ("logit_growth", q1), ("lr", q2),
-                                        ("output_logits", fz), ("bad_data", q3), ("optimizer_state", q4),
-                                        ("bf16", q5), ("hardware", q6)) if hit),
-                      None)
+        cause = underlying or "transient"
     out = {"step": step, "cause": cause, "checks": checks,
            "grad_norm_ratio": _round(at["grad_norm"] / med_gn) if med_gn else None, "fingerprints": f}
     # how sure: each fingerprint that answered yes, as its reading over its bar (the real set's

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -137,6 +137,36 @@ class KeptExecution:
         first = FirstExecution.of(trainer, self.grads, self.execution)
         first.grads, self.grads = self.grads, None
         return first
+
+
+@dataclass
+class _Case:
+    """One proof's working state, which its steps (``Prover._prove``) fill in order."""
+
+    rec: Any
+    again: Reexecution
+    first_grads: Any  # the first execution's gradients (in the step) or what a deferral kept
+    original: Execution  # the first execution, gathered
+    groups: list  # the step's batches
+    detector: Any  # the run's spike detector (its history judges every execution)
+    rtol: float
+    factor: float
+    repeats: list = field(default_factory=list)  # the same batch again (one, or two)
+    distances: list | None = None  # the executions' noise, where no two agree bit for bit
+    adam: dict | None = None  # Adam's check
+    suspect: Suspect | None = None
+    ctrl: Suspect | None = None
+    c_groups: list | None = None  # the batches with the control's data masked
+    control: Execution | None = None
+    masked: Execution | None = None
+    hits: list = field(default_factory=list)  # this rank's masked segments of the suspect
+    tags_by_dp: dict = field(default_factory=dict)
+    after: list = field(default_factory=list)  # executions after the verdict (a convicted control, group testing)
+    bisection: Any = None
+    everywhere: bool = False  # the convicted documents masked on every rank that holds them
+    holders: list = field(default_factory=list)
+    content: dict | None = None
+    coverage: Coverage | None = None
 
 
 class ProveMode(StrEnum):
@@ -434,14 +464,36 @@ class Prover:
 
     def _prove(self, rec, again: Reexecution, *, acting: bool, event: dict[str, Any],
                first: FirstExecution | None) -> dict[str, Any]:
-        from torchtitan.components.loss import IGNORE_INDEX
+        """The proof's steps in order, each on the one :class:`_Case`: the first execution
+        and its repeats (reproduced?), Adam first, the suspect's data against a control,
+        a control convicted instead, group testing, the conviction's checks, the record."""
+        case = self._first_execution(rec, again, first)
+        ok = self._repeat(case)
+        v = self._ask_adam(case) if ok and not case.original.normal and case.repeats[-1] is case.repeats[0] \
+            else None
+        if ok and v is None:
+            self._suspect_with_control(case, event)
+        if v is None:
+            v = judge(case.original, case.repeats, case.masked, case.control, case.rtol,
+                      suspect=case.suspect is not None, distances=case.distances, noise_factor=case.factor)
+        if v.applied == Applied.CONTROL:
+            self._control_convicted(case)
+        v = self._group_test(case, v)
+        if first is not None and v.verdict == Finding.HARDWARE and v.applied == Applied.ORIGINAL \
+                and self._first_grads is None:
+            self._in_grads = None  # the last repeat may be the odd one: executed again if applied
+        if v.verdict == Finding.BAD_DATA and case.suspect is not None:
+            v = self._check_conviction(case, v)
+        self.proofs += 1
+        return self._record(case, v, acting)
 
+    def _first_execution(self, rec, again: Reexecution, first: FirstExecution | None) -> _Case:
+        """The flagged step's first execution, gathered over the ranks and judged against
+        the run's history (in the step: its gradients by reference; deferred: what was kept)."""
         t = self.trainer
         ledger = t.ledger
-        topo = ledger.topo
-        params = self._params()
         if first is None:  # in the step: the first gradients, by reference (each execution gets fresh tensors)
-            first_grads = [p.grad for p in params]
+            first_grads = [p.grad for p in self._params()]
             loss_sum, local_tokens, grad_norm = ledger.last_execution
             psq = _per_param_sq(first_grads, t.device)
             self._first_grads = first_grads
@@ -450,155 +502,190 @@ class Prover:
             loss_sum, local_tokens, grad_norm, psq = first.loss_sum, first.local_tokens, first.grad_norm, first.psq
             self._first_grads = first.grads  # (kept where they cost nothing: the CPU)
         self._rec, self._in_grads, self._groups, self._hits = rec, Applied.ORIGINAL, {Applied.SAME: rec.batches}, []
-        detector = ledger.guard.detector
         original = self._gathered(Applied.ORIGINAL, loss_sum, psq, local_tokens, True, grad_norm)
+        detector = ledger.guard.detector
         original.normal = normal_update(detector, original.loss, original.grad_norm)
-        rtol = float(self.config.prove_rtol)
-        factor = float(self.config.prove_noise_factor)
-        groups = rec.batches
-        repeats = [self._run(Applied.SAME, again, groups, first_grads)]
-        masked = control = None
-        suspect = ctrl = None
-        hits: list = []
-        tags_by_dp: dict[int, list] = {}
-        distances = None
-        adam = None
-        if differing_ranks(original, repeats[0], rtol):
-            repeats.append(self._run(Applied.SAME, again, groups, first_grads, prev=repeats[0]))
-            if differing_ranks(repeats[0], repeats[1], rtol) and differing_ranks(original, repeats[1], rtol):
-                distances = self._distances([original, *repeats])  # not bit-reproducible: measure the noise
-        ok = reproduced(original, repeats, rtol, distances, factor)[0]
-        if ok and not original.normal and repeats[-1] is repeats[0]:
-            # Adam first: the gradients in place are the first execution's, reproduced
-            adam = self._adam_check()
-        v = optimizer_verdict(adam["amplification"], float(self.config.adam_check), adam["restore"] or 1.0) \
-            if adam is not None else None
-        if ok and v is None:
-            tags_by_dp = _gather_tags(rec.tags if topo.data_writer else None, topo)
-            summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
-            fired = [*event.get("rules", []), *event.get("notes", [])]
-            rank = next((event.get(k) for r, k in (("doc_high", "doc_high_rank"), ("doc_low", "doc_low_rank"))
-                         if r in fired and event.get(k) is not None), None)
-            suspect = name_suspect(event, ledger.last_dp_loss(),
-                                   summaries.get(int(rank)) if rank is not None else None,
-                                   tags_by_dp.get(int(rank)) if rank is not None else None,
-                                   float(ledger.config.spike.doc_outlier_floor))
-            if suspect is not None:
-                ctrl = control_of(suspect, topo.dp_size, tags_by_dp)
-            if suspect is not None and ctrl is not None and not original.normal:
-                mine = topo.dp_rank
-                c_groups = mask_labels(groups, rec.tags, ctrl, IGNORE_INDEX)[0] if ctrl.dp_rank == mine else groups
-                control = self._run(Applied.CONTROL, again, c_groups, first_grads)
-                control.normal = normal_update(detector, control.loss, control.grad_norm, original.loss)
-                if suspect.dp_rank == mine:
-                    m_groups, hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)
-                else:
-                    m_groups = groups
-                masked = self._run(Applied.MASKED, again, m_groups, first_grads)
-                masked.normal = normal_update(detector, masked.loss, masked.grad_norm, original.loss)
-                self._groups.update(masked=m_groups, control=c_groups)
-        if v is None:
-            v = judge(original, repeats, masked, control, rtol, suspect=suspect is not None,
-                      distances=distances, noise_factor=factor)
-        if v.applied == Applied.CONTROL:  # the control's data convicted: its update again (no grads kept)
-            convicted = self._run(Applied.CONTROL, again, c_groups, first_grads)
-            convicted.normal = normal_update(detector, convicted.loss, convicted.grad_norm, original.loss)
-            repeats_after = [convicted]
-            suspect, ctrl = ctrl, suspect
-            hits = mask_labels(groups, rec.tags, suspect, IGNORE_INDEX)[1] if suspect.dp_rank == topo.dp_rank else []
+        return _Case(rec=rec, again=again, first_grads=first_grads, original=original, groups=rec.batches,
+                     detector=detector, rtol=float(self.config.prove_rtol),
+                     factor=float(self.config.prove_noise_factor))
+
+    def _repeat(self, case: _Case) -> bool:
+        """The same batch again (a third time where the first two differ, and the noise
+        measured where all three do): whether the step reproduced."""
+        c = case
+        c.repeats = [self._run(Applied.SAME, c.again, c.groups, c.first_grads)]
+        if differing_ranks(c.original, c.repeats[0], c.rtol):
+            c.repeats.append(self._run(Applied.SAME, c.again, c.groups, c.first_grads, prev=c.repeats[0]))
+            if differing_ranks(c.repeats[0], c.repeats[1], c.rtol) and differing_ranks(c.original, c.repeats[1],
+                                                                                       c.rtol):
+                c.distances = self._distances([c.original, *c.repeats])  # not bit-reproducible: measure the noise
+        return reproduced(c.original, c.repeats, c.rtol, c.distances, c.factor)[0]
+
+    def _ask_adam(self, case: _Case) -> Verdict | None:
+        """Adam first (the gradients in place are the first execution's, reproduced): the
+        update recomputed under a healthy second moment; ``optimizer_state`` when that
+        alone makes it normal."""
+        case.adam = self._adam_check()
+        if case.adam is None:
+            return None
+        return optimizer_verdict(case.adam["amplification"], float(self.config.adam_check),
+                                 case.adam["restore"] or 1.0)
+
+    def _suspect_with_control(self, case: _Case, event: dict[str, Any]) -> None:
+        """The data the flag points at (a rank's batch, its standing-out documents) and a
+        control of as much other data: each masked in an execution of its own."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        c = case
+        ledger = self.trainer.ledger
+        topo = ledger.topo
+        c.tags_by_dp = _gather_tags(c.rec.tags if topo.data_writer else None, topo)
+        summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
+        fired = [*event.get("rules", []), *event.get("notes", [])]
+        rank = next((event.get(k) for r, k in (("doc_high", "doc_high_rank"), ("doc_low", "doc_low_rank"))
+                     if r in fired and event.get(k) is not None), None)
+        c.suspect = name_suspect(event, ledger.last_dp_loss(),
+                                 summaries.get(int(rank)) if rank is not None else None,
+                                 c.tags_by_dp.get(int(rank)) if rank is not None else None,
+                                 float(ledger.config.spike.doc_outlier_floor))
+        if c.suspect is not None:
+            c.ctrl = control_of(c.suspect, topo.dp_size, c.tags_by_dp)
+        if c.suspect is None or c.ctrl is None or c.original.normal:
+            return
+        mine = topo.dp_rank
+        c.c_groups = mask_labels(c.groups, c.rec.tags, c.ctrl, IGNORE_INDEX)[0] if c.ctrl.dp_rank == mine \
+            else c.groups
+        c.control = self._run(Applied.CONTROL, c.again, c.c_groups, c.first_grads)
+        c.control.normal = normal_update(c.detector, c.control.loss, c.control.grad_norm, c.original.loss)
+        if c.suspect.dp_rank == mine:
+            m_groups, c.hits = mask_labels(c.groups, c.rec.tags, c.suspect, IGNORE_INDEX)
         else:
-            repeats_after = []
-        bisection = None
-        everywhere = False  # the convicted documents' segments are masked on every rank that holds them
-        sizes = _documents(tags_by_dp, None if v.verdict == Finding.NOT_DATA or suspect is None else suspect.dp_rank)
-        if self.config.prove_bisect and len(sizes) > 1 and not original.normal and (
-                v.verdict == Finding.NOT_DATA or (v.verdict == Finding.BAD_DATA and suspect is not None and suspect.docs is None)):
-            # searching the whole step, the halves are each other's only control: the size rule
-            # (BISECT_BALANCE); inside a rank whose whole batch an equal-size mask (the other
-            # rank's) already convicted, the rounds only narrow it down
-            bisection, trail = self._bisect(again, rec, groups, first_grads, original, sizes,
-                                            BISECT_BALANCE if v.verdict == Finding.NOT_DATA else None)
-            repeats_after.extend(trail)
-            if bisection.documents:
-                docs = bisection.documents
-                m_groups, hits = mask_labels(groups, rec.tags, Suspect(topo.dp_rank, docs), IGNORE_INDEX)
-                # the convicted set's update, in place (its own name: ``masked`` stays the rank
-                # mask's execution, which the record lists before the bisection's)
-                in_place = self._run(Applied.MASKED, again, m_groups, first_grads)
-                in_place.normal = normal_update(detector, in_place.loss, in_place.grad_norm, original.loss)
-                repeats_after.append(in_place)
-                self._groups[Applied.MASKED] = m_groups
-                holders = sorted(dp for dp, tags in tags_by_dp.items() if set(document_tokens(tags or [])) & docs)
-                suspect, everywhere = Suspect(holders[0] if holders else 0, docs, "bisection"), True
-                searched = len(bisection.path[0]["a"] | bisection.path[0]["b"])
-                v = Verdict(Finding.BAD_DATA, Applied.MASKED, why=f"group testing: masking {len(docs)} of the step's {searched} "
-                                                      f"documents brings the update back to normal; masking the "
-                                                      f"other half, at every round, does not")
-            elif v.applied in (Applied.MASKED, Applied.CONTROL):  # a whole rank stands: its update in place again
-                rerun = self._run(v.applied, again, self._groups[v.applied], first_grads)
-                rerun.normal = normal_update(detector, rerun.loss, rerun.grad_norm, original.loss)
-                repeats_after.append(rerun)
-        if first is not None and v.verdict == Finding.HARDWARE and v.applied == Applied.ORIGINAL and self._first_grads is None:
-            self._in_grads = None  # the last repeat may be the odd one: executed again if applied
-        content = None
-        if v.verdict == Finding.BAD_DATA and suspect is not None:
-            docs = suspect.docs
-            if docs is None:  # the whole batch of the suspect rank: its documents
-                docs = frozenset(document_tokens(tags_by_dp.get(suspect.dp_rank) or []))
-            suspect = replace(suspect, docs=frozenset(docs))
-            every = set(_documents(tags_by_dp, None))
-            content = self._content(sorted(every))
-            shared = shared_content(docs, every - set(docs),
-                                    {d: (f[1] if f is not None else None) for d, f in content.items()})
-            here = sum(n for d, n in _documents(tags_by_dp, None).items() if d in docs)
-            coverage = self._coverage(sorted(docs), content, tags_by_dp)
-            before = (coverage.ahead or {}).get("before_clean", 0) if coverage.ahead else 0
-            if shared:  # the control must be other content: a copy of it trained normally beside it
-                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
-                            why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
-                                f"of other documents this step trained on (or content that cannot be read back): "
-                                f"masking them explains nothing a mask of their copies would not")
-            elif unstable := self._unstable(rec.step):  # the run flags step after step: its fragility, not data
-                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
-                            why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
-                                f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
-                                f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
-            elif before >= here > 0:  # the same documents trained before, as much of them, without a flag
-                v = Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
-                            why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
-                                f"without a flag ({here} here): what made this step abnormal is not their content")
-            elif everywhere or suspect.dp_rank == topo.dp_rank:
-                self._hits = hits  # applied only if the step acts on the conviction (convict)
-        self.proofs += 1
-        executions = [original, *repeats, *(e for e in (control, masked) if e is not None), *repeats_after]
+            m_groups = c.groups
+        c.masked = self._run(Applied.MASKED, c.again, m_groups, c.first_grads)
+        c.masked.normal = normal_update(c.detector, c.masked.loss, c.masked.grad_norm, c.original.loss)
+        self._groups.update(masked=m_groups, control=c.c_groups)
+
+    def _control_convicted(self, case: _Case) -> None:
+        """The control's data convicted, not the suspect's: its update executed again (no
+        gradients kept), and the two swap places."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        c = case
+        convicted = self._run(Applied.CONTROL, c.again, c.c_groups, c.first_grads)
+        convicted.normal = normal_update(c.detector, convicted.loss, convicted.grad_norm, c.original.loss)
+        c.after.append(convicted)
+        c.suspect, c.ctrl = c.ctrl, c.suspect
+        c.hits = mask_labels(c.groups, c.rec.tags, c.suspect, IGNORE_INDEX)[1] \
+            if c.suspect.dp_rank == self.trainer.ledger.topo.dp_rank else []
+
+    def _group_test(self, case: _Case, v: Verdict) -> Verdict:
+        """Group testing (``prove_bisect``): where the step is abnormal and no document is
+        named yet, halves of the step's documents masked round by round; the documents
+        whose mask alone brings the update back are convicted, their update in place."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        c = case
+        topo = self.trainer.ledger.topo
+        sizes = _documents(c.tags_by_dp, None if v.verdict == Finding.NOT_DATA or c.suspect is None
+                           else c.suspect.dp_rank)
+        if not (self.config.prove_bisect and len(sizes) > 1 and not c.original.normal and (
+                v.verdict == Finding.NOT_DATA or (v.verdict == Finding.BAD_DATA and c.suspect is not None
+                                                  and c.suspect.docs is None))):
+            return v
+        # searching the whole step, the halves are each other's only control: the size rule
+        # (BISECT_BALANCE); inside a rank whose whole batch an equal-size mask (the other
+        # rank's) already convicted, the rounds only narrow it down
+        c.bisection, trail = self._bisect(c.again, c.rec, c.groups, c.first_grads, c.original, sizes,
+                                          BISECT_BALANCE if v.verdict == Finding.NOT_DATA else None)
+        c.after.extend(trail)
+        if c.bisection.documents:
+            docs = c.bisection.documents
+            m_groups, c.hits = mask_labels(c.groups, c.rec.tags, Suspect(topo.dp_rank, docs), IGNORE_INDEX)
+            # the convicted set's update, in place (its own name: ``masked`` stays the rank
+            # mask's execution, which the record lists before the bisection's)
+            in_place = self._run(Applied.MASKED, c.again, m_groups, c.first_grads)
+            in_place.normal = normal_update(c.detector, in_place.loss, in_place.grad_norm, c.original.loss)
+            c.after.append(in_place)
+            self._groups[Applied.MASKED] = m_groups
+            c.holders = sorted(dp for dp, tags in c.tags_by_dp.items() if set(document_tokens(tags or [])) & docs)
+            c.suspect, c.everywhere = Suspect(c.holders[0] if c.holders else 0, docs, "bisection"), True
+            searched = len(c.bisection.path[0]["a"] | c.bisection.path[0]["b"])
+            return Verdict(Finding.BAD_DATA, Applied.MASKED,
+                           why=f"group testing: masking {len(docs)} of the step's {searched} documents brings the "
+                               f"update back to normal; masking the other half, at every round, does not")
+        if v.applied in (Applied.MASKED, Applied.CONTROL):  # a whole rank stands: its update in place again
+            rerun = self._run(v.applied, c.again, self._groups[v.applied], c.first_grads)
+            rerun.normal = normal_update(c.detector, rerun.loss, rerun.grad_norm, c.original.loss)
+            c.after.append(rerun)
+        return v
+
+    def _check_conviction(self, case: _Case, v: Verdict) -> Verdict:
+        """Data convicted: not where a copy of its content trained beside it, where the run
+        is unstable as a whole, or where the same documents trained before without a flag;
+        otherwise its masks are kept for :meth:`convict`. The quarantine's coverage is
+        measured either way."""
+        c = case
+        docs = c.suspect.docs
+        if docs is None:  # the whole batch of the suspect rank: its documents
+            docs = frozenset(document_tokens(c.tags_by_dp.get(c.suspect.dp_rank) or []))
+        c.suspect = replace(c.suspect, docs=frozenset(docs))
+        every = set(_documents(c.tags_by_dp, None))
+        c.content = self._content(sorted(every))
+        shared = shared_content(docs, every - set(docs),
+                                {d: (f[1] if f is not None else None) for d, f in c.content.items()})
+        here = sum(n for d, n in _documents(c.tags_by_dp, None).items() if d in docs)
+        c.coverage = self._coverage(sorted(docs), c.content, c.tags_by_dp)
+        before = (c.coverage.ahead or {}).get("before_clean", 0) if c.coverage.ahead else 0
+        if shared:  # the control must be other content: a copy of it trained normally beside it
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
+                               f"of other documents this step trained on (or content that cannot be read back): "
+                               f"masking them explains nothing a mask of their copies would not")
+        if unstable := self._unstable(c.rec.step):  # the run flags step after step: its fragility, not data
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
+                               f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
+                               f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
+        if before >= here > 0:  # the same documents trained before, as much of them, without a flag
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
+                               f"without a flag ({here} here): what made this step abnormal is not their content")
+        if c.everywhere or c.suspect.dp_rank == self.trainer.ledger.topo.dp_rank:
+            self._hits = c.hits  # applied only if the step acts on the conviction (convict)
+        return v
+
+    def _record(self, case: _Case, v: Verdict, acting: bool) -> dict[str, Any]:
+        """The proof record (the ``proof`` of the step's spike event)."""
+        c = case
+        executions = [c.original, *c.repeats, *(e for e in (c.control, c.masked) if e is not None), *c.after]
         out = {"verdict": v.verdict, "applied": v.applied, "why": v.why, "acting": acting,
                "executions": [e.to_json() for e in executions], "seconds": 0.0}
-        if adam is not None:
-            out["optimizer"] = adam
-        if v.verdict == Finding.HARDWARE and not math.isfinite(original.grad_norm):
-            named = v.ranks and all(not math.isfinite(original.ranks[r][1]) for r in v.ranks) and \
-                len(v.ranks) < len(original.ranks)
+        if c.adam is not None:
+            out["optimizer"] = c.adam
+        if v.verdict == Finding.HARDWARE and not math.isfinite(c.original.grad_norm):
+            named = v.ranks and all(not math.isfinite(c.original.ranks[r][1]) for r in v.ranks) and \
+                len(v.ranks) < len(c.original.ranks)
             out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
                            "finite gradients: " + ("the faulty rank's were left non-finite" if named else
                                                    "the ranks it changed cannot be told apart"))
         if v.noise is not None:  # the machine's execution noise, measured by this proof
-            out["noise"] = noise_record(v.noise, factor, distances)
+            out["noise"] = noise_record(v.noise, c.factor, c.distances)
         if v.ranks:
             out["ranks"] = v.ranks
-            out["dp_ranks"] = sorted({ledger.topo.dp_rank_of[r] for r in v.ranks})
-        if suspect is not None:
-            out["suspect"] = {"dp_rank": suspect.dp_rank, "evidence": suspect.evidence}
-            if suspect.docs is not None:
-                out["documents"] = [[s, int(d)] for s, d in sorted(suspect.docs)]
-            if content is not None:
-                out["coverage"] = coverage.to_json()
-        if bisection is not None:  # the group testing's path: per round, each half and what masking it did
-            out["bisection"] = bisection.to_json()
-            if everywhere:
-                out["suspect"]["dp_ranks"] = holders
-        if ctrl is not None and control is not None:
-            out["control"] = {"dp_rank": ctrl.dp_rank, "evidence": ctrl.evidence,
-                              **({"documents": [[s, int(d)] for s, d in sorted(ctrl.docs)]} if ctrl.docs else {})}
+            out["dp_ranks"] = sorted({self.trainer.ledger.topo.dp_rank_of[r] for r in v.ranks})
+        if c.suspect is not None:
+            out["suspect"] = {"dp_rank": c.suspect.dp_rank, "evidence": c.suspect.evidence}
+            if c.suspect.docs is not None:
+                out["documents"] = [[s, int(d)] for s, d in sorted(c.suspect.docs)]
+            if c.content is not None:
+                out["coverage"] = c.coverage.to_json()
+        if c.bisection is not None:  # the group testing's path: per round, each half and what masking it did
+            out["bisection"] = c.bisection.to_json()
+            if c.everywhere:
+                out["suspect"]["dp_ranks"] = c.holders
+        if c.ctrl is not None and c.control is not None:
+            out["control"] = {"dp_rank": c.ctrl.dp_rank, "evidence": c.ctrl.evidence,
+                              **({"documents": [[s, int(d)] for s, d in sorted(c.ctrl.docs)]} if c.ctrl.docs else {})}
         return out
 
     def _unstable(self, step: int) -> int:
