@@ -142,7 +142,7 @@ def _png_size(b64: str) -> list[int]:
 def test_incident_report_renders_in_chromium(run, tmp_path):
     """The page, and its signals plot legible: against the figure as saved (each panel's
     height, legends off the data, spike labels short and in place) and as chromium shows it."""
-    from tests.unit.test_plot import MIN_PANEL_PX, assert_legible
+    from tests.unit.tools.test_plot import MIN_PANEL_PX, assert_legible
     from titan_ledger.tools.report import report
 
     dump, _ = run

@@ -49,4 +49,4 @@ def test_every_module_has_tests_that_name_it():
 def test_the_table_check_is_not_vacuous():
     rows = _table()
     assert len(rows) == len(_modules()) > 60
-    assert rows["components.response.recovery"][0] == "unit/test_recovery.py"
+    assert rows["components.response.recovery"][0] == "unit/components/response/test_recovery.py"

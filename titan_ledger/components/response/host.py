@@ -15,7 +15,7 @@ response asks for
 * :meth:`Host.move_to` -- the step this ``train_step`` call is, where a skip window or a
   rollback moved it (torchtitan's loop adds one per call).
 
-A test double (``tests/unit/test_recovery.py``) implements the same protocol, so the
+A test double (``tests/unit/components/response/test_recovery.py``) implements the same protocol, so the
 state machine is exercised on the surface the trainer offers, not on a copy of it.
 """
 

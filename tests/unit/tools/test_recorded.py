@@ -14,7 +14,7 @@ from titan_ledger.format import records
 from titan_ledger.tools import replay
 from titan_ledger.tools.recorded import config_diff, launch_args, strip_recorded
 
-from .bad_input_ledgers import make_run
+from ..bad_input_ledgers import make_run
 
 CONFIG = "train_configs/debug_cpu.toml"
 FLAGS = ["--job.config_file", CONFIG, "--training.steps", "14", "--ledger.spike.window", "8"]

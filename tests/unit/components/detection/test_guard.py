@@ -44,7 +44,7 @@ def test_a_note_is_recorded_and_charted_but_never_acted_on(tmp_path):
     """A document outlier (a note by default) at step 12: an event without ``rules`` in
     spikes.jsonl, no rejected step, no flag for the update guard, ``note/*`` scalars and
     no W&B alert; the same step with every rule acting is a spike."""
-    from tests.unit.test_dashboards import _container, _wandb
+    from tests.unit.components.ledger.test_dashboards import _container, _wandb
     from titan_ledger.components.ledger.dashboards import log_note, log_spike
 
     def run(cfg, folder):

@@ -208,7 +208,7 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     from titan_ledger.format.reader import RunLedger
     from titan_ledger.tools.decision import judge
 
-    from .bad_input_ledgers import signal_row
+    from ..bad_input_ledgers import signal_row
 
     led = tmp_path / "run" / "ledger"
     led.mkdir(parents=True)

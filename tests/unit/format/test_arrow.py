@@ -16,7 +16,7 @@ from titan_ledger.format import columns, records
 from titan_ledger.format.arrow import data_table, signal_columns, signals_table
 from titan_ledger.format.reader import RunLedger
 
-from .bad_input_ledgers import make_run
+from ..bad_input_ledgers import make_run
 
 
 def signal_row(step: int, rng: random.Random, **over) -> dict:

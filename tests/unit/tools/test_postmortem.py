@@ -16,7 +16,7 @@ from titan_ledger.tools import diagnose, lookup, report, rollback
 from titan_ledger.tools.decision import DOC_STANDOUT, judge
 from titan_ledger.tools.postmortem import actions_at
 
-from .bad_input_ledgers import data_header, signal_row
+from ..bad_input_ledgers import data_header, signal_row
 
 T, LOAD, WIN = 25, 20, (21, 26)  # the spike, the checkpoint rolled back to, the skipped window
 DP, MBS = 2, 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_plot import assert_legible
+from tests.unit.tools.test_plot import assert_legible
 from titan_ledger.format import records
 from titan_ledger.tools.report import main, report
 
@@ -117,12 +117,12 @@ def test_the_page_shows_the_proof_as_it_ran(tmp_path):
     assert "bad_data (DP ranks 0, 1)" in diagnosis
 
 
-REAL_PROOFS = json.loads((Path(__file__).parent / "data" / "proofs.json").read_text())
+REAL_PROOFS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "proofs.json").read_text())
 
 
 @pytest.mark.parametrize("kind", ["bad_data", "hardware", "lr_window", "outlier"])
 def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_path, kind, capsys):
-    """Real proof records (tests/unit/data/proofs.json, written by real zoo runs): the
+    """Real proof records (tests/unit/fixtures/proofs.json, written by real zoo runs): the
     Diagnosis box, the proof section's cause row, the console line and ``diagnose`` all
     name the cause the typed record proves; the window's re-runs are rows of the table."""
     from titan_ledger.format.proofs import Proof, describe_proof

@@ -8,7 +8,7 @@ import numpy as np
 
 from titan_ledger.tools.plot import envelope, main, plot
 
-from .test_columns import _signals
+from ..format.test_columns import _signals
 
 
 def test_envelope_keeps_single_step_peaks():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_diagnose import ledger
+from tests.unit.tools.test_diagnose import ledger
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline, is_note
 from titan_ledger.errors import ConfigError
 

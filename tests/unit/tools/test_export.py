@@ -12,7 +12,7 @@ import pytest
 from titan_ledger.export import main
 from titan_ledger.format.arrow import data_table, signals_table
 
-from .bad_input_ledgers import make_run, tear
+from ..bad_input_ledgers import make_run, tear
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_the_documented_duckdb_queries_answer_on_an_export(run, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["data_steps1-12.parquet", "documents_steps1-12.parquet",
                                                       "ranks_steps1-12.parquet",
                                                       "signals.parquet", "spikes.parquet"]
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "tools.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "tools.md").read_text()
     block = doc.split("The questions asked first after an incident", 1)[1].split("```sql", 1)[1].split("```", 1)[0]
     sql = block.replace("OUT/", f"{out}/").replace("stepsA-B", "steps1-12")
     queries = [q.strip() for q in re.sub(r"--[^\n]*", "", sql).split(";") if q.strip()]

@@ -15,7 +15,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 PKG = ROOT / "titan_ledger"
 
 #: a ledger file's name (or the part of one a tool could build a name from); an

@@ -17,7 +17,7 @@ import pytest
 from titan_ledger.components.detection import fingerprints as fp
 from titan_ledger.tools.decision import Thresholds, classify
 
-CASES = json.loads((Path(__file__).parent / "data" / "real_fingerprints.json").read_text())
+CASES = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "real_fingerprints.json").read_text())
 
 
 def _classify(name, th=None):
