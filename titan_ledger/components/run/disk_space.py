@@ -63,10 +63,11 @@ def checkpoints_held(start_step: int, steps: int, interval: int, keep_latest_k: 
     """How many checkpoints the folder holds at the peak: the ones already there plus those
     this run writes (every ``interval`` steps and the last), at most ``keep_latest_k`` + 1
     (torchtitan writes the next before purging the oldest; 0 keeps all)."""
-    saves = set(range((start_step // interval + 1) * interval, steps + 1, interval)) if interval > 0 else set()
-    if steps > start_step:
-        saves.add(steps)
-    held = existing + len(saves)
+    # counted, not listed: a 10^9-step config must not build 10^8 step numbers (it took 18 GB)
+    first = (start_step // interval + 1) * interval if interval > 0 else None
+    periodic = len(range(first, steps + 1, interval)) if first is not None else 0
+    last = steps > start_step and (first is None or steps < first or (steps - first) % interval != 0)
+    held = existing + periodic + int(last)
     return min(held, keep_latest_k + 1) if keep_latest_k > 0 else held
 
 

@@ -16,6 +16,10 @@ def test_checkpoints_held_at_the_peak():
     assert checkpoints_held(0, 100, 10, 0, 0) == 10  # keep_latest_k 0 keeps all
     assert checkpoints_held(30, 50, 10, 0, 3) == 5  # a resume at 30: 3 there, 40 and 50 to come
     assert checkpoints_held(50, 50, 10, 0, 5) == 5  # nothing left to train
+    assert checkpoints_held(0, 25, 0, 0, 0) == 1  # no interval: the last step's alone
+    assert checkpoints_held(0, 5, 10, 0, 0) == 1  # shorter than the interval: the last step's
+    # counted, not listed (a 10^9-step config built 2 x 10^8 step numbers: 18 GB, 28 s)
+    assert checkpoints_held(0, 10**12, 5, 0, 0) == 2 * 10**11
 
 
 def test_estimate_and_the_warning():
