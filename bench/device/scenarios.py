@@ -23,9 +23,9 @@ the cause -- in order, within a wall-clock budget (what no longer fits is listed
   cause when the precision audit fails at start in bf16 only and bf16's last-100-step
   median loss is higher than fp32's (weight decay rounds away under bf16's spacing).
 
-``--cpu`` runs the same code on the CPU at a few dozen steps (the CI's check of the code
-path; nothing is expected to show there). Never run on a GPU yet: no GPU was lent to the
-session that wrote it. Logs and ``scenarios.json`` go to ``--workdir`` (default
+``--cpu`` runs the same code on the CPU at a few dozen steps (25 s for the four runs;
+``tests/bench/test_gpu_scenarios_cpu.py`` runs it in CI; nothing is expected to show
+there). Never run on a GPU yet: no GPU was lent to the sessions that wrote it. Logs and ``scenarios.json`` go to ``--workdir`` (default
 ``$OUT/gpu_scenarios`` when ``$OUT`` is set, else ``outputs/gpu_scenarios``).
 """
 
