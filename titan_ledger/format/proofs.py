@@ -50,7 +50,7 @@ HARMFUL = (Finding.HARDWARE, Finding.BAD_DATA)
 HELD_BACK = {
     "observe": "--ledger.on_spike.act observe",
     "quarantine_bound": "the quarantine bound",
-    "fragile": "a run already fragile",
+    "fragile": "a run already fragile",  # (records before the prover said not_data there)
     "breaker": "the circuit breaker",
 }
 

@@ -203,9 +203,11 @@ class OnSpikeConfig:
     names the documents and their share, and the ladder (``action``) decides the step."""
 
     quarantine_fragile: bool = False
-    """``act``: also quarantine data convicted in a run the LR's fingerprint already marks
-    fragile (the weights moving >= 0.2% of their norm a step: "data, in a run made fragile
-    by the LR"). Off: such a conviction is recorded, nothing masked, and the ladder decides."""
+    """Convict data in a run the LR's fingerprint already marks fragile (``diagnose``'s F2:
+    the updates moving >= 1% of the weights' norm a step): off, the proof's verdict there
+    is ``not_data`` (the documents recorded as the suspect's, the reading as ``fragile``):
+    in the real set's LR runs every document convicted so had no bad data planted, and no
+    planted zoo document sat in a fragile run (F2's reading 40x below its bar)."""
 
     adam_check: float = 4.0
     """The proof's optimizer-state test, before any data is masked (no extra

@@ -167,6 +167,7 @@ class _Case:
     holders: list = field(default_factory=list)
     content: dict | None = None
     coverage: Coverage | None = None
+    fragile: dict | None = None  # the LR's fingerprint where it held back a conviction
 
 
 class ProveMode(StrEnum):
@@ -646,6 +647,15 @@ class Prover:
                            why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
                                f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
                                f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
+        if not self.config.quarantine_fragile and (fragile := self._fragile()) is not None:
+            # the LR's fingerprint holds: every update moves the weights so far that masking
+            # any data changes the step; a document that triggers it is not proven bad
+            c.fragile = fragile
+            moved = fragile.get("relative_update_pre_median") or fragile.get("param_norm_change_pre_median") or 0
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but the LR's fingerprint holds (the updates moved the weights {moved:.1%} "
+                               f"of their norm a step): in a run the LR made this fragile, a document that triggers "
+                               f"a step is not proven bad (--ledger.on_spike.quarantine_fragile to convict anyway)")
         if before >= here > 0:  # the same documents trained before, as much of them, without a flag
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
@@ -679,6 +689,8 @@ class Prover:
                 out["documents"] = [[s, int(d)] for s, d in sorted(c.suspect.docs)]
             if c.content is not None:
                 out["coverage"] = c.coverage.to_json()
+        if c.fragile is not None:
+            out["fragile"] = c.fragile
         if c.bisection is not None:  # the group testing's path: per round, each half and what masking it did
             out["bisection"] = c.bisection.to_json()
             if c.everywhere:
@@ -687,6 +699,18 @@ class Prover:
             out["control"] = {"dp_rank": c.ctrl.dp_rank, "evidence": c.ctrl.evidence,
                               **({"documents": [[s, int(d)] for s, d in sorted(c.ctrl.docs)]} if c.ctrl.docs else {})}
         return out
+
+    def _fragile(self) -> dict | None:
+        """The LR's fingerprint in the rows written before this step (``diagnose``'s F2 over
+        the last 20: the update >= 1% of the weights' norm a step, or without
+        ``--ledger.update_norm`` the norm itself moving >= 0.2%): its reading, else None."""
+        from titan_ledger.components.detection import fingerprints as fp
+
+        rows = list(self.trainer.ledger.recent)[-20:]
+        reading = {"update": fp.relative_update(rows, {})}
+        if len(rows) >= 5 and fp.lr_scale(reading, fp.Bars()):
+            return {"cause": "lr", **reading["update"]}
+        return None
 
     def _unstable(self, step: int) -> int:
         """The flagged steps among the :data:`UNSTABLE_WINDOW` written before ``step`` when

@@ -544,8 +544,7 @@ class Recovery:
         """What the proof's verdict changes: ``(resolved, variant)`` -- whether the proof
         resolved the step (else the ladder decides it) and the update applied (``original``,
         ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
-        holds the verdict back (the quarantine's size, a run already fragile, the
-        breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
+        holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
         cfg = self.trainer.config.ledger.on_spike
         verdict, wants = proof["verdict"], proof["applied"]
         if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
@@ -559,10 +558,6 @@ class Recovery:
             held = "observe"
         elif verdict == Finding.BAD_DATA and (proof.get("coverage") or {}).get("refused"):
             held = "quarantine_bound"
-        elif verdict == Finding.BAD_DATA and not cfg.quarantine_fragile:
-            fragile = self._fragile()
-            if fragile is not None:
-                proof["fragile"], held = fragile, "fragile"
         if held is None and not self._breaker_allows(rec.step):
             held = "breaker"
         if held is not None:
@@ -575,19 +570,6 @@ class Recovery:
             self.prover.convict(rec, proof)
         self._say(rec, proof)
         return True, wants
-
-    def _fragile(self) -> dict | None:
-        """The LR's fingerprint in the rows written before this step (the weights moving >=
-        0.2% of their norm a step, the pre-spike median): a conviction in such a run is
-        "data, in a run made fragile by the LR" (diagnose's ``also``)."""
-        from titan_ledger.components.detection import fingerprints as fp
-
-        rows = list(self.trainer.ledger.recent)[-20:]
-        bars = fp.Bars()
-        reading = {"update": fp.relative_update(rows, {})}
-        if len(rows) >= 5 and fp.lr_scale(reading, bars):
-            return {"cause": "lr", **reading["update"]}
-        return None
 
     def _breaker_allows(self, step: int) -> bool:
         """Whether the circuit breaker lets an action be taken at ``step``; a pause or a

@@ -378,3 +378,26 @@ def test_a_run_that_flags_step_after_step_convicts_no_document():
     assert proof_with(3)["verdict"] == "bad_data"
     p = proof_with(4)
     assert p["verdict"] == "not_data" and "the run flagged 4 of the 64 steps before this one" in p["why"]
+
+
+def test_data_in_a_run_the_lr_made_fragile_is_not_convicted_unless_asked():
+    """The real set's LR runs: documents convicted at steps where every update moved the
+    weights 1.3-10% of their norm (F2), none planted. Where the rows before the step show
+    the LR's fingerprint (the update >= 1% of the weights' norm), the verdict is
+    ``not_data``, the documents kept as the suspect's and the reading as ``fragile``;
+    ``quarantine_fragile`` convicts them anyway; a healthy LR's rows change nothing."""
+    def proof_with(relative_update: float, quarantine_fragile: bool = False) -> dict:
+        t = _Documents()
+        t.config.ledger.on_spike.quarantine_fragile = quarantine_fragile
+        t.ledger.recent = [{"step": s, "update_norm": relative_update * 100.0, "param_norm": 100.0}
+                           for s in range(1, 20)]
+        rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+        t.first(rec)
+        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+
+    assert proof_with(0.0003)["verdict"] == "bad_data"  # the same model at LR 3e-3: 0.03%
+    p = proof_with(0.05)
+    assert p["verdict"] == "not_data" and p["applied"] == "original" and p["documents"], p
+    assert "the LR's fingerprint holds (the updates moved the weights 5.0% of their norm a step)" in p["why"]
+    assert p["fragile"]["cause"] == "lr" and p["fragile"]["relative_update_pre_median"] == 0.05
+    assert proof_with(0.05, quarantine_fragile=True)["verdict"] == "bad_data"
