@@ -61,7 +61,11 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
   beta2 0.95), ``embedding_real`` (the token embedding at std 0.02, unscaled, at LR 0.1:
   ``tiny_cpu_small_embedding``; prevention torchtitan's std 1.0), ``precision_real`` (pure
   bf16: no spike; weight decay rounds away, the precision audit fails at start; prevention
-  fp32, judged by the audit and the loss: ``audit``, ``end``).
+  fp32, judged by the audit and the loss: ``audit``, ``end``). Issue 61: the memorisation
+  plateaus ``optimizer_state_plateau`` (LR 1e-2) and ``optimizer_state_plateau_lr3e3``
+  (prevention eps 1e-6) and the attention-logit stalls ``logit_stall_real`` (LR 0.1; seed 1
+  barely stalls), ``logit_stall_lr02`` (LR 0.2, every seed tried stalls) and
+  ``logit_stall_warmup500`` (prevention QK-norm).
   Each also runs the same configuration with the cause's prevention: ``prevented`` is
   true when that run has no acting flag; ``fingerprint`` is what the signals (max logit,
   log Z, grad norm, update norm, param norm, loss) did before the first flagged step.
