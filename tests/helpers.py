@@ -395,18 +395,24 @@ def first_batches(config, dp: int) -> list[tuple]:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def chromium_dom(page: Path, profile: Path) -> str:
-    """The DOM headless chromium builds from ``page`` (``--dump-dom``): what a browser
-    shows, tables and all. Skips without chromium (fails in CI, where .ci/run installs it)."""
+def headless_chromium(profile: Path, why_skipped: str = "") -> list[str]:
+    """The headless chromium command line (its profile in ``profile``). Skips without
+    chromium (``why_skipped`` added to the reason); fails in CI, where .ci/run installs it."""
     import pytest
 
     if CHROMIUM is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
-             f"--user-data-dir={profile}"]
+        pytest.skip(f"chromium is not installed (apt-get install chromium){why_skipped}")
+    return [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
+            f"--user-data-dir={profile}"]
+
+
+def chromium_dom(page: Path, profile: Path) -> str:
+    """The DOM headless chromium builds from ``page`` (``--dump-dom``): what a browser
+    shows, tables and all."""
+    flags = headless_chromium(profile)
     p = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout

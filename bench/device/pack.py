@@ -297,6 +297,19 @@ def summary_line(result: dict) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def pick_device(cpu: bool) -> str:
+    """``cuda`` or ``cpu``: ``--cpu`` (exported as ``TITAN_LEDGER_DEVICE=cpu`` for the
+    children), else ``TITAN_LEDGER_DEVICE``, else CUDA when torch sees it."""
+    if cpu:
+        os.environ["TITAN_LEDGER_DEVICE"] = "cpu"
+    requested = os.environ.get("TITAN_LEDGER_DEVICE", "auto")
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the CPU mode (same as TITAN_LEDGER_DEVICE=cpu)")
@@ -304,15 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="stock/ledger pairs per compile setting (default 2 CUDA, 1 CPU)")
     ap.add_argument("--workdir", help="logs and results (default $OUT/gpu_pack or outputs/gpu_pack)")
     args = ap.parse_args(argv)
-    if args.cpu:
-        os.environ["TITAN_LEDGER_DEVICE"] = "cpu"
-    requested = os.environ.get("TITAN_LEDGER_DEVICE", "auto")
-    if requested == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device = requested
+    device = pick_device(args.cpu)
     cuda = device == "cuda"
     plan = dict(PLANS[device])
     if args.budget:

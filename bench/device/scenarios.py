@@ -44,7 +44,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from pack import Guard, run_child  # noqa: E402
+from pack import Guard, pick_device, run_child  # noqa: E402
 
 #: what each mode trains: the CUDA plan sized for one H100/H200 within 15 minutes (a step of
 #: this model is a few ms there: 4,000 steps a run, four runs); the CPU plan only the code path
@@ -128,13 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="steps a run (default 4000 CUDA, 30 CPU)")
     ap.add_argument("--workdir", help="logs and scenarios.json (default $OUT/gpu_scenarios or outputs/gpu_scenarios)")
     args = ap.parse_args(argv)
-    if args.cpu:
-        os.environ["TITAN_LEDGER_DEVICE"] = "cpu"
-    device = os.environ.get("TITAN_LEDGER_DEVICE", "auto")
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(args.cpu)
     plan = dict(PLANS[device])
     plan["steps"] = args.steps or plan["steps"]
     guard = Guard(args.budget or plan["budget_s"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -16,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CONFIGS, explain, torchrun, wandb_files, wandb_records
+from tests.helpers import CONFIGS, explain, headless_chromium, torchrun, wandb_files, wandb_records
 from titan_ledger.format.reader import RunLedger
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +166,8 @@ def test_incident_report_renders_in_chromium(run, tmp_path):
     assert all(p["lines"] for p in layout["panels"]), layout["panels"]  # every signal drawn
     (signals_b64,) = re.findall(r'alt="signals around step 10" src="data:image/png;base64,([^"]+)"', page)
     assert _png_size(signals_b64) == layout["size_px"]  # the layout is the embedded image's
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium); the page was checked as HTML only")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
-             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    flags = [*headless_chromium(tmp_path / "profile", "; the page was checked as HTML only"),
+             "--enable-logging=stderr", "--v=0"]
     # the page has no script; a copy with a probe reports each image's decoded and shown size
     probe = tmp_path / "probe.html"
     probe.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
