@@ -90,7 +90,7 @@ class LedgerTrainer(Trainer):
             attention.use_max_logit_attention(config)
         self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(self, config.ledger.on_spike)
         self._ledger_open = False
         self.step_record: StepRecord | None = None  # the step being trained, filled by the hooks
         dry_run = config.comm.mode == "fake_backend"
@@ -126,14 +126,15 @@ class LedgerTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update({f"ledger_{k}": v for k, v in self.ledger.state_dict().items()})
+        # the ledger's counters and the response's history, under the keys checkpoints have always had
+        state.update({f"ledger_{k}": v for k, v in {**self.ledger.state_dict(), **self.recovery.state_dict()}.items()})
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]):
         super().load_state_dict(state_dict)
-        self.ledger.load_state_dict(
-            {k.removeprefix("ledger_"): v for k, v in state_dict.items() if k.startswith("ledger_")}
-        )
+        ours = {k.removeprefix("ledger_"): v for k, v in state_dict.items() if k.startswith("ledger_")}
+        self.ledger.load_state_dict(ours)
+        self.recovery.load_state_dict(ours)
 
     def train(self):
         from titan_ledger.components.ledger import dashboards

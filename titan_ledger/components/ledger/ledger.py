@@ -27,7 +27,6 @@ skip windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections import deque
@@ -54,8 +53,6 @@ from titan_ledger.components.ledger.sections import (
     SkipConfig,
     SnapshotsConfig,
 )
-from titan_ledger.components.response.bounds import Breaker
-from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
 from titan_ledger.components.response.optimizer_state import AdamLevel
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
 from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
@@ -166,16 +163,12 @@ class Ledger(Configurable):
         self.rewinds = 0
         self._state: dict[str, Any] = {}  # loaded before setup (checkpoint load order)
         self._seq = 0
-        self._keep_ladder = False  # an in-process rollback keeps the ladder's own history
         self.doc_loss: DocLossTracker | None = None  # when the loss is tracked per document (attach_loss)
         self.logz: LogZStats | None = None  # when the loss is titan_ledger's (attach_loss)
         self.qk_clip = None  # a QKClip when [qk_clip] enable (built in setup)
         self.quarantine = Quarantine(config.filter.quarantine)
         self.proven: list[list] = []  # [source, doc, step] a proof convicted (this process)
         self.last_reduced = self.last_execution = None  # the step just recorded (proofs)
-        self.ladder = Ladder(parse_ladder(config.on_spike.action), config.on_spike.ladder_horizon)
-        self.note_budget = NoteBudget(config.on_spike.prove_notes_rate, config.on_spike.prove_notes_burst)
-        self.breaker = Breaker(config.on_spike.breaker_actions, config.on_spike.breaker_window)
         #: the last rows written (a proof reads the LR's fingerprint from them) and Adam's
         #: second-moment level (``optimizer_state``), both from the rows as they are written
         self.recent: deque = deque(maxlen=64)
@@ -566,16 +559,6 @@ class Ledger(Configurable):
             self.guard.record_event({"step": rec.step, "no_tokens": True,
                                      "masked": sorted(k for k, v in rec.masked.items() if v)})
 
-    @contextlib.contextmanager
-    def keeping_ladder(self):
-        """An in-process rollback's checkpoint load: the ladder's history is this process's,
-        not the checkpoint's (every other counter is restored)."""
-        self._keep_ladder = True
-        try:
-            yield
-        finally:
-            self._keep_ladder = False
-
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger=None) -> None:
         """In-process rollback: close this segment, open one that supersedes rows after
         ``to_step`` (readers treat it like a relaunch that resumed there)."""
@@ -603,9 +586,6 @@ class Ledger(Configurable):
         state["spike_detector"] = json.dumps(self.guard.state_dict()) if self.guard else \
             self._state.get("spike_detector", "")
         state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
-        state["ladder"] = json.dumps(self.ladder.state_dict())
-        state["note_budget"] = json.dumps(self.note_budget.state_dict())
-        state["breaker"] = json.dumps(self.breaker.state_dict())
         if self.stall is not None:
             state["stall"] = json.dumps(self.stall.state_dict())
         if self.adam_level is not None:
@@ -625,16 +605,10 @@ class Ledger(Configurable):
         det = self._state.get("spike_detector")
         if self.guard is not None and det:
             self.guard.load_state_dict(json.loads(det))
-        if self._state.get("ladder") and not self._keep_ladder:
-            self.ladder.load_state_dict(json.loads(self._state["ladder"]))
-        if self._state.get("breaker") and not self._keep_ladder:  # (like the ladder: this process's actions)
-            self.breaker.load_state_dict(json.loads(self._state["breaker"]))
         if self._state.get("stall") and self.stall is not None:
             self.stall.load_state_dict(json.loads(self._state["stall"]))
         if self._state.get("adam_level") and self.adam_level is not None:
             self.adam_level.load_state_dict(json.loads(self._state["adam_level"]))
-        if self._state.get("note_budget"):  # (a checkpoint from before the budget: full)
-            self.note_budget.load_state_dict(json.loads(self._state["note_budget"]))
 
 
 def read_proven(folder: Path) -> list[list]:

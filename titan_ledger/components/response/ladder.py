@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from titan_ledger.errors import python_command
 from titan_ledger.format import records
@@ -179,14 +180,14 @@ class NoteBudget:
             self.tokens, self.at = min(int(s["tokens"]), self.cap), int(s["at"])
 
 
-def ladder_report(ledger, config, action: dict) -> str:
-    """One screen: what happened, what was tried, where the evidence is, what to run."""
-    folder = ledger.folder
+def ladder_report(folder: Path, ladder: Ladder, config, action: dict) -> str:
+    """One screen: what happened, what was tried, where the evidence is, what to run
+    (``folder``: the ledger's)."""
     dump = config.dump_folder
     step = action["step"]
     py = python_command()  # the interpreter that trained: the commands run as printed
     tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
-                      for h in ledger.ladder.history) or "nothing"
+                      for h in ladder.history) or "nothing"
     on_spike = config.ledger.on_spike
     return "\n".join([
         f"the recovery ladder stopped training at step {step} "

@@ -49,6 +49,7 @@ import torch
 
 from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
 from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.verdict import (
@@ -186,8 +187,9 @@ class Prover:
     it: :meth:`convict` (the quarantine and the step's masks) and :meth:`load_update` (the
     gradients of the update to apply)."""
 
-    def __init__(self, trainer: Host) -> None:
+    def __init__(self, trainer: Host, note_budget: NoteBudget | None = None) -> None:
         self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
+        self.note_budget = note_budget  # Recovery's: how many notes may be proven (None: every one)
         self.proofs = 0
         # what the gradients hold after the last proof (deferred decisions apply from them)
         self._rec = self._in_grads = None
@@ -214,13 +216,13 @@ class Prover:
 
     def wanted(self, acting: bool, note: bool, step: int) -> bool:
         """Whether a step flagged so is proven: an acting flag unless ``prove = "off"``,
-        a note with ``prove = "all"`` while the note budget allows (``Ledger.note_budget``)."""
+        a note with ``prove = "all"`` while the note budget allows (``Recovery.note_budget``)."""
         return (self.mode != ProveMode.OFF and acting) or (note and self.notes_allowed(step))
 
     def notes_allowed(self, step: int) -> bool:
         """Whether a note at ``step`` would be proven (asked before its flag is known, for
         the deferred hold; nothing spent)."""
-        return self.mode == ProveMode.ALL and self.trainer.ledger.note_budget.allows(step)
+        return self.mode == ProveMode.ALL and (self.note_budget is None or self.note_budget.allows(step))
 
     # ------------------------------------------------------------------ executions
     def release(self) -> None:

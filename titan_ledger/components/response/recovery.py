@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,8 +76,9 @@ import torch
 
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
+from titan_ledger.components.response.bounds import Breaker
 from titan_ledger.components.response.host import Host
-from titan_ledger.components.response.ladder import Action, ladder_report
+from titan_ledger.components.response.ladder import Action, Ladder, NoteBudget, ladder_report, parse_ladder
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.snapshots import SnapshotRing
@@ -124,9 +126,17 @@ class Recovery:
     """The recovery side of one ``LedgerTrainer``: built with it, asked at the spots of the
     module docstring's table."""
 
-    def __init__(self, trainer: Host) -> None:
+    def __init__(self, trainer: Host, on_spike) -> None:
+        """``on_spike``: the run's ``[ledger.on_spike]`` (``OnSpikeConfig``, which the ledger
+        layer above owns): the ladder, the note budget and the breaker are built from it."""
         self.trainer = trainer
-        self.prover = Prover(trainer)
+        # the answers' own history, checkpointed with the run (state_dict, under the keys
+        # checkpoints have always had): the rungs tried, the notes proven, the actions counted
+        self.ladder = Ladder(parse_ladder(on_spike.action), on_spike.ladder_horizon)
+        self.note_budget = NoteBudget(on_spike.prove_notes_rate, on_spike.prove_notes_burst)
+        self.breaker = Breaker(on_spike.breaker_actions, on_spike.breaker_window)
+        self._keep_history = False  # an in-process rollback keeps the ladder's and breaker's own history
+        self.prover = Prover(trainer, self.note_budget)
         self.snapshots = SnapshotRing(trainer)  # [ledger.snapshots]: off unless every > 0
         self.window = WindowProof(trainer, self.snapshots)
         self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
@@ -138,6 +148,33 @@ class Recovery:
         self._stalls_seen = 0  # the stall rule's flags already proven (Ledger.stalls)
         self._stall: dict | None = None  # the stall event this step's forced proof answers
 
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, str]:
+        """The ladder's, note budget's and circuit breaker's history (JSON strings: the
+        trainer checkpoints them beside the ledger's counters, as ``ledger_<key>``)."""
+        return {"ladder": json.dumps(self.ladder.state_dict()),
+                "note_budget": json.dumps(self.note_budget.state_dict()),
+                "breaker": json.dumps(self.breaker.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's history (a key it lacks, from before that part existed: as built).
+        An in-process rollback's load keeps the ladder's and the breaker's own: the rungs
+        tried and the actions taken are this process's, not the checkpoint's."""
+        if state.get("ladder") and not self._keep_history:
+            self.ladder.load_state_dict(json.loads(state["ladder"]))
+        if state.get("breaker") and not self._keep_history:
+            self.breaker.load_state_dict(json.loads(state["breaker"]))
+        if state.get("note_budget"):
+            self.note_budget.load_state_dict(json.loads(state["note_budget"]))
+
+    @contextlib.contextmanager
+    def _keeping_history(self):
+        self._keep_history = True
+        try:
+            yield
+        finally:
+            self._keep_history = False
+
     # ------------------------------------------------------------------ the protocol
     def before_step(self) -> bool:
         """Before a step's fetch: run what is pending; True when this call consumed the
@@ -147,8 +184,8 @@ class Recovery:
         for step, e in self.snapshots.failures:  # (a copy that failed: the ring restarts at the next due step)
             self._response_failure(step, "snapshot", e)
         self.snapshots.failures.clear()
-        if t.ledger.breaker.paused:  # a paused breaker resumes once a window passed without an action
-            t.ledger.breaker.tick(t.step)
+        if self.breaker.paused:  # a paused breaker resumes once a window passed without an action
+            self.breaker.tick(t.step)
             self._breaker_events(t.step)
         window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.pending_rollback is not None or window is not None):
@@ -281,7 +318,7 @@ class Recovery:
     def _acts(self) -> bool:
         """Whether a flag can change what a step does (a proof or an acting ladder)."""
         ledger = self.trainer.ledger
-        return ledger.guard is not None and (self.prover.mode != ProveMode.OFF or ledger.ladder.acts)
+        return ledger.guard is not None and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
 
     def _stall_due(self) -> bool:
         """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
@@ -367,7 +404,7 @@ class Recovery:
         mode = self.prover.mode
         # prove off: a flag the ladder answers with a `none` rung applies its update, so it
         # is not held (held, it would have to be recomputed a step later, from gradients gone)
-        holds = mode != ProveMode.OFF or ledger.ladder.would_act(rec.step)
+        holds = mode != ProveMode.OFF or self.ladder.would_act(rec.step)
         notes = False
         if forced:
             hold = torch.ones((), dtype=torch.float32, device=t.device)
@@ -487,12 +524,11 @@ class Recovery:
         quarantine's size, the circuit breaker); the ladder acts on an acting flag no proof
         resolved. In the step, or deferred (``first``: what was kept of the first
         execution; the caller then loads the update, ``_resolve``)."""
-        ledger = self.trainer.ledger
         wanted = self.prover.wanted(acting, note, rec.step)
         if note and not acting and self.prover.mode == ProveMode.ALL and not wanted:
             rec.unproven = "budget"  # past the note budget: recorded, not proven
         if wanted and not acting:
-            ledger.note_budget.spend(rec.step)  # a note's proof
+            self.note_budget.spend(rec.step)  # a note's proof
         variant = Applied.ORIGINAL
         try:
             if wanted or forced:
@@ -502,7 +538,7 @@ class Recovery:
                     if resolved:
                         rec.update_skipped = variant == Applied.NONE
                         return variant != Applied.NONE
-            if not (ledger.ladder.acts and acting):
+            if not (self.ladder.acts and acting):
                 return True
             return self._ladder(rec, decided_at)
         finally:
@@ -565,7 +601,7 @@ class Recovery:
             self._say(rec, proof)
             # observe: resolved, nothing done (its action is none); a bound: the ladder decides
             return held == "observe", Applied.ORIGINAL
-        self.trainer.ledger.breaker.record(rec.step)
+        self.breaker.record(rec.step)
         if verdict == Finding.BAD_DATA:
             self.prover.convict(rec, proof)
         self._say(rec, proof)
@@ -575,13 +611,13 @@ class Recovery:
         """Whether the circuit breaker lets an action be taken at ``step``; a pause or a
         resumption is recorded (spikes.jsonl), a pause also said as one ERROR line and a
         W&B alert."""
-        ok = self.trainer.ledger.breaker.allows(step)
+        ok = self.breaker.allows(step)
         self._breaker_events(step)
         return ok
 
     def _breaker_events(self, step: int) -> None:
         ledger = self.trainer.ledger
-        for ev in ledger.breaker.take_events():
+        for ev in self.breaker.take_events():
             ledger.record_event(ev)
             if ev["breaker"] == "paused":
                 self._alert(f"titan_ledger: the response is thrashing: {len(ev['actions'])} actions in "
@@ -590,12 +626,12 @@ class Recovery:
                             f"recording continues")
             else:
                 self._warn(f"titan_ledger: acting resumed at step {step} (paused at step {ev['paused_at']}: "
-                           f"{ledger.breaker.window} steps without an action)")
+                           f"{self.breaker.window} steps without an action)")
 
     def _ladder(self, rec: StepRecord, decided_at: int | None) -> bool:
         """The recovery ladder's answer to an acting flag no proof resolved."""
         ledger = self.trainer.ledger
-        rung, action = ledger.ladder.on_spike(rec.step)  # the recovery ladder decides
+        rung, action = self.ladder.on_spike(rec.step)  # the recovery ladder decides
         if decided_at is not None:  # deferred: decided at that step, its update held until then
             action = {**action, "decided_at": decided_at}
         changes = rung is not None and rung.action not in (Action.NONE, Action.STOP)
@@ -610,8 +646,8 @@ class Recovery:
             # the ladder is exhausted (or says stop): write what is pending, then stop
             # with a one-screen report (exit 1)
             ledger.drain(block=True, metrics_logger=self.trainer.metrics_processor.logger)
-            raise LedgerStop(ladder_report(ledger, self.trainer.config, action))
-        ledger.breaker.record(rec.step)
+            raise LedgerStop(ladder_report(ledger.folder, self.ladder, self.trainer.config, action))
+        self.breaker.record(rec.step)
         if rung.rolls_back:
             self.pending_rollback = rec.step
             if rung.lr is not None:
@@ -739,7 +775,7 @@ class Recovery:
         t = self.trainer
         ledger, cfg = t.ledger, t.config.ledger.on_spike
         self.pending_rollback = None
-        unlimited = len(ledger.ladder.rungs) == 1  # a single action; a ladder sets its own limits
+        unlimited = len(self.ladder.rungs) == 1  # a single action; a ladder sets its own limits
         if unlimited and ledger.rewinds >= cfg.max_rollbacks:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {ledger.rewinds} "
                                f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
@@ -767,7 +803,7 @@ class Recovery:
                                f"step {spike_step - cfg.rollback_back} to roll back to "
                                f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
         loaded = time.perf_counter()
-        with ledger.keeping_ladder():
+        with self._keeping_history():
             if snap is not None:
                 try:
                     self.snapshots.restore_run(snap)  # sets t.step = load via the train state

@@ -144,24 +144,25 @@ def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batch
 
 def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,
              prove="acting", action="none", snapshots=0):
-    from titan_ledger.components.response.ladder import Ladder, parse_ladder
+    from titan_ledger.components.ledger.sections import OnSpikeConfig
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], fused=fused)
     cfg = SimpleNamespace(
-        ledger=SimpleNamespace(on_spike=SimpleNamespace(defer=defer, prove=prove), rehearsal=SimpleNamespace(prove_at=""),
+        ledger=SimpleNamespace(on_spike=OnSpikeConfig(act="act", defer=defer, prove=prove, action=action), rehearsal=SimpleNamespace(prove_at=""),
                               snapshots=SimpleNamespace(every=snapshots)),
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
-    from titan_ledger.components.response.bounds import Breaker
-
-    ledger = SimpleNamespace(guard=object(), ladder=Ladder(parse_ladder(action), 100), qk_clip=None,
-                             topo=Topology.single(), skip_window_at=lambda s: (s, s) if window_next else None,
-                             breaker=Breaker(4, 100), stalls=[])
+    ledger = SimpleNamespace(guard=object(), qk_clip=None, topo=Topology.single(),
+                             skip_window_at=lambda s: (s, s) if window_next else None, stalls=[])
     return host_double(SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
                                        metrics_processor=SimpleNamespace(should_log=lambda s: log),
                                        should_continue_training=lambda: more,
                                        validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0)))
+
+
+def _recovery(t):
+    return Recovery(t, t.config.ledger.on_spike)
 
 
 @pytest.mark.parametrize("kw,defers", [
@@ -183,7 +184,7 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
 ])
 def test_which_steps_defer_their_decision(kw, defers):
     step = kw.pop("step", 10)
-    assert Recovery(_trainer(**kw)).defers(step) is defers
+    assert _recovery(_trainer(**kw)).defers(step) is defers
 
 
 def test_a_dropped_step_gives_back_what_its_fetch_added_to_torchtitans_throughput_metrics():
@@ -199,7 +200,7 @@ def test_a_dropped_step_gives_back_what_its_fetch_added_to_torchtitans_throughpu
     rec = StepRecord(step=12, start=0.0)
     rec.fetched, rec.batches = [256, 256], [[("batch", "labels")]]
     t.step_record = rec
-    Recovery(t)._drop(rec)
+    _recovery(t)._drop(rec)
     assert t.metrics_processor.ntokens_since_last_log == 1000
     assert t.metrics_processor.data_loading_times == [0.1, 0.2]
     assert drained == [True] and t.step_record is None and rec.batches is None
@@ -222,7 +223,7 @@ def test_a_deferred_flag_holds_its_update_only_when_its_decision_can_withhold_it
     t.ledger.guard = guard
     t.ledger.last_execution = (None, 0, None)
     t.model_parts = []
-    r = Recovery(t)
+    r = _recovery(t)
     rec = StepRecord(step=10, start=0.0)
     r._defer(rec, forced=False)
     assert rec.deferred.holds is holds and r.pending is rec and rec.decided is False
@@ -234,13 +235,13 @@ def test_an_optimizer_step_hook_keeps_decisions_in_the_step():
     expert-bias update as one) runs on a held optimizers.step() too: such a run decides in
     the step."""
     t = _trainer(action="skip_update")
-    assert Recovery(t).defers(10)
+    assert _recovery(t).defers(10)
     opt = t.optimizers.optimizers[0]
     container = torch.optim.Optimizer([torch.nn.Parameter(torch.zeros(1))], {})
     container.optimizers = [opt]
     container.register_step_pre_hook(lambda *a, **k: None)
     t.optimizers = container
-    assert not Recovery(t).defers(10)
+    assert not _recovery(t).defers(10)
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True])
@@ -265,7 +266,7 @@ def test_a_late_update_is_applied_at_the_flagged_steps_learning_rate_a_tensor_on
         opt.param_groups[0]["lr"].fill_(0.5)  # the scheduler's next value, in place
     else:
         opt.param_groups[0]["lr"] = 0.5
-    Recovery(t)._apply_late(StepRecord(step=4, start=0.0), saved)
+    _recovery(t)._apply_late(StepRecord(step=4, start=0.0), saved)
     ref, ref_opt = opt_at(0.1)
     ref_opt.step()
     assert torch.equal(p, ref) and after == [True]

@@ -14,7 +14,6 @@ step: parameters, Adam's moments and step count, the rows and the ladder's actio
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,9 +25,8 @@ from helpers import host_double
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
-from titan_ledger.components.response.bounds import Breaker
 from titan_ledger.components.response.host import Host
-from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
+from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
 from titan_ledger.components.response.reexecution import Reexecution
@@ -51,10 +49,7 @@ class _Ledger:
     def __init__(self, trainer, flags: dict[int, tuple[bool, bool]], action: str, folder: Path,
                  budget: tuple[float, int] = (0.01, 8)):
         self.t, self.flags = trainer, flags
-        self.note_budget = NoteBudget(*budget)
         self.guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), action)
-        self.ladder = Ladder(parse_ladder(action), 100)
-        self.breaker = Breaker(4, 100)
         self.recent: list = []  # (no rows: no LR fingerprint)
         self.stalls: list = []  # (no stall flags)
         self.events: list[dict] = []
@@ -115,10 +110,6 @@ class _Ledger:
     def record_skip(self, **kw):
         self.rows.append(("skipped", kw["first"], kw["last"]))
 
-    @contextlib.contextmanager
-    def keeping_ladder(self):
-        yield
-
     def rewind(self, *, from_step, to_step, window, metrics_logger=None):
         self.drain(True)
         self.pending.clear()
@@ -146,7 +137,9 @@ class _Trainer:
         self.config = SimpleNamespace(
             ledger=SimpleNamespace(on_spike=OnSpikeConfig(act=act, defer=defer, prove=prove, max_rollbacks=3,
                                                           rollback_back=1, rollback_skip=2, action=action,
-                                                          ladder_horizon=100),
+                                                          ladder_horizon=100, prove_notes_rate=budget[0],
+                                                          prove_notes_burst=budget[1], breaker_actions=breaker[0],
+                                                          breaker_window=breaker[1]),
                                    rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"),
                                    snapshots=SimpleNamespace(every=0)),
             checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
@@ -157,7 +150,6 @@ class _Trainer:
             training=SimpleNamespace(steps=steps, max_norm=1.0, disable_cuda_graphs=keep_grads),
             dump_folder=str(tmp))
         self.ledger = _Ledger(self, flags, action, tmp / "ledger", budget)
-        self.ledger.breaker = Breaker(*breaker)
         self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
@@ -168,7 +160,7 @@ class _Trainer:
         self.validator = self.dataloader = None  # (validation off; the loader is the ledger's)
         host_double(self)
         assert isinstance(self, Host)  # the double offers what the response is given
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(self, self.config.ledger.on_spike)
 
     def should_continue_training(self):
         return self.step < self.config.training.steps
@@ -241,10 +233,11 @@ class _Prover(Prover):
     """A proof whose verdict per step is planned; what it applies is executed as the real
     prover does (through ``Reexecution``): ``masked`` trains without the step's document 0.
     Which steps are proven is the real prover's (``wanted``, ``notes_allowed``: the mode
-    and the ledger's note budget)."""
+    and Recovery's note budget)."""
 
     def __init__(self, trainer, mode, verdicts):
         self.trainer = self.t = trainer
+        self.note_budget = trainer.recovery.note_budget
         self._mode, self.verdicts = mode, verdicts
         self.proofs = 0
         self.firsts = []  # what each proof got of the first execution
@@ -483,7 +476,7 @@ def test_observe_records_what_a_verdict_would_do_and_trains_the_run_no_response_
     assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(sd, so))
     _assert_same_run(d, s)
     assert not d.ledger.quarantine and not any(r[1] for r in d.ledger.rows)  # no update withheld
-    assert d.recovery.prover.proofs == 3 and d.ledger.breaker.steps == []  # nothing acted: nothing counted
+    assert d.recovery.prover.proofs == 3 and d.recovery.breaker.steps == []  # nothing acted: nothing counted
 
 
 def test_a_quarantine_the_bound_refuses_leaves_the_step_to_the_ladder(tmp_path):
@@ -523,3 +516,32 @@ def test_a_proof_that_fails_decides_the_step_as_without_a_proof(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(pd, po))
     assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(sd, so))
     assert [(r[0], r[1]) for r in d.ledger.rows] == [(r[0], r[1]) for r in off.ledger.rows]
+
+
+def test_recovery_checkpoints_the_ladder_the_note_budget_and_the_breaker_and_a_rollback_keeps_its_own(tmp_path):
+    """``Recovery`` owns the answers' history (issue 63); the trainer checkpoints it under
+    the keys checkpoints always had (``ledger_ladder`` ...). A resumed process takes all
+    three; an in-process rollback's load keeps the ladder's and breaker's history (the
+    rungs tried are this process's) and takes the note budget's."""
+    a = _Trainer(tmp_path / "a", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
+    a.ladder.on_spike(3)
+    a.breaker.record(3)
+    a.breaker.allows(4)  # past its limit: paused
+    for _ in range(8):
+        a.note_budget.spend(5)
+    state = a.state_dict()
+    assert set(state) == {"ladder", "note_budget", "breaker"} and all(isinstance(v, str) for v in state.values())
+
+    b = _Trainer(tmp_path / "b", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
+    fresh = b.state_dict()
+    assert fresh != state
+    b.load_state_dict(state)
+    assert b.state_dict() == state and b.breaker.paused and not b.note_budget.allows(5)
+
+    c = _Trainer(tmp_path / "c", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
+    with c._keeping_history():
+        c.load_state_dict(state)
+    assert c.state_dict()["ladder"] == fresh["ladder"] and c.state_dict()["breaker"] == fresh["breaker"]
+    assert c.state_dict()["note_budget"] == state["note_budget"]
+    c.load_state_dict({})  # a checkpoint from before these existed: as built
+    assert c.state_dict()["ladder"] == fresh["ladder"]
