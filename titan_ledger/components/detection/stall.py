@@ -76,6 +76,7 @@ class StallWatch:
     flat: int = 0  # windows in a row without improving
     high: int = 0  # windows in a row past the rise
     flagged: bool = False  # a flag stands until the loss improves again
+    best_step: int | None = None  # where the best window ended: the onset of a stall that follows
 
     def observe(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """One written row (a trained step); at a window's end, the rule."""
@@ -99,6 +100,7 @@ class StallWatch:
         cfg = self.config
         if self.best is None or med < self.best * (1 - cfg.min_gain):
             self.best, self.flat, self.high, self.flagged = med, 0, 0, False
+            self.best_step = step
             return None
         self.best = min(self.best, med)
         self.flat += 1
@@ -120,13 +122,14 @@ class StallWatch:
 
     def state_dict(self) -> dict:
         return {"losses": self.losses, "logits": self.logits, "medians": self.medians, "best": self.best,
-                "flat": self.flat, "high": self.high, "flagged": self.flagged}
+                "flat": self.flat, "high": self.high, "flagged": self.flagged, "best_step": self.best_step}
 
     def load_state_dict(self, s: dict) -> None:
         if s:
             self.losses, self.logits = list(s.get("losses", [])), list(s.get("logits", []))
             self.medians, self.best = [list(m) for m in s.get("medians", [])], s.get("best")
             self.flat, self.high, self.flagged = int(s.get("flat", 0)), int(s.get("high", 0)), bool(s.get("flagged"))
+            self.best_step = s.get("best_step")
 
 
 def describe_stall(ev: dict[str, Any]) -> str:

@@ -523,6 +523,11 @@ class Ledger(Configurable):
                                                                                        event[1])
             check_finite(done.row, self.recorder.path)
 
+    def stall_onset(self) -> int | None:
+        """The step where the stall rule's best window ended (a stall that follows began
+        there); None without the rule or before its first window."""
+        return self.stall.best_step if self.stall is not None else None
+
     # ------------------------------------------------------------------ data ledger, skips
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         return window_at(self.skip_windows, step)

@@ -353,6 +353,17 @@ class SnapshotsConfig:
     spikes before it stalls would otherwise have spent every proof before the stall (the
     real set's logit stall did)."""
 
+    stall_anchor: bool = True
+    """A stall's window proof re-runs from the stall's onset, not from the ring's oldest
+    snapshot: while a stall proof can still run, the ring also keeps (pins) the newest
+    snapshot at or before the step where the stall rule's best window ended, and the
+    batches since -- one more copy of the state, released when the loss improves again
+    (a later snapshot is pinned) or once the onset is more than (``patience`` + 2) x
+    ``window`` steps of ``[ledger.stall]`` back. A stall builds over hundreds of steps: on
+    the real set's logit stall (LR 0.2, two seeds) a window from the ring's oldest
+    snapshot (72 steps) could not tell the fixes apart; from the onset (201 steps) the
+    logit cap lowered the loss 4-8%, the most of every fix (docs/benchmarks.md)."""
+
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1 or self.max_proofs < 0 or self.max_stall_proofs < 0:
             raise ConfigError(f"--ledger.snapshots.every {self.every} / keep {self.keep} / max_proofs "

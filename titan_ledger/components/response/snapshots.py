@@ -34,7 +34,12 @@ Copies: on the CPU a clone; on a GPU into pinned host buffers allocated once per
 slot, on a side stream, the next update waiting on its event (:meth:`SnapshotRing.before_update`)
 so that the forward/backward overlaps the copy. Memory: ``keep`` + 1 copies of each
 rank's parameters and optimizer state (the ``+ 1``: the state at the alarm, held while
-the window proof runs).
+the window proof runs), and one more while a stall anchor is pinned.
+
+A stall is no spike: it builds over hundreds of steps, and a window from the ring's
+oldest snapshot sees its end only. So the ring also pins the snapshot at the stall
+rule's onset (:meth:`SnapshotRing.pin`, ``--ledger.snapshots.stall_anchor``), and a
+stall's window proof re-runs from there.
 """
 
 from __future__ import annotations
@@ -198,6 +203,7 @@ class SnapshotRing:
         self._due: tuple[str, int] | None = None  # ("capture" | "reset", step): taken at the next step's start
         self.proofs = 0  # window proofs of spikes (--ledger.snapshots.max_proofs)
         self.stall_proofs = 0  # of stalls (max_stall_proofs)
+        self.anchor: Snapshot | None = None  # pinned at the stall rule's onset (stall_anchor)
         self.failures: list[tuple[int, BaseException]] = []  # copies that failed (Recovery records them)
 
     @property
@@ -240,15 +246,43 @@ class SnapshotRing:
         if t.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream()
         while len(self.ring) >= self.config.keep:
-            self._spare.append(self.ring.pop(0).tensors)
+            old = self.ring.pop(0)
+            if old is not self.anchor:  # (a pinned snapshot outlives the ring)
+                self._spare.append(old.tensors)
         tensors = (self._spare.pop() if self._spare else HostState()).capture(
             self.tensors(), self.optimizers(), self._stream)
         run = {"trainer": {**_host_copy(t.state_dict()), "step": step},
                "lr_schedulers": _host_copy(t.lr_schedulers.state_dict()),
                "dataloader": _host_copy(t.dataloader.state_dict())}
         self.ring.append(Snapshot(step, tensors, run))
-        oldest = self.ring[0].step
+        self._prune_log()
+
+    def _prune_log(self) -> None:
+        oldest = min(self.ring[0].step if self.ring else 1 << 62, self.anchor.step if self.anchor else 1 << 62)
         self.log = {s: e for s, e in self.log.items() if s > oldest}
+
+    def _release_anchor(self) -> None:
+        if self.anchor is not None and self.anchor not in self.ring:
+            self._spare.append(self.anchor.tensors)
+        self.anchor = None
+
+    def pin(self) -> None:
+        """The stall anchor (``--ledger.snapshots.stall_anchor``): the newest snapshot at or
+        before the stall rule's onset (``Ledger.stall_onset``), kept while a stall proof
+        can still run and the onset is within (``patience`` + 2) x ``window`` steps."""
+        t, stall = self.trainer, self.trainer.config.ledger.stall
+        onset = t.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
+        if onset is None or self.stall_proofs >= self.config.max_stall_proofs \
+                or t.step - onset > (stall.patience + 2) * stall.window:
+            if self.anchor is not None:
+                self._release_anchor()
+                self._prune_log()
+            return
+        fit = [snap for snap in self.ring if snap.step <= onset]
+        if fit and (self.anchor is None or fit[-1].step > self.anchor.step):
+            self._release_anchor()
+            self.anchor = fit[-1]
+            self._prune_log()
 
     def at_start(self) -> None:
         """The start of a step (before a pending rollback or skip window runs): a snapshot
@@ -269,9 +303,15 @@ class SnapshotRing:
         except Exception as e:
             self.clear()
             self.failures.append((self.trainer.step, e))
+        try:
+            self.pin()
+        except Exception as e:  # (no anchor: a stall's window starts from the ring's oldest)
+            self._release_anchor()
+            self.failures.append((self.trainer.step, e))
 
     def clear(self) -> None:
         """No snapshot stands: the next due step starts the ring again."""
+        self._release_anchor()
         self._spare.extend(s.tensors for s in self.ring)
         self.ring, self.log, self._due = [], {}, None
 
@@ -315,10 +355,11 @@ class SnapshotRing:
         elif self.due(rec.step) and not late:
             self._due = ("capture", rec.step)
 
-    def window(self, step: int) -> Snapshot | None:
+    def window(self, step: int, stall: bool = False) -> Snapshot | None:
         """The oldest snapshot from which every step up to ``step`` can be replayed, with
-        at least one update before it (a variant changes updates, not the step itself)."""
-        for snap in self.ring:
+        at least one update before it (a variant changes updates, not the step itself);
+        ``stall``: the stall anchor first, where it stands."""
+        for snap in ([self.anchor] if stall and self.anchor is not None else []) + self.ring:
             if snap.step < step - 1 and all(s in self.log for s in range(snap.step + 1, step)):
                 return snap
         return None
@@ -347,7 +388,8 @@ class SnapshotRing:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.tensors.nbytes for s in self.ring)
+        held = self.ring + ([self.anchor] if self.anchor is not None and self.anchor not in self.ring else [])
+        return sum(s.tensors.nbytes for s in held)
 
 
 def _host_copy(obj):

@@ -80,7 +80,7 @@ class WindowProof:
 
         t, ring = self.trainer, self.ring
         cfg = ring.config
-        snap = ring.window(rec.step)
+        snap = ring.window(rec.step, stall=stall)  # a stall: from its onset (the anchor), where pinned
         if snap is None:
             return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
                                           f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}

@@ -30,10 +30,15 @@ def _events(windows, **kw):
 
 
 def test_the_loss_stopping_while_the_logits_grow_past_1e4_is_a_stall():
-    ev, _ = _events(STALL)
+    ev, w = _events(STALL)
     assert [(e["step"], e["stall"]["kind"]) for e in ev] == [(350, "stalled")]  # once, not repeated
     st = ev[0]["stall"]
     assert st["best"] == pytest.approx(6.277) and st["since"] == 150 and st["max_logit"] == 2.29e4
+    # the onset a stall's window proof re-runs from (the ring's anchor), checkpointed with the rule
+    assert w.best_step == 150
+    again = StallWatch(StallConfig())
+    again.load_state_dict(w.state_dict())
+    assert again.best_step == 150
     line = describe_stall(ev[0])
     assert line.startswith("STALL at step 350 (stalled): the loss stopped improving at 6.277") and "QK-norm" in line
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from titan_ledger.components.ledger.sections import RehearsalConfig
+from titan_ledger.components.detection.stall import StallConfig
+from titan_ledger.components.ledger.sections import RehearsalConfig, SnapshotsConfig
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
 from titan_ledger.components.response.window_proof import WindowProof
@@ -147,9 +148,8 @@ def test_no_variant_removing_it_is_unproven():
 
 
 # --------------------------------------------------------------------------- the ring
-class _Cfg:
-    def __init__(self, every: int, keep: int, max_proofs: int = 2, max_stall_proofs: int = 1) -> None:
-        self.every, self.keep, self.max_proofs, self.max_stall_proofs = every, keep, max_proofs, max_stall_proofs
+def _Cfg(every: int, keep: int, max_proofs: int = 2, max_stall_proofs: int = 1) -> SnapshotsConfig:
+    return SnapshotsConfig(every=every, keep=keep, max_proofs=max_proofs, max_stall_proofs=max_stall_proofs)
 
 
 class _Rec:
@@ -186,7 +186,9 @@ class _Trainer:
         self.device = torch.device("cpu")
         self.step = 1
         ledger = type("L", (), {"snapshots": _Cfg(every, keep), "rehearsal": RehearsalConfig(),
-                                "on_spike": type("O", (), {"prove": prove})()})()
+                                "on_spike": type("O", (), {"prove": prove})(), "stall": StallConfig()})()
+        self.onset: int | None = None  # the stall rule's (Ledger.stall_onset)
+        self.ledger = type("Ledger", (), {"stall_onset": lambda _: self.onset})()
         checkpoint = type("K", (), {"exclude_from_loading": list(exclude)})()
         self.config = type("C", (), {"ledger": ledger, "checkpoint": checkpoint})()
 
@@ -216,6 +218,52 @@ def test_the_ring_keeps_keep_snapshots_and_the_steps_since_the_oldest():
     assert ring.covering(25, checkpoint=20).step == 20 and ring.covering(25, checkpoint=21) is None
     assert ring.covering(9, checkpoint=None) is None
     assert ring.ring[0].run["dataloader"]["position"].item() == 96  # a host copy for a rollback
+
+
+def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stall_proof_can_run():
+    """A stall builds over hundreds of steps: its window proof re-runs from the snapshot at
+    the stall rule's onset (``--ledger.snapshots.stall_anchor``), which outlives the ring."""
+    t = _Trainer(every=10, keep=2)
+    ring = SnapshotRing(t)
+
+    def run(first, last):
+        for step in range(first, last + 1):
+            t.step = step
+            ring.at_start()
+            rec = _Rec(step)
+            ring.log_step(rec)
+            ring.after_decision(rec)
+
+    ring.at_start()
+    t.onset = 15  # the best window ended at step 15 (its row written)
+    run(1, 16)
+    assert ring.anchor.step == 10 and [s.step for s in ring.ring] == [0, 10]
+    run(17, 55)
+    assert [s.step for s in ring.ring] == [40, 50] and ring.anchor.step == 10 and not ring.failures
+    assert sorted(ring.log) == list(range(11, 56))  # the batches since the anchor
+    assert ring.window(56, stall=True).step == 10 and ring.window(56).step == 40
+    assert ring.nbytes == 3 * ring.ring[0].tensors.nbytes
+    pinned = ring.anchor.tensors
+    t.onset = 45  # the loss improved again: the newest snapshot at or before the new onset
+    run(56, 56)
+    assert ring.anchor.step == 40 and pinned in ring._spare and sorted(ring.log)[0] == 41
+    t.onset = 56 - (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window - 1
+    run(57, 57)  # an onset too far back for the bound: nothing pinned
+    assert ring.anchor is None and ring.window(58, stall=True).step == 40  # the ring's oldest
+    t.onset = 55
+    run(58, 58)
+    assert ring.anchor.step == 50
+    ring.stall_proofs = 1  # --ledger.snapshots.max_stall_proofs spent: no stall proof will read it
+    run(59, 59)
+    assert ring.anchor is None
+    ring.stall_proofs, t.onset = 0, 58
+    run(60, 61)
+    assert ring.anchor.step == 50
+    ring.clear()  # what the replay cannot repeat releases the anchor with the ring
+    assert ring.anchor is None and ring.nbytes == 0
+    t.config.ledger.snapshots.stall_anchor = False
+    run(62, 75)
+    assert ring.anchor is None
 
 
 def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
