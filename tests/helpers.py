@@ -429,3 +429,12 @@ def host_double(obj):
     for name in ("attend", "as_step", "move_to"):
         setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
     return obj
+
+
+def proof_record(verdict: str, applied: str = "original", acting: bool = True, **fields):
+    """A proof as the response writes it (``format.proofs.ProofRecord``), for a unit test's
+    planned verdict."""
+    from titan_ledger.format.proofs import Applied, Finding, ProofRecord
+
+    return ProofRecord(verdict=Finding(verdict), applied=Applied(applied), why=fields.pop("why", ""), acting=acting,
+                       executions=fields.pop("executions", []), **fields)

@@ -64,6 +64,47 @@ HOW = {
 }
 
 
+@dataclass(kw_only=True, slots=True)
+class ProofRecord:
+    """A proof as the response writes it: the prover fills what it measured, ``Recovery``
+    what it decided (the policy, the window proof, what a bound held back), each by name;
+    :meth:`to_json` gives the ``proof`` of the step's ``spikes.jsonl`` event, which every
+    reader parses back as :class:`Proof`. The fields' order is the record's key order."""
+
+    verdict: Finding
+    applied: Applied  # the update the step trains with (the verdict's, unless held back)
+    why: str
+    acting: bool  # an acting flag's proof (else a note's, or a forced one)
+    executions: list[dict[str, Any]]  # every execution of the step, the first one first
+    seconds: float = 0.0
+    optimizer: dict[str, Any] | None = None  # Adam asked first: v against its long-run level
+    noise: dict[str, Any] | None = None  # the machine's execution noise, measured by the repeats
+    ranks: list[int] | None = None  # the ranks a hardware verdict names
+    dp_ranks: list[int] | None = None
+    suspect: dict[str, Any] | None = None  # the DP rank and evidence the data was tested on
+    documents: list[list] | None = None  # [source, doc] convicted or suspected
+    coverage: dict[str, Any] | None = None  # the quarantine bound's reading (``refused``)
+    fragile: dict[str, Any] | None = None  # the LR's fingerprint where no conviction was made
+    bisection: dict[str, Any] | None = None  # the group testing's path
+    control: dict[str, Any] | None = None  # the other content masked as a control
+    update_recomputed: str | None = None  # executed once more to apply it (its gradients were gone)
+    decided_at: int | None = None  # deferred: proven behind this step's launch
+    policy: str | None = None  # --ledger.on_spike.act
+    stall: dict[str, Any] | None = None  # the stall rule's flag this proof answers
+    window: dict[str, Any] | None = None  # the window proof from the host snapshot
+    would_apply: Applied | None = None  # what the verdict called for, where it was held back
+    held_back: str | None = None  # a :data:`HELD_BACK` key
+
+    def to_json(self) -> dict[str, Any]:
+        """The record on disk: the fields set, in order (enums as their strings)."""
+        out: dict[str, Any] = {}
+        for name in self.__slots__:
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = str(v) if isinstance(v, StrEnum) else v
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class ProofRun:
     """One execution of the flagged step (``kind`` ``step``: the first one, the same batch

@@ -514,7 +514,8 @@ class Ledger(Configurable):
             stall = self.stall.observe(done.row) if self.stall is not None else None
             if stall is not None:
                 self._on_stall(stall, metrics_logger)
-            event = self.guard.on_row(done.row, done.stats, proof=done.rec.proof, unproven=done.rec.unproven,
+            proof = done.rec.proof.to_json() if done.rec.proof is not None else None  # (the record on disk)
+            event = self.guard.on_row(done.row, done.stats, proof=proof, unproven=done.rec.unproven,
                                       proof_failed=done.rec.proof_failed) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
             if event is not None and metrics_logger is not None:

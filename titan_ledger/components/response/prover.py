@@ -75,7 +75,7 @@ from titan_ledger.components.response.verdict import (
 )
 from titan_ledger.components.signals.sums import local, loss_sum
 from titan_ledger.errors import ProofFailure
-from titan_ledger.format.proofs import Applied, Finding
+from titan_ledger.format.proofs import Applied, Finding, ProofRecord
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 
@@ -298,7 +298,7 @@ class Prover:
             again.run(groups if groups is not None else rec.batches)
         self._rec, self._in_grads = rec, want
         if rec.proof is not None:
-            rec.proof["update_recomputed"] = want  # its gradients were gone: executed once more to apply it
+            rec.proof.update_recomputed = want  # its gradients were gone: executed once more to apply it
 
     def abandon(self, rec) -> None:
         """A proof failed part-way: what its last execution left is taken back -- the
@@ -314,13 +314,13 @@ class Prover:
         else:
             self._in_grads = None
 
-    def convict(self, rec, proof: dict) -> None:
+    def convict(self, rec, proof: ProofRecord) -> None:
         """Act on a ``bad_data`` proof (``Recovery``, when the policy and the bounds allow):
         the convicted documents quarantined for the rest of the run (every rank) and the
         step's masks recorded in its data row (the ranks whose rows held them)."""
         if self._rec is rec and self._hits:
             rec.masked.setdefault("proof", []).extend(self._hits)
-        docs = [(s, int(d)) for s, d in proof.get("documents", [])]
+        docs = [(s, int(d)) for s, d in proof.documents or []]
         if docs:
             self.trainer.ledger.quarantine_proven(sorted(docs), rec.step)
 
@@ -445,7 +445,7 @@ class Prover:
 
     # ------------------------------------------------------------------ the proof
     def prove(self, rec, *, acting: bool, event: dict[str, Any], first: FirstExecution | None = None
-              ) -> dict[str, Any]:
+              ) -> ProofRecord:
         """Prove the flagged step ``rec`` (its first execution as ``Ledger.record`` saw
         it; ``first``: what a deferred decision kept of it). Returns the proof record (the
         ``proof`` of the step's spike event) with ``verdict`` and ``applied``, the update
@@ -460,13 +460,13 @@ class Prover:
         self._deadline = start + float(self.config.prove_timeout)
         with Reexecution(t, rec, replaces=False) as again:
             out = self._prove(rec, again, acting=acting, event=event, first=first)
-        out["seconds"] = round(time.perf_counter() - start, 4)
+        out.seconds = round(time.perf_counter() - start, 4)
         if dist.is_initialized():
             dist.barrier()  # every rank leaves the proof together (its collectives are done)
         return out
 
     def _prove(self, rec, again: Reexecution, *, acting: bool, event: dict[str, Any],
-               first: FirstExecution | None) -> dict[str, Any]:
+               first: FirstExecution | None) -> ProofRecord:
         """The proof's steps in order, each on the one :class:`_Case`: the first execution
         and its repeats (reproduced?), Adam first, the suspect's data against a control,
         a control convicted instead, group testing, the conviction's checks, the record."""
@@ -666,40 +666,36 @@ class Prover:
             self._hits = c.hits  # applied only if the step acts on the conviction (convict)
         return v
 
-    def _record(self, case: _Case, v: Verdict, acting: bool) -> dict[str, Any]:
-        """The proof record (the ``proof`` of the step's spike event)."""
+    def _record(self, case: _Case, v: Verdict, acting: bool) -> ProofRecord:
+        """The proof record (the ``proof`` of the step's spike event, :meth:`ProofRecord.to_json`)."""
         c = case
         executions = [c.original, *c.repeats, *(e for e in (c.control, c.masked) if e is not None), *c.after]
-        out = {"verdict": v.verdict, "applied": v.applied, "why": v.why, "acting": acting,
-               "executions": [e.to_json() for e in executions], "seconds": 0.0}
-        if c.adam is not None:
-            out["optimizer"] = c.adam
+        out = ProofRecord(verdict=v.verdict, applied=v.applied, why=v.why, acting=acting,
+                          executions=[e.to_json() for e in executions], optimizer=c.adam, fragile=c.fragile)
         if v.verdict == Finding.HARDWARE and not math.isfinite(c.original.grad_norm):
             named = v.ranks and all(not math.isfinite(c.original.ranks[r][1]) for r in v.ranks) and \
                 len(v.ranks) < len(c.original.ranks)
-            out["why"] += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
-                           "finite gradients: " + ("the faulty rank's were left non-finite" if named else
-                                                   "the ranks it changed cannot be told apart"))
+            out.why += ("; the first execution's grad norm was not finite, so its clip zeroed every rank's "
+                        "finite gradients: " + ("the faulty rank's were left non-finite" if named else
+                                                "the ranks it changed cannot be told apart"))
         if v.noise is not None:  # the machine's execution noise, measured by this proof
-            out["noise"] = noise_record(v.noise, c.factor, c.distances)
+            out.noise = noise_record(v.noise, c.factor, c.distances)
         if v.ranks:
-            out["ranks"] = v.ranks
-            out["dp_ranks"] = sorted({self.trainer.ledger.topo.dp_rank_of[r] for r in v.ranks})
+            out.ranks = v.ranks
+            out.dp_ranks = sorted({self.trainer.ledger.topo.dp_rank_of[r] for r in v.ranks})
         if c.suspect is not None:
-            out["suspect"] = {"dp_rank": c.suspect.dp_rank, "evidence": c.suspect.evidence}
+            out.suspect = {"dp_rank": c.suspect.dp_rank, "evidence": c.suspect.evidence}
             if c.suspect.docs is not None:
-                out["documents"] = [[s, int(d)] for s, d in sorted(c.suspect.docs)]
+                out.documents = [[s, int(d)] for s, d in sorted(c.suspect.docs)]
             if c.content is not None:
-                out["coverage"] = c.coverage.to_json()
-        if c.fragile is not None:
-            out["fragile"] = c.fragile
+                out.coverage = c.coverage.to_json()
         if c.bisection is not None:  # the group testing's path: per round, each half and what masking it did
-            out["bisection"] = c.bisection.to_json()
+            out.bisection = c.bisection.to_json()
             if c.everywhere:
-                out["suspect"]["dp_ranks"] = c.holders
+                out.suspect["dp_ranks"] = c.holders
         if c.ctrl is not None and c.control is not None:
-            out["control"] = {"dp_rank": c.ctrl.dp_rank, "evidence": c.ctrl.evidence,
-                              **({"documents": [[s, int(d)] for s, d in sorted(c.ctrl.docs)]} if c.ctrl.docs else {})}
+            out.control = {"dp_rank": c.ctrl.dp_rank, "evidence": c.ctrl.evidence,
+                           **({"documents": [[s, int(d)] for s, d in sorted(c.ctrl.docs)]} if c.ctrl.docs else {})}
         return out
 
     def _fragile(self) -> dict | None:

@@ -87,7 +87,7 @@ from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, NonFiniteLoss
 from titan_ledger.format import records
-from titan_ledger.format.proofs import Applied, Finding, describe_proof
+from titan_ledger.format.proofs import Applied, Finding, ProofRecord, describe_proof
 
 
 class Outcome(enum.Enum):
@@ -492,7 +492,7 @@ class Recovery:
         withheld instead (what a ``skip_update`` does) and the failure recorded: no failure
         inside the response stops training. Returns whether it is applied."""
         try:
-            self.prover.load_update(rec, rec.proof["applied"] if rec.proof is not None else Applied.ORIGINAL)
+            self.prover.load_update(rec, rec.proof.applied if rec.proof is not None else Applied.ORIGINAL)
             return True
         except Exception as e:
             self.prover.abandon(rec)
@@ -545,7 +545,7 @@ class Recovery:
             if first is None and decided_at is None and rec.proof is not None:
                 self.prover.load_update(rec, variant)  # in the step: the gradients of what is applied
 
-    def _proven(self, rec: StepRecord, acting: bool, forced: bool, first, decided_at) -> dict | None:
+    def _proven(self, rec: StepRecord, acting: bool, forced: bool, first, decided_at) -> ProofRecord | None:
         """The step's proof (and its window proof), or None when it failed: then the state
         the proof touched is put back, the failure is recorded in the step's event
         (``proof_failed``), and the step is decided as it would be without a proof -- no
@@ -560,29 +560,27 @@ class Recovery:
                        f"is decided as without a proof, the state it touched put back")
             return None
         rec.proof = proof
-        if decided_at is not None:
-            proof["decided_at"] = decided_at  # deferred: proven behind the next step's launch
-        proof["policy"] = self.trainer.config.ledger.on_spike.act
+        proof.decided_at = decided_at  # deferred: proven behind the next step's launch (None: in the step)
+        proof.policy = self.trainer.config.ledger.on_spike.act
         stall, self._stall = self._stall, None
         if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
-            proof["stall"] = {"step": stall["step"], "kind": stall["stall"]["kind"]}
+            proof.stall = {"step": stall["step"], "kind": stall["stall"]["kind"]}
         if self.window.wanted(proof, forced, stall=stall is not None):  # not the data: which cause, from the host snapshot's window
+            prior = Finding.OPTIMIZER_STATE if proof.verdict == Finding.OPTIMIZER_STATE else None
             try:
-                proof["window"] = self.window.prove(rec, stall=stall is not None,
-                                                    prior=Finding.OPTIMIZER_STATE if proof["verdict"] == Finding.OPTIMIZER_STATE
-                                                    else None)
+                proof.window = self.window.prove(rec, stall=stall is not None, prior=prior)
             except Exception as e:
-                proof["window"] = {"cause": None, **_failure("window", e)}
+                proof.window = {"cause": None, **_failure("window", e)}
                 self.trainer.ledger.discard_step_state()
         return proof
 
-    def _act_on(self, rec: StepRecord, proof: dict) -> tuple[bool, str]:
+    def _act_on(self, rec: StepRecord, proof: ProofRecord) -> tuple[bool, Applied]:
         """What the proof's verdict changes: ``(resolved, variant)`` -- whether the proof
         resolved the step (else the ladder decides it) and the update applied (``original``,
         ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
         holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
         cfg = self.trainer.config.ledger.on_spike
-        verdict, wants = proof["verdict"], proof["applied"]
+        verdict, wants = proof.verdict, proof.applied
         if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
             self._say(rec, proof)
             return False, Applied.ORIGINAL  # no data or fault to act on: the ladder (and the window proof's cause)
@@ -592,12 +590,12 @@ class Recovery:
         held = None
         if cfg.act == "observe":
             held = "observe"
-        elif verdict == Finding.BAD_DATA and (proof.get("coverage") or {}).get("refused"):
+        elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
             held = "quarantine_bound"
         if held is None and not self._breaker_allows(rec.step):
             held = "breaker"
         if held is not None:
-            proof.update(would_apply=wants, applied=Applied.ORIGINAL, held_back=held)
+            proof.would_apply, proof.applied, proof.held_back = wants, Applied.ORIGINAL, held
             self._say(rec, proof)
             # observe: resolved, nothing done (its action is none); a bound: the ladder decides
             return held == "observe", Applied.ORIGINAL
@@ -654,7 +652,7 @@ class Recovery:
                 self.lr_scale *= rung.lr  # kept across every later checkpoint load
         return False
 
-    def _say(self, rec: StepRecord, proof: dict) -> None:
+    def _say(self, rec: StepRecord, proof: ProofRecord) -> None:
         """The proof's line: a WARNING when it found a harmful cause, acted, or named Adam's
         state at an acting flag; else INFO (an outlier, a note's proof, a reproducible step
         on a clean run are no alarm; the SPIKE line of an acting flag is a WARNING anyway)."""
@@ -662,9 +660,9 @@ class Recovery:
 
         if not self.trainer.ledger.topo.is_rank0:
             return
-        line = f"titan_ledger: step {rec.step}: {describe_proof(proof)}"
-        harmful = proof["verdict"] in (Finding.HARDWARE, Finding.BAD_DATA) or proof.get("applied") not in (None, Applied.ORIGINAL) \
-            or (proof["verdict"] == Finding.OPTIMIZER_STATE and proof.get("acting"))
+        line = f"titan_ledger: step {rec.step}: {describe_proof(proof.to_json())}"
+        harmful = proof.verdict in (Finding.HARDWARE, Finding.BAD_DATA) or proof.applied != Applied.ORIGINAL \
+            or (proof.verdict == Finding.OPTIMIZER_STATE and proof.acting)
         (logger.warning if harmful else logger.info)(line)
 
     def _warn(self, line: str) -> None:
@@ -717,16 +715,16 @@ class Recovery:
                     set_group_lr(g, x)
         t.ledger.after_update(True, rec)
 
-    def _redo(self, rec: StepRecord, proof: dict | None, need_loss: bool):
+    def _redo(self, rec: StepRecord, proof: ProofRecord | None, need_loss: bool):
         """This step again, after the previous step's deferred decision changed the
         parameters or the gradients: its first execution is replaced
         (:class:`Reexecution` with ``replaces``: its accumulators drained, the rehearsal's
         one-time faults re-armed), documents the decision convicted are masked in its
         batches as the fetch would have, and ``execute`` runs once more."""
         t = self.trainer
-        if proof is not None and proof["verdict"] == Finding.BAD_DATA and proof["applied"] in (Applied.MASKED, Applied.CONTROL):
+        if proof is not None and proof.verdict == Finding.BAD_DATA and proof.applied in (Applied.MASKED, Applied.CONTROL):
             # (``proof``: the decided step's, which convicted and quarantined its documents)
-            t.ledger.remask(rec, [tuple(x) for x in proof.get("documents", [])])
+            t.ledger.remask(rec, [tuple(x) for x in proof.documents or []])
         self.redone += 1
         with Reexecution(t, rec, replaces=True) as again:
             return again.run(rec.batches, need_loss)

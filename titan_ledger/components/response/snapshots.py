@@ -346,8 +346,8 @@ class SnapshotRing:
         already): the ring is cleared instead, and the next due step starts it again."""
         if not self.on:
             return
-        proof = rec.proof or {}
-        if proof.get("verdict") == Finding.HARDWARE or proof.get("applied") not in (None, Applied.ORIGINAL):
+        proof = rec.proof
+        if proof is not None and (proof.verdict == Finding.HARDWARE or proof.applied != Applied.ORIGINAL):
             if late:
                 self.clear()
             else:

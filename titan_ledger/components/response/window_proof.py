@@ -37,7 +37,7 @@ from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
 from titan_ledger.components.signals.sums import loss_sum
 from titan_ledger.errors import ProofFailure
-from titan_ledger.format.proofs import Finding
+from titan_ledger.format.proofs import Finding, ProofRecord
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 
 #: the window re-run with nothing changed (the reference every fix is measured against;
@@ -52,7 +52,7 @@ class WindowProof:
     def __init__(self, trainer: Host, ring: SnapshotRing) -> None:
         self.trainer, self.ring = trainer, ring
 
-    def wanted(self, proof: dict, forced: bool = False, stall: bool = False) -> bool:
+    def wanted(self, proof: ProofRecord, forced: bool = False, stall: bool = False) -> bool:
         """Within ``max_proofs``: an acting flag proven ``not_data`` or ``optimizer_state``
         (which cause, then: Adam's variant proves the state by intervention);
         data convicted (``bad_data``: does a variant remove the spike with the data
@@ -62,11 +62,11 @@ class WindowProof:
         ``outlier``: the window replayed on a clean step, every parallelism's replay
         checked against the run)."""
         r = self.ring
-        v = proof.get("verdict")
+        v = proof.verdict
         if stall:  # the stall rule's forced proof: its own budget, whatever the step's verdict
             return r.on and r.stall_proofs < r.config.max_stall_proofs
         return r.on and r.proofs < r.config.max_proofs and (
-            (v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and bool(proof.get("acting"))) or v == Finding.BAD_DATA
+            (v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and proof.acting) or v == Finding.BAD_DATA
             or (forced and v in (Finding.NOT_DATA, Finding.OUTLIER)))
 
     def prove(self, rec, stall: bool = False, prior: str | None = None) -> dict[str, Any]:

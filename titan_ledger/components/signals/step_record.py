@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_ledger.format.proofs import ProofRecord
+
 
 @dataclass
 class StepRecord:
@@ -56,7 +58,7 @@ class StepRecord:
     consumed_samples: int = 0
     update_skipped: bool = False
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
-    proof: dict | None = None  # the proof at the alarm (components.response.prover), when one ran
+    proof: ProofRecord | None = None  # the proof at the alarm (components.response.prover), when one ran
     proof_failed: dict | None = None  # {"where", "error"}: the proof failed, the step decided without it
     unproven: str | None = None  # why a note was not proven under prove = "all" ("budget")
     update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)

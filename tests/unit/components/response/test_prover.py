@@ -79,7 +79,8 @@ def _prove(trainer, deferred: bool):
     first = FirstExecution.of(trainer) if deferred else None
     prover = Prover(trainer)
     seen = trainer.ntokens_seen
-    proof = rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    proof = rec.proof.to_json()  # the record as written
     assert trainer.ntokens_seen == seen and trainer.step_record is None  # put back
     if not deferred:  # in the step, Recovery loads what it applies at once
         prover.load_update(rec, proof["applied"])
@@ -214,7 +215,8 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     t.first(rec)
     first = FirstExecution.of(t) if deferred else None
     prover = Prover(t)
-    proof = rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
+    proof = rec.proof.to_json()  # the record as written
     assert proof["verdict"] == "bad_data" and proof["applied"] == "masked"
     assert proof["documents"] == [["c", t.BAD]] and proof["suspect"]["evidence"] == "bisection"
     rounds = proof["bisection"]
@@ -238,7 +240,7 @@ def test_without_group_testing_the_step_is_not_data():
     t.config.ledger.on_spike.prove_bisect = False
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "bisection" not in proof
 
 
@@ -275,7 +277,7 @@ def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_ma
     _adam_history(t, [100.0] * 50 + [1e-3] * 200)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "optimizer_state" and proof["applied"] == "original"
     assert proof["optimizer"]["amplification"] >= 2.0 and proof["optimizer"]["restore"] > 1e3
     assert [e["variant"] for e in proof["executions"]] == ["original", "same"] and "documents" not in proof
@@ -283,7 +285,7 @@ def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_ma
     _adam_history(t, [20.0] * 250)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "bad_data" and proof["optimizer"]["amplification"] == pytest.approx(1.0)
 
 
@@ -294,7 +296,7 @@ def test_a_convicted_document_whose_copy_the_step_also_trained_is_not_convicted(
     t.ledger.loader = SimpleNamespace(document_facts=lambda s, d: (4, "the same text"), corpus_share=lambda s, n: None)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "content of other documents" in proof["why"]
     assert "would_apply" not in proof
 
@@ -305,7 +307,7 @@ def test_a_conviction_records_how_much_of_the_data_its_quarantine_would_mask():
                                       corpus_share=lambda s, n: n / 1000)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     # 8 rows x 4 tokens a step: a 40-token document could fill a whole step
     assert proof["verdict"] == "bad_data" and proof["coverage"]["tokens"] == 40
     assert proof["coverage"]["share"] == 0.04 and "whole step" in proof["coverage"]["refused"]
@@ -352,14 +354,14 @@ def test_a_document_that_trained_before_without_a_flag_is_not_convicted():
     t.ledger.flagged_at = {16, 48}  # steps 3 and 7 (offsets 2 and 6) were flagged: they prove nothing
     rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "bad_data" and proof["coverage"]["ahead"]["before_clean"] == 0
     t.ledger.flagged_at = set()
     for p in t.model.parameters():
         p.grad = None
     rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "trained 8 tokens in earlier steps without a flag (4 here)" in proof["why"]
 
 
@@ -373,7 +375,7 @@ def test_a_run_that_flags_step_after_step_convicts_no_document():
         t.ledger.recent = [{"step": s, "spike": s >= 20 - flags} for s in range(1, 20)]
         rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
         t.first(rec)
-        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
 
     assert proof_with(3)["verdict"] == "bad_data"
     p = proof_with(4)
@@ -393,7 +395,7 @@ def test_data_in_a_run_the_lr_made_fragile_is_not_convicted_unless_asked():
                            for s in range(1, 20)]
         rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
         t.first(rec)
-        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]})
+        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
 
     assert proof_with(0.0003)["verdict"] == "bad_data"  # the same model at LR 3e-3: 0.03%
     p = proof_with(0.05)

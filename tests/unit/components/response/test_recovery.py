@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double
+from helpers import host_double, proof_record
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -84,7 +84,7 @@ class _Ledger:
     def drain(self, block, metrics_logger=None):
         while self.pending and self.pending[0].decided:
             rec = self.pending.pop(0)
-            self.rows.append((rec.step, rec.update_skipped, rec.proof["verdict"] if rec.proof else rec.unproven))
+            self.rows.append((rec.step, rec.update_skipped, rec.proof.verdict if rec.proof else rec.unproven))
 
     def discard_step_state(self):
         pass
@@ -260,8 +260,8 @@ class _Prover(Prover):
         verdict, applied, *extra = self.verdicts[rec.step]
         if verdict == "fail":
             raise RuntimeError("the proof failed")
-        return {"verdict": verdict, "applied": applied, "documents": [[rec.step, 0]] if verdict == "bad_data" else [],
-                **(extra[0] if extra else {})}
+        return proof_record(verdict, applied, acting=acting,
+                            documents=[[rec.step, 0]] if verdict == "bad_data" else [], **(extra[0] if extra else {}))
 
     def convict(self, rec, proof):
         self.t.ledger.quarantine.add((rec.step, 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import proof_record
 from torch import nn
 
 from titan_ledger.components.detection.stall import StallConfig
@@ -275,14 +276,14 @@ def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
         ring.at_start()
         rec = _Rec(step)
         if step == 14:
-            rec.proof = {"verdict": "bad_data", "applied": "masked"}
+            rec.proof = proof_record("bad_data", "masked")
         ring.log_step(rec)
         ring.after_decision(rec)
     assert [s.step for s in ring.ring] == [14] and sorted(ring.log) == [15]
     assert ring.window(16).step == 14 and ring.window(14) is None
     assert ring.ring[0].run["trainer"]["step"] == 14  # what a checkpoint of step 14 holds
     rec = _Rec(16)
-    rec.proof = {"verdict": "hardware"}
+    rec.proof = proof_record("hardware", "same")
     ring.after_decision(rec, late=True)  # decided a step late: nothing to snapshot, the ring is cleared
     assert ring.ring == [] and ring.window(17) is None
 
@@ -354,18 +355,18 @@ def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
     t = _Trainer(every=10, keep=2)
     ring = SnapshotRing(t)
     proof = WindowProof(t, ring)
-    assert proof.wanted({"verdict": "not_data", "acting": True})
-    assert not proof.wanted({"verdict": "not_data", "acting": False})  # a note
-    assert proof.wanted({"verdict": "bad_data", "acting": False})  # data convicted: does the LR remove it too?
-    assert not proof.wanted({"verdict": "hardware", "acting": True})
-    assert not proof.wanted({"verdict": "outlier", "acting": False})
-    assert proof.wanted({"verdict": "outlier", "acting": False}, forced=True)  # --ledger.rehearsal.prove_at
+    assert proof.wanted(proof_record("not_data", acting=True))
+    assert not proof.wanted(proof_record("not_data", acting=False))  # a note
+    assert proof.wanted(proof_record("bad_data", acting=False))  # data convicted: does the LR remove it too?
+    assert not proof.wanted(proof_record("hardware", acting=True))
+    assert not proof.wanted(proof_record("outlier", acting=False))
+    assert proof.wanted(proof_record("outlier", acting=False), forced=True)  # --ledger.rehearsal.prove_at
     ring.proofs = 2
-    assert not proof.wanted({"verdict": "not_data", "acting": True})
+    assert not proof.wanted(proof_record("not_data", acting=True))
     # a stall has a budget of its own: the spikes before it have not spent it
-    assert proof.wanted({"verdict": "outlier", "acting": False}, forced=True, stall=True)
+    assert proof.wanted(proof_record("outlier", acting=False), forced=True, stall=True)
     ring.stall_proofs = 1
-    assert not proof.wanted({"verdict": "outlier", "acting": False}, forced=True, stall=True)
+    assert not proof.wanted(proof_record("outlier", acting=False), forced=True, stall=True)
 
 
 def test_the_config_names_the_flag_to_fix():

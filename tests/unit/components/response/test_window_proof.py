@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double
+from helpers import host_double, proof_record
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
@@ -104,7 +104,7 @@ def test_the_lr_is_proven_by_its_own_fix_and_the_run_is_left_as_it_was():
     assert [s.step for s in ring.ring] == [0, 4, 8] and ring.window(11).step == 0
     before = _state(t)
     w = WindowProof(t, ring)
-    assert w.wanted({"verdict": "not_data", "acting": True})
+    assert w.wanted(proof_record("not_data"))
     out = w.prove(rec)
     runs = {r["variant"]: r for r in out["runs"]}
     # the unchanged re-run reproduces the flag; 0.1x the LR removes it; Adam's beta2 0.95 and
@@ -140,8 +140,8 @@ def test_a_stall_is_judged_by_the_loss_a_fix_lowers_and_has_its_own_budget():
     rec = t.train(11, ring)
     ring.proofs = ring.config.max_proofs  # the spikes spent theirs
     w = WindowProof(t, ring)
-    assert not w.wanted({"verdict": "not_data", "acting": True})
-    assert w.wanted({"verdict": "outlier"}, forced=True, stall=True)
+    assert not w.wanted(proof_record("not_data"))
+    assert w.wanted(proof_record("outlier", acting=False), forced=True, stall=True)
     out = w.prove(rec, stall=True)
     assert out["stall"] and ring.stall_proofs == 1 and ring.proofs == ring.config.max_proofs
     runs = {r["variant"]: r for r in out["runs"]}
