@@ -8,7 +8,6 @@ tree's order (``CAUSE_ORDER``) gives it."""
 from __future__ import annotations
 
 from tests.unit.tools.test_diagnose import T, ledger
-
 from titan_ledger.tools.decision import CAUSE_ORDER, QUESTIONS, Thresholds, classify
 
 
