@@ -15,8 +15,10 @@ response asks for
 * :meth:`Host.move_to` -- the step this ``train_step`` call is, where a skip window or a
   rollback moved it (torchtitan's loop adds one per call).
 
-A test double (``tests/unit/components/response/test_recovery.py``) implements the same protocol, so the
-state machine is exercised on the surface the trainer offers, not on a copy of it.
+A test double (``tests/unit/components/response/test_recovery.py``) implements the same
+protocol with the trainer's own three methods and runs the trainer's own ``train_step``
+(the wrapper and the copied step, bound to it), so the state machine is exercised on
+the surface the trainer offers and through the calls it makes, not a copy of them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """titan_ledger.components.response.recovery: the protocol the trainer calls, as a state
 machine on a fake trainer around a real model and a real fused AdamW (no processes).
 
-The loop below is the copied ``train_step``'s use of the protocol (``before_step``,
-``first_execution`` around ``execute``, ``Ledger.record``, ``update``, ``settling``
-around the loop); the fake
-ledger stands in for the recorder's queue (``host_stats``), the rules (a planned flag
-per step) and the writers (rows in step order, a held step's waiting for its
-decision). Every outcome is reached -- ``STANDS``, ``REDONE`` (a late update, a proof
+The double runs ``LedgerTrainer``'s own ``train_step`` (the wrapper and the copied
+step: ``before_step``, ``first_execution`` around ``execute``, ``Ledger.record``,
+``update``), bound to it, inside torchtitan's loop (a step count, ``train_step``, a
+checkpoint, ``settling`` around it): only ``execute`` (the forward/backward) and
+torchtitan's components are faked. The fake ledger stands in for the recorder's queue
+(``host_stats``), the rules (a planned flag per step) and the writers (rows in step
+order, a held step's waiting for its decision). Every outcome is reached -- ``STANDS``, ``REDONE`` (a late update, a proof
 that overwrote the gradients), ``DROPPED`` (a rollback decided a step late) -- and each
 deferred run is compared, bit for bit, with the same run deciding every step in the
 step: parameters, Adam's moments and step count, the rows and the ladder's actions.
@@ -15,6 +16,7 @@ step: parameters, Adam's moments and step count, the rows and the ladder's actio
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +35,7 @@ from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.errors import LedgerStop
+from titan_ledger.trainer import LedgerTrainer
 
 _NOTE = STAT_KEYS.index("note")
 DOCS = 4  # documents per step's batch: (step, i)
@@ -41,6 +44,17 @@ DOCS = 4  # documents per step's batch: (step, i)
 def _batch(step: int):
     g = torch.Generator().manual_seed(step)
     return [((step, i), torch.randn(3, generator=g), torch.randn(1, generator=g)) for i in range(DOCS)]
+
+
+def _microbatch(rows) -> tuple[dict, torch.Tensor]:
+    """A fetched microbatch as torchtitan's iterator gives it: ``(input_dict, labels)``, a
+    label token per row (the step's tokens are its documents)."""
+    return {"rows": rows}, torch.zeros(len(rows), dtype=torch.long)
+
+
+def _without(groups, docs) -> list:
+    (inputs, _), = groups[0]
+    return [[_microbatch([row for row in inputs["rows"] if row[0] not in docs])]]
 
 
 class _Ledger:
@@ -64,15 +78,15 @@ class _Ledger:
         self.windows: list[tuple[int, int]] = []
         self.rewinds = 0
         self.last_execution = None
+        self.enabled, self.inject = True, None  # (a bitflip is planned from --ledger.rehearsal.inject)
 
-    def record(self, rec, executed):
+    def record(self, rec, *, grad_norm, local_tokens, local_loss_sum):
         acting, note = self.flags.get(rec.step, (False, False))
         stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
         stats[0], stats[_NOTE] = float(acting), float(note)
         self.guard.last_stats = stats
         self.queued[rec.step] = stats.tolist()
-        loss, grad_norm, tokens, _ = executed
-        self.last_execution = (loss, tokens, grad_norm)
+        self.last_execution = (local_loss_sum, local_tokens, grad_norm)
         self.pending.append(rec)
 
     def flags_now(self):
@@ -102,7 +116,7 @@ class _Ledger:
         self.events.append({"alert": text})
 
     def remask(self, rec, docs):
-        rec.batches = [[[row for row in rec.batches[0][0] if row[0] not in set(docs)]]]
+        rec.batches = _without(rec.batches, set(docs))
 
     def skip_window_at(self, step):
         return next(((a, b) for a, b in self.windows if a <= step <= b), None)
@@ -130,7 +144,7 @@ class _Trainer:
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1, fused=fused)
-        self.optimizers = SimpleNamespace(optimizers=[self.opt], step=self.opt.step)
+        self.optimizers = SimpleNamespace(optimizers=[self.opt], step=self.opt.step, zero_grad=self.opt.zero_grad)
         self.device = torch.device("cpu")
         self.step, self.ntokens_seen, self.step_record = 0, 0, None
         self.gradient_accumulation_steps = self.num_pipeline_parallel_microbatches = 1
@@ -150,7 +164,10 @@ class _Trainer:
             training=SimpleNamespace(steps=steps, max_norm=1.0, disable_cuda_graphs=keep_grads),
             dump_folder=str(tmp))
         self.ledger = _Ledger(self, flags, action, tmp / "ledger", budget)
-        self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[])
+        self.metrics_processor = SimpleNamespace(logger=None, ntokens_since_last_log=0, data_loading_times=[],
+                                                 should_log=lambda step: False)
+        self.parallel_dims = SimpleNamespace(dp_enabled=False, pp_enabled=False)
+        self.doc_loss, self._ledger_open = None, True  # (the ledger is open: no first-step checks)
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
         self.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None, maybe_wait_for_saving=lambda: None,
@@ -159,6 +176,8 @@ class _Trainer:
         self.ledger.loader = SimpleNamespace(skip=lambda n: SimpleNamespace(position_before=0, position_after=n))
         self.validator = self.dataloader = None  # (validation off; the loader is the ledger's)
         host_double(self)
+        for name in ("train_step", "_train_step", "count_tokens"):  # the trainer's own step, not a copy
+            setattr(self, name, types.MethodType(getattr(LedgerTrainer, name), self))
         assert isinstance(self, Host)  # the double offers what the response is given
         self.recovery = Recovery(self, self.config.ledger.on_spike)
 
@@ -184,43 +203,43 @@ class _Trainer:
         self.saved[self.step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
                                  self.opt.param_groups[0]["lr"])
 
-    def execute(self, groups, need_loss=True):
-        rows = groups[0][0]
+    def execute(self, groups, need_loss=True, tokens=None):
+        """The copied step body's stand-in: forward/backward and clip on the rows."""
+        (inputs, labels), = groups[0]
+        rows = inputs["rows"]
         self.ntokens_seen += len(rows)
         loss = sum(((self.model(x) - y) ** 2).sum() for _, x, y in rows) / DOCS
-        if self.step_record is not None and self.step_record.inject == "bitflip" and self.step_record.faults:
-            loss = loss * 100  # a transient fault: the first execution only
-            self.step_record.faults = None
+        faults = self.step_record.faults if self.step_record is not None else None
+        if faults is not None and faults.bitflip:  # a transient fault: once per execution it is armed for
+            loss, faults.bitflip = loss * 100, False
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
         return loss.detach(), norm, torch.tensor(len(rows)), torch.tensor(len(rows))
 
+    def batches(self):
+        """torchtitan's data iterator: the step's rows, the quarantined documents left out
+        (the fetch's filter)."""
+        while True:
+            yield _microbatch([row for row in _batch(self.step) if row[0] not in self.ledger.quarantine])
+
     def train(self):
-        """torchtitan's loop around the copied ``train_step``, asking the protocol."""
+        """torchtitan's loop (a step count, ``train_step``, a checkpoint) around the trainer's
+        own ``train_step``; the outcomes of ``first_execution`` are collected on the way."""
         r = self.recovery
-        outcomes = []
+        outcomes, first = [], r.first_execution
+
+        def spy(*args, **kw):
+            out = first(*args, **kw)
+            outcomes.append(out[0])
+            return out
+
+        r.first_execution = spy
+        self.config.ledger.rehearsal.inject = ",".join(f"{s}:0:{k}" for s, k in self.faults)
+        data = self.batches()
         with r.settling():
             while self.should_continue_training():
                 self.step += 1
-                if r.before_step():
-                    continue
-                rec = self.step_record = StepRecord(step=self.step, start=0.0)
-                rec.batches = [[[row for row in _batch(self.step) if row[0] not in self.ledger.quarantine]]]
-                if (self.step, "bitflip") in self.faults:
-                    rec.inject, rec.faults = "bitflip", True
-                for p in self.model.parameters():
-                    p.grad = None
-                n = len(rec.batches[0][0])
-                outcome, executed = r.first_execution(rec, (n, torch.tensor(n)), True,
-                                                      run=lambda rec=rec: self.execute(rec.batches))
-                outcomes.append(outcome)
-                if outcome in (Outcome.EMPTY, Outcome.DROPPED):
-                    continue
-                self.step_record = None
-                self.ledger.record(rec, executed)
-                r.update(rec)
-                self.lr_schedulers.step()
-                self.ledger.drain(False)
+                self.train_step(data)
                 if self.config.checkpoint.enable and self.step % self.config.checkpoint.interval == 0:
                     self.save()
         self.ledger.drain(True)
@@ -251,7 +270,7 @@ class _Prover(Prover):
 
     def _groups(self, rec, applied):
         if applied == "masked":
-            return [[[row for row in rec.batches[0][0] if row[0] != (rec.step, 0)]]]
+            return _without(rec.batches, {(rec.step, 0)})
         return rec.batches
 
     def prove(self, rec, *, acting, event, first=None):
@@ -422,19 +441,19 @@ def test_the_update_method_applies_withholds_or_holds_and_lifts_the_guard(tmp_pa
     for step, want in ((5, Update.HOLD), (6, Update.HOLD)):
         t.step = step
         rec = StepRecord(step=step, start=0.0)
-        t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+        t.ledger.record(rec, grad_norm=torch.tensor(1.0), local_tokens=4, local_loss_sum=torch.tensor(4.0))
         assert r._decide(rec) is want
         r.pending = None  # (decided below through update)
     t.step = 5
     rec = StepRecord(step=5, start=0.0)
-    t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+    t.ledger.record(rec, grad_norm=torch.tensor(1.0), local_tokens=4, local_loss_sum=torch.tensor(4.0))
     r.update(rec)
     assert float(seen[-1]) == 1.0 and t.opt.found_inf is None  # held on the device, then the guard lifted
     t.config.ledger.on_spike.defer = False
     r._deferrable = None
     rec = StepRecord(step=5, start=0.0)
     n = len(seen)
-    t.ledger.record(rec, (torch.tensor(1.0), torch.tensor(1.0), 4, 4))
+    t.ledger.record(rec, grad_norm=torch.tensor(1.0), local_tokens=4, local_loss_sum=torch.tensor(4.0))
     r.update(rec)
     assert len(seen) == n and rec.update_skipped  # withheld in the step: optimizers.step() not called
 
@@ -445,15 +464,11 @@ def test_after_an_error_a_held_steps_rows_are_written_as_they_stand(tmp_path):
     final drain writes its rows (the launcher's "last complete step" counts it)."""
     t = _Trainer(tmp_path, flags={4: (True, False)}, action="skip_update", steps=20)
     r = t.recovery
+    data = t.batches()
     with pytest.raises(OSError), r.settling():
-        for step in (1, 2, 3, 4):  # the protocol, as the loop in _Trainer.train, stopping after step 4
+        for step in (1, 2, 3, 4):  # the trainer's own steps, as in _Trainer.train, stopping after step 4
             t.step = step
-            rec = t.step_record = StepRecord(step=step, start=0.0, batches=[[_batch(step)]])
-            _, executed = r.first_execution(rec, (4, torch.tensor(4)), True, run=lambda: t.execute(rec.batches))
-            t.step_record = None
-            t.ledger.record(rec, executed)
-            r.update(rec)
-            t.ledger.drain(False)
+            t.train_step(data)
         assert r.pending is not None and r.pending.step == 4 and not r.pending.decided
         assert [row[0] for row in t.ledger.rows] == [1, 2, 3]  # step 4's rows wait for its decision
         raise OSError("step 5's fetch")
