@@ -438,3 +438,22 @@ def proof_record(verdict: str, applied: str = "original", acting: bool = True, *
 
     return ProofRecord(verdict=Finding(verdict), applied=Applied(applied), why=fields.pop("why", ""), acting=acting,
                        executions=fields.pop("executions", []), **fields)
+
+
+def ledger_double(obj):
+    """A unit test's stand-in for the ``Ledger``: what the response asks of it -- the
+    ledger's own methods (``hold``, ``host_stats``, ``adam_ratio``, ...), bound to it,
+    over the parts the double fakes (a part it lacks: None), and ``watches``,
+    ``clips_qk``, ``detector`` as the properties read them when it is built."""
+    import types
+
+    from titan_ledger.components.ledger.ledger import Ledger
+
+    for part in ("guard", "recorder", "adam_level", "qk_clip"):
+        if not hasattr(obj, part):
+            setattr(obj, part, None)
+    for name in ("hold", "host_stats", "before_late_update", "adam_ratio", "owned_params"):
+        setattr(obj, name, types.MethodType(getattr(Ledger, name), obj))
+    obj.watches, obj.clips_qk = obj.guard is not None, obj.qk_clip is not None
+    obj.detector = getattr(obj.guard, "detector", None)
+    return obj

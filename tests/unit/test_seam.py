@@ -93,6 +93,24 @@ def test_only_the_trainer_moves_the_step_or_changes_the_step_record():
     assert not writes, f"the trainer's step or step_record written outside trainer.py: {writes}"
 
 
+#: the ledger's parts the response must not reach into (issue 63): it asks the ledger's
+#: own methods (``watches``, ``detector``, ``hold``, ``host_stats``, ``adam_ratio``, ...)
+LEDGER_PARTS = {"recorder", "guard", "adam_level", "qk_clip", "config", "data", "doc_loss", "logz", "stall"}
+
+
+def test_the_response_asks_the_ledgers_methods_not_its_parts():
+    reached = []
+    for path in sorted((PKG / "components" / "response").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in LEDGER_PARTS:
+                v = node.value
+                if (isinstance(v, ast.Attribute) and v.attr == "ledger" and not (
+                        isinstance(v.value, ast.Attribute) and v.value.attr == "config")) or \
+                        (isinstance(v, ast.Name) and v.id == "ledger"):
+                    reached.append(f"{path.relative_to(PKG)}:{node.lineno}: ledger.{node.attr}")
+    assert not reached, "the response reaches into the ledger's parts:\n" + "\n".join(reached)
+
+
 def test_the_trainer_implements_the_host_protocol_the_response_is_given():
     from titan_ledger.components.response.host import Host
     from titan_ledger.trainer import LedgerTrainer

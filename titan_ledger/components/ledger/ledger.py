@@ -386,6 +386,44 @@ class Ledger(Configurable):
             if self.config.update_norm:
                 self.recorder.snapshot_params()
 
+    # ------------------------------------------------------------------ what the response asks
+    # (components/response reads the ledger through these, not its parts: tests/unit/test_seam.py)
+    @property
+    def watches(self) -> bool:
+        """Whether the spike rules run (a flag can exist)."""
+        return self.guard is not None
+
+    @property
+    def clips_qk(self) -> bool:
+        """Whether QK-clip rewrites Q and K after every update (``[qk_clip] enable``)."""
+        return self.qk_clip is not None
+
+    @property
+    def detector(self):
+        """The spike rules' detector (a proof judges a re-execution by its bars)."""
+        return self.guard.detector
+
+    def hold(self, *, acting: bool, notes: bool):
+        """The device-side guard of a deferred update (``SpikeGuard.hold``)."""
+        return self.guard.hold(acting=acting, notes=notes)
+
+    def host_stats(self, rec: StepRecord):
+        """``rec``'s rule stats on the host, from the copy the recorder made (None: not queued)."""
+        return self.recorder.host_stats(rec)
+
+    def before_late_update(self) -> None:
+        """A held update applied a step late: the update norm measures from its parameters."""
+        if self.recorder is not None and self.config.update_norm:
+            self.recorder.snapshot_params()
+
+    def adam_ratio(self) -> float | None:
+        """Adam's second moment's level against its long-run level (None: not measured)."""
+        return self.adam_level.ratio() if self.adam_level is not None else None
+
+    def owned_params(self) -> list | None:
+        """The parameters' owned pieces, every logical element once (None: no signals)."""
+        return self.recorder.plan.params if self.recorder is not None else None
+
     # ------------------------------------------------------------------ a flagged step (proofs)
     def flags_now(self) -> tuple[bool, bool]:
         """This step's (acting flag, note) on the host: one device->host read."""

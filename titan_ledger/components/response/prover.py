@@ -334,7 +334,7 @@ class Prover:
         (variant ``bisect``)."""
         from torchtitan.components.loss import IGNORE_INDEX
 
-        detector = self.trainer.ledger.guard.detector
+        detector = self.trainer.ledger.detector
         mine = self.trainer.ledger.topo.dp_rank
         trail: list[Execution] = []
 
@@ -407,13 +407,13 @@ class Prover:
         t = self.trainer
         ledger = t.ledger
         bar = float(self.config.adam_check)
-        ratio = ledger.adam_level.ratio() if ledger.adam_level is not None else None
-        if bar <= 0 or ratio is None or ledger.recorder is None:
+        ratio, owned = ledger.adam_ratio(), ledger.owned_params()
+        if bar <= 0 or ratio is None or owned is None:
             return None
         restore = max(1.0, ratio) if math.isfinite(ratio) else 1e12
         where = {id(p): (o, g) for o in t.optimizers.optimizers for g in o.param_groups for p in g["params"]}
         entries = []
-        for p in ledger.recorder.plan.params:  # owned pieces: every logical element once
+        for p in owned:  # owned pieces: every logical element once
             og = where.get(id(p))
             if p.grad is None or og is None:
                 continue
@@ -506,7 +506,7 @@ class Prover:
             self._first_grads = first.grads  # (kept where they cost nothing: the CPU)
         self._rec, self._in_grads, self._groups, self._hits = rec, Applied.ORIGINAL, {Applied.SAME: rec.batches}, []
         original = self._gathered(Applied.ORIGINAL, loss_sum, psq, local_tokens, True, grad_norm)
-        detector = ledger.guard.detector
+        detector = ledger.detector
         original.normal = normal_update(detector, original.loss, original.grad_norm)
         return _Case(rec=rec, again=again, first_grads=first_grads, original=original, groups=rec.batches,
                      detector=detector, rtol=float(self.config.prove_rtol),
@@ -550,7 +550,7 @@ class Prover:
         c.suspect = name_suspect(event, ledger.last_dp_loss(),
                                  summaries.get(int(rank)) if rank is not None else None,
                                  c.tags_by_dp.get(int(rank)) if rank is not None else None,
-                                 float(ledger.config.spike.doc_outlier_floor))
+                                 float(self.trainer.config.ledger.spike.doc_outlier_floor))
         if c.suspect is not None:
             c.ctrl = control_of(c.suspect, topo.dp_size, c.tags_by_dp)
         if c.suspect is None or c.ctrl is None or c.original.normal:

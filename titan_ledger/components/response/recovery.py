@@ -308,7 +308,7 @@ class Recovery:
             self._resolve()
             return
         self.pending = None
-        stats = self.trainer.ledger.recorder.host_stats(rec)
+        stats = self.trainer.ledger.host_stats(rec)
         d = rec.deferred
         rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or (stats[_NOTE] and d.notes)))
         rec.decided, rec.deferred = True, None  # its rows are written (train's final drain)
@@ -317,8 +317,7 @@ class Recovery:
     # ------------------------------------------------------------------ the decision
     def _acts(self) -> bool:
         """Whether a flag can change what a step does (a proof or an acting ladder)."""
-        ledger = self.trainer.ledger
-        return ledger.guard is not None and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
+        return self.trainer.ledger.watches and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
 
     def _stall_due(self) -> bool:
         """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
@@ -355,11 +354,11 @@ class Recovery:
             hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
                           getattr(t.optimizers, "_optimizer_step_post_hooks", None))
             self._deferrable = bool(t.config.ledger.on_spike.defer and self._acts() and fused
-                                    and t.ledger.qk_clip is None and not hooked)
+                                    and not t.ledger.clips_qk and not hooked)
             if t.config.ledger.on_spike.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
                 from torchtitan.tools.logging import logger
 
-                why = "QK-clip is on" if t.ledger.qk_clip is not None else \
+                why = "QK-clip is on" if t.ledger.clips_qk else \
                     "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)" if not fused else \
                     "an optimizer step hook runs on every update (MoE load balancing)"
                 logger.warning(f"titan_ledger: --ledger.on_spike.defer: {why}, so every step reads its spike "
@@ -410,7 +409,7 @@ class Recovery:
             hold = torch.ones((), dtype=torch.float32, device=t.device)
         else:
             notes = self.prover.notes_allowed(rec.step)
-            hold = ledger.guard.hold(acting=holds, notes=notes)
+            hold = ledger.hold(acting=holds, notes=notes)
         opts = list(t.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
@@ -453,7 +452,7 @@ class Recovery:
         t = self.trainer
         ledger = t.ledger
         d, rec.deferred = rec.deferred, None
-        stats = ledger.recorder.host_stats(rec)
+        stats = ledger.host_stats(rec)
         if stats is None:
             raise RuntimeError(f"titan_ledger: step {rec.step}'s decision was deferred but its flag was not queued")
         acting, note = bool(stats[0]), bool(stats[_NOTE])
@@ -705,8 +704,7 @@ class Recovery:
         for o, lr in zip(opts, lrs):
             for g, x in zip(o.param_groups, lr):
                 set_group_lr(g, x)
-        if t.ledger.recorder is not None and t.ledger.config.update_norm:
-            t.ledger.recorder.snapshot_params()
+        t.ledger.before_late_update()
         try:
             t.optimizers.step()
         finally:

@@ -97,7 +97,7 @@ class WindowProof:
         causes = [c for c in cfg.causes if (c != "adam" or self._changes_adam(opts))
                   and (c != "eps" or self._raises_eps(opts)) and (c != "zloss" or self._loss() is not None)
                   and (c != "logit_cap" or self._attention())]
-        detector = t.ledger.guard.detector
+        detector = t.ledger.detector
         faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
         deadline = start + float(t.config.ledger.on_spike.prove_timeout)
         runs: list[dict] = []

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double
+from helpers import host_double, ledger_double
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -153,8 +153,8 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
                               snapshots=SimpleNamespace(every=snapshots)),
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
-    ledger = SimpleNamespace(guard=object(), qk_clip=None, topo=Topology.single(),
-                             skip_window_at=lambda s: (s, s) if window_next else None, stalls=[])
+    ledger = ledger_double(SimpleNamespace(guard=object(), qk_clip=None, topo=Topology.single(),
+                                           skip_window_at=lambda s: (s, s) if window_next else None, stalls=[]))
     return host_double(SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
                                        metrics_processor=SimpleNamespace(should_log=lambda s: log),
                                        should_continue_training=lambda: more,

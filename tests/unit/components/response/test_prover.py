@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double
+from helpers import host_double, ledger_double
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
@@ -42,19 +42,18 @@ class _Trainer:
         self.config = SimpleNamespace(
             training=SimpleNamespace(max_norm=1e9, seq_len=4),
             ledger=SimpleNamespace(on_spike=OnSpikeConfig(prove="acting", prove_bisect=False),
-                                   rehearsal=RehearsalConfig()))
+                                   rehearsal=RehearsalConfig(), spike=SpikeDetector.Config(doc_outlier_floor=0.7)))
         detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
         for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
             detector.step(torch.tensor(2.0 + 0.01 * (i % 3), dtype=torch.float64),
                           torch.tensor(grad_norm * (1 + 0.01 * (i % 2)), dtype=torch.float64))
-        self.ledger = SimpleNamespace(
+        self.ledger = ledger_double(SimpleNamespace(
             topo=Topology.single(), guard=SimpleNamespace(detector=detector), last_execution=None,
             discard_step_state=lambda: None, step_documents=lambda: None, last_dp_loss=lambda: [2.0],
             quarantine_proven=lambda docs, step: self.quarantined.append((docs, step)),
-            config=SimpleNamespace(spike=SimpleNamespace(doc_outlier_floor=0.7)),
             adam_level=None, recorder=None, global_batch=8, recent=[], flagged_at=set(),
             # every document its own content, 4 tokens, of an unknown corpus size (a text source)
-            loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None))
+            loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None)))
         self.quarantined: list = []
 
     def execute(self, groups, need_loss=True):
@@ -109,7 +108,7 @@ def test_a_reproducible_step_is_not_data_and_its_first_update_applied(deferred):
         assert all(p.grad is g for p, g in zip(t.model.parameters(), first))
     else:
         prover.load_update(rec, proof["applied"])  # the repeat's gradients are the first's: nothing to execute
-        assert t.executions == 2 and "update_recomputed" not in proof
+        assert t.executions == 2 and rec.proof.update_recomputed is None
 
 
 def test_a_normal_update_with_no_suspect_is_not_data_and_no_mask_runs():
@@ -128,7 +127,7 @@ def test_a_faulty_first_execution_is_hardware_and_the_repeats_update_is_applied(
     assert [e["variant"] for e in proof["executions"]] == ["original", "same", "same"]
     if deferred:
         prover.load_update(rec, "same")  # the last repeat's gradients are in place
-        assert t.executions == 3 and "update_recomputed" not in proof
+        assert t.executions == 3 and rec.proof.update_recomputed is None
     clean = _clean(t)
     assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), clean))
 
@@ -140,7 +139,7 @@ def test_a_faulty_repeat_is_hardware_and_the_first_update_is_applied(deferred):
     assert proof["verdict"] == "hardware" and proof["applied"] == "original"
     if deferred:  # the first execution's gradients were overwritten: the step once more
         prover.load_update(rec, "original")
-        assert proof["update_recomputed"] == "same" and t.executions == 4
+        assert rec.proof.to_json()["update_recomputed"] == "same" and t.executions == 4
     else:
         assert all(p.grad is g for p, g in zip(t.model.parameters(), first))
     assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), _clean(t)))
@@ -225,10 +224,10 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     assert [e["variant"] for e in proof["executions"]][-7:] == ["bisect"] * 6 + ["masked"]
     assert all(r["masked_normal"] != r["control_normal"] for r in rounds)
     assert "proof" not in rec.masked and not t.quarantined  # a proof decides nothing: Recovery acts
-    prover.convict(rec, proof)
+    prover.convict(rec, rec.proof)
     assert rec.masked["proof"] == [[t.BAD, 0]] and t.quarantined == [([("c", t.BAD)], 21)]
     prover.load_update(rec, "masked")  # the convicted mask's gradients are in place: nothing more
-    assert "update_recomputed" not in proof
+    assert rec.proof.update_recomputed is None
     # the applied update is the step without the bad document
     ref = _Documents()
     ref.execute(ref.batches(mask={t.BAD}))

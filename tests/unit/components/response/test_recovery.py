@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, proof_record
+from helpers import host_double, ledger_double, proof_record
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -79,6 +79,7 @@ class _Ledger:
         self.rewinds = 0
         self.last_execution = None
         self.enabled, self.inject = True, None  # (a bitflip is planned from --ledger.rehearsal.inject)
+        ledger_double(self)
 
     def record(self, rec, *, grad_norm, local_tokens, local_loss_sum):
         acting, note = self.flags.get(rec.step, (False, False))

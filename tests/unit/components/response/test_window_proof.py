@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, proof_record
+from helpers import host_double, ledger_double, proof_record
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
@@ -59,8 +59,8 @@ class _Trainer:
         for i in range(20):  # a history of a healthy LR: loss ~0.006, grad norm ~0.11, +-30%
             detector.step(torch.tensor(0.006 * (1 + 0.3 * (i % 3 - 1)), dtype=torch.float64),
                           torch.tensor(0.11 * (1 + 0.3 * (i % 3 - 1)), dtype=torch.float64))
-        self.ledger = SimpleNamespace(topo=Topology.single(), guard=SimpleNamespace(detector=detector),
-                                      discard_step_state=lambda: None)
+        self.ledger = ledger_double(SimpleNamespace(topo=Topology.single(), guard=SimpleNamespace(detector=detector),
+                                                    discard_step_state=lambda: None))
         self.draws: list[float] = []  # every random number an execution drew (dropout's stand-in)
         host_double(self)
 
