@@ -262,8 +262,7 @@ class SnapshotRing:
         self.log = {s: e for s, e in self.log.items() if s > oldest}
 
     def _release_anchor(self) -> None:
-        if self.anchor is not None and self.anchor not in self.ring:
-            self._spare.append(self.anchor.tensors)
+        """The anchor's copy is freed (not kept for reuse: the ring's own slots are)."""
         self.anchor = None
 
     def pin(self) -> None:

@@ -247,7 +247,8 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     pinned = ring.anchor.tensors
     t.onset = 45  # the loss improved again: the newest snapshot at or before the new onset
     run(56, 56)
-    assert ring.anchor.step == 40 and pinned in ring._spare and sorted(ring.log)[0] == 41
+    assert ring.anchor.step == 40 and sorted(ring.log)[0] == 41
+    assert pinned not in ring._spare and ring.nbytes == 2 * ring.ring[0].tensors.nbytes  # the old copy freed
     t.onset = 56 - (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window - 1
     run(57, 57)  # an onset too far back for the bound: nothing pinned
     assert ring.anchor is None and ring.window(58, stall=True).step == 40  # the ring's oldest
