@@ -460,7 +460,8 @@ class Result:
     error: str | None = None
     proof: dict | None = None  # with --prove: proof_verdict() of the run's proofs
     heuristic: str | None = None  # diagnose's cause before a proof decided it (the tree's reading)
-    window: list | None = None  # with --snapshots: [step, cause, from_step, seconds] per window proof
+    window: list | None = None  # with --snapshots: [step, cause, from_step, seconds, kind] per window proof
+    # (kind: "spike", or "stall" for the stall rule's forced proof)
     fingerprint: dict | None = None  # real: the signals before the flagged step (fingerprint())
     prevented: bool | None = None  # real: the run with the prevention has no acting flag
     prevention_flags: list[int] | None = None  # real: its flagged steps
@@ -534,8 +535,8 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     res.flagged_step = near[0] if near else None
     res.other_flags = [s for s in flagged if s != res.flagged_step and s not in near]
     if SNAPSHOT_ARGS:
-        res.window = [[e["step"], w.get("cause"), w.get("from_step"), w.get("seconds")]
-                      for e in led.spike_events() if (w := (e.get("proof") or {}).get("window"))]
+        res.window = [[step, w.get("cause"), w.get("from_step"), w.get("seconds"), "stall" if w.get("stall") else "spike"]
+                      for step, proof in led.proofs() if (w := proof.get("window"))]
     if prove:
         proofs = read_proofs(dump)
         # a real cause has no step by construction: its spike is the first flagged step
@@ -791,6 +792,13 @@ def summary(results: list[Result]) -> list[str]:
             for r in pr if not r.proof["proof_match"]]
         out.append(f"proof at the alarm: verdict matches the truth in {len(pr) - len(bad)}/{len(pr)}"
                    + (f" (not: {'; '.join(bad)})" if bad else ""))
+    win = [r for r in results if r.window is not None and r.true_cause]
+    if win:  # proven by intervention: the cause named by the first window proof of a spike, and a stall's
+        first = {r.scenario: {k: next((w[1] for w in r.window if w[4] == k), "-") for k in ("spike", "stall")}
+                 for r in win}
+        right = [n for n, r in zip(first, win) if r.true_cause in first[n].values()]
+        out.append(f"window proofs name the truth in {len(right)}/{len(win)} runs (first spike proof / stall "
+                   f"proof: " + "; ".join(f"{n}: {v['spike']} / {v['stall']}" for n, v in first.items()) + ")")
     fa = [f"{r.scenario}@{r.other_flags}" for r in results if r.true_cause and r.other_flags]
     if fa:
         out.append(f"flags away from the true step in fault runs: {', '.join(fa)}")

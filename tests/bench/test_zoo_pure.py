@@ -146,3 +146,16 @@ def test_end_state_names_the_failed_audit_checks_and_where_the_run_ended():
                                                 "logz_max_last_tenth_max": None})
     assert zoo.BY_NAME["precision_real"].prevention == ("--training.dtype", "float32")
     assert zoo.BY_NAME["output_logits_long"].set == "long"  # its horizon is outside --set real's budget
+
+
+def test_the_summary_says_which_window_proofs_name_the_truth_a_stalls_included():
+    """A stall's proof is a forced one (no spike event): it counts, as the stall's."""
+    zoo = load_bench("zoo")
+    stall = zoo.Result("logit_stall_lr02", "real", "logit_growth", window=[
+        [25, "lr", 0, 9.4, "spike"], [352, "logit_growth", 140, 123.5, "stall"]])
+    lr = zoo.Result("lr_warmup_real", "real", "lr", window=[[26, "lr", 0, 8.0, "spike"]])
+    plateau = zoo.Result("optimizer_state_plateau", "real", "optimizer_state",
+                         window=[[123, "lr", 100, 33.0, "spike"], [420, "optimizer_state", 400, 40.0, "spike"]])
+    line = next(x for x in zoo.summary([stall, lr, plateau]) if x.startswith("window proofs"))
+    assert line.startswith("window proofs name the truth in 2/3 runs"), line
+    assert "logit_stall_lr02: lr / logit_growth" in line and "optimizer_state_plateau: lr / -" in line
