@@ -44,8 +44,10 @@ class Host(Protocol):
     gradient_accumulation_steps: int
     num_pipeline_parallel_microbatches: int
     ntokens_seen: int  # (Reexecution puts an extra execution's count back)
-    # ours
-    ledger: Any  # the Ledger: its public methods
+    # ours: the Ledger, asked through its methods (``watches``, ``detector``, ``hold``,
+    # ``host_stats``, ``record_action``, ``drain``, ...) and its public facts (``topo``,
+    # ``loader``, ``folder``), never its parts (``recorder``, ``guard``: test_seam.py)
+    ledger: Any
 
     @property
     def step(self) -> int:
