@@ -1,9 +1,11 @@
 """The design article's §2.7 decision tree on recorded rows: the pure half of ``diagnose``.
 
-Design decision: the questions (``classify``), the LR-jump test the rerun's ``lr``
-variant shares (``lr_jump``, ``lj_hit``), "is this step a spike at all"
-(``spike_check``, ``spike_steps``) and the documents of a step ranked by how far
-they sit from its median (``document_scores``) are functions of ledger rows and the
+Design decision: the questions -- one table, :data:`QUESTIONS` (each an id, its text,
+the function that answers it from the step's rows, the cause it names), which
+``classify`` walks --, the LR-jump test the rerun's ``lr`` variant shares (``lr_jump``,
+``lj_hit``), "is this step a spike at all" (``spike_check``, ``spike_steps``) and the
+documents of a step ranked by how far they sit from its median (``document_scores``)
+are functions of ledger rows and the
 data ledger, importing no other tool but :mod:`titan_ledger.tools.postmortem` (as pure:
 the recorded actions at a step): :mod:`titan_ledger.tools.diagnose` (its CLI,
 printing and the ``--rerun`` glue), :mod:`titan_ledger.tools.report` and
