@@ -204,6 +204,7 @@ class SnapshotRing:
         self.proofs = 0  # window proofs of spikes (--ledger.snapshots.max_proofs)
         self.stall_proofs = 0  # of stalls (max_stall_proofs)
         self.anchor: Snapshot | None = None  # pinned at the stall rule's onset (stall_anchor)
+        self._onset: int | None = None  # the onset the anchor was chosen for
         self.failures: list[tuple[int, BaseException]] = []  # copies that failed (Recovery records them)
 
     @property
@@ -266,21 +267,31 @@ class SnapshotRing:
         self.anchor = None
 
     def pin(self) -> None:
-        """The stall anchor (``--ledger.snapshots.stall_anchor``): the newest snapshot at or
-        before the stall rule's onset (``Ledger.stall_onset``), kept while a stall proof
-        can still run and the onset is within (``patience`` + 2) x ``window`` steps."""
+        """The stall anchor (``--ledger.snapshots.stall_anchor``): at each new onset of the
+        stall rule (``Ledger.stall_onset``: where its best window ended), the newest snapshot
+        at or before it, kept while a stall proof can still run and for at most
+        (``patience`` + 2) x ``window`` steps after the snapshot. The age is counted from
+        the snapshot's step, not the onset's: every rank drops it at the same step, though
+        ranks may drain the rows that move the onset a step apart."""
         t, stall = self.trainer, self.trainer.config.ledger.stall
         onset = t.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
-        if onset is None or self.stall_proofs >= self.config.max_stall_proofs \
-                or t.step - onset > (stall.patience + 2) * stall.window:
-            if self.anchor is not None:
-                self._release_anchor()
-                self._prune_log()
+        if onset is None or self.stall_proofs >= self.config.max_stall_proofs:
+            self._onset = None
+            self._drop_anchor()
             return
         fit = [snap for snap in self.ring if snap.step <= onset]
-        if fit and (self.anchor is None or fit[-1].step > self.anchor.step):
+        if onset != self._onset or (self.anchor is not None and fit and fit[-1].step > self.anchor.step):
+            # the loss improved (a later onset), or a snapshot nearer the onset was taken
+            self._onset = onset
             self._release_anchor()
-            self.anchor = fit[-1]
+            self.anchor = fit[-1] if fit else None
+            self._prune_log()
+        if self.anchor is not None and t.step - self.anchor.step > (stall.patience + 2) * stall.window:
+            self._drop_anchor()
+
+    def _drop_anchor(self) -> None:
+        if self.anchor is not None:
+            self._release_anchor()
             self._prune_log()
 
     def at_start(self) -> None:

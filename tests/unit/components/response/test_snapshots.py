@@ -249,8 +249,9 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     run(56, 56)
     assert ring.anchor.step == 40 and sorted(ring.log)[0] == 41
     assert pinned not in ring._spare and ring.nbytes == 2 * ring.ring[0].tensors.nbytes  # the old copy freed
-    t.onset = 56 - (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window - 1
-    run(57, 57)  # an onset too far back for the bound: nothing pinned
+    bound = (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window
+    t.onset = 56 - bound - 1
+    run(57, 57)  # an onset no snapshot of the ring is at or before: nothing pinned
     assert ring.anchor is None and ring.window(58, stall=True).step == 40  # the ring's oldest
     t.onset = 55
     run(58, 58)
@@ -261,10 +262,18 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     ring.stall_proofs, t.onset = 0, 58
     run(60, 61)
     assert ring.anchor.step == 50
+    run(62, 50 + bound)  # the loss never improves again: the anchor is kept up to the bound ...
+    assert ring.anchor.step == 50 and sorted(ring.log)[0] == 51
+    run(51 + bound, 51 + bound)  # ... counted from the snapshot's step, then dropped
+    assert ring.anchor is None and sorted(ring.log)[0] > 51
+    t.onset = 345
+    run(52 + bound, 52 + bound)
+    assert ring.anchor.step == 340
     ring.clear()  # what the replay cannot repeat releases the anchor with the ring
     assert ring.anchor is None and ring.nbytes == 0
     t.config.ledger.snapshots.stall_anchor = False
-    run(62, 75)
+    t.onset = 360
+    run(53 + bound, 53 + bound + 20)
     assert ring.anchor is None
 
 
