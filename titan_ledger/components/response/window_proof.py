@@ -149,8 +149,12 @@ class WindowProof:
             removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
                        for c in causes}
             cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes})
-            why = f"the stall: {why}".replace("removed it", "lowered the loss").replace("removed by",
-                                                                                       "lowered by")
+            for spike, stalled in (("reproduced the spike", "stalled as the run did"),
+                                   ("removed the spike from this window",
+                                    f"lowered the window's last losses by {gain:.0%} from step {snap.step}"),
+                                   ("removed it", "lowered the loss"), ("removed by", "lowered by")):
+                why = why.replace(spike, stalled)
+            why = f"the stall: {why}"
         else:
             cause, why, fixes = window_verdict(by[UNCHANGED]["normal"], {c: by[c]["normal"] for c in causes},
                                                {c: by[c]["cost"] for c in causes}, prior=prior)

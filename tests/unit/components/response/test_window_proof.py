@@ -147,6 +147,7 @@ def test_a_stall_is_judged_by_the_loss_a_fix_lowers_and_has_its_own_budget():
     runs = {r["variant"]: r for r in out["runs"]}
     # the window's last steps' loss is lower at 0.1x the LR: that fix "lowered the loss"
     assert runs["lr"]["cost"] < 0 and out["cause"] == "lr" and out["why"].startswith("the stall: ")
+    assert "the lr variant lowered the loss" in out["why"] and "spike" not in out["why"], out["why"]
 
 
 @pytest.mark.parametrize("kind", ["raise", "nan"])
