@@ -110,45 +110,42 @@ def _drop(kind: str, gone: list[str], kinds: list[str]) -> None:
     del gone[i], kinds[i]
 
 
+def _against_control(kind: str, ctl: VariantResult | None, gone: list[str], kinds: list[str], evidence: list[str],
+                     *, same: str, unconvicted: str, not_this: str, this: str) -> None:
+    """A data counterfactual (``kind``) convicts only if its same-size control (``same``:
+    what it removes instead) leaves the spike; otherwise ``kind`` is taken off the causes."""
+    if ctl is None or not ctl.applicable or ctl.present is None:
+        why = ("no same-size control ran" if ctl is None else
+               f"its control could not run ({ctl.note or 'not applicable'})")
+        evidence.append(f"{kind}: removed it, but {why}: {unconvicted}")
+        _drop(kind, gone, kinds)
+    elif ctl.present is False:
+        evidence.append(f"{ctl.variant}: gone as well ({same}): {not_this}")
+        _drop(kind, gone, kinds)
+    else:
+        evidence.append(f"{ctl.variant}: still present ({same}): {this}")
+
+
 def _against_quarantine_control(results: list[VariantResult], gone: list[str], kinds: list[str],
                                 evidence: list[str]) -> None:
     """Masking the named documents convicts them only if masking as many tokens of other
     documents (the control) leaves the spike."""
-    qc = next((r for r in results if r.kind == "qcontrol"), None)
-    if qc is None or not qc.applicable or qc.present is None:
-        why = ("no same-size control ran" if qc is None else
-               f"its control could not run ({qc.note or 'not applicable'})")
-        evidence.append(f"quarantine: removed it, but {why}: masking any text of a step can move its "
-                        f"update: the documents are not convicted")
-        _drop("quarantine", gone, kinds)
-    elif qc.present is False:
-        evidence.append(f"{qc.variant}: gone as well (as many tokens of other documents masked): "
-                        f"not these documents")
-        _drop("quarantine", gone, kinds)
-    else:
-        evidence.append(f"{qc.variant}: still present (as many tokens of other documents masked): "
-                        f"these documents, not the amount of text")
+    _against_control("quarantine", next((r for r in results if r.kind == "qcontrol"), None), gone, kinds, evidence,
+                     same="as many tokens of other documents masked",
+                     unconvicted="masking any text of a step can move its update: the documents are not convicted",
+                     not_this="not these documents", this="these documents, not the amount of text")
 
 
 def _against_skip_control(results: list[VariantResult], by: dict[str, VariantResult], gone: list[str],
                           kinds: list[str], evidence: list[str]) -> None:
     """A skip convicts the step's data only if skipping as many other steps (the control)
     leaves the spike."""
-    ctl = by.get("control") or next((r for r in results if r.kind == "control"), None)
-    if ctl is None or not ctl.applicable or ctl.present is None:
-        why = ("no same-size control ran" if ctl is None else
-               f"its control could not run ({ctl.note or 'not applicable'})")
-        evidence.append(f"skip: removed it, but {why}: a skip removes its steps' updates (and, with the "
-                        f"LR frozen over them, holds back every later step's LR), not only their data: "
-                        f"the data is not convicted")
-        _drop("skip", gone, kinds)
-    elif ctl.present is False:
-        evidence.append(f"{ctl.variant}: gone as well (as many other steps skipped): removing that many "
-                        f"updates removed it, not this data: not bad_data")
-        _drop("skip", gone, kinds)
-    else:
-        evidence.append(f"{ctl.variant}: still present (as many other steps skipped): the skipped steps' "
-                        f"data removed it, not their number")
+    _against_control("skip", by.get("control") or next((r for r in results if r.kind == "control"), None),
+                     gone, kinds, evidence, same="as many other steps skipped",
+                     unconvicted="a skip removes its steps' updates (and, with the LR frozen over them, holds back "
+                                 "every later step's LR), not only their data: the data is not convicted",
+                     not_this="removing that many updates removed it, not this data: not bad_data",
+                     this="the skipped steps' data removed it, not their number")
 
 
 def _swap(sw: VariantResult | None, gone: list[str], kinds: list[str], evidence: list[str]) -> None:
