@@ -200,18 +200,26 @@ class _Trainer:
         self.step = sd["step"]
 
 
+def _steps(t, ring, first: int, last: int, proofs: dict | None = None) -> None:
+    """Steps ``first..last`` as ``Recovery`` drives the ring: at each step's start (a
+    snapshot due after the previous step is taken there), before its update, after its
+    decision (``proofs``: a step's proof record)."""
+    for step in range(first, last + 1):
+        t.step = step
+        ring.at_start()
+        rec = _Rec(step)
+        rec.proof = (proofs or {}).get(step)
+        ring.log_step(rec)
+        ring.after_decision(rec)
+
+
 def test_the_ring_keeps_keep_snapshots_and_the_steps_since_the_oldest():
     t = _Trainer(every=10, keep=3)
     ring = SnapshotRing(t)
     ring.at_start()
-    for step in range(1, 37):
-        t.step = step
-        ring.at_start()  # a snapshot due after the previous step is taken here
-        if step == 36:
-            break
-        rec = _Rec(step)
-        ring.log_step(rec)
-        ring.after_decision(rec)
+    _steps(t, ring, 1, 35)
+    t.step = 36
+    ring.at_start()
     assert [s.step for s in ring.ring] == [10, 20, 30]
     assert sorted(ring.log) == list(range(11, 36))
     assert ring.window(35).step == 10 and ring.window(12).step == 10
@@ -227,53 +235,45 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     t = _Trainer(every=10, keep=2)
     ring = SnapshotRing(t)
 
-    def run(first, last):
-        for step in range(first, last + 1):
-            t.step = step
-            ring.at_start()
-            rec = _Rec(step)
-            ring.log_step(rec)
-            ring.after_decision(rec)
-
     ring.at_start()
     t.onset = 15  # the best window ended at step 15 (its row written)
-    run(1, 16)
+    _steps(t, ring, 1, 16)
     assert ring.anchor.step == 10 and [s.step for s in ring.ring] == [0, 10]
-    run(17, 55)
+    _steps(t, ring, 17, 55)
     assert [s.step for s in ring.ring] == [40, 50] and ring.anchor.step == 10 and not ring.failures
     assert sorted(ring.log) == list(range(11, 56))  # the batches since the anchor
     assert ring.window(56, stall=True).step == 10 and ring.window(56).step == 40
     assert ring.nbytes == 3 * ring.ring[0].tensors.nbytes
     pinned = ring.anchor.tensors
     t.onset = 45  # the loss improved again: the newest snapshot at or before the new onset
-    run(56, 56)
+    _steps(t, ring, 56, 56)
     assert ring.anchor.step == 40 and sorted(ring.log)[0] == 41
     assert pinned not in ring._spare and ring.nbytes == 2 * ring.ring[0].tensors.nbytes  # the old copy freed
     bound = (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window
     t.onset = 56 - bound - 1
-    run(57, 57)  # an onset no snapshot of the ring is at or before: nothing pinned
+    _steps(t, ring, 57, 57)  # an onset no snapshot of the ring is at or before: nothing pinned
     assert ring.anchor is None and ring.window(58, stall=True).step == 40  # the ring's oldest
     t.onset = 55
-    run(58, 58)
+    _steps(t, ring, 58, 58)
     assert ring.anchor.step == 50
     ring.stall_proofs = 1  # --ledger.snapshots.max_stall_proofs spent: no stall proof will read it
-    run(59, 59)
+    _steps(t, ring, 59, 59)
     assert ring.anchor is None
     ring.stall_proofs, t.onset = 0, 58
-    run(60, 61)
+    _steps(t, ring, 60, 61)
     assert ring.anchor.step == 50
-    run(62, 50 + bound)  # the loss never improves again: the anchor is kept up to the bound ...
+    _steps(t, ring, 62, 50 + bound)  # the loss never improves again: the anchor is kept up to the bound ...
     assert ring.anchor.step == 50 and sorted(ring.log)[0] == 51
-    run(51 + bound, 51 + bound)  # ... counted from the snapshot's step, then dropped
+    _steps(t, ring, 51 + bound, 51 + bound)  # ... counted from the snapshot's step, then dropped
     assert ring.anchor is None and sorted(ring.log)[0] > 51
     t.onset = 345
-    run(52 + bound, 52 + bound)
+    _steps(t, ring, 52 + bound, 52 + bound)
     assert ring.anchor.step == 340
     ring.clear()  # what the replay cannot repeat releases the anchor with the ring
     assert ring.anchor is None and ring.nbytes == 0
     t.config.ledger.snapshots.stall_anchor = False
     t.onset = 360
-    run(53 + bound, 53 + bound + 20)
+    _steps(t, ring, 53 + bound, 53 + bound + 20)
     assert ring.anchor is None
 
 
@@ -281,14 +281,7 @@ def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
     t = _Trainer(every=10, keep=2)
     ring = SnapshotRing(t)
     ring.at_start()
-    for step in range(1, 16):
-        t.step = step
-        ring.at_start()
-        rec = _Rec(step)
-        if step == 14:
-            rec.proof = proof_record("bad_data", "masked")
-        ring.log_step(rec)
-        ring.after_decision(rec)
+    _steps(t, ring, 1, 15, proofs={14: proof_record("bad_data", "masked")})
     assert [s.step for s in ring.ring] == [14] and sorted(ring.log) == [15]
     assert ring.window(16).step == 14 and ring.window(14) is None
     assert ring.ring[0].run["trainer"]["step"] == 14  # what a checkpoint of step 14 holds
@@ -352,12 +345,7 @@ def test_a_ring_only_a_rollback_reads_keeps_no_batches():
     t = _Trainer(every=10, keep=2, prove="off")
     ring = SnapshotRing(t)
     ring.at_start()
-    for step in range(1, 15):
-        t.step = step
-        ring.at_start()
-        rec = _Rec(step)
-        ring.log_step(rec)
-        ring.after_decision(rec)
+    _steps(t, ring, 1, 14)
     assert [s.step for s in ring.ring] == [0, 10] and ring.log == {}
 
 
