@@ -262,10 +262,6 @@ class SnapshotRing:
         oldest = min(self.ring[0].step if self.ring else 1 << 62, self.anchor.step if self.anchor else 1 << 62)
         self.log = {s: e for s, e in self.log.items() if s > oldest}
 
-    def _release_anchor(self) -> None:
-        """The anchor's copy is freed (not kept for reuse: the ring's own slots are)."""
-        self.anchor = None
-
     def pin(self) -> None:
         """The stall anchor (``--ledger.snapshots.stall_anchor``): at each new onset of the
         stall rule (``Ledger.stall_onset``: where its best window ended), the newest snapshot
@@ -283,15 +279,14 @@ class SnapshotRing:
         if onset != self._onset or (self.anchor is not None and fit and fit[-1].step > self.anchor.step):
             # the loss improved (a later onset), or a snapshot nearer the onset was taken
             self._onset = onset
-            self._release_anchor()
-            self.anchor = fit[-1] if fit else None
+            self.anchor = fit[-1] if fit else None  # (the one before it freed, not kept as a spare)
             self._prune_log()
         if self.anchor is not None and t.step - self.anchor.step > (stall.patience + 2) * stall.window:
             self._drop_anchor()
 
     def _drop_anchor(self) -> None:
         if self.anchor is not None:
-            self._release_anchor()
+            self.anchor = None
             self._prune_log()
 
     def at_start(self) -> None:
@@ -316,12 +311,12 @@ class SnapshotRing:
         try:
             self.pin()
         except Exception as e:  # (no anchor: a stall's window starts from the ring's oldest)
-            self._release_anchor()
+            self.anchor = None
             self.failures.append((self.trainer.step, e))
 
     def clear(self) -> None:
         """No snapshot stands: the next due step starts the ring again."""
-        self._release_anchor()
+        self.anchor = None
         self._spare.extend(s.tensors for s in self.ring)
         self.ring, self.log, self._due = [], {}, None
 
