@@ -69,9 +69,7 @@ def load_config(argv: list[str], *, files: bool = True):
     Every check of the launch is here, before anything is written (``run`` calls this
     first). ``files=False`` leaves out :func:`check_files` (``titan_ledger.launch`` checks
     the dump folder's lock first and then calls it)."""
-    job = read_job(argv)
-    backend.install(job.device)
-    config = parse(job)
+    config, job = parse_flags(argv)
     check_world_size(config, world_size_from_env(config))
     validate(config, world_size_from_env(config))  # every launch check of values against each other
     check_ranks(config)
@@ -81,6 +79,15 @@ def load_config(argv: list[str], *, files: bool = True):
         # A dry run must not touch a GPU; it only builds.
         config.training.disable_cuda_graphs = True
     return config, job
+
+
+def parse_flags(argv: list[str]):
+    """Command line (+ TOML) -> (torchtitan's parsed config, the job), nothing checked: the
+    one parse path of a launch (:func:`load_config`) and of the recorded launch a relaunch
+    is compared with (:func:`relaunch_report`). Installs the device backend first."""
+    job = read_job(argv)
+    backend.install(job.device)
+    return parse(job), job
 
 
 def check_ranks(config) -> None:

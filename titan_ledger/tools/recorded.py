@@ -17,12 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from titan_ledger.config.launch_diff import config_diff, settings, strip_recorded
 from titan_ledger.errors import ConfigError, LedgerCorrupt, LedgerError, TitanLedgerError
 from titan_ledger.format import records
 
-#: settings a tool or a relaunch changes on purpose: not a mismatch
-VOLATILE = ("job.dump_folder", "checkpoint.load_step", "checkpoint.interval", "checkpoint.enable",
-            "ledger.rehearsal.rerun", "ledger.skip.steps", "ledger.filter.quarantine", "ledger.on_spike.action")
 DEFAULT_NPROC = 2
 
 
@@ -69,46 +67,10 @@ def launch_args(dump, given: list[str], nproc: int | None, *, ledger_folder: str
     return given, nproc
 
 
-def strip_recorded(argv: list[str]) -> list[str]:
-    """A recorded launch's flags minus its dump folder (the tool sets its own)."""
-    out, i = [], 0
-    while i < len(argv):
-        key, eq, _ = str(argv[i]).partition("=")
-        if key in ("--job.dump_folder", "--dump_folder"):
-            i += 1 if eq else 2
-            continue
-        out.append(str(argv[i]))
-        i += 1
-    return out
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
-    """``(key, a's value, b's value)`` of every setting that differs, volatile ones left out."""
-    fa, fb = _flat(a), _flat(b)
-    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
-            if fa.get(k) != fb.get(k) and not any(k == v or k.startswith(v + ".") for v in VOLATILE)]
-
-
 def _parsed(args: list[str], dump, nproc: int) -> dict:
-    import json
-    import re
-
     from titan_ledger.tools.launch import validate
 
-    config = validate([*args, "--job.dump_folder", str(dump)], nproc)
-    # as the ledger's digest does: no object addresses (functions in the model spec)
-    return json.loads(re.sub(r" at 0x[0-9a-f]+", "", json.dumps(config.to_dict(), sort_keys=True, default=repr)))
+    return settings(validate([*args, "--job.dump_folder", str(dump)], nproc))
 
 
 def check_flags(dump, given: list[str], recorded: list[dict], nproc: int, log: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from titan_ledger.errors import ConfigError
 from titan_ledger.format import records
 from titan_ledger.tools import replay
-from titan_ledger.tools.recorded import config_diff, launch_args, strip_recorded
+from titan_ledger.tools.recorded import launch_args
 
 from ..bad_input_ledgers import make_run
 
@@ -64,10 +64,3 @@ def _cli(main, argv):
         except SystemExit as e:
             rc = e.code
     return rc, out.getvalue(), err.getvalue()
-
-
-def test_config_diff_and_strip():
-    assert strip_recorded(["--a", "1", "--job.dump_folder", "/x", "--dump_folder=/y", "--b"]) == ["--a", "1", "--b"]
-    a = {"training": {"steps": 14, "seq_len": 256}, "job": {"dump_folder": "/a"}, "checkpoint": {"load_step": 8}}
-    b = {"training": {"steps": 12, "seq_len": 256}, "job": {"dump_folder": "/b"}, "checkpoint": {"load_step": -1}}
-    assert config_diff(a, b) == [("training.steps", 14, 12)]

@@ -132,8 +132,14 @@ def claim_dump_folder(dump_folder, ledger_folder: str, layout: dict[str, Any], *
     return [str(p.with_name(f"{p.name}.old-{n}")) for p in moved]
 
 
+def config_json(config) -> str:
+    """The config as JSON, stable across processes: keys sorted, no object addresses (a
+    function in the model spec reprs with one). The digest hashes it; a relaunch and the
+    tools compare launches by it (``config/launch_diff.settings``)."""
+    blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    return re.sub(r" at 0x[0-9a-f]+", "", blob)
+
+
 def config_digest(config) -> str:
     """SHA-256 of the config, stable across processes (no object addresses)."""
-    blob = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-    blob = re.sub(r" at 0x[0-9a-f]+", "", blob)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return hashlib.sha256(config_json(config).encode()).hexdigest()[:16]
