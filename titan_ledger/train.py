@@ -176,6 +176,58 @@ def check_dump_folder_run(config, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------- #
+# A relaunch: what it changes against the run already in the dump folder.
+# --------------------------------------------------------------------------- #
+
+
+def relaunch_report(config) -> list[tuple[str, str]]:
+    """``(level, line)`` for what this launch changes against the run in its dump folder:
+    its settings against the run's recorded launch (the last launch-log row with ``argv``,
+    parsed by :func:`parse_flags` as this launch was, in its own working directory, with
+    this launch's dump folder), and the checkpoints of the old trajectory a rewind will
+    write again. Reads files only (``config/launch_diff.py`` says what differs); raises
+    what reading or parsing raises (:func:`say_relaunch` keeps that from the launch)."""
+    from titan_ledger.config import launch_diff
+    from titan_ledger.format import records
+    from titan_ledger.format.reader import RunLedger, checkpoints
+
+    out: list[tuple[str, str]] = []
+    log_file = Path(config.dump_folder) / config.ledger.folder / records.SEGMENTS_FILE
+    rows = RunLedger(config.dump_folder, config.ledger.folder).launches() if log_file.is_file() else []
+    rows = [r for r in rows if isinstance(r.get("argv"), list)]  # ledgers before issue 24 record no flags
+    if rows:
+        row = rows[-1]
+        argv = launch_diff.rooted(launch_diff.strip_recorded(row["argv"]), row.get("cwd"))
+        then, _ = parse_flags([*argv, "--job.dump_folder", str(config.dump_folder)])
+        out += launch_diff.relaunch_lines(launch_diff.settings(config), launch_diff.settings(then),
+                                          seq=row.get("seq"), log=log_file,
+                                          world_now=world_size_from_env(config), world_then=row.get("world_size"))
+    ck = config.checkpoint
+    if ck.enable:
+        line = launch_diff.rewind_line(ck.load_step, checkpoints(config.dump_folder, ck.folder),
+                                       config.training.steps, ck.interval)
+        if line is not None:
+            out.append(("info", line))
+    return out
+
+
+def say_relaunch(config) -> None:
+    """Rank 0, before the trainer is built: :func:`relaunch_report`'s lines. A comparison
+    that fails is a warning, never a failed launch (the launch was checked already; a
+    recorded launch this checkout no longer parses is history, not an error)."""
+    if config.ledger.new_run:  # the old run is moved aside at setup: this launch starts a new one
+        return
+    try:
+        lines = relaunch_report(config)
+    except (Exception, SystemExit) as e:  # (tyro exits on flags it cannot parse)
+        log.warning(f"titan_ledger: relaunch: not compared with the run's recorded launch "
+                    f"({type(e).__name__}: {e}); training goes on")
+        return
+    for level, line in lines:
+        (log.warning if level == "warning" else log.info)(line)
+
+
+# --------------------------------------------------------------------------- #
 # Console: which ranks log, and the noise nobody can act on.
 # --------------------------------------------------------------------------- #
 
@@ -314,12 +366,50 @@ class _DropNoise(logging.Filter):
         return not any(p.search(msg) for p in self.patterns)
 
 
+#: a terminal's colour codes (SGR: ``ESC [ ... m``), as torchtitan's ``Color`` writes them
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _PlainText(logging.Formatter):
+    """A handler's own formatter, its output without colour codes (the record itself is
+    left alone: another handler, a terminal, keeps them)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _SGR.sub("", self.inner.format(record))
+
+
+def _is_terminal(handler: logging.Handler) -> bool:
+    stream = getattr(handler, "stream", None)
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError):  # a closed or foreign stream: not a terminal
+        return False
+
+
 def quiet_run(config) -> None:
-    """After ``init_logger``: drop known noise records and CPU-only warnings."""
+    """After ``init_logger``: drop known noise records and CPU-only warnings; no colour
+    codes where the output is not a terminal."""
     patterns = [p for p, when in _NOISE if when(config)]
     noise = _DropNoise(patterns)
     for h in logging.getLogger().handlers:
         h.addFilter(noise)
+        # torchtitan colours its step line and the model's size (``Color`` of
+        # torchtitan.tools.utils) unless --metrics.disable_color_printing; written to a
+        # file or a pipe (a log, CI, tee) the codes are noise. Stripped at the handler,
+        # not by setting that flag: the config (its digest, the recorded launch) must not
+        # depend on where the output goes.
+        if not _is_terminal(h) and not isinstance(h.formatter, _PlainText):
+            h.setFormatter(_PlainText(h.formatter))
+    # torch's DCP writer warns once per rank per save into an existing step-N folder ("Detected
+    # an existing checkpoint in ..., overwriting since self.overwrite=True"): a relaunch that
+    # rewinds (or an in-process rollback) replaces the old trajectory's checkpoints on purpose;
+    # the relaunch says which, once, on rank 0 (say_relaunch, launch_diff.rewind_line).
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"Detected an existing checkpoint in .*, overwriting since self\.overwrite=True")
     if backend.installed() == "cpu":
         # CPU rehearsal: DTensor's offset-based RNG is CUDA-only; every rank warns at
         # model init. Known and inherent to the rehearsal (tests check the signals
@@ -559,6 +649,8 @@ def run(argv: list[str]) -> None:
             if stale is not None:
                 log.warning(f"titan_ledger: took over the stale lock of {stale.describe()} in "
                             f"{config.dump_folder} (that process is gone)")
+            if is_ledger:  # CHANGED from torchtitan: a relaunch says what it changes (the run's own lock held)
+                say_relaunch(config)
         if config.comm.mode == "local_tensor":
             logger.info("Local tensor mode enabled - skipping training execution")
             return
@@ -590,6 +682,8 @@ def run(argv: list[str]) -> None:
             trainer.close()
         if lock is not None:
             run_lock.release(lock)
+        if backend.installed() == "cpu":  # gloo has no flight recorder: nothing is ever written there
+            drop_empty_traces(config)
         raise
     else:
         trainer.close()
@@ -602,12 +696,28 @@ def run(argv: list[str]) -> None:
                 torch.distributed.barrier(device_ids=ids)
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
+        drop_empty_traces(config)  # CHANGED from torchtitan: every rank is past the barrier
         if trained and is_ledger and _rank() == 0:  # CHANGED from torchtitan
             try:
                 log.info(run_summary(config.dump_folder, config.ledger.folder,
                                      checkpoint_folder=config.checkpoint.folder))
             except Exception as e:  # a summary must not fail a finished run
                 log.warning(f"titan_ledger: no run summary ({type(e).__name__}: {e})")
+            if not trainer.ran_a_step and trainer.step >= config.training.steps:
+                from titan_ledger.config.launch_diff import nothing_left_line
+
+                log.warning(nothing_left_line(trainer.step, config.training.steps))
+
+
+def drop_empty_traces(config) -> None:
+    """torchtitan's ``init_distributed`` creates ``<dump>/comm_traces`` on every rank for
+    NCCL's flight recorder, which writes there only when a collective times out; a run
+    that ended without one leaves an empty folder in every dump folder. Removed when empty
+    (every rank tries: a node's own folder; the one that loses the race finds none)."""
+    try:
+        (Path(config.dump_folder) / config.comm.save_traces_folder).rmdir()
+    except OSError:  # not empty (a dump to read), or already gone
+        pass
 
 
 def _exit_finished() -> None:

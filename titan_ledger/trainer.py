@@ -198,6 +198,12 @@ class LedgerTrainer(Trainer):
     def move_to(self, step: int) -> None:
         self.step = step
 
+    @property
+    def ran_a_step(self) -> bool:
+        """ADDED: whether this process ran a step (trained, or consumed one untrained): a
+        relaunch that resumes at its last step runs none (``train.run`` says so)."""
+        return self._ledger_open
+
     def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rehearsal.rerun stop=N
         return super().should_continue_training() and counterfactual.before_stop(self)
 

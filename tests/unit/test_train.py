@@ -231,3 +231,113 @@ def test_printed_commands_name_the_interpreter_that_runs(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path / "elsewhere")  # not below: the absolute path
     monkeypatch.setenv("PATH", "/nonexistent")
     assert python_command() == str(venv / "python")
+
+
+# ---- a relaunch says what it changes (issue 70): config/launch_diff.py's lines, from the files
+
+TOUR = ["--job.config_file", "train_configs/debug_cpu.toml", "--training.steps", "12", "--checkpoint.enable",
+        "--checkpoint.interval", "4", "--ledger.spike.window", "8", "--ledger.rehearsal.inject", "8:1:repeat"]
+
+
+def _recorded_run(dump, argv, cwd, checkpoints=(4, 8, 12)):
+    """A dump folder as the tour's step 1 leaves it: the launch log's row with the flags
+    (segments.jsonl, as ``records.append_segment`` writes it) and complete checkpoints."""
+    import json
+
+    from titan_ledger.format import records
+
+    led = dump / "ledger"
+    led.mkdir(parents=True)
+    row = {"run_id": "a", "seq": 1, "resumed_from": 0, "time": 1.0, "config_digest": "d", "world_size": 2,
+           "dp_size": 2, "argv": argv, "cwd": str(cwd), "step": 0}
+    (led / records.SEGMENTS_FILE).write_text(json.dumps({"schema": records.SEGMENTS.id}) + "\n" + json.dumps(row) + "\n")
+    for s in checkpoints:
+        (dump / "checkpoint" / f"step-{s}").mkdir(parents=True)
+        (dump / "checkpoint" / f"step-{s}" / ".metadata").write_bytes(b"")
+
+
+@pytest.fixture
+def rank0(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+def test_a_rollback_relaunch_names_what_differs_what_is_expected_and_what_it_replaces(tmp_path, monkeypatch, rank0):
+    from helpers import ROOT
+
+    dump = tmp_path / "tour"
+    _recorded_run(dump, [*TOUR, "--ledger.on_spike.prove", "off", "--job.dump_folder", "/moved/away"], ROOT)
+    overlay = tmp_path / "rollback.toml"
+    overlay.write_text("[checkpoint]\nload_step = 4\n\n[ledger.skip]\nsteps = [\"8\"]\n")
+    config, _ = train.parse_flags([*TOUR, "--job.overlay", str(overlay), "--job.dump_folder", str(dump)])
+    monkeypatch.chdir(tmp_path)  # launched from elsewhere: the recorded config file is the run's own directory's
+    log = dump / "ledger" / "segments.jsonl"
+    assert train.relaunch_report(config) == [
+        ("warning", f"titan_ledger: relaunch: 1 setting differs from the run's recorded launch (segment 1 of {log}): "
+                    "--ledger.on_spike.prove all (was off)"),
+        ("info", "titan_ledger: relaunch: expected differences from it: --checkpoint.load_step 4 (was -1: a "
+                 "rollback's checkpoint), --ledger.skip.steps 8 (was none: a rollback's skip window)"),
+        ("info", "titan_ledger: this relaunch rewinds to step-4: checkpoints step-8, step-12 of the old trajectory "
+                 "will be replaced as the run passes them")]
+
+
+def test_a_comparison_that_fails_is_a_warning_not_a_failed_launch(tmp_path, rank0, caplog):
+    from helpers import ROOT
+
+    dump = tmp_path / "run"
+    _recorded_run(dump, ["--job.config_file", "train_configs/gone.toml"], ROOT, checkpoints=())
+    config, _ = train.parse_flags([*TOUR, "--job.dump_folder", str(dump)])
+    caplog.set_level(logging.INFO, logger=train.log.name)
+    train.say_relaunch(config)
+    [rec] = caplog.records
+    assert rec.levelno == logging.WARNING and rec.getMessage().startswith(
+        "titan_ledger: relaunch: not compared with the run's recorded launch (ConfigError: "), rec.getMessage()
+    assert rec.getMessage().endswith("; training goes on") and "gone.toml: no such config file" in rec.getMessage()
+    caplog.clear()
+    config.ledger.new_run = True  # the old run is moved aside: a new run, nothing to compare
+    train.say_relaunch(config)
+    assert not caplog.records
+
+
+def test_console_output_that_is_not_a_terminal_has_no_colour_codes_and_dcp_rewrites_say_nothing(tmp_path, monkeypatch):
+    """The step line's colours (torchtitan's ``Color``) are stripped for a file or a pipe and
+    kept for a terminal; torch's DCP "Detected an existing checkpoint" warning is folded into
+    the relaunch's one line (a real ``dcp.save`` twice into one folder)."""
+    import io
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.tools.utils import Color
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    to_file, to_tty = logging.StreamHandler(io.StringIO()), logging.StreamHandler(Tty())
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [to_file, to_tty])
+    cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(last_save_in_hf=False))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train.quiet_run(cfg)
+        c = Color()
+        root.warning("%sstep: %2d  %sloss: %8.5f%s", c.red, 1, c.green, 8.06102, c.reset)
+        for _ in range(2):
+            dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-4"))
+    assert to_file.stream.getvalue() == "step:  1  loss:  8.06102\n"
+    assert to_tty.stream.getvalue() == "\x1b[31mstep:  1  \x1b[32mloss:  8.06102\x1b[39m\n"
+    assert not [w for w in seen if "Detected an existing checkpoint" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_an_empty_comm_traces_folder_is_removed_a_dump_is_kept(tmp_path):
+    cfg = types.SimpleNamespace(dump_folder=str(tmp_path), comm=types.SimpleNamespace(save_traces_folder="comm_traces"))
+    (tmp_path / "comm_traces").mkdir()
+    train.drop_empty_traces(cfg)
+    assert not (tmp_path / "comm_traces").exists()
+    train.drop_empty_traces(cfg)  # gone already (another rank's): nothing to do
+    (tmp_path / "comm_traces").mkdir()
+    (tmp_path / "comm_traces" / "rank_0").write_text("flight recorder dump")
+    train.drop_empty_traces(cfg)
+    assert (tmp_path / "comm_traces" / "rank_0").exists()
