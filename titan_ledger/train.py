@@ -340,8 +340,6 @@ _NOISE: list[tuple[re.Pattern, object]] = [
     # A100's); the mfu column means nothing there.
     (re.compile(r"^Peak flops undefined for: "), lambda c: backend.installed() == "cpu"),
     (re.compile(r"^Peak FLOPS used for computing MFU: "), lambda c: backend.installed() == "cpu"),
-    # CPU rehearsal: the device memory monitor has no CPU counters ("-0.00GiB").
-    (re.compile(r"^CPU memory usage for model: "), lambda c: backend.installed() == "cpu"),
     # torchrun exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless set; torchtitan always
     # sets 3 (needed for flight-recorder dumps). Nothing for the user to do.
     (re.compile(r"^ENV\[TORCH_NCCL_ASYNC_ERROR_HANDLING\] = [13] will be overridden to 3 "),

@@ -131,8 +131,8 @@ def _cpu_device_module() -> types.ModuleType:
         set_device=_noop,
         synchronize=_noop,
         empty_cache=_noop,
-        reset_peak_memory_stats=_noop,
-        memory_stats=lambda *a, **k: {},
+        reset_peak_memory_stats=_noop,  # (the process's peak resident memory cannot be reset)
+        memory_stats=resident_memory_stats,
         get_device_name=lambda *a, **k: platform.processor() or platform.machine() or "cpu",
         get_device_properties=lambda *a, **k: types.SimpleNamespace(
             name="cpu", total_memory=total
@@ -146,6 +146,28 @@ def _cpu_device_module() -> types.ModuleType:
     # Anything else (Stream, Event, ...) falls through to torch.cpu.
     mod.__getattr__ = lambda name: getattr(torch.cpu, name)  # type: ignore[attr-defined]
     return mod
+
+
+def resident_memory_stats(*args, **kwargs) -> dict[str, int]:
+    """CHANGED from torchtitan on CPU: the process's resident memory under the keys of
+    ``torch.cuda.memory_stats`` that torchtitan's ``DeviceMemoryMonitor.get_peak_stats``
+    (``components/metrics.py``) reads; with none it reads -1 bytes and every step line says
+    ``memory: -0.00GiB(-0.00%)``. ``reserved_bytes.all.peak`` (the step line's
+    ``memory``) is the process's peak resident memory (``ru_maxrss``: what the rank needed,
+    as a GPU's peak reserved memory is), ``active_bytes.all.peak`` its resident memory now
+    (``/proc/self/statm``; the peak where there is no /proc); against the machine's memory
+    (``get_device_properties().total_memory``) for the percentages. No allocator: no
+    retries, no OOMs counted."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        now = peak
+    return {"active_bytes.all.peak": now, "reserved_bytes.all.peak": max(peak, now),  # (statm counts a page or two more)
+            "num_alloc_retries": 0, "num_ooms": 0}
 
 
 def sum_reduction(parallelize_fn):

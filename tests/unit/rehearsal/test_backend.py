@@ -21,6 +21,21 @@ def test_torchtitan_sees_cpu_everywhere():
     assert dist_utils.device_module.get_device_properties(0).total_memory > 0
 
 
+def test_torchtitans_memory_monitor_reads_the_process_resident_memory_on_cpu():
+    """The step line's ``memory`` (torchtitan's ``DeviceMemoryMonitor``, through the CPU
+    device module): this process's peak resident memory, never -1 bytes (``-0.00GiB``)."""
+    import resource
+    import sys
+
+    from torchtitan.components.metrics import DeviceMemoryMonitor
+
+    stats = DeviceMemoryMonitor("cpu").get_peak_stats()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    assert 0.5 * rss <= stats.max_reserved_gib * 2**30 <= 2 * rss and 0 < stats.max_reserved_pct < 100
+    assert 0 < stats.max_active_gib <= stats.max_reserved_gib
+    assert (stats.num_alloc_retries, stats.num_ooms) == (0, 0)
+
+
 def test_cannot_switch_backend_after_install():
     with pytest.raises(RuntimeError, match="already installed as 'cpu'"):
         backend.install("cuda")
