@@ -41,6 +41,10 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     nproc = PARALLELISMS["FSDP2"].nproc
     again = run_training(nproc, dump, args + ["--ledger.filter.quarantine", str(q)], tmp_path / "log")
     assert again["returncode"] == 0, (tmp_path / "log").read_text()[-6000:]
+    # the relaunch names the quarantine as an expected difference from the recorded launch, and nothing else
+    said = [x.split(" - ", 3)[-1] for x in (tmp_path / "log").read_text().splitlines() if "titan_ledger: relaunch" in x]
+    assert said == [f"titan_ledger: relaunch: expected differences from the run's recorded launch (segment 1 of "
+                    f"{dump / 'ledger' / 'segments.jsonl'}): --ledger.filter.quarantine {q} (was none: a quarantine)"], said
     # the same samples as the straight run, step by step and rank by rank
     assert data_ids(dump) == data_ids(straight)
     rc, out, err = cli(replay.main, ["check", straight, dump])

@@ -16,9 +16,22 @@ printed. The matrix (text and indexed, 0 and 2 workers, DP 2 and 1):
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import KILL_AT, PARALLELISMS, STEPS
-from helpers import TB_GRAD_NORM, cli, data_spans, read_tb, signal_keys, signals_ledger, signals_rows
+from helpers import (
+    TB_GRAD_NORM,
+    cli,
+    data_spans,
+    explain,
+    logged_losses,
+    read_tb,
+    signal_keys,
+    signals_ledger,
+    signals_rows,
+    torchrun,
+)
 
 from titan_ledger.tools import replay
 
@@ -158,3 +171,40 @@ def test_a_full_disk_stops_with_one_line_keeps_the_record_and_resumes_exactly(ru
         assert signals_ledger(dump).segments[-1].header["resumed_from"] == 3
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_finished_run_relaunched_with_a_changed_flag_says_so_and_trains_nothing(runs):
+    """The FSDP2 straight run (its ledger and step-6 checkpoint, copied) relaunched with one
+    flag changed (issue 70): rank 0 names the difference against the recorded launch
+    (config/launch_diff.py's line) and, at the end, that the run had already reached its
+    last step; exit 0, no step trained, no colour codes in the redirected output, no
+    empty folder left behind."""
+    dump = runs.copy_checkpoint(runs.straight("FSDP2"), STEPS, "relaunch-finished", with_ledger=True)
+    proc = torchrun([*runs.args("FSDP2"), "--job.dump_folder", str(dump), "--ledger.spike.window", "9"],
+                    nproc=PARALLELISMS["FSDP2"].nproc)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, explain(proc)
+    ours = [line.split(" - ", 3)[-1] for line in out.splitlines() if " - titan_ledger.train - " in line]
+    said = "\n".join(ours)
+    relaunch = [x for x in ours if x.startswith("titan_ledger: relaunch")]
+    assert len(relaunch) == 1 and re.fullmatch(
+        r"titan_ledger: relaunch: 1 setting differs from the run's recorded launch \(segment 1 of "
+        rf"{re.escape(str(dump / 'ledger' / 'segments.jsonl'))}\): --ledger\.spike\.window 9 \(was \d+\)",
+        relaunch[0]), said
+    assert ours[-1] == (f"titan_ledger: the run already reached step {STEPS} of {STEPS}; nothing trained; to train "
+                        "again with these flags use a new --dump_folder, to go on raise --training.steps"), said
+    assert f"Training starts at step {STEPS + 1}" in out and not logged_losses(out)
+    assert "\x1b[" not in out
+    assert not [p for p in dump.rglob("*") if p.is_dir() and not any(p.iterdir())]
+
+
+def test_a_redirected_run_log_has_no_colour_codes_and_the_step_line_shows_resident_memory(runs):
+    """The FSDP2 straight run's console, captured (not a terminal): no ANSI escape codes; on
+    the CPU backend each step line's memory is the process's peak resident memory (issue
+    70: it read ``-0.00GiB(-0.00%)``); no empty folder in its dump folder (comm_traces/)."""
+    straight = runs.straight("FSDP2")
+    log = (straight / "train.log").read_text()
+    assert "\x1b[" not in log
+    mem = [float(m) for m in re.findall(r" - INFO - step:\s+\d+ .* memory:\s+(-?[\d.]+)GiB", log)]
+    assert len(mem) == STEPS and min(mem) > 0.1, mem  # (about 1.3 GiB a rank: torch and the model)
+    assert not [p for p in straight.rglob("*") if p.is_dir() and not any(p.iterdir())]

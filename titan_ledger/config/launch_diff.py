@@ -118,7 +118,7 @@ def expected_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
     return [d for d in _all_diffs(a, b) if is_volatile(d[0]) and d[0] != "dump_folder"]
 
 
-def value(v: Any, width: int = 60) -> str:
+def value(v: Any, width: int = 160) -> str:
     """A setting's value as it reads on a command line (a list space-separated, an empty
     one or None as ``none``), cut to ``width`` characters."""
     if isinstance(v, (list, tuple)):

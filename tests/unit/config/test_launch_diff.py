@@ -45,7 +45,8 @@ def test_volatile_settings_are_expected_not_differences():
     assert expected_diff(a, b) == [("checkpoint.load_step", 8, -1), ("ledger.skip.steps", ["9"], [])]
     assert (value([]), value(["8", "9-10"]), value(None), value(True), value(-1)) == ("none", "8 9-10", "none",
                                                                                     "true", "-1")
-    assert value("x" * 80) == "x" * 57 + "..."
+    assert value("/a/quarantine/file/" + "x" * 60 + ".jsonl") == "/a/quarantine/file/" + "x" * 60 + ".jsonl"
+    assert value("x" * 200) == "x" * 157 + "..."  # (a model spec's repr: cut)
 
 
 def test_relaunch_lines_one_line_each():
