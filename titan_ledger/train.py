@@ -23,7 +23,16 @@ every other rank logs WARNING and above only. ``TITAN_LEDGER_LOG_RANKS=all`` (or
 ``=0,3``: global ranks) overrides that. titan_ledger's own lines (job, backend,
 end-of-run summary) come from global rank 0, which writes the signals ledger.
 Known noise (see :func:`quiet_imports`, :func:`quiet_run`) is dropped by exact
-message patterns, never by level.
+message patterns, never by level; where the console is not a terminal, torchtitan's
+colour codes are stripped at the handler (not through its config flag: the config and
+its digest must not depend on where the output goes).
+
+A relaunch into a dump folder that holds a run says what it changes, on rank 0 before
+the trainer is built (:func:`say_relaunch`): the run's recorded launch (the launch log's
+last row with flags) is parsed by this module's own parse path (:func:`parse_flags`) and
+compared setting by setting (``config/launch_diff.py``); a rewind names the checkpoints it
+will write again; a launch that resumed at its last step says it trained nothing. Files
+are only read, and a comparison that fails is a warning, never a failed launch.
 """
 
 from __future__ import annotations
