@@ -54,6 +54,10 @@ def embedding_params(model: nn.Module) -> set[str]:
             for p_name, _ in m.named_parameters(recurse=False)}
 
 
+#: a param group's hyperparameters the launch's config decides over a checkpoint's
+_CONFIG_KEYS = ("weight_decay", "eps", "betas")
+
+
 class LedgerOptimizers(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` with the weight-decay presets."""
 
@@ -72,17 +76,20 @@ class LedgerOptimizers(OptimizersContainer):
         # read by _build_param_groups, which torchtitan's __init__ calls per model part
         self._no_decay = config.no_decay
         super().__init__(config, model_parts=model_parts)
-        # each group's weight decay as this launch's config and preset give it
-        self._decay = [[g["weight_decay"] for g in o.param_groups] for o in self.optimizers]
+        # each group's hyperparameters as this launch's config and preset give them
+        self._kept = [[{k: g[k] for k in _CONFIG_KEYS if k in g} for g in o.param_groups] for o in self.optimizers]
 
     def load_state_dict(self, state_dict) -> None:
-        # ADDED: torchtitan restores every group's kwargs from the checkpoint, so a preset
-        # set on resume would silently not apply; the config decides the decay, the
-        # checkpoint the optimizer state (moments, step) and the LR (its scheduler's)
+        # ADDED: torchtitan restores every group's kwargs from the checkpoint, so a value
+        # changed on resume would silently not apply -- a preset's decay, and the epsilon or
+        # betas of a fix relaunched from a checkpoint (measured, issue 67: a relaunch with
+        # --optimizer.eps 1e-6 from step-360 trained bit for bit as the run it was to fix).
+        # The config decides the hyperparameters; the checkpoint the optimizer state
+        # (moments, step) and the LR (its scheduler's position, from the config's base LR)
         super().load_state_dict(state_dict)
-        for opt, decays in zip(self.optimizers, self._decay):
-            for g, wd in zip(opt.param_groups, decays):
-                g["weight_decay"] = wd
+        for opt, kept in zip(self.optimizers, self._kept):
+            for g, values in zip(opt.param_groups, kept):
+                g.update(values)
 
     # CHANGED from torchtitan (a staticmethod there, called as self._build_param_groups):
     # each matched group is split into the parameters that decay and the exceptions

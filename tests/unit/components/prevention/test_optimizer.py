@@ -25,13 +25,13 @@ class Tiny(nn.Module):
         return self.output(self.proj(self.norm(self.tok_embeddings(x))))
 
 
-def _build(preset: str, model: nn.Module) -> LedgerOptimizers:
+def _build(preset: str, model: nn.Module, **kw) -> LedgerOptimizers:
     cfg = LedgerOptimizers.Config(
         no_decay=preset, implementation="for-loop",
         param_groups=[ParamGroupConfig(pattern=r"^output\.", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.2}),
+                                       optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.2, **kw}),
                       ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 2e-3, "weight_decay": 0.1})])
+                                       optimizer_kwargs={"lr": 2e-3, "weight_decay": 0.1, **kw})])
     return cfg.build(model_parts=[model])
 
 
@@ -76,6 +76,27 @@ def test_a_checkpoint_without_the_split_resumes_into_it_and_back():
     back = _build("none", Tiny())
     back.load_state_dict(split.state_dict())
     assert _decay(back)["norm.weight"] == 0.1
+
+
+def test_a_resume_with_another_epsilon_or_betas_trains_with_the_launchs_not_the_checkpoints():
+    """A fix relaunched from a checkpoint (issue 67: ``--optimizer.eps 1e-6`` from step-360)
+    must train with it: torchtitan's load restored every group's epsilon and betas from the
+    checkpoint, and the relaunch trained bit for bit as the run it was to fix. The moments
+    and the step count are the checkpoint's."""
+    torch.manual_seed(0)
+    a = Tiny()
+    opt = _build("none", a, eps=1e-8, betas=(0.9, 0.999))
+    a(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    b = Tiny()
+    b.load_state_dict(a.state_dict())
+    fixed = _build("none", b, eps=1e-6, betas=(0.9, 0.95))
+    fixed.load_state_dict(opt.state_dict())
+    groups = fixed.optimizers[0].param_groups
+    assert all(g["eps"] == 1e-6 and tuple(g["betas"]) == (0.9, 0.95) for g in groups), groups
+    pa, pb = next(a.parameters()), next(b.parameters())
+    assert torch.equal(opt.optimizers[0].state[pa]["exp_avg_sq"], fixed.optimizers[0].state[pb]["exp_avg_sq"])
+    assert float(fixed.optimizers[0].state[pb]["step"]) == 1.0
 
 
 def test_an_unknown_preset_names_the_flag():
