@@ -102,7 +102,7 @@ STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss
              "grad_norm_std", "grad_norm_median", "n", "separation_y", "separation_rank",
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
              "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound", "readmitted",
-             "rank_loss_y", "rank_loss_rank", "rank_loss_median")
+             "rank_loss_y", "rank_loss_rank", "rank_loss_median", "loss_recent")
 #: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
 DEFAULT_NOTES = "doc_high,doc_low"
 #: rows of the evidence histories (``SpikeDetector.ehist``)
@@ -231,6 +231,17 @@ class SpikeDetector(Configurable):
         8 / 6% 7 (5 of them before step 18 of a cold run); the DP-4 random batch stood 9.0x
         its median distance off (0.097)."""
 
+        dip_note: bool = True
+        """A grad-norm flag on a falling loss is a note: the grad-norm rules (z-score, ratio,
+        grad jump) do not act when the step's loss fell more than ``loss_jump`` under its
+        recent median (the ratio rule never did: it asks the loss to rise). A note is still
+        proven under ``--ledger.on_spike.prove all`` and acts when its proof finds a harmful
+        cause (a batch of repeated text lowers the loss and convicts itself). Measured on the
+        memorisation plateau (issue 67): the dip at step 123 (the loss at 15% of its median,
+        the grad norm 4x) was flagged again at the same step under the fix its proof pointed at
+        (Adam's epsilon 1e-6, from scratch): a batch the model finds easy, not an instability.
+        False: they act as before."""
+
         readmit_after: int = 64
         """A lasting change of level: after this many consecutive acting-flagged steps
         (finite ones), their values enter the history and the run's new level becomes its
@@ -358,8 +369,10 @@ class SpikeDetector(Configurable):
         # the tiers: a rule acts if it may (``notes``), rank separation only when decisive
         acts = self._acts.clone()
         acts[RULES.index("rank_separation")] &= sep_decisive
+        dip = v[0] < (1 - c.loss_jump) * recent_loss if c.dip_note else torch.zeros((), dtype=torch.bool,
+                                                                                      device=v.device)
         for r in ("zscore_grad_norm", "ratio", "grad_jump"):
-            acts[RULES.index(r)] &= grad_decisive
+            acts[RULES.index(r)] &= grad_decisive & ~dip
         acts[:2] &= material
         acting = fired & acts
         noted = fired & ~acts
@@ -385,7 +398,7 @@ class SpikeDetector(Configurable):
         return torch.cat([flag.double().reshape(1), acting.double(),
                           torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
                           torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
-                          estats, shown.reshape(1), readmitted.reshape(1), rl_stats])
+                          estats, shown.reshape(1), readmitted.reshape(1), rl_stats, recent_loss.reshape(1)])
 
     def _readmit(self, flagged: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
         """``readmit_after``: keep this step's values while the flagged steps run on; at the

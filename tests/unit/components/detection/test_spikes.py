@@ -213,6 +213,28 @@ def test_a_small_z_score_move_is_a_note_and_a_material_one_acts():
     assert det0.step(torch.tensor(5.0), torch.tensor(1.3))[0]
 
 
+def test_a_grad_norm_jump_on_a_falling_loss_is_a_note_and_on_a_rising_or_flat_loss_acts():
+    """``dip_note`` (issue 67): the memorisation plateau's dip -- the loss at 15% of its recent
+    median, the grad norm 4x -- is a note (its proof still runs, and convicts bad data); the
+    same grad-norm move with the loss flat acts; with ``dip_note`` off the dip acts as before;
+    the event carries the recent median the rule compared with."""
+    def history(dip_note=True):
+        det = SpikeDetector(SpikeDetector.Config(window=16, min_history=4, dip_note=dip_note))
+        for i in range(40):
+            det.step(torch.tensor(0.0067 * (1 + 0.01 * (i % 3)), dtype=torch.float64),
+                     torch.tensor(0.0033 * (1 + 0.05 * (i % 2)), dtype=torch.float64))
+        return det
+
+    dip = describe(history().step(torch.tensor(0.00103, dtype=torch.float64), torch.tensor(0.0135, dtype=torch.float64)))
+    assert dip["rules"] == [] and "grad_jump" in dip["notes"]
+    assert dip["loss_recent"] == pytest.approx(0.006767, rel=1e-3)
+    flat = describe(history().step(torch.tensor(0.0068, dtype=torch.float64), torch.tensor(0.0135, dtype=torch.float64)))
+    assert "grad_jump" in flat["rules"]
+    old = describe(history(dip_note=False).step(torch.tensor(0.00103, dtype=torch.float64),
+                                                 torch.tensor(0.0135, dtype=torch.float64)))
+    assert "grad_jump" in old["rules"]
+
+
 def test_grad_novelty_makes_a_move_the_run_has_already_shown_a_note():
     import random
 
