@@ -344,6 +344,13 @@ class SnapshotsConfig:
     """A fix's cost is its mean loss over the window's last this many steps, against the
     unchanged re-run's."""
 
+    control: float = 1.1
+    """The window's control: one more re-run with every step's learning rate x this -- a
+    perturbation of the trajectory that is no fix (a larger LR removes no LR-driven
+    spike). Where it removes the spike too, the spike hangs on the trajectory's details
+    and the fixes that removed it prove nothing (measured on the memorisation plateau,
+    issue 67: every fix "removed" a spike there). 0: no control."""
+
     max_proofs: int = 2
     """Window proofs of spikes per process (each costs (len(causes) + 1) x the window's
     steps of forward/backward and updates); later ``not_data`` flags are recorded unproven."""
@@ -376,6 +383,9 @@ class SnapshotsConfig:
         if not (self.eps_fix > 0 and self.logit_cap > 0 and self.zloss > 0 and self.cost_steps >= 1):
             raise ConfigError(f"--ledger.snapshots.eps_fix {self.eps_fix} / logit_cap {self.logit_cap} / zloss "
                               f"{self.zloss} / cost_steps {self.cost_steps}: expected each > 0 (cost_steps >= 1)")
+        if self.control != 0 and self.control <= 1:
+            raise ConfigError(f"--ledger.snapshots.control {self.control}: expected a factor > 1 on the learning "
+                              f"rate (a perturbation in the direction no LR fix takes), or 0 for no control")
         if not 0 < self.lr_factor < 1 or not 0 < self.beta2 < 1 or not self.eps > 0:
             raise ConfigError(f"--ledger.snapshots.lr_factor {self.lr_factor} / beta2 {self.beta2} / eps "
                               f"{self.eps}: expected lr_factor and beta2 in (0, 1), eps > 0")

@@ -484,24 +484,59 @@ def normal_update(detector, loss: float, grad_norm: float, held_loss: float | No
     return not any(stats[r] for r in ("zscore_grad_norm", "ratio", "grad_jump", "non_finite"))
 
 
-def flags_again(detector, loss: float, grad_norm: float) -> bool:
-    """Whether the acting rules -- the loss's and the grad norm's, every one on its own bar
-    (no novelty gate) -- flag this (loss, pre-clip grad norm) against the history before
-    the step, or a value is not finite: the window proof's test of a re-run flagged step
-    (a spike the loss rules flagged is one a variant must remove too; the update's bars
-    alone, :func:`normal_update`, called a loss-only flag reproduced "normal")."""
+def flags_as_run(detector, loss: float, grad_norm: float) -> bool:
+    """Whether the run's own acting rules -- the loss's and the grad norm's, with the
+    novelty gate, as they judged the run -- flag this (loss, pre-clip grad norm) against
+    the history before the step, or a value is not finite: whether a window re-run
+    reproduced the flag."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return True
-    return bool(_rules_at(detector, loss, grad_norm)["flag"])
+    return bool(_rules_at(detector, loss, grad_norm, gate=True)["flag"])
 
 
-def _rules_at(detector, loss: float, grad_norm: float) -> dict[str, float]:
+def window_effect(detector, same: tuple[float, float], variant: tuple[float, float]) -> tuple[str, float | None]:
+    """The window proof's one judge of a variant's flagged step (``same``: the unchanged
+    re-run's (loss, grad norm); ``variant``: the fix's): ``removed`` when the run's own
+    acting rules at that step -- its history and novelty gate included, as they judged the
+    run -- do not flag it and at most :data:`~titan_ledger.format.answers.REMOVED_SHARE` of
+    the flagged signal's excess over its pre-onset median is left; ``lowered`` when that
+    much is gone but the rules still flag it; else ``not removed``. Returns (effect, the
+    share left: the largest over the signals that stood out, None when none did). Measured
+    on the memorisation plateau (issue 67): the run recorded grad norms of 0.012-0.014 as
+    notes (its novelty gate), and a window without the gate judged fixes at 0.0146-0.0165
+    "spiked"; an LR cut that left 79% of a grad-norm jump's excess had "removed" it."""
+    from titan_ledger.format.answers import REMOVED_SHARE
+
+    loss, norm = variant
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        return "not removed", None
+    stats = _rules_at(detector, loss, norm, gate=True)
+    cfg = detector.config
+    shares = []
+    for i, (med, bar) in enumerate(((stats["loss_median"], 1 + cfg.loss_jump),
+                                    (stats["grad_norm_median"], max(cfg.grad_move, 1.0)))):
+        ref = same[i]
+        if not (math.isfinite(med) and math.isfinite(ref)) or med <= 0 or ref <= bar * med:
+            continue  # this signal did not stand out in the unchanged re-run
+        shares.append(max(0.0, variant[i] - med) / (ref - med))
+    share = max(shares) if shares else None
+    flagged = bool(stats["flag"])
+    if share is not None and share <= REMOVED_SHARE:
+        return ("lowered" if flagged else "removed"), round(share, 6)
+    if share is None and not flagged:
+        return "removed", None
+    return "not removed", None if share is None else round(share, 6)
+
+
+def _rules_at(detector, loss: float, grad_norm: float, gate: bool = False) -> dict[str, float]:
     """Every rule's statistic for (loss, grad norm) as the step's own detector, as it stood
-    before the step, would compute it (no novelty gate, no notes)."""
+    before the step, would compute it: no notes, and no novelty gate unless ``gate`` (the
+    window's judge: the run's own rules as they judged the run)."""
     from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 
     det = detector.before()
-    raw = SpikeDetector(replace(detector.config, grad_novelty=0.0, notes=""), det.hist.device)
+    cfg = detector.config if gate else replace(detector.config, grad_novelty=0.0, notes="")
+    raw = SpikeDetector(cfg, det.hist.device)
     for name in ("hist", "count", "ehist", "ecount", "jhist", "jcount"):
         setattr(raw, name, getattr(det, name))
     return dict(zip(STAT_KEYS, raw.step(torch.tensor(loss, dtype=torch.float64),
@@ -523,7 +558,7 @@ SNAPSHOT_CAUSES = {"lr": "lr", "adam": Finding.OPTIMIZER_STATE, "eps": Finding.O
 
 def window_verdict(same_normal: bool, removed: dict[str, bool],
                    costs: dict[str, float | None] | None = None,
-                   prior: str | None = None) -> tuple[str | None, str, list[dict]]:
+                   prior: str | None = None, control: str | None = None) -> tuple[str | None, str, list[dict]]:
     """The in-process window proof's decision (pure): the window re-run from a host
     snapshot unchanged (``same_normal``: its flagged step's update came out normal) and
     once per candidate fix (``removed``: variant -> its flagged step came out normal;
@@ -537,6 +572,9 @@ def window_verdict(same_normal: bool, removed: dict[str, bool],
     fix of that mechanism removes it as well, it names the cause -- confirmed by its own
     fix -- and the cheapest fix is still listed first. An LR cut removes almost any
     instability; it names the cause only where no fix of a measured mechanism does.
+    ``control``: the effect of the window's control (every step's LR raised: no fix); where
+    it removed (or lowered) the spike as well, the spike hangs on the trajectory's details
+    and no fix names a cause (the fixes are still listed).
     Returns (variant of the fix that names the cause or None, why, fixes)."""
     costs = costs or {}
     fixes = sorted(({"variant": c, "cause": SNAPSHOT_CAUSES.get(c, c), "cost": costs.get(c)}
@@ -550,6 +588,10 @@ def window_verdict(same_normal: bool, removed: dict[str, bool],
     def cost(f):
         return "cost unknown" if f["cost"] is None else f"loss {f['cost']:+.3g} over the window's last steps"
 
+    if control in ("removed", "lowered"):
+        return None, (f"the window's control (the LR raised: no fix) {control} it as well: the spike hangs on the "
+                      f"trajectory's details, and the variants that removed it ("
+                      f"{', '.join(f['variant'] for f in fixes)}) prove no cause"), fixes
     best, others = fixes[0], fixes[1:]
     failed = sorted(c for c, ok in removed.items() if not ok)
     why = (f"the window re-run unchanged reproduced the spike; the {best['variant']} variant removed it "

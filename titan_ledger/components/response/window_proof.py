@@ -8,9 +8,11 @@ the window to the flagged step in this process, through the trainer's own ``exec
 and ``optimizers.step()``: once unchanged (``same``, the control: it must reproduce the
 flag) and once per candidate fix (``lr``: every step's LR x ``lr_factor``; ``adam``:
 beta2 and epsilon; ``eps``: epsilon raised; ``logit_cap``: a soft cap on the attention
-scores; ``zloss``: a z-loss weight). Each variant's flagged step is judged by the
-trainer's own acting rules against the run's history (``verdict.flags_again``), and
-each pays a cost: the loss over the window's last steps against the unchanged re-run's.
+scores; ``zloss``: a z-loss weight). Each variant's flagged step is judged once, by one
+judge (``verdict.window_effect``): the trainer's own acting rules against the run's
+history, novelty gate included, and the share of the flagged signal's excess the fix left
+(``removed`` / ``lowered`` / ``not removed``); each pays a cost: the loss over the window's
+last steps against the unchanged re-run's.
 :func:`~.verdict.window_verdict` names the cause whose own fix removed it, the cheapest
 fix first (a stall: the fix that lowered the loss). What it touched -- parameters,
 optimizer state, gradients, the groups' LR, betas and epsilon, the attention's cap and
@@ -34,7 +36,7 @@ from titan_ledger.components.prevention.optimizer import set_group_lr
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
-from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_again, window_verdict
+from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_as_run, window_effect, window_verdict
 from titan_ledger.components.signals.sums import loss_sum
 from titan_ledger.errors import ProofFailure
 from titan_ledger.format.proofs import Finding, ProofRecord
@@ -43,6 +45,8 @@ from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 #: the window re-run with nothing changed (the reference every fix is measured against;
 #: ``same`` in the record, as the in-step proof's repeat)
 UNCHANGED = "same"
+#: the window's control: every step's LR x ``control`` (> 1): a perturbation that is no fix
+CONTROL = "control"
 
 
 class WindowProof:
@@ -51,23 +55,49 @@ class WindowProof:
 
     def __init__(self, trainer: Host, ring: SnapshotRing) -> None:
         self.trainer, self.ring = trainer, ring
+        self.spent: list[int] = []  # the steps whose window proofs spent the budget (the answers name them)
 
-    def wanted(self, proof: ProofRecord, forced: bool = False, stall: bool = False) -> bool:
-        """Within ``max_proofs``: an acting flag proven ``not_data`` or ``optimizer_state``
-        (which cause, then: Adam's variant proves the state by intervention);
-        data convicted (``bad_data``: does a variant remove the spike with the data
-        unmasked as well? -- the real set's LR runs had documents convicted at steps
-        where every update moved the weights 6% of their norm); or a step
-        ``--ledger.rehearsal.prove_at`` names and its proof left standing (``not_data``,
-        ``outlier``: the window replayed on a clean step, every parallelism's replay
-        checked against the run)."""
-        r = self.ring
+    def wanted(self, proof: ProofRecord, forced: bool = False, stall: bool = False, flat: bool = False) -> bool:
+        """Whether the window proof runs for this proof (:meth:`why_not` says nothing against it)."""
+        return self.why_not(proof, forced, stall, flat) is None
+
+    def why_not(self, proof: ProofRecord, forced: bool = False, stall: bool = False,
+                flat: bool = False) -> str | None:
+        """None when the window proof runs: within ``max_proofs``, an acting flag proven
+        ``not_data`` or ``optimizer_state`` (which cause, then: Adam's variant proves the
+        state by intervention) whose loss rose; data convicted (``bad_data``: does a
+        variant remove the spike with the data unmasked as well? -- the real set's LR runs
+        had documents convicted at steps where every update moved the weights 6% of their
+        norm); or a step ``--ledger.rehearsal.prove_at`` names and its proof left standing
+        (``not_data``, ``outlier``: the window replayed on a clean step, every
+        parallelism's replay checked against the run). Else why not, in words for the
+        answer (``""``: no window proof was called for). ``flat``: the step's loss did not
+        rise past ``loss_jump`` over its window median (a grad-norm jump alone, or one on a
+        falling loss): the budget is kept for a loss spike -- measured on the memorisation
+        plateau (issue 67): a dip at step 123 and a grad-norm jump with the loss unmoved at
+        429 spent the two window proofs (no fix removed the first; every fix and a control
+        the second), and the largest loss spike, at 633, got none."""
+        r, cfg = self.ring, self.ring.config
         v = proof.verdict
         if stall:  # the stall rule's forced proof: its own budget, whatever the step's verdict
-            return r.on and r.stall_proofs < r.config.max_stall_proofs
-        return r.on and r.proofs < r.config.max_proofs and (
-            (v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and proof.acting) or v == Finding.BAD_DATA
-            or (forced and v in (Finding.NOT_DATA, Finding.OUTLIER)))
+            if not r.on:
+                return "the stall's window proof needs host snapshots (--ledger.snapshots.every)"
+            return None if r.stall_proofs < cfg.max_stall_proofs else (
+                f"the stall window-proof budget is spent (--ledger.snapshots.max_stall_proofs {cfg.max_stall_proofs})")
+        called = ((v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and proof.acting) or v == Finding.BAD_DATA
+                  or (forced and v in (Finding.NOT_DATA, Finding.OUTLIER)))
+        if not called:
+            return ""
+        if not r.on:
+            return "no host snapshots to replay the window from (--ledger.snapshots.every 0)"
+        if flat and v != Finding.BAD_DATA and not forced:
+            return ("the loss did not rise (a grad-norm jump alone): the window-proof budget is kept for a loss "
+                    "spike")
+        if r.proofs >= cfg.max_proofs:
+            spent = ", ".join(map(str, self.spent)) or "earlier steps"
+            return (f"the window-proof budget is spent: {cfg.max_proofs} proof(s), at step(s) {spent} "
+                    f"(--ledger.snapshots.max_proofs)")
+        return None
 
     def prove(self, rec, stall: bool = False, prior: str | None = None) -> dict[str, Any]:
         """The window proof of the flagged step ``rec`` (its batches still held): the
@@ -88,6 +118,7 @@ class WindowProof:
             ring.stall_proofs += 1
         else:
             ring.proofs += 1
+            self.spent.append(rec.step)
         ring.settle()
         start = time.perf_counter()
         params, opts = ring.tensors(), ring.optimizers()
@@ -101,9 +132,10 @@ class WindowProof:
         faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
         deadline = start + float(t.config.ledger.on_spike.prove_timeout)
         runs: list[dict] = []
+        kept_loss: dict[int, float] = {}  # the unchanged re-run's loss per replayed step
         try:
             with Reexecution(t, None, replaces=False) as again:
-                for variant in (UNCHANGED, *causes):
+                for variant in (UNCHANGED, *causes, *([CONTROL] if cfg.control else [])):
                     kind = response_fault(faults, "window")  # (rehearsal)
                     check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof")
                     snap.tensors.restore(params, opts)
@@ -112,12 +144,22 @@ class WindowProof:
                     again.rewind_rng()
                     self._model_variant(variant)
                     last: list[float] = []  # the window's last steps' losses: what the fix cost
+                    flagged: list[int] = []  # replayed steps the run's rules flag (a spike that came earlier)
                     for s in range(snap.step + 1, rec.step):
                         entry = ring.log[s]
                         self._variant(opts, entry.lrs, betas, variant)
-                        lo, _, lt, gt = again.run(entry.batches)
+                        lo, gn, lt, gt = again.run(entry.batches)
+                        ls = _global_loss(t, loss_sum(lo, gt), int(lt))
                         if rec.step - s <= cfg.cost_steps:
-                            last.append(_global_loss(t, loss_sum(lo, gt), int(lt)))
+                            last.append(ls)
+                        if not stall:
+                            g = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                            if variant == UNCHANGED:
+                                kept_loss[s] = ls
+                            # z-loss adds w log Z^2 to the loss: its losses are judged as the unchanged run's
+                            judged = kept_loss.get(s, ls) if variant == "zloss" else ls
+                            if flags_as_run(detector, judged, g):
+                                flagged.append(s)
                         if not entry.rec.update_skipped:
                             t.optimizers.step()
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
@@ -133,8 +175,9 @@ class WindowProof:
                                            f"unchanged window was")
                     end = sum(last) / len(last) if last else None
                     runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
-                                 "normal": not flags_again(detector, mean, norm),
-                                 "loss_end": end if end is None or math.isfinite(end) else None})
+                                 "normal": not flags_as_run(detector, mean, norm),
+                                 "loss_end": end if end is None or math.isfinite(end) else None,
+                                 "flagged": flagged})
         finally:
             self._model_variant(UNCHANGED)  # the attention's cap and the loss's z-loss as the run has them
             now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
@@ -144,20 +187,38 @@ class WindowProof:
         base = by[UNCHANGED]["loss_end"]
         for r in runs:
             r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
+        same = by[UNCHANGED]
         if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
             gain = float(t.config.ledger.stall.min_gain)
             removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
                        for c in causes}
-            cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes})
+            for c in by:
+                if c != UNCHANGED:
+                    by[c]["effect"] = "lowered" if (by[c]["cost"] is not None and base is not None
+                                                    and by[c]["cost"] < -gain * abs(base)) else "not removed"
+            cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes},
+                                               control=by.get(CONTROL, {}).get("effect"))
             for spike, stalled in (("reproduced the spike", "stalled as the run did"),
                                    ("removed the spike from this window",
                                     f"lowered the window's last losses by {gain:.0%} from step {snap.step}"),
                                    ("removed it", "lowered the loss"), ("removed by", "lowered by")):
                 why = why.replace(spike, stalled)
             why = f"the stall: {why}"
-        else:
-            cause, why, fixes = window_verdict(by[UNCHANGED]["normal"], {c: by[c]["normal"] for c in causes},
-                                               {c: by[c]["cost"] for c in causes}, prior=prior)
+        else:  # the one judge (verdict.window_effect): the run's own rules, and the excess left
+            for c in by:
+                if c != UNCHANGED:
+                    by[c]["effect"], by[c]["share"] = window_effect(detector, (same["loss"], same["grad_norm"]),
+                                                                    (by[c]["loss"], by[c]["grad_norm"]))
+                    # a replayed step the unchanged re-run did not flag, flagged under the variant:
+                    # the spike came earlier, it was not removed (the judge reads the whole window)
+                    moved = sorted(set(by[c]["flagged"]) - set(same["flagged"]))
+                    if moved:
+                        by[c]["moved_to"] = moved[0]
+                        if by[c]["effect"] == "removed":
+                            by[c]["effect"] = "moved"
+            cause, why, fixes = window_verdict(same["normal"], {c: by[c]["effect"] == "removed" for c in causes},
+                                               {c: by[c]["cost"] for c in causes}, prior=prior,
+                                               control=by.get(CONTROL, {}).get("effect"))
         skipped = sorted(set(cfg.causes) - set(causes))
         if skipped:
             why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
@@ -166,7 +227,8 @@ class WindowProof:
         return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
                 "fixes": fixes, **({"stall": True} if stall else {}), "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
                 "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
-                "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "seconds": round(time.perf_counter() - start, 4)}
+                "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "control": cfg.control,
+                "seconds": round(time.perf_counter() - start, 4)}
 
     def _raises_eps(self, opts) -> bool:
         eps = self.ring.config.eps_fix
@@ -211,7 +273,7 @@ class WindowProof:
         cfg = self.ring.config
         for o, lr, ks in zip(opts, lrs, kept):
             for g, x, (betas, eps) in zip(o.param_groups, lr, ks):
-                set_group_lr(g, x * cfg.lr_factor if variant == "lr" else x)
+                set_group_lr(g, x * cfg.lr_factor if variant == "lr" else x * cfg.control if variant == CONTROL else x)
                 adam = variant == "adam" and betas is not None
                 if betas is not None:
                     g["betas"] = (betas[0], min(betas[1], cfg.beta2)) if adam else betas

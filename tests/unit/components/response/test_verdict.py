@@ -16,7 +16,7 @@ from titan_ledger.components.response.verdict import (
     differing_ranks,
     document_tokens,
     faulty_ranks,
-    flags_again,
+    flags_as_run,
     judge,
     local_distance,
     mask_labels,
@@ -26,6 +26,7 @@ from titan_ledger.components.response.verdict import (
     odd_one_out,
     reproduced,
     same_tensor,
+    window_effect,
 )
 from titan_ledger.data.layout import RowTag, Segment
 from titan_ledger.format.proofs import describe_proof
@@ -231,7 +232,7 @@ def test_normal_update_uses_the_grad_norm_rules_own_bars():
     assert STAT_KEYS[0] == "flag"
 
 
-def test_flags_again_reads_the_loss_rules_too():
+def test_flags_as_run_reads_the_loss_rules_too():
     """The window proof's test: a loss-only spike (the grad norm ordinary) is flagged again,
     which the update's bars (normal_update) call normal; an ordinary step is not; a
     non-finite value is."""
@@ -242,9 +243,45 @@ def test_flags_again_reads_the_loss_rules_too():
                  torch.tensor(1.0 + 0.01 * (i % 3), dtype=torch.float64))
     stats = det.step(torch.tensor(9.0, dtype=torch.float64), torch.tensor(1.01, dtype=torch.float64))
     assert stats[0] == 1  # the loss alone flagged it
-    assert flags_again(det, 9.0, 1.01) and normal_update(det, 9.0, 1.01)
-    assert not flags_again(det, 4.9, 1.01)
-    assert flags_again(det, math.nan, 1.0)
+    assert flags_as_run(det, 9.0, 1.01) and normal_update(det, 9.0, 1.01)
+    assert not flags_as_run(det, 4.9, 1.01)
+    assert flags_as_run(det, math.nan, 1.0)
+
+
+def _history(grad_novelty=2.0, jumps=()):
+    """A detector after 200 quiet steps (loss ~5, grad norm ~1), with grad-norm moves of
+    ``jumps`` x along the way (the run's own tail: the novelty gate remembers them)."""
+    det = SpikeDetector(SpikeDetector.Config(window=16, min_history=4, grad_novelty=grad_novelty,
+                                             grad_novelty_warmup=8))
+    for i in range(200):
+        g = 1.0 + 0.02 * (i % 3)
+        if jumps and i % 40 == 39:
+            g *= jumps[(i // 40) % len(jumps)]
+        det.step(torch.tensor(5.0 - 0.0005 * i, dtype=torch.float64), torch.tensor(g, dtype=torch.float64))
+    return det
+
+
+def test_the_window_judge_is_the_runs_own_rules_novelty_gate_included_and_the_excess_left():
+    """One judge (issue 67): a fix removes a spike when the run's own acting rules -- with the
+    novelty gate that made the run call such moves notes -- do not flag its step and at most
+    half the excess over the median is left; an LR cut that leaves most of the excess removed
+    nothing; half gone but still flagged is ``lowered``."""
+    det = _history(jumps=(3.0,))  # the run showed 3x moves: the gate asks > 6x to act
+    det.step(torch.tensor(4.9, dtype=torch.float64), torch.tensor(40.0, dtype=torch.float64))  # the spike: 40x
+    same = (4.9, 40.0)
+    assert window_effect(det, same, (4.9, 1.0)) == ("removed", 0.0)
+    # 4.5x: under the run's own gate (a note there), but 9% of the excess left: removed
+    effect, share = window_effect(det, same, (4.9, 4.5))
+    assert effect == "removed" and 0.05 < share < 0.1
+    # 32x: 79% of the excess left: not removed (an LR cut that moved the grad norm 40 -> 32)
+    assert window_effect(det, same, (4.9, 32.0))[0] == "not removed"
+    # 15x: 36% left, but the run's rules still act on it: lowered
+    assert window_effect(det, same, (4.9, 15.0))[0] == "lowered"
+    assert window_effect(det, same, (math.nan, 1.0)) == ("not removed", None)
+    # without the gate's memory the same 4.5x would act: the gate is what the run judged with
+    plain = _history(grad_novelty=0.0)
+    plain.step(torch.tensor(4.9, dtype=torch.float64), torch.tensor(40.0, dtype=torch.float64))
+    assert flags_as_run(plain, 4.9, 4.5) and not flags_as_run(det, 4.9, 4.5)
 
 
 def test_describe_proof_says_what_was_done():
