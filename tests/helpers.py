@@ -395,7 +395,7 @@ def first_batches(config, dp: int) -> list[tuple]:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def headless_chromium(profile: Path, why_skipped: str = "") -> list[str]:
+def headless_chromium(profile: Path, why_skipped: str = "", size: str = "1200,4000") -> list[str]:
     """The headless chromium command line (its profile in ``profile``). Skips without
     chromium (``why_skipped`` added to the reason); fails in CI, where .ci/run installs it."""
     import pytest
@@ -405,14 +405,14 @@ def headless_chromium(profile: Path, why_skipped: str = "") -> list[str]:
             pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
         pytest.skip(f"chromium is not installed (apt-get install chromium){why_skipped}")
     return [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1200,4000",
+            "--disable-component-update", "--disable-sync", "--no-first-run", f"--window-size={size}",
             f"--user-data-dir={profile}"]
 
 
-def chromium_dom(page: Path, profile: Path) -> str:
-    """The DOM headless chromium builds from ``page`` (``--dump-dom``): what a browser
-    shows, tables and all."""
-    flags = headless_chromium(profile)
+def chromium_dom(page: Path, profile: Path, size: str = "1200,4000") -> str:
+    """The DOM headless chromium builds from ``page`` (``--dump-dom``) in a window of
+    ``size``: what a browser shows, tables and all."""
+    flags = headless_chromium(profile, size=size)
     p = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout

@@ -58,4 +58,4 @@ def test_diagnose_of_a_recorded_step_runs_without_torch(tmp_path):
             "print('RC', rc, sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'torchtitan'))[:3])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "step 25: optimizer_state" in out.stdout and out.stdout.strip().endswith("RC 0 []"), out.stdout[-600:]
+    assert "at step 25: Adam's state" in out.stdout and out.stdout.strip().endswith("RC 0 []"), out.stdout[-600:]

@@ -112,15 +112,20 @@ def data_table(ledger: RunLedger | str | os.PathLike, step: int) -> pa.Table:
 SPIKE_COLUMNS = {
     "step": "int", "kind": "str", "rules": "list", "notes": "list", "action": "str", "loss": "float",
     "grad_norm": "float", "suspect_dp_rank": "int", "loss_max_rank": "int",
-    "proof_verdict": "str", "proof_cause": "str", "proof_how": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
+    "proof_verdict": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
     "proof_policy": "str", "proof_executions": "int", "proof_seconds": "float", "proof_documents": "list",
-    "proof_adam_amplification": "float", "proof_window_cause": "str", "proof_window_fixes": "list",
-    "proof_failed": "str", "ladder_action": "str", "rewind_to": "int", "breaker": "str", "stall_kind": "str",
+    "proof_adam_amplification": "float", "proof_window_from": "int", "proof_failed": "str",
+    # the incident's answer (format.answers: the one record every view renders)
+    "answer_step": "int", "answer_title": "str", "answer_cause": "str", "answer_driver": "str",
+    "answer_cause_text": "str", "answer_established": "str", "answer_separates": "bool", "answer_fix": "str",
+    "answer_fix_effect": "str", "answer_fix_flags": "list", "answer_candidates": "list", "answer_command": "str",
+    "answer_start": "str", "answer_not_proven": "str", "answer_did": "str", "answer_acting": "str", "ladder_action": "str", "rewind_to": "int", "breaker": "str", "stall_kind": "str",
     "response_failure": "str",
 }
 
 
 _NO_PROOF = {k: None for k in SPIKE_COLUMNS if k.startswith("proof_") and k != "proof_failed"}
+_NO_ANSWER = {k: None for k in SPIKE_COLUMNS if k.startswith("answer_")}
 
 
 def event_kind(e: dict) -> str:
@@ -142,8 +147,13 @@ def event_row(e: dict) -> dict:
     """One event as a :data:`SPIKE_COLUMNS` row (pure): the proof flattened into
     ``proof_*`` columns (the verdict, what was applied and what would have been, the
     executions, the documents as ``source:doc``, Adam's amplification, the window
-    proof's cause and fixes)."""
+    proof's snapshot step) and the incident's answer into ``answer_*`` columns (an
+    acting flag's, a promoted note's; a stall's rides in its forced proof's event, with
+    ``answer_step`` the stall's step)."""
+    from titan_ledger.format.answers import Answer
+
     p = e.get("proof")
+    a = Answer.of(e["answer"]) if isinstance(e.get("answer"), dict) else None
     return {
         "step": int(e["step"]), "kind": event_kind(e), "rules": list(e.get("rules") or []),
         "notes": list(e.get("notes") or []), "action": e.get("action") if not e.get("ladder") else None,
@@ -153,6 +163,7 @@ def event_row(e: dict) -> dict:
         "ladder_action": e.get("action") if e.get("ladder") else None, "rewind_to": e.get("rewind_to"),
         "breaker": e.get("breaker"), "stall_kind": (e.get("stall") or {}).get("kind"),
         "response_failure": (e.get("response_failure") or {}).get("error"),
+        **({"answer_step": a.step, **a.columns()} if a is not None else _NO_ANSWER),
     }
 
 

@@ -1,14 +1,14 @@
-"""What a proof at the alarm says: one owner for the verdicts, the cause a proof proves,
-its runs as rows and its line in words.
+"""What a proof at the alarm measured: one owner for the verdicts, its runs as rows and its
+line in words.
 
 Design decision: the proof record (the ``proof`` of a ``spikes.jsonl`` event) is
 written by :mod:`titan_ledger.components.response.prover` (with the window proof of
-:mod:`titan_ledger.components.response.snapshots`) and read by the trainer's console and
-W&B alert, ``diagnose``, the incident page, the dashboards and ``export``, which must not
-import torch. Every one of them reads it through :class:`Proof` -- the cause it proves
-(the window's cause over an in-step ``not_data``), how it was proven, every execution and
-window re-run as one typed row -- so that no view derives its own answer and the page's
-top box, its proof table and the console line cannot disagree.
+:mod:`titan_ledger.components.response.window_proof`) and read by every view through
+:class:`Proof` -- the in-step verdict, every execution and window re-run as one typed row
+-- which must not import torch. What the incident's *answer* is (its one cause, how it
+was established, the fix) is not derived here: :mod:`titan_ledger.format.answers` builds
+it once from this record, and every view renders that; a proof's own line
+(:func:`describe_proof`) is what it measured, for a note's proof and the page's proof table.
 """
 
 from __future__ import annotations
@@ -52,15 +52,6 @@ HELD_BACK = {
     "quarantine_bound": "the quarantine bound",
     "fragile": "a run already fragile",  # (records before the prover said not_data there)
     "breaker": "the circuit breaker",
-}
-
-
-#: how a proof proved its cause (:attr:`Proof.how`)
-HOW = {
-    "in_step": "proven in step",
-    "window": "proven by the window proof",
-    "ruled_out": "in step: not the data, no cause proven",
-    "outlier": "in step: the data stood out, the update was normal",
 }
 
 
@@ -116,7 +107,7 @@ class ProofRun:
     loss: float | None  # the step's global mean loss in this run
     grad_norm: float | None  # its pre-clip global grad norm
     normal: bool | None  # the update under the grad-norm rules' bars (None: not judged)
-    removed: bool | None  # this variant removed the spike (or lowered a stall's loss); None: the reference run
+    removed: str | None  # the window judge's effect (removed, lowered, moved, not removed); None: not a fix
     seconds: float | None  # this execution's own time (window re-runs: the window's time is the proof's)
     cost: float | None  # window: the loss over its last steps minus the unchanged re-run's (+: the fix costs)
     bit_equal: bool | None  # ``same``: every rank's gradients bit-equal to the first execution's
@@ -137,15 +128,12 @@ class Proof:
     trainer wrote; ``record`` keeps it whole for the fields only one view shows)."""
 
     verdict: str  # the in-step verdict (:data:`VERDICTS`)
-    cause: str  # the cause it proves: the window's over not_data / optimizer_state, else the verdict
-    how: str  # a :data:`HOW` key
     applied: str | None  # the update the step trained with: original | same | masked | control | none
     would_apply: str | None  # what it called for where the policy or a bound held it back
     held_back: str | None  # a :data:`HELD_BACK` key
     why: str
     seconds: float
     runs: tuple[ProofRun, ...]  # the in-step executions, then the window's re-runs
-    fixes: tuple[str, ...]  # the window's variants that removed it, the cheapest first
     window_from: int | None  # the host snapshot's step the window re-ran from
     documents: tuple[str, ...]  # convicted documents as ``source:doc``
     record: dict[str, Any]
@@ -154,30 +142,19 @@ class Proof:
     def of(cls, record: dict[str, Any]) -> Proof:
         v = record["verdict"]
         window = record.get("window") or {}
-        wcause = window.get("cause")
-        if v == "optimizer_state":  # measured in step (v restored); the window confirms it with Adam's own fix
-            cause, how = v, "window" if wcause == v else "in_step"
-        elif wcause and v == "not_data":
-            cause, how = wcause, "window"
-        elif v == "not_data":
-            cause, how = v, "ruled_out"
-        elif v == "outlier":
-            cause, how = v, "outlier"
-        else:
-            cause, how = v, "in_step"
-        fixed = [f["variant"] for f in window.get("fixes") or []]
         runs = [ProofRun("step", e.get("variant", "?"), e.get("loss"), e.get("grad_norm"), e.get("normal"), None,
                          e.get("seconds"), None, e.get("bit_equal"),
                          tuple((x.get("loss"), x.get("grad_sq"), int(x.get("tokens") or 0))
                                for x in e.get("per_rank") or []))
                 for e in record.get("executions") or []]
         runs += [ProofRun("window", r["variant"], r.get("loss"), r.get("grad_norm"), r.get("normal"),
-                          None if r["variant"] == "same" else r["variant"] in fixed, None, r.get("cost"), None, ())
-                 for r in window.get("runs") or []]
-        return cls(verdict=v, cause=cause, how=how, applied=record.get("applied"),
+                          None if r["variant"] == "same" else r.get("effect", "removed" if r.get("normal") else
+                                                                    "not removed"),
+                          None, r.get("cost"), None, ()) for r in window.get("runs") or []]
+        return cls(verdict=v, applied=record.get("applied"),
                    would_apply=record.get("would_apply"), held_back=record.get("held_back"),
                    why=record.get("why", ""), seconds=float(record.get("seconds") or 0.0), runs=tuple(runs),
-                   fixes=tuple(fixed), window_from=window.get("from_step"),
+                   window_from=window.get("from_step"),
                    documents=tuple(f"{s}:{d}" for s, d in record.get("documents") or []), record=record)
 
     @property
@@ -185,23 +162,14 @@ class Proof:
         """The extra executions of the step (the first one is the run's own)."""
         return max(0, sum(r.kind == "step" for r in self.runs) - 1)
 
-    @property
-    def headline(self) -> str:
-        """The cause and how it was proven, the words every view leads with: ``lr (proven by
-        the window proof from the host snapshot of step 20)``."""
-        how = HOW[self.how] + (f" from the host snapshot of step {self.window_from}" if self.how == "window" else "")
-        return f"{self.cause} ({how})"
-
     def line(self) -> str:
         """The console's and the alert's line (:func:`describe_proof`)."""
         return describe_proof(self.record)
 
     def scalars(self) -> dict[str, float]:
-        """The proof as dashboard scalars: ``proof/<verdict>`` and ``proof/cause_<cause>``
-        1.0, ``proof/executions``, ``proof/seconds``, ``proof/acted`` (the update applied
+        """The proof as dashboard scalars: ``proof/<verdict>`` 1.0, ``proof/executions``, ``proof/seconds``, ``proof/acted`` (the update applied
         was not the step's own), ``proof/held_back``, ``proof/adam_amplification``."""
         out = {f"proof/{v}": float(self.verdict == v) for v in VERDICTS}
-        out[f"proof/cause_{self.cause}"] = 1.0
         out["proof/executions"] = float(self.executions)
         out["proof/seconds"] = self.seconds
         out["proof/acted"] = float(self.applied not in (None, "original"))
@@ -213,14 +181,12 @@ class Proof:
 
     def columns(self) -> dict[str, Any]:
         """The proof flattened for ``export`` (``proof_*`` columns)."""
-        return {"proof_verdict": self.verdict, "proof_cause": self.cause, "proof_how": self.how,
-                "proof_applied": self.applied, "proof_would_apply": self.would_apply,
+        return {"proof_verdict": self.verdict, "proof_applied": self.applied, "proof_would_apply": self.would_apply,
                 "proof_held_back": self.held_back, "proof_policy": self.record.get("policy"),
                 "proof_executions": self.executions if self.runs else None, "proof_seconds": self.seconds,
                 "proof_documents": list(self.documents),
                 "proof_adam_amplification": (self.record.get("optimizer") or {}).get("amplification"),
-                "proof_window_cause": (self.record.get("window") or {}).get("cause"),
-                "proof_window_fixes": list(self.fixes)}
+                "proof_window_from": self.window_from}
 
 
 def resolves(proof: dict[str, Any]) -> bool:
@@ -286,8 +252,6 @@ def describe_proof(proof: dict[str, Any]) -> str:
         what = "not the data (reproducible): " + proof.get("why", "")
         if proof.get("window"):
             what += "; " + describe_window(proof["window"])
-    if Proof.of(proof).how == "window":  # the cause first, as the page's box and table have it
-        what = f"{proof['window']['cause']} (proven by the window proof); in step: {what}"
     n = len(proof.get("executions", [])) - 1
     late = f", decided at step {proof['decided_at']} with its update held" if "decided_at" in proof else ""
     return f"proven in step ({n} extra execution{'s' if n != 1 else ''}, {proof.get('seconds', 0):.2f} s{late}): {what}"
@@ -304,7 +268,12 @@ def describe_window(window: dict[str, Any]) -> str:
         c = r.get("cost")
         return "" if c is None or r.get("variant") == "same" else f", loss {c:+.3g}"
 
-    runs = ", ".join(f"{r['variant']} {'normal' if r['normal'] else 'spiked'} (grad norm {r['grad_norm']:.3g}{cost(r)})"
+    def judged(r):
+        if r.get("effect"):
+            return r["effect"]
+        return "normal" if r.get("normal") else "spiked"
+
+    runs = ", ".join(f"{r['variant']} {judged(r)} (grad norm {r['grad_norm']:.3g}{cost(r)})"
                      for r in window.get("runs", []))
     head = f"{window['cause']} proven" if window.get("cause") else "no cause proven"
     fixes = window.get("fixes") or []

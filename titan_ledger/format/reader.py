@@ -291,6 +291,59 @@ class RunLedger:
         return [(int(e["step"]), e["proof"]) for e in self._events(records.SPIKES_FILE, records.SPIKES)
                 if e.get("proof") is not None and "step" in e]
 
+    def recorded_answers(self) -> dict[int, dict[str, Any]]:
+        """Every answer the trainer recorded (:mod:`titan_ledger.format.answers`), by the
+        incident's step (a stall's answer rides in its forced proof's event); the last
+        recorded for a step wins (a rewound launch answers it again)."""
+        out: dict[int, dict[str, Any]] = {}
+        for e in self._events(records.SPIKES_FILE, records.SPIKES):
+            a = e.get("answer")
+            if isinstance(a, dict) and "step" in a:
+                out[int(a["step"])] = a
+        return out
+
+    def answer_context(self):
+        """The run's context for an answer built offline (``format.answers.Context``): the
+        latest launch's settings (``knobs``), flags, working directory, interpreter and world
+        size, the checkpoints on disk."""
+        from titan_ledger.format import answers
+
+        rows = self.launches()
+        last = next((r for r in reversed(rows) if isinstance(r.get("argv"), list)), rows[-1] if rows else {})
+        knobs = next((r.get("knobs") for r in reversed(rows) if r.get("knobs")), None)
+        rules = self.spike_rules() or {}
+        return answers.Context(
+            knobs=answers.Knobs.of(knobs), dump=str(self.dump_folder),
+            argv=tuple(last["argv"]) if isinstance(last.get("argv"), list) else None, cwd=str(last.get("cwd") or ""),
+            python=str(last.get("python") or "python"), world_size=int(last.get("world_size") or 1),
+            checkpoints=tuple(self.checkpoints()), checkpoint_folder=self.checkpoint_folder,
+            loss_jump=float(rules.get("loss_jump", 0.05)))
+
+    def answer(self, step: int, tree: dict[str, Any] | None = None):
+        """The answer to the incident at ``step`` (``format.answers.Answer``): the one the
+        trainer recorded, else built now by the same function from the step's recorded event
+        (a flag, or a stall no proof followed) and proof; ``tree`` (the decision tree's
+        cause and certainty) adds candidates to an answer without a measured fix. None when
+        nothing flagged the step."""
+        from titan_ledger.format import answers
+
+        rec = self.recorded_answers().get(int(step))
+        if rec is not None:
+            a = answers.Answer.of(rec)
+            return answers.with_tree(a, tree, self.answer_context()) if tree and a.fix is None else a
+        events = self._events(records.SPIKES_FILE, records.SPIKES)
+        flag = next((e for e in reversed(events) if int(e.get("step", -1)) == step and "rules" in e), None)
+        stall = next((e for e in reversed(events) if int(e.get("step", -1)) == step and e.get("stall")), None)
+        if flag is None and stall is None:
+            return None
+        ctx = self.answer_context()
+        if stall is not None and flag is None:
+            proof = next((e["proof"] for e in reversed(events) if (e.get("proof") or {}).get("stall", {}).get("step")
+                          == step), None)
+            return answers.build(step, "stall", stall, proof, ctx, tree=tree)
+        return answers.build(step, "spike", flag, flag.get("proof"), ctx, tree=tree,
+                             unproven=(flag.get("proof_failed") or {}).get("error"))
+
     def spike_rules(self) -> dict[str, Any] | None:
         """The spike rules' settings the run recorded (``[ledger.spike]``, the newest
         spikes.jsonl header's ``rules``); None when it ran no rules. Offline tools read the

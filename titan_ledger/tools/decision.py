@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from titan_ledger.components.detection import fingerprints as fp
 from titan_ledger.errors import LedgerCorrupt, LedgerError
-from titan_ledger.format.proofs import Proof, describe_window
+from titan_ledger.format.proofs import describe_window
 from titan_ledger.format.reader import RunLedger
 
 if TYPE_CHECKING:
@@ -619,6 +619,8 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
                 res["rank"] = by_doc
         res["documents"], res["documents_note"] = _standout(led, step, res.get("rank"), event, injected, n_docs)
     res["certainty"], res["certainty_rule"] = _certainty(res, event, injected)
+    # the tree's own reading, before any proof or rerun: a candidate for the answer, never its cause
+    res["tree"] = {"cause": res["cause"], "certainty": res["certainty"], "rule": res["certainty_rule"]}
     _apply_proof(res, (event or {}).get("proof") or (note or {}).get("proof"))
     stall = next((e for e in reversed(led.response_events()) if e.get("stall") and int(e["step"]) == step), None)
     _apply_stall(res, stall, next((p for _, p in reversed(led.proofs()) if (p.get("stall") or {}).get("step") == step),
@@ -629,7 +631,26 @@ def judge(led: RunLedger, step: int, th: Thresholds | None = None, n_docs: int =
         res["documents"] = [dict(scores.get((d["source"], d["doc"]), d), criterion=PROOF_CRITERION, proven=True)
                             for d in res["documents"]]
     _apply_rerun(led, step, res)
+    res["answer"] = answer_of(led, step, res)
     return res
+
+
+def answer_of(led: RunLedger, step: int, res: dict) -> dict | None:
+    """THE answer to the incident at ``step`` (``format.answers``: the one the trainer
+    recorded, else built by the same function from the recorded event), with the tree's
+    reading as a candidate and a rerun's proof where no proof at the alarm established a
+    cause; None when nothing flagged the step. Every view renders this."""
+    from titan_ledger.format import answers
+
+    a = led.answer(step, res.get("tree"))
+    if a is None:
+        return None
+    rv = res.get("rerun_verdict") or {}
+    if not a.cause and rv.get("cause") and (rv.get("proven") or res.get("certainty") == "evidence") \
+            and not rv.get("contradicts_proof"):
+        a = answers.with_rerun(a, rv["cause"], res.get("certainty_rule", ""), rv.get("proven", False),
+                               led.answer_context())
+    return a.to_json()
 
 
 def _apply_stall(res: dict, event: dict | None, proof: dict | None = None) -> None:
@@ -736,14 +757,14 @@ def _apply_proof(res: dict, proof: dict | None) -> None:
             res["certainty_rule"] = (f"{res['certainty_rule']}; proven in step: reproducible, and not the "
                                      f"suspect's data ({proof.get('why', '')})")
         window = proof.get("window") or {}
-        typed = Proof.of(proof)
-        if typed.how == "window":  # the trainer re-ran the window from a host snapshot: the cause is proven
-            res.update(cause=typed.cause, certainty="proven",
+        wcause = window.get("cause")
+        if wcause and (v == "not_data" or wcause == v):  # the window re-ran from a host snapshot: its cause
+            res.update(cause=wcause, certainty="proven",
                        certainty_rule=f"proven in process: {describe_window(window)}")
-            if res.get("mechanism") and typed.cause != "lr":
+            if res.get("mechanism") and wcause != "lr":
                 res.pop("mechanism")
-            if typed.cause != heuristic:
-                res["prevention"] = fp.prevention(typed.cause, res.get("fingerprints"))
+            if wcause != heuristic:
+                res["prevention"] = fp.prevention(wcause, res.get("fingerprints"))
         elif window.get("cause"):  # Adam's state measured in step; in the window another fix removed it
             res["certainty_rule"] += (f"; in the window Adam's own fix did not remove it, {window['cause']}'s did "
                                       f"(proven in process: {describe_window(window)})")

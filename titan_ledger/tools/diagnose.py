@@ -133,6 +133,8 @@ def _main(a) -> int:
             flagged = set(led.spike_steps()) if ran else set(spike_steps(led))
             hist = led.history_at(s, Thresholds().pre, 0)
             res["spike_check"] = spike_check(hist[0] if hist else [], s, s in flagged, det=rules_of(led))
+        if not offers_documents(res):  # the answer ruled the data out: no suspects, no quarantine offered
+            res.pop("documents", None)
         if res.get("documents"):
             res["documents"] = with_text(led, res["documents"])
         if res.get("documents") and not res["documents"][0].get("proven"):  # (proven: quarantined already)
@@ -142,7 +144,7 @@ def _main(a) -> int:
                 f"{records.QUARANTINE_FILE}")
         results.append(res)
     if a.write_quarantine:
-        docs = {(d["source"], d["doc"]) for r in results for d in r.get("documents", [])}
+        docs = {(d["source"], d["doc"]) for r in results if offers_documents(r) for d in r.get("documents", [])}
         if not docs:
             raise LedgerError(f"--write-quarantine {a.write_quarantine}: no bad_data verdict named a "
                               f"document (nothing written)")
@@ -188,25 +190,43 @@ def _main(a) -> int:
     return 0
 
 
+def offers_documents(res: dict) -> bool:
+    """Whether the verdict may name documents and offer their quarantine: the answer
+    convicted data (a proof, a rerun), or nothing established a cause and the tree reads
+    bad data (a suspect to prove). Never after a proof or window that ruled the data out
+    (``not_data``, ``optimizer_state``, a configuration cause)."""
+    a = res.get("answer")
+    if a is None or a.get("established") == "none":
+        return (res.get("tree") or {}).get("cause", res.get("cause")) == "bad_data" or res.get("cause") == "bad_data"
+    return a.get("cause") == "bad_data"
+
+
 def print_verdict(r: dict) -> None:
-    """One verdict as text: cause, certainty and its rule, the trainer's flag, what was
-    done, the questions with their numbers, the documents and the quarantine command."""
-    extra = rank_phrase(r)
-    extra += f" (underlying: {r['underlying']})" if r.get("underlying") else ""
-    extra += f" (mechanism: {r['mechanism']})" if r.get("mechanism") else ""
-    extra += f" (the tree said {r['heuristic']})" if r.get("heuristic") else ""
+    """One verdict as text: the answer first (three short lines: what and why, the fix, what
+    was done), its detail (how, every fix tried, the command), then the decision tree's
+    reading (a candidate, never the answer), the flag, the per-rank losses, the tree's
+    questions with their numbers, and the documents and quarantine command when the answer
+    allows them."""
+    from titan_ledger.format.answers import Answer, times
+
+    a = Answer.of(r["answer"]) if r.get("answer") else None
     rewound = "   [judged on the history as it stood when the step ran]" if r.get("rewound") else ""
-    print(f"step {r['step']}: {r['cause']}{extra} -- {r['certainty']}   grad norm {r['grad_norm_ratio']}x "
-          f"pre-spike median{rewound}")
-    print(f"  certainty: {r['certainty']}: {r['certainty_rule']}")
-    if r.get("prevention"):
-        p = r["prevention"]
-        print(f"  prevention: {p['text']}" + (f"\n    flags: {' '.join(p['flags'])}" if p.get("flags") else ""))
-    if r.get("onset"):
-        print(f"  onset: the fingerprint began at step {r['onset']}: a rerun or a rollback that should remove "
-              f"the cause starts from a checkpoint before it")
-    if r.get("fragile"):
-        print(f"  also: {r['fragile']}")
+    if a is not None:
+        lines = a.lines()
+        print(lines[0] + rewound)
+        for line in lines[1:] + a.detail():
+            print(line)
+    else:
+        print(f"step {r['step']}: not an incident: the trainer did not flag it{rewound}")
+    tree = r.get("tree") or {"cause": r.get("cause"), "certainty": r.get("certainty"), "rule": r.get("certainty_rule")}
+    extra = rank_phrase({**r, "cause": tree["cause"]}) if tree["cause"] == "bad_data" else ""
+    extra += f" (mechanism: {r['mechanism']})" if r.get("mechanism") else ""
+    print(f"  the decision tree (heuristics over the signals; a candidate, never the answer): {tree['cause']}{extra} "
+          f"-- {tree['certainty']}: {tree.get('rule')}; grad norm {times(r['grad_norm_ratio'])} its pre-spike median")
+    if r.get("stall"):
+        from titan_ledger.components.detection.stall import describe_stall
+
+        print(f"  stall: {describe_stall({'step': r['step'], 'stall': r['stall']})}")
     t = r.get("trainer")
     if t:
         named = f", suspect DP rank {t['suspect_dp_rank']}" if t.get("suspect_dp_rank") is not None else ""
@@ -216,11 +236,7 @@ def print_verdict(r: dict) -> None:
         print(f"  trainer: not flagged; a note ({', '.join(r['trainer_notes'])}): recorded, never acted on")
         if r.get("trainer_notes_why"):
             print(f"    why a note: {r['trainer_notes_why']}")
-    if r.get("proof"):
-        from titan_ledger.format.proofs import describe_proof
-
-        print(f"  proof: {describe_proof(r['proof'])}")
-    print(f"  done: {r['done']}")
+    print(f"  recorded actions: {r['done']}")
     if r.get("rank_losses"):
         print("  per-rank losses at the step: " + rank_summary(r["rank_losses"]))
     for c in r["checks"]:
@@ -239,7 +255,7 @@ def print_verdict(r: dict) -> None:
                 print(f"      stands out: {d['stands_out']}")
             if d.get("text"):
                 print(f"      {d['text'][:160]!r}")
-    elif r.get("documents_note"):
+    elif r.get("documents_note") and offers_documents(r):
         print(f"  documents: {r['documents_note']}")
     if r.get("quarantine_command"):
         print(f"  quarantine: {r['quarantine_command']}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from titan_ledger.format.proofs import describe_proof
 from titan_ledger.format.reader import RunLedger
 
 AFTER = 5  # trained steps after the action whose outcome is summarized
@@ -127,8 +126,12 @@ def describe(f: dict) -> str:
                      f"action {f['action']}{how}")
     else:
         parts.append("not flagged by the trainer")
-    if f.get("proof"):
-        parts.append(describe_proof(f["proof"]))
+    if f.get("proof"):  # the proof's verdict and what it applied; its full account is the answer's
+        p = f["proof"]
+        parts.append(f"proven in step: {p.get('verdict')}" + (
+            f", applied {p['applied']}" if p.get("applied") not in (None, "original") else "")
+                     + (f" (would have applied {p['would_apply']}; held back: {p['held_back']})"
+                        if p.get("held_back") else ""))
     act = str(f.get("action") or "").split("*")[0]  # a ladder rung's name: action[:lr][*attempts]
     rw = f.get("rewind")
     if f["update_skipped"] and not rw:

@@ -39,6 +39,8 @@ h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ccc;margin-top:28px
 table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;
 vertical-align:top;font-size:13px}th{background:#f4f4f4}.yes{color:#b00;font-weight:bold}
 .verdict{font-size:18px;padding:8px 12px;background:#fff4e5;border:1px solid #f0b060;display:inline-block}
+.answer{padding:8px 14px;background:#fff4e5;border:1px solid #f0b060;margin:8px 0}
+.answer p{margin:4px 0}.answer .cause{font-size:18px;font-weight:bold}.answer pre{white-space:pre-wrap;margin:4px 0}
 code,pre{background:#f6f6f6;padding:2px 4px;font-size:12px}pre{padding:8px;overflow-x:auto}
 img{max-width:100%;border:1px solid #eee}.none{color:#777;font-style:italic}
 """
@@ -49,6 +51,8 @@ def _e(x: Any) -> str:
 
 
 def _num(v: Any) -> str:
+    if v is None:
+        return "n/a"  # (a page never shows a bare None)
     if isinstance(v, float):
         return f"{v:.6g}" if math.isfinite(v) else str(v)
     return _e(v)
@@ -174,15 +178,15 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
     """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
     prints: cause, certainty and its rule, the trainer's flag, what was done, the
     per-rank losses as the step trained, every question with its numbers."""
-    from titan_ledger.format.proofs import Proof
     from titan_ledger.tools.decision import judge, rank_phrase, rank_summary
 
     try:
         res = judge(led, step)
     except TitanLedgerError as e:
-        return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(e)}</p>", None
+        return f"<h2>The decision tree's reading</h2><p class='none'>no diagnosis: {_e(e)}</p>", None
     except Exception as e:
-        return f"<h2>Diagnosis</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: {_e(e)}</p>", None
+        return (f"<h2>The decision tree's reading</h2><p class='none'>no diagnosis: {_e(type(e).__name__)}: "
+                f"{_e(e)}</p>", None)
     extra = rank_phrase(res)
     extra += f" (underlying: {res['underlying']})" if res.get("underlying") else ""
     extra += f" (mechanism: {res['mechanism']})" if res.get("mechanism") else ""
@@ -197,20 +201,13 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
             if t else "not flagged" + (f" (a note: {', '.join(res['trainer_notes'])}; recorded, never acted on)"
                                        if res.get("trainer_notes") else ""))
     losses = rank_summary(res["rank_losses"]) if res.get("rank_losses") else "none recorded"
-    out = [f"<h2>Diagnosis</h2><p class='verdict'>{_e(res['cause'])}{_e(extra)} &mdash; {_e(res['certainty'])}</p>",
-           f"<p>grad norm {_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
-           *([f"<p>Proof at the alarm: <b>{_e(Proof.of(res['proof']).headline)}</b> (below).</p>"]
-             if res.get("proof") else []),
-           _facts([["certainty", f"{res['certainty']}: {res['certainty_rule']}"],
-                             ["trainer", flag], ["done", res["done"]],
-                             ["per-rank losses at the step", losses],
-                             ["documents", res.get("documents_note") or "(not a bad_data verdict)"],
-                             *([["prevention", res["prevention"]["text"]
-                                 + (f" ({' '.join(res['prevention']['flags'])})" if res["prevention"].get("flags")
-                                    else "")]] if res.get("prevention") else []),
-                             *([["onset", f"the fingerprint began at step {res['onset']}: a rerun or rollback "
-                                          f"that should remove the cause starts before it"]] if res.get("onset") else []),
-                             *([["also", res["fragile"]]] if res.get("fragile") else [])])]
+    tree = res.get("tree") or {"cause": res["cause"], "certainty": res["certainty"], "rule": res["certainty_rule"]}
+    out = [f"<h2>The decision tree's reading</h2><p>Heuristics over the recorded signals (a candidate, never the "
+           f"answer above): <b>{_e(tree['cause'])}{_e(extra)}</b> &mdash; {_e(tree['certainty'])}; grad norm "
+           f"{_num(res.get('grad_norm_ratio'))}&times; the pre-spike median.{rewound}</p>",
+           _facts([["its rule", tree.get("rule")], ["trainer", flag], ["recorded actions", res["done"]],
+                   ["per-rank losses at the step", losses],
+                   *([["onset", f"the fingerprint began at step {res['onset']}"]] if res.get("onset") else [])])]
     rows_t = []
     for c in res["checks"]:
         # each value escaped once (_num), the joined cell as it is: evidence_rules=['doc_high']
@@ -220,6 +217,39 @@ def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
         rows_t.append([ans, c["question"], _Raw(nums)])
     out.append(_table(["answer", "question", "numbers"], rows_t))
     return "".join(out), res
+
+
+def answer_section(res: dict | None, step: int) -> tuple[str, str]:
+    """The page's first box: the incident's answer (``format.answers``, the record every view
+    renders) -- the cause and how it was established, the fix with its command, what was
+    done and what acting would have done, why it was not proven -- and the page's title."""
+    from titan_ledger.format.answers import ESTABLISHED, Answer
+
+    a = Answer.of(res["answer"]) if res and res.get("answer") else None
+    if a is None:
+        return (f"<div class='answer'><p class='cause'>Step {step}: not an incident</p><p>The trainer did not flag "
+                f"this step; the tree's reading is below.</p></div>"), f"step {step} (not flagged)"
+    parts = [f"<p class='cause'>{_e(a.cause_text)}</p>",
+             f"<p><b>How:</b> {_e(ESTABLISHED[a.established])}" + (f": {_e(a.how)}" if a.how else "") + "</p>"]
+    if a.fix is not None:
+        parts.append(f"<p><b>Fix:</b> <code>{_e(a.fix.change)}</code>: {_e(a.fix.effect)}"
+                     + (f" ({_e(a.fix.detail)})" if a.fix.detail else "") + "</p>")
+    elif a.candidates:
+        parts.append("<p><b>Fix:</b> none measured; candidate (untested): "
+                     + "; ".join(f"<code>{_e(c.change)}</code> ({_e(c.detail)})" for c in a.candidates[:3]) + "</p>")
+    else:
+        parts.append(f"<p><b>Fix:</b> {_e(a.lines()[1].strip().removeprefix('fix: '))}</p>")
+    if a.command:
+        parts.append(f"<p><b>Run it</b> ({_e(a.start)}, into a new folder):</p><pre>{_e(a.command)}</pre>")
+    parts.append(f"<p><b>Done:</b> {_e(a.did)}" + (f"; acting would have {_e(a.acting)}" if a.acting else "")
+                 + "</p>")
+    if a.not_proven:
+        parts.append(f"<p><b>Not proven:</b> {_e(a.not_proven)}</p>")
+    if a.fixes:
+        parts.append("<p><b>Fixes tried</b>" + (f" (the window from step {a.window_from})" if a.window_from is not None
+                                                 else "") + ": " + "; ".join(
+            f"<code>{_e(f.change or f.variant)}</code> {_e(f.effect)}" for f in a.fixes) + "</p>")
+    return "<div class='answer'>" + "".join(parts) + "</div>", f"{a.title} at step {step}"
 
 
 def _row_losses(raw: dict) -> dict[tuple[int, int], tuple[float, int]]:
@@ -248,12 +278,9 @@ def proof_section(led: RunLedger, step: int) -> str:
     if record is None:
         return head + "<p class='none'>no proof recorded at this step (--ledger.on_spike.prove, prove_at)</p>"
     p = Proof.of(record)
-    facts = [["cause", p.headline], ["in-step verdict", f"{p.verdict}: {p.why}"],
-             ["applied", p.applied]]
+    facts = [["in-step verdict", f"{p.verdict}: {p.why}"], ["applied", p.applied]]
     if p.held_back is not None:
         facts.append(["would have applied", f"{p.would_apply} (held back by {HELD_BACK.get(p.held_back, p.held_back)})"])
-    if p.fixes:
-        facts.append(["fixes that removed it", ", ".join(p.fixes) + " (the cheapest first)"])
     facts.append(["in one line", p.line()])
     for key in ("decided_at", "update_recomputed", "ranks", "dp_ranks", "documents"):
         if record.get(key) is not None:
@@ -265,11 +292,11 @@ def proof_section(led: RunLedger, step: int) -> str:
         facts.append(["noise floor", f"{record['noise'].get('floor')} (factor {record['noise'].get('factor')})"])
     window = record.get("window") or {}
     where = {"step": "the step", "window": f"window from step {p.window_from}"}
-    runs = [[where[r.kind], r.variant, r.loss, r.grad_norm, _yes_no(r.normal), _yes_no(r.removed),
+    runs = [[where[r.kind], r.variant, r.loss, r.grad_norm, _yes_no(r.normal), r.removed or "",
              r.seconds if r.seconds is not None else "", "" if r.cost is None or r.variant == "same" else f"{r.cost:+.4g}",
              _yes_no(r.bit_equal), r.ranks_in_words()] for r in p.runs]
     out = head + _facts(facts) + _table(
-        ["run", "variant", "loss", "grad norm", "update normal", "removed the spike", "seconds", "loss cost",
+        ["run", "variant", "loss", "grad norm", "update normal", "effect (the one judge)", "seconds", "loss cost",
          "bit-equal", "per DP rank"], runs)
     if window.get("runs"):
         out += (f"<p>The window re-ran steps {p.window_from + 1}-{p.window_from + window['steps']} from the host "
@@ -354,6 +381,10 @@ def rerun_section(led: RunLedger, step: int) -> str:
     files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
     if not files:
         cmd = f"{_python(led)} -m titan_ledger.diagnose {led.dump_folder} --step {step} --rerun"
+        before = [c for c in led.checkpoints() if c < step]
+        if not before:  # a rerun loads the last checkpoint before the step: say what it needs, no command
+            return head + (f"<p class='none'>No rerun: a rerun from a checkpoint needs one before step {step}, and "
+                           f"this run has none (train with --checkpoint.enable --checkpoint.interval N).</p>")
         if led.proof_at(step) is not None:
             return head + (f"<p>No rerun: the step was proven in process (Proof at the alarm, above). A rerun "
                            f"from a checkpoint, out of process, would test it again: <code>{_e(cmd)}</code></p>")
@@ -424,7 +455,8 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
                      [[step, at.get("loss"), at.get("loss_max"), worst, at.get("grad_norm"),
                        at.get("max_logit"), at.get("lr")]])
     signals, plot_info = signals_section(led, step, around)
-    body = [f"<h1>Incident: loss spike at step {step}</h1>",
+    box, title = answer_section(res, step)
+    body = [f"<h1>Incident: {_e(title)}</h1>", box,
             f"<p>Run <code>{_e(led.dump_folder)}</code>; {_e(flagged)}.</p>", summary,
             signals, ranks_section(led, step, around), diag, proof_section(led, step),
             documents_section(led, step, worst), rerun_section(led, step),
@@ -433,8 +465,9 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
             f"<title>titan_ledger incident: step {step}</title><style>{CSS}</style></head><body>"
             + "".join(body) + "</body></html>")
     Path(out).write_text(page, encoding="utf-8")
-    return {"step": step, "out": str(out), "cause": res["cause"] if res else None,
-            "certainty": res["certainty"] if res else None, "verdict": res, "bytes": len(page),
+    answer = (res or {}).get("answer") or {}
+    return {"step": step, "out": str(out), "cause": answer.get("cause") or None,
+            "established": answer.get("established"), "answer": answer or None, "verdict": res, "bytes": len(page),
             "signals_plot": plot_info}
 
 
@@ -471,8 +504,9 @@ def _main(a) -> int:
             raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
         path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
         info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
-        print(f"wrote {info['out']}: spike at step {s}, diagnosis {info['cause']} ({info['certainty']})"
-              + (f"; {info['verdict']['done']}" if info.get("verdict") else ""))
+        a = info.get("answer") or {}
+        print(f"wrote {info['out']}: " + (f"{a.get('title')} at step {s}: {a.get('cause_text')}" if a else
+                                          f"step {s}: not flagged by the trainer"))
     return 0
 
 

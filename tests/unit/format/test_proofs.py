@@ -23,15 +23,17 @@ def test_a_proof_record_writes_the_fields_set_in_order_and_reads_back_as_the_sam
     assert on_disk["verdict"] == "bad_data" and on_disk["would_apply"] == "masked" and on_disk["applied"] == "original"
     assert all(type(v) is str for k, v in out.items() if k in ("verdict", "applied", "would_apply"))
     proof = Proof.of(on_disk)
-    assert (proof.verdict, proof.cause, proof.how, proof.applied, proof.would_apply, proof.held_back) == \
-        ("bad_data", "bad_data", "in_step", "original", "masked", "quarantine_bound")
+    assert (proof.verdict, proof.applied, proof.would_apply, proof.held_back) == \
+        ("bad_data", "original", "masked", "quarantine_bound")
     assert proof.documents == ("corpus:7",) and proof.runs[0].variant == "original"
 
 
-def test_a_window_proof_in_the_record_names_the_cause_a_not_data_verdict_left_open():
+def test_a_window_proofs_runs_carry_the_one_judges_effect_and_no_cause_is_derived_here():
     rec = ProofRecord(verdict=Finding.NOT_DATA, applied=Applied.ORIGINAL, why="reproducible", acting=True,
                       executions=[], window={"cause": "lr", "from_step": 40, "fixes": [{"variant": "lr"}],
-                                             "runs": [{"variant": "same", "loss": 5.0}, {"variant": "lr", "loss": 4.0}]})
+                                             "runs": [{"variant": "same", "loss": 5.0},
+                                                      {"variant": "lr", "loss": 4.0, "effect": "removed"},
+                                                      {"variant": "eps", "loss": 5.0, "effect": "moved"}]})
     proof = Proof.of(json.loads(json.dumps(rec.to_json())))
-    assert (proof.cause, proof.how, proof.fixes, proof.window_from) == ("lr", "window", ("lr",), 40)
-    assert [r.removed for r in proof.runs] == [None, True]
+    assert proof.window_from == 40 and not hasattr(proof, "cause")  # the answer (format.answers) names it
+    assert [r.removed for r in proof.runs] == [None, "removed", "moved"]

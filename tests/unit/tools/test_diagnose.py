@@ -227,6 +227,10 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     res = judge(run, 350)
     assert res["cause"] == "logit_growth" and res["certainty"] == "evidence" and "STALL at step 350" in \
         res["certainty_rule"] and "--model.qk_norm" in res["prevention"]["flags"]
+    # the answer, not proven: the stall rule's reading as a candidate fix, never as the cause
+    a = res["answer"]
+    assert (a["kind"], a["cause"], a["established"], a["fix"]) == ("stall", "", "none", None)
+    assert a["candidates"][0]["variant"] == "logit_cap" and "host snapshots" in a["not_proven"]
     window = {"cause": "logit_growth", "variant": "logit_cap", "stall": True, "from_step": 280, "steps": 71,
               "why": "the stall: ... the logit_cap variant lowered the loss (loss -0.2 ...)",
               "fixes": [{"variant": "logit_cap", "cause": "logit_growth", "cost": -0.2}],
@@ -239,6 +243,10 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     res = judge(RunLedger(tmp_path / "run"), 350)
     assert (res["cause"], res["certainty"]) == ("logit_growth", "proven")
     assert res["certainty_rule"].startswith("proven in process: logit_growth proven by the window")
+    a = res["answer"]
+    assert (a["cause"], a["established"], a["fix"]["variant"], a["fix"]["effect"]) == \
+        ("logit_growth", "window", "logit_cap", "lowered")
     assert main([str(tmp_path / "run")]) == 0  # listed without --step: the stall is a finding
     out = capsys.readouterr().out
-    assert out.startswith("step 350: logit_growth (the tree said transient) -- proven"), out[:200]
+    assert out.startswith("stall at step 350: attention-logit growth -- proven by its fix in the window\n"
+                          "  fix: --qk_clip.enable --qk_clip.threshold 30 (now off): lowered"), out[:300]

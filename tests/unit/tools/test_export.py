@@ -33,7 +33,7 @@ def test_export_writes_the_tables_and_says_so(run, tmp_path, capsys, fmt):
     assert len(lines) == 3
     assert lines[0].startswith(f"wrote {out}/signals.{fmt}: 11 rows x 28 columns, ")
     assert lines[1].startswith(f"wrote {out}/data_step7.{fmt}: 4 rows x 10 columns, ")
-    assert lines[2].startswith(f"wrote {out}/spikes.{fmt}: 1 rows x 28 columns, ")
+    assert lines[2].startswith(f"wrote {out}/spikes.{fmt}: 1 rows x 41 columns, ")
     assert all(" bytes), read " in ln and ln.endswith(" s") for ln in lines)
     assert sorted(p.name for p in out.iterdir()) == [f"data_step7.{fmt}", f"signals.{fmt}", f"spikes.{fmt}"]
     want, data = signals_table(run), data_table(run, 7)

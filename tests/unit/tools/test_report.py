@@ -41,9 +41,10 @@ def test_page_has_every_section_and_inlined_images(tmp_path):
     d = _run(tmp_path)
     info = report(d, 5, tmp_path / "i.html", around=4)
     page = (tmp_path / "i.html").read_text()
-    assert info["cause"] and page.startswith("<!DOCTYPE html>")
-    for title in ("Signals around step 5", "Per-rank losses", "Diagnosis", "Documents of the worst DP rank",
-                  "Rerun results", "Rollback plan"):
+    assert info["answer"]["title"] == "loss spike" and page.startswith("<!DOCTYPE html>")
+    assert "<h1>Incident: loss spike at step 5</h1><div class='answer'>" in page  # the answer first
+    for title in ("Signals around step 5", "Per-rank losses", "The decision tree's reading",
+                  "Documents of the worst DP rank", "Rerun results", "Rollback plan"):
         assert f"<h2>{title}</h2>" in page, title
     assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', page)) >= 1
     # the signals plot embedded is the one plot() laid out, and it is legible
@@ -55,7 +56,8 @@ def test_page_has_every_section_and_inlined_images(tmp_path):
     assert_legible(layout, [5])
     assert not re.search(r'(src|href)="(https?:|file:|/)', page)  # self-contained
     assert "Q0 divergence" in page and "Q5 bf16" in page  # every question, with numbers
-    assert "no data ledger" in page and "No rerun was run for this step" in page  # missing inputs said
+    assert "no data ledger" in page and "a rerun from a checkpoint needs one before step 5" in page  # inputs said
+    assert "<td>None</td>" not in page and "n/a" in page  # a missing value, never a bare None
     assert "no plan:" in page and "checkpoint" in page
 
 
@@ -81,7 +83,8 @@ def test_the_decision_tables_numbers_are_escaped_once(tmp_path):
     report(d, 5, tmp_path / "i.html", around=4)
     page = (tmp_path / "i.html").read_text()
     assert "evidence_rules=[&#x27;doc_high&#x27;]" in page
-    assert "&amp;#x27;" not in page and "&amp;" not in page.split("<h2>Diagnosis</h2>")[1].split("</table>")[1]
+    assert "&amp;#x27;" not in page and "&amp;" not in page.split("<h2>The decision tree's reading</h2>")[1].split(
+        "</table>")[1]
 
 
 def test_the_page_shows_the_proof_as_it_ran(tmp_path):
@@ -106,15 +109,16 @@ def test_the_page_shows_the_proof_as_it_ran(tmp_path):
                             "action": "proof: bad_data", "proof": proof}) + "\n")
     report(d, 5, tmp_path / "p.html", around=4)
     section = (tmp_path / "p.html").read_text().split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
-    for text in ("bad_data (proven in step)", "masked", "decided at", "bisection", "dp_ranks=[0, 1]", "original",
+    for text in ("masked", "decided at", "bisection", "dp_ranks=[0, 1]", "original",
                  "bisect", "DP rank 0: loss sum 1902 over 256 tokens, gradient sum of squares 40",
                  "Group testing, round by round", "2: c:5, c:6", "bad data on DP ranks 0, 1, documents c:5"):
         assert text in section, text
-    assert section.count("<tr>") == 7 + 5 + 2  # facts, executions, rounds (each with its header)
+    assert section.count("<tr>") == 6 + 5 + 2  # facts, executions, rounds (each with its header)
     assert "<th></th>" not in section and "grad sq" not in section  # no empty headers, plain words
-    # the diagnosis names both ranks that held the convicted document
-    diagnosis = (tmp_path / "p.html").read_text().split("<h2>Diagnosis</h2>")[1].split("<h2>")[0]
-    assert "bad_data (DP ranks 0, 1)" in diagnosis
+    # the answer box above: the convicted data, proven in step, and what the trainer did
+    box = (tmp_path / "p.html").read_text().split("<div class='answer'>")[1].split("</div>")[0]
+    assert "<p class='cause'>bad data</p>" in box and "proven in step" in box
+    assert "trained without the convicted data" in box
 
 
 REAL_PROOFS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "proofs.json").read_text())
@@ -123,9 +127,12 @@ REAL_PROOFS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "pr
 @pytest.mark.parametrize("kind", ["bad_data", "hardware", "lr_window", "outlier"])
 def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_path, kind, capsys):
     """Real proof records (tests/unit/fixtures/proofs.json, written by real zoo runs): the
-    Diagnosis box, the proof section's cause row, the console line and ``diagnose`` all
-    name the cause the typed record proves; the window's re-runs are rows of the table."""
+    page's answer box and ``diagnose`` render the one answer (``format.answers``, built from
+    the record by the same function the trainer's console uses); the proof section keeps
+    what the proof measured, the window's re-runs as rows with the one judge's effect."""
+    from titan_ledger.format.answers import Answer
     from titan_ledger.format.proofs import Proof, describe_proof
+    from titan_ledger.format.reader import RunLedger
     from titan_ledger.tools import diagnose
 
     ev = dict(REAL_PROOFS[kind], step=5)
@@ -134,26 +141,30 @@ def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_pat
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:-1] + [json.dumps(ev)]) + "\n")  # its event in place of the synthetic one
     p = Proof.of(ev["proof"])
-    report(d, 5, tmp_path / "p.html", around=4)
+    info = report(d, 5, tmp_path / "p.html", around=4)
     page = (tmp_path / "p.html").read_text()
-    box = page.split("<h2>Diagnosis</h2>")[1].split("<table>")[0]
+    box = page.split("<div class='answer'>")[1].split("</div>")[0]
     section = page.split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
-    head = html.escape(p.headline)
-    assert head in box and f"<tr><th>cause</th><td>{head}</td></tr>" in section
-    cause = re.search(r"<p class='verdict'>([a-z_]+)", box).group(1)
+    assert "<th>cause</th>" not in section  # the proof section derives no cause
+    if kind == "outlier":  # a note's proof that found nothing harmful: no incident, no answer
+        assert info["answer"] is None and RunLedger(d).answer(5) is None and "not an incident" in box
+    else:
+        a = RunLedger(d).answer(5, info["verdict"]["tree"])
+        assert Answer.of(info["answer"]) == a and f"<p class='cause'>{html.escape(a.cause_text)}</p>" in box
+        assert a.cause == {"bad_data": "bad_data", "hardware": "hardware", "lr_window": "lr"}[kind]
     line = describe_proof(ev["proof"])
-    words = {"bad_data": "bad data on DP rank", "hardware": "hardware (transient)",
-             "lr_window": "lr (proven by the window proof)", "outlier": "outlier data on DP rank"}[kind]
-    assert words in line
-    if kind != "outlier":  # an outlier proves nothing: the box keeps the signals' cause, and says the proof
-        assert cause == p.cause
+    assert f"<tr><th>in one line</th><td>{html.escape(line)}</td></tr>" in section
     assert section.count("<td>window from step") == sum(r.kind == "window" for r in p.runs)
     if kind == "lr_window":
-        assert p.runs[-5].variant == "same" and [r.removed for r in p.runs[-4:]] == [True, False, False, False]
-        assert "removed the spike" in section and "+2.167" in section  # the LR fix's loss cost
+        assert p.runs[-5].variant == "same" and [r.removed for r in p.runs[-4:]] == \
+            ["removed", "not removed", "not removed", "not removed"]
+        assert a.fix.variant == "lr" and a.established == "window" and a.fix.effect == "removed"
+        assert a.fix.flags == () and "records none of the run's settings" in a.fix.change  # an older ledger
+        assert "effect (the one judge)" in section and "+2.167" in section  # the LR fix's loss cost
     assert diagnose.main([str(d), "--step", "5"]) == 0
     out = capsys.readouterr().out
-    assert line in out and (p.cause if kind != "outlier" else "outlier") in out
+    assert out.startswith("\n".join(Answer.of(info["answer"]).lines()) if info["answer"] else
+                          "step 5: not an incident")
 
 
 def test_above_dp_16_the_per_rank_section_summarises(tmp_path):

@@ -15,6 +15,7 @@ Event logs are never superseded: a spike that caused a rewind stays on record.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch.profiler import record_function
 
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
 from titan_ledger.components.signals.topology import Topology
-from titan_ledger.format import records
+from titan_ledger.format import answers, records
 
 _NOTE = STAT_KEYS.index("note")
 
@@ -41,6 +42,9 @@ class SpikeGuard:
         self._spikes: records.RecordWriter | None = None
         self._rejected: records.RecordWriter | None = None
         self.folder: Path | None = None
+        #: the run's context for an incident's answer (``format.answers.Context``), set by the
+        #: ledger at setup: called once per incident, on rank 0 (it lists the checkpoints)
+        self.answer_context: Callable[[], answers.Context] | None = None
 
     def open(self, folder: Path, header: records.Header) -> None:
         self.folder = folder
@@ -77,25 +81,34 @@ class SpikeGuard:
         return fired.to(torch.float32)
 
     def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: dict | None = None,
-               unproven: str | None = None, proof_failed: dict | None = None) -> tuple[str, dict[str, Any]] | None:
+               unproven: str | None = None, proof_failed: dict | None = None,
+               stall: dict | None = None) -> tuple[str, dict[str, Any]] | None:
         """A written signals row: if it was flagged, record the event; a note (weaker
         evidence, no acting rule) is recorded, never alerted or acted on -- unless its
         proof at the alarm (``proof``) found a harmful cause: then it is an alarm. A proof
         rides in the event; a step it resolved (anything but ``not_data``) is not on the
-        auto-skip list. Returns ``("spike", event)`` or ``("note", event)`` for the
-        dashboards (the ledger charts it), None when the row was neither."""
-        from titan_ledger.format.proofs import HARMFUL, describe_proof, resolves
+        auto-skip list. An incident (an acting flag, a promoted note, or ``stall``: the
+        stall event a forced proof answers) gets its answer (:mod:`titan_ledger.format.answers`),
+        written in the event and said on the console in its three lines. Returns
+        ``("spike", event)`` or ``("note", event)`` for the dashboards (the ledger charts
+        it), ``("answer", event)`` for a stall's answered proof, None when the row was neither."""
+        from titan_ledger.format.proofs import HARMFUL, resolves
 
         promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
         if stats and is_note(stats) and not promoted:
             return "note", self._note(row, stats, proof, unproven, proof_failed)
         if proof is not None and not (stats and stats[0]) and not promoted and self._spikes is not None:
-            # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at): its own event
-            self._spikes.write({"step": row["step"], "proof": proof, "forced": True})
+            # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at; a stall's): its own event
+            forced: dict[str, Any] = {"step": row["step"], "proof": proof, "forced": True}
+            if stall is not None:  # the stall's answer, at the stall's step
+                answer = self._answer(int(stall["step"]), "stall", stall, proof)
+                forced["answer"] = answer.to_json()
+                self._say(answer, None)
+            self._spikes.write(forced)
+            if "answer" in forced:
+                return "answer", forced
         if not stats or not (stats[0] or promoted):
             return None
-        from torchtitan.tools.logging import logger
-
         self.flagged += 1
         ev = {"step": row["step"], "loss": row["loss"], "grad_norm": row["grad_norm"],
               "loss_max": row["loss_max"], "loss_max_rank": row["loss_max_rank"],
@@ -108,24 +121,50 @@ class SpikeGuard:
             ev["action"] = self.on_spike if not resolves(proof) else f"proof: {proof['verdict']}"
         if proof_failed is not None:
             ev["proof_failed"] = proof_failed
+        answer = None
+        if self.topo.is_rank0:
+            why = (f"the proof failed ({proof_failed.get('error')}); the step was decided as without a proof"
+                   if proof_failed else None)
+            answer = self._answer(int(row["step"]), "spike", ev, proof, unproven=why)
+            ev["answer"] = answer.to_json()
         if self._spikes is not None:
             self._spikes.write(ev)
             if proof is None or not resolves(proof):
                 self._rejected.write({"step": row["step"], "rules": ev["rules"]})
-        if self.topo.is_rank0:
-            logger.warning(
-                f"titan_ledger: SPIKE at step {row['step']}: loss {row['loss']:.4f} (window mean "
-                f"{ev['loss_mean']:.4f}, std {ev['loss_std']:.4f}), grad norm {row['grad_norm']:.4f} "
-                f"(median {ev['grad_norm_median']:.4f}); rules {', '.join(ev['rules'])}; "
-                + (f"suspect DP rank {ev['suspect_dp_rank']}; " if "suspect_dp_rank" in ev else
-                   f"highest-loss DP rank {row['loss_max_rank']}; ")
-                + f"action: {ev['action']}" + (f"; {describe_proof(proof)}" if proof is not None else ""))
+        if answer is not None:
+            self._say(answer, ev)
             if "readmitted" in ev:  # --ledger.spike.readmit_after: a change of level, not a spike
+                from torchtitan.tools.logging import logger
+
                 logger.warning(
                     f"titan_ledger: {int(ev['readmitted'])} steps in a row flagged up to step {row['step']}: a "
                     f"lasting change of level (a new data mixture, an easy stretch's end), not a spike; the spike "
                     f"rules' history starts again from these steps (--ledger.spike.readmit_after)")
         return "spike", ev
+
+    def _answer(self, step: int, kind: str, event: dict, proof: dict | None,
+                unproven: str | None = None) -> answers.Answer:
+        ctx = self.answer_context() if self.answer_context is not None else answers.Context()
+        return answers.build(step, kind, event, proof, ctx, unproven=unproven)
+
+    def _say(self, answer: answers.Answer, ev: dict | None) -> None:
+        """An incident on the console (rank 0): its answer's three lines, then the signals
+        that flagged it and the command that applies the fix."""
+        from torchtitan.tools.logging import logger
+
+        lines = answer.lines()
+        if ev is not None:
+            rank = (f"suspect DP rank {ev['suspect_dp_rank']}" if "suspect_dp_rank" in ev else
+                    f"highest-loss DP rank {ev.get('loss_max_rank')}")
+            ratio = (f" = {answers.times(ev['grad_norm'] / ev['grad_norm_median'])} its median"
+                     if ev.get("grad_norm_median") else "")
+            lines.append(f"  signals: loss {answers.num(ev.get('loss'))} (recent median "
+                         f"{answers.num(ev.get('loss_recent', ev.get('loss_median')))}), grad norm "
+                         f"{answers.num(ev.get('grad_norm'))}"
+                         f"{ratio}; rules {', '.join(ev.get('rules', []))}; {rank}")
+        if answer.command:
+            lines.append(f"  run it ({answer.start}, into a new folder): {answer.command}")
+        logger.warning("titan_ledger: " + "\n".join(lines))
 
     def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None,
               unproven: str | None = None, proof_failed: dict | None = None) -> dict[str, Any]:

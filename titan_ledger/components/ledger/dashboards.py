@@ -234,27 +234,27 @@ class LedgerWandB:
         step = int(row["step"])
         rules = ", ".join(ev.get("rules", []))
         proof = ev.get("proof") or {}
+        a = _answer(ev)
         self.spike_rows.append([step, rules, _f(row.get("loss")), _f(row.get("loss_max")),
                                 row.get("loss_max_rank"), _f(row.get("grad_norm")),
                                 _f(ev.get("grad_norm_median")), _f(row.get("max_logit")), ev.get("action"),
-                                proof.get("verdict"), proof.get("applied"), proof.get("would_apply"),
-                                proof.get("held_back"), _proof_line(proof) if proof else None])
+                                proof.get("verdict"), a.cause_text if a else None, a.established if a else None,
+                                a.fix.change if a and a.fix else None, "\n".join(a.lines()) if a else None])
         self.log({"spike/count": self.spikes}, step)
         try:
             table = self.wandb.Table(columns=["step", "rules", "loss", "loss_max", "loss_max_rank", "grad_norm",
                                               "grad_norm_median", "max_logit", "action", "proof_verdict",
-                                              "proof_applied", "proof_would_apply", "proof_held_back", "proof"],
+                                              "answer_cause", "answer_established", "answer_fix", "answer"],
                                      data=[list(r) for r in self.spike_rows])
             self.wandb.log({"spike/events": table}, step=self._advance(step))
         except Exception:
             pass
-        self._alert(f"loss spike at step {step}",
-                    f"step {step}: loss {_fmt(row.get('loss'))} (worst DP rank {row.get('loss_max_rank')}: "
-                    f"{_fmt(row.get('loss_max'))}), grad norm {_fmt(row.get('grad_norm'))} (window median "
-                    f"{_fmt(ev.get('grad_norm_median'))}); rules {rules}; action {ev.get('action')}"
-                    + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else ""),
-                    "WARN")
+        self._alert(a.headline() if a else f"loss spike at step {step}", _incident_text(ev, row), "WARN")
         self._save()
+
+    def answer(self, a) -> None:
+        """An incident answered outside a flag (a stall's window proof): its alert."""
+        self._alert(a.headline(), "\n".join(a.lines() + a.detail()), "WARN")
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         self.rewinds += 1
@@ -320,11 +320,11 @@ class LedgerTensorBoard:
         self.writer.flush()
 
     def spike(self, row: dict[str, Any], ev: dict[str, Any]) -> None:
-        self.writer.add_text("spike/events",
-                             f"step {row['step']}: rules {', '.join(ev.get('rules', []))}; worst DP rank "
-                             f"{row.get('loss_max_rank')}; grad norm {_fmt(row.get('grad_norm'))}; action "
-                             f"{ev.get('action')}" + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else ""),
-                             int(row["step"]))
+        self.writer.add_text("spike/events", _code(_incident_text(ev, row)), int(row["step"]))
+
+    def answer(self, a) -> None:
+        """An incident answered outside a flag (a stall's window proof), as text at its step."""
+        self.writer.add_text("spike/events", _code("\n".join(a.lines() + a.detail())), int(a.step))
 
     def proof(self, step: int, proof: dict[str, Any]) -> None:
         """A note's proof in words (a spike's rides in ``spike/events``)."""
@@ -487,6 +487,39 @@ def _code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
+def _answer(ev: dict[str, Any]):
+    """The incident's answer recorded in its event (``format.answers.Answer``), or None."""
+    from titan_ledger.format.answers import Answer
+
+    return Answer.of(ev["answer"]) if isinstance(ev.get("answer"), dict) else None
+
+
+def _incident_text(ev: dict[str, Any], row: dict[str, Any]) -> str:
+    """A flagged step in words: its answer (three lines and the command), then its signals;
+    an event without an answer (not rank 0's) says its rules and proof."""
+    a = _answer(ev)
+    signals = (f"loss {_fmt(row.get('loss'))} (worst DP rank {row.get('loss_max_rank')}: {_fmt(row.get('loss_max'))}), "
+               f"grad norm {_fmt(row.get('grad_norm'))} (window median {_fmt(ev.get('grad_norm_median'))}); rules "
+               f"{', '.join(ev.get('rules', []))}; action {ev.get('action')}")
+    if a is not None:
+        return "\n".join(a.lines() + (["  run it: " + a.command] if a.command else []) + ["  signals: " + signals])
+    return f"step {row['step']}: {signals}" + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else "")
+
+
+def answer_scalars(ev: dict[str, Any]) -> dict[str, float]:
+    """The answer as dashboard scalars: ``answer/cause_<cause>`` (the one cause; none when not
+    established), ``answer/established_<how>``, ``answer/fix_measured`` (a fix the window
+    measured removed or lowered it)."""
+    a = _answer(ev)
+    if a is None:
+        return {}
+    out = {f"answer/established_{a.established.replace('+', '_')}": 1.0,
+           "answer/fix_measured": float(a.fix is not None)}
+    if a.cause:
+        out[f"answer/cause_{a.cause}"] = 1.0
+    return out
+
+
 def _proof_line(proof: dict[str, Any]) -> str:
     from titan_ledger.format.proofs import describe_proof
 
@@ -514,10 +547,21 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
 
     metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
                         "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"]),
-                        "spike/loss_max_rank": float(row["loss_max_rank"]), **proof_scalars(ev.get("proof"))},
-                       row["step"])
+                        "spike/loss_max_rank": float(row["loss_max_rank"]), **proof_scalars(ev.get("proof")),
+                        **answer_scalars(ev)}, row["step"])
     for x in _ours(metrics_logger):
         x.spike(row, ev)
+
+
+def log_answer(metrics_logger, ev: dict[str, Any]) -> None:
+    """An incident answered outside a flag (a stall's window proof, in its forced proof's
+    event): its ``answer/*`` scalars at the stall's step, its alert and text."""
+    a = _answer(ev)
+    if metrics_logger is None or a is None:
+        return
+    metrics_logger.log(answer_scalars(ev), a.step)
+    for x in _ours(metrics_logger):
+        x.answer(a)
 
 
 def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:

@@ -64,7 +64,7 @@ from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import ConfigError
-from titan_ledger.format import records
+from titan_ledger.format import answers, records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
 
@@ -179,6 +179,7 @@ class Ledger(Configurable):
         self.stall = StallWatch(config.stall) if config.stall.enable else None
         self.stalls: list[dict] = []  # stall events this process raised (Recovery proves the newest)
         self.global_batch = 0
+        self.knobs = answers.Knobs()  # the run's settings a fix changes (setup: from the config)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -218,7 +219,23 @@ class Ledger(Configurable):
                                          tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
         if self.enabled:
             self._build_recorder(trainer)
+        self.knobs = knobs_of(tcfg)
+        if self.guard is not None:
+            self.guard.answer_context = lambda: self.answer_context(tcfg)
         self._apply_state()
+
+    def answer_context(self, tcfg) -> answers.Context:
+        """What an incident's answer needs of the run (``format.answers.Context``): its
+        settings, its launch, the checkpoints on disk now (rank 0, once per incident)."""
+        from titan_ledger.format.reader import checkpoints
+
+        ck = tcfg.checkpoint
+        launch = self.launch.header()
+        return answers.Context(
+            knobs=self.knobs, dump=str(tcfg.dump_folder), argv=tuple(launch["argv"]) if "argv" in launch else None,
+            cwd=launch.get("cwd", ""), python=launch.get("python") or "python", world_size=self.topo.world,
+            checkpoints=tuple(checkpoints(tcfg.dump_folder, ck.folder)) if ck.enable else (),
+            checkpoint_folder=ck.folder, policy=self.config.on_spike.act, loss_jump=self.config.spike.loss_jump)
 
     def attach_loss(self, loss_fn, *, per_document: bool, cp_enabled: bool, seq_len: int) -> DocLossTracker | None:
         """Hook the step's signals into the trainer's loss when it is titan_ledger's
@@ -302,7 +319,7 @@ class Ledger(Configurable):
                                 extra={"config_digest": self.config_digest, "world_size": self.topo.world,
                                        "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
                                        "precision": self.precision, "param_groups": self.param_groups,
-                                       **self.launch.header()})
+                                       "knobs": self.knobs.to_json(), **self.launch.header()})
         # the documents proofs convicted up to the step this segment resumes from stay masked
         # (later convictions happen again when their steps are trained again)
         self.quarantine = Quarantine(self.config.filter.quarantine)
@@ -553,13 +570,19 @@ class Ledger(Configurable):
             if stall is not None:
                 self._on_stall(stall, metrics_logger)
             proof = done.rec.proof.to_json() if done.rec.proof is not None else None  # (the record on disk)
+            stall_ev = None
+            if proof is not None and proof.get("stall"):  # a forced proof answering the stall rule's flag
+                stall_ev = next((e for e in reversed(self.stalls) if e["step"] == proof["stall"]["step"]), None)
             event = self.guard.on_row(done.row, done.stats, proof=proof, unproven=done.rec.unproven,
-                                      proof_failed=done.rec.proof_failed) \
+                                      proof_failed=done.rec.proof_failed, stall=stall_ev) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
             if event is not None and metrics_logger is not None:
                 # spike/* and note/* scalars; W&B: a spike's alert and its spike/events table row
-                (dashboards.log_spike if event[0] == "spike" else dashboards.log_note)(metrics_logger, done.row,
-                                                                                       event[1])
+                if event[0] == "answer":  # a stall's answer (its forced proof's event)
+                    dashboards.log_answer(metrics_logger, event[1])
+                else:
+                    (dashboards.log_spike if event[0] == "spike" else dashboards.log_note)(metrics_logger, done.row,
+                                                                                           event[1])
             check_finite(done.row, self.recorder.path)
 
     def stall_onset(self) -> int | None:
@@ -666,3 +689,25 @@ def read_proven(folder: Path) -> list[list]:
             e = json.loads(line)
             out.append([str(e["source"]), int(e["doc"]), int(e["step"])])
     return out
+
+
+def knobs_of(tcfg) -> answers.Knobs:
+    """The run's settings an answer's fix changes, read from its config (the first
+    parameter group's optimizer kwargs: ``--optimizer.lr``/``eps``/``betas`` alias them)."""
+    groups = getattr(getattr(tcfg, "optimizer", None), "param_groups", None) or []
+    kw = dict(groups[0].optimizer_kwargs) if groups else {}
+    betas = kw.get("betas")
+    qk = getattr(tcfg, "qk_clip", None)
+    model = getattr(tcfg, "model", None)
+    z = getattr(getattr(tcfg, "loss", None), "z_loss_weight", None)
+
+    def f(v):
+        return float(v) if isinstance(v, (int, float)) else None
+
+    return answers.Knobs(
+        lr=f(kw.get("lr")), eps=f(kw.get("eps")),
+        betas=(float(betas[0]), float(betas[1])) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None,
+        warmup_steps=int(tcfg.lr_scheduler.warmup_steps) if hasattr(tcfg, "lr_scheduler") else None,
+        qk_norm=bool(getattr(model, "qk_norm", False)) if model is not None else None,
+        qk_clip=float(qk.threshold) if qk is not None and qk.enable else None,
+        z_loss=f(z), steps=int(tcfg.training.steps), dtype=str(getattr(tcfg.training, "dtype", "float32")))

@@ -87,7 +87,7 @@ from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, NonFiniteLoss
 from titan_ledger.format import records
-from titan_ledger.format.proofs import Applied, Finding, ProofRecord, describe_proof
+from titan_ledger.format.proofs import HARMFUL, Applied, Finding, ProofRecord, describe_proof
 
 
 class Outcome(enum.Enum):
@@ -147,6 +147,7 @@ class Recovery:
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
         self._stalls_seen = 0  # the stall rule's flags already proven (Ledger.stalls)
         self._stall: dict | None = None  # the stall event this step's forced proof answers
+        self._forced_now = False  # the step being judged is a forced proof's, nothing flagged it
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, str]:
@@ -523,6 +524,7 @@ class Recovery:
         quarantine's size, the circuit breaker); the ladder acts on an acting flag no proof
         resolved. In the step, or deferred (``first``: what was kept of the first
         execution; the caller then loads the update, ``_resolve``)."""
+        self._forced_now = forced and not (acting or note)  # (_say: a forced proof of an unflagged step)
         wanted = self.prover.wanted(acting, note, rec.step)
         if note and not acting and self.prover.mode == ProveMode.ALL and not wanted:
             rec.unproven = "budget"  # past the note budget: recorded, not proven
@@ -550,8 +552,9 @@ class Recovery:
         (``proof_failed``), and the step is decided as it would be without a proof -- no
         failure inside the response stops training."""
         ledger = self.trainer.ledger
+        event = ledger.step_event()
         try:
-            proof = self.prover.prove(rec, acting=acting, event=ledger.step_event(), first=first)
+            proof = self.prover.prove(rec, acting=acting, event=event, first=first)
         except Exception as e:
             self.prover.abandon(rec)
             rec.proof_failed = _failure("proof", e)
@@ -564,13 +567,20 @@ class Recovery:
         stall, self._stall = self._stall, None
         if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
             proof.stall = {"step": stall["step"], "kind": stall["stall"]["kind"]}
-        if self.window.wanted(proof, forced, stall=stall is not None):  # not the data: which cause, from the host snapshot's window
+        first_loss = proof.executions[0].get("loss") if proof.executions else None
+        spike = getattr(self.trainer.config.ledger, "spike", None)  # (a unit double's config may have none)
+        median, jump = event.get("loss_recent", event.get("loss_median")), float(getattr(spike, "loss_jump", 0.05))
+        flat = isinstance(first_loss, float) and isinstance(median, float) and first_loss <= (1 + jump) * median
+        why_not = self.window.why_not(proof, forced, stall=stall is not None, flat=flat)
+        if why_not is None:  # not the data: which cause, from the host snapshot's window
             prior = Finding.OPTIMIZER_STATE if proof.verdict == Finding.OPTIMIZER_STATE else None
             try:
                 proof.window = self.window.prove(rec, stall=stall is not None, prior=prior)
             except Exception as e:
                 proof.window = {"cause": None, **_failure("window", e)}
                 self.trainer.ledger.discard_step_state()
+        elif why_not:  # called for and not run: the answer says why (a budget, no snapshots, a flat loss)
+            proof.window = {"cause": None, "why": why_not}
         return proof
 
     def _act_on(self, rec: StepRecord, proof: ProofRecord) -> tuple[bool, Applied]:
@@ -652,17 +662,18 @@ class Recovery:
         return False
 
     def _say(self, rec: StepRecord, proof: ProofRecord) -> None:
-        """The proof's line: a WARNING when it found a harmful cause, acted, or named Adam's
-        state at an acting flag; else INFO (an outlier, a note's proof, a reproducible step
-        on a clean run are no alarm; the SPIKE line of an acting flag is a WARNING anyway)."""
+        """A proof's line, for a proof that is no incident (a note's that found nothing
+        harmful, a ``--ledger.rehearsal.prove_at`` step's), at INFO: an incident's proof --
+        an acting flag's, a note it promoted, a stall's -- is said once, in the incident's
+        answer (``SpikeGuard.on_row``), not here as well."""
         from torchtitan.tools.logging import logger
 
         if not self.trainer.ledger.topo.is_rank0:
             return
-        line = f"titan_ledger: step {rec.step}: {describe_proof(proof.to_json())}"
-        harmful = proof.verdict in (Finding.HARDWARE, Finding.BAD_DATA) or proof.applied != Applied.ORIGINAL \
-            or (proof.verdict == Finding.OPTIMIZER_STATE and proof.acting)
-        (logger.warning if harmful else logger.info)(line)
+        promoted = proof.verdict in HARMFUL and not self._forced_now  # a note its proof convicted
+        if proof.acting or promoted or proof.stall is not None:
+            return
+        logger.info(f"titan_ledger: step {rec.step}: {describe_proof(proof.to_json())}")
 
     def _warn(self, line: str) -> None:
         from torchtitan.tools.logging import logger

@@ -172,31 +172,40 @@ def test_tensorboard_layout_config_text_and_rewind_subrun(tmp_path):
     assert [e.step for e in sub.Scalars("ledger/grad_norm")] == [11]
 
 
-def test_proof_on_every_view(tmp_path):
-    """A spike's proof fills the W&B table's proof columns and the ``proof/*`` scalars; a
-    note's proof logs its scalars too; the pure mapping names verdict, action and bound."""
+def test_proof_and_answer_on_every_view(tmp_path):
+    """A spike's proof fills the ``proof/*`` scalars (what it measured) and its answer
+    (``format.answers``: the one cause, the fix) the ``answer/*`` scalars, the W&B table's
+    answer columns and the alert; no view derives a cause from the proof; a note's proof
+    logs its scalars too."""
+    from titan_ledger.format import answers
+
     proof = {"verdict": "bad_data", "applied": "original", "would_apply": "quarantine",
              "held_back": "observe", "executions": [{}, {}, {}], "seconds": 2.5,
-             "optimizer": {"amplification": 1.3}, "window": {"cause": "adam"}}
+             "optimizer": {"amplification": 1.3}, "window": {"cause": "adam"}, "documents": [["c", 7]]}
     s = dashboards.proof_scalars(proof)
     assert s["proof/bad_data"] == 1.0 and s["proof/not_data"] == 0.0 and s["proof/executions"] == 2.0
     assert s["proof/acted"] == 0.0 and s["proof/held_back"] == 1.0 and s["proof/adam_amplification"] == 1.3
-    assert s["proof/cause_bad_data"] == 1.0 and s["proof/seconds"] == 2.5  # the data, convicted in step
-    lr = dashboards.proof_scalars({**proof, "verdict": "not_data", "window": {"cause": "lr", "from_step": 20}})
-    assert lr["proof/cause_lr"] == 1.0 and lr["proof/not_data"] == 1.0  # the window proved the LR
+    assert s["proof/seconds"] == 2.5 and not any(k.startswith("proof/cause") for k in s)
     acted = dashboards.proof_scalars({**proof, "applied": "quarantine", "held_back": None})
     assert acted["proof/acted"] == 1.0 and acted["proof/held_back"] == 0.0
     assert dashboards.proof_scalars(None) == {}
+    answer = answers.build(10, "spike", {**EV, **ROW}, proof, answers.Context())
+    ev = {**EV, "proof": proof, "answer": answer.to_json()}
+    assert dashboards.answer_scalars(ev) == {"answer/established_in_step": 1.0, "answer/fix_measured": 0.0,
+                                             "answer/cause_bad_data": 1.0}
     w, fake = _wandb(tmp_path)
     c = _container(w)
     w.log({"ledger/loss": 7.0}, 10)
-    log_spike(c, ROW, {**EV, "proof": proof})
+    log_spike(c, ROW, ev)
     table = next(r["spike/events"] for _, r in fake.rows if "spike/events" in r)
     cols, data = table[1], table[2][0]
     got = dict(zip(cols, data))
-    assert got["proof_verdict"] == "bad_data" and got["proof_would_apply"] == "quarantine"
-    assert got["proof_held_back"] == "observe" and "bad data" in got["proof"]
-    assert any(r.get("proof/bad_data") == 1.0 and r.get("spike/flag") == 1.0 for _, r in fake.rows)
+    assert got["proof_verdict"] == "bad_data" and got["answer_cause"] == "bad data"
+    assert got["answer_established"] == "in_step" and got["answer"].startswith(answer.lines()[0])
+    assert any(r.get("proof/bad_data") == 1.0 and r.get("spike/flag") == 1.0 and r.get("answer/cause_bad_data")
+               for _, r in fake.rows)
+    level, title, text = fake.run.alerts[-1]
+    assert title == answer.headline() and text.startswith("\n".join(answer.lines()))
     dashboards.log_note(c, {**ROW, "step": 11}, {"notes": ["zscore_loss"], "proof": {**proof, "verdict": "outlier"}})
     note = next(r for _, r in fake.rows if r.get("note/flag") == 1.0)
     assert note["proof/outlier"] == 1.0 and note["note/zscore_loss"] == 1.0

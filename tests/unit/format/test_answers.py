@@ -1,0 +1,193 @@
+"""titan_ledger.format.answers: one answer per incident, built by one function.
+
+The fix is a change to this run (never a value it already has) whose flags the trainer's
+own parser takes, and whose command relaunches into a new dump folder; the cause is one
+name (the LR as a driver beside a mechanism's own fix), never the decision tree's; a fix
+the window's control also "removed" proves nothing; a dip is not a loss spike; no
+quarantine after a verdict that ruled the data out. No processes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from titan_ledger.format import answers
+from titan_ledger.format.answers import Answer, Context, Knobs, build, derive, fix_command, title_of
+
+KNOBS = Knobs(lr=1e-2, eps=1e-8, betas=(0.9, 0.95), warmup_steps=20, qk_norm=False, qk_clip=None, z_loss=0.0,
+              steps=800, dtype="float32")
+ARGV = ("--job.config_file", "train_configs/tiny_cpu.toml", "--optimizer.lr", "1e-2", "--training.steps", "800",
+        "--job.dump_folder", "/runs/a")
+CTX = Context(knobs=KNOBS, dump="/runs/a", argv=ARGV, cwd="/src", python="/venv/bin/python", world_size=2,
+              checkpoints=(100, 200, 300, 400))
+WINDOW_PARAMS = {"lr_factor": 0.1, "beta2": 0.95, "eps": 1e-8, "eps_fix": 1e-6, "logit_cap": 30.0, "zloss": 1e-4,
+                 "control": 1.1}
+
+
+def test_a_fix_never_repeats_the_runs_value_and_says_what_it_changes():
+    runs = [KNOBS, Knobs(lr=3e-4, eps=1e-6, betas=(0.9, 0.999), qk_norm=True, qk_clip=100.0, z_loss=1e-4),
+            Knobs(lr=1.0, eps=1e-5, betas=(0.9, 0.9), qk_norm=True, qk_clip=30.0, z_loss=1e-3, dtype="bfloat16")]
+    flag_of = {"lr": "--optimizer.lr", "eps": "--optimizer.eps", "zloss": "--loss.z_loss_weight"}
+    now_of = {"lr": "lr", "eps": "eps", "zloss": "z_loss"}
+    for k in runs:
+        for variant in ("lr", "eps", "adam", "logit_cap", "zloss", "qk_norm", "fp32"):
+            ch = derive(variant, k, WINDOW_PARAMS)
+            if ch is None:
+                continue
+            assert ch.flags and "(now " in ch.words, (variant, ch)
+            if variant in flag_of:
+                new = float(ch.flags[1])
+                assert ch.flags[0] == flag_of[variant] and new != getattr(k, now_of[variant]), (variant, k)
+            if variant == "adam" and "--optimizer.betas" in ch.flags:
+                assert float(ch.flags[ch.flags.index("--optimizer.betas") + 2]) < k.betas[1]
+            if variant == "logit_cap" and "--qk_clip.threshold" in ch.flags:
+                t = float(ch.flags[ch.flags.index("--qk_clip.threshold") + 1])
+                assert k.qk_clip is None or t < k.qk_clip
+    # the run already has every Adam fix, QK-norm and a tighter QK-clip: nothing to change
+    done = Knobs(lr=1e-3, eps=1e-8, betas=(0.9, 0.95), qk_norm=True, qk_clip=10.0, z_loss=0.0, dtype="float32")
+    assert derive("adam", done, WINDOW_PARAMS) is None and derive("logit_cap", done, WINDOW_PARAMS) is None
+    assert derive("qk_norm", done) is None and derive("fp32", done) is None
+    assert derive("lr", Knobs(), WINDOW_PARAMS) is None  # an unknown setting: no fix derived from it
+    assert derive("eps", KNOBS, WINDOW_PARAMS).words == "--optimizer.eps 1e-6 (now 1e-8)"
+    assert derive("lr", KNOBS, WINDOW_PARAMS).words == "--optimizer.lr 0.001 (now 0.01)"
+    assert not derive("qk_norm", KNOBS).resumes  # QK-norm adds weights: a new model, from scratch
+
+
+def test_every_derived_fix_parses_with_the_trainers_own_parser_and_sets_the_new_value():
+    """The printed flags work as printed: appended to a launch, the trainer's parser takes
+    them and the config holds the fix (one parse for all of them: a parse costs seconds)."""
+    from titan_ledger.tools.launch import validate
+
+    changes = [derive(v, KNOBS, WINDOW_PARAMS) for v in ("lr", "eps", "logit_cap")]
+    flags = [f for ch in changes for f in ch.flags]
+    config = validate(["--job.config_file", "train_configs/tiny_cpu.toml", "--optimizer.lr", "1e-2", *flags], 1)
+    kw = config.optimizer.param_groups[0].optimizer_kwargs
+    assert kw["lr"] == pytest.approx(1e-3) and kw["eps"] == pytest.approx(1e-6)
+    assert config.qk_clip.enable and config.qk_clip.threshold == 30.0
+
+
+def test_the_command_relaunches_this_run_from_the_checkpoint_before_the_onset_into_a_new_folder():
+    taken = {"/runs/a-fix421-eps"}
+    folder = answers.new_dump_folder("/runs/a", 421, "eps", exists=lambda p: p in taken | {"/runs/a"})
+    assert folder == "/runs/a-fix421-eps-2" and folder != CTX.dump
+    cmd = fix_command(CTX, ("--optimizer.eps", "1e-6"), 300, folder)
+    assert cmd.startswith("cd /src && /venv/bin/python -m titan_ledger.launch --nproc 2 -- ")
+    args = shlex.split(cmd.split(" -- ", 1)[1])
+    assert args.count("--job.dump_folder") == 1 and args[args.index("--job.dump_folder") + 1] == folder
+    assert "/runs/a" not in args  # the run's own folder (its checkpoints, its ledger) is never written
+    assert args[args.index("--checkpoint.initial_load_path") + 1] == "/runs/a/checkpoint/step-300"
+    assert "--checkpoint.no_initial_load_model_only" in args and args[-2:] == ["--optimizer.eps", "1e-6"]
+    assert fix_command(Context(), ("--optimizer.lr", "1"), None, "/x") is None  # no recorded launch: no command
+
+
+def _window(effects: dict[str, str], control: str | None = "not removed", stall: bool = False) -> dict:
+    runs = [{"variant": "same", "loss": 0.05, "grad_norm": 5.9, "normal": False, "flagged": []}]
+    for v, e in effects.items():
+        runs.append({"variant": v, "loss": 0.001, "grad_norm": 0.01 if e == "removed" else 5.0, "effect": e,
+                     "share": 0.0 if e == "removed" else 0.9, "cost": 1e-5})
+    if control is not None:
+        runs.append({"variant": "control", "loss": 0.001, "grad_norm": 0.01, "effect": control})
+    return {"cause": None, "from_step": 360, "steps": 61, "runs": runs, **WINDOW_PARAMS,
+            **({"stall": True} if stall else {})}
+
+
+SPIKE = {"step": 421, "rules": ["zscore_loss", "grad_jump"], "loss": 0.0517, "loss_median": 0.0067, "grad_norm": 5.9,
+         "grad_norm_median": 0.0029, "action": "none"}
+ADAM = {"verdict": "optimizer_state", "applied": "original", "why": "v low", "acting": True, "executions": [],
+        "optimizer": {"restore": 884.0, "amplification": 24.0}, "policy": "observe"}
+
+
+def test_a_mechanism_measured_in_step_and_removed_by_its_own_fix_is_the_one_cause_with_that_fix():
+    a = build(421, "spike", SPIKE, {**ADAM, "window": _window({"lr": "removed", "eps": "removed",
+                                                                "logit_cap": "not removed"})}, CTX)
+    assert (a.cause, a.driver, a.established) == ("optimizer_state", "lr", "in_step+window")
+    assert a.cause_text.startswith("LR-driven Adam's state")
+    assert a.fix.variant == "eps" and a.fix.flags == ("--optimizer.eps", "1e-6") and a.fix.effect == "removed"
+    assert a.start == "checkpoint step-300" and "--optimizer.eps 1e-6" in a.command  # the last before the onset (360)
+    lines = a.lines()
+    assert len(lines) == 3 and lines[0].startswith("loss spike at step 421: LR-driven Adam's state")
+    assert lines[1].strip().startswith("fix: --optimizer.eps 1e-6 (now 1e-8): removed")
+    assert Answer.of(json.loads(json.dumps(a.to_json()))) == a  # one record, on disk and back
+
+
+def test_where_the_windows_control_removed_it_too_no_fix_is_claimed_and_the_mechanisms_fix_is_a_candidate():
+    a = build(421, "spike", SPIKE, {**ADAM, "window": _window({"lr": "removed", "eps": "removed"},
+                                                               control="removed")}, CTX)
+    assert a.fix is None and a.separates is False and a.cause == "optimizer_state" and a.established == "in_step"
+    assert "control" in a.not_proven and [c.variant for c in a.candidates] == ["eps"]
+    assert a.candidates[0].effect == "not measured" and a.command and "--optimizer.eps 1e-6" in a.command
+
+
+def test_where_every_mechanisms_fix_removes_it_the_answer_names_no_cause_and_ranks_the_fixes():
+    a = build(429, "spike", SPIKE, {"verdict": "not_data", "applied": "original", "why": "", "acting": True,
+                                     "executions": [], "window": _window({"lr": "removed", "eps": "removed",
+                                                                          "logit_cap": "removed",
+                                                                          "zloss": "not removed"})}, CTX)
+    assert a.cause == "" and a.established == "unseparated" and a.separates is False
+    assert "does not separate" in a.cause_text and a.fix is not None and a.fix.effect == "removed"
+    assert [f.effect for f in a.fixes] == ["removed", "removed", "removed", "not removed"]
+
+
+def test_the_lr_alone_names_the_lr_and_the_lr_beside_logit_growth_is_its_driver():
+    proof = {"verdict": "not_data", "applied": "original", "why": "", "acting": True, "executions": []}
+    a = build(50, "spike", SPIKE, {**proof, "window": _window({"lr": "removed", "eps": "not removed"})}, CTX)
+    assert (a.cause, a.driver, a.fix.variant) == ("lr", None, "lr") and a.established == "window"
+    b = build(50, "spike", SPIKE, {**proof, "window": _window({"lr": "removed", "logit_cap": "removed",
+                                                               "eps": "not removed"})}, CTX)
+    assert (b.cause, b.driver, b.fix.variant) == ("logit_growth", "lr", "logit_cap")
+    assert b.cause_text == "LR-driven attention-logit growth" and "--qk_clip.threshold 30" in b.fix.change
+
+
+def test_a_dip_is_a_grad_norm_jump_not_a_loss_spike():
+    dip = {"rules": ["grad_jump"], "loss": 0.00103, "loss_median": 0.0067}
+    assert title_of("spike", dip, CTX) == "grad-norm jump (the loss fell)"
+    assert title_of("spike", {**dip, "loss": 0.0069}, CTX) == "grad-norm jump (the loss unmoved)"
+    assert title_of("spike", {**dip, "loss": 0.009, "rules": ["ratio"]}, CTX) == "loss spike"
+    assert title_of("stall", {"stall": {"kind": "stalled"}}, CTX) == "stall"
+
+
+def test_no_quarantine_is_offered_after_a_verdict_that_ruled_the_data_out():
+    notdata = build(10, "spike", SPIKE, {"verdict": "not_data", "applied": "original", "why": "", "acting": True,
+                                         "executions": []}, CTX)
+    adam = build(10, "spike", SPIKE, ADAM, CTX)
+    bad = build(150, "spike", SPIKE, {"verdict": "bad_data", "applied": "original", "would_apply": "masked",
+                                     "held_back": "observe", "why": "", "acting": True, "executions": [],
+                                     "documents": [["c", 7]]}, CTX)
+    assert not notdata.quarantine and not adam.quarantine and not notdata.documents
+    assert bad.quarantine and bad.documents == ("c:7",) and bad.cause == "bad_data"
+    assert bad.acting == "trained without the convicted data and quarantined it"
+    assert "held back by --ledger.on_spike.act observe" in bad.did
+    # the fix held back: a relaunch from the checkpoint before the step with the convicted documents masked,
+    # their quarantine file written first by diagnose (outside the run's own folder)
+    assert bad.fix.variant == "quarantine" and bad.fix.flags[0] == "--ledger.filter.quarantine"
+    qfile = bad.fix.flags[1]
+    assert qfile == "/runs/a-fix150-quarantine.jsonl" and bad.start == "checkpoint step-100"
+    assert f"-m titan_ledger.diagnose /runs/a --step 150 --write-quarantine {qfile} && " in bad.command
+    assert bad.command.endswith(f"--ledger.filter.quarantine {qfile}")
+    assert notdata.fix is None and adam.fix is None
+
+
+def test_an_unproven_incident_says_why_and_lists_the_trees_reading_as_a_candidate_only():
+    a = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.on_spike.prove off", tree={"cause": "lr",
+                                                                                          "certainty": "guess"})
+    assert a.cause == "" and a.established == "none" and a.not_proven == "--ledger.on_spike.prove off"
+    assert a.fix is None and [c.variant for c in a.candidates] == ["lr"] and "tree" in a.candidates[0].detail
+    assert a.lines()[0] == "loss spike at step 8: cause not established"
+    # a budget spent: the window's why is the answer's
+    b = build(633, "spike", SPIKE, {**ADAM, "window": {"cause": None, "why": "the window-proof budget is spent: 2 "
+                                                                           "proof(s), at step(s) 421, 429"}}, CTX)
+    assert "budget is spent" in b.not_proven and b.cause == "optimizer_state"
+    assert "budget is spent" in b.lines()[1]
+
+
+def test_a_stall_is_answered_by_its_windows_lowered_loss_alone():
+    stall = {"step": 350, "stall": {"kind": "stalled", "since": 150, "best": 6.2}}
+    proof = {"verdict": "outlier", "applied": "original", "why": "", "acting": False, "executions": [],
+             "stall": {"step": 350, "kind": "stalled"},
+             "window": _window({"lr": "lowered", "logit_cap": "lowered", "eps": "not removed"}, control=None,
+                               stall=True)}
+    a = build(350, "stall", stall, proof, CTX)
+    assert (a.kind, a.title, a.cause, a.driver) == ("stall", "stall", "logit_growth", "lr")
+    assert a.fix.effect == "lowered" and a.start == "checkpoint step-300"
