@@ -1,0 +1,228 @@
+"""Do the answers' printed fixes work? (issue 67)
+
+    python bench/answers.py [--seeds 0 1] [--only NAME ...] [--folder DIR] [--parallel 2] [--json]
+
+Design decision: an answer's fix is judged the way a user applies it, not the way the
+proof measured it. Each scenario of the real set (``bench/zoo.py``'s ``real`` scenarios
+without their prevention twins) and the memorisation plateau of issue 67 is trained once
+per seed with every proof on (``--ledger.on_spike.prove all``, host snapshots every 20
+steps, 4 kept: the window proof), checkpoints every 20 steps. For every incident the run
+answered (``spikes.jsonl``'s ``answer``) its printed ``command`` is run as printed (in a
+shell, from ``/``; the launcher honours ``$TITAN_LEDGER_TORCHRUN``) -- it relaunches the run
+with the fix from the checkpoint the answer names (or from scratch) into a new dump folder,
+over the run's own horizon. Two answers whose commands differ only in their new dump folder
+share one relaunch (an LR run's incidents twenty steps apart start from one checkpoint).
+
+Per incident: ``removed`` when the fixed run has no acting flag within ``WINDOW`` (10)
+steps of the incident's step, ``lowered`` when it has, but fewer acting flags from the
+relaunch's start to the end than the original over the same steps or a last-100-step loss
+lower by 1% (a stall: only the loss), ``not`` otherwise; ``no fix`` when the answer printed
+no command (the cause not established, or no change to this run makes the fix). Goals
+(issue 67): >= 90% of the incidents with a printed fix removed or lowered, 0 fixes that
+repeat the run's own settings (each fix's flag values against the run's recorded
+``knobs``), 0 quarantine offers after a verdict other than bad data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import zoo  # noqa: E402
+
+from titan_ledger.format.answers import Answer, Knobs  # noqa: E402
+from titan_ledger.format.reader import RunLedger  # noqa: E402
+
+#: the real set of issue 61 (zoo's scenarios, trained without their prevention twins)
+REAL = ("lr_warmup_real", "lr_divergence_real", "optimizer_state_plateau", "optimizer_state_plateau_lr3e3",
+        "logit_stall_real", "logit_stall_lr02")
+#: the memorisation plateau of issue 67 (as the issue ran it)
+PLATEAU = ("--job.config_file", str(ROOT / "train_configs" / "tiny_cpu.toml"), "--optimizer.lr", "1e-2",
+           "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.weight_decay",
+           "0", "--model.qk_norm", "--dataloader.no_shuffle", "--dataloader.source", "indexed",
+           "--training.steps", "800")
+PROVE = ("--ledger.on_spike.prove", "all", "--ledger.snapshots.every", "20", "--ledger.snapshots.keep", "4")
+WINDOW = 10  # a flag within this many steps of the incident's step is the incident again
+GAIN = 0.01  # a last-100-step loss this much lower: lowered
+
+
+def _args_of(name: str, seed: int, folder: Path) -> tuple[list[str], int]:
+    """The training flags of a scenario (its corpus prepared in ``folder``) and its world size."""
+    if name == "plateau":
+        prefix = zoo.prepare_documents(folder / "corpus_plateau", [{"text": " the end." * 400}] * 1500, "easy")
+        return [*PLATEAU, "--dataloader.paths", str(prefix), "--checkpoint.enable", "--checkpoint.interval", "20",
+                "--checkpoint.keep_latest_k", "0", "--debug.seed", str(seed), *PROVE], 1
+    sc = zoo.BY_NAME[name]
+    prefix, _ = zoo.build_corpus(folder / f"corpus_{name}", sc.plant, sc.plant_step, 0, sc.corpus)
+    zoo.SEED_ARGS = ("--debug.seed", str(seed))
+    return [*zoo.base_args(sc, prefix, sc.steps), "--checkpoint.keep_latest_k", "0", *PROVE], sc.nproc
+
+
+def train(name: str, seed: int, folder: Path) -> dict:
+    dump = folder / f"{name}_s{seed}"
+    shutil.rmtree(dump, ignore_errors=True)
+    for old in folder.glob(f"{dump.name}-fix*"):
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    args, nproc = _args_of(name, seed, folder)
+    t0 = time.perf_counter()
+    rc = zoo.train(args, dump, folder / f"{dump.name}.log", nproc)
+    return {"scenario": name, "seed": seed, "dump": str(dump), "rc": rc, "seconds": round(time.perf_counter() - t0)}
+
+
+def flags_of(dump: Path) -> list[int]:
+    """The acting flags a run recorded (every launch's: an event log is never superseded)."""
+    try:
+        return sorted({int(e["step"]) for e in RunLedger(dump).spike_events()})
+    except Exception:
+        return []
+
+
+def last_losses(dump: Path, n: int = 100) -> float | None:
+    try:
+        rows = [r for r in RunLedger(dump).trained_rows() if isinstance(r.get("loss"), float)]
+    except Exception:
+        return None
+    xs = [r["loss"] for r in rows[-n:] if math.isfinite(r["loss"])]
+    return statistics.fmean(xs) if xs else None
+
+
+def repeats_setting(a: Answer, knobs: Knobs) -> bool:
+    """Whether the answer's fix (or its first candidate) sets a value the run already had."""
+    fix = a.fix or (a.candidates[0] if a.candidates else None)
+    if fix is None:
+        return False
+    f = list(fix.flags)
+    have = {"--optimizer.lr": knobs.lr, "--optimizer.eps": knobs.eps, "--loss.z_loss_weight": knobs.z_loss,
+            "--qk_clip.threshold": knobs.qk_clip}
+    for k, now in have.items():
+        if k in f and now is not None and float(f[f.index(k) + 1]) == float(now):
+            return True
+    if "--optimizer.betas" in f and knobs.betas is not None:
+        i = f.index("--optimizer.betas")
+        if (float(f[i + 1]), float(f[i + 2])) == tuple(knobs.betas):
+            return True
+    return "--model.qk_norm" in f and bool(knobs.qk_norm)
+
+
+def judge(a: Answer, original: Path, fixed: Path, start: int, stall: bool) -> dict:
+    """The incident against the fixed run over the same horizon (the module docstring)."""
+    orig_flags = [s for s in flags_of(original) if s > start]
+    new_flags = [s for s in flags_of(fixed) if s > start]
+    near = [s for s in new_flags if abs(s - a.step) <= WINDOW]
+    lo, ln = last_losses(original), last_losses(fixed)
+    loss_lower = lo is not None and ln is not None and ln < (1 - GAIN) * lo
+    if stall:
+        verdict = "lowered" if loss_lower else "not"
+    elif not near:
+        verdict = "removed"
+    elif len(new_flags) < len(orig_flags) or loss_lower:
+        verdict = "lowered"
+    else:
+        verdict = "not"
+    return {"verdict": verdict, "flags_original": len(orig_flags), "flags_fixed": len(new_flags), "near": near,
+            "last100_original": lo, "last100_fixed": ln}
+
+
+def run_fix(command: str, extra_env: dict, log: Path) -> int:
+    with open(log, "w") as f:
+        return subprocess.run(command, shell=True, cwd="/", env=extra_env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=4 * 3600).returncode
+
+
+def answers_of(dump: Path) -> list[Answer]:
+    return [Answer.of(a) for _, a in sorted(RunLedger(dump).recorded_answers().items())]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--only", action="append", choices=[*REAL, "plateau"])
+    ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_answers"))
+    ap.add_argument("--parallel", type=int, default=2, help="launches side by side (one process each)")
+    ap.add_argument("--skip-train", action="store_true", help="reuse the trained runs in --folder")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    a.folder.mkdir(parents=True, exist_ok=True)
+    names = a.only or [*REAL, "plateau"]
+    jobs = [(n, s) for s in a.seeds for n in names]
+    with ThreadPoolExecutor(a.parallel) as pool:
+        runs = list(pool.map(lambda j: train(*j, a.folder) if not a.skip_train else
+                             {"scenario": j[0], "seed": j[1], "dump": str(a.folder / f"{j[0]}_s{j[1]}"), "rc": 0},
+                             jobs))
+    env = zoo.env()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    # every incident's printed command; the same relaunch (all but the new folder) runs once
+    incidents, launches = [], {}
+    for r in runs:
+        dump = Path(r["dump"])
+        led = RunLedger(dump)
+        ctx = led.answer_context()
+        for ans in answers_of(dump):
+            inc = {"scenario": r["scenario"], "seed": r["seed"], "step": ans.step, "kind": ans.kind,
+                   "title": ans.title, "cause": ans.cause or None, "cause_text": ans.cause_text,
+                   "established": ans.established, "fix": (ans.fix or (ans.candidates[0] if ans.candidates else None)),
+                   "measured": ans.fix is not None, "start": ans.start, "quarantine": ans.quarantine,
+                   "repeats_setting": repeats_setting(ans, ctx.knobs), "dump": str(dump)}
+            inc["fix"] = inc["fix"].change if inc["fix"] is not None else None
+            if ans.command:
+                key = ans.command.replace(shlex.quote(ans.new_dump), "NEW").replace(ans.new_dump, "NEW")
+                launches.setdefault(key, (ans.command, Path(ans.new_dump)))
+                inc["launch"] = key
+            incidents.append((inc, ans))
+
+    def one(item):
+        key, (command, folder) = item
+        t0 = time.perf_counter()
+        rc = run_fix(command, env, folder.with_suffix(".log"))
+        return key, {"rc": rc, "folder": folder, "seconds": round(time.perf_counter() - t0)}
+
+    with ThreadPoolExecutor(a.parallel) as pool:
+        done = dict(pool.map(one, launches.items()))
+    rows = []
+    for inc, ans in incidents:
+        if "launch" in inc:
+            res = done[inc["launch"]]
+            start = int(ans.start.split("step-")[1]) if ans.start and "step-" in ans.start else 0
+            inc.update(rc=res["rc"], fixed_dump=str(res["folder"]),
+                       **(judge(ans, Path(inc["dump"]), res["folder"], start, ans.kind == "stall")
+                          if res["rc"] == 0 else {"verdict": f"failed (rc {res['rc']})"}))
+        else:
+            inc["verdict"] = "no fix"
+        inc.pop("launch", None)
+        rows.append(inc)
+        if a.json:
+            print(json.dumps(inc), flush=True)
+        else:
+            print(f"{inc['scenario']:<30} s{inc['seed']} step {inc['step']:>5} {inc['title'][:30]:<30} "
+                  f"{inc['cause_text'][:40]:<40} {inc['established']:<15} {inc['verdict']:<10} "
+                  f"{(inc['fix'] or '')[:50]}", flush=True)
+    fixed = [r for r in rows if r["verdict"] != "no fix"]
+    good = [r for r in fixed if r["verdict"] in ("removed", "lowered")]
+    summary = {"runs": len(runs), "runs_failed": [r["scenario"] for r in runs if r["rc"]], "incidents": len(rows),
+               "with_a_printed_fix": len(fixed), "measured_fix": sum(r["measured"] for r in fixed),
+               "removed": sum(r["verdict"] == "removed" for r in fixed),
+               "lowered": sum(r["verdict"] == "lowered" for r in fixed),
+               "removed_or_lowered": f"{len(good)}/{len(fixed)}" + (f" ({len(good) / len(fixed):.0%})" if fixed else ""),
+               "relaunches": len(launches), "relaunch_failures": sum(1 for d in done.values() if d["rc"]),
+               "repeat_the_runs_setting": sum(r["repeats_setting"] for r in rows),
+               "quarantine_after_a_non_data_verdict": sum(r["quarantine"] and r["cause"] != "bad_data" for r in rows)}
+    print(json.dumps({"summary": summary}) if a.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    (a.folder / "answers.json").write_text(json.dumps({"incidents": rows, "summary": summary}, default=str, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
