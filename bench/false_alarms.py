@@ -453,7 +453,7 @@ def _int_fields() -> tuple[str, ...]:
     return _fields_of(int)
 
 
-_BOOLS = ("doc_tail_spread", "one_doc_spread")
+_BOOLS = ("doc_tail_spread", "one_doc_spread", "dip_note")
 
 
 def _float_fields() -> tuple[str, ...]:

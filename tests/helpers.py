@@ -449,10 +449,13 @@ def ledger_double(obj):
 
     from titan_ledger.components.ledger.ledger import Ledger
 
-    for part in ("guard", "recorder", "adam_level", "qk_clip"):
+    for part in ("guard", "recorder", "adam_level", "qk_clip", "content"):
         if not hasattr(obj, part):
             setattr(obj, part, None)
-    for name in ("hold", "host_stats", "before_late_update", "adam_ratio", "owned_params"):
+    if not hasattr(obj, "flagged"):
+        obj.flagged = set()
+    for name in ("hold", "host_stats", "before_late_update", "adam_ratio", "owned_params", "flagged_steps",
+                 "trained_as"):
         setattr(obj, name, types.MethodType(getattr(Ledger, name), obj))
     obj.watches, obj.clips_qk = obj.guard is not None, obj.qk_clip is not None
     obj.detector = getattr(obj.guard, "detector", None)

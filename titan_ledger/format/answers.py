@@ -449,7 +449,8 @@ def _did(proof: dict[str, Any] | None, event: dict[str, Any] | None) -> tuple[st
              "control": "trained without the convicted data and quarantined it"}
     if held is not None and wants:
         why = {"observe": "--ledger.on_spike.act observe", "quarantine_bound": "the quarantine bound",
-               "breaker": "the circuit breaker", "fragile": "a fragile run"}.get(held, held)
+               "breaker": "the circuit breaker", "fragile": "a fragile run",
+               "novelty": "no control of the same novelty (decided in the step)"}.get(held, held)
         return f"nothing (the update was applied; held back by {why})" + configured, words.get(wants, str(wants))
     if applied in (None, "original"):
         return "nothing (the update was applied)" + configured, None

@@ -52,6 +52,7 @@ HELD_BACK = {
     "quarantine_bound": "the quarantine bound",
     "fragile": "a run already fragile",  # (records before the prover said not_data there)
     "breaker": "the circuit breaker",
+    "novelty": "no control of the same novelty (decided in the step: the next step's data not fetched yet)",
 }
 
 
@@ -78,6 +79,7 @@ class ProofRecord:
     fragile: dict[str, Any] | None = None  # the LR's fingerprint where no conviction was made
     bisection: dict[str, Any] | None = None  # the group testing's path
     control: dict[str, Any] | None = None  # the other content masked as a control
+    content: dict[str, Any] | None = None  # a conviction's content checks: near copies, stands out, seen before, novelty
     update_recomputed: str | None = None  # executed once more to apply it (its gradients were gone)
     decided_at: int | None = None  # deferred: proven behind this step's launch
     policy: str | None = None  # --ledger.on_spike.act

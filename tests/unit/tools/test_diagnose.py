@@ -246,6 +246,9 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     a = res["answer"]
     assert (a["cause"], a["established"], a["fix"]["variant"], a["fix"]["effect"]) == \
         ("logit_growth", "window", "logit_cap", "lowered")
+    from titan_ledger.format.answers import Answer  # the record diagnose renders, read back whole
+
+    assert Answer.of(a).lines()[0] == "stall at step 350: attention-logit growth -- proven by its fix in the window"
     assert main([str(tmp_path / "run")]) == 0  # listed without --step: the stall is a finding
     out = capsys.readouterr().out
     assert out.startswith("stall at step 350: attention-logit growth -- proven by its fix in the window\n"

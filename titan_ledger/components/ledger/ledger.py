@@ -61,12 +61,16 @@ from titan_ledger.components.signals.recorder import SignalRecorder, check_finit
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import ParamPlan, natural_key
 from titan_ledger.components.signals.topology import Topology
+from titan_ledger.data.content import ContentMemory, window_hashes
 from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import ConfigError
 from titan_ledger.format import answers, records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
+
+#: the content memory's slots (two int32 stamps each: 16 MiB a rank): data/content.py
+CONTENT_SLOTS = 1 << 21
 
 __all__ = ["DocLossConfig", "FilterConfig", "Ledger", "OnSpikeConfig", "RehearsalConfig", "SkipConfig"]
 
@@ -176,6 +180,10 @@ class Ledger(Configurable):
         #: the first sample position of every step this process flagged (a proof asks whether
         #: convicted documents trained before without a flag)
         self.flagged_at: set[int] = set()
+        #: the steps this process flagged (acting), for the look-back by content
+        self.flagged: set[int] = set()
+        #: what trained recently, by content (a conviction's look-back: data/content.py); built at setup
+        self.content: ContentMemory | None = None
         self.stall = StallWatch(config.stall) if config.stall.enable else None
         self.stalls: list[dict] = []  # stall events this process raised (Recovery proves the newest)
         self.global_batch = 0
@@ -219,6 +227,8 @@ class Ledger(Configurable):
                                          tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
         if self.enabled:
             self._build_recorder(trainer)
+        if cfg.on_spike.prove != "off" and self.loader is not None and self.loader.tagging:
+            self.content = ContentMemory(CONTENT_SLOTS, int(cfg.on_spike.lookback))
         self.knobs = knobs_of(tcfg)
         if self.guard is not None:
             self.guard.answer_context = lambda: self.answer_context(tcfg)
@@ -362,6 +372,8 @@ class Ledger(Configurable):
         tags = self.loader.take_tags()
         base = len(rec.tags)
         rec.tags.extend(tags)
+        if self.content is not None and input_dict["input"].device.type == "cpu":  # (the host's copy: no sync)
+            self.content.record(rec.step, window_hashes(input_dict["input"].numpy()))
         filt = self.config.filter
         if not (self.quarantine or filt.repetition) or not tags:
             return
@@ -461,6 +473,34 @@ class Ledger(Configurable):
         if self.doc_loss is None:
             return None
         return self.doc_loss.decode(self.last_reduced.vector[-self.doc_loss.size:].tolist())
+
+    def trained_as(self, rec: StepRecord, execution: dict) -> None:
+        """A proof applied ``execution`` (its record: ``loss``, ``grad_norm``, ``per_rank``),
+        not the step's first: the step's rows record what trained (``StepRecord.trained``)
+        and the run's consumed tokens leave out the labels its masks removed."""
+        import math
+
+        topo = self.topo
+        per = execution.get("per_rank") or []
+        loss_by_dp, tok_by_dp = [0.0] * topo.dp_size, [0.0] * topo.dp_size
+        for r, x in enumerate(per):
+            dp = topo.dp_rank_of[r]
+            loss_by_dp[dp] += float(x.get("loss") or 0.0)
+            tok_by_dp[dp] += float(x.get("tokens") or 0)
+        first = (rec.proof.executions[0].get("per_rank") if rec.proof is not None and rec.proof.executions else None)
+        first_tokens = sum(float(x.get("tokens") or 0) for x in first or [])
+        masked = max(0, int(round(first_tokens - sum(tok_by_dp)))) if first else 0
+        gn = float(execution.get("grad_norm") or math.nan)
+        max_norm = self.recorder.max_norm if self.recorder is not None else 0.0
+        coef = min(1.0, max_norm / (gn + 1e-6)) if max_norm > 0 and math.isfinite(gn) else 1.0
+        rec.trained = {"loss_by_dp": loss_by_dp, "tok_by_dp": tok_by_dp, "grad_norm": gn,
+                       "grad_norm_clipped": gn * coef, "masked_tokens": masked}
+        if masked and self.recorder is not None:
+            self.recorder.untrain(masked)
+
+    def flagged_steps(self) -> set[int]:
+        """The steps this process flagged (acting rules), whose content the look-back ignores."""
+        return self.flagged
 
     def discard_step_state(self) -> None:
         """Drain what an extra execution of the step refilled (per-document sums, log Z,
@@ -566,6 +606,8 @@ class Ledger(Configurable):
                 self.adam_level.observe(done.row)
             if done.row.get("spike") and isinstance(done.row.get("consumed_samples"), int):
                 self.flagged_at.add(done.row["consumed_samples"] - self.global_batch)
+            if done.row.get("spike"):
+                self.flagged.add(int(done.rec.step))
             stall = self.stall.observe(done.row) if self.stall is not None else None
             if stall is not None:
                 self._on_stall(stall, metrics_logger)

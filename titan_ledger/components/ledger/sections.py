@@ -227,6 +227,12 @@ class OnSpikeConfig:
     zoo was convicted with 0 flags in the 64 steps before; the LR-1.0 divergence's false
     convictions had 5-21. 0: off."""
 
+    lookback: int = 1000
+    """A conviction's look-back by content: data is not convicted when content like it
+    (>= half its token shingles) trained in the last this many steps without a flag
+    (``data/content.py``'s memory of what trained, 16 MiB a rank, written with every
+    fetched batch while proofs are on). 0: only the same documents, by id."""
+
     adam_horizon: int = 1000
     """Steps over which Adam's second moment's long-run level is averaged (an exponential
     average of the clipped gradient's squared norm; Adam's own averages over 1/(1-beta2)

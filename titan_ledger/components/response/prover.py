@@ -71,7 +71,7 @@ from titan_ledger.components.response.verdict import (
     optimizer_verdict,
     reproduced,
     same_tensor,
-    shared_content,
+    stands_out,
 )
 from titan_ledger.components.signals.sums import local, loss_sum
 from titan_ledger.errors import ProofFailure
@@ -169,6 +169,8 @@ class _Case:
     content: dict | None = None
     coverage: Coverage | None = None
     fragile: dict | None = None  # the LR's fingerprint where it held back a conviction
+    summaries: dict | None = None  # per DP rank, the step's per-document loss summary
+    checks: dict | None = None  # the conviction's content checks (near copies, stands out, seen before, novelty)
 
 
 class ProveMode(StrEnum):
@@ -198,6 +200,8 @@ class Prover:
         self._hits: list = []  # this rank's [row, segment] of the convicted documents (applied by convict)
         self._deadline = math.inf
         self._faults: dict[str, str] | None = None
+        #: the step after the one proven, fetched (deferred decisions: ``Recovery`` sets it), else None
+        self.next_rec = None
 
     @property
     def config(self):
@@ -543,7 +547,7 @@ class Prover:
         ledger = self.trainer.ledger
         topo = ledger.topo
         c.tags_by_dp = _gather_tags(c.rec.tags if topo.data_writer else None, topo)
-        summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
+        summaries = c.summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
         fired = [*event.get("rules", []), *event.get("notes", [])]
         rank = next((event.get(k) for r, k in (("doc_high", "doc_high_rank"), ("doc_low", "doc_low_rank"))
                      if r in fired and event.get(k) is not None), None)
@@ -623,27 +627,39 @@ class Prover:
         return v
 
     def _check_conviction(self, case: _Case, v: Verdict) -> Verdict:
-        """Data convicted: not where a copy of its content trained beside it, where the run
-        is unstable as a whole, or where the same documents trained before without a flag;
-        otherwise its masks are kept for :meth:`convict`. The quarantine's coverage is
-        measured either way."""
+        """Data convicted: harmful, not merely new, a copy, or in a broken model (issue 68).
+        Not where a near-copy of its content trained beside it, where the run is unstable
+        as a whole or its LR made it fragile, where the documents are ordinary for their
+        step (their own loss in neither tail of the step's documents), where content like
+        theirs trained before without a flag, nor where the data of the same novelty --
+        the next step's, the convicted content masked, on the same weights -- is abnormal
+        too; otherwise its masks are kept for :meth:`convict`. Without a next step (a
+        decision made in the step) the conviction stands unacted (``novelty``). The
+        quarantine's coverage is measured either way."""
+        from titan_ledger.components.response import content_checks as cc
+        from titan_ledger.data.content import NEAR
+
         c = case
+        t = self.trainer
+        ledger = t.ledger
         docs = c.suspect.docs
         if docs is None:  # the whole batch of the suspect rank: its documents
             docs = frozenset(document_tokens(c.tags_by_dp.get(c.suspect.dp_rank) or []))
         c.suspect = replace(c.suspect, docs=frozenset(docs))
         every = set(_documents(c.tags_by_dp, None))
         c.content = self._content(sorted(every))
-        shared = shared_content(docs, every - set(docs),
-                                {d: (f[1] if f is not None else None) for d, f in c.content.items()})
         here = sum(n for d, n in _documents(c.tags_by_dp, None).items() if d in docs)
         c.coverage = self._coverage(sorted(docs), c.content, c.tags_by_dp)
         before = (c.coverage.ahead or {}).get("before_clean", 0) if c.coverage.ahead else 0
-        if shared:  # the control must be other content: a copy of it trained normally beside it
+        conv = cc.convicted_shingles(c.groups, c.rec.tags, docs, ledger.topo)
+        shared = cc.shared_shares(c.groups, c.rec.tags, conv, ledger.topo, t.device)
+        copies = sorted(d for d, x in shared.items() if x >= NEAR)
+        c.checks = {"near_copies": {f"{s}:{d}": round(x, 3) for (s, d), x in shared.items()}}
+        if copies:  # the control must be other content: a copy of it trained normally beside it
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
-                           why=f"{v.why}; but {len(shared)} of the {len(docs)} convicted documents have the content "
-                               f"of other documents this step trained on (or content that cannot be read back): "
-                               f"masking them explains nothing a mask of their copies would not")
+                           why=f"{v.why}; but a near-copy of {len(copies)} of the {len(docs)} convicted documents "
+                               f"(>= {NEAR:.0%} of their token shingles) trained unmasked in this step: masking them "
+                               f"explains nothing a mask of their copies would not")
         if unstable := self._unstable(c.rec.step):  # the run flags step after step: its fragility, not data
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
@@ -658,13 +674,59 @@ class Prover:
                            why=f"{v.why}; but the LR's fingerprint holds (the updates moved the weights {moved:.1%} "
                                f"of their norm a step): in a run the LR made this fragile, a document that triggers "
                                f"a step is not proven bad (--ledger.on_spike.quarantine_fragile to convict anyway)")
+        floor = float(t.config.ledger.spike.doc_outlier_floor)
+        if c.summaries:  # the documents' own loss against their step's: ordinary data is not bad data
+            ys = stands_out(docs, c.summaries, c.tags_by_dp)
+            c.checks["stands_out"] = {f"{s}:{d}": round(y, 3) for (s, d), y in ys.items()}
+            if all(abs(y) <= floor for y in ys.values()):
+                return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                               why=f"{v.why}; but the convicted documents are ordinary for their step (their loss "
+                                   f"within {math.exp(floor):.1f}x of the step's median document): the step hangs on "
+                                   f"them, the data is not what is wrong (a model its state made fragile)")
+        seen = cc.seen_shares(ledger.content, conv, c.rec.step, ledger.flagged_steps(), ledger.topo, t.device)
+        c.checks["seen_before"] = {f"{s}:{d}": round(x, 3) for (s, d), x in seen.items()}
+        if seen and all(x >= NEAR for x in seen.values()):
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but content like the convicted documents' (>= {NEAR:.0%} of their token "
+                               f"shingles) trained in earlier steps without a flag: their content is not what made "
+                               f"this step abnormal")
         if before >= here > 0:  # the same documents trained before, as much of them, without a flag
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
                                f"without a flag ({here} here): what made this step abnormal is not their content")
-        if c.everywhere or c.suspect.dp_rank == self.trainer.ledger.topo.dp_rank:
+        novel = self._novelty(c, docs, conv)
+        if novel is not None and not novel.normal:
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but the next step's data, the convicted content masked, is abnormal on "
+                               f"the same weights too (grad norm {novel.grad_norm:.3g}): the data of the same "
+                               f"novelty is as abnormal -- new data, not bad data")
+        if c.everywhere or c.suspect.dp_rank == ledger.topo.dp_rank:
             self._hits = c.hits  # applied only if the step acts on the conviction (convict)
         return v
+
+    def _novelty(self, c: _Case, docs, conv: dict) -> Execution | None:
+        """The control of the same novelty (issue 68): the next step's batches -- fetched
+        before a deferred decision is made, on every rank -- with the convicted content
+        masked, executed on the weights the flagged step saw (its update is held), judged
+        by the run's rules. None where there is no next step (a decision made in the step):
+        the conviction then stands without acting (``novelty``)."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        from titan_ledger.components.response import content_checks as cc
+
+        nxt = self.next_rec
+        if nxt is None or not nxt.batches:
+            c.checks["novelty"] = {"available": False,
+                                   "why": "decided in the step: the next step's data was not fetched yet"}
+            return None
+        groups, hits = cc.masked_next(nxt.batches, nxt.tags, docs, conv, IGNORE_INDEX)
+        ex = self._run("novelty", c.again, groups, c.first_grads)
+        ex.normal = normal_update(c.detector, ex.loss, ex.grad_norm)
+        c.after.append(ex)
+        c.checks["novelty"] = {"available": True, "step": nxt.step, "normal": ex.normal,
+                               "grad_norm": round(ex.grad_norm, 6), "loss": round(ex.loss, 6),
+                               "masked_segments": hits}
+        return ex
 
     def _record(self, case: _Case, v: Verdict, acting: bool) -> ProofRecord:
         """The proof record (the ``proof`` of the step's spike event, :meth:`ProofRecord.to_json`)."""
@@ -693,6 +755,8 @@ class Prover:
             out.bisection = c.bisection.to_json()
             if c.everywhere:
                 out.suspect["dp_ranks"] = c.holders
+        if c.checks:
+            out.content = c.checks
         if c.ctrl is not None and c.control is not None:
             out.control = {"dp_rank": c.ctrl.dp_rank, "evidence": c.ctrl.evidence,
                            **({"documents": [[s, int(d)] for s, d in sorted(c.ctrl.docs)]} if c.ctrl.docs else {})}

@@ -435,7 +435,11 @@ class Recovery:
         fetched or executed; on a rollback ``rec`` is dropped (:meth:`_drop`). Returns
         the outcome and the decided step's record (its proof)."""
         decided = self.pending
-        outcome = self._resolve()
+        self.prover.next_rec = rec  # fetched: the data of the same novelty a conviction is controlled by
+        try:
+            outcome = self._resolve()
+        finally:
+            self.prover.next_rec = None
         if outcome is Outcome.DROPPED:
             self._drop(rec)
         return outcome, decided
@@ -601,6 +605,8 @@ class Recovery:
             held = "observe"
         elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
             held = "quarantine_bound"
+        elif verdict == Finding.BAD_DATA and ((proof.content or {}).get("novelty") or {}).get("available") is False:
+            held = "novelty"  # no control of the same novelty (decided in the step): no action on data
         if held is None and not self._breaker_allows(rec.step):
             held = "breaker"
         if held is not None:
@@ -611,6 +617,10 @@ class Recovery:
         self.breaker.record(rec.step)
         if verdict == Finding.BAD_DATA:
             self.prover.convict(rec, proof)
+        if wants not in (Applied.ORIGINAL, Applied.NONE):  # the rows record what trained: this execution
+            applied = next((e for e in reversed(proof.executions) if e.get("variant") == wants), None)
+            if applied is not None:
+                self.trainer.ledger.trained_as(rec, applied)
         self._say(rec, proof)
         return True, wants
 

@@ -265,6 +265,33 @@ def optimizer_verdict(amplification: float, bar: float, restore: float) -> Verdi
                        f"{bar:g}); the optimizer's state, not the data, made the update abnormal")
 
 
+def stands_out(docs, summaries: dict, tags_by_dp: dict) -> dict:
+    """How far each convicted document's own loss stands from its rank's median document
+    (pure): the log ratio of its mean loss over the median segment loss, from the
+    per-document summaries the step recorded (``summaries``: per DP rank, the median and the
+    top and bottom segments ``(row, segment, loss sum, tokens)``); 0.0 for a document in
+    neither tail (it is ordinary for the step). A model a high LR left broken spikes on an
+    ordinary document (issue 68: group testing "convicted" a docstring at 1.00x its step's
+    median); harmful data -- a run of one token, random characters -- stands out of its own
+    step's documents."""
+    out = {d: 0.0 for d in docs}
+    for dp, summary in (summaries or {}).items():
+        tags = tags_by_dp.get(dp) or []
+        median = (summary or {}).get("median")
+        if not median or median <= 0:
+            continue
+        for side in ("top", "bottom"):
+            for row, seg, loss, tokens in (summary or {}).get(side, []):
+                if not tokens or row >= len(tags) or seg >= len(tags[row].segments):
+                    continue
+                d = (tags[row].source, int(tags[row].segments[seg].doc))
+                if d in out and loss > 0:
+                    y = math.log(loss / tokens) - math.log(median)
+                    if abs(y) > abs(out[d]):
+                        out[d] = y
+    return out
+
+
 def shared_content(convicted, others, digests: dict) -> list:
     """Of the ``convicted`` documents, those a conviction cannot stand on (pure): another
     document of the step that is not convicted (``others``) has the same content
@@ -535,7 +562,9 @@ def _rules_at(detector, loss: float, grad_norm: float, gate: bool = False) -> di
     from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 
     det = detector.before()
-    cfg = detector.config if gate else replace(detector.config, grad_novelty=0.0, notes="")
+    # the update's own bars (normal_update): no novelty gate, no notes, and a grad-norm move on a
+    # falling loss is abnormal too (dip_note decides whether a flag acts, not whether an update is normal)
+    cfg = detector.config if gate else replace(detector.config, grad_novelty=0.0, notes="", dip_note=False)
     raw = SpikeDetector(cfg, det.hist.device)
     for name in ("hist", "count", "ehist", "ecount", "jhist", "jcount"):
         setattr(raw, name, getattr(det, name))

@@ -259,6 +259,12 @@ class SignalRecorder:
             p.event.record()
         p.rec.update_sq = sq
 
+    def untrain(self, tokens: int) -> None:
+        """``tokens`` counted as consumed that a proof's mask kept from training: the running
+        ``consumed_tokens`` counts what trained (this step's row, :attr:`StepRecord.trained`,
+        and every later one)."""
+        self._consumed_tokens = self._consumed_tokens - float(tokens)
+
     def snapshot_params(self) -> None:
         """[ledger] update_norm, before ``optimizers.step``: this rank's owned parameter pieces."""
         self._before = snapshot(self.plan)
@@ -349,6 +355,12 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
     loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
     zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok, qk_heads, qk_eta = \
         v[2 * dp:2 * dp + 13]
+    if rec.trained is not None:  # a proof applied another execution's update: the row is what trained
+        t = rec.trained
+        loss_by_dp, tok_by_dp = t["loss_by_dp"], t["tok_by_dp"]
+        ctok -= t["masked_tokens"]
+        masked += t["masked_tokens"]
+        gn, gn_clip = t["grad_norm"], t["grad_norm_clipped"]
     tokens = sum(tok_by_dp)
     loss = sum(loss_by_dp) / tokens if tokens else float("nan")
     local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
@@ -390,8 +402,10 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
 
 
 def rank_row(v: list[float], rec: StepRecord, layout: RowLayout) -> dict[str, Any]:
-    """The ``rank<r>.jsonl`` row: this rank's DP group's own loss and tokens. Pure."""
+    """The ``rank<r>.jsonl`` row: this rank's DP group's own loss and tokens (what trained). Pure."""
     lv, lt = v[layout.dp_rank], v[layout.dp_size + layout.dp_rank]
+    if rec.trained is not None:
+        lv, lt = rec.trained["loss_by_dp"][layout.dp_rank], rec.trained["tok_by_dp"][layout.dp_rank]
     return {"step": rec.step, "loss": lv / lt if lt else None, "tokens": int(lt)}
 
 

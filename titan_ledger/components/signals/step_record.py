@@ -16,7 +16,7 @@ the trainer (``train_step``)               ``step``, ``start``, ``inject``, ``fa
 the recorder (``Ledger.record``, drain)    ``step_time_s``, ``consumed_samples``,
                                            ``update_sq``
 ``Recovery`` (the decision) and its        ``update_skipped``, ``proof``, ``proof_failed``,
-prover                                     ``decided``, ``deferred``, ``masked["proof"]``;
+prover                                     ``decided``, ``deferred``, ``masked["proof"]``, ``trained``;
                                            ``batches`` let go once decided
 ``Ledger.remask`` (a redo after a          ``masked``, ``masked_tokens``
 deferred proof convicted documents)
@@ -61,6 +61,10 @@ class StepRecord:
     proof: ProofRecord | None = None  # the proof at the alarm (components.response.prover), when one ran
     proof_failed: dict | None = None  # {"where", "error"}: the proof failed, the step decided without it
     unproven: str | None = None  # why a note was not proven under prove = "all" ("budget")
+    #: the execution whose update trained, where a proof applied another than the first (its data
+    #: masked, a recomputed update): ``loss_by_dp``, ``tok_by_dp``, ``grad_norm``, ``masked_tokens``
+    #: (the labels its masks removed) -- the step's rows record what trained (issue 68)
+    trained: dict | None = None
     update_sq: Any = None  # [ledger] update_norm: the update's squared norm (device scalar, all ranks summed)
     decided: bool = True  # False while the step's decision is deferred (its rows wait for it)
     deferred: Any = None  # recovery.Deferred: what a deferred decision needs a step later

@@ -189,11 +189,14 @@ class _Documents(_Trainer):
 
         return [RowTag(r, "c", (Segment(r, 0, self.SEQ),)) for r in range(self.ROWS)]
 
+    #: each row's token ids (its document's text): distinct documents, unless a test sets them equal
+    tokens = torch.arange(ROWS * SEQ).view(ROWS, SEQ) * 7 + 3
+
     def batches(self, mask=()):
         labels = torch.ones(self.ROWS, self.SEQ, dtype=torch.long)
         for r in mask:
             labels[r] = -100
-        return [[({"input": self.x}, labels)]]
+        return [[({"input": self.tokens}, labels)]]  # (execute trains the linear model on self.x)
 
     def execute(self, groups, need_loss=True):
         self.executions += 1
@@ -290,14 +293,15 @@ def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_ma
 
 def test_a_convicted_document_whose_copy_the_step_also_trained_is_not_convicted():
     """The control must be other content: every document the same text (the memorisation
-    plateau's corpus), so masking one explains nothing a mask of its copy would not."""
+    plateau's corpus), so masking one explains nothing a mask of its copy would not -- by
+    the tokens' shingles, not by ids or digests: a near-copy of another length counts."""
     t = _Documents()
-    t.ledger.loader = SimpleNamespace(document_facts=lambda s, d: (4, "the same text"), corpus_share=lambda s, n: None)
+    t.tokens = torch.full((t.ROWS, t.SEQ), 9)  # runs of one token (a tab run beside another)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
     proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
-    assert proof["verdict"] == "not_data" and "content of other documents" in proof["why"]
-    assert "would_apply" not in proof
+    assert proof["verdict"] == "not_data" and "near-copy of 1 of the 1 convicted documents" in proof["why"]
+    assert proof["content"]["near_copies"] == {f"c:{t.BAD}": 1.0} and "would_apply" not in proof
 
 
 def test_a_conviction_records_how_much_of_the_data_its_quarantine_would_mask():
@@ -402,3 +406,119 @@ def test_data_in_a_run_the_lr_made_fragile_is_not_convicted_unless_asked():
     assert "the LR's fingerprint holds (the updates moved the weights 5.0% of their norm a step)" in p["why"]
     assert p["fragile"]["cause"] == "lr" and p["fragile"]["relative_update_pre_median"] == 0.05
     assert proof_with(0.05, quarantine_fragile=True)["verdict"] == "bad_data"
+
+
+# --------------------------------------------------------------------------- harmful, not new (issue 68)
+def _convicting(t=None, **kw):
+    """The bad document of ``_Documents`` proven; ``kw`` on the prover (``next_rec``)."""
+    t = t or _Documents()
+    rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
+    t.first(rec)
+    prover = Prover(t)
+    for k, v in kw.items():
+        setattr(prover, k, v)
+    return t, prover.prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+
+
+def _next_step(t, bad: bool):
+    """The step after the flagged one, fetched (a deferred decision): eight other documents,
+    ordinary (``bad`` False) or -- the next step of a distribution shift -- every row as far
+    off as the convicted one."""
+    from titan_ledger.data.layout import RowTag, Segment
+
+    nxt = _Documents()
+    nxt.tokens = t.tokens + 1000  # other documents, other text
+    nxt.y = t.y.clone()
+    nxt.y[t.BAD] -= 40.0  # the bad document's row, ordinary again...
+    if bad:
+        nxt.y += 40.0  # ...or every row as far off as it was (the new kind of data)
+    tags = [RowTag(100 + r, "c", (Segment(100 + r, 0, t.SEQ),)) for r in range(t.ROWS)]
+    return nxt, StepRecord(step=22, start=0.0, batches=nxt.batches(), tags=tags)
+
+
+@pytest.mark.parametrize("next_bad", [False, True])
+def test_the_data_of_the_same_novelty_decides_new_from_harmful(next_bad):
+    """The control of the same novelty: the next step's data (fetched before a deferred
+    decision), the convicted content masked, on the same weights. Ordinary: the conviction
+    stands; as abnormal: the flagged step was new data, not bad data (a distribution shift
+    inside a step convicted the first document of the new kind)."""
+    t = _Documents()
+    nxt_trainer, nxt = _next_step(t, next_bad)
+    original_execute = t.execute
+
+    def execute(groups, need_loss=True):  # the next step's batch trains on its own targets
+        if groups is not None and groups[0][0][0]["input"] is nxt_trainer.tokens:
+            saved = t.y
+            t.y = nxt_trainer.y
+            try:
+                return original_execute(groups, need_loss)
+            finally:
+                t.y = saved
+        return original_execute(groups, need_loss)
+
+    t.execute = execute
+    _, proof = _convicting(t, next_rec=nxt)
+    novelty = proof["content"]["novelty"]
+    assert novelty["available"] and novelty["step"] == 22 and novelty["normal"] is (not next_bad)
+    assert [e["variant"] for e in proof["executions"]][-1] == "novelty"
+    if next_bad:
+        assert proof["verdict"] == "not_data" and "new data, not bad data" in proof["why"]
+    else:
+        assert proof["verdict"] == "bad_data" and proof["documents"] == [["c", t.BAD]]
+
+
+def test_without_a_next_step_a_conviction_stands_unacted_and_says_why():
+    """Decided in the step (no next batch fetched): the verdict is the proof's, and the
+    record says no control of the same novelty ran (``Recovery`` holds it back: ``novelty``)."""
+    _, proof = _convicting()
+    assert proof["verdict"] == "bad_data" and proof["content"]["novelty"]["available"] is False
+
+
+def test_an_ordinary_document_in_a_broken_model_is_not_convicted():
+    """Its own loss in neither tail of its step's documents (the per-document summary): the
+    step hangs on it, the data is not what is wrong (a model a high LR broke)."""
+    t = _Documents()
+    t.ledger.step_documents = lambda: {"median": 2.0, "top": [[0, 0, 2.2 * t.SEQ, t.SEQ]],
+                                       "bottom": [[1, 0, 1.9 * t.SEQ, t.SEQ]]}
+    _, proof = _convicting(t)
+    assert proof["verdict"] == "not_data" and "ordinary for their step" in proof["why"]
+    assert proof["content"]["stands_out"] == {f"c:{t.BAD}": 0.0}
+    # the same step where the document stands out of its step (40x the median loss): convicted
+    t = _Documents()
+    t.ledger.step_documents = lambda: {"median": 2.0, "top": [[t.BAD, 0, 80.0 * t.SEQ, t.SEQ]], "bottom": []}
+    _, proof = _convicting(t)
+    assert proof["verdict"] == "bad_data" and proof["content"]["stands_out"][f"c:{t.BAD}"] > 3.0
+
+
+def test_content_like_it_that_trained_before_without_a_flag_clears_it():
+    """The look-back by content (the ledger's memory of what trained): the convicted
+    document's shingles fetched at an earlier unflagged step -- under another document id --
+    clear it; fetched only at a flagged step, they do not."""
+    from titan_ledger.data.content import ContentMemory, window_hashes
+
+    for flagged, verdict in (((), "not_data"), ((7,), "bad_data")):
+        t = _Documents()
+        t.ledger.content = ContentMemory(1 << 12, window=100)
+        t.ledger.content.record(7, window_hashes(t.tokens[t.BAD]))  # the same text, at step 7
+        t.ledger.flagged = set(flagged)
+        _, proof = _convicting(t)
+        assert proof["verdict"] == verdict, (flagged, proof["why"])
+        assert proof["content"]["seen_before"] == {f"c:{t.BAD}": 1.0 if not flagged else 0.0}
+
+
+def test_the_next_steps_control_masks_the_convicted_document_and_its_near_copies():
+    """components.response.content_checks.masked_next: in the next step's batch the convicted
+    document's own rest (by id) and a near-copy of it under another id (by shingles) are
+    masked; other text is not."""
+    from titan_ledger.components.response import content_checks
+    from titan_ledger.data.content import shingles
+    from titan_ledger.data.layout import RowTag, Segment
+
+    tokens = torch.tensor([[9] * 8, [9] * 8, list(range(8))])
+    tags = [RowTag(0, "c", (Segment(5, 8, 16),)), RowTag(1, "c", (Segment(77, 0, 8),)),
+            RowTag(2, "c", (Segment(3, 0, 8),))]
+    groups = [[({"input": tokens}, torch.ones(3, 8, dtype=torch.long))]]
+    masked, hits = content_checks.masked_next(groups, tags, {("c", 5)}, {("c", 5): shingles([9] * 30)}, -100)
+    labels = masked[0][0][1]
+    assert hits == 2 and (labels[:2] == -100).all() and (labels[2] == 1).all()
+    assert (groups[0][0][1] == 1).all()  # new label tensors: the fetched batch is untouched

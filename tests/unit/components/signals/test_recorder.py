@@ -92,3 +92,31 @@ def test_per_layer_norms_are_pre_clip_although_read_after_the_clip(tmp_path):
         want = math.sqrt(sum(v * v for n, v in pre.items() if n.startswith(group + ".")))
         assert math.isclose(per_layer[group], want, rel_tol=1e-5), (group, per_layer[group], want)
     assert math.isclose(row["grad_norm"], math.sqrt(sum(v * v for v in pre.values())), rel_tol=1e-5)
+
+
+def test_a_step_a_proof_trained_with_a_mask_records_what_trained(tmp_path):
+    """Issue 68: a step whose proof applied its masked update records the applied
+    execution's loss, grad norm and masked tokens (the first execution's stay in the proof),
+    and the run's consumed tokens count what trained, this step's and every later one's."""
+    import json
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    rec = _recorder(Topology.single(), model)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    gn = torch.tensor(8.0)
+    step = StepRecord(step=1, start=time.perf_counter())
+    rec.queue(step, rec.reduce(local_loss_sum=torch.tensor(40.0), local_tokens=20, grad_norm=gn).vector, None)
+    # the proof masked 6 of the 20 label tokens; the masked execution's loss 1.5, grad norm 0.5
+    step.trained = {"loss_by_dp": [21.0], "tok_by_dp": [14.0], "grad_norm": 0.5, "grad_norm_clipped": 0.5,
+                    "masked_tokens": 6}
+    rec.untrain(6)
+    nxt = StepRecord(step=2, start=time.perf_counter())
+    rec.queue(nxt, rec.reduce(local_loss_sum=torch.tensor(20.0), local_tokens=20, grad_norm=gn).vector, None)
+    _write(rec, True)
+    rec.close()
+    rows = [json.loads(x) for x in (tmp_path / records.SIGNALS_FILE).read_text().splitlines()[1:]]
+    assert (rows[0]["loss"], rows[0]["grad_norm"], rows[0]["masked_tokens"]) == (1.5, 0.5, 6)
+    assert rows[0]["consumed_tokens"] == 14 and rows[1]["consumed_tokens"] == 34  # 20 + 20 - 6
+    assert rows[1]["loss"] == 1.0 and rows[1]["masked_tokens"] == 0
