@@ -98,7 +98,11 @@ from bench.zoo import EASY_DOCS, EASY_TEXT, prepare_documents, train  # noqa: E4
 CONFIG = ROOT / "train_configs" / "tiny_cpu.toml"
 OUT = ROOT / "outputs" / "bench_adversarial"
 TOKENS_PER_STEP = 8 * 128  # tiny_cpu: one process, 8 rows x 128 tokens
-CORPORA = ("plateau", "duplication", "code_tables", "short_docs", "long_doc", "length_shift")
+CORPORA = ("plateau", "duplication", "code_tables", "short_docs", "long_doc", "length_shift",
+           # issue 68: clean corpora where a conviction would mean "new", "a copy" or "a broken model"
+           "shift_language", "shift_code", "shift_tables", "near_dups", "drift", "broken_lr", "broken_lr_text")
+#: the corpora before issue 68 (the first six)
+OLD_CORPORA = CORPORA[:6]
 POLICIES = ("observe", "act")
 
 #: the memorisation plateau's flags (issue 60): a constant LR high enough to memorise
@@ -106,8 +110,20 @@ POLICIES = ("observe", "act")
 PLATEAU_FLAGS = ("--dataloader.no_shuffle", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "20",
                  "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.weight_decay", "0", "--model.qk_norm")
 #: each corpus's own training flags (the others: the defaults, a seeded shuffle)
+#: a model a high LR left broken (issue 68): peak LR 0.45 after 5 warm-up steps, cosine decay -- the
+#: loss never leaves ~6.6, and late (the LR decayed, its fingerprint gone) the grad norm still jumps
+BROKEN_FLAGS = ("--optimizer.lr", "0.45", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_type", "cosine")
 FLAGS = {"plateau": PLATEAU_FLAGS, "long_doc": ("--dataloader.no_shuffle",),
-         "length_shift": ("--dataloader.no_shuffle",)}
+         "length_shift": ("--dataloader.no_shuffle",), "shift_language": ("--dataloader.no_shuffle",),
+         "shift_code": ("--dataloader.no_shuffle",), "shift_tables": ("--dataloader.no_shuffle",),
+         "drift": ("--dataloader.no_shuffle",), "broken_lr": BROKEN_FLAGS, "broken_lr_text": BROKEN_FLAGS}
+#: corpora trained from the bundled text source (read as it streams), not an indexed corpus
+TEXT_SOURCE = ("broken_lr_text",)
+#: gettext catalogs' languages (the multilingual text: /usr/share/locale/<lang>/LC_MESSAGES/*.mo), in turn
+LANGUAGES = ("de", "fr", "ru", "ja", "es", "pl")
+SHIFT_DOC_CHARS = 2400  # a multilingual document: its catalogs' translations joined to about this many characters
+NEAR_SHARE, NEAR_CHARS = 0.10, (20, 2000)  # near_dups: a tenth of the documents a run of one character
+RUN_CHARS = ("\t", "*", "=", "-", "#", "~")
 BUILD_SEED = 60  # the chunk lengths' seed (short_docs, length_shift)
 SHORT_DOCS, SHORT_MIN, SHORT_MAX = 40_000, 8, 16
 BACKGROUND_MAX = 8 * TOKENS_PER_STEP  # long_doc: no other document over 8 steps' tokens
@@ -300,6 +316,95 @@ def length_shift_docs(tok, steps: int) -> tuple[list[dict], dict]:
         "seed": BUILD_SEED, "short_tokens": [SHIFT_MIN, SHIFT_MAX], "factor": SHIFT_FACTOR, "steps": steps}
 
 
+def multilingual_documents(limit: int = SHIFT_DOC_CHARS, count: int = 4000) -> list[dict]:
+    """Translated messages of the machine's gettext catalogs (``LANGUAGES`` in turn, each
+    catalog's translations in message order, joined by newlines into documents of about
+    ``limit`` characters): real text in other languages and scripts."""
+    import gettext
+
+    per_lang: dict[str, list[str]] = {}
+    for lang in LANGUAGES:
+        texts = []
+        for f in sorted(Path("/usr/share/locale", lang, "LC_MESSAGES").glob("*.mo")):
+            try:
+                with open(f, "rb") as fh:
+                    cat = gettext.GNUTranslations(fh)._catalog
+            except Exception:
+                continue
+            texts += [v.strip() for k, v in sorted(cat.items(), key=lambda kv: str(kv[0]))
+                      if isinstance(v, str) and k and v.strip()]
+        per_lang[lang] = texts
+    out, idx = [], {lang: 0 for lang in per_lang}
+    while len(out) < count and any(idx[lang] < len(t) for lang, t in per_lang.items()):
+        for lang, texts in per_lang.items():
+            parts, n = [], 0
+            while idx[lang] < len(texts) and n < limit:
+                parts.append(texts[idx[lang]])
+                n += len(texts[idx[lang]]) + 1
+                idx[lang] += 1
+            if parts:
+                out.append(doc("\n".join(parts), f"lang:{lang}", f"gettext:{lang}"))
+    if not out:
+        raise SystemExit("no gettext catalogs under /usr/share/locale: the multilingual corpus needs them")
+    return out
+
+
+def shift_docs(tok, steps: int, before: list[dict], after: list[dict]) -> tuple[list[dict], dict]:
+    """``before`` documents (in turn, repeated) for the first half of the run's stream, then
+    ``after`` documents: the shift falls at a document boundary inside a step (read in order)."""
+    half = steps // 2 * TOKENS_PER_STEP + TOKENS_PER_STEP // 3  # a third into a step, not at its edge
+    out, seen, i = [], 0, 0
+    while seen < half:
+        d = before[i % len(before)]
+        out.append(d)
+        seen += n_tokens(tok, d["text"]) - 1
+        i += 1
+    shift_at = seen
+    j = 0
+    while seen < (steps + 2) * TOKENS_PER_STEP:
+        d = after[j % len(after)]
+        out.append(d)
+        seen += n_tokens(tok, d["text"]) - 1
+        j += 1
+    return out, {"steps": steps, "shift_token": shift_at, "before": before[0]["kind"], "after": after[0]["kind"]}
+
+
+def bundled_docs() -> list[dict]:
+    return [doc(d["text"], "docstrings", d["source"]) for d in corpora.bundled_documents()]
+
+
+def near_dup_docs() -> tuple[list[dict], dict]:
+    """The bundled docstrings with a tenth of the documents runs of one character (a tab,
+    ``*``, ``=``, ...) of seeded lengths in ``NEAR_CHARS``: near-copies of each other of
+    different lengths, the rest ordinary text."""
+    rnd = random.Random(BUILD_SEED)
+    base = bundled_docs() * 3
+    out = []
+    for d in base:
+        out.append(d)
+        if rnd.random() < NEAR_SHARE / (1 - NEAR_SHARE):
+            c = rnd.choice(RUN_CHARS)
+            out.append(doc(c * rnd.randint(*NEAR_CHARS), "run", f"run:{c!r}"))
+    return out, {"seed": BUILD_SEED, "share": NEAR_SHARE, "chars": list(NEAR_CHARS), "runs": list(RUN_CHARS)}
+
+
+def drift_docs(tok, steps: int) -> tuple[list[dict], dict]:
+    """Docstrings drifting into source code: document i of the run's stream is code with
+    probability i / n (seeded), read in order -- a shift no step holds."""
+    rnd = random.Random(BUILD_SEED)
+    prose, code = bundled_docs(), corpora.source_documents()
+    target = (steps + 2) * TOKENS_PER_STEP
+    out, seen, ip, ic = [], 0, 0, 0
+    while seen < target:
+        if rnd.random() < seen / target:
+            d, ic = code[ic % len(code)], ic + 1
+        else:
+            d, ip = prose[ip % len(prose)], ip + 1
+        out.append(d)
+        seen += n_tokens(tok, d["text"]) - 1
+    return out, {"seed": BUILD_SEED, "steps": steps}
+
+
 def documents(name: str, tok, steps: int) -> tuple[list[dict], dict]:
     """The documents of corpus ``name`` (``text``, ``kind``, ``source``) and its build parameters."""
     if name == "plateau":
@@ -314,6 +419,18 @@ def documents(name: str, tok, steps: int) -> tuple[list[dict], dict]:
         return long_doc_docs(tok, steps)
     if name == "length_shift":
         return length_shift_docs(tok, steps)
+    if name == "shift_language":
+        return shift_docs(tok, steps, bundled_docs(), multilingual_documents())
+    if name == "shift_code":
+        return shift_docs(tok, steps, corpora.source_documents(), bundled_docs())
+    if name == "shift_tables":
+        return shift_docs(tok, steps, bundled_docs(), corpora.table_documents())
+    if name == "near_dups":
+        return near_dup_docs()
+    if name == "drift":
+        return drift_docs(tok, steps)
+    if name in ("broken_lr", "broken_lr_text"):
+        return bundled_docs(), {"flags": list(BROKEN_FLAGS)}
     raise ValueError(f"unknown corpus {name!r} (one of {', '.join(CORPORA)})")
 
 
@@ -340,6 +457,13 @@ def measure(name: str, docs: list[dict], tok) -> dict:
         others = [n for j, n in enumerate(lengths) if j != i]
         out.update(long_doc_tokens=lengths[i], long_doc_index=i, long_doc_steps=[
             step_of(starts[i]), step_of(starts[i] + lengths[i] - 2)], others_max_tokens=max(others))
+    if name.startswith("shift_"):
+        first = next(j for j, d in enumerate(docs) if d["kind"] != docs[0]["kind"])
+        out.update(shift_step=step_of(starts[first]), shift_offset=starts[first] % TOKENS_PER_STEP,
+                   before=docs[0]["kind"], after=docs[first]["kind"])
+    if name == "near_dups":
+        runs = kinds.get("run", [])
+        out.update(runs=len(runs), run_share=round(len(runs) / len(docs), 3), run_tokens=[min(runs), max(runs)])
     if name == "length_shift":
         first = next(j for j, d in enumerate(docs) if d["kind"] == "long")
         short, long = kinds["short"], kinds["long"]
@@ -396,6 +520,16 @@ def key_property(name: str, p: dict) -> str:
     if name == "length_shift":
         return (f"mean {p['short_mean_tokens']} -> {p['long_mean_tokens']} tokens ({p['mean_ratio']}x) at step "
                 f"{p['shift_step']}")
+    if name.startswith("shift_"):
+        return (f"{p['before']} -> {p['after']} at step {p['shift_step']}, {p['shift_offset']} tokens into it")
+    if name == "near_dups":
+        return f"{p['runs']:,} runs of one character ({p['run_share']:.0%} of docs, {p['run_tokens'][0]}-" \
+               f"{p['run_tokens'][1]} tokens)"
+    if name == "drift":
+        return ", ".join(f"{k} {v['docs']:,} docs" for k, v in p["by_kind"].items())
+    if name.startswith("broken_lr"):
+        return "the bundled docstrings; peak LR 0.45 after 5 warm-up steps, cosine" + (
+            " (text source)" if name in TEXT_SOURCE else "")
     return ""
 
 
@@ -490,7 +624,8 @@ def grid(names, seeds, policies, steps) -> list[Run]:
 
 
 def train_args(run: Run, prefix: Path) -> list[str]:
-    args = ["--job.config_file", str(CONFIG), "--training.steps", str(run.steps), "--dataloader.source", "indexed", "--dataloader.paths", str(prefix),
+    source = [] if run.corpus in TEXT_SOURCE else ["--dataloader.source", "indexed", "--dataloader.paths", str(prefix)]
+    args = ["--job.config_file", str(CONFIG), "--training.steps", str(run.steps), *source,
             "--debug.seed", str(run.seed), "--dataloader.seed", str(run.seed), "--metrics.log_freq", "100",
             *FLAGS.get(run.corpus, ())]
     if run.policy == "act":
@@ -584,7 +719,7 @@ def corpora_table(infos: dict[str, dict]) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="+", choices=CORPORA, help="these corpora (default: all six)")
+    ap.add_argument("--only", nargs="+", choices=CORPORA, help="these corpora (default: all)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--policy", nargs="+", choices=POLICIES, default=["observe"],
                     help="observe: the default response; act: --ledger.on_spike.act act")

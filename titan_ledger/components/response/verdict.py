@@ -292,16 +292,6 @@ def stands_out(docs, summaries: dict, tags_by_dp: dict) -> dict:
     return out
 
 
-def shared_content(convicted, others, digests: dict) -> list:
-    """Of the ``convicted`` documents, those a conviction cannot stand on (pure): another
-    document of the step that is not convicted (``others``) has the same content
-    (``digests``: (source, doc) -> content digest), or the content is unknown (None).
-    Masking a document whose copy the step also trained on explains nothing a mask of
-    the copy would not: the control must be other content."""
-    seen = {digests.get(d) for d in others} - {None}
-    return sorted(d for d in convicted if digests.get(d) is None or digests.get(d) in seen)
-
-
 # --------------------------------------------------------------------------- suspects
 @dataclass(frozen=True)
 class Suspect:
