@@ -349,16 +349,31 @@ def multilingual_documents(limit: int = SHIFT_DOC_CHARS, count: int = 4000) -> l
     return out
 
 
+#: where in its step the first new document starts (tokens of 1,024): the issue's shift held 635 old
+#: tokens and 389 new ones; a boundary this far in leaves both kinds a large share of the step
+SHIFT_OFFSET = (400, 700)
+
+
 def shift_docs(tok, steps: int, before: list[dict], after: list[dict]) -> tuple[list[dict], dict]:
     """``before`` documents (in turn, repeated) for the first half of the run's stream, then
-    ``after`` documents: the shift falls at a document boundary inside a step (read in order)."""
-    half = steps // 2 * TOKENS_PER_STEP + TOKENS_PER_STEP // 3  # a third into a step, not at its edge
+    ``after`` documents: the shift falls at a document boundary ``SHIFT_OFFSET`` tokens into a
+    step (read in order; the last old document cut short at a line or word end to land there)."""
+    half = steps // 2 * TOKENS_PER_STEP
     out, seen, i = [], 0, 0
     while seen < half:
         d = before[i % len(before)]
         out.append(d)
         seen += n_tokens(tok, d["text"]) - 1
         i += 1
+    want = (seen // TOKENS_PER_STEP) * TOKENS_PER_STEP + (SHIFT_OFFSET[0] + SHIFT_OFFSET[1]) // 2
+    if want <= seen:
+        want += TOKENS_PER_STEP
+    d = before[i % len(before)]
+    text = d["text"]
+    while len(text) > 1 and seen + n_tokens(tok, text) - 1 > want:  # cut to land in the window
+        text = text[:int(len(text) * 0.9)]
+    out.append(doc(text, d["kind"], d["source"] + " (cut)"))
+    seen += n_tokens(tok, text) - 1
     shift_at = seen
     j = 0
     while seen < (steps + 2) * TOKENS_PER_STEP:

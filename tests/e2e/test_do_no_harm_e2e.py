@@ -1,7 +1,7 @@
 """Do no harm (issue 60), end to end: the response says what it may change, stays inside
 that, and never stops the run it is there to save.
 
-Seven launches, two at a time:
+Nine launches, two at a time:
 
 * ``plateau``: the memorisation plateau that stopped a default run at 878e121 -- one text
   (``" the end." * 400``) as 1,500 documents, the tiny model at a constant LR 1e-2, no
@@ -20,6 +20,9 @@ Seven launches, two at a time:
   failing (``--ledger.rehearsal.response_fault proof:raise``) and every host snapshot's
   copy failing (``snapshot:oom``) the run is again bit-equal to no response, the failures
   recorded.
+* ``shift_act`` / ``shift_observe`` (issue 68): a distribution shift inside step 42 (docstrings,
+  then the same texts in Cyrillic letters) under ``act`` and ``observe``: the new document the
+  masks name is new, not bad (the next step's data is as abnormal): nothing acts.
 * ``breaker``: ``act`` with two flipped bits two steps apart and a breaker of one action:
   the first proof's recomputed update is applied, the second is held back by the
   breaker (one ERROR line), and acting resumes after a quiet window.
@@ -37,6 +40,37 @@ from helpers import CONFIGS, data_rows, explain, load_bench, signals_rows, spike
 pytestmark = pytest.mark.slow
 
 EASY = [{"text": " the end." * 400}] * 1500
+#: issue 68's distribution shift inside a step, made small: the bundled docstrings in order, then the
+#: same docstrings spelt in Cyrillic letters (a script the tokenizer splits into bytes: new text),
+#: the first new document 206 tokens into step 42 (the tiny model, 1,024 tokens a step)
+CYRILLIC = str.maketrans("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                         "абцдефгхийклмнопярстужвьызАБЦДЕФГХИЙКЛМНОПЯРСТУЖВЬЫЗ")
+SHIFT_STEP = 42
+#: under the shift: a fast LR (the model learns the docstrings by then), a short spike window, and a
+#: document floor of 0.2 (the cold tiny model finds the new text only 1.4x harder than the old at step
+#: 42: the floor lets the conviction reach the control of the same novelty, which this run is about)
+SHIFT = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--dataloader.source", "indexed",
+         "--dataloader.no_shuffle", "--training.steps", "44", "--ledger.spike.window", "16", "--optimizer.lr", "1e-2",
+         "--lr_scheduler.warmup_steps", "5", "--ledger.spike.doc_outlier_floor", "0.2", "--metrics.log_freq", "100"]
+
+
+def shift_documents() -> list[dict]:
+    """The docstrings until the stream reaches 206 tokens into step ``SHIFT_STEP``, then
+    Cyrillic-spelt docstrings cut to 500 characters (documents shorter than a step: the next
+    step holds other new documents, the control of the same novelty)."""
+    from helpers import ROOT
+
+    from titan_ledger.data.prepare import load_tokenizer
+
+    tok = load_tokenizer(str(ROOT / "titan_ledger" / "assets" / "tokenizer"))
+    text = [json.loads(x)["text"] for x in (ROOT / "titan_ledger" / "assets" / "corpus" / "data.jsonl").read_text()
+            .splitlines() if x.strip()]
+    docs, seen, i = [], 0, 0
+    while seen < (SHIFT_STEP - 3) * 1024 + 300:
+        docs.append({"text": text[i % len(text)]})
+        seen += len(tok.encode(text[i % len(text)], add_bos=True, add_eos=True)) - 1
+        i += 1
+    return docs + [{"text": text[(i + j) % len(text)].translate(CYRILLIC)[:500]} for j in range(200)]
 PLATEAU = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--dataloader.source", "indexed",
            "--dataloader.no_shuffle", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "20",
            "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.weight_decay", "0", "--model.qk_norm",
@@ -64,6 +98,7 @@ def proofs_of(dump) -> dict[int, dict]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("no_harm")
     prefix = load_bench("zoo").prepare_documents(root / "corpus", EASY, "easy")
+    shift = load_bench("zoo").prepare_documents(root / "shift", shift_documents(), "shift")
     quarantine = root / "doc0.jsonl"
     quarantine.write_text(json.dumps({"source": "easy", "doc": 0}) + "\n")
     plateau = [*PLATEAU, "--dataloader.paths", str(prefix)]
@@ -75,6 +110,8 @@ def runs(tmp_path_factory):
         "faults_off": ([*DEBUG, "--ledger.on_spike.prove", "off"], 2),
         "faults_failed": ([*DEBUG, "--ledger.on_spike.act", "act", "--ledger.rehearsal.response_fault",
                            "proof:raise,snapshot:oom", "--ledger.snapshots.every", "4"], 2),
+        "shift_act": ([*SHIFT, "--dataloader.paths", str(shift), "--ledger.on_spike.act", "act"], 1),
+        "shift_observe": ([*SHIFT, "--dataloader.paths", str(shift)], 1),
         "breaker": (["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
                      "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8",
                      "--ledger.rehearsal.inject", "6:0:bitflip,8:1:bitflip", "--ledger.on_spike.act", "act",
@@ -184,6 +221,27 @@ def test_the_plateaus_first_answer_is_one_cause_and_its_printed_fix_trains_past_
     assert at["inner"] >= 700 and at["cause"] < at["inner"] and at["command"] is not None, at
     assert at["box"] <= at["inner"], at  # the whole answer box, its command included, above the fold
     assert "None" not in re.sub(r"<[^>]+>", " ", dom.split("<h2>", 1)[0])  # no None cell above the sections
+
+
+def test_a_shift_inside_a_step_convicts_nothing_under_act_and_trains_as_observe(runs):
+    """Issue 68: the step that holds the end of the docstrings and the first new-script
+    document is flagged, and its masks name the new document (before issue 68 it was
+    convicted, masked and quarantined); the control of the same novelty -- the next step's
+    data, the new document masked, on the same weights -- is abnormal too: new data, not bad
+    data. Under ``act`` nothing acts, and the run equals ``observe``'s bit for bit."""
+    d, out = runs["shift_act"]
+    obs, _ = runs["shift_observe"]
+    events = {e["step"]: e for e in spike_events(d)}
+    p = events[SHIFT_STEP]["proof"]
+    assert p["verdict"] == "not_data" and "new data, not bad data" in p["why"], p["why"]
+    novelty = p["content"]["novelty"]
+    assert novelty["available"] and novelty["step"] == SHIFT_STEP + 1 and not novelty["normal"]
+    assert all(e["proof"]["applied"] == "original" for e in events.values() if e.get("proof"))
+    assert not (d / "ledger" / "proven_documents.jsonl").exists()
+    rows = signals_rows(d)
+    assert sorted(rows) == list(range(1, 45)) and not any(r["update_skipped"] or r["masked_tokens"] for r in rows.values())
+    _same_rows(d, obs, range(1, 45))
+    assert data_rows(d, 0) == data_rows(obs, 0)
 
 
 def test_observe_trains_the_plateau_bit_for_bit_as_no_response_does(runs):

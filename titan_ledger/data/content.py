@@ -9,7 +9,7 @@ Dolma, FineWeb and RedPajama compare documents by their token shingles (MinHash 
 shingles), never by ids; two runs of one character of different lengths are the same
 content, and a 381-``*`` document is the ``*`` runs that trained before it. Here:
 
-* :func:`shingles` -- the distinct hashes of a document's ``k``-token windows (``k`` = 5;
+* :func:`shingles` -- the distinct hashes of a document's ``k``-token windows (``k`` = 13;
   a document shorter than ``k`` is one shingle), 64-bit, mixed (splitmix64): a set whose
   overlap with another's is their content overlap;
 * :func:`covered` -- the share of one shingle set another holds (a near-copy: >= ``NEAR``);
@@ -29,8 +29,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-#: shingle width (tokens): five words of text, a short code line's tokens
-K = 5
+#: shingle width (tokens): a dozen BPE tokens, about ten words of English -- and a few
+#: characters of a script the tokenizer splits into bytes (5 tokens made any two Cyrillic texts
+#: "near-copies": their byte pairs repeat); a run of one character is one shingle at any width
+K = 13
 #: a document is a near-copy of another when this share of its shingles is in the other's
 NEAR = 0.5
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)

@@ -17,7 +17,7 @@ def test_runs_of_one_character_of_different_lengths_are_the_same_content():
 
 def test_overlap_is_the_share_of_shingles_the_other_holds():
     a, b = shingles(range(100)), shingles(range(50, 150))
-    assert 0.45 < covered(a, b) < NEAR  # half the text shared (its windows across the seam not): under the bar
+    assert 0.4 < covered(a, b) < NEAR  # half the text shared (its windows across the seam not): under the bar
     assert covered(a, shingles(range(100))) == 1.0 and covered(shingles([]), a) == 0.0
 
 

@@ -132,3 +132,9 @@ def masked_next(groups, tags: list, docs, conv: dict, ignore: int) -> tuple[list
             mbs.append((input_dict, labels))
         out.append(mbs)
     return out, hits
+
+
+def any_label(groups, topo, device) -> bool:
+    """Whether any rank's batches keep a label (the masked next step can be executed)."""
+    left = sum(int((labels != -100).sum()) for mbs in groups or () for _, labels in mbs)
+    return bool(_any(np.array([left > 0]), topo, device)[0])

@@ -169,7 +169,6 @@ class _Case:
     content: dict | None = None
     coverage: Coverage | None = None
     fragile: dict | None = None  # the LR's fingerprint where it held back a conviction
-    summaries: dict | None = None  # per DP rank, the step's per-document loss summary
     checks: dict | None = None  # the conviction's content checks (near copies, stands out, seen before, novelty)
 
 
@@ -547,7 +546,7 @@ class Prover:
         ledger = self.trainer.ledger
         topo = ledger.topo
         c.tags_by_dp = _gather_tags(c.rec.tags if topo.data_writer else None, topo)
-        summaries = c.summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
+        summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
         fired = [*event.get("rules", []), *event.get("notes", [])]
         rank = next((event.get(k) for r, k in (("doc_high", "doc_high_rank"), ("doc_low", "doc_low_rank"))
                      if r in fired and event.get(k) is not None), None)
@@ -675,14 +674,16 @@ class Prover:
                                f"of their norm a step): in a run the LR made this fragile, a document that triggers "
                                f"a step is not proven bad (--ledger.on_spike.quarantine_fragile to convict anyway)")
         floor = float(t.config.ledger.spike.doc_outlier_floor)
-        if c.summaries:  # the documents' own loss against their step's: ordinary data is not bad data
-            ys = stands_out(docs, c.summaries, c.tags_by_dp)
-            c.checks["stands_out"] = {f"{s}:{d}": round(y, 3) for (s, d), y in ys.items()}
-            if all(abs(y) <= floor for y in ys.values()):
+        applied = self._convicted_execution(c, v)
+        if applied is not None:  # their own loss against the rest of the step's: ordinary data is not bad data
+            theirs, rest, y = stands_out(c.original, applied)
+            c.checks["stands_out"] = {"loss": _r(theirs), "rest": _r(rest), "log_ratio": _r(y)}
+            if y is not None and abs(y) <= floor:
                 return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                                why=f"{v.why}; but the convicted documents are ordinary for their step (their loss "
-                                   f"within {math.exp(floor):.1f}x of the step's median document): the step hangs on "
-                                   f"them, the data is not what is wrong (a model its state made fragile)")
+                                   f"{theirs:.3g} against the rest's {rest:.3g}, within {math.exp(floor):.1f}x): "
+                                   f"the step hangs on them, the data is not what is wrong (a model its state made "
+                                   f"fragile)")
         seen = cc.seen_shares(ledger.content, conv, c.rec.step, ledger.flagged_steps(), ledger.topo, t.device)
         c.checks["seen_before"] = {f"{s}:{d}": round(x, 3) for (s, d), x in seen.items()}
         if seen and all(x >= NEAR for x in seen.values()):
@@ -704,6 +705,16 @@ class Prover:
             self._hits = c.hits  # applied only if the step acts on the conviction (convict)
         return v
 
+    @staticmethod
+    def _convicted_execution(c: _Case, v: Verdict) -> Execution | None:
+        """The execution with exactly the convicted documents masked: group testing's in-place
+        run, the suspect's mask, or a convicted control's re-run."""
+        if v.applied == Applied.MASKED and c.bisection is not None and c.bisection.documents:
+            return next((e for e in reversed(c.after) if e.variant == Applied.MASKED), None)
+        if v.applied == Applied.CONTROL:
+            return next((e for e in reversed(c.after) if e.variant == Applied.CONTROL), None)
+        return c.masked
+
     def _novelty(self, c: _Case, docs, conv: dict) -> Execution | None:
         """The control of the same novelty (issue 68): the next step's batches -- fetched
         before a deferred decision is made, on every rank -- with the convicted content
@@ -720,6 +731,10 @@ class Prover:
                                    "why": "decided in the step: the next step's data was not fetched yet"}
             return None
         groups, hits = cc.masked_next(nxt.batches, nxt.tags, docs, conv, IGNORE_INDEX)
+        if not cc.any_label(groups, self.trainer.ledger.topo, self.trainer.device):
+            c.checks["novelty"] = {"available": False, "why": f"the next step ({nxt.step}) is the convicted content "
+                                                              f"itself: nothing else to compare with"}
+            return None
         ex = self._run("novelty", c.again, groups, c.first_grads)
         ex.normal = normal_update(c.detector, ex.loss, ex.grad_norm)
         c.after.append(ex)
@@ -880,3 +895,7 @@ def _gather_by_dp(value, topo) -> dict[int, Any]:
 
 def _gather_tags(tags, topo) -> dict[int, list]:
     return _gather_by_dp(list(tags) if tags is not None else None, topo)
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(v, 6)

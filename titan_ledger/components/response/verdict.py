@@ -265,32 +265,23 @@ def optimizer_verdict(amplification: float, bar: float, restore: float) -> Verdi
                        f"{bar:g}); the optimizer's state, not the data, made the update abnormal")
 
 
-def stands_out(docs, summaries: dict, tags_by_dp: dict) -> dict:
-    """How far each convicted document's own loss stands from its rank's median document
-    (pure): the log ratio of its mean loss over the median segment loss, from the
-    per-document summaries the step recorded (``summaries``: per DP rank, the median and the
-    top and bottom segments ``(row, segment, loss sum, tokens)``); 0.0 for a document in
-    neither tail (it is ordinary for the step). A model a high LR left broken spikes on an
-    ordinary document (issue 68: group testing "convicted" a docstring at 1.00x its step's
-    median); harmful data -- a run of one token, random characters -- stands out of its own
-    step's documents."""
-    out = {d: 0.0 for d in docs}
-    for dp, summary in (summaries or {}).items():
-        tags = tags_by_dp.get(dp) or []
-        median = (summary or {}).get("median")
-        if not median or median <= 0:
-            continue
-        for side in ("top", "bottom"):
-            for row, seg, loss, tokens in (summary or {}).get(side, []):
-                if not tokens or row >= len(tags) or seg >= len(tags[row].segments):
-                    continue
-                d = (tags[row].source, int(tags[row].segments[seg].doc))
-                if d in out and loss > 0:
-                    y = math.log(loss / tokens) - math.log(median)
-                    if abs(y) > abs(out[d]):
-                        out[d] = y
-    return out
-
+def stands_out(original: Execution, masked: Execution) -> tuple[float | None, float | None, float | None]:
+    """How far the convicted documents' own loss stands from the rest of their step's (pure):
+    ``(their mean loss, the rest's, the log ratio)`` from the first execution and the one
+    with them masked -- masking labels leaves every other token's loss as it was (the same
+    inputs, the same forward), so the difference of the loss sums over the difference of the
+    token counts is theirs, exactly, on every rank. None where a side has no token. A model a
+    high LR left broken spikes on an ordinary document (issue 68: group testing "convicted" a
+    docstring at 1.00x its step's median); harmful data -- a run of one token, random
+    characters -- stands out of the step it trained in."""
+    lo, to = sum(r[0] for r in original.ranks), sum(r[2] for r in original.ranks)
+    lm, tm = sum(r[0] for r in masked.ranks), sum(r[2] for r in masked.ranks)
+    if to - tm <= 0 or tm <= 0:
+        return None, None, None
+    theirs, rest = (lo - lm) / (to - tm), lm / tm
+    if not (theirs > 0 and rest > 0 and math.isfinite(theirs) and math.isfinite(rest)):
+        return theirs, rest, None
+    return theirs, rest, math.log(theirs / rest)
 
 # --------------------------------------------------------------------------- suspects
 @dataclass(frozen=True)

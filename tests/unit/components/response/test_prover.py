@@ -475,19 +475,21 @@ def test_without_a_next_step_a_conviction_stands_unacted_and_says_why():
 
 
 def test_an_ordinary_document_in_a_broken_model_is_not_convicted():
-    """Its own loss in neither tail of its step's documents (the per-document summary): the
-    step hangs on it, the data is not what is wrong (a model a high LR broke)."""
-    t = _Documents()
-    t.ledger.step_documents = lambda: {"median": 2.0, "top": [[0, 0, 2.2 * t.SEQ, t.SEQ]],
-                                       "bottom": [[1, 0, 1.9 * t.SEQ, t.SEQ]]}
-    _, proof = _convicting(t)
-    assert proof["verdict"] == "not_data" and "ordinary for their step" in proof["why"]
-    assert proof["content"]["stands_out"] == {f"c:{t.BAD}": 0.0}
-    # the same step where the document stands out of its step (40x the median loss): convicted
-    t = _Documents()
-    t.ledger.step_documents = lambda: {"median": 2.0, "top": [[t.BAD, 0, 80.0 * t.SEQ, t.SEQ]], "bottom": []}
-    _, proof = _convicting(t)
-    assert proof["verdict"] == "bad_data" and proof["content"]["stands_out"][f"c:{t.BAD}"] > 3.0
+    """verdict.stands_out: the convicted documents' own loss against the rest of the step's,
+    exactly, from the first execution and the one with them masked (the same forward: every
+    other token's loss unchanged). A document at 1.05x the rest is ordinary -- the step hangs
+    on it in a model its state made fragile -- and is not convicted; the bad row of
+    ``_Documents`` (its targets 40 off) stands out and is."""
+    from titan_ledger.components.response.verdict import Execution, stands_out
+
+    first = Execution("original", 0.0, 9.0, [[210.0, 0.0, 100], [190.0, 0.0, 100]])
+    masked = Execution("masked", 0.0, 0.5, [[189.0, 0.0, 90], [190.0, 0.0, 100]])
+    theirs, rest, y = stands_out(first, masked)
+    assert theirs == pytest.approx(2.1) and rest == pytest.approx(379 / 190) and abs(y) < 0.7
+    assert stands_out(first, first) == (None, None, None)  # nothing masked: no side to compare
+    _, proof = _convicting()
+    check = proof["content"]["stands_out"]
+    assert proof["verdict"] == "bad_data" and check["log_ratio"] > 3.0 and check["loss"] > 20 * check["rest"]
 
 
 def test_content_like_it_that_trained_before_without_a_flag_clears_it():
@@ -514,10 +516,10 @@ def test_the_next_steps_control_masks_the_convicted_document_and_its_near_copies
     from titan_ledger.data.content import shingles
     from titan_ledger.data.layout import RowTag, Segment
 
-    tokens = torch.tensor([[9] * 8, [9] * 8, list(range(8))])
-    tags = [RowTag(0, "c", (Segment(5, 8, 16),)), RowTag(1, "c", (Segment(77, 0, 8),)),
-            RowTag(2, "c", (Segment(3, 0, 8),))]
-    groups = [[({"input": tokens}, torch.ones(3, 8, dtype=torch.long))]]
+    tokens = torch.tensor([[9] * 16, [9] * 16, list(range(16))])
+    tags = [RowTag(0, "c", (Segment(5, 16, 32),)), RowTag(1, "c", (Segment(77, 0, 16),)),
+            RowTag(2, "c", (Segment(3, 0, 16),))]
+    groups = [[({"input": tokens}, torch.ones(3, 16, dtype=torch.long))]]
     masked, hits = content_checks.masked_next(groups, tags, {("c", 5)}, {("c", 5): shingles([9] * 30)}, -100)
     labels = masked[0][0][1]
     assert hits == 2 and (labels[:2] == -100).all() and (labels[2] == 1).all()
