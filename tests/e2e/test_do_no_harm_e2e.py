@@ -46,12 +46,10 @@ EASY = [{"text": " the end." * 400}] * 1500
 CYRILLIC = str.maketrans("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
                          "абцдефгхийклмнопярстужвьызАБЦДЕФГХИЙКЛМНОПЯРСТУЖВЬЫЗ")
 SHIFT_STEP = 42
-#: under the shift: a fast LR (the model learns the docstrings by then), a short spike window, and a
-#: document floor of 0.2 (the cold tiny model finds the new text only 1.4x harder than the old at step
-#: 42: the floor lets the conviction reach the control of the same novelty, which this run is about)
+#: under the shift: a fast LR (the model learns the docstrings by then) and a short spike window
 SHIFT = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--dataloader.source", "indexed",
          "--dataloader.no_shuffle", "--training.steps", "44", "--ledger.spike.window", "16", "--optimizer.lr", "1e-2",
-         "--lr_scheduler.warmup_steps", "5", "--ledger.spike.doc_outlier_floor", "0.2", "--metrics.log_freq", "100"]
+         "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "100"]
 
 
 def shift_documents() -> list[dict]:

@@ -628,13 +628,15 @@ class Prover:
     def _check_conviction(self, case: _Case, v: Verdict) -> Verdict:
         """Data convicted: harmful, not merely new, a copy, or in a broken model (issue 68).
         Not where a near-copy of its content trained beside it, where the run is unstable
-        as a whole or its LR made it fragile, where the documents are ordinary for their
-        step (their own loss in neither tail of the step's documents), where content like
-        theirs trained before without a flag, nor where the data of the same novelty --
+        as a whole or its LR made it fragile, where content like theirs trained before
+        without a flag, nor where the data of the same novelty --
         the next step's, the convicted content masked, on the same weights -- is abnormal
         too; otherwise its masks are kept for :meth:`convict`. Without a next step (a
         decision made in the step) the conviction stands unacted (``novelty``). The
-        quarantine's coverage is measured either way."""
+        quarantine's coverage is measured either way. The documents' own loss against the
+        rest of the step's is recorded (``content.stands_out``), not a bar: a cold model
+        gives everything the same loss -- the tour's injected batch of one repeated token
+        trained at 7.63 against the step's 7.64 at step 10, and is bad data all the same."""
         from titan_ledger.components.response import content_checks as cc
         from titan_ledger.data.content import NEAR
 
@@ -673,17 +675,10 @@ class Prover:
                            why=f"{v.why}; but the LR's fingerprint holds (the updates moved the weights {moved:.1%} "
                                f"of their norm a step): in a run the LR made this fragile, a document that triggers "
                                f"a step is not proven bad (--ledger.on_spike.quarantine_fragile to convict anyway)")
-        floor = float(t.config.ledger.spike.doc_outlier_floor)
         applied = self._convicted_execution(c, v)
-        if applied is not None:  # their own loss against the rest of the step's: ordinary data is not bad data
+        if applied is not None:  # their own loss against the rest of the step's (recorded; not a bar: below)
             theirs, rest, y = stands_out(c.original, applied)
             c.checks["stands_out"] = {"loss": _r(theirs), "rest": _r(rest), "log_ratio": _r(y)}
-            if y is not None and abs(y) <= floor:
-                return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
-                               why=f"{v.why}; but the convicted documents are ordinary for their step (their loss "
-                                   f"{theirs:.3g} against the rest's {rest:.3g}, within {math.exp(floor):.1f}x): "
-                                   f"the step hangs on them, the data is not what is wrong (a model its state made "
-                                   f"fragile)")
         seen = cc.seen_shares(ledger.content, conv, c.rec.step, ledger.flagged_steps(), ledger.topo, t.device)
         c.checks["seen_before"] = {f"{s}:{d}": round(x, 3) for (s, d), x in seen.items()}
         if seen and all(x >= NEAR for x in seen.values()):

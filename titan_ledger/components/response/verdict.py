@@ -270,10 +270,9 @@ def stands_out(original: Execution, masked: Execution) -> tuple[float | None, fl
     ``(their mean loss, the rest's, the log ratio)`` from the first execution and the one
     with them masked -- masking labels leaves every other token's loss as it was (the same
     inputs, the same forward), so the difference of the loss sums over the difference of the
-    token counts is theirs, exactly, on every rank. None where a side has no token. A model a
-    high LR left broken spikes on an ordinary document (issue 68: group testing "convicted" a
-    docstring at 1.00x its step's median); harmful data -- a run of one token, random
-    characters -- stands out of the step it trained in."""
+    token counts is theirs, exactly, on every rank. None where a side has no token. Recorded
+    with a conviction (how the data looked to the model), not a bar for one: a cold model
+    gives every document the same loss, bad or not."""
     lo, to = sum(r[0] for r in original.ranks), sum(r[2] for r in original.ranks)
     lm, tm = sum(r[0] for r in masked.ranks), sum(r[2] for r in masked.ranks)
     if to - tm <= 0 or tm <= 0:

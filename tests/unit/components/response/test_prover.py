@@ -474,12 +474,11 @@ def test_without_a_next_step_a_conviction_stands_unacted_and_says_why():
     assert proof["verdict"] == "bad_data" and proof["content"]["novelty"]["available"] is False
 
 
-def test_an_ordinary_document_in_a_broken_model_is_not_convicted():
+def test_a_conviction_records_how_the_convicted_documents_loss_stood_against_the_rest():
     """verdict.stands_out: the convicted documents' own loss against the rest of the step's,
     exactly, from the first execution and the one with them masked (the same forward: every
-    other token's loss unchanged). A document at 1.05x the rest is ordinary -- the step hangs
-    on it in a model its state made fragile -- and is not convicted; the bad row of
-    ``_Documents`` (its targets 40 off) stands out and is."""
+    other token's loss unchanged); recorded with the proof (not a bar: a cold model gives
+    every document one loss, the tour's injected batch of one token included)."""
     from titan_ledger.components.response.verdict import Execution, stands_out
 
     first = Execution("original", 0.0, 9.0, [[210.0, 0.0, 100], [190.0, 0.0, 100]])
