@@ -426,7 +426,7 @@ def host_double(obj):
 
     from titan_ledger.trainer import LedgerTrainer
 
-    for name in ("attend", "as_step", "move_to"):
+    for name in ("attend", "as_step", "move_to", "checkpoint_due"):
         setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
     return obj
 

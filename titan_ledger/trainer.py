@@ -175,9 +175,7 @@ class LedgerTrainer(Trainer):
             if not self.recovery.at_data_end(rec):
                 raise
             return
-        ck = self.config.checkpoint
-        if ck.enable and (self.step % ck.interval == 0 or self.step == self.config.training.steps):
-            # a checkpoint follows: the ledgers must hold every step it covers
+        if self.checkpoint_due(self.step):  # a checkpoint follows: the ledgers must hold every step it covers
             ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
 
     # ------------------------------------------------------------------ ADDED: the Host protocol
@@ -197,6 +195,14 @@ class LedgerTrainer(Trainer):
 
     def move_to(self, step: int) -> None:
         self.step = step
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether torchtitan saves a checkpoint after ``step``: its own rule, asked of its
+        own ``CheckpointManager`` (``_should_save``: enabled and not ``load_only``; the
+        first step with ``enable_first_step_checkpoint``; the last step; every
+        ``interval``), with ``last_step`` as torchtitan's loop passes it. The ledger's drain
+        and the response's deferral both ask here: one rule, torchtitan's."""
+        return bool(self.checkpointer._should_save(step, last_step=step == self.config.training.steps))
 
     @property
     def ran_a_step(self) -> bool:

@@ -73,6 +73,10 @@ class Host(Protocol):
         """Within the block the hooks and messages see ``step``; then the step before."""
         ...
 
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is saved after ``step`` (torchtitan's rule, the trainer's one copy)."""
+        ...
+
     def move_to(self, step: int) -> None:
         """This ``train_step`` call is ``step`` (a skip window consumed up to it, a rollback
         restarted from before it); the loop trains ``step + 1`` next."""

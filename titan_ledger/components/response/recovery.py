@@ -374,9 +374,7 @@ class Recovery:
         if not self.deferrable:
             return False
         t = self.trainer
-        ck = t.config.checkpoint
-        return not (not t.should_continue_training()
-                    or (ck.enable and (step % ck.interval == 0 or (step == 1 and ck.enable_first_step_checkpoint)))
+        return not (not t.should_continue_training() or t.checkpoint_due(step)
                     or (t.config.validator.enable and t.validator.should_validate(step))
                     or t.ledger.skip_window_at(step + 1) is not None
                     or self.snapshots.due(step))

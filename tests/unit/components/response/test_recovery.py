@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import host_double, ledger_double, proof_record
+from torchtitan.components.checkpoint import CheckpointManager
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -140,7 +141,7 @@ class _Trainer:
 
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
                  ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8), act="act",
-                 breaker=(4, 100)):
+                 breaker=(4, 100), first_ckpt: bool = False):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
@@ -157,8 +158,8 @@ class _Trainer:
                                                           breaker_window=breaker[1]),
                                    rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"),
                                    snapshots=SimpleNamespace(every=0)),
-            checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=False,
-                                       folder="checkpoint"),
+            checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1,
+                                       enable_first_step_checkpoint=first_ckpt, folder="checkpoint"),
             validator=SimpleNamespace(enable=False),
             # disable_cuda_graphs: zero_grad frees the gradients every step, so a deferred step keeps
             # its own (KeptExecution) instead of a checksum pass
@@ -171,9 +172,13 @@ class _Trainer:
         self.doc_loss, self._ledger_open = None, True  # (the ledger is open: no first-step checks)
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
+        ck = self.config.checkpoint  # torchtitan's own _should_save over the double's settings
         self.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None, maybe_wait_for_saving=lambda: None,
-                                            load=self._load)
+                                            load=self._load, enable=ck.enable, load_only=False, interval=ck.interval,
+                                            enable_first_step_checkpoint=first_ckpt)
+        self.checkpointer._should_save = types.MethodType(CheckpointManager._should_save, self.checkpointer)
         self.saved: dict[int, tuple] = {}
+        self.rows_at_save: dict[int, list] = {}
         self.ledger.loader = SimpleNamespace(skip=lambda n: SimpleNamespace(position_before=0, position_after=n))
         self.validator = self.dataloader = None  # (validation off; the loader is the ledger's)
         host_double(self)
@@ -203,6 +208,7 @@ class _Trainer:
         (path / ".metadata").touch()
         self.saved[self.step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
                                  self.opt.param_groups[0]["lr"])
+        self.rows_at_save[self.step] = [r[0] for r in self.ledger.rows]  # what the ledger held when it saved
 
     def execute(self, groups, need_loss=True, tokens=None):
         """The copied step body's stand-in: forward/backward and clip on the rows."""
@@ -241,7 +247,7 @@ class _Trainer:
             while self.should_continue_training():
                 self.step += 1
                 self.train_step(data)
-                if self.config.checkpoint.enable and self.step % self.config.checkpoint.interval == 0:
+                if self.checkpointer._should_save(self.step, last_step=self.step == self.config.training.steps):
                     self.save()
         self.ledger.drain(True)
         return outcomes
@@ -561,3 +567,17 @@ def test_recovery_checkpoints_the_ladder_the_note_budget_and_the_breaker_and_a_r
     assert c.state_dict()["note_budget"] == state["note_budget"]
     c.load_state_dict({})  # a checkpoint from before these existed: as built
     assert c.state_dict()["ladder"] == fresh["ladder"]
+
+
+def test_the_ledger_is_drained_before_every_checkpoint_torchtitan_saves_the_first_step_included(tmp_path):
+    """One checkpoint-due rule (issue 69), torchtitan's own ``_should_save``, asked by the
+    trainer's drain and the response's deferral: with ``enable_first_step_checkpoint`` a
+    flagged step 1 is decided in the step and its row is on disk before step-1's checkpoint
+    (the drain used to miss the first step); so are the interval's and the last step's."""
+    t, _ = _run(tmp_path, "first", flags={1: (True, False), 6: (True, False)}, action="skip_update", ckpt=4,
+                first_ckpt=True, steps=10)
+    assert sorted(t.saved) == [1, 4, 8, 10]
+    assert all(t.rows_at_save[s][-1] == s for s in t.saved), t.rows_at_save
+    assert [s for s in range(1, 11) if t.checkpoint_due(s)] == [1, 4, 8, 10]
+    t.checkpointer.load_only = True  # torchtitan's load_only saves nothing: nothing is due
+    assert not any(t.checkpoint_due(s) for s in range(1, 11))
