@@ -41,6 +41,8 @@ def _files(folder):
 def test_launch_help_is_help():
     p = _run("titan_ledger.launch", "--help")
     assert p.returncode == 0 and "--nproc N" in p.stdout and not p.stderr.strip()
+    assert p.stdout.startswith("usage: python -m titan_ledger.launch [--nproc N] [--print]")  # the options first
+    assert "--print, --dry-run" in p.stdout.split("\n\n``python")[0]
 
 
 def test_a_second_launch_into_a_live_runs_folder_is_refused(tmp_path):

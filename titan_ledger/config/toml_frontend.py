@@ -471,6 +471,7 @@ def parse(job: Job) -> Any:
                                "memory_budget": MemoryBudgetAC.Config(), "none": None})
     argv = ["--module", job.module, "--config", job.config] + assemble(tr, job.cli_args)
     if any(a in ("-h", "--help") for a in job.cli_args):
+        paragraphs_in_help()
         return manager.parse_args(argv)  # tyro prints help (TOML values as defaults) and exits
     err = io.StringIO()
     try:
@@ -542,6 +543,31 @@ def _quiet_default_warning():
     finally:
         for lg in loggers:
             lg.removeFilter(drop)
+
+
+def paragraphs_in_help() -> None:
+    """``--help`` renders a field's docstring as paragraphs, as written. CHANGED from tyro
+    1.0: ``get_field_docstring`` joins a docstring's single line breaks before it dedents
+    it, and joins a line only when it starts with a letter -- an attribute docstring's
+    continuation lines start with its indentation, so every hard line break was kept and
+    each wrapped again ("one contract for every automatic / action."). Dedenting first
+    (``inspect.cleandoc``) lets tyro's own rule join them: a blank line still ends a
+    paragraph, a line that starts with ``-``, ``*`` or a digit still starts a new one."""
+    import inspect
+
+    import tyro._docstrings as docstrings
+
+    strings = docstrings._strings
+    if getattr(strings.remove_single_line_breaks, "titan_ledger", False):
+        return
+    original = strings.remove_single_line_breaks
+
+    def dedented_first(helptext: str) -> str:
+        return original(inspect.cleandoc(helptext))
+
+    dedented_first.titan_ledger = True  # type: ignore[attr-defined]
+    strings.remove_single_line_breaks = dedented_first
+    docstrings.get_field_docstring.cache_clear() if hasattr(docstrings.get_field_docstring, "cache_clear") else None
 
 
 @contextlib.contextmanager

@@ -287,7 +287,7 @@ class Answer:
     def detail(self) -> list[str]:
         """What follows the three lines: how, every fix tried, the command, why not proven."""
         out = [f"  how: {self.how}"] if self.how else []
-        if self.not_proven:
+        if self.not_proven and self.not_proven not in self.lines()[1]:  # (said on the fix line already)
             out.append(f"  not proven: {self.not_proven}")
         if self.fixes:
             where = f" (the window from step {self.window_from})" if self.window_from is not None else ""

@@ -49,13 +49,32 @@ from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, ConfigError, Tit
 from titan_ledger.tools.runs import torchrun_prefix
 
 PROG = "titan_ledger.launch"
+#: ``--help``'s first screen: the options, then the design note (the module docstring)
+USAGE = f"""usage: python -m {PROG} [--nproc N] [--print] [torchrun options] -- <training flags>
+
+Start the training ranks under torchrun once the configuration parses: one line and exit 2 on
+bad input, and three lines of its own when a rank dies.
+
+options:
+  --nproc N, --nproc_per_node N
+                  processes per node (default: the visible GPUs, else 2); the world size checked
+                  is N x --nnodes
+  --print, --dry-run
+                  print the torchrun command and exit (nothing starts)
+  -h, --help      this help; `-- --help` prints the trainer's flags
+  torchrun options
+                  passed on as they are (--nnodes, --rdzv_backend, --rdzv_endpoint, --rdzv_id, ...)
+  -- <training flags>
+                  titan_ledger.train's flags, at least --job.config_file X.toml
+
+environment: $TITAN_LEDGER_TORCHRUN replaces `python -m torch.distributed.run`."""
 
 
 def split_argv(argv: list[str]) -> tuple[int | None, bool, list[str], list[str]]:
     """-> (nproc, print_only, torchrun options, train flags)."""
     own = argv[:argv.index("--")] if "--" in argv else argv
     if any(a in ("-h", "--help") for a in own):  # this tool's help (`-- --help`: the trainer's flags)
-        raise SystemExit(print(__doc__) or 0)
+        raise SystemExit(print(USAGE + "\n\n" + __doc__) or 0)
     if "--" not in argv:
         raise ConfigError("command line: put the training flags after `--`, e.g. "
                           f"python -m {PROG} --nproc 2 -- --job.config_file train_configs/debug_cpu.toml")

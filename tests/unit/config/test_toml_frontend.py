@@ -214,3 +214,21 @@ def test_overlays_merge_in_order_and_errors_name_the_overlay(tmp_path):
         read_job(["--job.config_file", str(tmp_path / "nope.toml")])
     with pytest.raises(ConfigError, match="cannot set \\[job\\]"):
         read_job(["--job.config_file", base, "--job.overlay", _write(tmp_path, "[job]\nconfig='x'\n", "j.toml")])
+
+
+def test_help_renders_a_fields_docstring_as_paragraphs():
+    """``--help`` (issue 69): an attribute docstring's hard line breaks are joined (tyro kept
+    every one: its continuation lines start with the docstring's indentation), a blank line
+    still ends a paragraph and a bullet still starts a line."""
+    import tyro._docstrings as docstrings
+
+    from titan_ledger.components.ledger.sections import OnSpikeConfig
+    from titan_ledger.config.toml_frontend import paragraphs_in_help
+
+    paragraphs_in_help()
+    paragraphs_in_help()  # (twice: installed once)
+    text = docstrings._strings.remove_single_line_breaks(
+        "First line of a field\n        continues here.\n\n        * a bullet\n        * another")
+    assert text.split("\n")[0] == "First line of a field continues here." and "\n* a bullet\n* another" in text
+    act = docstrings.get_field_docstring(OnSpikeConfig, "act", ())
+    assert "one contract for every automatic action." in act and "automatic\n" not in act
