@@ -50,6 +50,7 @@ ESTABLISHED = {
     "in_step": "proven in step", "window": "proven by its fix in the window",
     "in_step+window": "proven in step and by its own fix in the window", "rerun": "proven by a rerun",
     "unseparated": "every mechanism's fix tried in the window removed it: the proof does not separate them",
+    "rerun_evidence": "evidence from a rerun, not proof",
     "tree": "not proven: the decision tree's reading", "none": "not established",
 }
 #: the cause each window variant's fix proves (the variant's mechanism)
@@ -273,6 +274,9 @@ class Answer:
                    + "; candidate (untested): " + "; ".join(c.change for c in self.candidates[:3]))
         elif self.quarantine:
             fix = f"fix: quarantine the convicted document(s) {', '.join(self.documents[:4])} (the command below)"
+        elif self.cause == "bad_data" and not self.documents:
+            fix = ("fix: the data of this step, documents not yet named (replay rerun --variant quarantine names "
+                   "them; a rollback that skips the step avoids it)")
         elif self.cause == "bad_data":
             fix = "fix: the convicted data was quarantined by the trainer"
         elif self.cause == "hardware":
@@ -699,7 +703,6 @@ def with_rerun(answer: Answer, cause: str, rule: str, proven: bool, ctx: Context
     skip that removed it shows "something in this step's data"), its fix as a candidate."""
     if answer.cause:
         return answer
-    how = f"{rule}" + ("" if proven else " (evidence, not proof)")
-    a = replace(answer, cause=cause, established="rerun" if proven else "tree", how=how,
-                quarantine=cause == "bad_data")
+    a = replace(answer, cause=cause, established="rerun" if proven else "rerun_evidence", how=rule,
+                not_proven=None if proven else answer.not_proven)
     return with_tree(a, {"cause": cause, "certainty": "proven by a rerun" if proven else "evidence"}, ctx, exists)
