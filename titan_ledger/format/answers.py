@@ -523,11 +523,13 @@ def fix_command(ctx: Context, flags: tuple[str, ...], start: int | None, new_dum
 # --------------------------------------------------------------------------- the one builder
 def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, Any] | None, ctx: Context,
           *, unproven: str | None = None, tree: dict[str, Any] | None = None,
-          exists=None) -> Answer:
+          earlier: tuple[int, Fix] | None = None, exists=None) -> Answer:
     """THE answer to the incident at ``step`` (``kind`` ``spike`` or ``stall``): ``event`` is
     its ``spikes.jsonl`` event (the flag's rules and statistics, or the stall's), ``proof``
     the proof at the alarm (None: not proven; ``unproven`` says why), ``tree`` the decision
-    tree's reading (``cause`` and ``certainty``: candidates only, never the answer's cause)."""
+    tree's reading (``cause`` and ``certainty``: candidates only, never the answer's cause),
+    ``earlier`` the fix an earlier incident of this run measured (``(step, fix)``: a
+    candidate where none is measured here -- the window-proof budget is spent after two)."""
     ev = event or {}
     title = title_of(kind, ev, ctx)
     cause, driver, established, how = "", None, "none", ""
@@ -644,6 +646,11 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
                                                                if tried else ""), resumes=ch.resumes))
     if fix is None and cause in ("", "optimizer_state"):
         candidates += tree_candidates(tree, ctx, candidates)
+    if fix is None and earlier is not None and cause not in ("bad_data", "hardware"):
+        at, was = earlier
+        if was.flags and not any(c.flags == was.flags for c in candidates):
+            candidates.append(replace(was, effect="not measured",
+                                      detail=f"measured at step {at} of this run ({was.effect} there)"))
     start, command, new_dump = _command(step, fix or (candidates[0] if candidates else None), onset, ctx, exists)
     did, acting = _did(proof, ev)
     return Answer(step=step, kind=kind, title=title, cause=cause, driver=driver, established=established, how=how,

@@ -191,3 +191,21 @@ def test_a_stall_is_answered_by_its_windows_lowered_loss_alone():
     a = build(350, "stall", stall, proof, CTX)
     assert (a.kind, a.title, a.cause, a.driver) == ("stall", "stall", "logit_growth", "lr")
     assert a.fix.effect == "lowered" and a.start == "checkpoint step-300"
+
+
+def test_an_incident_without_a_measured_fix_gets_the_runs_earlier_one_as_a_candidate():
+    """The window-proof budget is spent after two proofs: a later incident of the same run
+    lists the fix an earlier one measured -- as a candidate, untested here, with where it
+    was measured -- and its command; never for data or hardware."""
+    first = build(17, "spike", SPIKE, {"verdict": "not_data", "applied": "original", "why": "", "acting": True,
+                                       "executions": [], "window": _window({"lr": "removed"})}, CTX)
+    assert first.fix.variant == "lr"
+    later = build(62, "spike", SPIKE, {"verdict": "not_data", "applied": "original", "why": "", "acting": True,
+                                       "executions": [], "window": {"cause": None, "why": "the window-proof budget "
+                                                                    "is spent"}}, CTX, earlier=(17, first.fix))
+    assert later.fix is None and later.cause == "" and [c.variant for c in later.candidates] == ["lr"]
+    assert later.candidates[0].effect == "not measured" and "measured at step 17" in later.candidates[0].detail
+    assert later.command and "--optimizer.lr 0.001" in later.command
+    hw = build(63, "spike", SPIKE, {"verdict": "hardware", "applied": "same", "why": "", "acting": True,
+                                    "executions": [], "dp_ranks": [0]}, CTX, earlier=(17, first.fix))
+    assert not hw.candidates and hw.command is None

@@ -45,6 +45,8 @@ class SpikeGuard:
         #: the run's context for an incident's answer (``format.answers.Context``), set by the
         #: ledger at setup: called once per incident, on rank 0 (it lists the checkpoints)
         self.answer_context: Callable[[], answers.Context] | None = None
+        #: the last fix an incident of this process measured (``(step, Fix)``)
+        self.measured: tuple[int, answers.Fix] | None = None
 
     def open(self, folder: Path, header: records.Header) -> None:
         self.folder = folder
@@ -145,7 +147,10 @@ class SpikeGuard:
     def _answer(self, step: int, kind: str, event: dict, proof: dict | None,
                 unproven: str | None = None) -> answers.Answer:
         ctx = self.answer_context() if self.answer_context is not None else answers.Context()
-        return answers.build(step, kind, event, proof, ctx, unproven=unproven)
+        a = answers.build(step, kind, event, proof, ctx, unproven=unproven, earlier=self.measured)
+        if a.fix is not None and a.fix.flags and a.cause not in ("bad_data", "hardware"):
+            self.measured = (step, a.fix)  # a later incident's candidate, where its own is not measured
+        return a
 
     def _say(self, answer: answers.Answer, ev: dict | None) -> None:
         """An incident on the console (rank 0): its answer's three lines, then the signals
