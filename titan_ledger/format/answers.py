@@ -103,6 +103,7 @@ class Knobs:
     qk_norm: bool | None = None
     qk_clip: float | None = None  # the threshold when QK-clip is on, else None
     z_loss: float | None = None
+    snapshots: int | None = None  # --ledger.snapshots.every (QK-clip is refused beside the window proof)
     steps: int | None = None
     dtype: str | None = None
 
@@ -169,11 +170,15 @@ def derive(variant: str, knobs: Knobs, params: dict[str, Any] | None = None) -> 
         return Change(tuple(flags), " ".join(words)) if flags else None
     if variant == "logit_cap":
         # the window soft-capped the attention scores at `cap`; QK-clip bounds the same logits
-        # at a threshold and resumes from a checkpoint (QK-norm is a new model: from scratch)
+        # at a threshold and resumes from a checkpoint (QK-norm is a new model: from scratch).
+        # QK-clip is refused beside host snapshots (the window proof cannot replay its rescale):
+        # a run with them on turns them off with it, or the command would not run as printed
         cap = float(p.get("logit_cap", 30.0))
         if k.qk_clip is None:
-            return Change(("--qk_clip.enable", "--qk_clip.threshold", _g(cap)),
-                          f"--qk_clip.enable --qk_clip.threshold {_g(cap)} (now off)")
+            off = ("--ledger.snapshots.every", "0") if k.snapshots else ()
+            return Change(("--qk_clip.enable", "--qk_clip.threshold", _g(cap), *off),
+                          f"--qk_clip.enable --qk_clip.threshold {_g(cap)} (now off)"
+                          + (" --ledger.snapshots.every 0 (QK-clip is refused beside the window proof)" if off else ""))
         if k.qk_clip > cap:
             return Change(("--qk_clip.threshold", _g(cap)), f"--qk_clip.threshold {_g(cap)} (now {_g(k.qk_clip)})")
         if k.qk_norm is False:

@@ -60,12 +60,18 @@ def test_every_derived_fix_parses_with_the_trainers_own_parser_and_sets_the_new_
     them and the config holds the fix (one parse for all of them: a parse costs seconds)."""
     from titan_ledger.tools.launch import validate
 
-    changes = [derive(v, KNOBS, WINDOW_PARAMS) for v in ("lr", "eps", "logit_cap")]
+    import dataclasses
+
+    # a run with the window proof's snapshots on (QK-clip is refused beside them: the fix turns them off)
+    knobs = dataclasses.replace(KNOBS, snapshots=20)
+    changes = [derive(v, knobs, WINDOW_PARAMS) for v in ("lr", "eps", "logit_cap")]
     flags = [f for ch in changes for f in ch.flags]
-    config = validate(["--job.config_file", "train_configs/tiny_cpu.toml", "--optimizer.lr", "1e-2", *flags], 1)
+    config = validate(["--job.config_file", "train_configs/tiny_cpu.toml", "--optimizer.lr", "1e-2",
+                       "--ledger.snapshots.every", "20", "--ledger.snapshots.keep", "4", *flags], 1)
     kw = config.optimizer.param_groups[0].optimizer_kwargs
     assert kw["lr"] == pytest.approx(1e-3) and kw["eps"] == pytest.approx(1e-6)
-    assert config.qk_clip.enable and config.qk_clip.threshold == 30.0
+    assert config.qk_clip.enable and config.qk_clip.threshold == 30.0 and config.ledger.snapshots.every == 0
+    assert "--ledger.snapshots.every" not in derive("logit_cap", KNOBS, WINDOW_PARAMS).flags  # none to turn off
 
 
 def test_the_command_relaunches_this_run_from_the_checkpoint_before_the_onset_into_a_new_folder():

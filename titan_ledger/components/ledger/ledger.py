@@ -752,4 +752,5 @@ def knobs_of(tcfg) -> answers.Knobs:
         warmup_steps=int(tcfg.lr_scheduler.warmup_steps) if hasattr(tcfg, "lr_scheduler") else None,
         qk_norm=bool(getattr(model, "qk_norm", False)) if model is not None else None,
         qk_clip=float(qk.threshold) if qk is not None and qk.enable else None,
-        z_loss=f(z), steps=int(tcfg.training.steps), dtype=str(getattr(tcfg.training, "dtype", "float32")))
+        z_loss=f(z), steps=int(tcfg.training.steps), dtype=str(getattr(tcfg.training, "dtype", "float32")),
+        snapshots=int(tcfg.ledger.snapshots.every) if hasattr(tcfg, "ledger") else None)
