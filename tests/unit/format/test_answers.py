@@ -58,9 +58,9 @@ def test_a_fix_never_repeats_the_runs_value_and_says_what_it_changes():
 def test_every_derived_fix_parses_with_the_trainers_own_parser_and_sets_the_new_value():
     """The printed flags work as printed: appended to a launch, the trainer's parser takes
     them and the config holds the fix (one parse for all of them: a parse costs seconds)."""
-    from titan_ledger.tools.launch import validate
-
     import dataclasses
+
+    from titan_ledger.tools.launch import validate
 
     # a run with the window proof's snapshots on (QK-clip is refused beside them: the fix turns them off)
     knobs = dataclasses.replace(KNOBS, snapshots=20)
