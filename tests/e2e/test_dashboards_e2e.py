@@ -83,7 +83,9 @@ def test_wandb_steps_identity_summaries_alerts(run):
     defined = {m.get("name") or m.get("glob_name"): m for m in kinds["metric"]}
     assert defined["*"]["step_metric"] == "train/step" and "ledger/loss_max" in defined
     alerts = {(a["level"], a["title"]) for a in kinds["alert"]}
-    assert {("WARN", "loss spike at step 10"), ("WARN", "rollback at step 10")} <= alerts
+    titles = {t for lv, t in alerts if lv == "WARN"}  # the answer's headline is the spike's alert
+    assert "rollback at step 10" in titles and any(t.endswith(" at step 10: cause not established") for t in titles), \
+        alerts
     assert kinds["exit"][-1].get("exit_code", 0) == 0
     ident = kinds["run"][-1]
     assert ident["display_name"] == "spike-drill" and ident["notes"] == "rollback rehearsal"
@@ -147,7 +149,8 @@ def test_incident_report_renders_in_chromium(run, tmp_path):
     out = tmp_path / "incident.html"
     info = report(dump, 10, out, back=1, skip=2)
     page = out.read_text()
-    assert "Incident: loss spike at step 10" in page and "injected batch" in page
+    assert re.search(r"<h1>Incident: [a-z -]+(\([a-z ]+\))? at step 10</h1><div class='answer'>", page) and \
+        "injected batch" in page
     assert "<td>stdlib_docs</td>" in page and "c4_test" not in page  # the bundled corpus's own name
     from titan_ledger.tools.rollback import existing_skips, plan
 

@@ -52,10 +52,12 @@ def test_diagnose_and_report_agree_on_the_rolled_back_step_and_say_what_was_done
     assert json.dumps(v["checks"]) == json.dumps(d["checks"])  # NaN != NaN: compared as written
     assert v["trainer"] == d["trainer"] and v["rank_losses"] == d["rank_losses"]
     page = (tmp_path / "incident.html").read_text()
-    assert "rolled back to checkpoint step-8" in page and f"{d['cause']} &mdash; {d['certainty']}" in page
+    tree = d["tree"]  # the decision tree's reading: a candidate on the page, never the answer
+    assert "rolled back to checkpoint step-8" in page and f"<b>{tree['cause']}" in page and info["answer"] == d["answer"]
     rc, out, err = cli(diagnose.main, [run, "--step", "10"])
     assert rc == 0, err
-    assert f"step 10: {d['cause']}" in out and f"-- {d['certainty']}" in out and "done: flagged by the trainer" in out
+    assert out.startswith(f"{d['answer']['title']} at step 10: ") and "recorded actions: flagged by the trainer" in out
+    assert f"a candidate, never the answer): {tree['cause']}" in out and f"-- {tree['certainty']}" in out
 
 
 def test_lookup_and_rollback_say_it_was_rolled_back(run):

@@ -80,7 +80,10 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     ev, proof = proof_at(d, REPEAT)
     assert proof["verdict"] == "bad_data" and proof["suspect"]["dp_rank"] == 1, proof
     assert ev["action"] == "proof: bad_data" and "rolling back" not in out
-    assert "proven in step" in out and "bad data on DP rank 1" in out
+    assert f"at step {REPEAT}: bad data -- proven in step" in out  # the answer's first line
+    assert "done: trained without the convicted data and quarantined it" in out
+    nov = proof["content"]["novelty"]  # the next step's data, the repeat masked, on the same weights: normal
+    assert nov["available"] and nov["step"] == REPEAT + 1 and nov["normal"] is True, nov
     # the applied update is normal; the first one was not, nor the other rank's mask
     ex = {e["variant"]: e for e in proof["executions"]}
     assert ex["original"]["normal"] is False and ex["same"]["bit_equal"] is True
@@ -154,7 +157,8 @@ def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
         if step != FLIP:
             assert a[step]["grad_norm"] == b[step]["grad_norm"], step
     assert ex[1]["grad_norm"] == b[FLIP]["grad_norm"]  # the recomputed update is the clean one
-    assert f"hardware (transient): DP rank(s) {', '.join(map(str, named))} changed" in out
+    assert f"at step {FLIP}: a hardware fault (the step did not reproduce) -- proven in step" in out
+    assert "done: applied the recomputed update" in out and proof["dp_ranks"] == named
     assert FLIP not in rejected_steps(d)
     assert proof["decided_at"] == FLIP + 1  # deferred, against the clean run's in-step decisions
 
@@ -181,7 +185,8 @@ def test_a_finite_2x_bitflip_is_noted_proven_hardware_and_the_run_equals_the_fau
             assert a[step]["grad_norm"] == b[step]["grad_norm"], step
     # the detector's decision was a note (below the acting bars); the proof made it an alarm
     assert ev["promoted_by_proof"] is True and set(ev["notes"]) & {"grad_move", "zscore_grad_norm"}, ev
-    assert "hardware (transient): DP rank(s) 1 changed" in out
+    assert f"a note its proof convicted at step {FINITE}: a hardware fault (the step did not reproduce) -- proven " \
+           f"in step" in out
 
 
 def test_a_document_split_across_dp_ranks_is_convicted_by_group_testing_not_a_rank(runs):
@@ -210,8 +215,9 @@ def test_a_document_split_across_dp_ranks_is_convicted_by_group_testing_not_a_ra
     assert 1 <= len(rounds) <= math.ceil(math.log2(len(searched))), rounds
     assert all(r["masked_normal"] != r["control_normal"] for r in rounds), rounds
     assert sum(e["variant"] == "bisect" for e in ex) == 2 * len(rounds)
-    applied = ex[-1]
-    assert applied["variant"] == "masked" and applied["normal"] is True
+    applied = [e for e in ex if e["variant"] == "masked"][-1]  # the convicted set's update, in place
+    assert ex[-1]["variant"] == "novelty" and proof["content"]["novelty"]["normal"] is True  # then the next step's
+    assert applied["normal"] is True
     assert [x["tokens"] for x in applied["per_rank"]] == [256 - 90, 256 - 166]
     # the data rows: exactly the planted document's segments masked, on each rank
     led = DataLedger(d / "ledger")
@@ -294,7 +300,7 @@ def test_replay_rerun_reproduces_the_proof_and_its_quarantine_bit_for_bit(runs):
     (same,) = rep["variants"]
     assert rep["load_step"] == 8 and same["bit_equal_steps"] == [9, 10, 11, 12] and same["data_equal"], same
     log = (d / "rerun" / "same" / "rerun.log").read_text()
-    assert "step 10: proven in step" in log and "bad data on DP rank 1" in log
+    assert "at step 10: bad data -- proven in step" in log
 
 
 def test_on_a_machine_that_is_not_bit_reproducible_the_proof_measures_the_noise(tmp_path):

@@ -69,7 +69,8 @@ def test_the_lr_is_proven_in_process_from_the_host_snapshot(runs):
     # every fix tried, each with its cost (the window's last steps' loss against the unchanged
     # re-run's); the LR's lowers it (the run learns better at 0.1x), the others' raise it: the
     # cheapest fix that removes the spike names the cause
-    assert sorted(by) == ["eps", "logit_cap", "lr", "same", "zloss"] and lr["cost"] < 0
+    assert sorted(by) == ["control", "eps", "logit_cap", "lr", "same", "zloss"] and lr["cost"] < 0
+    assert lr["effect"] == "removed" and by["control"]["effect"] != "removed"  # the one judge; the control (LR x 1.1)
     assert w["fixes"][0] == {"variant": "lr", "cause": "lr", "cost": lr["cost"]}
     assert all(f["cost"] >= lr["cost"] for f in w["fixes"])
     assert "not run: adam" in w["why"]  # torchtitan's default beta2 is 0.95 already: the variant would change nothing
@@ -77,14 +78,15 @@ def test_the_lr_is_proven_in_process_from_the_host_snapshot(runs):
     rc, out, err = cli(diagnose.main, [str(d), "--step", str(SPIKE), "--json"])
     assert rc == 0, err
     res = json.loads(out)["spikes"][0]
-    assert (res["cause"], res["certainty"]) == ("lr", "proven")
-    assert res["certainty_rule"].startswith("proven in process: lr proven by the window")
+    a = res["answer"]  # the one answer: the LR, proven by its fix in the window, the fix a change to this run
+    assert (a["cause"], a["established"], a["fix"]["variant"]) == ("lr", "window", "lr"), a
+    assert a["fix"]["flags"][0] == "--optimizer.lr" and "(now 1)" in a["fix"]["change"] and a["command"]
 
 
 def test_the_in_process_lr_page_tells_one_story_in_a_browser(runs, tmp_path):
-    """Issue 62: the incident page of the LR proven in process, as chromium builds it: the
-    Diagnosis box and the proof's cause row both say lr proven by the window proof; the
-    window's re-runs are table rows (variant, removed the spike, loss cost); no empty header
+    """Issues 62 and 67: the incident page of the LR proven in process, as chromium builds it:
+    the answer box first (the LR, proven by its fix in the window, the fix and its command);
+    the window's re-runs are table rows (variant, the one judge's effect, loss cost); no empty header
     row; the rerun section says the step was proven in process; the rollback plan fits
     this 12-step run and its commands use the run's interpreter."""
     import re
@@ -97,17 +99,17 @@ def test_the_in_process_lr_page_tells_one_story_in_a_browser(runs, tmp_path):
     out = tmp_path / "lr.html"
     report(d, SPIKE, out)
     dom = chromium_dom(out, tmp_path / "profile")
-    box = dom.split("<h2>Diagnosis</h2>")[1].split("<table>")[0]
+    box = dom.split("<div class=\"answer\">")[1].split("</div>")[0]
     proof = dom.split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
-    headline = "lr (proven by the window proof from the host snapshot of step 0)"
-    assert re.search(r"<p class=\"verdict\">lr\b", box) and headline in box, box
-    assert f"<tr><th>cause</th><td>{headline}</td></tr>" in proof, proof[:2000]
-    rows = re.findall(r"<tr><td>window from step 0</td><td>(\w+)</td>(?:<td>[^<]*</td>){3}<td>(\w*)</td>"
+    assert "<p class=\"cause\">the learning rate</p>" in box and "proven by its fix in the window" in box, box
+    assert "--optimizer.lr 0.1 (now 1)" in box and "<pre>" in box  # the fix, and its command
+    assert "<th>cause</th>" not in proof  # the proof table keeps what it measured; the answer names the cause
+    rows = re.findall(r"<tr><td>window from step 0</td><td>(\w+)</td>(?:<td>[^<]*</td>){3}<td>([^<]*)</td>"
                       r"<td>[^<]*</td><td>([^<]*)</td>", proof)
-    assert [r[0] for r in rows] == ["same", "lr", "eps", "logit_cap", "zloss"], rows
+    assert [r[0] for r in rows] == ["same", "lr", "eps", "logit_cap", "zloss", "control"], rows
     fixes = [f["variant"] for f in window_at(d, SPIKE)["fixes"]]
-    assert [r[0] for r in rows if r[1] == "yes"] == sorted(fixes, key=[r[0] for r in rows].index), rows
-    assert rows[0][1] == "" and rows[1][1] == "yes" and rows[1][2].startswith("-"), rows
+    assert [r[0] for r in rows if r[1] == "removed"] == sorted(fixes, key=[r[0] for r in rows].index), rows
+    assert rows[0][1] == "" and rows[1][1] == "removed" and rows[1][2].startswith("-"), rows
     assert "<th></th>" not in dom and "grad sq" not in dom
     assert "No rerun: the step was proven in process" in dom
     plan = dom.split("<h2>Rollback plan</h2>")[1]

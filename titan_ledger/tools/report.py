@@ -504,8 +504,8 @@ def _main(a) -> int:
             raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
         path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
         info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
-        a = info.get("answer") or {}
-        print(f"wrote {info['out']}: " + (f"{a.get('title')} at step {s}: {a.get('cause_text')}" if a else
+        ans = info.get("answer") or {}
+        print(f"wrote {info['out']}: " + (f"{ans.get('title')} at step {s}: {ans.get('cause_text')}" if ans else
                                           f"step {s}: not flagged by the trainer"))
     return 0
 

@@ -180,3 +180,15 @@ def test_above_dp_16_the_per_rank_section_summarises(tmp_path):
     report(d, 5, tmp_path / "p.html", around=4)
     ranks = (tmp_path / "p.html").read_text().split("<h2>Per-rank losses</h2>")[1].split("<h2>")[0]
     assert "20 ranks: median" in ranks and "highest rank 17 4.1700" in ranks and "<td>" not in ranks
+
+
+def test_every_flagged_spike_gets_its_page_and_its_answers_line(tmp_path, capsys):
+    """No ``--step``: one page per flagged spike, each said in one line with its answer."""
+    d = _run(tmp_path)
+    with open(d / "ledger" / records.SPIKES_FILE, "a") as f:
+        f.write(json.dumps({"step": 9, "rules": ["grad_jump"], "loss_max_rank": 0, "loss": 7.1, "grad_norm": 6.0,
+                            "action": "none"}) + "\n")
+    assert main([str(d), "-o", str(tmp_path / "p.html")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x.split(": ", 1)[0] for x in out] == [f"wrote {tmp_path / 'p-step5.html'}", f"wrote {tmp_path / 'p-step9.html'}"]
+    assert out[0].endswith("loss spike at step 5: cause not established")
