@@ -87,7 +87,10 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     # the applied update is normal; the first one was not, nor the other rank's mask
     ex = {e["variant"]: e for e in proof["executions"]}
     assert ex["original"]["normal"] is False and ex["same"]["bit_equal"] is True
-    assert ex["same"]["grad_norm"] == ex["original"]["grad_norm"] == ev["grad_norm"]
+    assert ex["same"]["grad_norm"] == ex["original"]["grad_norm"] == ev["grad_norm"]  # the event: the flag's
+    row = signals_rows(d)[REPEAT]  # the row: what trained (issue 68), the masked execution's numbers
+    assert (row["grad_norm"], row["loss"]) == (ev["trained"]["grad_norm"], ev["trained"]["loss"]) != \
+        (ev["grad_norm"], ev["loss"]) and row["masked_tokens"] > 0
     applied = [e for e in proof["executions"] if e["variant"] == proof["applied"]][-1]
     assert applied["normal"] is True and applied["grad_norm"] < ev["grad_norm_median"] * 3
     assert applied["per_rank"][1]["tokens"] == 0  # DP rank 1's whole batch masked
@@ -229,7 +232,8 @@ def test_a_document_split_across_dp_ranks_is_convicted_by_group_testing_not_a_ra
     proven = [json.loads(x) for x in (d / "ledger" / "proven_documents.jsonl").read_text().splitlines()]
     assert [(p["source"], p["doc"], p["step"]) for p in proven] == [("split", split.doc, split.step)]
     assert rejected_steps(d) == [] and "rolling back" not in out
-    assert f"bad data on DP ranks 0, 1, documents split:{split.doc}" in out
+    assert f"at step {split.step}: bad data -- proven in step" in out  # the answer: quarantined by the trainer
+    assert "fix: the convicted data was quarantined by the trainer" in out
 
 
 def test_deferred_decisions_train_exactly_the_run_in_step_decisions_train(runs):

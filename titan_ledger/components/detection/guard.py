@@ -121,6 +121,11 @@ class SpikeGuard:
         if proof is not None:
             ev["proof"] = proof
             ev["action"] = self.on_spike if not resolves(proof) else f"proof: {proof['verdict']}"
+            first = (proof.get("executions") or [{}])[0]
+            if proof.get("applied") not in (None, "original") and first.get("loss") is not None:
+                # the row records what trained (the applied execution); the flag was the first execution's
+                ev["trained"] = {"loss": ev["loss"], "grad_norm": ev["grad_norm"]}
+                ev["loss"], ev["grad_norm"] = first["loss"], first.get("grad_norm", ev["grad_norm"])
         if proof_failed is not None:
             ev["proof_failed"] = proof_failed
         answer = None
