@@ -15,6 +15,7 @@ Event logs are never superseded: a spike that caused a rewind stays on record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ class SpikeGuard:
             if proof.get("applied") not in (None, "original") and first.get("loss") is not None:
                 # the row records what trained (the applied execution); the flag was the first execution's
                 ev["trained"] = {"loss": ev["loss"], "grad_norm": ev["grad_norm"]}
-                ev["loss"], ev["grad_norm"] = first["loss"], first.get("grad_norm", ev["grad_norm"])
+                # (a non-finite value is written null in the proof: the event's is NaN, as the row's was)
+                ev["loss"] = first["loss"]
+                ev["grad_norm"] = first["grad_norm"] if first.get("grad_norm") is not None else float("nan")
         if proof_failed is not None:
             ev["proof_failed"] = proof_failed
         answer = None
@@ -166,8 +169,9 @@ class SpikeGuard:
         if ev is not None:
             rank = (f"suspect DP rank {ev['suspect_dp_rank']}" if "suspect_dp_rank" in ev else
                     f"highest-loss DP rank {ev.get('loss_max_rank')}")
-            ratio = (f" = {answers.times(ev['grad_norm'] / ev['grad_norm_median'])} its median"
-                     if ev.get("grad_norm_median") else "")
+            g, med = ev.get("grad_norm"), ev.get("grad_norm_median")
+            ratio = (f" = {answers.times(g / med)} its median"
+                     if isinstance(g, float) and isinstance(med, float) and med and math.isfinite(g) else "")
             lines.append(f"  signals: loss {answers.num(ev.get('loss'))} (recent median "
                          f"{answers.num(ev.get('loss_recent', ev.get('loss_median')))}), grad norm "
                          f"{answers.num(ev.get('grad_norm'))}"

@@ -631,12 +631,16 @@ class Prover:
         as a whole or its LR made it fragile, where content like theirs trained before
         without a flag, nor where the data of the same novelty --
         the next step's, the convicted content masked, on the same weights -- is abnormal
-        too; otherwise its masks are kept for :meth:`convict`. Without a next step (a
-        decision made in the step) the conviction stands unacted (``novelty``). The
+        too; otherwise its masks are kept for :meth:`convict`. Without a next step to ask (a
+        decision made in the step; a next step that is the convicted document itself), data
+        harder than the rest of its step is not convicted -- a new kind of text is harder, and
+        so is garbage, and without the data of the same novelty they cannot be told apart --
+        while data easier than the rest (repeated, degenerate: no shift makes text easier) is;
+        where neither can be measured the conviction stands unacted (``novelty``). The
         quarantine's coverage is measured either way. The documents' own loss against the
-        rest of the step's is recorded (``content.stands_out``), not a bar: a cold model
-        gives everything the same loss -- the tour's injected batch of one repeated token
-        trained at 7.63 against the step's 7.64 at step 10, and is bad data all the same."""
+        rest of the step's (``content.stands_out``) is no bar by itself: a cold model gives
+        everything the same loss -- the tour's injected batch of one repeated token trained
+        at 7.63 against the step's 7.64 at step 10, and is bad data all the same."""
         from titan_ledger.components.response import content_checks as cc
         from titan_ledger.data.content import NEAR
 
@@ -696,6 +700,15 @@ class Prover:
                            why=f"{v.why}; but the next step's data, the convicted content masked, is abnormal on "
                                f"the same weights too (grad norm {novel.grad_norm:.3g}): the data of the same "
                                f"novelty is as abnormal -- new data, not bad data")
+        y = (c.checks.get("stands_out") or {}).get("log_ratio")
+        if novel is None and y is not None and y > 0:
+            # no data of the same novelty to ask, and the documents are harder than the rest: a new kind of
+            # text is, and so is garbage -- they cannot be told apart here (repeated, degenerate content is
+            # easier than the rest, and no shift makes text easier)
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but no data of the same novelty was there to ask "
+                               f"({c.checks['novelty']['why']}), and the documents are harder than the rest "
+                               f"(loss {math.exp(y):.2g}x): new data and bad data cannot be told apart without it")
         if c.everywhere or c.suspect.dp_rank == ledger.topo.dp_rank:
             self._hits = c.hits  # applied only if the step acts on the conviction (convict)
         return v

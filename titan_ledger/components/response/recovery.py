@@ -603,8 +603,9 @@ class Recovery:
             held = "observe"
         elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
             held = "quarantine_bound"
-        elif verdict == Finding.BAD_DATA and ((proof.content or {}).get("novelty") or {}).get("available") is False:
-            held = "novelty"  # no control of the same novelty (decided in the step): no action on data
+        elif verdict == Finding.BAD_DATA and ((proof.content or {}).get("novelty") or {}).get("available") is False \
+                and ((proof.content or {}).get("stands_out") or {}).get("log_ratio") is None:
+            held = "novelty"  # no control of the same novelty, nor the data's loss against the rest: no action
         if held is None and not self._breaker_allows(rec.step):
             held = "breaker"
         if held is not None:
