@@ -114,7 +114,7 @@ def test_a_repeated_batch_is_proven_bad_data_and_trained_without_instead_of_roll
     assert sorted(after) == [REPEAT + 1, 12] and signals_rows(d)[12]["masked_tokens"] > 0
     assert all(p["verdict"] not in HARMFUL and p["executions"][1]["bit_equal"] for p in after.values()), after
     # deferred: proven at the next step, its update held on the device until then
-    assert proof["decided_at"] == REPEAT + 1 and f"decided at step {REPEAT + 1} with its update held" in out
+    assert proof["decided_at"] == REPEAT + 1 and f"decided at step {REPEAT + 1}, the update held until then" in out
 
 
 def assert_hardware_names_what_its_first_execution_shows(proof) -> list[int]:

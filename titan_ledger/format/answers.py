@@ -453,6 +453,8 @@ def _did(proof: dict[str, Any] | None, event: dict[str, Any] | None) -> tuple[st
         return (f"the configured action ({action})" if action not in (None, "none") else
                 "nothing (the update was applied)"), None
     applied, wants, held = proof.get("applied"), proof.get("would_apply"), proof.get("held_back")
+    # a deferred decision (the next step's data was the control): when, so a reader knows the update waited
+    late = f" (decided at step {proof['decided_at']}, the update held until then)" if "decided_at" in proof else ""
     words = {"same": "applied the recomputed update", "original": "applied the first update",
              "none": "applied no update", "masked": "trained without the convicted data and quarantined it",
              "control": "trained without the convicted data and quarantined it"}
@@ -460,10 +462,10 @@ def _did(proof: dict[str, Any] | None, event: dict[str, Any] | None) -> tuple[st
         why = {"observe": "--ledger.on_spike.act observe", "quarantine_bound": "the quarantine bound",
                "breaker": "the circuit breaker", "fragile": "a fragile run",
                "novelty": "no control of the same novelty (decided in the step)"}.get(held, held)
-        return f"nothing (the update was applied; held back by {why})" + configured, words.get(wants, str(wants))
+        return f"nothing (the update was applied{late}; held back by {why})" + configured, words.get(wants, str(wants))
     if applied in (None, "original"):
-        return "nothing (the update was applied)" + configured, None
-    return words.get(applied, str(applied)), None
+        return f"nothing (the update was applied{late})" + configured, None
+    return words.get(applied, str(applied)) + late, None
 
 
 def _start(ctx: Context, onset: int | None, resumes: bool) -> tuple[int | None, str]:
