@@ -428,6 +428,15 @@ def host_double(obj):
 
     for name in ("attend", "as_step", "move_to", "checkpoint_due"):
         setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
+    ck = getattr(getattr(obj, "config", None), "checkpoint", None)
+    if ck is not None and not hasattr(obj, "checkpointer"):  # torchtitan's own save rule over the double's settings
+        from torchtitan.components.checkpoint import CheckpointManager
+
+        obj.checkpointer = types.SimpleNamespace(enable=ck.enable, load_only=False, interval=ck.interval,
+                                                 enable_first_step_checkpoint=ck.enable_first_step_checkpoint)
+        obj.checkpointer._should_save = types.MethodType(CheckpointManager._should_save, obj.checkpointer)
+        if not hasattr(obj.config.training, "steps"):
+            obj.config.training.steps = 10**9  # (the double's last step: should_continue_training says)
     return obj
 
 

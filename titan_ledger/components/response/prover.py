@@ -201,6 +201,9 @@ class Prover:
         self._faults: dict[str, str] | None = None
         #: the step after the one proven, fetched (deferred decisions: ``Recovery`` sets it), else None
         self.next_rec = None
+        #: steps whose update the model made abnormal with no data to blame (reproduced, abnormal, not
+        #: bad data): the last MODEL_MADE_KEPT, checkpointed by ``Recovery`` (:meth:`_model_made`)
+        self.model_made: list[int] = []
 
     @property
     def config(self):
@@ -488,6 +491,10 @@ class Prover:
         if first is not None and v.verdict == Finding.HARDWARE and v.applied == Applied.ORIGINAL \
                 and self._first_grads is None:
             self._in_grads = None  # the last repeat may be the odd one: executed again if applied
+        if v.verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and ok and not case.original.normal:
+            # the model (or Adam's state) made this update abnormal, no data to blame: remembered, so a later
+            # conviction of data that does not stand out is asked whether the model is the cause (_model_made)
+            self.model_made = [*self.model_made, int(rec.step)][-MODEL_MADE_KEPT:]
         if v.verdict == Finding.BAD_DATA and case.suspect is not None:
             v = self._check_conviction(case, v)
         self.proofs += 1
@@ -629,7 +636,9 @@ class Prover:
         """Data convicted: harmful, not merely new, a copy, or in a broken model (issue 68).
         Not where a near-copy of its content trained beside it, where the run is unstable
         as a whole or its LR made it fragile, where content like theirs trained before
-        without a flag, nor where the data of the same novelty --
+        without a flag, where the model made an update abnormal with no data to blame within
+        the look-back and the documents' loss does not stand out from the rest's (a model a
+        high LR broke spikes on ordinary text), nor where the data of the same novelty --
         the next step's, the convicted content masked, on the same weights -- is abnormal
         too; otherwise its masks are kept for :meth:`convict`. Without a next step to ask (a
         decision made in the step; a next step that is the convicted document itself), data
@@ -694,13 +703,23 @@ class Prover:
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the convicted documents trained {before} tokens in earlier steps "
                                f"without a flag ({here} here): what made this step abnormal is not their content")
+        y = (c.checks.get("stands_out") or {}).get("log_ratio")
+        made = self._model_made(c.rec.step)
+        if made is not None:
+            c.checks["model_made"] = {"step": made}
+        if made is not None and y is not None and abs(y) < ORDINARY_LOSS:
+            # a model that spikes on its own, and documents it finds no harder or easier than the rest: the
+            # step hangs on them, but nothing in them is what a harmful document's loss shows
+            return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
+                           why=f"{v.why}; but the model made an abnormal update with no data to blame at step {made}, "
+                               f"and the documents' loss is ordinary ({math.exp(y):.2f}x the rest's): in a model that "
+                               f"spikes on its own, data that does not stand out is not proven bad")
         novel = self._novelty(c, docs, conv)
         if novel is not None and not novel.normal:
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the next step's data, the convicted content masked, is abnormal on "
                                f"the same weights too (grad norm {novel.grad_norm:.3g}): the data of the same "
                                f"novelty is as abnormal -- new data, not bad data")
-        y = (c.checks.get("stands_out") or {}).get("log_ratio")
         if novel is None and y is not None and y > 0:
             # no data of the same novelty to ask, and the documents are harder than the rest: a new kind of
             # text is, and so is garbage -- they cannot be told apart here (repeated, degenerate content is
@@ -797,6 +816,12 @@ class Prover:
             return {"cause": "lr", **reading["update"]}
         return None
 
+    def _model_made(self, step: int) -> int | None:
+        """The latest step before ``step``, within the look-back (``[ledger.on_spike]
+        lookback``), whose update the model made abnormal with no data to blame, or None."""
+        horizon = int(self.config.lookback)
+        return next((s for s in reversed(self.model_made) if step - horizon <= s < step), None)
+
     def _unstable(self, step: int) -> int:
         """The flagged steps among the :data:`UNSTABLE_WINDOW` written before ``step`` when
         they reach ``unstable_flags`` (else 0): a run diverging as a whole."""
@@ -843,6 +868,12 @@ class Prover:
 #: the steps before a conviction whose flags say whether the run is unstable as a whole
 #: (``--ledger.on_spike.unstable_flags``; the ledger keeps the last 64 rows written)
 UNSTABLE_WINDOW = 64
+#: how many model-made abnormal steps the prover remembers (only the latest within the look-back is asked)
+MODEL_MADE_KEPT = 64
+#: documents whose loss is within this log ratio of the rest of their step's "do not stand out": the
+#: broken-LR runs' convictions of ordinary docstrings were 0.03-0.09 (1.03-1.09x), the zoo's planted
+#: repeats -0.59 and -0.34 (bench/adversarial.py broken_lr_text; bench/zoo.py, issue 68)
+ORDINARY_LOSS = 0.15
 
 
 def _per_param_sq(grads, device) -> torch.Tensor:

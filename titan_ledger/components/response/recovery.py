@@ -151,11 +151,13 @@ class Recovery:
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, str]:
-        """The ladder's, note budget's and circuit breaker's history (JSON strings: the
-        trainer checkpoints them beside the ledger's counters, as ``ledger_<key>``)."""
+        """The ladder's, note budget's and circuit breaker's history, and the steps the
+        prover found the model spiking on its own (JSON strings: the trainer checkpoints
+        them beside the ledger's counters, as ``ledger_<key>``)."""
         return {"ladder": json.dumps(self.ladder.state_dict()),
                 "note_budget": json.dumps(self.note_budget.state_dict()),
-                "breaker": json.dumps(self.breaker.state_dict())}
+                "breaker": json.dumps(self.breaker.state_dict()),
+                "model_made": json.dumps(self.prover.model_made)}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's history (a key it lacks, from before that part existed: as built).
@@ -167,6 +169,8 @@ class Recovery:
             self.breaker.load_state_dict(json.loads(state["breaker"]))
         if state.get("note_budget"):
             self.note_budget.load_state_dict(json.loads(state["note_budget"]))
+        if state.get("model_made") and not self._keep_history:  # (a rollback: what this process saw stands)
+            self.prover.model_made = [int(s) for s in json.loads(state["model_made"])]
 
     @contextlib.contextmanager
     def _keeping_history(self):

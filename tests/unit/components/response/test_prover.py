@@ -12,6 +12,7 @@ once more when the gradients are gone), with what the proof touched put back.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,7 @@ def test_a_reproducible_step_is_not_data_and_its_first_update_applied(deferred):
     assert proof["verdict"] == "not_data" and proof["applied"] == "original"
     assert [e["variant"] for e in proof["executions"]] == ["original", "same"]
     assert proof["executions"][1]["bit_equal"] is True and proof["executions"][0]["normal"] is False
+    assert prover.model_made == [21]  # the model made it abnormal, no data to blame: remembered
     if not deferred:  # in the step: the first execution's gradients are back, by reference
         assert all(p.grad is g for p, g in zip(t.model.parameters(), first))
     else:
@@ -184,6 +186,15 @@ class _Documents(_Trainer):
                                                                                 dtype=torch.float64))
         self.ledger.guard.detector = detector
 
+    def prover(self, rec, **kw) -> Prover:
+        """A prover with an ordinary next step fetched (a deferred decision's control of the
+        same novelty, issue 68): the step's documents again, the convicted one masked."""
+        prover = Prover(self)
+        prover.next_rec = StepRecord(step=rec.step + 1, start=0.0, batches=self.batches(), tags=rec.tags or self.tags())
+        for k, v in kw.items():
+            setattr(prover, k, v)
+        return prover
+
     def tags(self):
         from titan_ledger.data.layout import RowTag, Segment
 
@@ -216,21 +227,21 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
     first = FirstExecution.of(t) if deferred else None
-    prover = Prover(t)
+    prover = t.prover(rec)
     rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
     proof = rec.proof.to_json()  # the record as written
     assert proof["verdict"] == "bad_data" and proof["applied"] == "masked"
     assert proof["documents"] == [["c", t.BAD]] and proof["suspect"]["evidence"] == "bisection"
     rounds = proof["bisection"]
     assert len(rounds) == 3 and sum(e["variant"] == "bisect" for e in proof["executions"]) == 6  # log2(8) rounds
-    # the convicted set's update, in place, recorded once, after the rounds
-    assert [e["variant"] for e in proof["executions"]][-7:] == ["bisect"] * 6 + ["masked"]
+    # the convicted set's update, in place, recorded once, after the rounds; then the next step's control
+    assert [e["variant"] for e in proof["executions"]][-8:] == ["bisect"] * 6 + ["masked", "novelty"]
     assert all(r["masked_normal"] != r["control_normal"] for r in rounds)
     assert "proof" not in rec.masked and not t.quarantined  # a proof decides nothing: Recovery acts
     prover.convict(rec, rec.proof)
     assert rec.masked["proof"] == [[t.BAD, 0]] and t.quarantined == [([("c", t.BAD)], 21)]
-    prover.load_update(rec, "masked")  # the convicted mask's gradients are in place: nothing more
-    assert rec.proof.update_recomputed is None
+    prover.load_update(rec, "masked")  # the next step's control executed last: the convicted mask's update again
+    assert rec.proof.update_recomputed == "masked"
     # the applied update is the step without the bad document
     ref = _Documents()
     ref.execute(ref.batches(mask={t.BAD}))
@@ -242,7 +253,7 @@ def test_without_group_testing_the_step_is_not_data():
     t.config.ledger.on_spike.prove_bisect = False
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "bisection" not in proof
 
 
@@ -279,7 +290,7 @@ def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_ma
     _adam_history(t, [100.0] * 50 + [1e-3] * 200)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "optimizer_state" and proof["applied"] == "original"
     assert proof["optimizer"]["amplification"] >= 2.0 and proof["optimizer"]["restore"] > 1e3
     assert [e["variant"] for e in proof["executions"]] == ["original", "same"] and "documents" not in proof
@@ -287,7 +298,7 @@ def test_adam_first_a_decayed_second_moment_is_optimizer_state_and_no_data_is_ma
     _adam_history(t, [20.0] * 250)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "bad_data" and proof["optimizer"]["amplification"] == pytest.approx(1.0)
 
 
@@ -299,7 +310,7 @@ def test_a_convicted_document_whose_copy_the_step_also_trained_is_not_convicted(
     t.tokens = torch.full((t.ROWS, t.SEQ), 9)  # runs of one token (a tab run beside another)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "near-copy of 1 of the 1 convicted documents" in proof["why"]
     assert proof["content"]["near_copies"] == {f"c:{t.BAD}": 1.0} and "would_apply" not in proof
 
@@ -310,7 +321,7 @@ def test_a_conviction_records_how_much_of_the_data_its_quarantine_would_mask():
                                       corpus_share=lambda s, n: n / 1000)
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     # 8 rows x 4 tokens a step: a 40-token document could fill a whole step
     assert proof["verdict"] == "bad_data" and proof["coverage"]["tokens"] == 40
     assert proof["coverage"]["share"] == 0.04 and "whole step" in proof["coverage"]["refused"]
@@ -357,14 +368,14 @@ def test_a_document_that_trained_before_without_a_flag_is_not_convicted():
     t.ledger.flagged_at = {16, 48}  # steps 3 and 7 (offsets 2 and 6) were flagged: they prove nothing
     rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "bad_data" and proof["coverage"]["ahead"]["before_clean"] == 0
     t.ledger.flagged_at = set()
     for p in t.model.parameters():
         p.grad = None
     rec = StepRecord(step=11, start=0.0, batches=t.batches(), tags=tags)
     t.first(rec)
-    proof = Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+    proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
     assert proof["verdict"] == "not_data" and "trained 8 tokens in earlier steps without a flag (4 here)" in proof["why"]
 
 
@@ -378,7 +389,7 @@ def test_a_run_that_flags_step_after_step_convicts_no_document():
         t.ledger.recent = [{"step": s, "spike": s >= 20 - flags} for s in range(1, 20)]
         rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
         t.first(rec)
-        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+        return t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
 
     assert proof_with(3)["verdict"] == "bad_data"
     p = proof_with(4)
@@ -398,7 +409,7 @@ def test_data_in_a_run_the_lr_made_fragile_is_not_convicted_unless_asked():
                            for s in range(1, 20)]
         rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
         t.first(rec)
-        return Prover(t).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
+        return t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
 
     assert proof_with(0.0003)["verdict"] == "bad_data"  # the same model at LR 3e-3: 0.03%
     p = proof_with(0.05)
@@ -414,7 +425,7 @@ def _convicting(t=None, **kw):
     t = t or _Documents()
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    prover = Prover(t)
+    prover = Prover(t) if kw.pop("in_step", False) else t.prover(rec)
     for k, v in kw.items():
         setattr(prover, k, v)
     return t, prover.prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
@@ -467,11 +478,46 @@ def test_the_data_of_the_same_novelty_decides_new_from_harmful(next_bad):
         assert proof["verdict"] == "bad_data" and proof["documents"] == [["c", t.BAD]]
 
 
-def test_without_a_next_step_a_conviction_stands_unacted_and_says_why():
-    """Decided in the step (no next batch fetched): the verdict is the proof's, and the
-    record says no control of the same novelty ran (``Recovery`` holds it back: ``novelty``)."""
-    _, proof = _convicting()
+def test_without_a_next_step_harder_data_is_not_convicted_and_easier_data_is(monkeypatch):
+    """Decided in the step (no next batch fetched), there is no control of the same novelty:
+    documents harder than the rest of their step -- a new kind of text is, and so is garbage
+    -- are not convicted, saying why; documents easier than the rest (repeated, degenerate:
+    no shift makes text easier) are; where neither can be measured the conviction stands
+    and ``Recovery`` holds it back (``novelty``)."""
+    from titan_ledger.components.response import prover as prover_module
+
+    _, proof = _convicting(in_step=True)  # the bad document's loss is ~e^3 the rest's
+    assert proof["verdict"] == "not_data" and proof["content"]["novelty"]["available"] is False
+    assert "documents are harder than the rest" in proof["why"] and proof["content"]["stands_out"]["log_ratio"] > 3
+    monkeypatch.setattr(prover_module, "stands_out", lambda first, applied: (1.0, 2.0, math.log(0.5)))
+    _, proof = _convicting(in_step=True)
     assert proof["verdict"] == "bad_data" and proof["content"]["novelty"]["available"] is False
+    monkeypatch.setattr(prover_module, "stands_out", lambda first, applied: (None, None, None))
+    _, proof = _convicting(in_step=True)
+    assert proof["verdict"] == "bad_data" and proof["content"]["stands_out"]["log_ratio"] is None
+
+
+@pytest.mark.parametrize("made,ratio,verdict", [
+    (10, 1.05, "not_data"),  # the model spiked on its own at 10; the documents' loss ordinary
+    (10, 0.5, "bad_data"),  # ...the documents half the rest's loss (a repeat): they stand out
+    (None, 1.05, "bad_data"),  # no step the model made abnormal on its own
+    (-990, 1.05, "bad_data"),  # one, beyond the look-back (1,000 steps)
+])
+def test_a_model_that_spikes_on_its_own_convicts_no_ordinary_data(monkeypatch, made, ratio, verdict):
+    """A model a high LR broke (bench/adversarial.py's broken_lr_text): group testing
+    convicted ordinary docstrings whose loss was 1.03-1.09x the rest of their step, in runs
+    whose proofs had found the model's update abnormal with no data to blame earlier. Where
+    such a step lies within the look-back, documents whose loss does not stand out (within
+    ``ORDINARY_LOSS``) are ``not_data``, saying why; documents that stand out are convicted."""
+    from titan_ledger.components.response import prover as prover_module
+
+    monkeypatch.setattr(prover_module, "stands_out", lambda first, applied: (ratio, 1.0, math.log(ratio)))
+    _, proof = _convicting(model_made=[] if made is None else [made])
+    assert proof["verdict"] == verdict, proof["why"]
+    assert proof["content"].get("model_made") == (None if made in (None, -990) else {"step": made})
+    if verdict == "not_data":
+        assert "the model made an abnormal update with no data to blame at step 10" in proof["why"]
+        assert "ordinary (1.05x the rest's)" in proof["why"]
 
 
 def test_a_conviction_records_how_the_convicted_documents_loss_stood_against_the_rest():

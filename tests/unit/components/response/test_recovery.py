@@ -542,29 +542,33 @@ def test_a_proof_that_fails_decides_the_step_as_without_a_proof(tmp_path):
 
 def test_recovery_checkpoints_the_ladder_the_note_budget_and_the_breaker_and_a_rollback_keeps_its_own(tmp_path):
     """``Recovery`` owns the answers' history (issue 63); the trainer checkpoints it under
-    the keys checkpoints always had (``ledger_ladder`` ...). A resumed process takes all
-    three; an in-process rollback's load keeps the ladder's and breaker's history (the
-    rungs tried are this process's) and takes the note budget's."""
+    the keys checkpoints always had (``ledger_ladder`` ...), and the steps the prover found
+    the model spiking on its own (issue 68). A resumed process takes all four; an
+    in-process rollback's load keeps the ladder's, breaker's and model-made history (what
+    this process saw) and takes the note budget's."""
     a = _Trainer(tmp_path / "a", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
     a.ladder.on_spike(3)
     a.breaker.record(3)
     a.breaker.allows(4)  # past its limit: paused
     for _ in range(8):
         a.note_budget.spend(5)
+    a.prover.model_made = [31]
     state = a.state_dict()
-    assert set(state) == {"ladder", "note_budget", "breaker"} and all(isinstance(v, str) for v in state.values())
+    assert set(state) == {"ladder", "note_budget", "breaker", "model_made"}
+    assert all(isinstance(v, str) for v in state.values())
 
     b = _Trainer(tmp_path / "b", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
     fresh = b.state_dict()
     assert fresh != state
     b.load_state_dict(state)
     assert b.state_dict() == state and b.breaker.paused and not b.note_budget.allows(5)
+    assert b.prover.model_made == [31]
 
     c = _Trainer(tmp_path / "c", flags={}, action="skip_update,rollback", breaker=(1, 50)).recovery
     with c._keeping_history():
         c.load_state_dict(state)
     assert c.state_dict()["ladder"] == fresh["ladder"] and c.state_dict()["breaker"] == fresh["breaker"]
-    assert c.state_dict()["note_budget"] == state["note_budget"]
+    assert c.state_dict()["note_budget"] == state["note_budget"] and c.prover.model_made == []
     c.load_state_dict({})  # a checkpoint from before these existed: as built
     assert c.state_dict()["ladder"] == fresh["ladder"]
 
