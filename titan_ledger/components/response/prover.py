@@ -871,8 +871,9 @@ UNSTABLE_WINDOW = 64
 #: how many model-made abnormal steps the prover remembers (only the latest within the look-back is asked)
 MODEL_MADE_KEPT = 64
 #: documents whose loss is within this log ratio of the rest of their step's "do not stand out": the
-#: broken-LR runs' convictions of ordinary docstrings were 0.03-0.09 (1.03-1.09x), the zoo's planted
-#: repeats -0.59 and -0.34 (bench/adversarial.py broken_lr_text; bench/zoo.py, issue 68)
+#: broken-LR runs' convictions of ordinary docstrings were 0.03-0.09 (1.03-1.09x); the zoo's planted
+#: documents -0.59 to +0.19 (0.55-1.20x), one of six within it (bad_data_ngram_b, 0.95x: convicted
+#: because its model never spiked on its own) (bench/adversarial.py broken_lr_text; bench/zoo.py, issue 68)
 ORDINARY_LOSS = 0.15
 
 
