@@ -1,6 +1,7 @@
 """Do the answers' printed fixes work? (issue 67)
 
     python bench/answers.py [--seeds 0 1] [--only NAME ...] [--folder DIR] [--parallel 2] [--json]
+                            [--skip-train | --judge-only] [--measured-only]
 
 Design decision: an answer's fix is judged the way a user applies it, not the way the
 proof measured it. Each scenario of the real set (``bench/zoo.py``'s ``real`` scenarios
@@ -153,13 +154,18 @@ def main(argv=None) -> int:
     ap.add_argument("--folder", type=Path, default=Path("/tmp/titan_ledger_answers"))
     ap.add_argument("--parallel", type=int, default=2, help="launches side by side (one process each)")
     ap.add_argument("--skip-train", action="store_true", help="reuse the trained runs in --folder")
+    ap.add_argument("--judge-only", action="store_true",
+                    help="reuse the trained runs and judge only the relaunches already in --folder that reached "
+                         "their run's last step (the others: 'not run'); nothing is launched")
+    ap.add_argument("--measured-only", action="store_true",
+                    help="relaunch only the answers whose fix was measured (a candidate's command: 'candidate, not run')")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     a.folder.mkdir(parents=True, exist_ok=True)
     names = a.only or [*REAL, "plateau"]
     jobs = [(n, s) for s in a.seeds for n in names]
     with ThreadPoolExecutor(a.parallel) as pool:
-        runs = list(pool.map(lambda j: train(*j, a.folder) if not a.skip_train else
+        runs = list(pool.map(lambda j: train(*j, a.folder) if not (a.skip_train or a.judge_only) else
                              {"scenario": j[0], "seed": j[1], "dump": str(a.folder / f"{j[0]}_s{j[1]}"), "rc": 0},
                              jobs))
     env = zoo.env()
@@ -177,7 +183,7 @@ def main(argv=None) -> int:
                    "measured": ans.fix is not None, "start": ans.start, "quarantine": ans.quarantine,
                    "repeats_setting": repeats_setting(ans, ctx.knobs), "dump": str(dump)}
             inc["fix"] = inc["fix"].change if inc["fix"] is not None else None
-            if ans.command:
+            if ans.command and (ans.fix is not None or not a.measured_only):
                 key = ans.command.replace(shlex.quote(ans.new_dump), "NEW").replace(ans.new_dump, "NEW")
                 launches.setdefault(key, (ans.command, Path(ans.new_dump)))
                 inc["launch"] = key
@@ -189,8 +195,20 @@ def main(argv=None) -> int:
         rc = run_fix(command, env, folder.with_suffix(".log"))
         return key, {"rc": rc, "folder": folder, "seconds": round(time.perf_counter() - t0)}
 
+    def found(item):  # --judge-only: a relaunch already there, complete when it reached its run's last step
+        key, (command, folder) = item
+        def last(d):
+            return max((int(r["step"]) for r in RunLedger(d).trained_rows()), default=0)
+
+        try:
+            complete = last(folder) >= last(Path(inc_dump[key])) > 0
+        except Exception:
+            complete = False
+        return key, {"rc": 0 if complete else None, "folder": folder, "seconds": None}
+
+    inc_dump = {inc["launch"]: inc["dump"] for inc, _ in incidents if "launch" in inc}
     with ThreadPoolExecutor(a.parallel) as pool:
-        done = dict(pool.map(one, launches.items()))
+        done = dict(map(found, launches.items())) if a.judge_only else dict(pool.map(one, launches.items()))
     rows = []
     for inc, ans in incidents:
         if "launch" in inc:
@@ -198,9 +216,10 @@ def main(argv=None) -> int:
             start = int(ans.start.split("step-")[1]) if ans.start and "step-" in ans.start else 0
             inc.update(rc=res["rc"], fixed_dump=str(res["folder"]),
                        **(judge(ans, Path(inc["dump"]), res["folder"], start, ans.kind == "stall")
-                          if res["rc"] == 0 else {"verdict": f"failed (rc {res['rc']})"}))
+                          if res["rc"] == 0 else {"verdict": "not run" if res["rc"] is None
+                                                  else f"failed (rc {res['rc']})"}))
         else:
-            inc["verdict"] = "no fix"
+            inc["verdict"] = "candidate, not run" if ans.command else "no fix"
         inc.pop("launch", None)
         rows.append(inc)
         if a.json:
@@ -209,14 +228,21 @@ def main(argv=None) -> int:
             print(f"{inc['scenario']:<30} s{inc['seed']} step {inc['step']:>5} {inc['title'][:30]:<30} "
                   f"{inc['cause_text'][:40]:<40} {inc['established']:<15} {inc['verdict']:<10} "
                   f"{(inc['fix'] or '')[:50]}", flush=True)
-    fixed = [r for r in rows if r["verdict"] != "no fix"]
+    fixed = [r for r in rows if r["verdict"] not in ("no fix", "candidate, not run", "not run")]
     good = [r for r in fixed if r["verdict"] in ("removed", "lowered")]
+    measured = [r for r in fixed if r["measured"]]
+    good_measured = [r for r in measured if r["verdict"] in ("removed", "lowered")]
     summary = {"runs": len(runs), "runs_failed": [r["scenario"] for r in runs if r["rc"]], "incidents": len(rows),
-               "with_a_printed_fix": len(fixed), "measured_fix": sum(r["measured"] for r in fixed),
+               "with_a_printed_command": sum(r["verdict"] != "no fix" for r in rows),
+               "not_run": sum(r["verdict"] in ("candidate, not run", "not run") for r in rows),
+               "with_a_printed_fix": len(fixed), "measured_fix": len(measured),
+               "measured_removed_or_lowered": f"{len(good_measured)}/{len(measured)}"
+                                              + (f" ({len(good_measured) / len(measured):.0%})" if measured else ""),
                "removed": sum(r["verdict"] == "removed" for r in fixed),
                "lowered": sum(r["verdict"] == "lowered" for r in fixed),
                "removed_or_lowered": f"{len(good)}/{len(fixed)}" + (f" ({len(good) / len(fixed):.0%})" if fixed else ""),
                "relaunches": len(launches), "relaunch_failures": sum(1 for d in done.values() if d["rc"]),
+               "relaunches_judged": sum(1 for d in done.values() if d["rc"] == 0),
                "repeat_the_runs_setting": sum(r["repeats_setting"] for r in rows),
                "quarantine_after_a_non_data_verdict": sum(r["quarantine"] and r["cause"] != "bad_data" for r in rows)}
     print(json.dumps({"summary": summary}) if a.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
