@@ -22,6 +22,8 @@ ALLOWED = {
     "_fingerprint": "torchdata/our loader state key read back from a checkpoint",
     "_exit": "os._exit: a rank that must not run atexit handlers after a bad-input stop",
     "_titan_ledger_sum_reduction": "our own marker attribute on torchtitan's parallelize function",
+    "_should_save": "torchtitan's CheckpointManager: its own checkpoint-due rule, asked, not copied (issue 69)",
+    "_strings": "tyro's docstring helpers: --help dedents a field docstring before tyro joins its lines",
 }
 
 
