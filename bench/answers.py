@@ -1,7 +1,7 @@
 """Do the answers' printed fixes work? (issue 67)
 
     python bench/answers.py [--seeds 0 1] [--only NAME ...] [--folder DIR] [--parallel 2] [--json]
-                            [--skip-train | --judge-only] [--measured-only]
+                            [--skip-train | --judge-only | --resume] [--measured-only]
 
 Design decision: an answer's fix is judged the way a user applies it, not the way the
 proof measured it. Each scenario of the real set (``bench/zoo.py``'s ``real`` scenarios
@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--judge-only", action="store_true",
                     help="reuse the trained runs and judge only the relaunches already in --folder that reached "
                          "their run's last step (the others: 'not run'); nothing is launched")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the trained runs and the relaunches already in --folder that reached their run's "
+                         "last step; launch only the others (an interrupted measurement goes on where it stopped)")
     ap.add_argument("--measured-only", action="store_true",
                     help="relaunch only the answers whose fix was measured (a candidate's command: 'candidate, not run')")
     ap.add_argument("--json", action="store_true")
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     names = a.only or [*REAL, "plateau"]
     jobs = [(n, s) for s in a.seeds for n in names]
     with ThreadPoolExecutor(a.parallel) as pool:
-        runs = list(pool.map(lambda j: train(*j, a.folder) if not (a.skip_train or a.judge_only) else
+        runs = list(pool.map(lambda j: train(*j, a.folder) if not (a.skip_train or a.judge_only or a.resume) else
                              {"scenario": j[0], "seed": j[1], "dump": str(a.folder / f"{j[0]}_s{j[1]}"), "rc": 0},
                              jobs))
     env = zoo.env()
@@ -208,7 +211,11 @@ def main(argv=None) -> int:
 
     inc_dump = {inc["launch"]: inc["dump"] for inc, _ in incidents if "launch" in inc}
     with ThreadPoolExecutor(a.parallel) as pool:
-        done = dict(map(found, launches.items())) if a.judge_only else dict(pool.map(one, launches.items()))
+        done = dict(map(found, launches.items())) if (a.judge_only or a.resume) else {}
+        todo = {} if a.judge_only else {k: v for k, v in launches.items() if done.get(k, {}).get("rc") != 0}
+        print(f"relaunches: {len(launches)}, complete in the folder {len(launches) - len(todo)}, "
+              f"to launch {len(todo)}", file=sys.stderr, flush=True)
+        done.update(pool.map(one, todo.items()))
     rows = []
     for inc, ans in incidents:
         if "launch" in inc:
