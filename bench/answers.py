@@ -137,6 +137,18 @@ def judge(a: Answer, original: Path, fixed: Path, start: int, stall: bool) -> di
             "last100_original": lo, "last100_fixed": ln}
 
 
+def _steps_to_train(command: str) -> int:
+    """The steps a relaunch trains: its last ``--training.steps`` less its ``--checkpoint.load_step``
+    (0: from scratch or the newest checkpoint of its new folder, which has none)."""
+    argv = shlex.split(command)
+
+    def last(flag: str) -> int:
+        at = [i for i, x in enumerate(argv) if x == flag and i + 1 < len(argv)]
+        return int(argv[at[-1] + 1]) if at else 0
+
+    return last("--training.steps") - max(last("--checkpoint.load_step"), 0)
+
+
 def run_fix(command: str, extra_env: dict, log: Path) -> int:
     with open(log, "w") as f:
         return subprocess.run(command, shell=True, cwd="/", env=extra_env, stdout=f, stderr=subprocess.STDOUT,
@@ -213,6 +225,7 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(a.parallel) as pool:
         done = dict(map(found, launches.items())) if (a.judge_only or a.resume) else {}
         todo = {} if a.judge_only else {k: v for k, v in launches.items() if done.get(k, {}).get("rc") != 0}
+        todo = dict(sorted(todo.items(), key=lambda kv: _steps_to_train(kv[1][0])))  # the most judged soonest
         print(f"relaunches: {len(launches)}, complete in the folder {len(launches) - len(todo)}, "
               f"to launch {len(todo)}", file=sys.stderr, flush=True)
         done.update(pool.map(one, todo.items()))

@@ -219,9 +219,12 @@ def test_plans():
 
 @pytest.mark.slow
 def test_bench_smoke(tmp_path):
-    """The bench end to end at one tiny size (trains the 6-step source run)."""
+    """The bench end to end at one tiny size (trains the 6-step source run), one or two commands
+    of each group: each command is a fresh process (~5 s of imports), and the tools themselves
+    have their own tests; all fifteen cost CI a minute more."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ledger_scale.py"), "--sizes", "4x40",
+                           "--only", "baseline: import,claim_dump_folder,lookup --step 20,replay check",
                            "--work", str(tmp_path / "w"), "--timeout", "300", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
