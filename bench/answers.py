@@ -138,15 +138,17 @@ def judge(a: Answer, original: Path, fixed: Path, start: int, stall: bool) -> di
 
 
 def _steps_to_train(command: str) -> int:
-    """The steps a relaunch trains: its last ``--training.steps`` less its ``--checkpoint.load_step``
-    (0: from scratch or the newest checkpoint of its new folder, which has none)."""
+    """The steps a relaunch trains: its last ``--training.steps`` less the step it starts from
+    (an answer's command loads ``--checkpoint.initial_load_path .../step-N``; none: from scratch)."""
     argv = shlex.split(command)
 
-    def last(flag: str) -> int:
+    def last(flag: str) -> str | None:
         at = [i for i, x in enumerate(argv) if x == flag and i + 1 < len(argv)]
-        return int(argv[at[-1] + 1]) if at else 0
+        return argv[at[-1] + 1] if at else None
 
-    return last("--training.steps") - max(last("--checkpoint.load_step"), 0)
+    path = last("--checkpoint.initial_load_path") or ""
+    start = int(path.rsplit("step-", 1)[1]) if "step-" in path and path.rsplit("step-", 1)[1].isdigit() else 0
+    return int(last("--training.steps") or 0) - start
 
 
 def run_fix(command: str, extra_env: dict, log: Path) -> int:
