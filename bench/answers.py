@@ -18,7 +18,9 @@ Per incident: ``removed`` when the fixed run has no acting flag within ``WINDOW`
 steps of the incident's step, ``lowered`` when it has, but fewer acting flags from the
 relaunch's start to the end than the original over the same steps or a last-100-step loss
 lower by 1% (a stall: only the loss), ``not`` otherwise; ``no fix`` when the answer printed
-no command (the cause not established, or no change to this run makes the fix). Goals
+no command (the cause not established -- its candidates carry none -- or no change to this
+run makes the fix). A fix is ``measured`` (the window proof's) or the fix of a cause proven
+in step (``in_step``: its effect not measured). Goals
 (issue 67): >= 90% of the incidents with a printed fix removed or lowered, 0 fixes that
 repeat the run's own settings (each fix's flag values against the run's recorded
 ``knobs``), 0 quarantine offers after a verdict other than bad data.
@@ -197,7 +199,9 @@ def main(argv=None) -> int:
             inc = {"scenario": r["scenario"], "seed": r["seed"], "step": ans.step, "kind": ans.kind,
                    "title": ans.title, "cause": ans.cause or None, "cause_text": ans.cause_text,
                    "established": ans.established, "fix": (ans.fix or (ans.candidates[0] if ans.candidates else None)),
-                   "measured": ans.fix is not None, "start": ans.start, "quarantine": ans.quarantine,
+                   "measured": ans.fix is not None and ans.fix.effect != "not measured",
+                   "fix_kind": ("measured" if ans.fix.effect != "not measured" else "in_step") if ans.fix else
+                   ("candidate" if ans.candidates else None), "start": ans.start, "quarantine": ans.quarantine,
                    "repeats_setting": repeats_setting(ans, ctx.knobs), "dump": str(dump)}
             inc["fix"] = inc["fix"].change if inc["fix"] is not None else None
             if ans.command and (ans.fix is not None or not a.measured_only):
@@ -254,12 +258,17 @@ def main(argv=None) -> int:
     good = [r for r in fixed if r["verdict"] in ("removed", "lowered")]
     measured = [r for r in fixed if r["measured"]]
     good_measured = [r for r in measured if r["verdict"] in ("removed", "lowered")]
+    own = [r for r in fixed if r["fix_kind"] == "in_step"]
+    good_own = [r for r in own if r["verdict"] in ("removed", "lowered")]
     summary = {"runs": len(runs), "runs_failed": [r["scenario"] for r in runs if r["rc"]], "incidents": len(rows),
                "with_a_printed_command": sum(r["verdict"] != "no fix" for r in rows),
                "not_run": sum(r["verdict"] in ("candidate, not run", "not run") for r in rows),
                "with_a_printed_fix": len(fixed), "measured_fix": len(measured),
                "measured_removed_or_lowered": f"{len(good_measured)}/{len(measured)}"
                                               + (f" ({len(good_measured) / len(measured):.0%})" if measured else ""),
+               "in_step_cause_fix": len(own),
+               "in_step_removed_or_lowered": f"{len(good_own)}/{len(own)}",
+               "candidates_only": sum(r["fix_kind"] == "candidate" and r["verdict"] == "no fix" for r in rows),
                "removed": sum(r["verdict"] == "removed" for r in fixed),
                "lowered": sum(r["verdict"] == "lowered" for r in fixed),
                "removed_or_lowered": f"{len(good)}/{len(fixed)}" + (f" ({len(good) / len(fixed):.0%})" if fixed else ""),

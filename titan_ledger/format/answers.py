@@ -13,9 +13,10 @@ ledger from before answers). Views render it and derive nothing.
 
 * **One cause**: the mechanism a proof measured (Adam's state in step, a data or hardware
   verdict) or the window's fixes; the LR as the *driver* where its cut removed it beside a
-  mechanism's own fix ("LR-driven attention-logit growth"). Where several mechanisms' fixes
-  each remove it, the proof does not separate them (``separates`` False): the fixes are
-  ranked by effect and no cause is claimed.
+  mechanism's own fix ("LR-driven attention-logit growth"); then the fix is whichever of the
+  two trained better in the window (a mechanism's fix leaves the driver in the run). Where
+  several mechanisms' fixes each remove it, the proof does not separate them (``separates``
+  False): the fixes are ranked by effect and no cause is claimed.
 * **One judge**: each fix's effect is the window proof's (``removed``: the run's own acting
   rules, novelty gate included, do not flag the step and at most half of the flagged
   signal's excess over its pre-onset median is left; ``lowered``: half or less left but still
@@ -25,7 +26,9 @@ ledger from before answers). Views render it and derive nothing.
   as flags the trainer's own parser takes, and as a command (:func:`fix_command`) that
   relaunches the run with it from the last checkpoint at or before the onset (or from
   scratch) into a new dump folder -- never the run's own, whose checkpoints and ledger are
-  the evidence.
+  the evidence. Only the answer's fix gets a command: a fix the window measured, or the fix
+  of a cause proven in step (``not measured``). A candidate -- the decision tree's reading,
+  a fix another incident of the run measured -- is listed, untested, without one.
 """
 
 from __future__ import annotations
@@ -243,8 +246,8 @@ class Answer:
     not_proven: str | None  # why no proof (or no window proof) established it
     separates: bool | None  # the window's fixes separate the causes (None: no window judged it)
     fixes: tuple[Fix, ...]  # every fix tried, best effect first
-    fix: Fix | None  # the recommended fix (measured)
-    candidates: tuple[Fix, ...]  # not measured: the mechanism's own fix, the tree's readings
+    fix: Fix | None  # the recommended fix: measured, or (``not measured``) the fix of a cause proven in step
+    candidates: tuple[Fix, ...]  # untested, no command: the tree's readings, a fix another incident measured
     start: str | None  # where the command starts: "checkpoint step-K" | "scratch"
     command: str | None  # the relaunch with the fix, as printed
     new_dump: str | None  # the command's dump folder (new; never the run's own)
@@ -273,7 +276,9 @@ class Answer:
         head = f"{self.title} at step {self.step}: {self.cause_text}" + (
             "" if self.established in ("none", "unseparated") else f" -- {ESTABLISHED[self.established]}")
         if self.fix is not None:
-            fix = f"fix: {self.fix.change}: {self.fix.effect}" + (f" ({self.fix.detail})" if self.fix.detail else "")
+            why = "; ".join(x for x in (self.fix.detail, self.not_proven if self.fix.effect == "not measured"
+                                        else None) if x)
+            fix = f"fix: {self.fix.change}: {self.fix.effect}" + (f" ({why})" if why else "")
         elif self.candidates:
             fix = ("fix: none measured" + (f" ({self.not_proven})" if self.not_proven else "")
                    + "; candidate (untested): " + "; ".join(c.change for c in self.candidates[:3]))
@@ -308,8 +313,11 @@ class Answer:
                                                      if self.established == "in_step+window" else ""))
         if self.command:
             out.append(f"  run it ({self.start}, into a new folder): {self.command}")
-        elif self.fix is not None or self.candidates:
+        elif self.fix is not None and self.fix.flags:
             out.append("  no command: the run records no launch (train with python -m titan_ledger.train)")
+        elif self.candidates:
+            out.append("  no command: a candidate is untested for this incident (diagnose --rerun proves a cause "
+                       "from a checkpoint)")
         return out
 
     def headline(self) -> str:
@@ -413,7 +421,9 @@ def _signal_detail(r: dict[str, Any], same: dict[str, Any] | None) -> str:
 
 def window_fixes(window: dict[str, Any], knobs: Knobs) -> tuple[list[Fix], dict[str, Any] | None]:
     """Every fix the window tried, with its effect under the window's one judge, best first
-    (removed before lowered before not removed; then the excess left; then the loss cost)."""
+    (removed before lowered before not removed; then the loss over the window's last steps,
+    lowest first -- a fix stays in the run for the rest of it, so of two that each remove the
+    spike the one that trained better is the one to keep; then the excess left)."""
     runs = window.get("runs") or []
     same = next((r for r in runs if r.get("variant") == "same"), None)
     stall = bool(window.get("stall"))
@@ -437,8 +447,8 @@ def window_fixes(window: dict[str, Any], knobs: Knobs) -> tuple[list[Fix], dict[
         out.append(Fix(v, VARIANT_CAUSE.get(v, v), ch.flags if ch else (), ch.words if ch else none, effect, detail,
                        r.get("share"), r.get("cost"), ch.resumes if ch else True))
     order = {e: i for i, e in enumerate(EFFECTS)}
-    out.sort(key=lambda f: (order.get(f.effect, 9), f.share if f.share is not None else 1.0,
-                            f.cost if f.cost is not None else 0.0, f.variant))
+    out.sort(key=lambda f: (order.get(f.effect, 9), f.cost if f.cost is not None else 0.0,
+                            f.share if f.share is not None else 1.0, f.variant))
     return out, same
 
 
@@ -627,9 +637,20 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
                     established = "window"
                     mech = next(iter(mechanisms), "lr")
                     cause = mech
-                    if mech != "lr" and any(f.cause == "lr" for f in good):
-                        driver = "lr"
                     fix = next((f for f in good if f.cause == mech), good[0])
+                    cut = next((f for f in good if f.cause == "lr"), None)
+                    if mech != "lr" and cut is not None:
+                        driver = "lr"
+                        # the LR drives it: of the driver's cut and the mechanism's own fix, the one
+                        # ranked first (the better effect, then the lower loss at the window's end).
+                        # The mechanism's fix alone leaves the driver in the run: at logit_stall_lr02
+                        # seed 1, eps 1e-6 removed step 25 in the window and over 1,000 steps the run
+                        # flagged 26 steps against 14 and ended higher (docs/benchmarks.md, issue 67)
+                        if good.index(cut) < good.index(fix):
+                            how += (f"; the driver's cut is the fix: it removed it as well and trained better "
+                                    f"in the window (loss {num(cut.cost, 2)} against {num(fix.cost, 2)} for "
+                                    f"{fix.change or fix.variant})")
+                            fix = cut
                 else:  # several mechanisms' fixes each remove it: no cause claimed, the best fix first
                     established, fix = "unseparated", good[0]
                 how += ("; " if how else "") + (
@@ -643,14 +664,20 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
             not_proven = "no window proof ran"
         if window_from is not None and cause not in ("bad_data", "hardware"):
             onset = window_from  # the fix was measured from there: its relaunch starts at or before it
-    # candidates: the mechanism's own fix when none was measured, then the tree's reading
+    # a cause proven in step with no fix measured here: its own fix is the answer's (not
+    # measured), unless the window tried it and it did not remove the spike (then a candidate)
     if fix is None and cause in CANDIDATE_OF:
         ch = derive(CANDIDATE_OF[cause], ctx.knobs)
         if ch is not None:
-            tried = any(f.flags == ch.flags for f in fixes)
-            candidates.append(Fix(CANDIDATE_OF[cause], cause, ch.flags, ch.words, "not measured",
-                                  "the mechanism's own fix" + (" (tried in the window, which did not discriminate)"
-                                                               if tried else ""), resumes=ch.resumes))
+            tried = next((f for f in fixes if f.flags == ch.flags), None)
+            own = Fix(CANDIDATE_OF[cause], cause, ch.flags, ch.words, "not measured",
+                      "the fix of the cause proven in step" + (" (tried in the window, which did not discriminate)"
+                                                               if tried else ""), resumes=ch.resumes)
+            if established.startswith("in_step") and (tried is None or tried.effect in ("removed", "lowered")):
+                fix = own
+            else:
+                candidates.append(replace(own, detail=f"the mechanism's own fix (tried in the window: "
+                                                      f"{tried.effect})" if tried else "the mechanism's own fix"))
     if fix is None and cause in ("", "optimizer_state"):
         candidates += tree_candidates(tree, ctx, candidates)
     if fix is None and earlier is not None and cause not in ("bad_data", "hardware"):
@@ -658,7 +685,9 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
         if was.flags and not any(c.flags == was.flags for c in candidates):
             candidates.append(replace(was, effect="not measured",
                                       detail=f"measured at step {at} of this run ({was.effect} there)"))
-    start, command, new_dump = _command(step, fix or (candidates[0] if candidates else None), onset, ctx, exists)
+    # the command applies the answer's fix only: a candidate (the tree's reading, a fix another
+    # incident measured) is untested here -- measured at 304c3a5, 50 of 75 such relaunches helped
+    start, command, new_dump = _command(step, fix, onset, ctx, exists)
     did, acting = _did(proof, ev)
     return Answer(step=step, kind=kind, title=title, cause=cause, driver=driver, established=established, how=how,
                   not_proven=not_proven, separates=separates, fixes=tuple(fixes), fix=fix,
@@ -680,19 +709,14 @@ def tree_candidates(tree: dict[str, Any] | None, ctx: Context, known: list[Fix] 
 
 
 def with_tree(answer: Answer, tree: dict[str, Any] | None, ctx: Context, exists=None) -> Answer:
-    """A recorded answer without a measured fix, with the decision tree's candidate added
-    (and the command for the first candidate, where it had none): the tree's reading is a
-    candidate, never the answer's cause."""
+    """A recorded answer without a fix, with the decision tree's candidate added: the tree's
+    reading is a candidate (no command), never the answer's cause."""
     if answer.fix is not None or answer.cause in ("hardware", "bad_data"):
         return answer
     extra = tree_candidates(tree, ctx, answer.candidates)
     if not extra:
         return answer
-    candidates = (*answer.candidates, *extra)
-    if answer.command:
-        return replace(answer, candidates=candidates)
-    start, command, new_dump = _command(answer.step, candidates[0], answer.onset, ctx, exists)
-    return replace(answer, candidates=candidates, start=start, command=command, new_dump=new_dump)
+    return replace(answer, candidates=(*answer.candidates, *extra))
 
 
 def _command(step: int, chosen: Fix | None, onset: int | None, ctx: Context,
@@ -714,9 +738,15 @@ def _command(step: int, chosen: Fix | None, onset: int | None, ctx: Context,
 def with_rerun(answer: Answer, cause: str, rule: str, proven: bool, ctx: Context, exists=None) -> Answer:
     """An answer no proof at the alarm established, with what a rerun from a checkpoint
     (``replay rerun``, ``diagnose --rerun``) showed: its cause (``proven``, or evidence: a
-    skip that removed it shows "something in this step's data"), its fix as a candidate."""
+    skip that removed it shows "something in this step's data"): a proven cause's own fix is
+    the answer's (not measured, with its command), evidence's a candidate."""
     if answer.cause:
         return answer
     a = replace(answer, cause=cause, established="rerun" if proven else "rerun_evidence", how=rule,
                 not_proven=None if proven else answer.not_proven)
-    return with_tree(a, {"cause": cause, "certainty": "proven by a rerun" if proven else "evidence"}, ctx, exists)
+    a = with_tree(a, {"cause": cause, "certainty": "proven by a rerun" if proven else "evidence"}, ctx, exists)
+    if not proven or answer.fix is not None or not a.candidates or a.candidates[-1].cause != cause:
+        return a
+    own = replace(a.candidates[-1], detail="the fix of the cause a rerun proved")
+    start, command, new_dump = _command(a.step, own, a.onset, ctx, exists)
+    return replace(a, fix=own, candidates=a.candidates[:-1], start=start, command=command, new_dump=new_dump)

@@ -156,7 +156,8 @@ class SpikeGuard:
                 unproven: str | None = None) -> answers.Answer:
         ctx = self.answer_context() if self.answer_context is not None else answers.Context()
         a = answers.build(step, kind, event, proof, ctx, unproven=unproven, earlier=self.measured)
-        if a.fix is not None and a.fix.flags and a.cause not in ("bad_data", "hardware"):
+        if a.fix is not None and a.fix.flags and a.fix.effect in ("removed", "lowered") and \
+                a.cause not in ("bad_data", "hardware"):
             self.measured = (step, a.fix)  # a later incident's candidate, where its own is not measured
         return a
 
