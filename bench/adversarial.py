@@ -54,8 +54,8 @@ kept in its manifest (``properties``) and in every run's JSON (``corpus_props``)
 The runs: the tiny model (``train_configs/tiny_cpu.toml``: 2-layer llama3, dim 64) in
 one process, ``--training.steps`` (``--steps``, default 800), ``--debug.seed`` and
 ``--dataloader.seed`` = seed, ``--metrics.log_freq 100``, the corpus's own flags, and
-otherwise the spike response's defaults (``prove = "all"``, ``act = "observe"``);
-``--policy act`` adds ``--ledger.on_spike.act act``. The grid is corpora x seeds x
+otherwise the spike response's defaults (``[ledger.proof] scope = "all"``, ``[ledger.response] policy = "observe"``);
+``--policy act`` adds ``--ledger.response.policy act``. The grid is corpora x seeds x
 policies; ``--jobs`` trainings run at once (one process each). A run recorded complete
 under ``--folder`` (its ``<run>.json``: exit 0, the step target reached, the same
 corpus hash) is read again instead of retrained unless ``--fresh``.
@@ -645,7 +645,7 @@ def train_args(run: Run, prefix: Path) -> list[str]:
             "--debug.seed", str(run.seed), "--dataloader.seed", str(run.seed), "--metrics.log_freq", "100",
             *FLAGS.get(run.corpus, ())]
     if run.policy == "act":
-        args += ["--ledger.on_spike.act", "act"]
+        args += ["--ledger.response.policy", "act"]
     return args
 
 
@@ -738,7 +738,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=CORPORA, help="these corpora (default: all)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--policy", nargs="+", choices=POLICIES, default=["observe"],
-                    help="observe: the default response; act: --ledger.on_spike.act act")
+                    help="observe: the default response; act: --ledger.response.policy act")
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once (one process each)")
     ap.add_argument("--folder", type=Path, default=OUT)

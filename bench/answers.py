@@ -6,7 +6,7 @@
 Design decision: an answer's fix is judged the way a user applies it, not the way the
 proof measured it. Each scenario of the real set (``bench/zoo.py``'s ``real`` scenarios
 without their prevention twins) and the memorisation plateau of issue 67 is trained once
-per seed with every proof on (``--ledger.on_spike.prove all``, host snapshots every 20
+per seed with every proof on (``--ledger.proof.scope all``, host snapshots every 20
 steps, 4 kept: the window proof), checkpoints every 20 steps. For every incident the run
 answered (``spikes.jsonl``'s ``answer``) its printed ``command`` is run as printed (in a
 shell, from ``/``; the launcher honours ``$TITAN_LEDGER_TORCHRUN``) -- it relaunches the run
@@ -57,7 +57,7 @@ PLATEAU = ("--job.config_file", str(ROOT / "train_configs" / "tiny_cpu.toml"), "
            "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.weight_decay",
            "0", "--model.qk_norm", "--dataloader.no_shuffle", "--dataloader.source", "indexed",
            "--training.steps", "800")
-PROVE = ("--ledger.on_spike.prove", "all", "--ledger.snapshots.every", "20", "--ledger.snapshots.keep", "4")
+PROVE = ("--ledger.proof.scope", "all", "--ledger.snapshots.every", "20", "--ledger.snapshots.keep", "4")
 WINDOW = 10  # a flag within this many steps of the incident's step is the incident again
 GAIN = 0.01  # a last-100-step loss this much lower: lowered
 

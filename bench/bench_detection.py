@@ -24,7 +24,7 @@ the corpus across two DP ranks' batches of one step (``zoo.plant_across``: the f
 step from T with a document boundary in rank 0's batch; it ends 256 tokens into rank
 1's), trained from that corpus in order (``--dataloader.source indexed``).
 
-``--prove off|acting|all``: ``--ledger.on_spike.prove`` for every run (its own folder names,
+``--prove off|acting|all``: ``--ledger.proof.scope`` for every run (its own folder names,
 ``prove_<mode>_``); each injection row adds the proof of step T (``proof_verdict``;
 ``proof_dp_rank`` the rank it convicted; ``proof_tier`` whether the step was an acting
 flag or a note) against what is expected (:func:`expected`): ``hardware`` for a flip
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start", choices=("cold", "warm"), default="cold",
                     help="cold: fresh init; warm: the warm base's weights (bench/warm_base.py)")
     ap.add_argument("--prove", choices=("off", "acting", "all"),
-                    help="--ledger.on_spike.prove for every run (default: the config's, acting), and each "
+                    help="--ledger.proof.scope for every run (default: the config's, acting), and each "
                          "run's proofs read back: an injection's must be bad_data on the injected rank, the "
                          "clean run's none harmful")
     a = ap.parse_args(argv)
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
 
         start, pre = warm_base.start_flags(warm_base.ensure(log=print)), "warm_"
     if a.prove:
-        start, pre = [*start, "--ledger.on_spike.prove", a.prove], f"{pre}prove_{a.prove}_"
+        start, pre = [*start, "--ledger.proof.scope", a.prove], f"{pre}prove_{a.prove}_"
     cases = cases_of(a.cases, a.quick)
     if a.quick:
         a.clean_steps = min(a.clean_steps, 100)

@@ -44,8 +44,8 @@ half-width is the smallest cost the instrument resolves at that number of repeat
 adds ``ledger_no_max_logit`` / ``ledger_no_signals`` / ``ledger_no_tagging`` /
 ``ledger_no_doc_loss`` and the prevention features ``ledger_zloss`` (``--loss.z_loss_weight
 1e-4``) / ``ledger_qk_norm`` (``--model.qk_norm``) / ``ledger_qk_clip`` (``--qk_clip.enable``), the proof at
-the alarm ``ledger_prove_off`` / ``ledger_prove_all`` (``--ledger.on_spike.prove``; both:
-their ratio is printed), ``ledger_no_defer`` (``--ledger.on_spike.no_defer``: decisions in the step,
+the alarm ``ledger_prove_off`` / ``ledger_prove_all`` (``--ledger.proof.scope``; both:
+their ratio is printed), ``ledger_no_defer`` (``--ledger.response.no_defer``: decisions in the step,
 a host read per step; ``ledger / ledger_no_defer`` is what deferring costs), ``ledger_snapshots``
 (``--ledger.snapshots.every 4 --ledger.snapshots.keep 2``: its copy comes once in 4 steps, so
 ``ledger_snapshots / ledger`` is printed on the mean step, with the host memory the ring held)
@@ -90,10 +90,10 @@ VARIANTS = {
     "ledger_qk_clip": ["--module", "titan_ledger", "--config", "debug_cpu", "--qk_clip.enable"],
     # the proof at the alarm (issue 35): what proving every note costs on steps that are
     # not proven (clean training: the flag's host read per step) against no proof at all
-    "ledger_prove_off": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "off"],
-    "ledger_prove_all": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.prove", "all"],
+    "ledger_prove_off": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.proof.scope", "off"],
+    "ledger_prove_all": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.proof.scope", "all"],
     # decisions in the step (a host read of the flag per step) instead of deferred ones
-    "ledger_no_defer": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.on_spike.no_defer"],
+    "ledger_no_defer": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.response.no_defer"],
     # host-memory snapshots (issue 51): a copy of the parameters and Adam's moments every 4
     # steps, a ring of 2; its cost comes once in 4 steps, so it is compared by the mean
     "ledger_snapshots": ["--module", "titan_ledger", "--config", "debug_cpu", "--ledger.snapshots.every", "4",

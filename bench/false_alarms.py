@@ -8,7 +8,7 @@
 Clean runs -- no fault of any kind: no injection, no planted document, the LR
 schedule untouched -- of the ``debug_cpu`` model (``train_configs/debug_cpu.toml``:
 llama3 debugmodel, fp32, FSDP over gloo ranks, LR 8e-4, warmup 2, linear decay to 0
-over the last 80 % of the steps, ``--ledger.on_spike.action none`` so a flag only
+over the last 80 % of the steps, ``--ledger.response.action none`` so a flag only
 records) over the grid {corpus} x {DP size} x {start} x {seed}:
 
 * corpus (``bench/corpora.py``): ``text`` (the bundled docstrings), ``hetero`` (the
@@ -23,12 +23,12 @@ records) over the grid {corpus} x {DP size} x {start} x {seed}:
 Every flag is false (there is nothing to find). Per rule and tier (``spikes.RULES``;
 a step flagged by two rules counts once for each) it prints the acting flags, their
 rate per 10^4 clean steps and the steps (``run@step``), and the notes. ``acting_flags``
-counts steps with an acting rule (an alert each, and with ``on_spike`` an action);
+counts steps with an acting rule (an alert each, and with ``[ledger.response] policy = "act"`` an action);
 ``note_steps`` the steps with notes only (recorded, never acted on). ``clean_steps``
 counts trained steps, all of them (the history rules abstain for their first steps:
 ``min_history`` 8, the z-score rule ``window/2`` = 64).
 
-``--prove all`` (``--ledger.on_spike.prove``; default: the config's, ``acting``) proves
+``--prove all`` (``--ledger.proof.scope``; default: the config's, ``acting``) proves
 every flagged step and every note in step (issue 35 item 7): ``proofs`` counts them,
 ``proofs_by_verdict`` per tier and verdict, ``proofs_found_cause`` each proof that found a
 harmful cause (``bad_data``/``hardware``: on a clean run each one is wrong) and
@@ -153,20 +153,20 @@ def quick_plan(warm: bool) -> list[Run]:
 
 # --------------------------------------------------------------------------- training
 def train_cmd(run: Run, prefix: Path, dump: Path, base: dict | None, prove: str | None = None) -> list[str]:
-    """``prove``: ``--ledger.on_spike.prove`` (off, acting, all); None leaves the config's default."""
+    """``prove``: ``--ledger.proof.scope`` (off, acting, all); None leaves the config's default."""
     cmd = [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(run.dp),
            "-m", "titan_ledger.train", "--job.config_file", str(CONFIG), "--training.steps", str(run.steps),
            "--training.local_batch_size", str(run.local_batch_size), "--training.seq_len", str(run.seq_len),
            "--parallelism.data_parallel_shard_degree", str(run.dp),
            "--dataloader.source", "indexed", "--dataloader.paths", str(prefix),
            "--dataloader.seed", str(run.seed), "--debug.seed", str(run.seed),
-           "--metrics.log_freq", "50", "--ledger.on_spike.action", "none", "--dump_folder", str(dump)]
+           "--metrics.log_freq", "50", "--ledger.response.action", "none", "--dump_folder", str(dump)]
     if run.start == "warm":
         if base is None:
             raise ValueError(f"{run.name}: a warm start needs the warm base (bench/warm_base.py)")
         cmd += warm_base.start_flags(base)
     if prove is not None:
-        cmd += ["--ledger.on_spike.prove", prove]
+        cmd += ["--ledger.proof.scope", prove]
     return cmd
 
 
@@ -216,7 +216,7 @@ def spike_events(dump: Path) -> list[dict]:
         if line.strip():
             r = json.loads(line)
             if "schema" not in r and ("rules" in r or "notes" in r) and not r.get("ladder"):
-                # a note its proof found harmful (prove = "all") acts: its notes became its rules;
+                # a note its proof found harmful (scope = "all") acts: its notes became its rules;
                 # the detector's decision was a note (``promoted``)
                 promoted = bool(r.get("promoted_by_proof"))
                 out.append({**r, "rules": [] if promoted else r.get("rules", []), "notes": r.get("notes", []),
@@ -360,7 +360,7 @@ def count(runs: list[dict]) -> dict:
     (``rules``: the acting rules that fired; ``notes``: those that fired as notes), and
     optionally ``proofs`` (``zoo.proof_rows``). Per rule and tier the firings, per 10^4
     clean steps and ``run@step`` of each; ``acting_flags``: steps with an acting rule
-    (each an alert, and with ``on_spike`` an action); ``note_steps``: steps with notes
+    (each an alert, and with ``[ledger.response] policy = "act"`` an action); ``note_steps``: steps with notes
     only. With proofs (``--prove``): :func:`count_proofs`."""
     steps = sum(r["clean_steps"] for r in runs)
     by_rule = {rule: [] for rule in RULES}
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
                     help="with --rules or --compare-tiers: count each rank's distinct documents from the "
                          "rows' sample ids where a ledger recorded none (before one_doc_spread)")
     ap.add_argument("--prove", choices=("off", "acting", "all"),
-                    help="--ledger.on_spike.prove for every run (default: the config's, acting)")
+                    help="--ledger.proof.scope for every run (default: the config's, acting)")
     a = ap.parse_args(argv)
     rules = parse_rules(a.rules)
     if a.compare_tiers:

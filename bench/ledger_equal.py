@@ -12,10 +12,10 @@ The flags are the e2e tests' own (tests/e2e/test_deferred_e2e.py, test_proof_e2e
     clean            debug_cpu, DP 2, 10 steps, default features
     ladder_deferred  the deferred ladder (none, skip_update, rollback*3; 3 bitflips, 1 repeat,
                      checkpoints every 4, the data ending at 16), decisions deferred (default)
-    ladder_in_step   the same with --ledger.on_spike.no_defer
+    ladder_in_step   the same with --ledger.response.no_defer
     proof_faults     bitflip at 6 on DP 0 (proven hardware), repeat at 10 on DP 1 (proven
                      bad_data, quarantined), forced proofs 11-12, action rollback, deferred
-    proof_all_in_step   12 steps, prove = all, every step from 2 forced through a proof, no_defer
+    proof_all_in_step   12 steps, scope = all, every step from 2 forced through a proof, no_defer
     proof_all_deferred  the same, deferred (the default)
 
 All share debug_cpu.toml with --training.local_batch_size 2 --training.seq_len 128 (the e2e
@@ -70,27 +70,27 @@ IDX_VARYING = {"offset"}
 
 BASE = ["--job.config_file", "train_configs/debug_cpu.toml", "--training.local_batch_size", "2",
         "--training.seq_len", "128"]
-# tests/e2e/test_deferred_e2e.py: BASE + PAIRS["ladder"] (+ --ledger.on_spike.no_defer)
-LADDER = ["--ledger.on_spike.prove", "off",
+# tests/e2e/test_deferred_e2e.py: BASE + PAIRS["ladder"] (+ --ledger.response.no_defer)
+LADDER = ["--ledger.proof.scope", "off",
           "--training.steps", "18", "--ledger.spike.window", "5",
-          "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update,rollback*3",
+          "--ledger.response.policy", "act", "--ledger.response.action", "none,skip_update,rollback*3",
           "--ledger.rehearsal.inject", "6:0:bitflip,10:1:bitflip,13:0:bitflip,15:1:repeat",
-          "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.on_spike.rollback_back", "0",
-          "--ledger.on_spike.rollback_skip", "1", "--ledger.rehearsal.data_end", "16"]
+          "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.rollback.back", "0",
+          "--ledger.rollback.skip", "1", "--ledger.rehearsal.data_end", "16"]
 # tests/e2e/test_proof_e2e.py: BASE + RUNS["faults"]
 PROOF = ["--training.steps", "12", "--ledger.spike.window", "8",
          "--ledger.rehearsal.inject", "6:0:bitflip,10:1:repeat",
-         "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
+         "--ledger.response.policy", "act", "--ledger.response.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--ledger.rehearsal.prove_at", "11-12"]
 PROOF_ALL = ["--training.steps", "12", "--ledger.spike.window", "8",
-             "--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"]
+             "--ledger.proof.scope", "all", "--ledger.rehearsal.prove_at", "2-12"]
 RUNS: dict[str, list[str]] = {
     "clean": [*BASE, "--training.steps", "10"],
     "ladder_deferred": [*BASE, *LADDER],
-    "ladder_in_step": [*BASE, *LADDER, "--ledger.on_spike.no_defer"],
+    "ladder_in_step": [*BASE, *LADDER, "--ledger.response.no_defer"],
     "proof_faults": [*BASE, *PROOF],
     # test_proof_e2e.py RUNS["clean"] / ["clean_deferred"]: every step from 2 on forced through a proof
-    "proof_all_in_step": [*BASE, *PROOF_ALL, "--ledger.on_spike.no_defer"],
+    "proof_all_in_step": [*BASE, *PROOF_ALL, "--ledger.response.no_defer"],
     "proof_all_deferred": [*BASE, *PROOF_ALL],
 }
 

@@ -8,7 +8,7 @@
 **The source** (:func:`source_run`): a real 6-step DP-2 run of
 ``train_configs/debug_cpu_indexed.toml`` (the bundled corpus as an indexed corpus,
 prepared into the work dir on first use), with ``--ledger.spike.window 8
---ledger.rehearsal.inject 5:1:repeat --ledger.on_spike.prove off`` so that the trainer
+--ledger.rehearsal.inject 5:1:repeat --ledger.proof.scope off`` so that the trainer
 flags step 5 (``zscore_grad_norm``) and the source holds a real spike event, a real
 rejected-steps event and a real spike row of ``signals.jsonl`` to repeat. Its data
 rows are ``titan_ledger.data/2`` derived rows (``samples`` + ``digest`` + ``doc_loss``);
@@ -99,7 +99,7 @@ SOURCE_STEPS = 6
 SOURCE_SPIKE = 5
 SOURCE_ARGS = ["--job.config_file", str(ROOT / "train_configs" / "debug_cpu_indexed.toml"),
                "--training.steps", str(SOURCE_STEPS), "--ledger.spike.window", "8",
-               "--ledger.rehearsal.inject", f"{SOURCE_SPIKE}:1:repeat", "--ledger.on_spike.prove", "off"]
+               "--ledger.rehearsal.inject", f"{SOURCE_SPIKE}:1:repeat", "--ledger.proof.scope", "off"]
 GROW_VERSION = 1  # bump when the grown layout changes: cached ledgers of another version are regrown
 MARKER = "grow.json"  # written last into a grown dump folder: its parameters and stats
 BLOCK = 2048  # steps formatted per block

@@ -90,7 +90,7 @@ def train_cmd(prefix: Path, dump: Path, variant: str, lr: float, steps: int) -> 
             "--parallelism.data_parallel_shard_degree", "1", "--optimizer.lr", f"{lr:g}",
             "--lr_scheduler.warmup_steps", str(max(1, steps // 10)),
             "--dataloader.source", "indexed", "--dataloader.paths", str(prefix),
-            "--debug.seed", "0", "--metrics.log_freq", "50", "--ledger.on_spike.action", "none",
+            "--debug.seed", "0", "--metrics.log_freq", "50", "--ledger.response.action", "none",
             *VARIANTS[variant], "--dump_folder", str(dump)]
 
 

@@ -85,7 +85,7 @@ was flagged), ``other_flags`` (flagged steps outside that window), for bad data
 tables (true vs named cause, heuristic and rerun) and the goals: every cause named
 right with ``--rerun``, the heuristics' count, no flag on a control.
 
-``--prove off|acting|all`` passes ``--ledger.on_spike.prove`` to every launch and reads the
+``--prove off|acting|all`` passes ``--ledger.proof.scope`` to every launch and reads the
 proofs at the alarm back from ``spikes.jsonl`` (``proof``: ``proof_verdict``): the first
 proof from ``true_step - 1`` to ``true_step + 5`` against ``EXPECTED_VERDICT`` (planted
 document ``bad_data``, bit flip ``hardware``, LR relaunch ``not_data``), its tier (an acting
@@ -474,7 +474,7 @@ class Result:
 
 
 def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) -> Result:
-    """``prove``: ``--ledger.on_spike.prove`` for every launch (None: the config's default)
+    """``prove``: ``--ledger.proof.scope`` for every launch (None: the config's default)
     and the proofs read back against the truth (``Result.proof``)."""
     t0 = time.monotonic()
     dump = base / sc.name
@@ -484,7 +484,7 @@ def run(sc: Scenario, base: Path, rerun: bool = True, prove: str | None = None) 
     prefix, planted = build_corpus(base / f"corpus_{sc.corpus}_{sc.plant or 'clean'}_{sc.plant_step}_{sc.seed}",
                                    sc.plant, sc.plant_step, sc.seed, sc.corpus)
     res = Result(sc.name, sc.set, sc.cause)
-    proving = ["--ledger.on_spike.prove", prove] if prove else []
+    proving = ["--ledger.proof.scope", prove] if prove else []
     if sc.relaunch is None:
         args = base_args(sc, prefix, sc.steps) + proving
         res.train_rc = train(args, dump, log, sc.nproc)
@@ -626,7 +626,7 @@ def end_state(led) -> tuple[list[str], dict]:
 
 
 # --------------------------------------------------------------------------- the proof at the alarm
-#: the verdict the in-step proof (``--ledger.on_spike.prove``) should reach for each true
+#: the verdict the in-step proof (``--ledger.proof.scope``) should reach for each true
 #: cause (``diagnose``'s names): a planted or injected batch is ``bad_data``, a bit flip
 #: ``hardware``, an LR relaunch reproducible and not the data (``not_data``). A control
 #: (None) has none: no proof on it may find a harmful cause (``format.proofs.HARMFUL``).
@@ -641,7 +641,7 @@ def proof_rows(events: list[dict]) -> list[dict]:
     """The proofs recorded in a run's ``spikes.jsonl`` events (pure; ``events``: the
     reader's ``RunLedger.spike_events() + note_events()``), one row per proven step in
     step order: ``step``, ``tier`` (``acting``: an acting rule fired; ``note``: notes
-    only, proven under ``prove = "all"``), ``promoted`` (a note the proof turned into
+    only, proven under ``[ledger.proof] scope = "all"``), ``promoted`` (a note the proof turned into
     an alarm), ``verdict``, ``applied``, ``dp_rank`` (the suspect DP rank), ``dp_ranks``
     (hardware: the DP ranks whose executions differed; bad data convicted by group
     testing: the DP ranks holding its documents), ``documents`` ([source, doc]),
@@ -819,7 +819,7 @@ def main(argv=None) -> int:
                     help="keep each scenario's checkpoints and rerun folders (about 350 MB a scenario); "
                          "by default only the ledgers and logs stay")
     ap.add_argument("--prove", choices=("off", "acting", "all"),
-                    help="--ledger.on_spike.prove for every launch (default: the config's, acting), and each "
+                    help="--ledger.proof.scope for every launch (default: the config's, acting), and each "
                          "scenario's proofs read back against the truth")
     ap.add_argument("--seed", type=int, help="--debug.seed for every launch (the model's init): a second seed "
                                               "of each scenario; default: the config's")

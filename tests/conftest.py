@@ -162,11 +162,11 @@ class Runs:
         return self._once(f"straight-{case}", make)
 
     def in_step(self, case: str) -> Path:
-        """``straight(case)`` deciding in the step (``--ledger.on_spike.no_defer``): the
+        """``straight(case)`` deciding in the step (``--ledger.response.no_defer``): the
         straight run defers its step-2 proof to step 3 and executes step 3 again."""
         def make():
             dump = self.factory.mktemp(f"in-step-{case}")
-            proc = torchrun(self.args(case) + ["--ledger.on_spike.no_defer", "--dump_folder", dump],
+            proc = torchrun(self.args(case) + ["--ledger.response.no_defer", "--dump_folder", dump],
                             nproc=PARALLELISMS[case].nproc)
             assert proc.returncode == 0, explain(proc)
             return dump

@@ -68,7 +68,7 @@ class LedgerWarning(UserWarning):
 
 class ProofFailure(RuntimeError):
     """A proof that cannot be completed (components.response): an execution past its
-    deadline (``--ledger.on_spike.prove_timeout``) or not finite where the step was. It
+    deadline (``--ledger.proof.timeout``) or not finite where the step was. It
     never leaves the response: the step is decided as it would be without the proof, and
     its event records why."""
 

@@ -535,7 +535,7 @@ def _response_lines(events: list[dict]) -> list[str]:
         acted = sum(1 for p in proofs if p.get("applied") not in (None, "original"))
         held = Counter(p["held_back"] for p in proofs if p.get("held_back"))
         done = [f"{acted} acted on"] if acted else []
-        done += [f"{n} held back ({'would have acted: --ledger.on_spike.act observe' if k == 'observe' else k})"
+        done += [f"{n} held back ({'would have acted: --ledger.response.policy observe' if k == 'observe' else k})"
                  for k, n in held.items()]
         out.append(f"  proofs       {len(proofs)}: {verdicts}" + (f"; {'; '.join(done)}" if done else "; nothing changed"))
     stalls = [e for e in events if e.get("stall")]

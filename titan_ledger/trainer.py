@@ -90,7 +90,7 @@ class LedgerTrainer(Trainer):
             attention.use_max_logit_attention(config)
         self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
-        self.recovery = Recovery(self, config.ledger.on_spike)
+        self.recovery = Recovery(self, config.ledger)
         self._ledger_open = False
         self.step_record: StepRecord | None = None  # the step being trained, filled by the hooks
         dry_run = config.comm.mode == "fake_backend"
@@ -144,7 +144,7 @@ class LedgerTrainer(Trainer):
             # a decision still deferred when training ends is made; after a stop, written as it stands
             with patches.no_final_sleep_on_cpu(), self.recovery.settling():
                 super().train()
-        except BaseException as e:  # a stop (non-finite loss, max_rollbacks, ...): exit code 1
+        except BaseException as e:  # a stop (non-finite loss, [ledger.rollback] limit, ...): exit code 1
             dashboards.log_stop(self.metrics_processor.logger, e)
             raise
         finally:

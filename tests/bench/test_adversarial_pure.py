@@ -120,10 +120,10 @@ def test_train_args(adv, tmp_path):
     run = adv.Run("plateau", 1, "act", 800)
     args = " ".join(adv.train_args(run, tmp_path / "c"))
     assert "--training.steps 800" in args and "--debug.seed 1" in args and "--dataloader.seed 1" in args
-    assert "--metrics.log_freq 100" in args and "--ledger.on_spike.act act" in args
+    assert "--metrics.log_freq 100" in args and "--ledger.response.policy act" in args
     assert "--model.qk_norm" in args and f"--dataloader.paths {tmp_path / 'c'}" in args
     args = adv.train_args(adv.Run("short_docs", 0, "observe", 60), tmp_path / "c")
-    assert "--ledger.on_spike.act" not in args and "--dataloader.no_shuffle" not in args
+    assert "--ledger.response.policy" not in args and "--dataloader.no_shuffle" not in args
     assert [r.name for r in adv.grid(["short_docs"], [0, 1], ["observe", "act"], 60)] == [
         "short_docs_s0_observe_60st", "short_docs_s0_act_60st", "short_docs_s1_observe_60st",
         "short_docs_s1_act_60st"]

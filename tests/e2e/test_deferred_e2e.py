@@ -1,9 +1,9 @@
 """Deferred decisions against in-step decisions, on the ladder's actions (no proof): six
 launches of the debug model, DP 2, three pairs, each run once deferring (the default) and
-once with ``--ledger.on_spike.no_defer``. The pair must write the same rows, data rows
+once with ``--ledger.response.no_defer``. The pair must write the same rows, data rows
 and decisions.
 
-``ladder`` (``prove = "off"``, ``action = "none,skip_update,rollback*3"``, checkpoints
+``ladder`` (``[ledger.proof] scope = "off"``, ``action = "none,skip_update,rollback*3"``, checkpoints
 every 4 steps, the data running out at step 16): a flipped gradient bit at step 6 gets
 the ``none`` rung (its faulty update is applied, as in the step: not held, so not
 recomputed without the fault), one at 10 ``skip_update`` (held, never applied), one at
@@ -11,7 +11,7 @@ recomputed without the fault), one at 10 ``skip_update`` (held, never applied), 
 and the repeated batch at 15 a rollback decided when the data ran out at 16 (it runs, as
 it would have before 16's fetch, and the data runs out again at 16).
 
-``non_finite`` (an LR of 1e30, ``prove = "off"``, ``action = "none,skip_update"``): step
+``non_finite`` (an LR of 1e30, ``[ledger.proof] scope = "off"``, ``action = "none,skip_update"``): step
 1's update makes the parameters infinite; step 2's NaN gradients get the ``none`` rung
 (applied), so step 3's loss is NaN on a logging step, where torchtitan would stop the run
 before step 3's deferred decision: it is made, recorded and its row written first, and the
@@ -31,14 +31,14 @@ from helpers import CONFIGS, explain, torchrun
 pytestmark = pytest.mark.slow
 
 BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.local_batch_size", "2",
-        "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
+        "--training.seq_len", "128", "--ledger.proof.scope", "off"]
 PAIRS = {
     "ladder": ["--training.steps", "18", "--ledger.spike.window", "5",
-               "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update,rollback*3",
+               "--ledger.response.policy", "act", "--ledger.response.action", "none,skip_update,rollback*3",
                "--ledger.rehearsal.inject", "6:0:bitflip,10:1:bitflip,13:0:bitflip,15:1:repeat",
-               "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.on_spike.rollback_back", "0",
-               "--ledger.on_spike.rollback_skip", "1", "--ledger.rehearsal.data_end", "16"],
-    "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "none,skip_update"],
+               "--checkpoint.enable", "--checkpoint.interval", "4", "--ledger.rollback.back", "0",
+               "--ledger.rollback.skip", "1", "--ledger.rehearsal.data_end", "16"],
+    "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.response.policy", "act", "--ledger.response.action", "none,skip_update"],
 }
 PAIRS["non_finite_quiet"] = [*PAIRS["non_finite"], "--metrics.log_freq", "10"]  # step 3 logs nothing
 TIMING = {"step_time_s", "data_loading_s", "time", "run_id"}
@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     def one(job):
         name, mode = job
         d = root / f"{name}-{mode}"
-        extra = ["--ledger.on_spike.no_defer"] if mode == "in_step" else []
+        extra = ["--ledger.response.no_defer"] if mode == "in_step" else []
         return job, d, torchrun([*BASE, *PAIRS[name], *extra, "--job.dump_folder", str(d)])
 
     with ThreadPoolExecutor(2) as pool:

@@ -9,7 +9,7 @@ Nine launches, two at a time:
   steps (20 past the step that stopped it). It must train all 440 (it convicted document
   358 at step 420, masked all of step
   421 and stopped on its NaN), convict no document, and name Adam's state at its spikes;
-  ``plateau_off`` (``prove = "off"``, 430 steps) is the same run without any response:
+  ``plateau_off`` (``[ledger.proof] scope = "off"``, 430 steps) is the same run without any response:
   the default policy, ``observe``, trains it bit for bit.
 * ``masked``: the same corpus with document 0 quarantined: step 1 holds nothing else, so
   every label of the step is masked -- the step is consumed whole (no update), its rows
@@ -106,18 +106,18 @@ def runs(tmp_path_factory):
     plateau = [*PLATEAU, "--dataloader.paths", str(prefix)]
     specs = {
         "plateau": ([*plateau, "--training.steps", str(PLATEAU_STEPS)], 1),
-        "plateau_off": ([*plateau, "--training.steps", "430", "--ledger.on_spike.prove", "off"], 1),
+        "plateau_off": ([*plateau, "--training.steps", "430", "--ledger.proof.scope", "off"], 1),
         "masked": ([*plateau, "--training.steps", "4", "--ledger.filter.quarantine", str(quarantine)], 1),
         "faults_observe": (DEBUG, 2),
-        "faults_off": ([*DEBUG, "--ledger.on_spike.prove", "off"], 2),
-        "faults_failed": ([*DEBUG, "--ledger.on_spike.act", "act", "--ledger.rehearsal.response_fault",
+        "faults_off": ([*DEBUG, "--ledger.proof.scope", "off"], 2),
+        "faults_failed": ([*DEBUG, "--ledger.response.policy", "act", "--ledger.rehearsal.response_fault",
                            "proof:raise,snapshot:oom", "--ledger.snapshots.every", "4"], 2),
-        "shift_act": ([*SHIFT, "--dataloader.paths", str(shift), "--ledger.on_spike.act", "act"], 1),
+        "shift_act": ([*SHIFT, "--dataloader.paths", str(shift), "--ledger.response.policy", "act"], 1),
         "shift_observe": ([*SHIFT, "--dataloader.paths", str(shift)], 1),
         "breaker": (["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
                      "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8",
-                     "--ledger.rehearsal.inject", "6:0:bitflip,8:1:bitflip", "--ledger.on_spike.act", "act",
-                     "--ledger.on_spike.breaker_actions", "1", "--ledger.on_spike.breaker_window", "3"], 2),
+                     "--ledger.rehearsal.inject", "6:0:bitflip,8:1:bitflip", "--ledger.response.policy", "act",
+                     "--ledger.breaker.actions", "1", "--ledger.breaker.window", "3"], 2),
     }
 
     def one(name):
@@ -278,9 +278,9 @@ def test_observe_convicts_and_records_what_it_would_do_and_changes_nothing(runs)
     assert (proofs[10]["verdict"], proofs[10]["would_apply"]) == ("bad_data", "masked"), proofs[10]
     assert all(p["held_back"] == "observe" and p["policy"] == "observe" for p in proofs.values())
     assert not (d / "ledger" / "proven_documents.jsonl").exists()
-    assert "held back by --ledger.on_spike.act observe); acting would have trained without the convicted data and " \
+    assert "held back by --ledger.response.policy observe); acting would have trained without the convicted data and " \
            "quarantined it" in out
-    assert "held back by --ledger.on_spike.act observe); acting would have applied the recomputed update" in out
+    assert "held back by --ledger.response.policy observe); acting would have applied the recomputed update" in out
 
 
 def test_failures_inside_the_response_never_stop_training_nor_change_it(runs):

@@ -68,8 +68,8 @@ def test_recovery_ladder_escalates_then_stops_with_a_report(tmp_path):
     proc = torchrun(["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
                      "--dump_folder", str(dump), "--checkpoint.enable", "--checkpoint.interval", "2",
                      "--ledger.spike.grad_jump", "1.1", "--ledger.spike.min_history", "2",
-                     "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "skip_update,rollback,stop", "--ledger.on_spike.rollback_back", "1",
-                     "--ledger.on_spike.rollback_skip", "1"])
+                     "--ledger.response.policy", "act", "--ledger.response.action", "skip_update,rollback,stop", "--ledger.rollback.back", "1",
+                     "--ledger.rollback.skip", "1"])
     assert proc.returncode == 1, explain(proc)
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "the recovery ladder stopped training" in lines[0], proc.stderr[-3000:]

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "14",
          "--training.local_batch_size", "2", "--training.seq_len", "128",  # a quarter of the TOML's rows
          "--ledger.spike.window", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
-         "--ledger.rehearsal.inject", "10:1:repeat", "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback",
-         "--ledger.on_spike.prove", "off",  # the postmortem of a rollback (a proof would fix it in step)
-         "--ledger.on_spike.rollback_back", "1", "--ledger.on_spike.rollback_skip", "2"]
+         "--ledger.rehearsal.inject", "10:1:repeat", "--ledger.response.policy", "act", "--ledger.response.action", "rollback",
+         "--ledger.proof.scope", "off",  # the postmortem of a rollback (a proof would fix it in step)
+         "--ledger.rollback.back", "1", "--ledger.rollback.skip", "2"]
 
 
 @pytest.fixture(scope="module")

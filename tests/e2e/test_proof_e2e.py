@@ -4,9 +4,9 @@ Three 12-step runs -- one with two rehearsal faults and ``action = rollback``: a
 flipped gradient bit on DP rank 0 at step 6 (``hardware``: the recomputed update is
 applied, and the run goes on exactly as the clean run) and a repeated batch on DP rank
 1 at step 10 (``bad_data``: nothing rolls back, the step trains on the rest of the
-batch and the documents are quarantined); and a clean run with ``prove = "all"`` and
+batch and the documents are quarantined); and a clean run with ``[ledger.proof] scope = "all"`` and
 every step from 2 on forced through a proof, once deciding in the step
-(``--ledger.on_spike.no_defer``) and once deferred (the default: each decision made at
+(``--ledger.response.no_defer``) and once deferred (the default: each decision made at
 the next step, behind its launched work) -- then the faulty run resumed from its step-8
 checkpoint, which must train steps 9-12 exactly as it did (the proof at step 10 again,
 its quarantine after it), and the same steps rerun by ``replay rerun`` (a fifth launch);
@@ -38,15 +38,15 @@ FLIP, REPEAT = 6, 10
 FINITE = 10  # a finite flip (bitflip@2) on DP rank 1: the grad norm 2x, the loss unmoved
 RUNS = {
     "faults": ["--ledger.rehearsal.inject", f"{FLIP}:0:bitflip,{REPEAT}:1:repeat",
-               "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
+               "--ledger.response.policy", "act", "--ledger.response.action", "rollback", "--checkpoint.enable", "--checkpoint.interval", "4",
                # after the quarantine: steps whose token counts are not a power of two, proven clean
                "--ledger.rehearsal.prove_at", f"{REPEAT + 1}-12"],
     # every note proven, and every step from 2 on forced through a proof: none may leave a trace
-    "clean": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.on_spike.no_defer"],
-    "clean_deferred": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.prove_at", "2-12"],
+    "clean": ["--ledger.proof.scope", "all", "--ledger.rehearsal.prove_at", "2-12", "--ledger.response.no_defer"],
+    "clean_deferred": ["--ledger.proof.scope", "all", "--ledger.rehearsal.prove_at", "2-12"],
     # issue 52: silent corruption below the grad-norm rules' bars, seen as a note and proven
-    "finite": ["--ledger.on_spike.prove", "all", "--ledger.rehearsal.inject", f"{FINITE}:1:bitflip@2",
-               "--ledger.on_spike.act", "act"],
+    "finite": ["--ledger.proof.scope", "all", "--ledger.rehearsal.inject", f"{FINITE}:1:bitflip@2",
+               "--ledger.response.policy", "act"],
 }
 
 
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     # a document starting in DP rank 0's batch of step 9 and ending 166 tokens into rank 1's
     split = load_bench("zoo").plant_across(root / "corpus", 9, 2, 2, 128, 166)
     args = {**RUNS, "split": ["--dataloader.source", "indexed", "--dataloader.paths", str(split.prefix),
-                              "--dataloader.no_shuffle", "--ledger.on_spike.act", "act"]}
+                              "--dataloader.no_shuffle", "--ledger.response.policy", "act"]}
 
     def one(name):
         d = root / name
@@ -168,7 +168,7 @@ def test_a_bitflip_is_proven_hardware_and_the_run_continues_as_without_it(runs):
 
 def test_a_finite_2x_bitflip_is_noted_proven_hardware_and_the_run_equals_the_fault_free_run(runs):
     """``bitflip@2`` at step 10 (issue 52): too small to act on (a note: its grad norm
-    ~2x the recent median, under the acting bars), proven in step with ``prove = all``;
+    ~2x the recent median, under the acting bars), proven in step with ``[ledger.proof] scope = "all"``;
     the proof says ``hardware`` and applies the recomputed update, the note becomes an
     alarm, and every step equals the fault-free run's bit for bit -- the faulty execution's
     own grad norm excepted."""

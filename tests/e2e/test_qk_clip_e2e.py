@@ -19,7 +19,7 @@ T = 20.0
 ARGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "30",
         "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "2",
         "--training.seq_len", "128", "--optimizer.lr", "0.1", "--debug.seed", "0",
-        "--ledger.on_spike.action", "none"]
+        "--ledger.response.action", "none"]
 
 
 def _rows(dump, extra):

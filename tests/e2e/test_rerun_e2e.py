@@ -28,7 +28,7 @@ FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps
          "--training.local_batch_size", "2", "--training.seq_len", "128",  # a quarter of the TOML's rows
          "--ledger.spike.window", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--ledger.rehearsal.inject", "8:1:repeat,11:0:bitflip",
-         "--ledger.on_spike.prove", "off"]  # reruns prove what a run did not prove at the alarm
+         "--ledger.proof.scope", "off"]  # reruns prove what a run did not prove at the alarm
 TIMES: dict[str, float] = {}
 
 

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 FLAGS = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--training.steps", "12",
          "--optimizer.lr", "1.0", "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.decay_type", "cosine",
          "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0", "--debug.seed", "0",
-         "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
-         "--ledger.on_spike.rollback_skip", "2"]
+         "--ledger.response.policy", "act", "--ledger.response.action", "rollback", "--ledger.rollback.back", "1",
+         "--ledger.rollback.skip", "2"]
 RING = ["--ledger.snapshots.every", "4", "--ledger.snapshots.keep", "3"]
 SPIKE = 9
 

@@ -33,19 +33,19 @@ pytestmark = pytest.mark.slow
 # most of a warm launch's time; the injected batch is as visible)
 # (no proof at the alarm: these rehearse what a flag does without one -- the guard, the
 # rollback, the post-hoc tools; a proof is test_proof_e2e.py's)
-SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.proof.scope", "off"]
 SHORT = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
          "--ledger.spike.window", "8", *SMALL]
 # Long enough that the model has learned something (the diagnosis needs it): 26 steps of
 # 4 x 128 tokens (at 2 x 128 the repeated batch no longer has the highest loss).
 LONG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "26",
-        "--ledger.spike.window", "16", "--training.seq_len", "128", "--ledger.on_spike.prove", "off"]
+        "--ledger.spike.window", "16", "--training.seq_len", "128", "--ledger.proof.scope", "off"]
 
 
 def test_update_guard_keeps_adam_exact_and_auto_skip_reuses_the_flags(tmp_path):
     guard = tmp_path / "guard"
     p = torchrun(SHORT + ["--job.dump_folder", str(guard), "--ledger.rehearsal.inject", "10:1:repeat",
-                          "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "skip_update", "--metrics.enable_tensorboard"])
+                          "--ledger.response.policy", "act", "--ledger.response.action", "skip_update", "--metrics.enable_tensorboard"])
     assert p.returncode == 0, explain(p)
     assert "at step 10: " in p.stdout + p.stderr and "done: the configured action (skip_update)" in p.stdout + p.stderr
     assert read_tb(guard, "spike/flag") == {10: 1.0}
@@ -112,8 +112,8 @@ def test_inject_is_seen_and_diagnosed_as_bad_data_of_that_rank(tmp_path):
 
 def test_in_process_rollback_equals_a_relaunch_with_the_planned_overrides(tmp_path):
     flags = SHORT + ["--ledger.rehearsal.inject", "10:1:repeat", "--checkpoint.enable", "--checkpoint.interval", "4",
-                     "--ledger.on_spike.act", "act", "--ledger.on_spike.action", "rollback", "--ledger.on_spike.rollback_back", "1",
-                     "--ledger.on_spike.rollback_skip", "2"]
+                     "--ledger.response.policy", "act", "--ledger.response.action", "rollback", "--ledger.rollback.back", "1",
+                     "--ledger.rollback.skip", "2"]
     live = tmp_path / "live"
     p = torchrun(flags + ["--job.dump_folder", str(live)])
     assert p.returncode == 0, explain(p)

@@ -66,7 +66,7 @@ def test_run_summary_counts_notes_proofs_and_what_the_response_held_back(tmp_pat
     text = train.run_summary(tmp_path, "ledger")
     assert "  notes        2 recorded, never acted on" in text
     assert ("  proofs       3: 1 bad_data, 1 outlier, 1 optimizer_state; 1 held back (would have acted: "
-            "--ledger.on_spike.act observe)") in text
+            "--ledger.response.policy observe)") in text
     assert ("  response     1 failure(s) inside the response, training went on; 1 step(s) consumed untrained "
             "(every label masked)") in text
 
@@ -267,7 +267,7 @@ def test_a_rollback_relaunch_names_what_differs_what_is_expected_and_what_it_rep
     from helpers import ROOT
 
     dump = tmp_path / "tour"
-    _recorded_run(dump, [*TOUR, "--ledger.on_spike.prove", "off", "--job.dump_folder", "/moved/away"], ROOT)
+    _recorded_run(dump, [*TOUR, "--ledger.proof.scope", "off", "--job.dump_folder", "/moved/away"], ROOT)
     overlay = tmp_path / "rollback.toml"
     overlay.write_text("[checkpoint]\nload_step = 4\n\n[ledger.skip]\nsteps = [\"8\"]\n")
     config, _ = train.parse_flags([*TOUR, "--job.overlay", str(overlay), "--job.dump_folder", str(dump)])
@@ -275,7 +275,7 @@ def test_a_rollback_relaunch_names_what_differs_what_is_expected_and_what_it_rep
     log = dump / "ledger" / "segments.jsonl"
     assert train.relaunch_report(config) == [
         ("warning", f"titan_ledger: relaunch: 1 setting differs from the run's recorded launch (segment 1 of {log}): "
-                    "--ledger.on_spike.prove all (was off)"),
+                    "--ledger.proof.scope all (was off)"),
         ("info", "titan_ledger: relaunch: expected differences from it: --checkpoint.load_step 4 (was -1: a "
                  "rollback's checkpoint), --ledger.skip.steps 8 (was none: a rollback's skip window)"),
         ("info", "titan_ledger: this relaunch rewinds to step-4: checkpoints step-8, step-12 of the old trajectory "

@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any
 
+from titan_ledger.format.spellings import renamed_key
+
 #: settings a tool or a relaunch changes on purpose, and why: named as expected, never a mismatch
 VOLATILE: dict[str, str] = {
     "dump_folder": "the launch's own folder",
@@ -28,7 +30,7 @@ VOLATILE: dict[str, str] = {
     "ledger.rehearsal.rerun": "a rerun's variant",
     "ledger.skip.steps": "a rollback's skip window",
     "ledger.filter.quarantine": "a quarantine",
-    "ledger.on_spike.action": "the response's action",
+    "ledger.response.action": "the response's action",
 }
 
 #: the flags that name a file the launch reads before parsing (a recorded launch's are
@@ -103,7 +105,8 @@ def is_volatile(key: str) -> bool:
 
 
 def _all_diffs(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
-    fa, fb = flat(a), flat(b)
+    # a launch recorded before a rename compares in today's spelling (format.spellings)
+    fa, fb = ({renamed_key(k): v for k, v in flat(d).items()} for d in (a, b))
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

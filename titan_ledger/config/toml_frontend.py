@@ -346,7 +346,13 @@ def translate(job: Job, base: Any, ac_configs: dict[str, Any] | None = None) -> 
 
 
 def _walk(out: Translation, job: Job, base: Any, path: str, table: dict, section: str) -> None:
+    from titan_ledger.format.spellings import renamed_table
+
     for key, value in table.items():
+        if section.startswith("ledger.") and not isinstance(value, dict):
+            new = renamed_table(section[len("ledger."):], key)
+            if new is not None:  # an old spelling of the response's sections: refused, the new one named
+                raise ConfigError(f"{job.where(section, key)} was renamed: write {new} (docs/toml.md)")
         # an old torchtitan key ([model] tokenizer_path) is an alias of its 0.3.0 path
         alias = None if isinstance(value, dict) else ALIASES.get((section, key))
         sub = alias or f"{path}.{key}"
@@ -441,6 +447,9 @@ def alias_cli(args: list[str]) -> list[str]:
 
 def assemble(tr: Translation, cli_args: list[str]) -> list[str]:
     """TOML flags, then CLI flags (CLI wins), then the AC subcommand (tyro wants it last)."""
+    from titan_ledger.format.spellings import refuse_renamed
+
+    refuse_renamed(cli_args)  # an old spelling of the response's flags: one line naming the new one
     cli_args = alias_cli(cli_args)
     cut = next((i for i, a in enumerate(cli_args) if a.startswith(AC_SUBCOMMAND_PREFIX)), None)
     if cut is None:

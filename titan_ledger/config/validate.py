@@ -52,19 +52,19 @@ def _ledger(config, world: int) -> None:
     from titan_ledger.rehearsal.faults import parse_die, parse_injects
 
     led, steps = config.ledger, config.training.steps
-    rungs = parse_ladder(led.on_spike.action)
+    rungs = parse_ladder(led.response.action)
     if any(r.action != "none" for r in rungs) and not (led.signals and led.spike.enable):
-        raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action} needs --ledger.signals "
+        raise ConfigError(f"--ledger.response.action {led.response.action} needs --ledger.signals "
                           f"and --ledger.spike.enable")
     if any(r.rolls_back for r in rungs) and not config.checkpoint.enable:
-        raise ConfigError(f"--ledger.on_spike.action {led.on_spike.action}: a rollback reloads checkpoints: set "
+        raise ConfigError(f"--ledger.response.action {led.response.action}: a rollback reloads checkpoints: set "
                           f"--checkpoint.enable")
     snap = led.snapshots
     if snap.every and not (led.signals and led.spike.enable and
-                           (led.on_spike.prove != "off" or any(r.rolls_back for r in rungs))):
+                           (led.proof.scope != "off" or any(r.rolls_back for r in rungs))):
         raise ConfigError(f"--ledger.snapshots.every {snap.every}: nothing would read the snapshots: the window "
-                          f"proof runs at a not_data proof (--ledger.on_spike.prove acting or all) and a rollback "
-                          f"restores one (--ledger.on_spike.action rollback), both on flags (--ledger.signals, "
+                          f"proof runs at a not_data proof (--ledger.proof.scope acting or all) and a rollback "
+                          f"restores one (--ledger.response.action rollback), both on flags (--ledger.signals, "
                           f"--ledger.spike.enable); or set --ledger.snapshots.every 0")
     if snap.every and config.qk_clip.enable:
         raise ConfigError(f"--ledger.snapshots.every {snap.every}: QK-clip rescales weights after each update from "

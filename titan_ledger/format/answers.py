@@ -39,6 +39,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from titan_ledger.format.spellings import renamed_argv
+
 #: a cause in words (the first of the three lines)
 CAUSE_WORDS = {
     "lr": "the learning rate", "optimizer_state": "Adam's state (its second moment lagging the gradients)",
@@ -370,7 +372,7 @@ class Answer:
 class Context:
     """What the answer needs of the run beyond the step: its settings, its launch (the
     segment header's ``argv``, ``cwd``, ``python`` and world size), its dump folder and the
-    complete checkpoints on disk, and the policy (``--ledger.on_spike.act``)."""
+    complete checkpoints on disk, and the policy (``--ledger.response.policy``)."""
 
     knobs: Knobs = field(default_factory=Knobs)
     dump: str = ""
@@ -469,7 +471,7 @@ def _did(proof: dict[str, Any] | None, event: dict[str, Any] | None) -> tuple[st
              "none": "applied no update", "masked": "trained without the convicted data and quarantined it",
              "control": "trained without the convicted data and quarantined it"}
     if held is not None and wants:
-        why = {"observe": "--ledger.on_spike.act observe", "quarantine_bound": "the quarantine bound",
+        why = {"observe": "--ledger.response.policy observe", "quarantine_bound": "the quarantine bound",
                "breaker": "the circuit breaker", "fragile": "a fragile run",
                "novelty": "no control of the same novelty (decided in the step)"}.get(held, held)
         return f"nothing (the update was applied{late}; held back by {why})" + configured, words.get(wants, str(wants))
@@ -526,7 +528,7 @@ def fix_command(ctx: Context, flags: tuple[str, ...], start: int | None, new_dum
     ``initial_load_model_only`` off) and the fix's flags last (the last spelling wins)."""
     if ctx.argv is None:
         return None
-    args = _strip(ctx.argv)
+    args = renamed_argv(_strip(ctx.argv))  # an old run recorded old spellings: today's, so it runs as printed
     if start is not None:
         ck = Path(ctx.dump) / ctx.checkpoint_folder / f"step-{start}"
         args += ["--checkpoint.enable", "--checkpoint.initial_load_path", str(ck.absolute() if not ck.is_absolute()
@@ -563,7 +565,7 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
     if proof is None:
         if not not_proven:
             not_proven = ("the stall rule's window proof needs host snapshots (--ledger.snapshots.every)"
-                          if kind == "stall" else "no proof ran (--ledger.on_spike.prove off, or a run "
+                          if kind == "stall" else "no proof ran (--ledger.proof.scope off, or a run "
                           "without the response)")
         if kind == "stall":
             onset = int((ev.get("stall") or {}).get("since") or step)

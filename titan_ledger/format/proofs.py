@@ -42,13 +42,13 @@ class Applied(StrEnum):
 
 #: the verdicts, worst first
 VERDICTS = tuple(Finding)
-#: the verdicts that act on a note (``prove = "all"``)
+#: the verdicts that act on a note (``[ledger.proof] scope = "all"``)
 HARMFUL = (Finding.HARDWARE, Finding.BAD_DATA)
 
 
 #: why a verdict that calls for an action did not act (a proof's ``held_back``)
 HELD_BACK = {
-    "observe": "--ledger.on_spike.act observe",
+    "observe": "--ledger.response.policy observe",
     "quarantine_bound": "the quarantine bound",
     "fragile": "a run already fragile",  # (records before the prover said not_data there)
     "breaker": "the circuit breaker",
@@ -82,7 +82,7 @@ class ProofRecord:
     content: dict[str, Any] | None = None  # a conviction's content checks: near copies, stands out, seen before, novelty
     update_recomputed: str | None = None  # executed once more to apply it (its gradients were gone)
     decided_at: int | None = None  # deferred: proven behind this step's launch
-    policy: str | None = None  # --ledger.on_spike.act
+    policy: str | None = None  # --ledger.response.policy
     stall: dict[str, Any] | None = None  # the stall rule's flag this proof answers
     window: dict[str, Any] | None = None  # the window proof from the host snapshot
     would_apply: Applied | None = None  # what the verdict called for, where it was held back

@@ -270,13 +270,13 @@ def proof_section(led: RunLedger, step: int) -> str:
     would have been), then every run as one table -- the step's executions and the window's
     re-runs from the host snapshot (variant, loss, grad norm, update normal, removed the
     spike, seconds, loss cost) -- each DP rank's share in words, the suspect and its
-    control, and the group testing's rounds (``--ledger.on_spike.prove_bisect``)."""
+    control, and the group testing's rounds (``--ledger.proof.bisect``)."""
     from titan_ledger.format.proofs import HELD_BACK, Proof
 
     head = "<h2>Proof at the alarm</h2>"
     record = led.proof_at(step)
     if record is None:
-        return head + "<p class='none'>no proof recorded at this step (--ledger.on_spike.prove, prove_at)</p>"
+        return head + "<p class='none'>no proof recorded at this step (--ledger.proof.scope, prove_at)</p>"
     p = Proof.of(record)
     facts = [["in-step verdict", f"{p.verdict}: {p.why}"], ["applied", p.applied]]
     if p.held_back is not None:

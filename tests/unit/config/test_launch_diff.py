@@ -106,15 +106,25 @@ def test_two_launches_parsed_by_the_entry_points_own_parse(tmp_path, ranks):
     what the relaunch says, from the configs ``train.parse_flags`` builds."""
     overlay = tmp_path / "rollback.toml"
     overlay.write_text("[checkpoint]\nload_step = 4\n\n[ledger.skip]\nsteps = [\"8\"]\n")
-    then, _ = train.parse_flags([*TOUR, "--ledger.on_spike.prove", "off", "--job.dump_folder", str(tmp_path)])
+    then, _ = train.parse_flags([*TOUR, "--ledger.proof.scope", "off", "--job.dump_folder", str(tmp_path)])
     now, _ = train.parse_flags([*TOUR, "--job.overlay", str(overlay), "--job.dump_folder", str(tmp_path)])
     lines = relaunch_lines(settings(now), settings(then), seq=1, log="L")
     assert lines == [
         ("warning", "titan_ledger: relaunch: 1 setting differs from the run's recorded launch (segment 1 of L): "
-                    "--ledger.on_spike.prove all (was off)"),
+                    "--ledger.proof.scope all (was off)"),
         ("info", "titan_ledger: relaunch: expected differences from it: --checkpoint.load_step 4 (was -1: a "
                  "rollback's checkpoint), --ledger.skip.steps 8 (was none: a rollback's skip window)")]
     # one owner of the comparable form: the ledger's config digest serializes the same JSON
     from titan_ledger.components.run.run_folder import config_digest, config_json
 
     assert settings(now) == json.loads(config_json(now)) and len(config_digest(now)) == 16
+
+
+def test_a_launch_recorded_before_a_rename_compares_in_todays_spelling():
+    """A run recorded ``ledger.on_spike.prove`` (issue 69 renamed it ``ledger.proof.scope``):
+    its relaunch compares setting by setting in today's spelling (``format.spellings``), not
+    as one setting gone and another new."""
+    then = {"ledger": {"on_spike": {"prove": "all", "max_rollbacks": 3}, "snapshots": {"every": 20, "max_proofs": 2}}}
+    now = {"ledger": {"proof": {"scope": "all"}, "rollback": {"limit": 5}, "snapshots": {"every": 20},
+                      "window": {"max_proofs": 2}}}
+    assert config_diff(now, then) == [("ledger.rollback.limit", 5, 3)]

@@ -222,7 +222,7 @@ def test_help_renders_a_fields_docstring_as_paragraphs():
     still ends a paragraph and a bullet still starts a line."""
     import tyro._docstrings as docstrings
 
-    from titan_ledger.components.ledger.sections import OnSpikeConfig
+    from titan_ledger.components.response.config import ResponseConfig
     from titan_ledger.config.toml_frontend import paragraphs_in_help
 
     paragraphs_in_help()
@@ -230,5 +230,5 @@ def test_help_renders_a_fields_docstring_as_paragraphs():
     text = docstrings._strings.remove_single_line_breaks(
         "First line of a field\n        continues here.\n\n        * a bullet\n        * another")
     assert text.split("\n")[0] == "First line of a field continues here." and "\n* a bullet\n* another" in text
-    act = docstrings.get_field_docstring(OnSpikeConfig, "act", ())
+    act = docstrings.get_field_docstring(ResponseConfig, "policy", ())
     assert "one contract for every automatic action." in act and "automatic\n" not in act

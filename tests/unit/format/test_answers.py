@@ -192,7 +192,7 @@ def test_no_quarantine_is_offered_after_a_verdict_that_ruled_the_data_out():
     assert not notdata.quarantine and not adam.quarantine and not notdata.documents
     assert bad.quarantine and bad.documents == ("c:7",) and bad.cause == "bad_data"
     assert bad.acting == "trained without the convicted data and quarantined it"
-    assert "held back by --ledger.on_spike.act observe" in bad.did
+    assert "held back by --ledger.response.policy observe" in bad.did
     # the fix held back: a relaunch from the checkpoint before the step with the convicted documents masked,
     # their quarantine file written first by diagnose (outside the run's own folder)
     assert bad.fix.variant == "quarantine" and bad.fix.flags[0] == "--ledger.filter.quarantine"
@@ -204,9 +204,9 @@ def test_no_quarantine_is_offered_after_a_verdict_that_ruled_the_data_out():
 
 
 def test_an_unproven_incident_says_why_and_lists_the_trees_reading_as_a_candidate_only():
-    a = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.on_spike.prove off", tree={"cause": "lr",
+    a = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.proof.scope off", tree={"cause": "lr",
                                                                                           "certainty": "guess"})
-    assert a.cause == "" and a.established == "none" and a.not_proven == "--ledger.on_spike.prove off"
+    assert a.cause == "" and a.established == "none" and a.not_proven == "--ledger.proof.scope off"
     assert a.fix is None and [c.variant for c in a.candidates] == ["lr"] and "tree" in a.candidates[0].detail
     assert a.lines()[0] == "loss spike at step 8: cause not established"
     # a budget spent: the window's why is the answer's
@@ -244,3 +244,14 @@ def test_an_incident_without_a_measured_fix_gets_the_runs_earlier_one_as_a_candi
     hw = build(63, "spike", SPIKE, {"verdict": "hardware", "applied": "same", "why": "", "acting": True,
                                     "executions": [], "dp_ranks": [0]}, CTX, earlier=(17, first.fix))
     assert not hw.candidates and hw.command is None
+
+
+def test_an_old_runs_fix_command_is_in_todays_spelling():
+    """A run recorded under the response's old flags (issue 69 renamed them): the answer's
+    command relaunches it in today's spelling, so it runs as printed."""
+    from dataclasses import replace as dc_replace
+
+    old = dc_replace(CTX, argv=(*ARGV, "--ledger.on_spike.prove", "all", "--ledger.snapshots.max_proofs", "3"))
+    a = build(421, "spike", SPIKE, {**ADAM, "window": _window({"eps": "removed"})}, old)
+    assert "--ledger.proof.scope all" in a.command and "--ledger.window.max_proofs 3" in a.command
+    assert "on_spike" not in a.command

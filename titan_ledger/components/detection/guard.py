@@ -76,7 +76,7 @@ class SpikeGuard:
         """This step's update guard on the device, no host read: 1.0 when an acting rule
         fired (``acting``) or a note did (``notes``), else 0.0 -- the fused AdamW's
         ``found_inf``, which then leaves parameters, moments and the step count as they
-        were (``OnSpikeConfig.defer``)."""
+        were (``[ledger.response] defer``)."""
         stats = self.last_stats
         fired = (stats[0] > 0) if acting else torch.zeros((), dtype=torch.bool, device=stats.device)
         if notes:
@@ -194,7 +194,7 @@ class SpikeGuard:
             ev["proof"] = proof
         elif proof_failed is not None:
             ev["proof_failed"] = proof_failed
-        elif unproven:  # prove = "all", past the note budget (OnSpikeConfig.prove_notes_rate)
+        elif unproven:  # scope = "all", past the note budget ([ledger.proof] notes_rate)
             ev["unproven"] = unproven
         if self._spikes is not None:
             self._spikes.write(ev)

@@ -66,7 +66,7 @@ zoo's faults 3-21x; no constant separates them, the run's own history does). The
 non-finite rule always acts.
 
 Sensitive notes (issue 52: a note costs a proof, not a false action), never acting by
-themselves (``NOTE_ONLY``); with ``--ledger.on_spike.prove all`` each is proven in step and
+themselves (``NOTE_ONLY``); with ``--ledger.proof.scope all`` each is proven in step and
 acts only when its proof finds a harmful cause:
 
 * grad move: the grad norm ``grad_move`` (1.8) x its recent median or more with the loss
@@ -93,7 +93,7 @@ from titan_ledger.errors import ConfigError
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
          "doc_low", "grad_jump", "grad_move", "rank_loss")
 #: rules that are notes whatever ``notes`` says: sensitive, so each costs a proof
-#: (``--ledger.on_spike.prove all``), never a false action; a proof that finds them harmful acts
+#: (``--ledger.proof.scope all``), never a false action; a proof that finds them harmful acts
 NOTE_ONLY = ("grad_move", "rank_loss")
 #: layout of the stats vector ``SpikeDetector.step`` returns (all float64). ``flag``: an
 #: acting rule fired (the step is a spike); each RULES entry: that rule fired *and acts*;
@@ -214,7 +214,7 @@ class SpikeDetector(Configurable):
         steps 9-11 would double the bar for 1,000 steps)."""
 
         grad_move: float = 1.8
-        """Note only (never acts by itself; proven under ``--ledger.on_spike.prove all``): the
+        """Note only (never acts by itself; proven under ``--ledger.proof.scope all``): the
         grad norm at least this many times the median of its recent steps with the loss
         unmoved (under ``loss_jump`` over its recent median), after ``min_history`` steps --
         the shape of a finite hardware fault. 0 disables it."""
@@ -235,7 +235,7 @@ class SpikeDetector(Configurable):
         """A grad-norm flag on a falling loss is a note: the grad-norm rules (z-score, ratio,
         grad jump) do not act when the step's loss fell more than ``loss_jump`` under its
         recent median (the ratio rule never did: it asks the loss to rise). A note is still
-        proven under ``--ledger.on_spike.prove all`` and acts when its proof finds a harmful
+        proven under ``--ledger.proof.scope all`` and acts when its proof finds a harmful
         cause (a batch of repeated text lowers the loss and convicts itself). Measured on the
         memorisation plateau (issue 67): the dip at step 123 (the loss at 15% of its median,
         the grad norm 4x) was flagged again at the same step under the fix its proof pointed at

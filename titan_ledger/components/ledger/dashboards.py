@@ -36,7 +36,7 @@ torchtitan's ``loss_metrics/global_avg_loss``, ``loss_metrics/global_max_loss``,
 ``grad_norm`` and ``lr/*`` (every ``log_freq`` steps) are the same numbers, so they are
 dropped from both dashboards while the ledger records signals.
 
-*Ends.* A stop by a non-finite loss, by the ledger (``max_rollbacks``) or any other
+*Ends.* A stop by a non-finite loss, by the ledger (``[ledger.rollback] limit``) or any other
 exception raises an ERROR alert and ends the run with ``finish(exit_code=1)``.
 Spikes raise a WARN alert each and are appended to the ``spike/events`` table; notes
 (the weaker tier, :mod:`titan_ledger.components.detection.spikes`) are ``note/*`` scalars only.

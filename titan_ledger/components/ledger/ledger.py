@@ -45,13 +45,16 @@ from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, d
 from titan_ledger.components.detection.stall import StallConfig, StallWatch, describe_stall
 from titan_ledger.components.ledger import dashboards
 from titan_ledger.components.ledger.data_writer import DataLedgerWriter
-from titan_ledger.components.ledger.sections import (
-    DocLossConfig,
-    FilterConfig,
-    OnSpikeConfig,
-    RehearsalConfig,
-    SkipConfig,
+from titan_ledger.components.ledger.sections import DocLossConfig, FilterConfig, RehearsalConfig, SkipConfig
+from titan_ledger.components.response.config import (
+    AdamCheckConfig,
+    BreakerConfig,
+    ConvictionConfig,
+    ProofConfig,
+    ResponseConfig,
+    RollbackConfig,
     SnapshotsConfig,
+    WindowConfig,
 )
 from titan_ledger.components.response.optimizer_state import AdamLevel
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
@@ -72,7 +75,7 @@ from titan_ledger.rehearsal.faults import parse_inject
 #: the content memory's slots (two int32 stamps each: 16 MiB a rank): data/content.py
 CONTENT_SLOTS = 1 << 21
 
-__all__ = ["DocLossConfig", "FilterConfig", "Ledger", "OnSpikeConfig", "RehearsalConfig", "SkipConfig"]
+__all__ = ["DocLossConfig", "FilterConfig", "Ledger", "RehearsalConfig", "SkipConfig"]
 
 
 class Ledger(Configurable):
@@ -137,12 +140,34 @@ class Ledger(Configurable):
         that stops learning while its attention logits grow, or slowly diverges), on the
         host from the written rows (``[ledger.stall]``)."""
 
-        on_spike: OnSpikeConfig = field(default_factory=lambda: OnSpikeConfig())
-        """What a flagged step does: the action or recovery ladder and its limits
-        (``[ledger.on_spike]``)."""
+        response: ResponseConfig = field(default_factory=lambda: ResponseConfig())
+        """What the response may change (the policy) and what a flagged step does (the
+        action or recovery ladder) (``[ledger.response]``)."""
+
+        proof: ProofConfig = field(default_factory=lambda: ProofConfig())
+        """The proof at the alarm: which flags, the note budget, the executions' tolerance
+        (``[ledger.proof]``)."""
+
+        adam_check: AdamCheckConfig = field(default_factory=lambda: AdamCheckConfig())
+        """The proof's optimizer-state test (``[ledger.adam_check]``)."""
+
+        conviction: ConvictionConfig = field(default_factory=lambda: ConvictionConfig())
+        """What convicting data needs: the quarantine's bound, a stable run, the content
+        look-back (``[ledger.conviction]``)."""
+
+        rollback: RollbackConfig = field(default_factory=lambda: RollbackConfig())
+        """In-process rollbacks: how far back, how many steps skipped, how many
+        (``[ledger.rollback]``)."""
+
+        breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig())
+        """The circuit breaker on automatic actions (``[ledger.breaker]``)."""
 
         snapshots: SnapshotsConfig = field(default_factory=lambda: SnapshotsConfig())
-        """Host-memory snapshots and the in-process window proof (``[ledger.snapshots]``)."""
+        """Host-memory snapshots: the ring a window proof re-runs from and a rollback
+        restores (``[ledger.snapshots]``)."""
+
+        window: WindowConfig = field(default_factory=lambda: WindowConfig())
+        """The window proof's fixes and budget (``[ledger.window]``)."""
 
         rehearsal: RehearsalConfig = field(default_factory=lambda: RehearsalConfig())
         """Fault injection and counterfactual reruns (``[ledger.rehearsal]``); rehearsal only."""
@@ -221,14 +246,14 @@ class Ledger(Configurable):
         betas = next((g.get("betas") for o in getattr(trainer.optimizers, "optimizers", []) for g in o.param_groups
                       if g.get("betas") is not None), None)
         if betas is not None:  # Adam: its second moment's level, for the proof's optimizer-state test
-            self.adam_level = AdamLevel(float(betas[1]), int(cfg.on_spike.adam_horizon))
+            self.adam_level = AdamLevel(float(betas[1]), int(cfg.adam_check.horizon))
         if self.loader is not None and self.loader.tagging:
             self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch, skip_lr=cfg.skip.lr,
                                          tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
         if self.enabled:
             self._build_recorder(trainer)
-        if cfg.on_spike.prove != "off" and self.loader is not None and self.loader.tagging:
-            self.content = ContentMemory(CONTENT_SLOTS, int(cfg.on_spike.lookback))
+        if cfg.proof.scope != "off" and self.loader is not None and self.loader.tagging:
+            self.content = ContentMemory(CONTENT_SLOTS, int(cfg.conviction.lookback))
         self.knobs = knobs_of(tcfg)
         if self.guard is not None:
             self.guard.answer_context = lambda: self.answer_context(tcfg)
@@ -245,7 +270,7 @@ class Ledger(Configurable):
             knobs=self.knobs, dump=str(tcfg.dump_folder), argv=tuple(launch["argv"]) if "argv" in launch else None,
             cwd=launch.get("cwd", ""), python=launch.get("python") or "python", world_size=self.topo.world,
             checkpoints=tuple(checkpoints(tcfg.dump_folder, ck.folder)) if ck.enable else (),
-            checkpoint_folder=ck.folder, policy=self.config.on_spike.act, loss_jump=self.config.spike.loss_jump)
+            checkpoint_folder=ck.folder, policy=self.config.response.policy, loss_jump=self.config.spike.loss_jump)
 
     def attach_loss(self, loss_fn, *, per_document: bool, cp_enabled: bool, seq_len: int) -> DocLossTracker | None:
         """Hook the step's signals into the trainer's loss when it is titan_ledger's
@@ -318,7 +343,7 @@ class Ledger(Configurable):
             global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
             doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip, note_of=is_note)
         if cfg.spike.enable:
-            self.guard = SpikeGuard(topo, cfg.spike, cfg.on_spike.action, self.device)
+            self.guard = SpikeGuard(topo, cfg.spike, cfg.response.action, self.device)
 
     # ------------------------------------------------------------------ segments
     def open(self, resumed_from: int, rewind_from: int | None = None) -> None:

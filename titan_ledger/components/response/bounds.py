@@ -3,15 +3,15 @@
 Design decision: every anchor's automatic action is one step withheld (Megatron's rerun
 machine, OLMo-core's skip-step optimizer); a quarantine removes data for the rest of a
 run, and actions taken in a loop can thrash a run they were meant to save. So under
-``--ledger.on_spike.act act`` two bounds stand between a verdict and what it changes,
+``--ledger.response.policy act`` two bounds stand between a verdict and what it changes,
 both pure bookkeeping here, unit-tested without processes; ``Recovery`` asks them:
 
 * :func:`quarantine_coverage` -- how much of the data a conviction's documents are: their
   tokens, their share of the corpus and, read ahead in the corpus's order, of the next
   1,000 steps, and whether a step would be left with no token. Past
-  ``--ledger.on_spike.quarantine_max`` (1%) or at an emptied step the quarantine is
+  ``--ledger.conviction.max_share`` (1%) or at an emptied step the quarantine is
   refused: the verdict stands, and the ladder decides the step.
-* :class:`Breaker` -- more than ``breaker_actions`` actions within ``breaker_window`` steps
+* :class:`Breaker` -- more than ``[ledger.breaker] actions`` actions within its ``window`` steps
   pause acting (the response observes) until a window passes without one. Checkpointed
   with the ladder, so a resumed run pauses where the uninterrupted one would.
 """
@@ -81,13 +81,13 @@ def quarantine_coverage(documents: list[tuple[str, int]], sizes: dict[tuple[str,
                        f"nothing to train on")
     elif ahead is not None and ahead["total"] and ahead["tokens"] / ahead["total"] > max_share:
         cov.refused = (f"they are {ahead['tokens'] / ahead['total']:.3%} of the next {ahead['steps']} steps' tokens, "
-                       f"more than --ledger.on_spike.quarantine_max {max_share:g}")
+                       f"more than --ledger.conviction.max_share {max_share:g}")
     elif ahead is None and lone_doc_step is not None and longest is not None and longest >= lone_doc_step:
         cov.refused = (f"a convicted document holds {longest} tokens, a whole step's {lone_doc_step} or more: "
                        f"masking it could leave a step with nothing to train on")
     elif share is not None and share > max_share:
         cov.refused = (f"the convicted documents are {share:.3%} of the corpus, more than "
-                       f"--ledger.on_spike.quarantine_max {max_share:g}")
+                       f"--ledger.conviction.max_share {max_share:g}")
     return cov
 
 

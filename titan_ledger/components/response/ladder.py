@@ -1,7 +1,7 @@
 """The recovery ladder: which response a flagged step gets, escalating when spikes come
 back within a horizon (none -> skip_update -> rollback -> rollback_lr -> stop), and the
 one-screen report a ``stop`` rung prints; and the note budget: which notes
-``prove = "all"`` proves.
+``[ledger.proof] scope = "all"`` proves.
 
 Design decision: pure bookkeeping beside the actions it chooses (``recovery`` carries
 them out); the ladder's state survives an in-process rollback and is checkpointed with
@@ -20,7 +20,7 @@ from titan_ledger.format import records
 
 
 class Action(StrEnum):
-    """A rung's action (``--ledger.on_spike.action``); the TOML's string equals its member."""
+    """A rung's action (``--ledger.response.action``); the TOML's string equals its member."""
 
     NONE = "none"
     SKIP_UPDATE = "skip_update"
@@ -52,15 +52,15 @@ class Rung:
 
 
 def parse_ladder(spec: str) -> list[Rung]:
-    """``--ledger.on_spike.action`` -> rungs. One action repeats without limit (rollbacks
-    are capped by ``--ledger.on_spike.max_rollbacks``); a comma-separated list escalates:
+    """``--ledger.response.action`` -> rungs. One action repeats without limit (rollbacks
+    are capped by ``--ledger.rollback.limit``); a comma-separated list escalates:
     ``skip_update*2,rollback,rollback_lr:0.5,stop`` (``*N``: attempts of that rung,
     default 1; ``rollback_lr:X``: roll back and scale the LR by X from then on)."""
     from titan_ledger.errors import ConfigError
 
     entries = [e.strip() for e in str(spec).split(",") if e.strip()]
     if not entries:
-        raise ConfigError("--ledger.on_spike.action: give an action (none, skip_update, rollback, "
+        raise ConfigError("--ledger.response.action: give an action (none, skip_update, rollback, "
                           "rollback_lr:X, stop) or a comma-separated ladder of them")
     rungs = []
     for e in entries:
@@ -74,12 +74,12 @@ def parse_ladder(spec: str) -> list[Rung]:
         bad = (action not in ACTIONS or attempts < 0 or (action == Action.ROLLBACK_LR) != (lr is not None)
                or (lr is not None and not 0 < lr < 1) or (action in (Action.NONE, Action.STOP) and times))
         if bad:
-            raise ConfigError(f"--ledger.on_spike.action {spec!r}: {e!r} is not an action; use none, skip_update, "
+            raise ConfigError(f"--ledger.response.action {spec!r}: {e!r} is not an action; use none, skip_update, "
                               f"rollback, rollback_lr:X (0 < X < 1) or stop, each optionally *N attempts, "
                               f"e.g. skip_update*2,rollback,rollback_lr:0.5,stop")
         rungs.append(Rung(action, attempts, lr))
     if any(r.action == Action.STOP for r in rungs[:-1]):
-        raise ConfigError(f"--ledger.on_spike.action {spec!r}: stop can only be the last rung")
+        raise ConfigError(f"--ledger.response.action {spec!r}: stop can only be the last rung")
     return rungs
 
 
@@ -145,8 +145,8 @@ class Ladder:
 
 
 class NoteBudget:
-    """A token bucket of note proofs (``--ledger.on_spike.prove_notes_rate`` /
-    ``prove_notes_burst``): full at the start, refilled by ``rate`` a step, one token a
+    """A token bucket of note proofs (``--ledger.proof.notes_rate`` /
+    ``[ledger.proof] notes_burst``): full at the start, refilled by ``rate`` a step, one token a
     proven note. Counted in integer millionths, so the decision at a step does not
     depend on which earlier steps asked (the deferred and the in-step decisions ask at
     different steps and must agree bit for bit): ``min`` of a refill is the same in one
@@ -188,10 +188,10 @@ def ladder_report(folder: Path, ladder: Ladder, config, action: dict) -> str:
     py = python_command()  # the interpreter that trained: the commands run as printed
     tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
                       for h in ladder.history) or "nothing"
-    on_spike = config.ledger.on_spike
+    response = config.ledger.response
     return "\n".join([
         f"the recovery ladder stopped training at step {step} "
-        f"(--ledger.on_spike.action {on_spike.action}, horizon {on_spike.ladder_horizon} steps)",
+        f"(--ledger.response.action {response.action}, horizon {response.repeat_horizon} steps)",
         f"  what happened: spikes kept coming back within the horizon; last at step {step}",
         f"  what was tried: {tried}",
         f"  evidence: {folder / records.SPIKES_FILE} (every flag and decision), {folder / records.SIGNALS_FILE}, "

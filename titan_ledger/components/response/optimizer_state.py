@@ -12,7 +12,7 @@ the second moment restored to its long-run level. v's total over the parameters 
 exponential average of the (clipped) gradient's squared norm -- exactly, for the
 updates applied -- so both levels come from the signals rows the run writes anyway
 (:class:`AdamLevel`, host floats, checkpointed): the fast average with Adam's own beta2
-is where v stands, a slow one over ``--ledger.on_spike.adam_horizon`` steps where it
+is where v stands, a slow one over ``--ledger.adam_check.horizon`` steps where it
 stood. v restored is ``v x max(1, slow / fast)`` per element (its shape kept, so a
 healthy run, where the two levels agree, recomputes the very same update), and
 :func:`update_norms` returns the updates' squared norms, actual and restored: the
@@ -21,7 +21,7 @@ it. Their ratios are the amplification the state added. The second decides: at t
 spike itself the large gradient refreshes v, so the step's own update is little
 amplified (1.7x at the plateau's step 420), while the updates that moved the weights
 into the spike -- the quiet steps' -- were inflated by the decayed v (21x there). At or
-past ``--ledger.on_spike.adam_check`` the verdict is ``optimizer_state`` and no data
+past ``--ledger.adam_check.ratio`` the verdict is ``optimizer_state`` and no data
 is convicted. Epsilon enters both (a large one caps the updates a small v inflates).
 
 Numbers (docs/spike-response.md, "Adam first"): on the plateau (seed 0) v's level stood

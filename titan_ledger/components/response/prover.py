@@ -8,14 +8,14 @@ through the trainer's own ``execute`` (the copied torchtitan body, so nothing ab
 the step differs but the labels a variant masks):
 
 * ``same``: the step again. Unequal to the first execution (bit for bit, or past
-  ``--ledger.on_spike.prove_rtol``) is a transient fault (``hardware``): a third
+  ``--ledger.proof.rtol``) is a transient fault (``hardware``): a third
   execution decides which result is applied, and the ranks whose local loss or
   gradients changed are named. When all three differ, the machine does not execute
   the step bit for bit (a GPU without ``--debug.deterministic``: atomics in attention's
   and embeddings' backward) and the proof measures that noise itself instead of
   trusting a constant: the closest two executions give the floor, per parameter and
   rank, and an execution is a fault only when it stands farther from both others than
-  ``--ledger.on_spike.prove_noise_factor`` times that floor (``verdict.odd_one_out``);
+  ``--ledger.proof.noise_factor`` times that floor (``verdict.odd_one_out``);
   otherwise the step reproduced within this machine's noise, and the noise is recorded
   with the proof (the tolerance, measured at every proof that needs one).
 * ``control`` then ``masked``: the evidence's suspect (one DP rank's whole batch, or
@@ -42,12 +42,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
 
 import torch
 
 from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
+from titan_ledger.components.response.config import AdamCheckConfig, ConvictionConfig, ProofConfig, ProveMode
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
@@ -82,7 +82,7 @@ from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
 @dataclass
 class FirstExecution:
     """A flagged step's first execution as a deferred decision keeps it for a step
-    (``OnSpikeConfig.defer``): its gradients are overwritten by the next step's, so what
+    (``[ledger.response] defer``): its gradients are overwritten by the next step's, so what
     the proof compares is kept on the device instead -- per parameter the local
     gradient's sum of squares and its sum (a checksum: a changed bit changes one of them,
     a sign included) -- with the loss sum, tokens and grad norm ``Ledger.record`` saw."""
@@ -172,14 +172,6 @@ class _Case:
     checks: dict | None = None  # the conviction's content checks (near copies, stands out, seen before, novelty)
 
 
-class ProveMode(StrEnum):
-    """Which flags are proven (``--ledger.on_spike.prove``; the TOML's string equals its member)."""
-
-    OFF = "off"  # none: the ladder answers every flag
-    ACTING = "acting"  # acting flags
-    ALL = "all"  # acting flags, and notes within the note budget
-
-
 # --------------------------------------------------------------------------- the seam
 class Prover:
     """Re-executes a flagged step of one ``LedgerTrainer`` (``Recovery`` asks it). A proof
@@ -188,8 +180,13 @@ class Prover:
     it: :meth:`convict` (the quarantine and the step's masks) and :meth:`load_update` (the
     gradients of the update to apply)."""
 
-    def __init__(self, trainer: Host, note_budget: NoteBudget | None = None) -> None:
-        self.trainer = trainer  # (built before torchtitan's __init__: its config is read lazily)
+    def __init__(self, trainer: Host, note_budget: NoteBudget | None = None, *, proof: ProofConfig | None = None,
+                 adam: AdamCheckConfig | None = None, conviction: ConvictionConfig | None = None) -> None:
+        self.trainer = trainer
+        # the run's [ledger.proof], [ledger.adam_check] and [ledger.conviction] (Recovery passes them)
+        self.proof = proof or ProofConfig()
+        self.adam = adam or AdamCheckConfig()
+        self.conviction = conviction or ConvictionConfig()
         self.note_budget = note_budget  # Recovery's: how many notes may be proven (None: every one)
         self.proofs = 0
         # what the gradients hold after the last proof (deferred decisions apply from them)
@@ -206,12 +203,8 @@ class Prover:
         self.model_made: list[int] = []
 
     @property
-    def config(self):
-        return self.trainer.config.ledger.on_spike
-
-    @property
     def mode(self) -> str:
-        return self.config.prove
+        return self.proof.scope
 
     @property
     def faults(self) -> dict[str, str]:
@@ -221,8 +214,8 @@ class Prover:
         return self._faults
 
     def wanted(self, acting: bool, note: bool, step: int) -> bool:
-        """Whether a step flagged so is proven: an acting flag unless ``prove = "off"``,
-        a note with ``prove = "all"`` while the note budget allows (``Recovery.note_budget``)."""
+        """Whether a step flagged so is proven: an acting flag unless ``[ledger.proof] scope = "off"``,
+        a note with ``[ledger.proof] scope = "all"`` while the note budget allows (``Recovery.note_budget``)."""
         return (self.mode != ProveMode.OFF and acting) or (note and self.notes_allowed(step))
 
     def notes_allowed(self, step: int) -> bool:
@@ -254,7 +247,7 @@ class Prover:
         kind = response_fault(self.faults, "bisect" if variant == "bisect" else "proof")  # (rehearsal)
         if kind == "timeout":
             self._deadline = -math.inf
-        check_deadline(t, self._deadline, "the proof")
+        check_deadline(t, self._deadline, "the proof", self.proof.timeout)
         t0 = time.perf_counter()
         params = self._params()
         loss, grad_norm, local_tokens, global_tokens = again.run(groups)
@@ -412,7 +405,7 @@ class Prover:
 
         t = self.trainer
         ledger = t.ledger
-        bar = float(self.config.adam_check)
+        bar = float(self.adam.ratio)
         ratio, owned = ledger.adam_ratio(), ledger.owned_params()
         if bar <= 0 or ratio is None or owned is None:
             return None
@@ -441,7 +434,7 @@ class Prover:
             return None
         return {"amplification": round(amplification(n[2:]), 4), "amplification_step": round(amplification(n[:2]), 4),
                 "restore": round(ratio, 4) if math.isfinite(ratio) else None,
-                "bar": bar, "horizon": int(self.config.adam_horizon)}
+                "bar": bar, "horizon": int(self.adam.horizon)}
 
     def _content(self, docs) -> dict:
         """(tokens, content digest) of each document (the corpus's, read back by the
@@ -463,7 +456,7 @@ class Prover:
 
         t = self.trainer
         start = time.perf_counter()
-        self._deadline = start + float(self.config.prove_timeout)
+        self._deadline = start + float(self.proof.timeout)
         with Reexecution(t, rec, replaces=False) as again:
             out = self._prove(rec, again, acting=acting, event=event, first=first)
         out.seconds = round(time.perf_counter() - start, 4)
@@ -519,8 +512,8 @@ class Prover:
         detector = ledger.detector
         original.normal = normal_update(detector, original.loss, original.grad_norm)
         return _Case(rec=rec, again=again, first_grads=first_grads, original=original, groups=rec.batches,
-                     detector=detector, rtol=float(self.config.prove_rtol),
-                     factor=float(self.config.prove_noise_factor))
+                     detector=detector, rtol=float(self.proof.rtol),
+                     factor=float(self.proof.noise_factor))
 
     def _repeat(self, case: _Case) -> bool:
         """The same batch again (a third time where the first two differ, and the noise
@@ -541,7 +534,7 @@ class Prover:
         case.adam = self._adam_check()
         if case.adam is None:
             return None
-        return optimizer_verdict(case.adam["amplification"], float(self.config.adam_check),
+        return optimizer_verdict(case.adam["amplification"], float(self.adam.ratio),
                                  case.adam["restore"] or 1.0)
 
     def _suspect_with_control(self, case: _Case, event: dict[str, Any]) -> None:
@@ -592,7 +585,7 @@ class Prover:
             if c.suspect.dp_rank == self.trainer.ledger.topo.dp_rank else []
 
     def _group_test(self, case: _Case, v: Verdict) -> Verdict:
-        """Group testing (``prove_bisect``): where the step is abnormal and no document is
+        """Group testing (``[ledger.proof] bisect``): where the step is abnormal and no document is
         named yet, halves of the step's documents masked round by round; the documents
         whose mask alone brings the update back are convicted, their update in place."""
         from torchtitan.components.loss import IGNORE_INDEX
@@ -601,7 +594,7 @@ class Prover:
         topo = self.trainer.ledger.topo
         sizes = _documents(c.tags_by_dp, None if v.verdict == Finding.NOT_DATA or c.suspect is None
                            else c.suspect.dp_rank)
-        if not (self.config.prove_bisect and len(sizes) > 1 and not c.original.normal and (
+        if not (self.proof.bisect and len(sizes) > 1 and not c.original.normal and (
                 v.verdict == Finding.NOT_DATA or (v.verdict == Finding.BAD_DATA and c.suspect is not None
                                                   and c.suspect.docs is None))):
             return v
@@ -678,8 +671,8 @@ class Prover:
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the run flagged {unstable} of the {UNSTABLE_WINDOW} steps before this "
                                f"one: unstable as a whole, a document that triggers a step in it is not proven bad "
-                               f"(--ledger.on_spike.unstable_flags {self.config.unstable_flags})")
-        if not self.config.quarantine_fragile and (fragile := self._fragile()) is not None:
+                               f"(--ledger.conviction.unstable_flags {self.conviction.unstable_flags})")
+        if not self.conviction.fragile and (fragile := self._fragile()) is not None:
             # the LR's fingerprint holds: every update moves the weights so far that masking
             # any data changes the step; a document that triggers it is not proven bad
             c.fragile = fragile
@@ -687,7 +680,7 @@ class Prover:
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
                            why=f"{v.why}; but the LR's fingerprint holds (the updates moved the weights {moved:.1%} "
                                f"of their norm a step): in a run the LR made this fragile, a document that triggers "
-                               f"a step is not proven bad (--ledger.on_spike.quarantine_fragile to convict anyway)")
+                               f"a step is not proven bad (--ledger.conviction.fragile to convict anyway)")
         applied = self._convicted_execution(c, v)
         if applied is not None:  # their own loss against the rest of the step's (recorded; not a bar: below)
             theirs, rest, y = stands_out(c.original, applied)
@@ -817,15 +810,15 @@ class Prover:
         return None
 
     def _model_made(self, step: int) -> int | None:
-        """The latest step before ``step``, within the look-back (``[ledger.on_spike]
+        """The latest step before ``step``, within the look-back (``[ledger.conviction]
         lookback``), whose update the model made abnormal with no data to blame, or None."""
-        horizon = int(self.config.lookback)
+        horizon = int(self.conviction.lookback)
         return next((s for s in reversed(self.model_made) if step - horizon <= s < step), None)
 
     def _unstable(self, step: int) -> int:
         """The flagged steps among the :data:`UNSTABLE_WINDOW` written before ``step`` when
         they reach ``unstable_flags`` (else 0): a run diverging as a whole."""
-        bar = int(self.config.unstable_flags)
+        bar = int(self.conviction.unstable_flags)
         if bar <= 0:
             return 0
         n = sum(1 for r in self.trainer.ledger.recent
@@ -861,12 +854,12 @@ class Prover:
         # read as it streams (text, hf), a DP rank's rows are its own documents': one document
         # can fill a step only at DP 1
         lone = step_tokens if ledger.topo.dp_size == 1 else None
-        return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.config.quarantine_max),
+        return quarantine_coverage(docs, sizes, shares, step_tokens, float(self.conviction.max_share),
                                    ahead=ahead, lone_doc_step=lone)
 
 
 #: the steps before a conviction whose flags say whether the run is unstable as a whole
-#: (``--ledger.on_spike.unstable_flags``; the ledger keeps the last 64 rows written)
+#: (``--ledger.conviction.unstable_flags``; the ledger keeps the last 64 rows written)
 UNSTABLE_WINDOW = 64
 #: how many model-made abnormal steps the prover remembers (only the latest within the look-back is asked)
 MODEL_MADE_KEPT = 64

@@ -33,7 +33,7 @@ again -- by the proof or the redo -- goes through
 Not calling ``optimizers.step()`` on a rejected step leaves parameters, moments and
 Adam's step count as they were (OLMo-core PR 309/317: the count must not advance).
 
-**Deferred decisions** (``[ledger.on_spike] defer``, on by default): asking the
+**Deferred decisions** (``[ledger.response] defer``, on by default): asking the
 question in the step needs the flag on the host before ``optimizers.step()``, a device
 sync every step. Instead the device answers first: :meth:`SpikeGuard.hold` becomes the
 fused AdamW's ``found_inf`` (GradScaler's mechanism), so a flagged step's update is
@@ -77,6 +77,7 @@ import torch
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
 from titan_ledger.components.response.bounds import Breaker
+from titan_ledger.components.response.config import Sections
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import Action, Ladder, NoteBudget, ladder_report, parse_ladder
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
@@ -116,7 +117,7 @@ class Deferred:
     first: FirstExecution | KeptExecution | None  # the first execution, for a proof (None: prove off)
     forced: bool  # --ledger.rehearsal.prove_at names the step
     holds: bool = True  # an acting flag holds the update (False: prove off and the ladder's next rung is none)
-    notes: bool = False  # a note holds it (prove = "all" and the note budget allowed a proof at the step)
+    notes: bool = False  # a note holds it (scope = "all" and the note budget allowed a proof at the step)
 
 
 _NOTE = STAT_KEYS.index("note")
@@ -126,19 +127,23 @@ class Recovery:
     """The recovery side of one ``LedgerTrainer``: built with it, asked at the spots of the
     module docstring's table."""
 
-    def __init__(self, trainer: Host, on_spike) -> None:
-        """``on_spike``: the run's ``[ledger.on_spike]`` (``OnSpikeConfig``, which the ledger
-        layer above owns): the ladder, the note budget and the breaker are built from it."""
+    def __init__(self, trainer: Host, config: Sections) -> None:
+        """``config``: the run's ``[ledger]`` table, whose response sections
+        (:mod:`.config`) build every part here; nothing reads them later through the trainer."""
         self.trainer = trainer
+        self.response, self.rollback = config.response, config.rollback
         # the answers' own history, checkpointed with the run (state_dict, under the keys
         # checkpoints have always had): the rungs tried, the notes proven, the actions counted
-        self.ladder = Ladder(parse_ladder(on_spike.action), on_spike.ladder_horizon)
-        self.note_budget = NoteBudget(on_spike.prove_notes_rate, on_spike.prove_notes_burst)
-        self.breaker = Breaker(on_spike.breaker_actions, on_spike.breaker_window)
+        self.ladder = Ladder(parse_ladder(config.response.action), config.response.repeat_horizon)
+        self.note_budget = NoteBudget(config.proof.notes_rate, config.proof.notes_burst)
+        self.breaker = Breaker(config.breaker.actions, config.breaker.window)
         self._keep_history = False  # an in-process rollback keeps the ladder's and breaker's own history
-        self.prover = Prover(trainer, self.note_budget)
-        self.snapshots = SnapshotRing(trainer)  # [ledger.snapshots]: off unless every > 0
-        self.window = WindowProof(trainer, self.snapshots)
+        self.prover = Prover(trainer, self.note_budget, proof=config.proof, adam=config.adam_check,
+                             conviction=config.conviction)
+        # [ledger.snapshots]: off unless every > 0
+        self.snapshots = SnapshotRing(trainer, config.snapshots, replays=config.proof.scope != ProveMode.OFF,
+                                      max_stall_proofs=config.window.max_stall_proofs)
+        self.window = WindowProof(trainer, self.snapshots, config.window, config.proof.timeout)
         self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
         self.pending_rollback: int | None = None  # the spiked step a rollback starts from
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
@@ -332,7 +337,7 @@ class Recovery:
         if len(stalls) <= self._stalls_seen:
             return False
         self._stalls_seen = len(stalls)
-        if not (self.snapshots.replays and self.window.ring.stall_proofs < self.window.ring.config.max_stall_proofs):
+        if not (self.snapshots.replays and self.window.ring.stall_proofs < self.window.config.max_stall_proofs):
             return False
         self._stall = stalls[-1]
         return True
@@ -345,7 +350,7 @@ class Recovery:
 
     @property
     def deferrable(self) -> bool:
-        """Whether decisions can be deferred in this run (``--ledger.on_spike.defer``): an
+        """Whether decisions can be deferred in this run (``--ledger.response.defer``): an
         acting flag, QK-clip off (its update follows the decision), fused Adam/AdamW
         optimizers (``found_inf``) and no step hook on the optimizers container (a held
         update would still run it); said once at the first step when it cannot."""
@@ -358,15 +363,15 @@ class Recovery:
             # runs on every optimizers.step(), a held one included: not what a skipped step does
             hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
                           getattr(t.optimizers, "_optimizer_step_post_hooks", None))
-            self._deferrable = bool(t.config.ledger.on_spike.defer and self._acts() and fused
+            self._deferrable = bool(self.response.defer and self._acts() and fused
                                     and not t.ledger.clips_qk and not hooked)
-            if t.config.ledger.on_spike.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
+            if self.response.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
                 from torchtitan.tools.logging import logger
 
                 why = "QK-clip is on" if t.ledger.clips_qk else \
                     "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)" if not fused else \
                     "an optimizer step hook runs on every update (MoE load balancing)"
-                logger.warning(f"titan_ledger: --ledger.on_spike.defer: {why}, so every step reads its spike "
+                logger.warning(f"titan_ledger: --ledger.response.defer: {why}, so every step reads its spike "
                                f"flag on the host before its update (a device sync per step)")
         return self._deferrable
 
@@ -525,8 +530,8 @@ class Recovery:
     def _judge(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
                first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
         """Is this step's update applied? A flagged step is proven first
-        (``--ledger.on_spike.prove``); what its verdict changes is the policy's
-        (``--ledger.on_spike.act``: observe changes nothing) within the bounds (the
+        (``--ledger.proof.scope``); what its verdict changes is the policy's
+        (``--ledger.response.policy``: observe changes nothing) within the bounds (the
         quarantine's size, the circuit breaker); the ladder acts on an acting flag no proof
         resolved. In the step, or deferred (``first``: what was kept of the first
         execution; the caller then loads the update, ``_resolve``)."""
@@ -569,7 +574,7 @@ class Recovery:
             return None
         rec.proof = proof
         proof.decided_at = decided_at  # deferred: proven behind the next step's launch (None: in the step)
-        proof.policy = self.trainer.config.ledger.on_spike.act
+        proof.policy = self.response.policy
         stall, self._stall = self._stall, None
         if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
             proof.stall = {"step": stall["step"], "kind": stall["stall"]["kind"]}
@@ -594,7 +599,6 @@ class Recovery:
         resolved the step (else the ladder decides it) and the update applied (``original``,
         ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
         holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
-        cfg = self.trainer.config.ledger.on_spike
         verdict, wants = proof.verdict, proof.applied
         if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
             self._say(rec, proof)
@@ -603,7 +607,7 @@ class Recovery:
             self._say(rec, proof)
             return True, Applied.ORIGINAL
         held = None
-        if cfg.act == "observe":
+        if self.response.policy == "observe":
             held = "observe"
         elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
             held = "quarantine_bound"
@@ -642,7 +646,7 @@ class Recovery:
             if ev["breaker"] == "paused":
                 self._alert(f"titan_ledger: the response is thrashing: {len(ev['actions'])} actions in "
                             f"{ev['window']} steps (steps {', '.join(map(str, ev['actions']))}; "
-                            f"--ledger.on_spike.breaker_actions {ev['limit']}); acting paused at step {step}, "
+                            f"--ledger.breaker.actions {ev['limit']}); acting paused at step {step}, "
                             f"recording continues")
             else:
                 self._warn(f"titan_ledger: acting resumed at step {step} (paused at step {ev['paused_at']}: "
@@ -778,7 +782,7 @@ class Recovery:
         self.snapshots.clear()  # skipped steps are not replayed: the next due step starts the ring again
 
     def _rollback(self, spike_step: int) -> None:
-        """Reload the last checkpoint at or before ``spike - rollback_back`` in this
+        """Reload the last checkpoint at or before ``spike - [ledger.rollback] back`` in this
         process and skip from there past the spike (PaLM's fix, no relaunch).
 
         What makes this safe on torchtitan 0.3.0: the checkpoint load is the same DCP
@@ -793,12 +797,12 @@ class Recovery:
         from titan_ledger.format.reader import checkpoints
 
         t = self.trainer
-        ledger, cfg = t.ledger, t.config.ledger.on_spike
+        ledger, cfg = t.ledger, self.rollback
         self.pending_rollback = None
         unlimited = len(self.ladder.rungs) == 1  # a single action; a ladder sets its own limits
-        if unlimited and ledger.rewinds >= cfg.max_rollbacks:
+        if unlimited and ledger.rewinds >= cfg.limit:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {ledger.rewinds} "
-                               f"rollbacks (--ledger.on_spike.max_rollbacks); stopping. See "
+                               f"rollbacks (--ledger.rollback.limit); stopping. See "
                                f"{ledger.folder / records.SPIKES_FILE}")
         t.checkpointer.maybe_wait_for_staging()
         # an async save in flight is finished first: which checkpoints exist must not depend
@@ -810,18 +814,18 @@ class Recovery:
         decision = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:  # one list, rank 0's, for every rank
             steps = [c for c in checkpoints(t.config.dump_folder, t.config.checkpoint.folder)
-                     if c <= spike_step - cfg.rollback_back]
+                     if c <= spike_step - cfg.back]
             decision = [steps[-1] if steps else None]
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
         checkpoint = decision[0]
         # a host snapshot at least as recent as that checkpoint is restored instead (seconds, no load)
-        snap = self.snapshots.covering(spike_step - cfg.rollback_back, checkpoint)
+        snap = self.snapshots.covering(spike_step - cfg.back, checkpoint)
         load = snap.step if snap is not None else checkpoint
         if load is None:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
-                               f"step {spike_step - cfg.rollback_back} to roll back to "
-                               f"(--ledger.on_spike.rollback_back, --checkpoint.interval)")
+                               f"step {spike_step - cfg.back} to roll back to "
+                               f"(--ledger.rollback.back, --checkpoint.interval)")
         loaded = time.perf_counter()
         with self._keeping_history():
             if snap is not None:
@@ -832,11 +836,11 @@ class Recovery:
                     if checkpoint is None:
                         raise RuntimeError(f"titan_ledger: spike at step {spike_step}: the host snapshot of step "
                                            f"{snap.step} could not be restored and no checkpoint at or before step "
-                                           f"{spike_step - cfg.rollback_back} exists to roll back to") from e
+                                           f"{spike_step - cfg.back} exists to roll back to") from e
                     snap, load = None, checkpoint
             if snap is None:
                 t.checkpointer.load(step=load)  # sets t.step = load via the train state
-        window = (load + 1, load + max(cfg.rollback_skip, spike_step - load))
+        window = (load + 1, load + max(cfg.skip, spike_step - load))
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
                        f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
                        f"skipping steps {window[0]}-{window[1]}")

@@ -39,7 +39,7 @@ from titan_ledger.errors import ProofFailure
 from titan_ledger.rehearsal import faults
 
 
-def check_deadline(trainer, deadline: float, what: str) -> None:
+def check_deadline(trainer, deadline: float, what: str, timeout: float) -> None:
     """Past ``deadline`` (``time.perf_counter``): :class:`ProofFailure`. Every rank asks at
     the same point of a proof and they agree (one MAX of a flag), so that none goes on
     into a collective the others have left."""
@@ -51,8 +51,7 @@ def check_deadline(trainer, deadline: float, what: str) -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         over = bool(flag.item())
     if over:
-        raise ProofFailure(f"{what} ran past --ledger.on_spike.prove_timeout "
-                           f"{trainer.config.ledger.on_spike.prove_timeout:g} s")
+        raise ProofFailure(f"{what} ran past --ledger.proof.timeout {timeout:g} s")
 
 
 def expert_counts(model_parts) -> list[torch.Tensor]:

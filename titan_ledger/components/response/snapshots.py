@@ -10,7 +10,7 @@ process's first step, a copy of what each rank holds -- its local shards of the
 parameters and of the optimizer state (FSDP2/TP/PP: the sharded state, never
 gathered), its buffers (MoE's expert bias, which an optimizer step hook moves), the LR
 schedulers', dataloader's and trainer's state -- in host memory, a ring of ``keep``;
-and, when a window proof can run (``--ledger.on_spike.prove`` not off), per step since
+and, when a window proof can run (``--ledger.proof.scope`` not off), per step since
 the oldest, the step's batches (references: the tensors the step trained on), its
 learning rates and whether its update was applied.
 
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
+from titan_ledger.components.response.config import SnapshotsConfig
 from titan_ledger.components.response.host import Host
-from titan_ledger.components.response.prover import ProveMode
 from titan_ledger.components.signals.sums import local
 from titan_ledger.format.proofs import Applied, Finding
 from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
@@ -193,23 +193,26 @@ class Logged:
 class SnapshotRing:
     """The ring of one ``LedgerTrainer`` (``Recovery`` drives it: one call at each spot)."""
 
-    def __init__(self, trainer: Host) -> None:
+    def __init__(self, trainer: Host, config: SnapshotsConfig | None = None, *, replays: bool = True,
+                 max_stall_proofs: int = 1) -> None:
+        """``config``: the run's ``[ledger.snapshots]``; ``replays``: a window proof can run
+        (``[ledger.proof] scope`` not off), so the steps' batches are kept; ``max_stall_proofs``
+        (``[ledger.window]``): while a stall proof can still run, the stall's onset is pinned."""
         self.trainer = trainer
+        self.config = config or SnapshotsConfig()
+        self._replays = replays
+        self.max_stall_proofs = max_stall_proofs
         self.ring: list[Snapshot] = []
         self.log: dict[int, Logged] = {}
         self._spare: list[HostState] = []
         self._stream = None
         self._started = False
         self._due: tuple[str, int] | None = None  # ("capture" | "reset", step): taken at the next step's start
-        self.proofs = 0  # window proofs of spikes (--ledger.snapshots.max_proofs)
+        self.proofs = 0  # window proofs of spikes (--ledger.window.max_proofs)
         self.stall_proofs = 0  # of stalls (max_stall_proofs)
         self.anchor: Snapshot | None = None  # pinned at the stall rule's onset (stall_anchor)
         self._onset: int | None = None  # the onset the anchor was chosen for
         self.failures: list[tuple[int, BaseException]] = []  # copies that failed (Recovery records them)
-
-    @property
-    def config(self):
-        return self.trainer.config.ledger.snapshots
 
     @property
     def on(self) -> bool:
@@ -221,9 +224,9 @@ class SnapshotRing:
 
     @property
     def replays(self) -> bool:
-        """Whether a window proof can run (``--ledger.on_spike.prove`` not off): only then
+        """Whether a window proof can run (``--ledger.proof.scope`` not off): only then
         are the steps' batches kept -- a ring a rollback alone reads holds no batches."""
-        return self.on and self.trainer.config.ledger.on_spike.prove != ProveMode.OFF
+        return self.on and self._replays
 
     def tensors(self) -> list:
         """What a snapshot copies of the model: every parameter's local shard, then every
@@ -271,7 +274,7 @@ class SnapshotRing:
         ranks may drain the rows that move the onset a step apart."""
         t, stall = self.trainer, self.trainer.config.ledger.stall
         onset = t.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
-        if onset is None or self.stall_proofs >= self.config.max_stall_proofs:
+        if onset is None or self.stall_proofs >= self.max_stall_proofs:
             self._onset = None
             self._drop_anchor()
             return

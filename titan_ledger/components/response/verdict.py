@@ -261,7 +261,7 @@ def optimizer_verdict(amplification: float, bar: float, restore: float) -> Verdi
         return None
     return Verdict(Finding.OPTIMIZER_STATE, Applied.ORIGINAL,
                    why=f"Adam's second moment stood {restore:.3g}x below its long-run level: with it restored, the "
-                       f"updates it stood for are {amplification:.3g}x smaller (>= --ledger.on_spike.adam_check "
+                       f"updates it stood for are {amplification:.3g}x smaller (>= --ledger.adam_check.ratio "
                        f"{bar:g}); the optimizer's state, not the data, made the update abnormal")
 
 
@@ -559,7 +559,7 @@ def mean_loss(ranks: list[list[float]]) -> float:
     return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
 
 
-#: the window proof's variants (``[ledger.snapshots] causes``) and the cause each one's fix
+#: the window proof's variants (``[ledger.window] causes``) and the cause each one's fix
 #: proves: the LR scaled, Adam's beta2 / epsilon, a cap on the attention logits, z-loss
 SNAPSHOT_CAUSES = {"lr": "lr", "adam": Finding.OPTIMIZER_STATE, "eps": Finding.OPTIMIZER_STATE, "logit_cap": "logit_growth",
                    "zloss": "output_logits"}

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from titan_ledger.components.prevention.optimizer import set_group_lr
+from titan_ledger.components.response.config import WindowConfig
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
@@ -53,8 +54,12 @@ class WindowProof:
     """Re-runs the window before a ``not_data`` alarm with each candidate cause's variant
     (the module docstring); ``Recovery._judge`` asks it after the step's proof."""
 
-    def __init__(self, trainer: Host, ring: SnapshotRing) -> None:
+    def __init__(self, trainer: Host, ring: SnapshotRing, config: WindowConfig | None = None,
+                 timeout: float = 300.0) -> None:
+        """``config``: the run's ``[ledger.window]``; ``timeout``: ``[ledger.proof] timeout``."""
         self.trainer, self.ring = trainer, ring
+        self.config = config or WindowConfig()
+        self.timeout = float(timeout)
         self.spent: list[int] = []  # the steps whose window proofs spent the budget (the answers name them)
 
     def wanted(self, proof: ProofRecord, forced: bool = False, stall: bool = False, flat: bool = False) -> bool:
@@ -77,13 +82,13 @@ class WindowProof:
         plateau (issue 67): a dip at step 123 and a grad-norm jump with the loss unmoved at
         429 spent the two window proofs (no fix removed the first; every fix and a control
         the second), and the largest loss spike, at 633, got none."""
-        r, cfg = self.ring, self.ring.config
+        r, cfg = self.ring, self.config
         v = proof.verdict
         if stall:  # the stall rule's forced proof: its own budget, whatever the step's verdict
             if not r.on:
                 return "the stall's window proof needs host snapshots (--ledger.snapshots.every)"
             return None if r.stall_proofs < cfg.max_stall_proofs else (
-                f"the stall window-proof budget is spent (--ledger.snapshots.max_stall_proofs {cfg.max_stall_proofs})")
+                f"the stall window-proof budget is spent (--ledger.window.max_stall_proofs {cfg.max_stall_proofs})")
         called = ((v in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE) and proof.acting) or v == Finding.BAD_DATA
                   or (forced and v in (Finding.NOT_DATA, Finding.OUTLIER)))
         if not called:
@@ -96,7 +101,7 @@ class WindowProof:
         if r.proofs >= cfg.max_proofs:
             spent = ", ".join(map(str, self.spent)) or "earlier steps"
             return (f"the window-proof budget is spent: {cfg.max_proofs} proof(s), at step(s) {spent} "
-                    f"(--ledger.snapshots.max_proofs)")
+                    f"(--ledger.window.max_proofs)")
         return None
 
     def prove(self, rec, stall: bool = False, prior: str | None = None) -> dict[str, Any]:
@@ -109,11 +114,11 @@ class WindowProof:
         import torch.distributed as dist
 
         t, ring = self.trainer, self.ring
-        cfg = ring.config
+        cfg = self.config
         snap = ring.window(rec.step, stall=stall)  # a stall: from its onset (the anchor), where pinned
         if snap is None:
             return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
-                                          f"(--ledger.snapshots.every {cfg.every}, keep {cfg.keep})"}
+                                          f"(--ledger.snapshots.every {ring.config.every}, keep {ring.config.keep})"}
         if stall:
             ring.stall_proofs += 1
         else:
@@ -130,14 +135,14 @@ class WindowProof:
                   and (c != "logit_cap" or self._attention())]
         detector = t.ledger.detector
         faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
-        deadline = start + float(t.config.ledger.on_spike.prove_timeout)
+        deadline = start + self.timeout
         runs: list[dict] = []
         kept_loss: dict[int, float] = {}  # the unchanged re-run's loss per replayed step
         try:
             with Reexecution(t, None, replaces=False) as again:
                 for variant in (UNCHANGED, *causes, *([CONTROL] if cfg.control else [])):
                     kind = response_fault(faults, "window")  # (rehearsal)
-                    check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof")
+                    check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
                     snap.tensors.restore(params, opts)
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
@@ -231,7 +236,7 @@ class WindowProof:
                 "seconds": round(time.perf_counter() - start, 4)}
 
     def _raises_eps(self, opts) -> bool:
-        eps = self.ring.config.eps_fix
+        eps = self.config.eps_fix
         return any(g.get("eps") is not None and g["eps"] < eps for o in opts for g in o.param_groups)
 
     def _loss(self):
@@ -251,7 +256,7 @@ class WindowProof:
         """What a variant changes outside the optimizer, set for its window and back to the
         run's own after it (``same``): the attention's logit cap (``logit_cap``: a tanh
         soft cap, replay rerun's own), the loss's z-loss weight (``zloss``)."""
-        cfg = self.ring.config
+        cfg = self.config
         if not hasattr(self, "_kept"):
             loss = self._loss()
             self._kept = ([(m, m.softcap) for m in self._attention()],
@@ -263,14 +268,14 @@ class WindowProof:
             z[0].z_loss_weight = cfg.zloss if variant == "zloss" else z[1]
 
     def _changes_adam(self, opts) -> bool:
-        cfg = self.ring.config
+        cfg = self.config
         return any(g.get("betas") is not None and (g["betas"][1] > cfg.beta2 or g.get("eps", cfg.eps) < cfg.eps)
                    for o in opts for g in o.param_groups)
 
     def _variant(self, opts, lrs: list[list], kept: list[list], variant: str) -> None:
         """Every param group's LR, betas and epsilon for one replayed step of ``variant``
         (``same``: as the run had them)."""
-        cfg = self.ring.config
+        cfg = self.config
         for o, lr, ks in zip(opts, lrs, kept):
             for g, x, (betas, eps) in zip(o.param_groups, lr, ks):
                 set_group_lr(g, x * cfg.lr_factor if variant == "lr" else x * cfg.control if variant == CONTROL else x)

@@ -60,7 +60,7 @@ class StepRecord:
     batches: Any = None  # the step's fetched microbatch groups (a proof re-executes them)
     proof: ProofRecord | None = None  # the proof at the alarm (components.response.prover), when one ran
     proof_failed: dict | None = None  # {"where", "error"}: the proof failed, the step decided without it
-    unproven: str | None = None  # why a note was not proven under prove = "all" ("budget")
+    unproven: str | None = None  # why a note was not proven under scope = "all" ("budget")
     #: the execution whose update trained, where a proof applied another than the first (its data
     #: masked, a recomputed update): ``loss_by_dp``, ``tok_by_dp``, ``grad_norm``, ``masked_tokens``
     #: (the labels its masks removed) -- the step's rows record what trained (issue 68)

@@ -187,10 +187,10 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
                          f"--training.seq_len {config.training.seq_len}: give the original run's flags")
     n_launch = sum(variant_args(v, step, config) is not None for v in plan.variants)
     base = strip_train_args(train_args)
-    if any(a in str(config.ledger.on_spike.action) for a in ("rollback", "stop")):
+    if any(a in str(config.ledger.response.action) for a in ("rollback", "stop")):
         # the original rolled back (or stopped) at a flag: the rerun must train through the
         # step to compare it (its update at T is applied; only T itself is compared then)
-        base = [*_drop_flag(base, "--ledger.on_spike.action"), "--ledger.on_spike.action", "none"]
+        base = [*_drop_flag(base, "--ledger.response.action"), "--ledger.response.action", "none"]
     return plan, config, base, n_launch
 
 

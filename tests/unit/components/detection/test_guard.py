@@ -94,7 +94,7 @@ def test_ladder_parsing_and_escalation():
     rungs = parse_ladder("skip_update*2, rollback, rollback_lr:0.5, stop")
     assert [r.name for r in rungs] == ["skip_update*2", "rollback", "rollback_lr:0.5", "stop"]
     for bad in ("panic", "stop,rollback", "rollback_lr", "rollback_lr:2", "skip_update*x", "stop*2", ""):
-        with pytest.raises(ConfigError, match="--ledger.on_spike.action"):
+        with pytest.raises(ConfigError, match="--ledger.response.action"):
             parse_ladder(bad)
     lad = Ladder(rungs, horizon=10)
     got = [lad.on_spike(s)[1]["action"] for s in (5, 8, 12, 14, 40, 41, 43, 44, 45, 46)]

@@ -7,9 +7,15 @@ from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.ledger.ledger import (
     FilterConfig,
     Ledger,
-    OnSpikeConfig,
     RehearsalConfig,
     SkipConfig,
+)
+from titan_ledger.components.response.config import (
+    ConvictionConfig,
+    ProofConfig,
+    ResponseConfig,
+    RollbackConfig,
+    WindowConfig,
 )
 from titan_ledger.errors import ConfigError, SkipError, TitanLedgerError
 from titan_ledger.rehearsal.faults import parse_inject
@@ -22,9 +28,13 @@ from titan_ledger.rehearsal.faults import parse_inject
     (dict(rehearsal=lambda: RehearsalConfig(rerun="stop=0")), "--ledger.rehearsal.rerun"),
     (dict(skip=lambda: SkipConfig(steps=["9-3"])), "--ledger.skip.steps"),
     (dict(skip=lambda: SkipConfig(steps=["a-b"])), "--ledger.skip.steps"),
-    (dict(on_spike=lambda: OnSpikeConfig(rollback_skip=0)), "--ledger.on_spike.rollback_skip"),
-    (dict(on_spike=lambda: OnSpikeConfig(max_rollbacks=-1)), "--ledger.on_spike.max_rollbacks"),
-    (dict(on_spike=lambda: OnSpikeConfig(action="jump")), "--ledger.on_spike.action"),
+    (dict(rollback=lambda: RollbackConfig(skip=0)), "--ledger.rollback.skip"),
+    (dict(rollback=lambda: RollbackConfig(limit=-1)), "--ledger.rollback.limit"),
+    (dict(response=lambda: ResponseConfig(action="jump")), "--ledger.response.action"),
+    (dict(response=lambda: ResponseConfig(action="rollback")), "--ledger.response.policy is observe"),
+    (dict(conviction=lambda: ConvictionConfig(max_share=2.0)), "--ledger.conviction.max_share"),
+    (dict(proof=lambda: ProofConfig(scope="sometimes")), "--ledger.proof.scope"),
+    (dict(window=lambda: WindowConfig(control=0.5)), "--ledger.window.control"),
     (dict(filter=lambda: FilterConfig(repetition_min=1)), "--ledger.filter.repetition_min"),
     (dict(folder="/abs"), "--ledger.folder"),
 ])
@@ -45,4 +55,4 @@ def test_spike_rules_are_checked_too():
 def test_good_values_parse():
     assert parse_inject("8:1:repeat") == (8, 1, "repeat")
     Ledger.Config(skip=SkipConfig(steps=["5-9", "12"]), rehearsal=RehearsalConfig(inject="3:0:random"),
-                  on_spike=OnSpikeConfig(act="act", action="rollback"))
+                  response=ResponseConfig(policy="act", action="rollback"))

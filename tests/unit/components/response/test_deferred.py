@@ -1,4 +1,4 @@
-"""Deferred decisions (``[ledger.on_spike] defer``), the pure and in-process parts: the
+"""Deferred decisions (``[ledger.response] defer``), the pure and in-process parts: the
 device-side update guard (fused AdamW's ``found_inf``), rows that wait for their
 decision, the checksum a deferred proof compares, the re-armed faults, the late mask,
 and which steps decide in the step. The end-to-end exactness (a deferred run equals the
@@ -144,13 +144,15 @@ def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batch
 
 def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,
              prove="acting", action="none", snapshots=0):
-    from titan_ledger.components.ledger.sections import OnSpikeConfig
+    from titan_ledger.components.response.config import ProofConfig, ResponseConfig, SnapshotsConfig, sections
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], fused=fused)
+    ledger_cfg = sections(response=ResponseConfig(policy="act", defer=defer, action=action),
+                          proof=ProofConfig(scope=prove), snapshots=SnapshotsConfig(every=snapshots))
+    ledger_cfg.rehearsal = SimpleNamespace(prove_at="")
     cfg = SimpleNamespace(
-        ledger=SimpleNamespace(on_spike=OnSpikeConfig(act="act", defer=defer, prove=prove, action=action), rehearsal=SimpleNamespace(prove_at=""),
-                              snapshots=SimpleNamespace(every=snapshots)),
+        ledger=ledger_cfg,
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
     ledger = ledger_double(SimpleNamespace(guard=object(), qk_clip=None, topo=Topology.single(),
@@ -162,7 +164,7 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
 
 
 def _recovery(t):
-    return Recovery(t, t.config.ledger.on_spike)
+    return Recovery(t, t.config.ledger)
 
 
 @pytest.mark.parametrize("kw,defers", [

@@ -20,7 +20,8 @@ import torch
 from helpers import host_double, ledger_double
 
 from titan_ledger.components.detection.spikes import SpikeDetector
-from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
+from titan_ledger.components.ledger.sections import RehearsalConfig
+from titan_ledger.components.response.config import ConvictionConfig, ProofConfig
 from titan_ledger.components.response.prover import FirstExecution, Prover
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import loss_sum
@@ -42,7 +43,7 @@ class _Trainer:
         self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
         self.config = SimpleNamespace(
             training=SimpleNamespace(max_norm=1e9, seq_len=4),
-            ledger=SimpleNamespace(on_spike=OnSpikeConfig(prove="acting", prove_bisect=False),
+            ledger=SimpleNamespace(proof=ProofConfig(scope="acting", bisect=False), conviction=ConvictionConfig(),
                                    rehearsal=RehearsalConfig(), spike=SpikeDetector.Config(doc_outlier_floor=0.7)))
         detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
         for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
@@ -77,7 +78,7 @@ def _prove(trainer, deferred: bool):
     rec = StepRecord(step=21, start=0.0, batches=[["the step's batch"]])
     grads = trainer.first(rec)
     first = FirstExecution.of(trainer) if deferred else None
-    prover = Prover(trainer)
+    prover = Prover(trainer, proof=trainer.config.ledger.proof, conviction=trainer.config.ledger.conviction)
     seen = trainer.ntokens_seen
     rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
     proof = rec.proof.to_json()  # the record as written
@@ -171,7 +172,7 @@ class _Documents(_Trainer):
 
     def __init__(self):
         super().__init__()
-        self.config.ledger.on_spike.prove_bisect = True
+        self.config.ledger.proof.bisect = True
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(self.ROWS, 4, generator=g)
         self.y = torch.randn(self.ROWS, 2, generator=g)
@@ -189,7 +190,7 @@ class _Documents(_Trainer):
     def prover(self, rec, **kw) -> Prover:
         """A prover with an ordinary next step fetched (a deferred decision's control of the
         same novelty, issue 68): the step's documents again, the convicted one masked."""
-        prover = Prover(self)
+        prover = Prover(self, proof=self.config.ledger.proof, conviction=self.config.ledger.conviction)
         prover.next_rec = StepRecord(step=rec.step + 1, start=0.0, batches=self.batches(), tags=rec.tags or self.tags())
         for k, v in kw.items():
             setattr(prover, k, v)
@@ -250,7 +251,7 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
 
 def test_without_group_testing_the_step_is_not_data():
     t = _Documents()
-    t.config.ledger.on_spike.prove_bisect = False
+    t.config.ledger.proof.bisect = False
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
     proof = t.prover(rec).prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()
@@ -336,7 +337,7 @@ def test_a_proof_that_fails_raises_and_abandon_puts_the_first_gradients_back(fau
     t.config.ledger.rehearsal.response_fault = fault
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     first = t.first(rec)
-    prover = Prover(t)
+    prover = Prover(t, proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
     seen = t.ntokens_seen
     with pytest.raises((ProofFailure, ResponseFault, torch.OutOfMemoryError)):
         prover.prove(rec, acting=True, event={"rules": ["ratio"]})
@@ -404,7 +405,7 @@ def test_data_in_a_run_the_lr_made_fragile_is_not_convicted_unless_asked():
     ``quarantine_fragile`` convicts them anyway; a healthy LR's rows change nothing."""
     def proof_with(relative_update: float, quarantine_fragile: bool = False) -> dict:
         t = _Documents()
-        t.config.ledger.on_spike.quarantine_fragile = quarantine_fragile
+        t.config.ledger.conviction.fragile = quarantine_fragile
         t.ledger.recent = [{"step": s, "update_norm": relative_update * 100.0, "param_norm": 100.0}
                            for s in range(1, 20)]
         rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
@@ -425,7 +426,8 @@ def _convicting(t=None, **kw):
     t = t or _Documents()
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    prover = Prover(t) if kw.pop("in_step", False) else t.prover(rec)
+    prover = (Prover(t, proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
+              if kw.pop("in_step", False) else t.prover(rec))
     for k, v in kw.items():
         setattr(prover, k, v)
     return t, prover.prove(rec, acting=True, event={"rules": ["ratio"]}).to_json()

@@ -27,7 +27,14 @@ from torchtitan.components.checkpoint import CheckpointManager
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
-from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig
+from titan_ledger.components.ledger.sections import RehearsalConfig
+from titan_ledger.components.response.config import (
+    BreakerConfig,
+    ProofConfig,
+    ResponseConfig,
+    RollbackConfig,
+    sections,
+)
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.prover import Prover
@@ -56,6 +63,17 @@ def _microbatch(rows) -> tuple[dict, torch.Tensor]:
 def _without(groups, docs) -> list:
     (inputs, _), = groups[0]
     return [[_microbatch([row for row in inputs["rows"] if row[0] not in docs])]]
+
+
+def _ledger_config(act, defer, prove, action, budget, breaker) -> SimpleNamespace:
+    """The ``[ledger]`` table the double trains with: the response's sections, as the
+    trainer passes them, beside the ledger's own rehearsal and skip sections."""
+    cfg = sections(response=ResponseConfig(policy=act, defer=defer, action=action, repeat_horizon=100),
+                   proof=ProofConfig(scope=prove, notes_rate=budget[0], notes_burst=budget[1]),
+                   rollback=RollbackConfig(back=1, skip=2, limit=3),
+                   breaker=BreakerConfig(actions=breaker[0], window=breaker[1]))
+    cfg.rehearsal, cfg.skip = RehearsalConfig(), SimpleNamespace(lr="freeze")
+    return cfg
 
 
 class _Ledger:
@@ -151,13 +169,7 @@ class _Trainer:
         self.step, self.ntokens_seen, self.step_record = 0, 0, None
         self.gradient_accumulation_steps = self.num_pipeline_parallel_microbatches = 1
         self.config = SimpleNamespace(
-            ledger=SimpleNamespace(on_spike=OnSpikeConfig(act=act, defer=defer, prove=prove, max_rollbacks=3,
-                                                          rollback_back=1, rollback_skip=2, action=action,
-                                                          ladder_horizon=100, prove_notes_rate=budget[0],
-                                                          prove_notes_burst=budget[1], breaker_actions=breaker[0],
-                                                          breaker_window=breaker[1]),
-                                   rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"),
-                                   snapshots=SimpleNamespace(every=0)),
+            ledger=_ledger_config(act, defer, prove, action, budget, breaker),
             checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1,
                                        enable_first_step_checkpoint=first_ckpt, folder="checkpoint"),
             validator=SimpleNamespace(enable=False),
@@ -185,7 +197,7 @@ class _Trainer:
         for name in ("train_step", "_train_step", "count_tokens"):  # the trainer's own step, not a copy
             setattr(self, name, types.MethodType(getattr(LedgerTrainer, name), self))
         assert isinstance(self, Host)  # the double offers what the response is given
-        self.recovery = Recovery(self, self.config.ledger.on_spike)
+        self.recovery = Recovery(self, self.config.ledger)
 
     def should_continue_training(self):
         return self.step < self.config.training.steps
@@ -430,7 +442,7 @@ def test_a_stop_rung_writes_what_is_pending_and_stops_with_the_report(tmp_path):
 @pytest.mark.parametrize("kw,why", [
     ({"fused": False}, "no found_inf"),
     ({"ckpt": 1}, "every step is a checkpoint step"),
-    ({"defer": False}, "--ledger.on_spike.no_defer"),
+    ({"defer": False}, "--ledger.response.no_defer"),
 ])
 def test_every_fallback_decides_in_the_step_and_trains_the_same_run(tmp_path, kw, why):
     t, outcomes = _run(tmp_path, "fallback", flags=FLAGS, action="skip_update", **kw)
@@ -456,7 +468,7 @@ def test_the_update_method_applies_withholds_or_holds_and_lifts_the_guard(tmp_pa
     t.ledger.record(rec, grad_norm=torch.tensor(1.0), local_tokens=4, local_loss_sum=torch.tensor(4.0))
     r.update(rec)
     assert float(seen[-1]) == 1.0 and t.opt.found_inf is None  # held on the device, then the guard lifted
-    t.config.ledger.on_spike.defer = False
+    t.config.ledger.response.defer = False
     r._deferrable = None
     rec = StepRecord(step=5, start=0.0)
     n = len(seen)

@@ -14,7 +14,8 @@ from helpers import proof_record
 from torch import nn
 
 from titan_ledger.components.detection.stall import StallConfig
-from titan_ledger.components.ledger.sections import RehearsalConfig, SnapshotsConfig
+from titan_ledger.components.ledger.sections import RehearsalConfig
+from titan_ledger.components.response.config import SnapshotsConfig, WindowConfig
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
 from titan_ledger.components.response.window_proof import WindowProof
@@ -149,8 +150,14 @@ def test_no_variant_removing_it_is_unproven():
 
 
 # --------------------------------------------------------------------------- the ring
-def _Cfg(every: int, keep: int, max_proofs: int = 2, max_stall_proofs: int = 1) -> SnapshotsConfig:
-    return SnapshotsConfig(every=every, keep=keep, max_proofs=max_proofs, max_stall_proofs=max_stall_proofs)
+def _Cfg(every: int, keep: int) -> SnapshotsConfig:
+    return SnapshotsConfig(every=every, keep=keep)
+
+
+def _ring(t) -> SnapshotRing:
+    """The ring as ``Recovery`` builds it: the run's ``[ledger.snapshots]``, batches kept
+    while a window proof can run (``[ledger.proof] scope`` not off)."""
+    return SnapshotRing(t, t.config.ledger.snapshots, replays=t.prove != "off")
 
 
 class _Rec:
@@ -186,8 +193,9 @@ class _Trainer:
         self.lr_schedulers, self.dataloader = self._Sched(), self._Loader()
         self.device = torch.device("cpu")
         self.step = 1
+        self.prove = prove
         ledger = type("L", (), {"snapshots": _Cfg(every, keep), "rehearsal": RehearsalConfig(),
-                                "on_spike": type("O", (), {"prove": prove})(), "stall": StallConfig()})()
+                                "stall": StallConfig()})()
         self.onset: int | None = None  # the stall rule's (Ledger.stall_onset)
         self.ledger = type("Ledger", (), {"stall_onset": lambda _: self.onset})()
         checkpoint = type("K", (), {"exclude_from_loading": list(exclude)})()
@@ -215,7 +223,7 @@ def _steps(t, ring, first: int, last: int, proofs: dict | None = None) -> None:
 
 def test_the_ring_keeps_keep_snapshots_and_the_steps_since_the_oldest():
     t = _Trainer(every=10, keep=3)
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     ring.at_start()
     _steps(t, ring, 1, 35)
     t.step = 36
@@ -233,7 +241,7 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     """A stall builds over hundreds of steps: its window proof re-runs from the snapshot at
     the stall rule's onset (``--ledger.snapshots.stall_anchor``), which outlives the ring."""
     t = _Trainer(every=10, keep=2)
-    ring = SnapshotRing(t)
+    ring = _ring(t)
 
     ring.at_start()
     t.onset = 15  # the best window ended at step 15 (its row written)
@@ -256,7 +264,7 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     t.onset = 55
     _steps(t, ring, 58, 58)
     assert ring.anchor.step == 50
-    ring.stall_proofs = 1  # --ledger.snapshots.max_stall_proofs spent: no stall proof will read it
+    ring.stall_proofs = 1  # --ledger.window.max_stall_proofs spent: no stall proof will read it
     _steps(t, ring, 59, 59)
     assert ring.anchor is None
     ring.stall_proofs, t.onset = 0, 58
@@ -279,7 +287,7 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
 
 def test_a_step_whose_applied_update_the_replay_cannot_repeat_resets_the_ring():
     t = _Trainer(every=10, keep=2)
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     ring.at_start()
     _steps(t, ring, 1, 15, proofs={14: proof_record("bad_data", "masked")})
     assert [s.step for s in ring.ring] == [14] and sorted(ring.log) == [15]
@@ -312,7 +320,7 @@ def test_a_buffer_an_optimizer_step_hook_moves_is_in_the_snapshot():
     data = batches(6)
     for x, y in data[:2]:
         step(x, y)
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     ring.capture(2)
     for x, y in data[2:]:
         step(x, y)
@@ -328,7 +336,7 @@ def test_a_rollback_from_the_ring_restores_what_the_checkpoint_load_would():
     t = _Trainer(every=10, keep=2, exclude=("dataloader", "optimizer"))
     model, opt = t.model, t.optimizers.optimizers[0]
     train(model, opt, batches(2))
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     ring.capture(2)
     params = [p.detach().clone() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
@@ -343,7 +351,7 @@ def test_a_rollback_from_the_ring_restores_what_the_checkpoint_load_would():
 
 def test_a_ring_only_a_rollback_reads_keeps_no_batches():
     t = _Trainer(every=10, keep=2, prove="off")
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     ring.at_start()
     _steps(t, ring, 1, 14)
     assert [s.step for s in ring.ring] == [0, 10] and ring.log == {}
@@ -351,7 +359,7 @@ def test_a_ring_only_a_rollback_reads_keeps_no_batches():
 
 def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
     t = _Trainer(every=10, keep=2)
-    ring = SnapshotRing(t)
+    ring = _ring(t)
     proof = WindowProof(t, ring)
     assert proof.wanted(proof_record("not_data", acting=True))
     assert not proof.wanted(proof_record("not_data", acting=False))  # a note
@@ -368,11 +376,11 @@ def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
 
 
 def test_the_config_names_the_flag_to_fix():
-    from titan_ledger.components.ledger.sections import SnapshotsConfig
+    from titan_ledger.components.response.config import SnapshotsConfig
 
-    with pytest.raises(ConfigError, match="--ledger.snapshots.causes"):
-        SnapshotsConfig(every=10, causes=["lr", "logits"])
+    with pytest.raises(ConfigError, match="--ledger.window.causes"):
+        WindowConfig(causes=["lr", "logits"])
     with pytest.raises(ConfigError, match="--ledger.snapshots.every"):
         SnapshotsConfig(every=-1)
     with pytest.raises(ConfigError, match="lr_factor"):
-        SnapshotsConfig(every=10, lr_factor=2.0)
+        WindowConfig(lr_factor=2.0)

@@ -20,7 +20,8 @@ from helpers import host_double, ledger_double, proof_record
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
-from titan_ledger.components.ledger.sections import OnSpikeConfig, RehearsalConfig, SnapshotsConfig
+from titan_ledger.components.ledger.sections import RehearsalConfig
+from titan_ledger.components.response.config import SnapshotsConfig, WindowConfig
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import UNCHANGED, WindowProof
 from titan_ledger.components.signals.topology import Topology
@@ -53,7 +54,7 @@ class _Trainer:
         self.dataloader = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda sd: None)
         self.lr_schedulers = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda sd: None)
         self.config = SimpleNamespace(ledger=SimpleNamespace(
-            snapshots=SnapshotsConfig(every=4, keep=3, causes=list(causes)), on_spike=OnSpikeConfig(prove="acting"),
+            snapshots=SnapshotsConfig(every=4, keep=3), window=WindowConfig(causes=list(causes)),
             rehearsal=RehearsalConfig(), stall=StallConfig()))
         detector = SpikeDetector(SpikeDetector.Config(window=16), "cpu")
         for i in range(20):  # a history of a healthy LR: loss ~0.006, grad norm ~0.11, +-30%
@@ -99,11 +100,11 @@ def _state(t: _Trainer):
 
 def test_the_lr_is_proven_by_its_own_fix_and_the_run_is_left_as_it_was():
     t = _Trainer()
-    ring = SnapshotRing(t)
+    ring = SnapshotRing(t, t.config.ledger.snapshots)
     rec = t.train(11, ring)
     assert [s.step for s in ring.ring] == [0, 4, 8] and ring.window(11).step == 0
     before = _state(t)
-    w = WindowProof(t, ring)
+    w = WindowProof(t, ring, t.config.ledger.window)
     assert w.wanted(proof_record("not_data"))
     out = w.prove(rec)
     runs = {r["variant"]: r for r in out["runs"]}
@@ -123,10 +124,10 @@ def test_the_lr_is_proven_by_its_own_fix_and_the_run_is_left_as_it_was():
 
 def test_every_variant_draws_the_same_random_numbers():
     t = _Trainer()
-    ring = SnapshotRing(t)
+    ring = SnapshotRing(t, t.config.ledger.snapshots)
     rec = t.train(11, ring)
     n = len(t.draws)
-    out = WindowProof(t, ring).prove(rec)
+    out = WindowProof(t, ring, t.config.ledger.window).prove(rec)
     per_variant = len(t.draws[n:]) // len(out["runs"])
     assert per_variant == 11  # steps 1-10 replayed, then the flagged step 11
     chunks = [t.draws[n + i * per_variant:n + (i + 1) * per_variant] for i in range(len(out["runs"]))]
@@ -136,14 +137,14 @@ def test_every_variant_draws_the_same_random_numbers():
 
 def test_a_stall_is_judged_by_the_loss_a_fix_lowers_and_has_its_own_budget():
     t = _Trainer()
-    ring = SnapshotRing(t)
+    ring = SnapshotRing(t, t.config.ledger.snapshots)
     rec = t.train(11, ring)
-    ring.proofs = ring.config.max_proofs  # the spikes spent theirs
-    w = WindowProof(t, ring)
+    ring.proofs = t.config.ledger.window.max_proofs  # the spikes spent theirs
+    w = WindowProof(t, ring, t.config.ledger.window)
     assert not w.wanted(proof_record("not_data"))
     assert w.wanted(proof_record("outlier", acting=False), forced=True, stall=True)
     out = w.prove(rec, stall=True)
-    assert out["stall"] and ring.stall_proofs == 1 and ring.proofs == ring.config.max_proofs
+    assert out["stall"] and ring.stall_proofs == 1 and ring.proofs == t.config.ledger.window.max_proofs
     runs = {r["variant"]: r for r in out["runs"]}
     # the window's last steps' loss is lower at 0.1x the LR: that fix "lowered the loss"
     assert runs["lr"]["cost"] < 0 and out["cause"] == "lr" and out["why"].startswith("the stall: ")
@@ -156,10 +157,10 @@ def test_a_variant_that_fails_puts_everything_back(kind):
 
     t = _Trainer()
     t.config.ledger.rehearsal = RehearsalConfig(response_fault=f"window:{kind}")
-    ring = SnapshotRing(t)
+    ring = SnapshotRing(t, t.config.ledger.snapshots)
     rec = t.train(11, ring)
     before = _state(t)
     with pytest.raises((ProofFailure, RuntimeError)):
-        WindowProof(t, ring).prove(rec)
+        WindowProof(t, ring, t.config.ledger.window).prove(rec)
     for a, b in zip(before, _state(t)):
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
