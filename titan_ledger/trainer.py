@@ -90,7 +90,6 @@ class LedgerTrainer(Trainer):
             attention.use_max_logit_attention(config)
         self._dense_masks = attention.uses_cpu_attention(config.model_spec.model)
         self.ledger = config.ledger.build()
-        self.recovery = Recovery(self, config.ledger)
         self._ledger_open = False
         self.step_record: StepRecord | None = None  # the step being trained, filled by the hooks
         dry_run = config.comm.mode == "fake_backend"
@@ -99,6 +98,9 @@ class LedgerTrainer(Trainer):
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with patches.meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
+        # the response, after torchtitan built what it acts on (model, optimizers, checkpointer),
+        # from its own sections (components/response/config.py), passed in: nothing reads them later
+        self.recovery = Recovery(self, config.ledger)
         self.doc_loss = self.ledger.attach_loss(self.loss_fn, per_document=doc_loss, seq_len=config.training.seq_len,
                                                 cp_enabled=self.parallel_dims.cp_enabled)
         if self._dense_masks and config.validator.enable:

@@ -46,8 +46,12 @@ def test_the_trainer_is_a_thin_seam_that_asks_recovery_through_its_protocol():
 def test_each_action_is_one_method_with_one_caller():
     tree = ast.parse((PKG / "components" / "response" / "recovery.py").read_text())
     calls = _calls(tree, "self")
-    for action in ("_apply_late", "_redo", "_rollback", "_drop", "_skip_window"):
+    for action in ("_apply_late", "_redo", "_drop"):
         assert calls.count(action) == 1, f"Recovery.{action} is called {calls.count(action)} times"
+    # the rollback and the skip window are Rewind's (components/response/rewind.py), asked once each
+    rewinds = _calls(tree, "rewind")
+    for action in ("rollback", "skip_window"):
+        assert rewinds.count(action) == 1, f"Rewind.{action} is called {rewinds.count(action)} times"
 
 
 def test_only_reexecution_executes_a_step_again():

@@ -572,7 +572,8 @@ def paragraphs_in_help() -> None:
     original = strings.remove_single_line_breaks
 
     def dedented_first(helptext: str) -> str:
-        return original(inspect.cleandoc(helptext))
+        # (tyro's join leaves three line breaks at a blank line: one blank line between paragraphs)
+        return re.sub(r"\n{3,}", "\n\n", original(inspect.cleandoc(helptext)))
 
     dedented_first.titan_ledger = True  # type: ignore[attr-defined]
     strings.remove_single_line_breaks = dedented_first

@@ -232,3 +232,5 @@ def test_help_renders_a_fields_docstring_as_paragraphs():
     assert text.split("\n")[0] == "First line of a field continues here." and "\n* a bullet\n* another" in text
     act = docstrings.get_field_docstring(ResponseConfig, "policy", ())
     assert "one contract for every automatic action." in act and "automatic\n" not in act
+    # a blank line between paragraphs is one blank line (tyro's join left two)
+    assert "automatic action.\n\n``observe`` (the default)" in act and "\n\n\n" not in act

@@ -21,10 +21,12 @@ Five places, each a spot where torchtitan's loop can change what a step is; a
 non-finite loss is raised as :class:`~titan_ledger.errors.NonFiniteLoss`, which
 ``settling`` answers, instead of a sixth call before the raise.
 
-Everything those answers need -- the ladder, the checkpoint list, the LR factor a
-``rollback_lr`` rung leaves for every later load, the proof -- lives here. Each action
-is one method with one caller: the rollback (:meth:`_rollback`, from
-:meth:`before_step`), the skip window (:meth:`_skip_window`, from :meth:`before_step`),
+Everything those answers need -- the ladder, the proof, the deferral -- lives here; moving
+the run's position (the checkpoint list, the LR factor a ``rollback_lr`` rung leaves for
+every later load) is :class:`~titan_ledger.components.response.rewind.Rewind`'s. Each action
+is one method with one caller: the rollback (:meth:`Rewind.rollback
+<titan_ledger.components.response.rewind.Rewind.rollback>`, from :meth:`before_step`), the
+skip window (``Rewind.skip_window``, from :meth:`before_step`),
 the late update of a held step (:meth:`_apply_late`, from :meth:`_resolve`) and the
 redo of the step after it (:meth:`_redo`, from :meth:`_after_execute`). A step executed
 again -- by the proof or the redo -- goes through
@@ -51,7 +53,7 @@ undecided update.
 A step's flow, deferral included::
 
     train_step (wrapper)
-      before_step()             pending rollback -> _rollback; skip window -> _skip_window
+      before_step()             pending rollback -> Rewind.rollback; skip window -> Rewind.skip_window
       _train_step: fetch; count tokens
         first_execution()       none left: consumed whole (Outcome.EMPTY); else execute,
                                 then the previous step's held decision: _resolve (prove, act,
@@ -68,26 +70,25 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from titan_ledger.components.detection.spikes import STAT_KEYS
-from titan_ledger.components.prevention.optimizer import group_lr, scale_lr, set_group_lr
+from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.bounds import Breaker
 from titan_ledger.components.response.config import Sections
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import Action, Ladder, NoteBudget, ladder_report, parse_ladder
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
 from titan_ledger.components.response.reexecution import Reexecution
+from titan_ledger.components.response.rewind import Rewind
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import LedgerStop, NonFiniteLoss
-from titan_ledger.format import records
 from titan_ledger.format.proofs import HARMFUL, Applied, Finding, ProofRecord, describe_proof
 
 
@@ -131,7 +132,7 @@ class Recovery:
         """``config``: the run's ``[ledger]`` table, whose response sections
         (:mod:`.config`) build every part here; nothing reads them later through the trainer."""
         self.trainer = trainer
-        self.response, self.rollback = config.response, config.rollback
+        self.response = config.response
         # the answers' own history, checkpointed with the run (state_dict, under the keys
         # checkpoints have always had): the rungs tried, the notes proven, the actions counted
         self.ladder = Ladder(parse_ladder(config.response.action), config.response.repeat_horizon)
@@ -145,8 +146,7 @@ class Recovery:
                                       max_stall_proofs=config.window.max_stall_proofs)
         self.window = WindowProof(trainer, self.snapshots, config.window, config.proof.timeout)
         self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
-        self.pending_rollback: int | None = None  # the spiked step a rollback starts from
-        self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
+        self.rewind = Rewind(trainer, config.rollback, self.snapshots)  # rollbacks and skip windows
         self.pending: StepRecord | None = None  # the step whose decision is deferred
         self._deferrable: bool | None = None
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
@@ -198,14 +198,15 @@ class Recovery:
             self.breaker.tick(t.step)
             self._breaker_events(t.step)
         window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
-        if self.pending is not None and (self.pending_rollback is not None or window is not None):
+        if self.pending is not None and (self.rewind.pending is not None or window is not None):
             self._resolve()  # (the step before a window decides in the step; this is a safety net)
-        if self.pending_rollback is not None:  # in-process rollback (on_spike)
-            self._rollback(self.pending_rollback)
+        if self.rewind.pending is not None:  # in-process rollback (on_spike)
+            self.rewind.rollback(self.rewind.pending, unlimited=len(self.ladder.rungs) == 1,
+                                 keeping_history=self._keeping_history, restore_failed=self._response_failure)
             window = t.ledger.skip_window_at(t.step)
         if window is None:
             return False
-        self._skip_window(window)
+        self.rewind.skip_window(window)
         return True
 
     def first_execution(self, rec: StepRecord, tokens: tuple, need_loss: bool, run: Callable[[], tuple]):
@@ -493,7 +494,7 @@ class Recovery:
         # its rows now, as in the step: the ledger stops at a non-finite row before this
         # step is recorded (a non-finite loss always flags)
         ledger.drain(block=False, metrics_logger=t.metrics_processor.logger)
-        if self.pending_rollback is not None:
+        if self.rewind.pending is not None:
             return Outcome.DROPPED
         return Outcome.REDONE if (applied or rec.proof is not None) else Outcome.STANDS
 
@@ -673,9 +674,9 @@ class Recovery:
             raise LedgerStop(ladder_report(ledger.folder, self.ladder, self.trainer.config, action))
         self.breaker.record(rec.step)
         if rung.rolls_back:
-            self.pending_rollback = rec.step
+            self.rewind.pending = rec.step
             if rung.lr is not None:
-                self.lr_scale *= rung.lr  # kept across every later checkpoint load
+                self.rewind.lr_scale *= rung.lr  # kept across every later checkpoint load
         return False
 
     def _say(self, rec: StepRecord, proof: ProofRecord) -> None:
@@ -754,105 +755,6 @@ class Recovery:
         self.redone += 1
         with Reexecution(t, rec, replaces=True) as again:
             return again.run(rec.batches, need_loss)
-
-    def _skip_window(self, window: tuple[int, int]) -> None:
-        """Consume the data of steps ``step..window end`` at once: no forward, backward
-        or optimizer step; the LR schedule frozen or advanced per ``--ledger.skip.lr``.
-        torchtitan's loop then continues from the last skipped step (its
-        checkpoint/validation checks see that step)."""
-        from torchtitan.tools.logging import logger
-
-        t = self.trainer
-        step_start = time.perf_counter()
-        first = t.step
-        last = min(window[1], t.config.training.steps)
-        n = last - first + 1
-        info = t.ledger.loader.skip(n * t.gradient_accumulation_steps * t.num_pipeline_parallel_microbatches)
-        if t.config.ledger.skip.lr == "advance":
-            for sched in t.lr_schedulers.schedulers:
-                sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
-                sched.step()
-        lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
-        t.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
-                             metrics_logger=t.metrics_processor.logger)
-        logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
-                    f"[{info.position_before}, {info.position_after}) consumed without training, "
-                    f"LR schedule {t.config.ledger.skip.lr}")
-        t.move_to(last)
-        self.snapshots.clear()  # skipped steps are not replayed: the next due step starts the ring again
-
-    def _rollback(self, spike_step: int) -> None:
-        """Reload the last checkpoint at or before ``spike - [ledger.rollback] back`` in this
-        process and skip from there past the spike (PaLM's fix, no relaunch).
-
-        What makes this safe on torchtitan 0.3.0: the checkpoint load is the same DCP
-        in-place load a relaunch does (model, optimizer, LR schedulers, dataloader
-        position, train state, ledger counters); the spiked step's update was not
-        applied; the data iterator restarts at the restored position; the ledgers open a
-        new segment that supersedes the rewound steps.
-        """
-        import torch.distributed as dist
-        from torchtitan.tools.logging import logger
-
-        from titan_ledger.format.reader import checkpoints
-
-        t = self.trainer
-        ledger, cfg = t.ledger, self.rollback
-        self.pending_rollback = None
-        unlimited = len(self.ladder.rungs) == 1  # a single action; a ladder sets its own limits
-        if unlimited and ledger.rewinds >= cfg.limit:
-            raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {ledger.rewinds} "
-                               f"rollbacks (--ledger.rollback.limit); stopping. See "
-                               f"{ledger.folder / records.SPIKES_FILE}")
-        t.checkpointer.maybe_wait_for_staging()
-        # an async save in flight is finished first: which checkpoints exist must not depend
-        # on when the decision was made (in the step, or a step late)
-        t.checkpointer.maybe_wait_for_saving()
-        # rows first: a deferred step's rows waited for this decision, and the load resets
-        # the counters a row reads (skipped_samples)
-        ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
-        decision = [None]
-        if not dist.is_initialized() or dist.get_rank() == 0:  # one list, rank 0's, for every rank
-            steps = [c for c in checkpoints(t.config.dump_folder, t.config.checkpoint.folder)
-                     if c <= spike_step - cfg.back]
-            decision = [steps[-1] if steps else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(decision, src=0)
-        checkpoint = decision[0]
-        # a host snapshot at least as recent as that checkpoint is restored instead (seconds, no load)
-        snap = self.snapshots.covering(spike_step - cfg.back, checkpoint)
-        load = snap.step if snap is not None else checkpoint
-        if load is None:
-            raise RuntimeError(f"titan_ledger: spike at step {spike_step}: no checkpoint at or before "
-                               f"step {spike_step - cfg.back} to roll back to "
-                               f"(--ledger.rollback.back, --checkpoint.interval)")
-        loaded = time.perf_counter()
-        with self._keeping_history():
-            if snap is not None:
-                try:
-                    self.snapshots.restore_run(snap)  # sets t.step = load via the train state
-                except Exception as e:  # the checkpoint load overwrites whatever the restore left
-                    self._response_failure(spike_step, "restore", e)
-                    if checkpoint is None:
-                        raise RuntimeError(f"titan_ledger: spike at step {spike_step}: the host snapshot of step "
-                                           f"{snap.step} could not be restored and no checkpoint at or before step "
-                                           f"{spike_step - cfg.back} exists to roll back to") from e
-                    snap, load = None, checkpoint
-            if snap is None:
-                t.checkpointer.load(step=load)  # sets t.step = load via the train state
-        window = (load + 1, load + max(cfg.skip, spike_step - load))
-        logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
-                       f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
-                       f"skipping steps {window[0]}-{window[1]}")
-        logger.info(f"titan_ledger: step {load}'s state restored in {time.perf_counter() - loaded:.3f} s "
-                    f"({'host memory' if snap is not None else 'checkpoint load'})")
-        if self.lr_scale != 1.0:
-            scale_lr(t.lr_schedulers, self.lr_scale)
-        ledger.rewind(from_step=spike_step, to_step=load, window=window,
-                      metrics_logger=t.metrics_processor.logger)
-        t.move_to(load + 1)
-        self.snapshots.clear()  # the rewound steps are another timeline (and a skip window follows)
-
 
 def _failure(where: str, e: BaseException) -> dict:
     """What a failure inside the response records (the event's ``proof_failed``, a window's)."""
