@@ -56,8 +56,8 @@ from titan_ledger.components.response.config import (
     SnapshotsConfig,
     WindowConfig,
 )
-from titan_ledger.components.response.optimizer_state import AdamLevel
 from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
+from titan_ledger.components.signals.adam_level import AdamLevel
 from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
 from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats, find_doc_loss
 from titan_ledger.components.signals.recorder import SignalRecorder, check_finite, dashboard

@@ -11,7 +11,8 @@ forward/backward): the flagged step's update recomputed from the same gradients 
 the second moment restored to its long-run level. v's total over the parameters is an
 exponential average of the (clipped) gradient's squared norm -- exactly, for the
 updates applied -- so both levels come from the signals rows the run writes anyway
-(:class:`AdamLevel`, host floats, checkpointed): the fast average with Adam's own beta2
+(:class:`~titan_ledger.components.signals.adam_level.AdamLevel`, host floats,
+checkpointed): the fast average with Adam's own beta2
 is where v stands, a slow one over ``--ledger.adam_check.horizon`` steps where it
 stood. v restored is ``v x max(1, slow / fast)`` per element (its shape kept, so a
 healthy run, where the two levels agree, recomputes the very same update), and
@@ -36,49 +37,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-
-@dataclass
-class AdamLevel:
-    """The second moment's level, fast (Adam's ``beta2``) and slow (``horizon`` steps),
-    as bias-corrected exponential averages of the clipped gradient's squared norm over
-    the steps whose update was applied (pure host arithmetic)."""
-
-    beta2: float = 0.95
-    horizon: int = 1000
-    fast: float = 0.0
-    slow: float = 0.0
-    n: int = 0
-
-    def observe(self, row: dict) -> None:
-        """One written signals row: a trained step whose update was applied moves v."""
-        g = row.get("grad_norm_clipped")
-        if row.get("skipped") or row.get("update_skipped") or not isinstance(g, (int, float)) \
-                or not math.isfinite(g):
-            return
-        g2 = float(g) * float(g)
-        slow = 1.0 - 1.0 / self.horizon
-        self.fast = self.beta2 * self.fast + (1.0 - self.beta2) * g2
-        self.slow = slow * self.slow + (1.0 - slow) * g2
-        self.n += 1
-
-    def ratio(self) -> float | None:
-        """How far v's long-run level stands above where it is now (>= 0; None before any
-        applied update)."""
-        if self.n == 0:
-            return None
-        fast = self.fast / (1.0 - self.beta2 ** self.n)
-        slow = self.slow / (1.0 - (1.0 - 1.0 / self.horizon) ** self.n)
-        if fast <= 0.0:
-            return math.inf if slow > 0.0 else 1.0
-        return slow / fast
-
-    def state_dict(self) -> dict:
-        return {"beta2": self.beta2, "horizon": self.horizon, "fast": self.fast, "slow": self.slow, "n": self.n}
-
-    def load_state_dict(self, s: dict) -> None:
-        if s:  # the beta2 and horizon stay this launch's
-            self.fast, self.slow, self.n = float(s["fast"]), float(s["slow"]), int(s["n"])
 
 
 @dataclass(frozen=True)

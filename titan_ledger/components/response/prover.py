@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from titan_ledger.components.response.bisection import BISECT_BALANCE, bisect_documents
 from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
 from titan_ledger.components.response.config import AdamCheckConfig, ConvictionConfig, ProofConfig, ProveMode
 from titan_ledger.components.response.host import Host
@@ -53,11 +54,9 @@ from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.verdict import (
-    BISECT_BALANCE,
     Execution,
     Suspect,
     Verdict,
-    bisect_documents,
     control_of,
     differing_ranks,
     document_tokens,

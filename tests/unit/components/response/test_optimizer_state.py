@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from titan_ledger.components.response.optimizer_state import AdamEntry, AdamLevel, amplification, update_norms
+from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
+from titan_ledger.components.signals.adam_level import AdamLevel
 
 
 def test_the_levels_follow_the_applied_updates_and_their_ratio_shows_a_decayed_v():

@@ -262,7 +262,7 @@ def test_without_group_testing_the_step_is_not_data():
 def _adam_history(t, norms):
     """Real AdamW steps on gradients of these norms, the rows' levels fed the same norms
     (what a run's written rows give ``Ledger.adam_level``)."""
-    from titan_ledger.components.response.optimizer_state import AdamLevel
+    from titan_ledger.components.signals.adam_level import AdamLevel
 
     opt = torch.optim.AdamW(t.model.parameters(), lr=1e-6, betas=(0.9, 0.95))
     level = AdamLevel(0.95, 1000)

@@ -404,7 +404,7 @@ def _docs(n, size=10):
 
 
 def test_halves_split_the_tokens_evenly_and_deterministically():
-    from titan_ledger.components.response.verdict import halves
+    from titan_ledger.components.response.bisection import halves
 
     sizes = {("s", 0): 100, ("s", 1): 60, ("s", 2): 50, ("s", 3): 10}
     a, b = halves(sizes)
@@ -415,7 +415,7 @@ def test_halves_split_the_tokens_evenly_and_deterministically():
 
 @pytest.mark.parametrize("k", [2, 3, 8, 33, 128])
 def test_one_bad_document_is_found_in_two_executions_per_halving(k):
-    from titan_ledger.components.response.verdict import bisect_documents
+    from titan_ledger.components.response.bisection import bisect_documents
 
     bad = ("s", k // 3)
     calls = []
@@ -431,7 +431,7 @@ def test_one_bad_document_is_found_in_two_executions_per_halving(k):
 
 
 def test_no_document_is_convicted_when_removing_any_data_helps_or_none_does():
-    from titan_ledger.components.response.verdict import bisect_documents
+    from titan_ledger.components.response.bisection import bisect_documents
 
     assert bisect_documents(_docs(16), lambda docs: True).documents == frozenset()  # "removing data"
     assert bisect_documents(_docs(16), lambda docs: False).documents == frozenset()  # not the data
@@ -439,7 +439,7 @@ def test_no_document_is_convicted_when_removing_any_data_helps_or_none_does():
 
 
 def test_two_culprits_split_over_both_halves_convict_the_smallest_set_that_alone_explains_it():
-    from titan_ledger.components.response.verdict import bisect_documents
+    from titan_ledger.components.response.bisection import bisect_documents
 
     bad = {("s", 1), ("s", 2)}  # both needed masked for the update to be normal
 
@@ -453,7 +453,7 @@ def test_two_culprits_split_over_both_halves_convict_the_smallest_set_that_alone
 
 
 def test_two_culprits_in_one_half_convict_that_half_and_no_more():
-    from titan_ledger.components.response.verdict import bisect_documents, halves
+    from titan_ledger.components.response.bisection import bisect_documents, halves
 
     sizes = _docs(16)
     a, _ = halves(sizes)
@@ -468,7 +468,7 @@ def test_a_round_whose_explaining_half_dwarfs_its_control_convicts_nothing():
     update back", masking the step's other (38-token) document did not. Masking 96% of
     a batch is no control for 4%: under the size rule nothing is convicted; without it (a
     rank an equal-size mask already convicted) the round narrows as before."""
-    from titan_ledger.components.response.verdict import BISECT_BALANCE, bisect_documents
+    from titan_ledger.components.response.bisection import BISECT_BALANCE, bisect_documents
 
     sizes = {("zoo", 7): 986, ("zoo", 8): 38}
     big_helps = lambda docs: ("zoo", 7) in docs  # noqa: E731
@@ -490,7 +490,7 @@ def test_a_round_whose_explaining_half_dwarfs_its_control_convicts_nothing():
 
 @pytest.mark.parametrize("k", [2, 3, 8, 33])
 def test_the_size_rule_keeps_finding_one_bad_document_among_similar_ones(k):
-    from titan_ledger.components.response.verdict import BISECT_BALANCE, bisect_documents
+    from titan_ledger.components.response.bisection import BISECT_BALANCE, bisect_documents
 
     bad = ("s", k // 3)
     assert bisect_documents(_docs(k), lambda docs: bad in docs, BISECT_BALANCE).documents == {bad}
