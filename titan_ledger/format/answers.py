@@ -13,8 +13,9 @@ ledger from before answers). Views render it and derive nothing.
 
 * **One cause**: the mechanism a proof measured (Adam's state in step, a data or hardware
   verdict) or the window's fixes; the LR as the *driver* where its cut removed it beside a
-  mechanism's own fix ("LR-driven attention-logit growth"); then the fix is whichever of the
-  two trained better in the window (a mechanism's fix leaves the driver in the run). Where
+  mechanism's own fix ("LR-driven attention-logit growth"); then, for a spike, the fix is
+  whichever of the two trained better in the window (a mechanism's fix leaves the driver in
+  the run; a stall's window, judged by the loss alone, keeps the mechanism's). Where
   several mechanisms' fixes each remove it, the proof does not separate them (``separates``
   False): the fixes are ranked by effect and no cause is claimed.
 * **One judge**: each fix's effect is the window proof's (``removed``: the run's own acting
@@ -643,12 +644,17 @@ def build(step: int, kind: str, event: dict[str, Any] | None, proof: dict[str, A
                     cut = next((f for f in good if f.cause == "lr"), None)
                     if mech != "lr" and cut is not None:
                         driver = "lr"
-                        # the LR drives it: of the driver's cut and the mechanism's own fix, the one
-                        # ranked first (the better effect, then the lower loss at the window's end).
-                        # The mechanism's fix alone leaves the driver in the run: at logit_stall_lr02
-                        # seed 1, eps 1e-6 removed step 25 in the window and over 1,000 steps the run
-                        # flagged 26 steps against 14 and ended higher (docs/benchmarks.md, issue 67)
-                        if good.index(cut) < good.index(fix):
+                        # the LR drives a spike: of the driver's cut and the mechanism's own fix, the
+                        # one ranked first (the better effect, then the lower loss at the window's
+                        # end). The mechanism's fix alone leaves the driver in the run: at
+                        # logit_stall_lr02 seed 1, eps 1e-6 removed step 25 in the window and over
+                        # 1,000 steps the run flagged 26 steps against 14 and ended higher. Not for a
+                        # stall: its window is judged by the loss alone, which any LR cut lowers at
+                        # once (the annealing drop) whatever drives the stall -- the same run's stall
+                        # at step 350, given the cut (its window 0.11 lower against the logit cap's
+                        # 0.08), ended 0.8% lower over the horizon, the logit cap 9.8%
+                        # (docs/benchmarks.md, issue 67)
+                        if not window.get("stall") and good.index(cut) < good.index(fix):
                             how += (f"; the driver's cut is the fix: it removed it as well and trained better "
                                     f"in the window (loss {num(cut.cost, 2)} against {num(fix.cost, 2)} for "
                                     f"{fix.change or fix.variant})")

@@ -225,6 +225,13 @@ def test_a_stall_is_answered_by_its_windows_lowered_loss_alone():
     a = build(350, "stall", stall, proof, CTX)
     assert (a.kind, a.title, a.cause, a.driver) == ("stall", "stall", "logit_growth", "lr")
     assert a.fix.effect == "lowered" and a.start == "checkpoint step-300"
+    # the LR's cut lowered the stalled loss more in the window (any cut does at once): the
+    # mechanism's own fix stays the fix (logit_stall_lr02 seed 1 at 350: 0.8% against 9.8%)
+    costs = {**proof, "window": _window({"lr": "lowered", "logit_cap": "lowered", "eps": "not removed"},
+                                        control=None, stall=True, costs={"lr": -0.109, "logit_cap": -0.079})}
+    b = build(350, "stall", stall, costs, CTX)
+    assert (b.cause, b.driver, b.fix.variant) == ("logit_growth", "lr", "logit_cap")
+    assert [f.variant for f in b.fixes][:2] == ["lr", "logit_cap"]  # ranked by the window's loss
 
 
 def test_an_incident_without_a_measured_fix_gets_the_runs_earlier_one_as_a_candidate():
