@@ -3,6 +3,9 @@ normalized, dumped; two dumps compared.
 
     python bench/ledger_equal.py --tree DIR --out OUT        # run the set on DIR's code
     python bench/ledger_equal.py --compare A B               # equal per run/file? exit 1 if not
+    python bench/ledger_equal.py --compare A B --spellings --mask python
+                                                             # across a flag rename (issue 69), trees
+                                                             # run with different interpreters
 
 Each run is a real ``torchrun --nproc_per_node 2 -m titan_ledger.train`` (gloo, CPU, as
 ``tests/helpers.torchrun`` launches it, cold: no warm launcher) with ``DIR`` as the working
@@ -279,7 +282,22 @@ def _line_diff(la: list[str], lb: list[str]) -> str | None:
     return None
 
 
-def compare(a: Path, b: Path) -> int:
+def compare(a: Path, b: Path, spellings: bool = False, mask: tuple[str, ...] = ()) -> int:
+    """Equal per run and file? ``spellings``: old flag spellings read in today's on both sides
+    (two trees across a rename: ``format.spellings``); ``mask``: more keys masked (a value two
+    trees record differently by setup, not behaviour, e.g. ``python``, the interpreter's path)."""
+    keys = VARYING | set(mask)
+
+    def today(text: str) -> str:
+        if not spellings:
+            return text
+        from titan_ledger.format.spellings import renamed_text
+
+        return renamed_text(text)
+
+    def norm(text: str) -> list[str]:
+        return normalize_text(today(text), [], keys)
+
     runs = sorted({p.name for p in a.iterdir() if p.is_dir()} | {p.name for p in b.iterdir() if p.is_dir()})
     differ = 0
     for run in runs:
@@ -288,7 +306,7 @@ def compare(a: Path, b: Path) -> int:
             print(f"{run}: only in {'A' if ra.is_dir() else 'B'}")
             differ += 1
             continue
-        ma, mb = (json.loads((r / "meta.json").read_text()) for r in (ra, rb))
+        ma, mb = (json.loads(today((r / "meta.json").read_text())) for r in (ra, rb))
         for k in sorted((set(ma) | set(mb)) - NOT_COMPARED):
             if ma.get(k) != mb.get(k):
                 d = _first_diff(ma.get(k), mb.get(k), k)
@@ -304,7 +322,7 @@ def compare(a: Path, b: Path) -> int:
                 differ += 1
                 continue
             # masked again here, so that dumps made before a key joined VARYING compare
-            d = _line_diff(*(normalize_text(f.read_text(), [], VARYING) for f in (fa, fb)))
+            d = _line_diff(*(norm(f.read_text()) for f in (fa, fb)))
             if d:
                 print(f"{shown}: DIFFERENT {d}")
                 differ += 1
@@ -319,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", type=Path, help="source tree: PYTHONPATH and working directory of the runs")
     ap.add_argument("--out", type=Path, help="output folder for the normalized dump")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"))
+    ap.add_argument("--spellings", action="store_true",
+                    help="--compare: read old flag spellings in today's on both sides (trees across a rename)")
+    ap.add_argument("--mask", action="append", default=[], metavar="KEY",
+                    help="--compare: mask this key too (e.g. python: the interpreter's path)")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/ledger_equal_scratch"),
                     help="fixed dump-folder root for the runs (keep it the same across dumps: the config "
                          "digest in every header includes the dump folder)")
@@ -328,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=list(RUNS), help="a subset of the runs")
     args = ap.parse_args(argv)
     if args.compare:
-        return compare(*args.compare)
+        return compare(*args.compare, spellings=args.spellings, mask=tuple(args.mask))
     if args.no_mask:
         VARYING.clear()
         IDX_VARYING.clear()

@@ -11,6 +11,8 @@ commands from recorded launches.
 
 from __future__ import annotations
 
+import re
+
 from titan_ledger.errors import ConfigError
 
 #: every field of the old ``[ledger.on_spike]`` and the window-proof fields of the old
@@ -87,3 +89,17 @@ def renamed_key(key: str) -> str:
         if new is not None:
             return "ledger." + new
     return key
+
+
+_FLAG = re.compile(r"--ledger\.(on_spike|snapshots)\.(no[_-])?([A-Za-z_-]+)")
+
+
+def renamed_text(text: str) -> str:
+    """Every old flag spelled in ``text`` in today's spelling (a recorded launch's argv
+    inside a ledger line; ``bench/ledger_equal.py --spellings`` compares dumps across a
+    rename so)."""
+    def sub(m: re.Match) -> str:
+        hit = _renamed_flag(m.group(0))
+        return hit[1] if hit is not None else m.group(0)
+
+    return _FLAG.sub(sub, text)

@@ -12,7 +12,14 @@ from titan_ledger.components.ledger.ledger import Ledger
 from titan_ledger.components.response import config as response_config
 from titan_ledger.components.response.config import ResponseConfig, Sections, sections
 from titan_ledger.errors import ConfigError
-from titan_ledger.format.spellings import RENAMED, refuse_renamed, renamed_argv, renamed_key, renamed_table
+from titan_ledger.format.spellings import (
+    RENAMED,
+    refuse_renamed,
+    renamed_argv,
+    renamed_key,
+    renamed_table,
+    renamed_text,
+)
 
 SECTIONS = ("response", "proof", "adam_check", "conviction", "rollback", "breaker", "snapshots", "window")
 
@@ -65,6 +72,10 @@ def test_a_recorded_launch_reads_in_todays_spelling():
     assert renamed_key("ledger.snapshots.keep") == "ledger.snapshots.keep"
     assert renamed_table("on_spike", "quarantine_max") == "[ledger.conviction] max_share"
     assert renamed_table("snapshots", "every") is None
+    # a ledger line recording the launch (bench/ledger_equal.py --spellings compares dumps so)
+    line = '{"argv": ["--ledger.on_spike.prove", "all", "--ledger.snapshots.every", "20", "--ledger.on_spike.no-defer"]}'
+    assert renamed_text(line) == ('{"argv": ["--ledger.proof.scope", "all", "--ledger.snapshots.every", "20", '
+                                  '"--ledger.response.no_defer"]}')
 
 
 def test_the_sections_a_unit_double_gets_are_the_defaults_with_some_replaced():
