@@ -24,7 +24,17 @@ the surface the trainer offers and through the calls it makes, not a copy of the
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # (annotations only: torchtitan is imported after the device backend is installed)
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.validate import BaseValidator
+
+    from titan_ledger.components.signals.step_record import StepRecord
 
 
 @runtime_checkable
@@ -32,15 +42,15 @@ class Host(Protocol):
     """The trainer as the response layer sees it (``LedgerTrainer`` implements it)."""
 
     # torchtitan's components, read and driven as torchtitan's loop drives them
-    config: Any
-    device: Any
-    model_parts: list
-    optimizers: Any
-    lr_schedulers: Any
-    dataloader: Any
-    checkpointer: Any
-    metrics_processor: Any
-    validator: Any
+    config: Any  # LedgerTrainer.Config (the trainer layer, above this one)
+    device: torch.device
+    model_parts: list[torch.nn.Module]
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    dataloader: BaseDataLoader
+    checkpointer: CheckpointManager
+    metrics_processor: MetricsProcessor
+    validator: BaseValidator | None
     gradient_accumulation_steps: int
     num_pipeline_parallel_microbatches: int
     ntokens_seen: int  # (Reexecution puts an extra execution's count back)
@@ -55,7 +65,7 @@ class Host(Protocol):
         ...
 
     @property
-    def step_record(self) -> Any:
+    def step_record(self) -> StepRecord | None:
         """The record the hooks fill (read-only here: :meth:`attend`)."""
         ...
 
@@ -65,7 +75,7 @@ class Host(Protocol):
 
     def should_continue_training(self) -> bool: ...
 
-    def attend(self, rec: Any) -> Any:
+    def attend(self, rec: StepRecord | None) -> StepRecord | None:
         """The hooks fill ``rec`` from now (None: no step's); returns the record before."""
         ...
 
