@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from titan_ledger.format.spellings import renamed_key
+from titan_ledger.format.spellings import renamed_argv
 
 #: settings a tool or a relaunch changes on purpose, and why: named as expected, never a mismatch
 VOLATILE: dict[str, str] = {
@@ -43,7 +43,9 @@ SHOWN = 8
 
 
 def strip_recorded(argv: list[str]) -> list[str]:
-    """A recorded launch's flags minus its dump folder (the caller sets its own)."""
+    """A recorded launch's flags minus its dump folder (the caller sets its own), in today's
+    spelling (``format.spellings``: a run launched before a rename is compared with, rerun
+    and relaunched without retyping its flags)."""
     out, i = [], 0
     while i < len(argv):
         key, eq, _ = str(argv[i]).partition("=")
@@ -52,7 +54,7 @@ def strip_recorded(argv: list[str]) -> list[str]:
             continue
         out.append(str(argv[i]))
         i += 1
-    return out
+    return renamed_argv(out)
 
 
 def rooted(argv: list[str], cwd: str | os.PathLike | None) -> list[str]:
@@ -105,8 +107,7 @@ def is_volatile(key: str) -> bool:
 
 
 def _all_diffs(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
-    # a launch recorded before a rename compares in today's spelling (format.spellings)
-    fa, fb = ({renamed_key(k): v for k, v in flat(d).items()} for d in (a, b))
+    fa, fb = flat(a), flat(b)
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

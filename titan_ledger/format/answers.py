@@ -716,7 +716,7 @@ def tree_candidates(tree: dict[str, Any] | None, ctx: Context, known: list[Fix] 
                 f"the decision tree's reading ({tree['cause']}, {tree.get('certainty', 'guess')})", resumes=ch.resumes)]
 
 
-def with_tree(answer: Answer, tree: dict[str, Any] | None, ctx: Context, exists=None) -> Answer:
+def with_tree(answer: Answer, tree: dict[str, Any] | None, ctx: Context) -> Answer:
     """A recorded answer without a fix, with the decision tree's candidate added: the tree's
     reading is a candidate (no command), never the answer's cause."""
     if answer.fix is not None or answer.cause in ("hardware", "bad_data"):
@@ -752,7 +752,7 @@ def with_rerun(answer: Answer, cause: str, rule: str, proven: bool, ctx: Context
         return answer
     a = replace(answer, cause=cause, established="rerun" if proven else "rerun_evidence", how=rule,
                 not_proven=None if proven else answer.not_proven)
-    a = with_tree(a, {"cause": cause, "certainty": "proven by a rerun" if proven else "evidence"}, ctx, exists)
+    a = with_tree(a, {"cause": cause, "certainty": "proven by a rerun" if proven else "evidence"}, ctx)
     if not proven or answer.fix is not None or not a.candidates or a.candidates[-1].cause != cause:
         return a
     own = replace(a.candidates[-1], detail="the fix of the cause a rerun proved")

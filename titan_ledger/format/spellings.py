@@ -81,16 +81,6 @@ def renamed_argv(args: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
-def renamed_key(key: str) -> str:
-    """A recorded setting's dotted name in today's spelling (``ledger.on_spike.prove`` ->
-    ``ledger.proof.scope``); other names as given."""
-    if key.startswith("ledger."):
-        new = RENAMED.get(key[len("ledger."):])
-        if new is not None:
-            return "ledger." + new
-    return key
-
-
 _FLAG = re.compile(r"--ledger\.(on_spike|snapshots)\.(no[_-])?([A-Za-z_-]+)")
 
 

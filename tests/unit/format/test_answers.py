@@ -262,3 +262,19 @@ def test_an_old_runs_fix_command_is_in_todays_spelling():
     a = build(421, "spike", SPIKE, {**ADAM, "window": _window({"eps": "removed"})}, old)
     assert "--ledger.proof.scope all" in a.command and "--ledger.window.max_proofs 3" in a.command
     assert "on_spike" not in a.command
+
+
+def test_a_cause_a_rerun_proved_gets_its_own_fix_and_command_evidence_only_a_candidate():
+    """``diagnose --rerun``: a cause the rerun proved is established by it, and its own fix is
+    the answer's (not measured, with a command); evidence alone leaves the fix a candidate,
+    without a command."""
+    from titan_ledger.format.answers import with_rerun
+
+    bare = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.proof.scope off")
+    proven = with_rerun(bare, "lr", "the LR's rerun removed it", True, CTX)
+    assert (proven.cause, proven.established, proven.not_proven) == ("lr", "rerun", None)
+    assert proven.fix.variant == "lr" and proven.fix.effect == "not measured" and not proven.candidates
+    assert proven.command and "--optimizer.lr 0.001" in proven.command and proven.start.startswith("scratch")
+    evidence = with_rerun(bare, "lr", "a skip removed it", False, CTX)
+    assert evidence.established == "rerun_evidence" and evidence.fix is None and evidence.command is None
+    assert [c.variant for c in evidence.candidates] == ["lr"]

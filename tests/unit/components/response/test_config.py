@@ -16,7 +16,6 @@ from titan_ledger.format.spellings import (
     RENAMED,
     refuse_renamed,
     renamed_argv,
-    renamed_key,
     renamed_table,
     renamed_text,
 )
@@ -68,8 +67,6 @@ def test_a_recorded_launch_reads_in_todays_spelling():
     assert renamed_argv(old) == ["--job.config_file", "a.toml", "--ledger.proof.scope", "all",
                                  "--ledger.response.policy=act", "--ledger.proof.no_bisect",
                                  "--ledger.snapshots.every", "20", "--ledger.window.eps_fix", "1e-5"]
-    assert renamed_key("ledger.on_spike.max_rollbacks") == "ledger.rollback.limit"
-    assert renamed_key("ledger.snapshots.keep") == "ledger.snapshots.keep"
     assert renamed_table("on_spike", "quarantine_max") == "[ledger.conviction] max_share"
     assert renamed_table("snapshots", "every") is None
     # a ledger line recording the launch (bench/ledger_equal.py --spellings compares dumps so)
