@@ -419,14 +419,15 @@ def chromium_dom(page: Path, profile: Path, size: str = "1200,4000") -> str:
 
 
 def host_double(obj):
-    """A unit test's stand-in for a ``LedgerTrainer`` gets the ``Host`` protocol's three
-    moves (``attend``, ``as_step``, ``move_to``; components/response/host.py) as the
-    trainer's own methods, bound to it: the double moves the step as the trainer does."""
+    """A unit test's stand-in for a ``LedgerTrainer`` gets the ``Host`` protocol's moves
+    (``attend``, ``as_step``, ``move_to``) and its rules (``checkpoint_due``,
+    ``decision_due``; components/response/host.py) as the trainer's own methods, bound to
+    it: the double moves the step and asks torchtitan's save rule as the trainer does."""
     import types
 
     from titan_ledger.trainer import LedgerTrainer
 
-    for name in ("attend", "as_step", "move_to", "checkpoint_due"):
+    for name in ("attend", "as_step", "move_to", "checkpoint_due", "decision_due"):
         setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
     ck = getattr(getattr(obj, "config", None), "checkpoint", None)
     if ck is not None and not hasattr(obj, "checkpointer"):  # torchtitan's own save rule over the double's settings
@@ -438,6 +439,39 @@ def host_double(obj):
         if not hasattr(obj.config.training, "steps"):
             obj.config.training.steps = 10**9  # (the double's last step: should_continue_training says)
     return obj
+
+
+def run_facts(obj, **given):
+    """The response's ``RunFacts`` as a unit double's config namespace states them (what it
+    does not state: ``RunFacts``' defaults; ``given`` replaces any), read once, as the
+    trainer reads them when it builds the response."""
+    import torch
+
+    from titan_ledger.components.response.host import RunFacts
+    from titan_ledger.data.layout import parse_skip_steps
+    from titan_ledger.rehearsal.faults import parse_response_faults
+
+    c = getattr(obj, "config", None)
+
+    def at(path: str):
+        o = c
+        for k in path.split("."):
+            o = getattr(o, k, None)
+        return o
+
+    found = {"dump_folder": at("dump_folder"), "checkpoint_folder": at("checkpoint.folder"),
+             "steps": at("training.steps"), "seq_len": at("training.seq_len"),
+             "local_batch_size": at("training.local_batch_size"), "max_norm": at("training.max_norm"),
+             "skip_lr": at("ledger.skip.lr"), "stall": at("ledger.stall"), "spike": at("ledger.spike")}
+    kw = {k: v for k, v in found.items() if v is not None}
+    if at("checkpoint.exclude_from_loading") is not None:
+        kw["exclude_from_loading"] = tuple(at("checkpoint.exclude_from_loading"))
+    if at("training.disable_cuda_graphs") is not None:
+        kw["grads_freed"] = bool(at("training.disable_cuda_graphs"))
+    if at("ledger.rehearsal") is not None:
+        kw["prove_at"] = parse_skip_steps(at("ledger.rehearsal.prove_at"), "--ledger.rehearsal.prove_at")
+        kw["faults"] = parse_response_faults(at("ledger.rehearsal.response_fault"))
+    return RunFacts(**{"device": getattr(obj, "device", None) or torch.device("cpu"), **kw, **given})
 
 
 def proof_record(verdict: str, applied: str = "original", acting: bool = True, **fields):

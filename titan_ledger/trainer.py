@@ -43,6 +43,7 @@ from titan_ledger.components.prevention.optimizer import LedgerOptimizers  # noq
 from titan_ledger.components.prevention.qk_clip import QKClipConfig  # noqa: E402
 from titan_ledger.components.prevention.qk_norm import ModelOptions, apply_qk_norm  # noqa: E402
 from titan_ledger.components.response import counterfactual  # noqa: E402  ADDED (replay rerun)
+from titan_ledger.components.response.host import RunFacts  # noqa: E402
 from titan_ledger.components.response.recovery import Outcome, Recovery  # noqa: E402
 from titan_ledger.components.run import disk_space, patches  # noqa: E402
 from titan_ledger.components.signals import attention  # noqa: E402
@@ -98,9 +99,11 @@ class LedgerTrainer(Trainer):
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with patches.meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
-        # the response, after torchtitan built what it acts on (model, optimizers, checkpointer),
-        # from its own sections (components/response/config.py), passed in: nothing reads them later
-        self.recovery = Recovery(self, config.ledger)
+        # the response, after torchtitan built what it acts on: its sections, ports and facts passed in
+        self._overrides = counterfactual.parse_overrides(config.ledger.rehearsal.rerun)
+        facts = RunFacts.of(config, device=self.device,
+                            microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        self.recovery = Recovery.Config.of(config.ledger).build(host=self, ledger=self.ledger, facts=facts)
         self.doc_loss = self.ledger.attach_loss(self.loss_fn, per_document=doc_loss, seq_len=config.training.seq_len,
                                                 cp_enabled=self.parallel_dims.cp_enabled)
         if self._dense_masks and config.validator.enable:
@@ -127,8 +130,7 @@ class LedgerTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        # the ledger's counters and the response's history, under the keys checkpoints have always had
+        state = super().state_dict()  # + the ledger's counters, the response's history (keys as ever)
         state.update({f"ledger_{k}": v for k, v in {**self.ledger.state_dict(), **self.recovery.state_dict()}.items()})
         return state
 
@@ -160,7 +162,8 @@ class LedgerTrainer(Trainer):
         if not self._ledger_open:  # first step of this process, after the checkpoint load
             ledger.open(resumed_from=self.step - 1)
             self._ledger_open = True
-            counterfactual.apply_overrides(self)  # ADDED (replay rerun): --ledger.rehearsal.rerun lr_scale/eps after the load
+            # ADDED (replay rerun): --ledger.rehearsal.rerun lr_scale/eps/logit_cap/beta2 after the load
+            counterfactual.apply_overrides(self._overrides, self.optimizers, self.lr_schedulers, self.model_parts)
             disk_space.warn_at_start(self)  # ADDED: what the run will write against the dump folder's free space
         if self.recovery.before_step():  # a pending rollback ran, or a skip window consumed the step
             return
@@ -206,6 +209,11 @@ class LedgerTrainer(Trainer):
         and the response's deferral both ask here: one rule, torchtitan's."""
         return bool(self.checkpointer._should_save(step, last_step=step == self.config.training.steps))
 
+    def decision_due(self, step: int) -> bool:
+        """Whether the last step, a checkpoint or a validation follows ``step`` (Host)."""
+        return (not self.should_continue_training() or self.checkpoint_due(step)
+                or (self.config.validator.enable and self.validator.should_validate(step)))
+
     @property
     def ran_a_step(self) -> bool:
         """ADDED: whether this process ran a step (trained, or consumed one untrained): a
@@ -213,7 +221,7 @@ class LedgerTrainer(Trainer):
         return self._ledger_open
 
     def should_continue_training(self) -> bool:  # ADDED (replay rerun): --ledger.rehearsal.rerun stop=N
-        return super().should_continue_training() and counterfactual.before_stop(self)
+        return super().should_continue_training() and counterfactual.before_stop(self._overrides, self.step)
 
     def batch_generator(self, data_iterable):
         """torchtitan's generator, each batch landing in the step's record (``Batches``)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, Protocol
+from typing import Literal
 
 from titan_ledger.components.response.ladder import Action, parse_ladder
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES
@@ -393,31 +393,3 @@ class WindowConfig:
         if not 0 < self.lr_factor < 1 or not 0 < self.beta2 < 1 or not self.eps > 0:
             raise ConfigError(f"--ledger.window.lr_factor {self.lr_factor} / beta2 {self.beta2} / eps {self.eps}: "
                               f"expected lr_factor and beta2 in (0, 1), eps > 0")
-
-
-class Sections(Protocol):
-    """What the response reads of the ``[ledger]`` table: its own sections, nothing else
-    (``LedgerTrainer`` passes ``config.ledger``; a unit test, a namespace of them)."""
-
-    response: ResponseConfig
-    proof: ProofConfig
-    adam_check: AdamCheckConfig
-    conviction: ConvictionConfig
-    rollback: RollbackConfig
-    breaker: BreakerConfig
-    snapshots: SnapshotsConfig
-    window: WindowConfig
-
-
-def sections(**given) -> Sections:
-    """The response's sections at their defaults, ``given`` replacing some (unit tests,
-    tools that build a response outside a trainer)."""
-    from types import SimpleNamespace
-
-    kinds = {"response": ResponseConfig, "proof": ProofConfig, "adam_check": AdamCheckConfig,
-             "conviction": ConvictionConfig, "rollback": RollbackConfig, "breaker": BreakerConfig,
-             "snapshots": SnapshotsConfig, "window": WindowConfig}
-    unknown = set(given) - set(kinds)
-    if unknown:
-        raise TypeError(f"not a response section: {', '.join(sorted(unknown))}")
-    return SimpleNamespace(**{k: given.get(k) or v() for k, v in kinds.items()})  # type: ignore[return-value]

@@ -32,41 +32,37 @@ def parse_overrides(spec: str) -> dict[str, float]:
     return out
 
 
-def _overrides(trainer) -> dict[str, float]:
-    return parse_overrides(trainer.config.ledger.rehearsal.rerun)  # a few characters: parsed each call
+def before_stop(overrides: dict[str, float], step: int) -> bool:
+    """``should_continue_training``: False once ``stop`` has trained (``overrides``: the
+    parsed ``--ledger.rehearsal.rerun``)."""
+    stop = overrides.get("stop")
+    return stop is None or step < stop
 
 
-def before_stop(trainer) -> bool:
-    """``should_continue_training``: False once ``stop`` has trained."""
-    stop = _overrides(trainer).get("stop")
-    return stop is None or trainer.step < stop
-
-
-def apply_overrides(trainer) -> dict[str, float]:
+def apply_overrides(overrides: dict[str, float], optimizers, lr_schedulers, model_parts: list) -> None:
     """After the checkpoint load (first step of the process): scale the LR (the
     optimizer's param groups, which the checkpoint restored, and the schedulers'
     base LRs, which torchtitan rebuilt from the config) and set Adam's eps."""
-    o = _overrides(trainer)
+    o = overrides
     scale, eps, cap, beta2 = o.get("lr_scale"), o.get("eps"), o.get("logit_cap"), o.get("beta2")
     if beta2 is not None:
-        for opt in trainer.optimizers.optimizers:
+        for opt in optimizers.optimizers:
             set_beta2(opt, beta2)
     if cap is not None:
         from titan_ledger.components.signals.attention import MaxLogitRecorder
 
-        for part in trainer.model_parts:
+        for part in model_parts:
             for m in part.modules():
                 if isinstance(m, MaxLogitRecorder):
                     m.softcap = cap
     if scale is not None:
         from titan_ledger.components.prevention.optimizer import scale_lr
 
-        scale_lr(trainer.lr_schedulers, scale)
+        scale_lr(lr_schedulers, scale)
     if eps is not None:
-        for sched in trainer.lr_schedulers.schedulers:
+        for sched in lr_schedulers.schedulers:
             for g in sched.optimizer.param_groups:
                 g["eps"] = eps
-    return o
 
 
 def set_beta2(opt, beta2: float) -> None:

@@ -14,9 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan_ledger.errors import python_command
 from titan_ledger.format import records
+
+if TYPE_CHECKING:  # (annotations only: the flags' parser imports this module, before torch)
+    from titan_ledger.components.response.host import RunFacts
 
 
 class Action(StrEnum):
@@ -180,22 +184,21 @@ class NoteBudget:
             self.tokens, self.at = min(int(s["tokens"]), self.cap), int(s["at"])
 
 
-def ladder_report(folder: Path, ladder: Ladder, config, action: dict) -> str:
+def ladder_report(folder: Path, ladder: Ladder, facts: RunFacts, spec: str, action: dict) -> str:
     """One screen: what happened, what was tried, where the evidence is, what to run
-    (``folder``: the ledger's)."""
-    dump = config.dump_folder
+    (``folder``: the ledger's; ``spec``: ``--ledger.response.action``)."""
+    dump = facts.dump_folder
     step = action["step"]
     py = python_command()  # the interpreter that trained: the commands run as printed
     tried = "; ".join(f"step {h['step']}: {h['action']}" + (f" ({h['attempt']})" if "attempt" in h else "")
                       for h in ladder.history) or "nothing"
-    response = config.ledger.response
     return "\n".join([
         f"the recovery ladder stopped training at step {step} "
-        f"(--ledger.response.action {response.action}, horizon {response.repeat_horizon} steps)",
+        f"(--ledger.response.action {spec}, horizon {ladder.horizon} steps)",
         f"  what happened: spikes kept coming back within the horizon; last at step {step}",
         f"  what was tried: {tried}",
         f"  evidence: {folder / records.SPIKES_FILE} (every flag and decision), {folder / records.SIGNALS_FILE}, "
-        f"{folder}/{records.DATA_GLOB} (documents and their losses), checkpoints in {dump}/{config.checkpoint.folder}",
+        f"{folder}/{records.DATA_GLOB} (documents and their losses), checkpoints in {dump}/{facts.checkpoint_folder}",
         f"  next: {py} -m titan_ledger.diagnose {dump} --step {step}",
         f"        {py} -m titan_ledger.report {dump} --step {step} -o incident.html",
         f"        {py} -m titan_ledger.replay rerun --dump-folder {dump} --step {step}  (reuses this run's launch)",

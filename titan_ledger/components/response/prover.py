@@ -49,7 +49,7 @@ import torch
 from titan_ledger.components.response.bisection import BISECT_BALANCE, bisect_documents
 from titan_ledger.components.response.bounds import Coverage, quarantine_coverage
 from titan_ledger.components.response.config import AdamCheckConfig, ConvictionConfig, ProofConfig, ProveMode
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.optimizer_state import AdamEntry, amplification, update_norms
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
@@ -75,7 +75,7 @@ from titan_ledger.components.response.verdict import (
 from titan_ledger.components.signals.sums import local, loss_sum
 from titan_ledger.errors import ProofFailure
 from titan_ledger.format.proofs import Applied, Finding, ProofRecord
-from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
+from titan_ledger.rehearsal.faults import response_fault
 
 
 @dataclass
@@ -96,14 +96,13 @@ class FirstExecution:
     grads: list | None = None
 
     @classmethod
-    def of(cls, trainer, grads: list | None = None, execution: tuple | None = None) -> FirstExecution:
+    def of(cls, model_parts: list, device: torch.device, execution: tuple, grads: list | None = None) -> FirstExecution:
         """The step just recorded, from the live gradients (device work only, no host read);
         or from the ``grads`` and ``execution`` a :class:`KeptExecution` kept."""
         if grads is None:
-            grads = [p.grad for m in trainer.model_parts for p in m.parameters()]
-        loss_sum, local_tokens, grad_norm = trainer.ledger.last_execution if execution is None else execution
-        return cls(loss_sum, local_tokens, grad_norm, _per_param_sq(grads, trainer.device),
-                   _per_param_sum(grads, trainer.device))
+            grads = [p.grad for m in model_parts for p in m.parameters()]
+        loss_sum, local_tokens, grad_norm = execution
+        return cls(loss_sum, local_tokens, grad_norm, _per_param_sq(grads, device), _per_param_sum(grads, device))
 
 
 class KeptExecution:
@@ -117,24 +116,24 @@ class KeptExecution:
     of a step); on a GPU it is a device pass, and a second set of gradients is the memory
     that is short, so it stays (``Recovery``: CPU only)."""
 
-    def __init__(self, trainer: Host) -> None:
-        self.execution = trainer.ledger.last_execution  # (loss sum, local tokens, grad norm) as recorded
+    def __init__(self, execution: tuple) -> None:
+        self.execution = execution  # (loss sum, local tokens, grad norm) as Ledger.record saw them
         self.grads: list | None = None
 
-    def keep(self, trainer) -> None:
+    def keep(self, model_parts: list) -> None:
         """After the step's ``optimizers.step()``: take its gradients off the parameters (as
         the next ``zero_grad(set_to_none=True)`` would) and keep them."""
-        params = [p for m in trainer.model_parts for p in m.parameters()]
+        params = [p for m in model_parts for p in m.parameters()]
         self.grads = [p.grad for p in params]
         for p in params:
             p.grad = None
 
-    def first(self, trainer) -> FirstExecution:
+    def first(self, model_parts: list, device: torch.device) -> FirstExecution:
         """The checksum of the kept gradients, which it holds on to until the decision is
         made (an update applied as it was needs them, bit for bit)."""
         if self.grads is None:
             raise RuntimeError("titan_ledger: a deferred step's gradients were not kept after its update")
-        first = FirstExecution.of(trainer, self.grads, self.execution)
+        first = FirstExecution.of(model_parts, device, self.execution, self.grads)
         first.grads, self.grads = self.grads, None
         return first
 
@@ -179,9 +178,11 @@ class Prover:
     it: :meth:`convict` (the quarantine and the step's masks) and :meth:`load_update` (the
     gradients of the update to apply)."""
 
-    def __init__(self, trainer: Host, note_budget: NoteBudget | None = None, *, proof: ProofConfig | None = None,
-                 adam: AdamCheckConfig | None = None, conviction: ConvictionConfig | None = None) -> None:
-        self.trainer = trainer
+    def __init__(self, host: Host, ledger: LedgerPort, facts: RunFacts, note_budget: NoteBudget | None = None, *,
+                 proof: ProofConfig | None = None, adam: AdamCheckConfig | None = None,
+                 conviction: ConvictionConfig | None = None) -> None:
+        self.host, self.ledger, self.facts = host, ledger, facts
+        self.faults = facts.faults  # --ledger.rehearsal.response_fault (the response's own failures, rehearsed)
         # the run's [ledger.proof], [ledger.adam_check] and [ledger.conviction] (Recovery passes them)
         self.proof = proof or ProofConfig()
         self.adam = adam or AdamCheckConfig()
@@ -194,7 +195,6 @@ class Prover:
         self._first_grads: list | None = None  # the first execution's gradients, by reference, when kept
         self._hits: list = []  # this rank's [row, segment] of the convicted documents (applied by convict)
         self._deadline = math.inf
-        self._faults: dict[str, str] | None = None
         #: the step after the one proven, fetched (deferred decisions: ``Recovery`` sets it), else None
         self.next_rec = None
         #: steps whose update the model made abnormal with no data to blame (reproduced, abnormal, not
@@ -204,13 +204,6 @@ class Prover:
     @property
     def mode(self) -> str:
         return self.proof.scope
-
-    @property
-    def faults(self) -> dict[str, str]:
-        """``--ledger.rehearsal.response_fault`` (the response's own failures, rehearsed)."""
-        if self._faults is None:
-            self._faults = parse_response_faults(self.trainer.config.ledger.rehearsal.response_fault)
-        return self._faults
 
     def wanted(self, acting: bool, note: bool, step: int) -> bool:
         """Whether a step flagged so is proven: an acting flag unless ``[ledger.proof] scope = "off"``,
@@ -232,7 +225,7 @@ class Prover:
         self._hits = []
 
     def _params(self) -> list:
-        return [p for m in self.trainer.model_parts for p in m.parameters()]
+        return [p for m in self.host.model_parts for p in m.parameters()]
 
     def _run(self, variant: str, again: Reexecution, groups, first, prev: Execution | None = None) -> Execution:
         """One execution of the step on ``groups`` (``again``: the proof's re-execution
@@ -242,17 +235,16 @@ class Prover:
         second repeat's first repeat, compared by checksum (a fifth per-rank value). A
         variant that masks data (not ``same``) whose results are not finite fails the
         proof (:class:`ProofFailure`): a mask's update is judged by its numbers."""
-        t = self.trainer
         kind = response_fault(self.faults, "bisect" if variant == "bisect" else "proof")  # (rehearsal)
         if kind == "timeout":
             self._deadline = -math.inf
-        check_deadline(t, self._deadline, "the proof", self.proof.timeout)
+        check_deadline(self.ledger.topo.world, self.facts.device, self._deadline, "the proof", self.proof.timeout)
         t0 = time.perf_counter()
         params = self._params()
         loss, grad_norm, local_tokens, global_tokens = again.run(groups)
         self._in_grads = variant
         grads = [p.grad for p in params]
-        psq, sums = _per_param_sq(grads, t.device), _per_param_sum(grads, t.device)
+        psq, sums = _per_param_sq(grads, self.facts.device), _per_param_sum(grads, self.facts.device)
         if isinstance(first, FirstExecution):  # deferred: the first gradients are gone, their checksum is not
             equal = same_tensor(psq, first.psq) and same_tensor(sums, first.sums)
         else:
@@ -292,7 +284,7 @@ class Prover:
         if want is None or (self._rec is rec and self._in_grads == want):
             return
         groups = self._groups.get(want) if self._rec is rec else None
-        with Reexecution(self.trainer, rec, replaces=False) as again:
+        with Reexecution(self.host, self.ledger, self.facts, rec, replaces=False) as again:
             again.run(groups if groups is not None else rec.batches)
         self._rec, self._in_grads = rec, want
         if rec.proof is not None:
@@ -303,7 +295,7 @@ class Prover:
         per-step accumulators it refilled, the convicted documents' masks -- and the
         gradients go back to the first execution's where they were kept (else
         :meth:`load_update` executes the step again)."""
-        self.trainer.ledger.discard_step_state()
+        self.ledger.discard_step_state()
         self._hits = []
         if self._rec is rec and self._first_grads is not None:
             for p, g in zip(self._params(), self._first_grads):
@@ -320,7 +312,7 @@ class Prover:
             rec.masked.setdefault("proof", []).extend(self._hits)
         docs = [(s, int(d)) for s, d in proof.documents or []]
         if docs:
-            self.trainer.ledger.quarantine_proven(sorted(docs), rec.step)
+            self.ledger.quarantine_proven(sorted(docs), rec.step)
 
     def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict,
                 balance: float | None):
@@ -332,8 +324,8 @@ class Prover:
         (variant ``bisect``)."""
         from torchtitan.components.loss import IGNORE_INDEX
 
-        detector = self.trainer.ledger.detector
-        mine = self.trainer.ledger.topo.dp_rank
+        detector = self.ledger.detector
+        mine = self.ledger.topo.dp_rank
         trail: list[Execution] = []
 
         def normal_without(docs) -> bool:
@@ -351,14 +343,14 @@ class Prover:
         differed only)."""
         import torch.distributed as dist
 
-        topo = self.trainer.ledger.topo
+        topo = self.ledger.topo
         me = dist.get_rank() if dist.is_initialized() else 0
         a, b, c = executions
         loc = torch.tensor([local_distance(a, b, me), local_distance(a, c, me), local_distance(b, c, me)],
-                           dtype=torch.float64, device=self.trainer.device)
+                           dtype=torch.float64, device=self.facts.device)
         if topo.world == 1:
             return [loc.tolist()]
-        table = torch.empty(topo.world * 3, dtype=torch.float64, device=self.trainer.device)
+        table = torch.empty(topo.world * 3, dtype=torch.float64, device=self.facts.device)
         dist.all_gather_into_tensor(table, loc)
         return table.view(topo.world, 3).tolist()
 
@@ -369,9 +361,8 @@ class Prover:
         step only)."""
         import torch.distributed as dist
 
-        t = self.trainer
-        topo = t.ledger.topo
-        f64 = {"dtype": torch.float64, "device": t.device}
+        topo = self.ledger.topo
+        f64 = {"dtype": torch.float64, "device": self.facts.device}
         own = loss_sum.detach().double().reshape(()) if (loss_sum is not None and topo.owns_loss) else \
             torch.zeros((), **f64)
         grad_sq = psq.sum() if psq.numel() else torch.zeros((), **f64)
@@ -389,7 +380,7 @@ class Prover:
 
     def _coef(self, grad_norm) -> float:
         """torchtitan's clip factor for this norm (``clip_grads_with_norm_``)."""
-        max_norm = float(self.trainer.config.training.max_norm)
+        max_norm = float(self.facts.max_norm)
         g = float(_full(grad_norm))
         return min(1.0, max_norm / (g + 1e-6)) if max_norm > 0 and math.isfinite(g) else 1.0
 
@@ -402,8 +393,8 @@ class Prover:
         no parameter has Adam's state yet."""
         import torch.distributed as dist
 
-        t = self.trainer
-        ledger = t.ledger
+        t = self.host
+        ledger = self.ledger
         bar = float(self.adam.ratio)
         ratio, owned = ledger.adam_ratio(), ledger.owned_params()
         if bar <= 0 or ratio is None or owned is None:
@@ -425,7 +416,7 @@ class Prover:
                                      float(g["betas"][0]), float(g["betas"][1]), float(g.get("eps", 1e-8))))
         if ledger.topo.world == 1 and not entries:
             return None
-        norms = update_norms(entries, restore, t.device)
+        norms = update_norms(entries, restore, self.facts.device)
         if ledger.topo.world > 1:
             dist.all_reduce(norms)
         n = norms.tolist()
@@ -438,7 +429,7 @@ class Prover:
     def _content(self, docs) -> dict:
         """(tokens, content digest) of each document (the corpus's, read back by the
         loader; None where it cannot be): the content control and the quarantine bound."""
-        loader = self.trainer.ledger.loader
+        loader = self.ledger.loader
         return {d: (loader.document_facts(*d) if loader is not None else None) for d in docs}
 
     # ------------------------------------------------------------------ the proof
@@ -453,10 +444,10 @@ class Prover:
         calls :meth:`abandon` and decides without it."""
         import torch.distributed as dist
 
-        t = self.trainer
+        t = self.host
         start = time.perf_counter()
         self._deadline = start + float(self.proof.timeout)
-        with Reexecution(t, rec, replaces=False) as again:
+        with Reexecution(t, self.ledger, self.facts, rec, replaces=False) as again:
             out = self._prove(rec, again, acting=acting, event=event, first=first)
         out.seconds = round(time.perf_counter() - start, 4)
         if dist.is_initialized():
@@ -495,12 +486,11 @@ class Prover:
     def _first_execution(self, rec, again: Reexecution, first: FirstExecution | None) -> _Case:
         """The flagged step's first execution, gathered over the ranks and judged against
         the run's history (in the step: its gradients by reference; deferred: what was kept)."""
-        t = self.trainer
-        ledger = t.ledger
+        ledger = self.ledger
         if first is None:  # in the step: the first gradients, by reference (each execution gets fresh tensors)
             first_grads = [p.grad for p in self._params()]
             loss_sum, local_tokens, grad_norm = ledger.last_execution
-            psq = _per_param_sq(first_grads, t.device)
+            psq = _per_param_sq(first_grads, self.facts.device)
             self._first_grads = first_grads
         else:
             first_grads = first
@@ -542,7 +532,7 @@ class Prover:
         from torchtitan.components.loss import IGNORE_INDEX
 
         c = case
-        ledger = self.trainer.ledger
+        ledger = self.ledger
         topo = ledger.topo
         c.tags_by_dp = _gather_tags(c.rec.tags if topo.data_writer else None, topo)
         summaries = _gather_by_dp(ledger.step_documents() if topo.owns_tokens else None, topo)
@@ -552,7 +542,7 @@ class Prover:
         c.suspect = name_suspect(event, ledger.last_dp_loss(),
                                  summaries.get(int(rank)) if rank is not None else None,
                                  c.tags_by_dp.get(int(rank)) if rank is not None else None,
-                                 float(self.trainer.config.ledger.spike.doc_outlier_floor))
+                                 float(self.facts.spike.doc_outlier_floor))
         if c.suspect is not None:
             c.ctrl = control_of(c.suspect, topo.dp_size, c.tags_by_dp)
         if c.suspect is None or c.ctrl is None or c.original.normal:
@@ -581,7 +571,7 @@ class Prover:
         c.after.append(convicted)
         c.suspect, c.ctrl = c.ctrl, c.suspect
         c.hits = mask_labels(c.groups, c.rec.tags, c.suspect, IGNORE_INDEX)[1] \
-            if c.suspect.dp_rank == self.trainer.ledger.topo.dp_rank else []
+            if c.suspect.dp_rank == self.ledger.topo.dp_rank else []
 
     def _group_test(self, case: _Case, v: Verdict) -> Verdict:
         """Group testing (``[ledger.proof] bisect``): where the step is abnormal and no document is
@@ -590,7 +580,7 @@ class Prover:
         from torchtitan.components.loss import IGNORE_INDEX
 
         c = case
-        topo = self.trainer.ledger.topo
+        topo = self.ledger.topo
         sizes = _documents(c.tags_by_dp, None if v.verdict == Finding.NOT_DATA or c.suspect is None
                            else c.suspect.dp_rank)
         if not (self.proof.bisect and len(sizes) > 1 and not c.original.normal and (
@@ -646,8 +636,7 @@ class Prover:
         from titan_ledger.data.content import NEAR
 
         c = case
-        t = self.trainer
-        ledger = t.ledger
+        ledger = self.ledger
         docs = c.suspect.docs
         if docs is None:  # the whole batch of the suspect rank: its documents
             docs = frozenset(document_tokens(c.tags_by_dp.get(c.suspect.dp_rank) or []))
@@ -658,7 +647,7 @@ class Prover:
         c.coverage = self._coverage(sorted(docs), c.content, c.tags_by_dp)
         before = (c.coverage.ahead or {}).get("before_clean", 0) if c.coverage.ahead else 0
         conv = cc.convicted_shingles(c.groups, c.rec.tags, docs, ledger.topo)
-        shared = cc.shared_shares(c.groups, c.rec.tags, conv, ledger.topo, t.device)
+        shared = cc.shared_shares(c.groups, c.rec.tags, conv, ledger.topo, self.facts.device)
         copies = sorted(d for d, x in shared.items() if x >= NEAR)
         c.checks = {"near_copies": {f"{s}:{d}": round(x, 3) for (s, d), x in shared.items()}}
         if copies:  # the control must be other content: a copy of it trained normally beside it
@@ -684,7 +673,7 @@ class Prover:
         if applied is not None:  # their own loss against the rest of the step's (recorded; not a bar: below)
             theirs, rest, y = stands_out(c.original, applied)
             c.checks["stands_out"] = {"loss": _r(theirs), "rest": _r(rest), "log_ratio": _r(y)}
-        seen = cc.seen_shares(ledger.content, conv, c.rec.step, ledger.flagged_steps(), ledger.topo, t.device)
+        seen = cc.seen_shares(ledger.content, conv, c.rec.step, ledger.flagged_steps(), ledger.topo, self.facts.device)
         c.checks["seen_before"] = {f"{s}:{d}": round(x, 3) for (s, d), x in seen.items()}
         if seen and all(x >= NEAR for x in seen.values()):
             return Verdict(Finding.NOT_DATA, Applied.ORIGINAL,
@@ -750,7 +739,7 @@ class Prover:
                                    "why": "decided in the step: the next step's data was not fetched yet"}
             return None
         groups, hits = cc.masked_next(nxt.batches, nxt.tags, docs, conv, IGNORE_INDEX)
-        if not cc.any_label(groups, self.trainer.ledger.topo, self.trainer.device):
+        if not cc.any_label(groups, self.ledger.topo, self.facts.device):
             c.checks["novelty"] = {"available": False, "why": f"the next step ({nxt.step}) is the convicted content "
                                                               f"itself: nothing else to compare with"}
             return None
@@ -778,7 +767,7 @@ class Prover:
             out.noise = noise_record(v.noise, c.factor, c.distances)
         if v.ranks:
             out.ranks = v.ranks
-            out.dp_ranks = sorted({self.trainer.ledger.topo.dp_rank_of[r] for r in v.ranks})
+            out.dp_ranks = sorted({self.ledger.topo.dp_rank_of[r] for r in v.ranks})
         if c.suspect is not None:
             out.suspect = {"dp_rank": c.suspect.dp_rank, "evidence": c.suspect.evidence}
             if c.suspect.docs is not None:
@@ -802,7 +791,7 @@ class Prover:
         ``--ledger.update_norm`` the norm itself moving >= 0.2%): its reading, else None."""
         from titan_ledger.components.detection import fingerprints as fp
 
-        rows = list(self.trainer.ledger.recent)[-20:]
+        rows = list(self.ledger.recent)[-20:]
         reading = {"update": fp.relative_update(rows, {})}
         if len(rows) >= 5 and fp.lr_scale(reading, fp.Bars()):
             return {"cause": "lr", **reading["update"]}
@@ -820,7 +809,7 @@ class Prover:
         bar = int(self.conviction.unstable_flags)
         if bar <= 0:
             return 0
-        n = sum(1 for r in self.trainer.ledger.recent
+        n = sum(1 for r in self.ledger.recent
                 if r.get("spike") and step - UNSTABLE_WINDOW <= int(r.get("step", 0)) < step)
         return n if n >= bar else 0
 
@@ -831,19 +820,18 @@ class Prover:
         tokens in earlier steps this process did not flag)."""
         from titan_ledger.data.layout import round_start
 
-        t = self.trainer
-        ledger = t.ledger
+        ledger = self.ledger
         loader = ledger.loader
         sizes = {d: (content.get(d) or (None, None))[0] for d in docs}
         shares = {d: (loader.corpus_share(d[0], sizes[d]) if loader is not None and sizes[d] is not None else None)
                   for d in docs}
-        seq_len = int(t.config.training.seq_len)
+        seq_len = int(self.facts.seq_len)
         gb = ledger.global_batch
         step_tokens = gb * seq_len
         ahead = None
         first = next(((dp, tags[0]) for dp, tags in sorted(tags_by_dp.items()) if tags), None)
         if loader is not None and hasattr(loader, "scan") and first is not None:
-            start = round_start(first[1].sample_id, first[0], int(t.config.training.local_batch_size))
+            start = round_start(first[1].sample_id, first[0], int(self.facts.local_batch_size))
             ahead = loader.scan(set(docs), start, 1000, gb)
             back = min(1000, start // gb) if gb else 0
             behind = loader.scan(set(docs), start - back * gb, back, gb) if back else None

@@ -71,15 +71,26 @@ import contextlib
 import enum
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
+from torchtitan.config import Configurable
 
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.bounds import Breaker
-from titan_ledger.components.response.config import Sections
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.config import (
+    AdamCheckConfig,
+    BreakerConfig,
+    ConvictionConfig,
+    ProofConfig,
+    ResponseConfig,
+    RollbackConfig,
+    SnapshotsConfig,
+    WindowConfig,
+)
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.ladder import Action, Ladder, NoteBudget, ladder_report, parse_ladder
 from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
 from titan_ledger.components.response.reexecution import Reexecution
@@ -87,7 +98,7 @@ from titan_ledger.components.response.rewind import Rewind
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
-from titan_ledger.data.layout import parse_skip_steps, window_at
+from titan_ledger.data.layout import window_at
 from titan_ledger.errors import LedgerStop, NonFiniteLoss
 from titan_ledger.format.proofs import HARMFUL, Applied, Finding, ProofRecord, describe_proof
 
@@ -124,14 +135,44 @@ class Deferred:
 _NOTE = STAT_KEYS.index("note")
 
 
-class Recovery:
-    """The recovery side of one ``LedgerTrainer``: built with it, asked at the spots of the
-    module docstring's table."""
+class Recovery(Configurable):
+    """The response of one ``LedgerTrainer``, a torchtitan component: built after
+    torchtitan's ``__init__`` by ``Recovery.Config.of(config.ledger).build(host=...,
+    ledger=..., facts=...)`` -- its sections, the two ports it acts through (:class:`Host`,
+    :class:`LedgerPort`) and the run's facts it reads (:class:`RunFacts`), all passed in;
+    asked at the spots of the module docstring's table."""
 
-    def __init__(self, trainer: Host, config: Sections) -> None:
-        """``config``: the run's ``[ledger]`` table, whose response sections
-        (:mod:`.config`) build every part here; nothing reads them later through the trainer."""
-        self.trainer = trainer
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        """The response's eight sections (:mod:`.config`), each a ``[ledger.<name>]`` table of
+        the run's TOML: they stay where a user sets them, and this Config gathers them."""
+
+        response: ResponseConfig = field(default_factory=ResponseConfig)
+        """``[ledger.response]``: the policy and the recovery ladder."""
+        proof: ProofConfig = field(default_factory=ProofConfig)
+        """``[ledger.proof]``: the proof at the alarm."""
+        adam_check: AdamCheckConfig = field(default_factory=AdamCheckConfig)
+        """``[ledger.adam_check]``: Adam's second-moment check."""
+        conviction: ConvictionConfig = field(default_factory=ConvictionConfig)
+        """``[ledger.conviction]``: what convicting data needs."""
+        rollback: RollbackConfig = field(default_factory=RollbackConfig)
+        """``[ledger.rollback]``: the rollback rung."""
+        breaker: BreakerConfig = field(default_factory=BreakerConfig)
+        """``[ledger.breaker]``: the bound on automatic actions."""
+        snapshots: SnapshotsConfig = field(default_factory=SnapshotsConfig)
+        """``[ledger.snapshots]``: the host snapshot ring."""
+        window: WindowConfig = field(default_factory=WindowConfig)
+        """``[ledger.window]``: the window proof's fixes."""
+
+        @classmethod
+        def of(cls, table: Any) -> Recovery.Config:
+            """The response's sections of a ``[ledger]`` table (``Ledger.Config``)."""
+            return cls(**{f.name: getattr(table, f.name) for f in fields(cls)})
+
+    def __init__(self, config: Config, *, host: Host, ledger: LedgerPort, facts: RunFacts) -> None:
+        """Every part is built here from ``config``; nothing reads a setting later."""
+        self.config = config
+        self.host, self.ledger, self.facts = host, ledger, facts
         self.response = config.response
         # the answers' own history, checkpointed with the run (state_dict, under the keys
         # checkpoints have always had): the rungs tried, the notes proven, the actions counted
@@ -139,14 +180,13 @@ class Recovery:
         self.note_budget = NoteBudget(config.proof.notes_rate, config.proof.notes_burst)
         self.breaker = Breaker(config.breaker.actions, config.breaker.window)
         self._keep_history = False  # an in-process rollback keeps the ladder's and breaker's own history
-        self.prover = Prover(trainer, self.note_budget, proof=config.proof, adam=config.adam_check,
+        self.prover = Prover(host, ledger, facts, self.note_budget, proof=config.proof, adam=config.adam_check,
                              conviction=config.conviction)
         # [ledger.snapshots]: off unless every > 0
-        self.snapshots = SnapshotRing(trainer, config.snapshots, replays=config.proof.scope != ProveMode.OFF,
+        self.snapshots = SnapshotRing(host, ledger, facts, config.snapshots, replays=config.proof.scope != ProveMode.OFF,
                                       max_stall_proofs=config.window.max_stall_proofs)
-        self.window = WindowProof(trainer, self.snapshots, config.window, config.proof.timeout)
-        self._prove_at: list | None = None  # (the trainer's config exists after torchtitan's __init__)
-        self.rewind = Rewind(trainer, config.rollback, self.snapshots)  # rollbacks and skip windows
+        self.window = WindowProof(host, ledger, facts, self.snapshots, config.window, config.proof.timeout)
+        self.rewind = Rewind(host, ledger, facts, config.rollback, self.snapshots)  # rollbacks and skip windows
         self.pending: StepRecord | None = None  # the step whose decision is deferred
         self._deferrable: bool | None = None
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
@@ -189,7 +229,7 @@ class Recovery:
     def before_step(self) -> bool:
         """Before a step's fetch: run what is pending; True when this call consumed the
         step (a skip window)."""
-        t = self.trainer
+        t = self.host
         self.snapshots.at_start()  # a snapshot due after the last step; at the first, the state it starts from
         for step, e in self.snapshots.failures:  # (a copy that failed: the ring restarts at the next due step)
             self._response_failure(step, "snapshot", e)
@@ -197,13 +237,13 @@ class Recovery:
         if self.breaker.paused:  # a paused breaker resumes once a window passed without an action
             self.breaker.tick(t.step)
             self._breaker_events(t.step)
-        window = t.ledger.skip_window_at(t.step)  # skipped steps train nothing
+        window = self.ledger.skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.rewind.pending is not None or window is not None):
             self._resolve()  # (the step before a window decides in the step; this is a safety net)
         if self.rewind.pending is not None:  # in-process rollback (on_spike)
             self.rewind.rollback(self.rewind.pending, unlimited=len(self.ladder.rungs) == 1,
                                  keeping_history=self._keeping_history, restore_failed=self._response_failure)
-            window = t.ledger.skip_window_at(t.step)
+            window = self.ledger.skip_window_at(t.step)
         if window is None:
             return False
         self.rewind.skip_window(window)
@@ -231,7 +271,7 @@ class Recovery:
         update is applied -- decided in the step (a flag read on the host, a proof, the
         ladder), or deferred to the next step with the device withholding a flagged
         update -- then the update, and what follows it (``Ledger.after_update``)."""
-        t = self.trainer
+        t = self.host
         self.snapshots.log_step(rec)  # its batches and LRs, for a window proof's replay
         how = self._decide(rec)
         try:
@@ -243,8 +283,8 @@ class Recovery:
                 for o in t.optimizers.optimizers:
                     o.found_inf = None
         if how is Update.HOLD and isinstance(rec.deferred.first, KeptExecution):
-            rec.deferred.first.keep(t)  # the step's gradients, kept for its proof (no checksum pass)
-        t.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
+            rec.deferred.first.keep(t.model_parts)  # the step's gradients, kept for its proof (no checksum pass)
+        self.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
         if how is not Update.HOLD:
             self.snapshots.after_decision(rec)
 
@@ -267,18 +307,18 @@ class Recovery:
             return False
         from torchtitan.tools.logging import logger
 
-        t = self.trainer
+        t = self.host
         if self.pending is not None and self._previous(rec)[0] is Outcome.DROPPED:
             return True  # the previous step's decision was a rollback: this step is dropped, the rollback ran
         t.attend(None)
-        lr_mode = t.config.ledger.skip.lr
+        lr_mode = self.facts.skip_lr
         if lr_mode == "advance":
             t.lr_schedulers.step()
         lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
-        t.ledger.record_masked_step(rec, lr=lr, metrics_logger=t.metrics_processor.logger)
+        self.ledger.record_masked_step(rec, lr=lr, metrics_logger=t.metrics_processor.logger)
         self._done(rec)
         self.snapshots.clear()  # a step consumed untrained is not replayed: the next due step starts the ring
-        if t.ledger.topo.is_rank0:
+        if self.ledger.topo.is_rank0:
             what = ", ".join(sorted(k for k, v in rec.masked.items() if v)) or "masks"
             logger.warning(f"titan_ledger: step {t.step}: every label token of the step is masked ({what}): "
                            f"the step is skipped whole (no update; LR schedule {lr_mode}), not trained into a NaN")
@@ -294,10 +334,10 @@ class Recovery:
         try:
             yield
         except NonFiniteLoss:
-            t = self.trainer
+            t = self.host
             try:
                 self._settle(ok=True)
-                t.ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
+                self.ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
             except BaseException as stop:  # the ledger's stop at the non-finite row: the one to see
                 raise stop from None
             raise
@@ -319,7 +359,7 @@ class Recovery:
             self._resolve()
             return
         self.pending = None
-        stats = self.trainer.ledger.host_stats(rec)
+        stats = self.ledger.host_stats(rec)
         d = rec.deferred
         rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or (stats[_NOTE] and d.notes)))
         rec.decided, rec.deferred = True, None  # its rows are written (train's final drain)
@@ -328,13 +368,13 @@ class Recovery:
     # ------------------------------------------------------------------ the decision
     def _acts(self) -> bool:
         """Whether a flag can change what a step does (a proof or an acting ladder)."""
-        return self.trainer.ledger.watches and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
+        return self.ledger.watches and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
 
     def _stall_due(self) -> bool:
         """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
         proven as a forced one, and its window proof asks which fix lowers the loss (the
         snapshots' window; nothing without them)."""
-        stalls = self.trainer.ledger.stalls
+        stalls = self.ledger.stalls
         if len(stalls) <= self._stalls_seen:
             return False
         self._stalls_seen = len(stalls)
@@ -344,10 +384,7 @@ class Recovery:
         return True
 
     def _forced(self, step: int) -> bool:
-        if self._prove_at is None:
-            self._prove_at = parse_skip_steps(self.trainer.config.ledger.rehearsal.prove_at,
-                                              "--ledger.rehearsal.prove_at")
-        return self.prover.mode != ProveMode.OFF and window_at(self._prove_at, step) is not None
+        return self.prover.mode != ProveMode.OFF and window_at(self.facts.prove_at, step) is not None
 
     @property
     def deferrable(self) -> bool:
@@ -356,7 +393,7 @@ class Recovery:
         optimizers (``found_inf``) and no step hook on the optimizers container (a held
         update would still run it); said once at the first step when it cannot."""
         if self._deferrable is None:
-            t = self.trainer
+            t = self.host
             opts = list(getattr(t.optimizers, "optimizers", [t.optimizers]))
             fused = all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
                         all(g.get("fused") for g in o.param_groups) for o in opts)
@@ -365,11 +402,11 @@ class Recovery:
             hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
                           getattr(t.optimizers, "_optimizer_step_post_hooks", None))
             self._deferrable = bool(self.response.defer and self._acts() and fused
-                                    and not t.ledger.clips_qk and not hooked)
-            if self.response.defer and self._acts() and not self._deferrable and t.ledger.topo.is_rank0:
+                                    and not self.ledger.clips_qk and not hooked)
+            if self.response.defer and self._acts() and not self._deferrable and self.ledger.topo.is_rank0:
                 from torchtitan.tools.logging import logger
 
-                why = "QK-clip is on" if t.ledger.clips_qk else \
+                why = "QK-clip is on" if self.ledger.clips_qk else \
                     "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)" if not fused else \
                     "an optimizer step hook runs on every update (MoE load balancing)"
                 logger.warning(f"titan_ledger: --ledger.response.defer: {why}, so every step reads its spike "
@@ -383,10 +420,7 @@ class Recovery:
         row does, and its row is written a step later."""
         if not self.deferrable:
             return False
-        t = self.trainer
-        return not (not t.should_continue_training() or t.checkpoint_due(step)
-                    or (t.config.validator.enable and t.validator.should_validate(step))
-                    or t.ledger.skip_window_at(step + 1) is not None
+        return not (self.host.decision_due(step) or self.ledger.skip_window_at(step + 1) is not None
                     or self.snapshots.due(step))
 
     def _decide(self, rec: StepRecord) -> Update:
@@ -401,21 +435,21 @@ class Recovery:
             self._defer(rec, forced)
             return Update.HOLD
         try:
-            applied = self._judge(rec, *self.trainer.ledger.flags_now(), forced)
+            applied = self._judge(rec, *self.ledger.flags_now(), forced)
         finally:
             self._done(rec)  # the step's batches are not kept past its decision
         return Update.APPLY if applied else Update.WITHHOLD
 
     def _defer(self, rec: StepRecord, forced: bool) -> None:
-        t = self.trainer
-        ledger = t.ledger
+        t = self.host
+        ledger = self.ledger
         mode = self.prover.mode
         # prove off: a flag the ladder answers with a `none` rung applies its update, so it
         # is not held (held, it would have to be recomputed a step later, from gradients gone)
         holds = mode != ProveMode.OFF or self.ladder.would_act(rec.step)
         notes = False
         if forced:
-            hold = torch.ones((), dtype=torch.float32, device=t.device)
+            hold = torch.ones((), dtype=torch.float32, device=self.facts.device)
         else:
             notes = self.prover.notes_allowed(rec.step)
             hold = ledger.hold(acting=holds, notes=notes)
@@ -424,7 +458,9 @@ class Recovery:
             o.found_inf = hold
         first = None
         if mode != ProveMode.OFF:  # the gradients are freed every step anyway: kept, checksummed only if held
-            first = KeptExecution(t) if self._keeps_grads() else FirstExecution.of(t)
+            execution = self.ledger.last_execution
+            first = (KeptExecution(execution) if self._keeps_grads()
+                     else FirstExecution.of(t.model_parts, self.facts.device, execution))
         rec.deferred = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
                                 forced=forced, holds=holds, notes=notes)
         rec.decided = False  # its rows wait for the decision
@@ -435,8 +471,7 @@ class Recovery:
         """Whether a deferred step's first execution is kept as its gradient tensors
         (:class:`KeptExecution`): on the CPU, where every step's ``zero_grad`` sets them to
         None (a checksum pass costs CPU time there, a step's gradients little memory)."""
-        t = self.trainer
-        return t.device.type == "cpu" and bool(t.config.training.disable_cuda_graphs)
+        return self.facts.grads_freed
 
     def _previous(self, rec: StepRecord) -> tuple[Outcome, StepRecord | None]:
         """The previous step's deferred decision, made while ``rec`` (this step) was
@@ -462,8 +497,8 @@ class Recovery:
         if rec is None:
             return Outcome.STANDS
         self.pending = None
-        t = self.trainer
-        ledger = t.ledger
+        t = self.host
+        ledger = self.ledger
         d, rec.deferred = rec.deferred, None
         stats = ledger.host_stats(rec)
         if stats is None:
@@ -482,7 +517,7 @@ class Recovery:
         now = t.step
         try:
             with t.as_step(rec.step):  # the hooks and messages see the flagged step
-                first = d.first.first(t) if isinstance(d.first, KeptExecution) else d.first
+                first = d.first.first(t.model_parts, self.facts.device) if isinstance(d.first, KeptExecution) else d.first
                 applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
                 if applied:
                     applied = self._load_late(rec)
@@ -520,7 +555,7 @@ class Recovery:
         failure = _failure(where, e)
         self._warn(f"titan_ledger: step {step}: the response's {where} failed ({failure['error']}); "
                    f"training goes on without it")
-        self.trainer.ledger.record_event({"step": step, "response_failure": failure})
+        self.ledger.record_event({"step": step, "response_failure": failure})
 
     def _done(self, rec: StepRecord) -> None:
         """``rec``'s decision is made: its batches (device tensors once executed) and the
@@ -563,7 +598,7 @@ class Recovery:
         the proof touched is put back, the failure is recorded in the step's event
         (``proof_failed``), and the step is decided as it would be without a proof -- no
         failure inside the response stops training."""
-        ledger = self.trainer.ledger
+        ledger = self.ledger
         event = ledger.step_event()
         try:
             proof = self.prover.prove(rec, acting=acting, event=event, first=first)
@@ -580,8 +615,7 @@ class Recovery:
         if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
             proof.stall = {"step": stall["step"], "kind": stall["stall"]["kind"]}
         first_loss = proof.executions[0].get("loss") if proof.executions else None
-        spike = getattr(self.trainer.config.ledger, "spike", None)  # (a unit double's config may have none)
-        median, jump = event.get("loss_recent", event.get("loss_median")), float(getattr(spike, "loss_jump", 0.05))
+        median, jump = event.get("loss_recent", event.get("loss_median")), float(self.facts.spike.loss_jump)
         flat = isinstance(first_loss, float) and isinstance(median, float) and first_loss <= (1 + jump) * median
         why_not = self.window.why_not(proof, forced, stall=stall is not None, flat=flat)
         if why_not is None:  # not the data: which cause, from the host snapshot's window
@@ -590,7 +624,7 @@ class Recovery:
                 proof.window = self.window.prove(rec, stall=stall is not None, prior=prior)
             except Exception as e:
                 proof.window = {"cause": None, **_failure("window", e)}
-                self.trainer.ledger.discard_step_state()
+                self.ledger.discard_step_state()
         elif why_not:  # called for and not run: the answer says why (a budget, no snapshots, a flat loss)
             proof.window = {"cause": None, "why": why_not}
         return proof
@@ -628,7 +662,7 @@ class Recovery:
         if wants not in (Applied.ORIGINAL, Applied.NONE):  # the rows record what trained: this execution
             applied = next((e for e in reversed(proof.executions) if e.get("variant") == wants), None)
             if applied is not None:
-                self.trainer.ledger.trained_as(rec, applied)
+                self.ledger.trained_as(rec, applied)
         self._say(rec, proof)
         return True, wants
 
@@ -641,7 +675,7 @@ class Recovery:
         return ok
 
     def _breaker_events(self, step: int) -> None:
-        ledger = self.trainer.ledger
+        ledger = self.ledger
         for ev in self.breaker.take_events():
             ledger.record_event(ev)
             if ev["breaker"] == "paused":
@@ -655,7 +689,7 @@ class Recovery:
 
     def _ladder(self, rec: StepRecord, decided_at: int | None) -> bool:
         """The recovery ladder's answer to an acting flag no proof resolved."""
-        ledger = self.trainer.ledger
+        ledger = self.ledger
         rung, action = self.ladder.on_spike(rec.step)  # the recovery ladder decides
         if decided_at is not None:  # deferred: decided at that step, its update held until then
             action = {**action, "decided_at": decided_at}
@@ -670,8 +704,8 @@ class Recovery:
         if rung is None or rung.action == Action.STOP:
             # the ladder is exhausted (or says stop): write what is pending, then stop
             # with a one-screen report (exit 1)
-            ledger.drain(block=True, metrics_logger=self.trainer.metrics_processor.logger)
-            raise LedgerStop(ladder_report(ledger.folder, self.ladder, self.trainer.config, action))
+            ledger.drain(block=True, metrics_logger=self.host.metrics_processor.logger)
+            raise LedgerStop(ladder_report(ledger.folder, self.ladder, self.facts, self.response.action, action))
         self.breaker.record(rec.step)
         if rung.rolls_back:
             self.rewind.pending = rec.step
@@ -686,7 +720,7 @@ class Recovery:
         answer (``SpikeGuard.on_row``), not here as well."""
         from torchtitan.tools.logging import logger
 
-        if not self.trainer.ledger.topo.is_rank0:
+        if not self.ledger.topo.is_rank0:
             return
         promoted = proof.verdict in HARMFUL and not self._forced_now  # a note its proof convicted
         if proof.acting or promoted or proof.stall is not None:
@@ -696,16 +730,16 @@ class Recovery:
     def _warn(self, line: str) -> None:
         from torchtitan.tools.logging import logger
 
-        if self.trainer.ledger.topo.is_rank0:
+        if self.ledger.topo.is_rank0:
             logger.warning(line)
 
     def _alert(self, line: str) -> None:
         """One ERROR line and, with W&B on, an alert (rank 0)."""
         from torchtitan.tools.logging import logger
 
-        if self.trainer.ledger.topo.is_rank0:
+        if self.ledger.topo.is_rank0:
             logger.error(line)
-            self.trainer.ledger.alert("titan_ledger: acting paused", line, self.trainer.metrics_processor.logger)
+            self.ledger.alert("titan_ledger: acting paused", line, self.host.metrics_processor.logger)
 
     # ------------------------------------------------------------------ actions
     def _drop(self, rec: StepRecord) -> None:
@@ -714,8 +748,8 @@ class Recovery:
         fetch and execution left is taken back -- the per-step accumulators, the
         batches and fetch times in torchtitan's throughput metrics -- and the rollback
         and its skip window run now."""
-        t = self.trainer
-        t.ledger.discard_step_state()
+        t = self.host
+        self.ledger.discard_step_state()
         mp = t.metrics_processor
         mp.ntokens_since_last_log -= sum(rec.fetched)
         if rec.fetched:
@@ -727,20 +761,20 @@ class Recovery:
     def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
         """The held update of ``rec``, applied a step late at its own learning rates (the
         schedule has moved on since)."""
-        t = self.trainer
+        t = self.host
         opts = list(t.optimizers.optimizers)
         now = [[group_lr(g) for g in o.param_groups] for o in opts]
         for o, lr in zip(opts, lrs):
             for g, x in zip(o.param_groups, lr):
                 set_group_lr(g, x)
-        t.ledger.before_late_update()
+        self.ledger.before_late_update()
         try:
             t.optimizers.step()
         finally:
             for o, lr in zip(opts, now):
                 for g, x in zip(o.param_groups, lr):
                     set_group_lr(g, x)
-        t.ledger.after_update(True, rec)
+        self.ledger.after_update(True, rec)
 
     def _redo(self, rec: StepRecord, proof: ProofRecord | None, need_loss: bool):
         """This step again, after the previous step's deferred decision changed the
@@ -748,12 +782,12 @@ class Recovery:
         (:class:`Reexecution` with ``replaces``: its accumulators drained, the rehearsal's
         one-time faults re-armed), documents the decision convicted are masked in its
         batches as the fetch would have, and ``execute`` runs once more."""
-        t = self.trainer
+        t = self.host
         if proof is not None and proof.verdict == Finding.BAD_DATA and proof.applied in (Applied.MASKED, Applied.CONTROL):
             # (``proof``: the decided step's, which convicted and quarantined its documents)
-            t.ledger.remask(rec, [tuple(x) for x in proof.documents or []])
+            self.ledger.remask(rec, [tuple(x) for x in proof.documents or []])
         self.redone += 1
-        with Reexecution(t, rec, replaces=True) as again:
+        with Reexecution(t, self.ledger, self.facts, rec, replaces=True) as again:
             return again.run(rec.batches, need_loss)
 
 def _failure(where: str, e: BaseException) -> dict:

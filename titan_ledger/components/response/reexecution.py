@@ -34,20 +34,21 @@ from typing import Any
 
 import torch
 
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
+from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.errors import ProofFailure
 from titan_ledger.rehearsal import faults
 
 
-def check_deadline(trainer, deadline: float, what: str, timeout: float) -> None:
+def check_deadline(world: int, device: torch.device, deadline: float, what: str, timeout: float) -> None:
     """Past ``deadline`` (``time.perf_counter``): :class:`ProofFailure`. Every rank asks at
     the same point of a proof and they agree (one MAX of a flag), so that none goes on
     into a collective the others have left."""
     import torch.distributed as dist
 
     over = time.perf_counter() > deadline
-    if trainer.ledger.topo.world > 1:
-        flag = torch.tensor(1.0 if over else 0.0, device=trainer.device)
+    if world > 1:
+        flag = torch.tensor(1.0 if over else 0.0, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         over = bool(flag.item())
     if over:
@@ -62,38 +63,39 @@ def expert_counts(model_parts) -> list[torch.Tensor]:
 
 
 class Reexecution:
-    """``with Reexecution(trainer, rec, replaces=...) as again: out = again.run(groups)``:
+    """``with Reexecution(host, ledger, run, rec, replaces=...) as again: out = again.run(groups)``:
     the trainer's own ``execute`` (the copied torchtitan body) on ``groups`` -- ``rec``'s
     batches, or a masked copy of them -- with everything else put back on exit (the
     table in the module docstring). ``run`` may be called more than once inside one
     context (the proof's executions); each gets fresh gradients."""
 
-    def __init__(self, trainer: Host, rec, *, replaces: bool) -> None:
-        self.trainer, self.rec, self.replaces = trainer, rec, replaces
+    def __init__(self, host: Host, ledger: LedgerPort, facts: RunFacts, rec: StepRecord | None, *,
+                 replaces: bool) -> None:
+        self.host, self.ledger, self.facts, self.rec, self.replaces = host, ledger, facts, rec, replaces
         self._saved: tuple[Any, ...] | None = None
 
     def __enter__(self) -> Reexecution:
-        t = self.trainer
+        t = self.host
         counts = expert_counts(t.model_parts)
-        cuda = torch.cuda.get_rng_state() if t.device.type == "cuda" else None
+        cuda = torch.cuda.get_rng_state() if self.facts.device.type == "cuda" else None
         self._saved = (t.step_record, t.ntokens_seen, counts, [c.clone() for c in counts],
                        torch.get_rng_state(), cuda)
         if self.replaces:
-            t.ledger.discard_step_state()  # the replaced execution's accumulators
+            self.ledger.discard_step_state()  # the replaced execution's accumulators
             faults.rearm(self.rec.faults)  # ...and its one-time faults: it never happened
         return self
 
     def run(self, groups, need_loss: bool = True):
         """One execution on ``groups`` with fresh gradients; returns ``execute``'s
         (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
-        t = self.trainer
+        t = self.host
         for m in t.model_parts:
             for p in m.parameters():
                 p.grad = None
         t.attend(self.rec)  # the hooks see the executed step (a swap repeats; a bitflip is done)
         out = t.execute(groups, need_loss)
         if not self.replaces:
-            t.ledger.discard_step_state()  # what the extra execution refilled
+            self.ledger.discard_step_state()  # what the extra execution refilled
         return out
 
     def rewind_rng(self) -> None:
@@ -105,7 +107,7 @@ class Reexecution:
             torch.cuda.set_rng_state(cuda)
 
     def __exit__(self, *exc) -> None:
-        t = self.trainer
+        t = self.host
         outer, seen, counts, kept = self._saved[:4]
         t.attend(outer)
         t.ntokens_seen = seen

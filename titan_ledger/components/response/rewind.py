@@ -15,7 +15,7 @@ from typing import Any
 
 from titan_ledger.components.prevention.optimizer import scale_lr
 from titan_ledger.components.response.config import RollbackConfig
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.format import records
 
@@ -23,10 +23,11 @@ from titan_ledger.format import records
 class Rewind:
     """The rollback and the skip window of one ``LedgerTrainer`` (``Recovery`` owns one)."""
 
-    def __init__(self, trainer: Host, config: RollbackConfig, ring: SnapshotRing) -> None:
+    def __init__(self, host: Host, ledger: LedgerPort, facts: RunFacts, config: RollbackConfig,
+                 ring: SnapshotRing) -> None:
         """``config``: the run's ``[ledger.rollback]``; ``ring``: the host snapshots a
         rollback restores instead of a checkpoint."""
-        self.trainer, self.config, self.ring = trainer, config, ring
+        self.host, self.ledger, self.facts, self.config, self.ring = host, ledger, facts, config, ring
         self.pending: int | None = None  # the spiked step a rollback starts from (at the next step's start)
         self.lr_scale = 1.0  # the recovery ladder's rollback_lr factors, multiplied
 
@@ -37,22 +38,22 @@ class Rewind:
         checkpoint/validation checks see that step)."""
         from torchtitan.tools.logging import logger
 
-        t = self.trainer
+        t = self.host
         step_start = time.perf_counter()
         first = t.step
-        last = min(window[1], t.config.training.steps)
+        last = min(window[1], self.facts.steps)
         n = last - first + 1
-        info = t.ledger.loader.skip(n * t.gradient_accumulation_steps * t.num_pipeline_parallel_microbatches)
-        if t.config.ledger.skip.lr == "advance":
+        info = self.ledger.loader.skip(n * self.facts.microbatches)
+        if self.facts.skip_lr == "advance":
             for sched in t.lr_schedulers.schedulers:
                 sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
                 sched.step()
         lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
-        t.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
+        self.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
                              metrics_logger=t.metrics_processor.logger)
         logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
-                    f"LR schedule {t.config.ledger.skip.lr}")
+                    f"LR schedule {self.facts.skip_lr}")
         t.move_to(last)
         self.ring.clear()  # skipped steps are not replayed: the next due step starts the ring again
 
@@ -77,8 +78,8 @@ class Rewind:
 
         from titan_ledger.format.reader import checkpoints
 
-        t = self.trainer
-        ledger, cfg = t.ledger, self.config
+        t = self.host
+        ledger, cfg = self.ledger, self.config
         self.pending = None
         if unlimited and ledger.rewinds >= cfg.limit:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {ledger.rewinds} "
@@ -93,7 +94,7 @@ class Rewind:
         ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
         decision = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:  # one list, rank 0's, for every rank
-            steps = [c for c in checkpoints(t.config.dump_folder, t.config.checkpoint.folder)
+            steps = [c for c in checkpoints(self.facts.dump_folder, self.facts.checkpoint_folder)
                      if c <= spike_step - cfg.back]
             decision = [steps[-1] if steps else None]
         if dist.is_initialized():

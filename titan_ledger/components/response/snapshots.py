@@ -52,10 +52,10 @@ import torch
 
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.config import SnapshotsConfig
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.signals.sums import local
 from titan_ledger.format.proofs import Applied, Finding
-from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
+from titan_ledger.rehearsal.faults import response_fault
 
 
 # --------------------------------------------------------------------------- the state
@@ -193,12 +193,12 @@ class Logged:
 class SnapshotRing:
     """The ring of one ``LedgerTrainer`` (``Recovery`` drives it: one call at each spot)."""
 
-    def __init__(self, trainer: Host, config: SnapshotsConfig | None = None, *, replays: bool = True,
-                 max_stall_proofs: int = 1) -> None:
+    def __init__(self, host: Host, ledger: LedgerPort, facts: RunFacts, config: SnapshotsConfig | None = None, *,
+                 replays: bool = True, max_stall_proofs: int = 1) -> None:
         """``config``: the run's ``[ledger.snapshots]``; ``replays``: a window proof can run
         (``[ledger.proof] scope`` not off), so the steps' batches are kept; ``max_stall_proofs``
         (``[ledger.window]``): while a stall proof can still run, the stall's onset is pinned."""
-        self.trainer = trainer
+        self.host, self.ledger, self.facts = host, ledger, facts
         self.config = config or SnapshotsConfig()
         self._replays = replays
         self.max_stall_proofs = max_stall_proofs
@@ -234,20 +234,20 @@ class SnapshotRing:
         optimizer step hook moves: a replay runs that hook too) and the counters a
         forward fills (``tokens_per_expert``), so that a replay starts from the bits the
         run had."""
-        return ([p for m in self.trainer.model_parts for p in m.parameters()]
-                + [b for m in self.trainer.model_parts for b in m.buffers()])
+        return ([p for m in self.host.model_parts for p in m.parameters()]
+                + [b for m in self.host.model_parts for b in m.buffers()])
 
     def optimizers(self) -> list:
-        return list(self.trainer.optimizers.optimizers)
+        return list(self.host.optimizers.optimizers)
 
     def capture(self, step: int) -> None:
         """Snapshot the state after ``step`` (the oldest slot's buffers reused). Taken
         where a checkpoint of ``step`` would be -- at the start of the next step, after
         the LR schedulers stepped and with no decision pending -- so that a rollback to
         it restores what a checkpoint load does."""
-        t = self.trainer
-        response_fault(parse_response_faults(t.config.ledger.rehearsal.response_fault), "snapshot")  # (rehearsal)
-        if t.device.type == "cuda" and self._stream is None:
+        t = self.host
+        response_fault(self.facts.faults, "snapshot")  # (rehearsal)
+        if self.facts.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream()
         while len(self.ring) >= self.config.keep:
             old = self.ring.pop(0)
@@ -272,8 +272,8 @@ class SnapshotRing:
         (``patience`` + 2) x ``window`` steps after the snapshot. The age is counted from
         the snapshot's step, not the onset's: every rank drops it at the same step, though
         ranks may drain the rows that move the onset a step apart."""
-        t, stall = self.trainer, self.trainer.config.ledger.stall
-        onset = t.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
+        t, stall = self.host, self.facts.stall
+        onset = self.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
         if onset is None or self.stall_proofs >= self.max_stall_proofs:
             self._onset = None
             self._drop_anchor()
@@ -303,19 +303,19 @@ class SnapshotRing:
         try:
             if not self._started:
                 self._started = True
-                self.capture(self.trainer.step - 1)
+                self.capture(self.host.step - 1)
             if self._due is not None:
                 what, step = self._due
                 self._due = None
                 self.reset(step) if what == "reset" else self.capture(step)
         except Exception as e:
             self.clear()
-            self.failures.append((self.trainer.step, e))
+            self.failures.append((self.host.step, e))
         try:
             self.pin()
         except Exception as e:  # (no anchor: a stall's window starts from the ring's oldest)
             self.anchor = None
-            self.failures.append((self.trainer.step, e))
+            self.failures.append((self.host.step, e))
 
     def clear(self) -> None:
         """No snapshot stands: the next due step starts the ring again."""
@@ -382,12 +382,12 @@ class SnapshotRing:
         """A rollback to ``snap`` from host memory: what a checkpoint load restores --
         parameters, optimizer state, LR schedulers, the dataloader's position (its
         iterator restarts there), the trainer's step and ledger counters."""
-        t = self.trainer
+        t = self.host
         # what --checkpoint.exclude_from_loading keeps a checkpoint load from restoring,
         # the snapshot does not restore either: a rollback goes where the load would
-        excluded = set(t.config.checkpoint.exclude_from_loading or ())
+        excluded = set(self.facts.exclude_from_loading)
         self.settle()
-        response_fault(parse_response_faults(t.config.ledger.rehearsal.response_fault), "restore")  # (rehearsal)
+        response_fault(self.facts.faults, "restore")  # (rehearsal)
         snap.tensors.restore(self.tensors(), None if "optimizer" in excluded else self.optimizers())
         for key, part, state in (("lr_scheduler", t.lr_schedulers, "lr_schedulers"),
                                  ("dataloader", t.dataloader, "dataloader"), ("train_state", t, "trainer")):

@@ -34,14 +34,15 @@ import torch
 
 from titan_ledger.components.prevention.optimizer import set_group_lr
 from titan_ledger.components.response.config import WindowConfig
-from titan_ledger.components.response.host import Host
+from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_as_run, window_effect, window_verdict
 from titan_ledger.components.signals.sums import loss_sum
+from titan_ledger.components.signals.topology import Topology
 from titan_ledger.errors import ProofFailure
 from titan_ledger.format.proofs import Finding, ProofRecord
-from titan_ledger.rehearsal.faults import parse_response_faults, response_fault
+from titan_ledger.rehearsal.faults import response_fault
 
 #: the window re-run with nothing changed (the reference every fix is measured against;
 #: ``same`` in the record, as the in-step proof's repeat)
@@ -54,10 +55,10 @@ class WindowProof:
     """Re-runs the window before a ``not_data`` alarm with each candidate cause's variant
     (the module docstring); ``Recovery._judge`` asks it after the step's proof."""
 
-    def __init__(self, trainer: Host, ring: SnapshotRing, config: WindowConfig | None = None,
-                 timeout: float = 300.0) -> None:
+    def __init__(self, host: Host, ledger: LedgerPort, facts: RunFacts, ring: SnapshotRing,
+                 config: WindowConfig | None = None, timeout: float = 300.0) -> None:
         """``config``: the run's ``[ledger.window]``; ``timeout``: ``[ledger.proof] timeout``."""
-        self.trainer, self.ring = trainer, ring
+        self.host, self.ledger, self.facts, self.ring = host, ledger, facts, ring
         self.config = config or WindowConfig()
         self.timeout = float(timeout)
         self.spent: list[int] = []  # the steps whose window proofs spent the budget (the answers name them)
@@ -113,7 +114,7 @@ class WindowProof:
         (``verdict.window_verdict``)."""
         import torch.distributed as dist
 
-        t, ring = self.trainer, self.ring
+        t, ring = self.host, self.ring
         cfg = self.config
         snap = ring.window(rec.step, stall=stall)  # a stall: from its onset (the anchor), where pinned
         if snap is None:
@@ -133,16 +134,16 @@ class WindowProof:
         causes = [c for c in cfg.causes if (c != "adam" or self._changes_adam(opts))
                   and (c != "eps" or self._raises_eps(opts)) and (c != "zloss" or self._loss() is not None)
                   and (c != "logit_cap" or self._attention())]
-        detector = t.ledger.detector
-        faults = parse_response_faults(t.config.ledger.rehearsal.response_fault)
+        detector = self.ledger.detector
+        faults = self.facts.faults
         deadline = start + self.timeout
         runs: list[dict] = []
         kept_loss: dict[int, float] = {}  # the unchanged re-run's loss per replayed step
         try:
-            with Reexecution(t, None, replaces=False) as again:
+            with Reexecution(t, self.ledger, self.facts, None, replaces=False) as again:
                 for variant in (UNCHANGED, *causes, *([CONTROL] if cfg.control else [])):
                     kind = response_fault(faults, "window")  # (rehearsal)
-                    check_deadline(t, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
+                    check_deadline(self.ledger.topo.world, self.facts.device, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
                     snap.tensors.restore(params, opts)
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
@@ -154,7 +155,7 @@ class WindowProof:
                         entry = ring.log[s]
                         self._variant(opts, entry.lrs, betas, variant)
                         lo, gn, lt, gt = again.run(entry.batches)
-                        ls = _global_loss(t, loss_sum(lo, gt), int(lt))
+                        ls = _global_loss(self.ledger.topo, self.facts.device, loss_sum(lo, gt), int(lt))
                         if rec.step - s <= cfg.cost_steps:
                             last.append(ls)
                         if not stall:
@@ -170,7 +171,7 @@ class WindowProof:
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
                     self._model_variant(UNCHANGED)
-                    mean = _global_loss(t, loss_sum(loss, global_tokens), int(local_tokens))
+                    mean = _global_loss(self.ledger.topo, self.facts.device, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                     if kind == "nan" and variant != UNCHANGED:
                         mean = norm = math.nan  # (rehearsal: every rank alike)
@@ -194,7 +195,7 @@ class WindowProof:
             r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
         same = by[UNCHANGED]
         if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
-            gain = float(t.config.ledger.stall.min_gain)
+            gain = float(self.facts.stall.min_gain)
             removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
                        for c in causes}
             for c in by:
@@ -243,14 +244,14 @@ class WindowProof:
         """The run's loss when it is titan_ledger's (its z-loss weight can be set)."""
         from titan_ledger.components.signals.doc_loss import find_doc_loss
 
-        ours = find_doc_loss(self.trainer.loss_fn)
+        ours = find_doc_loss(self.host.loss_fn)
         return ours if ours is not None and hasattr(ours, "z_loss_weight") else None
 
     def _attention(self) -> list:
         """The attention modules whose logits a cap can bound (titan_ledger's recorder)."""
         from titan_ledger.components.signals.attention import MaxLogitRecorder
 
-        return [m for part in self.trainer.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
+        return [m for part in self.host.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
 
     def _model_variant(self, variant: str) -> None:
         """What a variant changes outside the optimizer, set for its window and back to the
@@ -286,13 +287,12 @@ class WindowProof:
                     g["eps"] = max(eps, cfg.eps) if adam else max(eps, cfg.eps_fix) if variant == "eps" else eps
 
 
-def _global_loss(trainer, local_sum, local_tokens: int) -> float:
+def _global_loss(topo: Topology, device: torch.device, local_sum, local_tokens: int) -> float:
     """The step's mean loss over every rank (loss owners add their sums, token owners their
     tokens: PP's last stage, one TP rank of each DP replica)."""
     import torch.distributed as dist
 
-    topo = trainer.ledger.topo
-    f64 = {"dtype": torch.float64, "device": trainer.device}
+    f64 = {"dtype": torch.float64, "device": device}
     v = torch.stack([local_sum.detach().double().reshape(()) if (local_sum is not None and topo.owns_loss)
                      else torch.zeros((), **f64),
                      torch.tensor(float(local_tokens) if topo.owns_tokens else 0.0, **f64)])

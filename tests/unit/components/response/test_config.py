@@ -10,7 +10,7 @@ import pytest
 
 from titan_ledger.components.ledger.ledger import Ledger
 from titan_ledger.components.response import config as response_config
-from titan_ledger.components.response.config import ResponseConfig, Sections, sections
+from titan_ledger.components.response.config import ResponseConfig
 from titan_ledger.errors import ConfigError
 from titan_ledger.format.spellings import (
     RENAMED,
@@ -34,7 +34,9 @@ def test_each_section_is_short_and_no_field_repeats_its_sections_job():
     # no near-homonyms: the policy and the action are two words, not act/action
     assert {f.name for f in dataclasses.fields(ResponseConfig)} >= {"policy", "action"}
     assert "on_spike" not in {f.name for f in dataclasses.fields(Ledger.Config)}
-    assert set(Sections.__annotations__) == set(SECTIONS)
+    from titan_ledger.components.response.recovery import Recovery
+
+    assert [f.name for f in dataclasses.fields(Recovery.Config)] == list(SECTIONS)
 
 
 def test_every_renamed_field_exists_under_its_new_name():
@@ -75,11 +77,21 @@ def test_a_recorded_launch_reads_in_todays_spelling():
                                   '"--ledger.response.no_defer"]}')
 
 
-def test_the_sections_a_unit_double_gets_are_the_defaults_with_some_replaced():
-    s = sections(response=ResponseConfig(policy="act", action="rollback"))
-    assert s.response.action == "rollback" and s.proof.scope == "all" and s.window.max_proofs == 2
+def test_the_response_config_gathers_its_sections_from_the_ledger_table_and_builds_with_its_ports():
+    from titan_ledger.components.response.recovery import Recovery
+
+    table = Ledger.Config()
+    table.response = ResponseConfig(policy="act", action="rollback")  # (a section a user set)
+    cfg = Recovery.Config.of(table)
+    # the sections a user set under [ledger.*] are the ones the response is built from
+    assert cfg.response is table.response and cfg.window is table.window and cfg.proof is table.proof
+    assert Recovery.Config._owner is Recovery
+    # defaults with some replaced (what a unit double builds)
+    assert Recovery.Config(response=ResponseConfig(policy="act", action="rollback")).proof.scope == "all"
     with pytest.raises(TypeError, match="on_spike"):
-        sections(on_spike=object())
+        Recovery.Config(on_spike=object())
+    with pytest.raises(TypeError, match="host"):  # its ports and the run's facts are passed in, not read later
+        cfg.build()
 
 
 def test_an_old_toml_table_is_refused_naming_the_file_the_key_and_the_new_spelling(tmp_path):

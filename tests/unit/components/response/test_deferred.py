@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double
+from helpers import host_double, ledger_double, run_facts
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -144,13 +144,12 @@ def test_documents_a_deferred_proof_convicted_are_masked_in_the_next_steps_batch
 
 def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None, window_next=False, fused=True, defer=True,
              prove="acting", action="none", snapshots=0):
-    from titan_ledger.components.response.config import ProofConfig, ResponseConfig, SnapshotsConfig, sections
+    from titan_ledger.components.response.config import ProofConfig, ResponseConfig, SnapshotsConfig
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], fused=fused)
-    ledger_cfg = sections(response=ResponseConfig(policy="act", defer=defer, action=action),
-                          proof=ProofConfig(scope=prove), snapshots=SnapshotsConfig(every=snapshots))
-    ledger_cfg.rehearsal = SimpleNamespace(prove_at="")
+    ledger_cfg = Recovery.Config(response=ResponseConfig(policy="act", defer=defer, action=action),
+                                 proof=ProofConfig(scope=prove), snapshots=SnapshotsConfig(every=snapshots))
     cfg = SimpleNamespace(
         ledger=ledger_cfg,
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
@@ -164,7 +163,7 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
 
 
 def _recovery(t):
-    return Recovery(t, t.config.ledger)
+    return t.config.ledger.build(host=t, ledger=t.ledger, facts=run_facts(t))
 
 
 @pytest.mark.parametrize("kw,defers", [

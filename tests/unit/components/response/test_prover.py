@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double
+from helpers import host_double, ledger_double, run_facts
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.ledger.sections import RehearsalConfig
@@ -77,8 +77,8 @@ class _Trainer:
 def _prove(trainer, deferred: bool):
     rec = StepRecord(step=21, start=0.0, batches=[["the step's batch"]])
     grads = trainer.first(rec)
-    first = FirstExecution.of(trainer) if deferred else None
-    prover = Prover(trainer, proof=trainer.config.ledger.proof, conviction=trainer.config.ledger.conviction)
+    first = FirstExecution.of(trainer.model_parts, trainer.device, trainer.ledger.last_execution) if deferred else None
+    prover = Prover(trainer, trainer.ledger, run_facts(trainer), proof=trainer.config.ledger.proof, conviction=trainer.config.ledger.conviction)
     seen = trainer.ntokens_seen
     rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
     proof = rec.proof.to_json()  # the record as written
@@ -190,7 +190,7 @@ class _Documents(_Trainer):
     def prover(self, rec, **kw) -> Prover:
         """A prover with an ordinary next step fetched (a deferred decision's control of the
         same novelty, issue 68): the step's documents again, the convicted one masked."""
-        prover = Prover(self, proof=self.config.ledger.proof, conviction=self.config.ledger.conviction)
+        prover = Prover(self, self.ledger, run_facts(self), proof=self.config.ledger.proof, conviction=self.config.ledger.conviction)
         prover.next_rec = StepRecord(step=rec.step + 1, start=0.0, batches=self.batches(), tags=rec.tags or self.tags())
         for k, v in kw.items():
             setattr(prover, k, v)
@@ -227,7 +227,7 @@ def test_group_testing_convicts_the_document_not_the_batch(deferred):
     t = _Documents()
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    first = FirstExecution.of(t) if deferred else None
+    first = FirstExecution.of(t.model_parts, t.device, t.ledger.last_execution) if deferred else None
     prover = t.prover(rec)
     rec.proof = prover.prove(rec, acting=True, event={"rules": ["ratio"]}, first=first)
     proof = rec.proof.to_json()  # the record as written
@@ -337,7 +337,7 @@ def test_a_proof_that_fails_raises_and_abandon_puts_the_first_gradients_back(fau
     t.config.ledger.rehearsal.response_fault = fault
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     first = t.first(rec)
-    prover = Prover(t, proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
+    prover = Prover(t, t.ledger, run_facts(t), proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
     seen = t.ntokens_seen
     with pytest.raises((ProofFailure, ResponseFault, torch.OutOfMemoryError)):
         prover.prove(rec, acting=True, event={"rules": ["ratio"]})
@@ -426,7 +426,7 @@ def _convicting(t=None, **kw):
     t = t or _Documents()
     rec = StepRecord(step=21, start=0.0, batches=t.batches(), tags=t.tags())
     t.first(rec)
-    prover = (Prover(t, proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
+    prover = (Prover(t, t.ledger, run_facts(t), proof=t.config.ledger.proof, conviction=t.config.ledger.conviction)
               if kw.pop("in_step", False) else t.prover(rec))
     for k, v in kw.items():
         setattr(prover, k, v)

@@ -16,13 +16,14 @@ step: parameters, Adam's moments and step count, the rows and the ladder's actio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, proof_record
+from helpers import host_double, ledger_double, proof_record, run_facts
 from torchtitan.components.checkpoint import CheckpointManager
 
 from titan_ledger.components.detection.guard import SpikeGuard
@@ -33,7 +34,6 @@ from titan_ledger.components.response.config import (
     ProofConfig,
     ResponseConfig,
     RollbackConfig,
-    sections,
 )
 from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import NoteBudget
@@ -68,12 +68,12 @@ def _without(groups, docs) -> list:
 def _ledger_config(act, defer, prove, action, budget, breaker) -> SimpleNamespace:
     """The ``[ledger]`` table the double trains with: the response's sections, as the
     trainer passes them, beside the ledger's own rehearsal and skip sections."""
-    cfg = sections(response=ResponseConfig(policy=act, defer=defer, action=action, repeat_horizon=100),
-                   proof=ProofConfig(scope=prove, notes_rate=budget[0], notes_burst=budget[1]),
-                   rollback=RollbackConfig(back=1, skip=2, limit=3),
-                   breaker=BreakerConfig(actions=breaker[0], window=breaker[1]))
-    cfg.rehearsal, cfg.skip = RehearsalConfig(), SimpleNamespace(lr="freeze")
-    return cfg
+    cfg = Recovery.Config(response=ResponseConfig(policy=act, defer=defer, action=action, repeat_horizon=100),
+                          proof=ProofConfig(scope=prove, notes_rate=budget[0], notes_burst=budget[1]),
+                          rollback=RollbackConfig(back=1, skip=2, limit=3),
+                          breaker=BreakerConfig(actions=breaker[0], window=breaker[1]))
+    return SimpleNamespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+                           rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"))
 
 
 class _Ledger:
@@ -197,10 +197,17 @@ class _Trainer:
         for name in ("train_step", "_train_step", "count_tokens"):  # the trainer's own step, not a copy
             setattr(self, name, types.MethodType(getattr(LedgerTrainer, name), self))
         assert isinstance(self, Host)  # the double offers what the response is given
-        self.recovery = Recovery(self, self.config.ledger)
+        self.recovery = Recovery.Config.of(self.config.ledger).build(host=self, ledger=self.ledger,
+                                                                      facts=run_facts(self))
 
     def should_continue_training(self):
         return self.step < self.config.training.steps
+
+    def state_dict(self):  # torchtitan's train state (a host snapshot's; the ring is off here)
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state):
+        self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
 
     def _lr_step(self):  # a schedule that moves every step: a late update must use its own step's LR
         for g in self.opt.param_groups:
@@ -310,7 +317,7 @@ class _Prover(Prover):
     def load_update(self, rec, applied):
         if applied == "none":
             return
-        with Reexecution(self.t, rec, replaces=False) as again:
+        with Reexecution(self.t, self.t.ledger, run_facts(self.t), rec, replaces=False) as again:
             again.run(self._groups(rec, applied))
 
 

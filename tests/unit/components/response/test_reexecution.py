@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from helpers import host_double
+from helpers import host_double, run_facts
 
 from titan_ledger.components.response.reexecution import Reexecution, expert_counts
 from titan_ledger.components.signals.step_record import StepRecord
@@ -61,7 +61,7 @@ def test_an_extra_execution_puts_back_everything_it_touched():
     first = [p.grad for p in t.model_parts[0].parameters()]
     first_values = [g.clone() for g in first]
     rng = torch.get_rng_state()
-    with Reexecution(t, rec, replaces=False) as again:
+    with Reexecution(t, t.ledger, run_facts(t), rec, replaces=False) as again:
         again.run(None)
         again.run(None)
         grads = [p.grad for p in t.model_parts[0].parameters()]
@@ -83,7 +83,7 @@ def test_a_replacing_execution_drains_the_replaced_one_first_and_rearms_its_faul
     rec.faults = faults.StepFaults(bitflip=False, planned_bitflip=True)
     t.step_record = rec  # a redo runs inside its own step
     t.execute(None, True)
-    with Reexecution(t, rec, replaces=True) as again:
+    with Reexecution(t, t.ledger, run_facts(t), rec, replaces=True) as again:
         assert t.discarded == 1 and t.accumulator == 0  # the replaced execution's accumulators
         assert rec.faults.bitflip is True  # the replaced execution never happened
         out = again.run(None)
@@ -102,7 +102,7 @@ def test_an_extra_execution_takes_its_moe_routing_counts_back_out():
     (counts,) = expert_counts([moe])
     first = counts.clone()
     assert first.sum() > 0
-    with Reexecution(t, StepRecord(step=3, start=0.0), replaces=False) as again:
+    with Reexecution(t, t.ledger, run_facts(t), StepRecord(step=3, start=0.0), replaces=False) as again:
         again.run(None)
         assert not torch.equal(counts, first)  # (the counts do move with every forward)
     assert torch.equal(counts, first) and t.ntokens_seen == 7 + 16

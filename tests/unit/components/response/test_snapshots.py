@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import proof_record
+from helpers import proof_record, run_facts
 from torch import nn
 
 from titan_ledger.components.detection.stall import StallConfig
@@ -157,7 +157,7 @@ def _Cfg(every: int, keep: int) -> SnapshotsConfig:
 def _ring(t) -> SnapshotRing:
     """The ring as ``Recovery`` builds it: the run's ``[ledger.snapshots]``, batches kept
     while a window proof can run (``[ledger.proof] scope`` not off)."""
-    return SnapshotRing(t, t.config.ledger.snapshots, replays=t.prove != "off")
+    return SnapshotRing(t, t.ledger, run_facts(t), t.config.ledger.snapshots, replays=t.prove != "off")
 
 
 class _Rec:
@@ -360,7 +360,7 @@ def test_a_ring_only_a_rollback_reads_keeps_no_batches():
 def test_the_window_proof_runs_on_an_acting_not_data_proof_within_its_budget():
     t = _Trainer(every=10, keep=2)
     ring = _ring(t)
-    proof = WindowProof(t, ring)
+    proof = WindowProof(t, t.ledger, run_facts(t), ring)
     assert proof.wanted(proof_record("not_data", acting=True))
     assert not proof.wanted(proof_record("not_data", acting=False))  # a note
     assert proof.wanted(proof_record("bad_data", acting=False))  # data convicted: does the LR remove it too?

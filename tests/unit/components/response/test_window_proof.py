@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, proof_record
+from helpers import host_double, ledger_double, proof_record, run_facts
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
@@ -100,11 +100,11 @@ def _state(t: _Trainer):
 
 def test_the_lr_is_proven_by_its_own_fix_and_the_run_is_left_as_it_was():
     t = _Trainer()
-    ring = SnapshotRing(t, t.config.ledger.snapshots)
+    ring = SnapshotRing(t, t.ledger, run_facts(t), t.config.ledger.snapshots)
     rec = t.train(11, ring)
     assert [s.step for s in ring.ring] == [0, 4, 8] and ring.window(11).step == 0
     before = _state(t)
-    w = WindowProof(t, ring, t.config.ledger.window)
+    w = WindowProof(t, t.ledger, run_facts(t), ring, t.config.ledger.window)
     assert w.wanted(proof_record("not_data"))
     out = w.prove(rec)
     runs = {r["variant"]: r for r in out["runs"]}
@@ -124,10 +124,10 @@ def test_the_lr_is_proven_by_its_own_fix_and_the_run_is_left_as_it_was():
 
 def test_every_variant_draws_the_same_random_numbers():
     t = _Trainer()
-    ring = SnapshotRing(t, t.config.ledger.snapshots)
+    ring = SnapshotRing(t, t.ledger, run_facts(t), t.config.ledger.snapshots)
     rec = t.train(11, ring)
     n = len(t.draws)
-    out = WindowProof(t, ring, t.config.ledger.window).prove(rec)
+    out = WindowProof(t, t.ledger, run_facts(t), ring, t.config.ledger.window).prove(rec)
     per_variant = len(t.draws[n:]) // len(out["runs"])
     assert per_variant == 11  # steps 1-10 replayed, then the flagged step 11
     chunks = [t.draws[n + i * per_variant:n + (i + 1) * per_variant] for i in range(len(out["runs"]))]
@@ -137,10 +137,10 @@ def test_every_variant_draws_the_same_random_numbers():
 
 def test_a_stall_is_judged_by_the_loss_a_fix_lowers_and_has_its_own_budget():
     t = _Trainer()
-    ring = SnapshotRing(t, t.config.ledger.snapshots)
+    ring = SnapshotRing(t, t.ledger, run_facts(t), t.config.ledger.snapshots)
     rec = t.train(11, ring)
     ring.proofs = t.config.ledger.window.max_proofs  # the spikes spent theirs
-    w = WindowProof(t, ring, t.config.ledger.window)
+    w = WindowProof(t, t.ledger, run_facts(t), ring, t.config.ledger.window)
     assert not w.wanted(proof_record("not_data"))
     assert w.wanted(proof_record("outlier", acting=False), forced=True, stall=True)
     out = w.prove(rec, stall=True)
@@ -157,10 +157,10 @@ def test_a_variant_that_fails_puts_everything_back(kind):
 
     t = _Trainer()
     t.config.ledger.rehearsal = RehearsalConfig(response_fault=f"window:{kind}")
-    ring = SnapshotRing(t, t.config.ledger.snapshots)
+    ring = SnapshotRing(t, t.ledger, run_facts(t), t.config.ledger.snapshots)
     rec = t.train(11, ring)
     before = _state(t)
     with pytest.raises((ProofFailure, RuntimeError)):
-        WindowProof(t, ring, t.config.ledger.window).prove(rec)
+        WindowProof(t, t.ledger, run_facts(t), ring, t.config.ledger.window).prove(rec)
     for a, b in zip(before, _state(t)):
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
