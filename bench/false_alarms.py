@@ -20,7 +20,7 @@ records) over the grid {corpus} x {DP size} x {start} x {seed}:
   optimizer, LR schedule and detector history);
 * seed.
 
-Every flag is false (there is nothing to find). Per rule and tier (``spikes.RULES``;
+Every flag is false (there is nothing to find). Per rule and tier (``spike_rules.RULES``;
 a step flagged by two rules counts once for each) it prints the acting flags, their
 rate per 10^4 clean steps and the steps (``run@step``), and the notes. ``acting_flags``
 counts steps with an acting rule (an alert each, and with ``[ledger.response] policy = "act"`` an action);
@@ -100,7 +100,7 @@ from bench.zoo import read_proofs  # noqa: E402
 from titan_ledger.tools.runs import torchrun_prefix  # noqa: E402
 
 RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
-         "doc_low", "grad_jump", "grad_move", "rank_loss")  # titan_ledger.components.detection.spikes.RULES (checked in the tests)
+         "doc_low", "grad_jump", "grad_move", "rank_loss")  # titan_ledger.components.detection.spike_rules.RULES (checked in the tests)
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 OUT = ROOT / "outputs" / "false_alarms"
 # replayed vs online statistics of an event (the ledger rounds the doc summary: median to

@@ -418,29 +418,6 @@ def chromium_dom(page: Path, profile: Path, size: str = "1200,4000") -> str:
     return p.stdout
 
 
-def host_double(obj):
-    """A unit test's stand-in for a ``LedgerTrainer`` gets the ``Host`` protocol's moves
-    (``attend``, ``as_step``, ``move_to``) and its rules (``checkpoint_due``,
-    ``decision_due``; components/response/host.py) as the trainer's own methods, bound to
-    it: the double moves the step and asks torchtitan's save rule as the trainer does."""
-    import types
-
-    from titan_ledger.trainer import LedgerTrainer
-
-    for name in ("attend", "as_step", "move_to", "checkpoint_due", "decision_due"):
-        setattr(obj, name, types.MethodType(getattr(LedgerTrainer, name), obj))
-    ck = getattr(getattr(obj, "config", None), "checkpoint", None)
-    if ck is not None and not hasattr(obj, "checkpointer"):  # torchtitan's own save rule over the double's settings
-        from torchtitan.components.checkpoint import CheckpointManager
-
-        obj.checkpointer = types.SimpleNamespace(enable=ck.enable, load_only=False, interval=ck.interval,
-                                                 enable_first_step_checkpoint=ck.enable_first_step_checkpoint)
-        obj.checkpointer._should_save = types.MethodType(CheckpointManager._should_save, obj.checkpointer)
-        if not hasattr(obj.config.training, "steps"):
-            obj.config.training.steps = 10**9  # (the double's last step: should_continue_training says)
-    return obj
-
-
 def run_facts(obj, **given):
     """The response's ``RunFacts`` as a unit double's config namespace states them (what it
     does not state: ``RunFacts``' defaults; ``given`` replaces any), read once, as the
@@ -463,6 +440,8 @@ def run_facts(obj, **given):
              "steps": at("training.steps"), "seq_len": at("training.seq_len"),
              "local_batch_size": at("training.local_batch_size"), "max_norm": at("training.max_norm"),
              "skip_lr": at("ledger.skip.lr"), "stall": at("ledger.stall"), "spike": at("ledger.spike")}
+    ledger = getattr(obj, "ledger", None)  # what the trainer reads of its ledger once set up
+    found.update({k: getattr(ledger, k, None) for k in ("topo", "folder", "global_batch", "clips_qk")})
     kw = {k: v for k, v in found.items() if v is not None}
     if at("checkpoint.exclude_from_loading") is not None:
         kw["exclude_from_loading"] = tuple(at("checkpoint.exclude_from_loading"))
@@ -481,25 +460,3 @@ def proof_record(verdict: str, applied: str = "original", acting: bool = True, *
 
     return ProofRecord(verdict=Finding(verdict), applied=Applied(applied), why=fields.pop("why", ""), acting=acting,
                        executions=fields.pop("executions", []), **fields)
-
-
-def ledger_double(obj):
-    """A unit test's stand-in for the ``Ledger``: what the response asks of it -- the
-    ledger's own methods (``hold``, ``host_stats``, ``adam_ratio``, ...), bound to it,
-    over the parts the double fakes (a part it lacks: None), and ``watches``,
-    ``clips_qk``, ``detector`` as the properties read them when it is built."""
-    import types
-
-    from titan_ledger.components.ledger.ledger import Ledger
-
-    for part in ("guard", "recorder", "adam_level", "qk_clip", "content"):
-        if not hasattr(obj, part):
-            setattr(obj, part, None)
-    if not hasattr(obj, "flagged"):
-        obj.flagged = set()
-    for name in ("hold", "host_stats", "before_late_update", "adam_ratio", "owned_params", "flagged_steps",
-                 "trained_as"):
-        setattr(obj, name, types.MethodType(getattr(Ledger, name), obj))
-    obj.watches, obj.clips_qk = obj.guard is not None, obj.qk_clip is not None
-    obj.detector = getattr(obj.guard, "detector", None)
-    return obj

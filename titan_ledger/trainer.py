@@ -99,11 +99,6 @@ class LedgerTrainer(Trainer):
         doc_loss = config.ledger.signals and config.ledger.doc_loss.enable and use_doc_loss(config)
         with patches.meta_materialization() if dry_run else contextlib.nullcontext():
             super().__init__(config)
-        # the response, after torchtitan built what it acts on: its sections, ports and facts passed in
-        self._overrides = counterfactual.parse_overrides(config.ledger.rehearsal.rerun)
-        facts = RunFacts.of(config, device=self.device,
-                            microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
-        self.recovery = Recovery.Config.of(config.ledger).build(host=self, ledger=self.ledger, facts=facts)
         self.doc_loss = self.ledger.attach_loss(self.loss_fn, per_document=doc_loss, seq_len=config.training.seq_len,
                                                 cp_enabled=self.parallel_dims.cp_enabled)
         if self._dense_masks and config.validator.enable:
@@ -114,6 +109,11 @@ class LedgerTrainer(Trainer):
             self.ledger.setup(self)
         else:  # a dry run builds everything the audit reads (its norm probe cannot run on meta)
             audit_trainer(self, int(os.environ.get("RANK", "0")) == 0)
+        # the response, after torchtitan and the ledger built what it acts on: sections, ports, facts passed in
+        self._overrides = counterfactual.parse_overrides(config.ledger.rehearsal.rerun)
+        facts = RunFacts.of(config, self.ledger, device=self.device,
+                            microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
+        self.recovery = Recovery.Config.of(config.ledger).build(host=self, ledger=self.ledger, facts=facts)
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

@@ -25,7 +25,7 @@ def corpora():
 
 
 def test_rules_match_the_detector(fa):
-    from titan_ledger.components.detection.spikes import RULES
+    from titan_ledger.components.detection.spike_rules import RULES
 
     assert fa.RULES == RULES
 

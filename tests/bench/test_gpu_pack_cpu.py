@@ -64,7 +64,11 @@ def test_cpu_pack_passes_with_real_numbers(pack):
     assert sy["in_ledger_calls_per_step"] == [0] * counted and sy["added_by_ledger_per_step"] == 0, sy
     calls = sy["ledger_calls"]
     assert {"take_provenance", "provenance_ready", "record", "drain"} <= set(calls), calls
-    assert set(calls.values()) == {counted} and sy["ledger_calls_per_step"] == len(calls), sy  # once each
+    # the step's own calls once each; every other call a whole number of times in every counted
+    # step (``flags``: the deferred step's queued copy and this step's, one name since issue 69)
+    assert all(calls[k] == counted for k in ("take_provenance", "provenance_ready", "record", "drain")), calls
+    assert all(v % counted == 0 for v in calls.values()), calls
+    assert sy["ledger_calls_per_step"] == sum(calls.values()) / counted, sy
     # (d) every signal against the fp32 reference, with values
     sig = r["signals"]
     assert sig["ok"] and sig["precision"] == "float32 vs float32"

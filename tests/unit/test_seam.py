@@ -98,7 +98,7 @@ def test_only_the_trainer_moves_the_step_or_changes_the_step_record():
 
 
 #: the ledger's parts the response must not reach into (issue 63): it asks the ledger's
-#: own methods (``watches``, ``detector``, ``hold``, ``host_stats``, ``adam_ratio``, ...)
+#: own methods (the LedgerPort of components/response/host.py: ``flags``, ``hold``, ``history``, ...)
 LEDGER_PARTS = {"recorder", "guard", "adam_level", "qk_clip", "config", "data", "doc_loss", "logz", "stall"}
 
 
@@ -143,3 +143,46 @@ def test_the_response_compares_verdicts_and_rungs_as_enums_not_strings():
                     if isinstance(c, ast.Constant) and c.value in names:
                         bad.append(f"{path.name}:{node.lineno} {c.value!r}")
     assert not bad, f"string comparisons of verdicts or rungs: {bad}"
+
+
+def _declared(protocol: str) -> set[str]:
+    """The members a protocol class of components/response/host.py declares (annotations,
+    methods, properties)."""
+    tree = ast.parse((PKG / "components" / "response" / "host.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == protocol)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | \
+        {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_response_uses_its_two_ports_and_nothing_else_of_the_trainer_or_the_ledger():
+    """Issue 69: the response is built with ``host`` (Host), ``ledger`` (LedgerPort) and
+    ``facts`` (RunFacts) and uses of the first two only what their protocols declare; no
+    setting is read through them later (``.config``), and no Any is left in either port."""
+    ports = {"host": _declared("Host"), "ledger": _declared("LedgerPort")}
+    assert "config" not in ports["host"] and "ledger" not in ports["host"]
+    used, undeclared = {"host": set(), "ledger": set()}, []
+    for path in sorted((PKG / "components" / "response").glob("*.py")):
+        if path.name == "host.py":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {n.targets[0].id: n.value.attr for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Attribute)
+                   and isinstance(n.value.value, ast.Name) and n.value.value.id == "self" and n.value.attr in ports}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            # self.host.X / self.ledger.X, and the locals bound to them (t = self.host; ledger = self.ledger)
+            port = (v.attr if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+                    and v.attr in ports else
+                    aliases.get(v.id) if isinstance(v, ast.Name) else None)
+            if port is None:
+                continue
+            used[port].add(node.attr)
+            if node.attr not in ports[port]:
+                undeclared.append(f"{path.name}:{node.lineno}: {port}.{node.attr}")
+    assert not undeclared, "the response uses what its ports do not declare:\n" + "\n".join(undeclared)
+    assert "config" not in used["host"] | used["ledger"]
+    src = (PKG / "components" / "response" / "host.py").read_text()
+    ports_src = src[src.index("class Host(Protocol)"):src.index("@dataclass(frozen=True, kw_only=True)")]
+    assert ": Any" not in ports_src and "-> Any" not in ports_src, "a port member is typed Any"

@@ -1,4 +1,4 @@
-"""Spike rules: a z-score rule and a ratio-to-median rule over a sliding window.
+"""The spike detector: the rules' histories on device, their two tiers, the stats vector.
 
 Design decision: the rules are tensor math on values that are already reduced
 (global loss, global pre-clip grad norm), so every rank computes the same flag
@@ -6,42 +6,12 @@ on its own device, with no collective and no host read. The same class runs
 offline over a ledger's rows (CPU tensors, identical code), which is how
 ``replay drill`` and ``diagnose`` find spikes in a finished run.
 
-Rules (each can be switched off):
-
-* z-score (OLMo-core's SkipStep rule): ``value - mean > k * std`` over the last
-  ``window`` accepted steps (current step excluded), active once ``window/2``
-  steps are in the window. Applied to loss and grad norm.
-* ratio (the design article §2.7 / §4.5): grad norm > ``ratio`` x the window's
-  median grad norm *and* loss > (1 + ``loss_jump``) x the median loss of the last
-  2 x ``min_history`` accepted steps (a window-long median lags a falling loss),
-  active after ``min_history`` steps (a median needs fewer steps than a std).
-* a non-finite loss or grad norm is always a spike.
-
-Evidence rules (the design article §4: bad data is two-sided, and at DP = N one
-bad rank moves the global loss by 1/N -- so these look at per-rank and
-per-document values, which do not shrink with N):
-
-* rank separation (DP >= 2; no history, so active from step 1 and free of any
-  trend): every document of one DP rank has a higher mean loss than every
-  document of every other rank, or every one a lower loss, by more than
-  ``separation`` times the ranks' own document spread (and ``separation_floor``).
-  Clean ranks' document losses overlap; a batch of random text (high) or of
-  repeated text (low) does not, and its documents hardly differ from each other.
-  Each rank needs ``min_docs`` ranked documents. A rank whose rows are all slices of one
-  document (the host counts distinct documents from the sample ids) is measured with the
-  run's between-document spread, not its own (``one_doc_spread``): a long document barely
-  differs from itself, and two such ranks looked "separated" on clean training.
-* document outliers (any DP size): per DP rank, the highest-loss document's log
-  mean loss over the rank's median segment loss (``doc_high``), and the median
-  over the lowest-loss document (``doc_low``); the maximum over ranks > its own
-  history's median + ``doc_outlier`` x its spread (the MAD, or (q90 - median) / 1.9
-  where the MAD is degenerate), and > ``doc_outlier_floor``.
-* grad jump: grad norm > ``grad_jump`` x the median of the last accepted steps
-  (a skewed gradient: repeated tokens), active after ``min_history`` steps instead
-  of the z-score rule's window/2.
-History-based statistics are compared with their own recent history (median and
-MAD of the last ``window`` steps, every step included, so a trend cannot lock
-them into flagging), active after ``min_history`` steps.
+What each rule measures is :mod:`titan_ledger.components.detection.spike_rules` (pure
+functions of the step and its histories). This module is the state those rules read: the
+window of accepted steps, the evidence histories, ``grad_novelty``'s memory, a lasting
+change of level's pending steps -- kept in one object, because a checkpoint saves it and
+``before`` restores it as it stood before a step (the proof at the alarm judges another
+execution of that step by the run's own history) -- and it decides which flags act.
 
 Two tiers (an alarm is a promise). A rule's flag either *acts* -- the step is a spike:
 an alert, the ``on_spike`` ladder, the auto-skip list -- or is recorded as a *note*:
@@ -64,37 +34,27 @@ more than ``grad_novelty`` (2) x the largest grad-jump ratio of its last ``grad_
 own: a copy-corpus run from the warm base moved 3.4-5.5x at a dozen clean steps, the
 zoo's faults 3-21x; no constant separates them, the run's own history does). The
 non-finite rule always acts.
-
-Sensitive notes (issue 52: a note costs a proof, not a false action), never acting by
-themselves (``NOTE_ONLY``); with ``--ledger.proof.scope all`` each is proven in step and
-acts only when its proof finds a harmful cause:
-
-* grad move: the grad norm ``grad_move`` (1.8) x its recent median or more with the loss
-  unmoved (under ``loss_jump`` over its recent median) -- a finite fault's shape: a flipped
-  bit moves the gradient, not its own step's loss. The grad-norm rules above see 3-4x moves.
-* rank loss (DP >= 2): one DP rank's mean loss stands farther from the ranks' median (log)
-  than ``rank_loss`` (8) x this statistic's own median over the window, and by at least
-  ``rank_loss_floor`` (6%): a DP-4 random batch moved its rank's loss 8.13 against 7.29-7.38 on
-  the others, where rank separation (documents, with its warm-up) and the global loss
-  (1/4 of the move) stay silent.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torchtitan.config import Configurable
 
+from titan_ledger.components.detection.spike_rules import (
+    DEFAULT_NOTES,
+    EROWS,
+    NOTE_ONLY,
+    RULES,
+    evidence,
+    grad_move,
+    window_rules,
+)
 from titan_ledger.errors import ConfigError
 
-RULES = ("zscore_loss", "zscore_grad_norm", "ratio", "non_finite", "rank_separation", "doc_high",
-         "doc_low", "grad_jump", "grad_move", "rank_loss")
-#: rules that are notes whatever ``notes`` says: sensitive, so each costs a proof
-#: (``--ledger.proof.scope all``), never a false action; a proof that finds them harmful acts
-NOTE_ONLY = ("grad_move", "rank_loss")
 #: layout of the stats vector ``SpikeDetector.step`` returns (all float64). ``flag``: an
 #: acting rule fired (the step is a spike); each RULES entry: that rule fired *and acts*;
 #: ``note``: a rule fired as a note only; ``note_mask``: which (bit i = RULES[i]).
@@ -103,10 +63,6 @@ STAT_KEYS = ("flag", *RULES, "note", "note_mask", "loss_mean", "loss_std", "loss
              "doc_high_y", "doc_low_y", "doc_y_median_high", "doc_y_median_low", "doc_high_rank",
              "doc_low_rank", "grad_jump_ratio", "separation_bound", "grad_jump_bound", "readmitted",
              "rank_loss_y", "rank_loss_rank", "rank_loss_median", "loss_recent")
-#: the default note-only rules (measured: ``docs/benchmarks.md``, "False alarms")
-DEFAULT_NOTES = "doc_high,doc_low"
-#: rows of the evidence histories (``SpikeDetector.ehist``)
-_EROWS = 6
 
 
 class SpikeDetector(Configurable):
@@ -178,7 +134,7 @@ class SpikeDetector(Configurable):
         after this many steps (the z-score rule after window/2)."""
 
         notes: str = DEFAULT_NOTES
-        """Rules recorded as notes only (comma-separated names of spikes.RULES): in
+        """Rules recorded as notes only (comma-separated names of spike_rules.RULES): in
         spikes.jsonl and on the dashboards, never an alert, an on_spike action or the
         auto-skip list. Empty: every rule acts (the behaviour before the tiers);
         non_finite always acts."""
@@ -292,8 +248,8 @@ class SpikeDetector(Configurable):
         self._arange = torch.arange(w, device=device)
         # evidence rules: histories of [log grad norm, doc high, doc low, rank separation,
         # between-document spread, rank-loss distance], their counts
-        self.ehist = torch.zeros(_EROWS, w, dtype=torch.float64, device=device)
-        self.ecount = torch.zeros(_EROWS, dtype=torch.int64, device=device)
+        self.ehist = torch.zeros(EROWS, w, dtype=torch.float64, device=device)
+        self.ecount = torch.zeros(EROWS, dtype=torch.int64, device=device)
         notes = set(config.note_rules())
         # static per rule: may its flag act? (a note rule's flag is only recorded)
         # grad_novelty's memory: the log grad-jump ratios of the last grad_memory accepted steps
@@ -321,36 +277,12 @@ class SpikeDetector(Configurable):
         c = self.config
         w = self.hist.shape[1]
         v = torch.stack([loss.double().reshape(()), grad_norm.double().reshape(())])
-        n = torch.clamp(self.count, max=w)
-        valid = self._arange < n
-        nf = n.clamp(min=1).double()
-        masked = torch.where(valid, self.hist, torch.zeros_like(self.hist))
-        mean = masked.sum(1) / nf
-        var = (torch.where(valid, self.hist - mean[:, None], torch.zeros_like(self.hist)) ** 2).sum(1) / nf
-        std = var.sqrt()
-        median = torch.where(valid, self.hist, torch.full_like(self.hist, float("nan"))).nanmedian(1).values
-        active = n >= (w // 2)
-        finite = torch.isfinite(v)
-        z = (v - mean > c.zscore * std) & active & finite if c.zscore > 0 else torch.zeros(2, dtype=torch.bool, device=v.device)
-        # a median is meaningful long before a std is: the ratio rule starts after
-        # min_history steps (the zoo's LR jump at step 21 spiked at 25, before window/2).
-        # Its loss reference is the median of the last 2 x min_history accepted steps:
-        # a window-long median lags a falling loss (the zoo's held-out LR ramp rose 15%
-        # over the recent level and stayed under 1.1 x the 128-step median)
-        age = (self.count - 1 - self._arange) % w
-        recent = valid & (age < 2 * c.min_history)
-        recent_loss = torch.where(recent, self.hist[0], torch.full_like(self.hist[0], float("nan"))).nanmedian()
-        loss_up = v[0] > (1 + c.loss_jump) * recent_loss
-        if c.ratio > 0:
-            ratio = (n >= c.min_history) & (v[1] > c.ratio * median[1]) & loss_up
-        else:
-            ratio = torch.zeros((), dtype=torch.bool, device=v.device)
-        # a z-score acts only on a material move (the loss loss_jump over its recent
-        # median, the grad norm zscore_min_ratio x its window median): a tight history
-        # makes a 1.6x grad norm 9 std (measured on a clean DP-4 run); smaller moves are notes
-        material = torch.stack([loss_up, v[1] > c.zscore_min_ratio * median[1]])
+        win = window_rules(c, self.hist, self.count, self._arange, v)
+        finite, z, ratio, recent_loss = win.finite, win.z, win.ratio, win.recent_loss
         non_finite = ~finite.all()
-        ev, sep_decisive, log_jump, estats, rl_stats = self._evidence(grad_norm, doc, dp_loss, median[0])
+        ev = evidence(c, self.ehist, self.ecount, self._arange, grad_norm, doc, dp_loss)
+        self._enter_evidence(ev.values)
+        log_jump = ev.log_jump
         # grad_novelty: a grad-norm move acts only past the largest this run has shown
         c_j = self.jcount.clamp(max=self.jhist.shape[0])
         if c.grad_novelty > 0:
@@ -359,21 +291,17 @@ class SpikeDetector(Configurable):
         else:
             jbound = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
             grad_decisive = torch.ones((), dtype=torch.bool, device=v.device)
-        # grad move (a note): a grad-norm move with the loss unmoved (a NaN jump: no)
-        # (a Python-float bound: no host-to-device copy per step)
-        move = (log_jump >= math.log(c.grad_move)) & ~loss_up if c.grad_move > 0 \
-            else torch.zeros((), dtype=torch.bool, device=v.device)
-        # ...the lower bar of the grad-norm rules: silent where one of them fired (acting or noted)
-        move = move & ~(z[1] | ratio.reshape(()) | ev[3])
-        fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev[:4], move.reshape(1), ev[4:]])
+        # grad move (a note): silent where a grad-norm rule fired (z-score, ratio, grad jump)
+        move = grad_move(c, log_jump, win.loss_up, z[1] | ratio.reshape(()) | ev.fired[3])
+        fired = torch.cat([torch.stack([z[0], z[1], ratio.reshape(()), non_finite]), ev.fired[:4], move.reshape(1), ev.fired[4:]])
         # the tiers: a rule acts if it may (``notes``), rank separation only when decisive
         acts = self._acts.clone()
-        acts[RULES.index("rank_separation")] &= sep_decisive
+        acts[RULES.index("rank_separation")] &= ev.decisive
         dip = v[0] < (1 - c.loss_jump) * recent_loss if c.dip_note else torch.zeros((), dtype=torch.bool,
                                                                                       device=v.device)
         for r in ("zscore_grad_norm", "ratio", "grad_jump"):
             acts[RULES.index(r)] &= grad_decisive & ~dip
-        acts[:2] &= material
+        acts[:2] &= win.material
         acting = fired & acts
         noted = fired & ~acts
         flag = acting.any()
@@ -397,8 +325,9 @@ class SpikeDetector(Configurable):
                             torch.tensor(float("nan"), dtype=torch.float64, device=v.device))
         return torch.cat([flag.double().reshape(1), acting.double(),
                           torch.stack([noted.any().double(), (noted.double() * self._bits).sum()]),
-                          torch.stack([mean[0], std[0], median[0], mean[1], std[1], median[1], n.double()]),
-                          estats, shown.reshape(1), readmitted.reshape(1), rl_stats, recent_loss.reshape(1)])
+                          torch.stack([win.mean[0], win.std[0], win.median[0], win.mean[1], win.std[1], win.median[1],
+                                       win.n.double()]),
+                          ev.stats, shown.reshape(1), readmitted.reshape(1), ev.rl_stats, recent_loss.reshape(1)])
 
     def _readmit(self, flagged: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
         """``readmit_after``: keep this step's values while the flagged steps run on; at the
@@ -425,112 +354,17 @@ class SpikeDetector(Configurable):
         self.streak = torch.where(readmit, torch.zeros_like(streak), streak)
         return torch.where(readmit, torch.full_like(v[0], float(n)), nan)
 
-    def _evidence(self, grad_norm: torch.Tensor, doc: torch.Tensor | None,
-                  dp_loss: torch.Tensor | None = None, loss_median: torch.Tensor | None = None):
-        """The rank-separation, document, grad-jump and rank-loss rules; (fired [5] bool:
-        rank_separation, doc_high, doc_low, grad_jump, rank_loss; rank separation decisive
-        (0-d bool), the log grad-jump ratio (0-d, NaN before ``min_history``), stats [10],
-        the rank-loss stats [3])."""
-        c = self.config
-        dev = self.ehist.device
-        nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
-        fired = torch.zeros(5, dtype=torch.bool, device=dev)
-        # history-based: log grad norm, doc high, doc low, rank separation, between-doc
-        # spread, rank-loss distance
-        y = torch.full((_EROWS,), float("nan"), dtype=torch.float64, device=dev)
-        y[0] = grad_norm.double().reshape(()).log()
-        w = self.ehist.shape[1]
-        n_h = self.ecount.clamp(max=w)
-        valid = self._arange[None, :] < n_h[:, None]
-        hist = torch.where(valid, self.ehist, nan)
-        hmed = hist.nanmedian(1).values
-        mad = (hist - hmed[:, None]).abs().nanmedian(1).values
-        sep, sep_rank = nan, nan
-        ranks = torch.full((2,), float("nan"), dtype=torch.float64, device=dev)
-        if doc is not None:
-            d = doc.double()
-            lg = d[:, :3].log()
-            med, hi, lo, n = lg[:, 0], lg[:, 1], lg[:, 2], d[:, 3].nan_to_num(nan=0.0)
-            if d.shape[0] > 1 and c.separation > 0:
-                # rank r above all: its lowest doc over the others' highest; below: the reverse
-                eye = torch.eye(d.shape[0], dtype=torch.bool, device=dev)
-                others_hi = torch.where(eye, -torch.inf, hi[None, :].expand(d.shape[0], -1)).amax(1)
-                others_lo = torch.where(eye, torch.inf, lo[None, :].expand(d.shape[0], -1)).amin(1)
-                gap = torch.maximum(lo - others_hi, others_lo - hi)
-                # in units of the ranks' own document spread (natural text varies a lot from
-                # document to document; random or repeated text hardly at all)
-                own = hi - lo
-                if d.shape[1] > 4:
-                    # ...but a rank holding ONE document (its rows slice one long document)
-                    # shows how much a document differs from itself: the run's between-document
-                    # spread stands in where it is larger (fmax: its own until one is known). So
-                    # the spread only grows: this never makes a separation larger
-                    one = d[:, 4] < 2  # NaN (not counted): several
-                    y[4] = torch.where(one, nan, own).nanmean()
-                    if c.one_doc_spread:
-                        own = torch.where(one, torch.fmax(own, hmed[4]), own)
-                spread = own.nanmean().clamp(min=1e-6)
-                enough = (n >= c.min_docs).all()
-                gap = torch.where(enough, gap.nan_to_num(nan=-torch.inf), -torch.inf)
-                # DP 2: both ranks are "separated" by the same gap; the suspect is the one
-                # whose documents hardly differ from each other (random or repeated text)
-                own_raw = (hi - lo).nan_to_num(nan=torch.inf)
-                sep_rank = (gap - 1e-9 * own_raw).argmax().double()
-                sep = gap.max() / spread
-                fired[0] = (sep > c.separation) & (gap.max() > c.separation_floor)
-                sep = torch.where(torch.isfinite(sep), sep, nan)
-                y[3] = sep
-            if c.doc_outlier > 0:
-                h = (hi - med).nan_to_num(nan=-torch.inf)
-                l_ = (med - lo).nan_to_num(nan=-torch.inf)
-                y[1], ranks[0] = h.max(), h.argmax().double()
-                y[2], ranks[1] = l_.max(), l_.argmax().double()
-                y[1:3] = torch.where(torch.isfinite(y[1:3]), y[1:3], nan)
-        rl_rank = nan
-        if dp_loss is not None and dp_loss.numel() > 1 and c.rank_loss > 0:
-            # rank loss: each DP rank's log loss against the ranks' median (the mean of the
-            # middle two at an even count: at DP 2 both stand half the gap off)
-            lg = dp_loss.double().reshape(-1).log()
-            dist_ = (lg - lg.quantile(0.5)).abs()
-            y[5], rl_rank = dist_.max(), dist_.argmax().double()
-            y[5] = torch.where(torch.isfinite(y[5]), y[5], nan)  # a rank without tokens: non_finite's
-        active = (n_h[:4] >= c.min_history) & torch.isfinite(y[:4])
-        if c.doc_outlier > 0:
-            # the spread is the MAD, or where the history is degenerate (at 2 rows a rank's
-            # median of two is its lower document: doc_low is 0 on most steps and its MAD
-            # 0) the upper tail's (q90 - median) / 1.9, the same number for normal data
-            scale = mad[1:3]
-            if c.doc_tail_spread:
-                q90d = hist[1:3].nanquantile(0.9, dim=1)
-                scale = torch.maximum(scale, (q90d - hmed[1:3]) / 1.9)
-            fired[1:3] = active[1:3] & (y[1:3] > hmed[1:3] + c.doc_outlier * scale) & (y[1:3] > c.doc_outlier_floor)
-        # rank separation's own upper tail in this run (a quantile, robust to its
-        # outliers); before min_history values there is no tail to be past
-        q90 = hist[3].nanquantile(0.9)  # NaN while the history is empty (no host read)
-        bound = hmed[3] + c.separation_gate * (q90 - hmed[3])
-        decisive = active[3] & (n_h[3] >= c.separation_warmup) & (y[3] > bound) if c.separation_gate > 0 \
-            else torch.ones((), dtype=torch.bool, device=dev)
-        jump = (y[0] - hmed[0]).exp()
-        if c.grad_jump > 0:
-            fired[3] = active[0] & (jump > c.grad_jump)
-        rl_active = (n_h[5] >= c.min_history) & torch.isfinite(y[5])
-        if c.rank_loss > 0:
-            fired[4] = rl_active & (y[5] > c.rank_loss * hmed[5]) & (y[5] > c.rank_loss_floor)
-        # every finite value enters its history: one outlier barely moves a median,
-        # and a statistic that trends cannot lock the rule into flagging
+    def _enter_evidence(self, y: torch.Tensor) -> None:
+        """Every finite value of the evidence rules (``y`` [EROWS]) enters its history: one
+        outlier barely moves a median, and a statistic that trends cannot lock the rule into
+        flagging."""
         take = torch.isfinite(y)
-        idx = self.ecount % w
-        rows = torch.arange(_EROWS, device=dev)
+        idx = self.ecount % self.ehist.shape[1]
+        rows = torch.arange(EROWS, device=self.ehist.device)
         eold = self.ehist[rows, idx]  # (a tensor index: a copy)
         self._eundo = (idx, eold, self.ecount)
         self.ehist[rows, idx] = torch.where(take, y, eold)
         self.ecount = self.ecount + take.long()
-        stats = torch.stack([sep, sep_rank, y[1], y[2], hmed[1], hmed[2], ranks[0], ranks[1],
-                             torch.where(active[0], jump, nan), torch.where(active[3], bound, nan)])
-        rl_stats = torch.stack([y[5], torch.where(torch.isfinite(y[5]), rl_rank, nan),
-                                torch.where(rl_active, hmed[5], nan)])
-        log_jump = torch.where(active[0], y[0] - hmed[0], nan)
-        return fired, decisive, log_jump, stats, rl_stats
 
     def before(self) -> SpikeDetector:
         """A copy of this detector as it stood before its last ``step``: the run's own
@@ -549,7 +383,7 @@ class SpikeDetector(Configurable):
             det.streak = streak
         det.hist[:, idx] = col
         det.ecount = ecount
-        det.ehist[torch.arange(_EROWS, device=eold.device), eidx] = eold
+        det.ehist[torch.arange(EROWS, device=eold.device), eidx] = eold
         det.jhist, det.jcount = self.jhist.clone(), jcount
         det.jhist[jdx] = jold
         return det

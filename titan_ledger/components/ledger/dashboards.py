@@ -3,20 +3,12 @@ relaunches, run identity, summaries, alerts, a spike table, TensorBoard layouts.
 
 Design decisions.
 
-*W&B steps.* W&B refuses a ``step`` lower than the last one ("Tried to log to step 9
-that is less than the current step 10 ... ignored"), but a training step goes back
-after an in-process rollback and a relaunch that resumes from a checkpoint re-runs
-steps. So the W&B step (``_step``) is **not** the training step: it is an event
-counter that advances by one each time the training step of a log call changes (in
-either direction), and never goes back. Every row carries the training step as a
-value, ``train/step``, and the tokens trained so far, ``train/consumed_tokens``;
-``define_metric("*", step_metric="train/step")`` makes ``train/step`` the default
-x-axis of every chart (``train/consumed_tokens`` is the other axis to pick). A rewind
-is logged at the current W&B step (the spike's), its target as values
-(``rollback/to_step``, ``rollback/skip_first``, ``rollback/skip_last``). The counter is
-persisted in ``<dump_folder>/<ledger>/wandb.json`` (with the run id) on every change,
-so a relaunch -- resumed by W&B or, offline, synced later into the same run --
-continues above every step the earlier launch logged (``max(run.step, saved)``).
+*One face, two writers.* The trainer and the ledger call this module only (``prepare``,
+``attach``, ``log_spike``, ``alert``, ...); what each dashboard does with an event is its
+writer's, :mod:`titan_ledger.components.ledger.dashboard_writers` (``LedgerWandB``,
+``LedgerTensorBoard``: the W&B step counter, the TensorBoard sub-runs, the layout, the
+duplicated series dropped). Here: the run's identity before and at the build, the
+writers put in torchtitan's place, and each event fanned out to them.
 
 *Run id.* ``WANDB_RUN_ID`` if set; else the id in ``wandb.json`` (a relaunch on the
 same dump folder continues the same W&B run, ``WANDB_RESUME=allow``); else a new id,
@@ -30,21 +22,10 @@ config function and backend. The W&B config gets a ``titan_ledger`` entry (ledge
 ``run_id`` of this launch, ``config_digest``, TOML path, overlays); the TOML file (and
 overlays) are copied into the run's files.
 
-*No duplicated series.* The ledger logs loss, worst-rank loss, pre-clip grad norm and LR
-every step as ``ledger/loss``, ``ledger/loss_max``, ``ledger/grad_norm``, ``ledger/lr``;
-torchtitan's ``loss_metrics/global_avg_loss``, ``loss_metrics/global_max_loss``,
-``grad_norm`` and ``lr/*`` (every ``log_freq`` steps) are the same numbers, so they are
-dropped from both dashboards while the ledger records signals.
-
 *Ends.* A stop by a non-finite loss, by the ledger (``[ledger.rollback] limit``) or any other
 exception raises an ERROR alert and ends the run with ``finish(exit_code=1)``.
 Spikes raise a WARN alert each and are appended to the ``spike/events`` table; notes
 (the weaker tier, :mod:`titan_ledger.components.detection.spikes`) are ``note/*`` scalars only.
-
-*TensorBoard.* A custom-scalars layout (loss with ``loss_max``; grad norm before and
-after the clip with ``max_norm``; max logit; spikes) and the run's config as text. TB
-would purge events whose step is above a step that goes back, so after a rewind the
-writer moves to a sub-run ``rewind-<n>`` of the same log dir.
 
 Only the rank torchtitan logs metrics from has a W&B run / TB writer; every function
 here is a no-op elsewhere (their ``metrics_logger`` is a bare ``BaseLogger``).
@@ -53,17 +34,23 @@ here is a no-op elsewhere (their ``metrics_logger`` is a bare ``BaseLogger``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-STATE_FILE = "wandb.json"
+from titan_ledger.components.ledger.dashboard_writers import (
+    STEP_KEY,
+    TOKENS_KEY,
+    LedgerTensorBoard,
+    LedgerWandB,
+    answer_of,
+    code_block,
+    read_state,
+    write_state,
+)
 
-#: torchtitan's keys that the ledger's per-step ``ledger/<key>`` already carries.
-DUPLICATES = ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm")
-DUPLICATE_PREFIXES = ("lr/",)
+STATE_FILE = "wandb.json"
 
 #: W&B summaries (``define_metric(summary=...)``).
 SUMMARIES = {"ledger/grad_norm": "max", "ledger/grad_norm_clipped": "max", "ledger/max_logit": "max",
@@ -71,23 +58,6 @@ SUMMARIES = {"ledger/grad_norm": "max", "ledger/grad_norm_clipped": "max", "ledg
              "ledger/loss_max": "max", "ledger/loss": "min", "spike/count": "max",
              "rollback/count": "max"}
 
-STEP_KEY = "train/step"
-TOKENS_KEY = "train/consumed_tokens"
-
-#: TensorBoard custom-scalars layout (tags are regexes).
-TB_LAYOUT = {
-    "titan_ledger": {
-        "loss (average, worst DP rank)": ["Multiline", [r"^ledger/loss$", r"^ledger/loss_max$"]],
-        "grad norm (pre-clip, post-clip, max_norm)": [
-            "Multiline", [r"^ledger/grad_norm$", r"^ledger/grad_norm_clipped$", r"^ledger/max_norm$"]],
-        "max attention logit": ["Multiline", [r"^ledger/max_logit$"]],
-        "QK-clip (heads scaled, smallest eta)": ["Multiline", [r"^ledger/qk_clip_heads$", r"^ledger/qk_clip_eta_min$"]],
-        "output logits: log Z (mean, max)": ["Multiline", [r"^ledger/logz_mean$", r"^ledger/logz_max$"]],
-        "param norm": ["Multiline", [r"^ledger/param_norm$"]],
-        "spikes and rollbacks": ["Multiline", [r"^spike/flag$", r"^rollback/to_step$"]],
-        "notes (not acted on)": ["Multiline", [r"^note/flag$"]],
-    }
-}
 
 #: what train.py's :func:`prepare` learned before the trainer was built
 _job: dict[str, Any] = {}
@@ -113,20 +83,6 @@ def job_fields(job) -> dict[str, Any]:
 
 def state_path(dump_folder: str | os.PathLike, ledger_folder: str = "ledger") -> Path:
     return Path(dump_folder) / ledger_folder / STATE_FILE
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
 
 
 def stable_run_id(path: Path, env: dict | None = None) -> str:
@@ -161,210 +117,6 @@ def prepare(config, job, *, is_metrics_rank: bool) -> None:
     if not os.environ.get("WANDB_RESUME"):
         os.environ["WANDB_RESUME"] = "allow"
     _job["state_path"] = str(path)
-
-
-# --------------------------------------------------------------------------- #
-# Loggers that replace torchtitan's in its LoggerContainer
-# --------------------------------------------------------------------------- #
-
-
-def _drop_duplicates(metrics: dict[str, Any], ledger_on: bool) -> dict[str, Any]:
-    if not ledger_on:
-        return metrics
-    return {k: v for k, v in metrics.items()
-            if k not in DUPLICATES and not k.startswith(DUPLICATE_PREFIXES)}
-
-
-class LedgerWandB:
-    """torchtitan's ``WandBLogger`` with a monotonic W&B step (see the module doc)."""
-
-    def __init__(self, inner, *, state_file: Path | None, ledger_on: bool, max_norm: float | None = None):
-        self.inner = inner
-        self.wandb = inner.wandb
-        self.run = inner.wandb.run
-        self.ledger_on = ledger_on
-        self.max_norm = max_norm
-        self.state_file = Path(state_file) if state_file else None
-        saved = read_state(self.state_file) if self.state_file else {}
-        if saved.get("id") not in (None, getattr(self.run, "id", None)):
-            saved = {}
-        start = max(int(getattr(self.run, "step", 0) or 0), int(saved.get("next_step", 0)))
-        self.wb_step = start - 1  # the next new training step logs at ``start``
-        self.train_step: int | None = None
-        self.spikes = int(saved.get("spikes", 0))
-        self.rewinds = int(saved.get("rewinds", 0))
-        self.spike_rows: list[list[Any]] = [list(r) for r in saved.get("spike_rows", [])]
-        self.exit_code = 0
-        self.finished = False
-
-    # the step map ------------------------------------------------------------
-    def _advance(self, step: int) -> int:
-        if step != self.train_step:
-            self.wb_step += 1
-            self.train_step = step
-            self._save()
-        return self.wb_step
-
-    def _save(self) -> None:
-        if self.state_file is None:
-            return
-        try:
-            write_state(self.state_file, {"id": getattr(self.run, "id", None), "next_step": self.wb_step + 1,
-                                          "spikes": self.spikes, "rewinds": self.rewinds,
-                                          "spike_rows": self.spike_rows[-1000:]})
-        except OSError:
-            pass  # a dashboard must never stop training
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        metrics = _drop_duplicates(metrics, self.ledger_on)
-        if not metrics or self.finished:
-            return
-        wb_step = self._advance(int(step))
-        row = {k if self.inner.tag is None else f"{self.inner.tag}/{k}": v for k, v in metrics.items()}
-        row[STEP_KEY] = int(step)
-        if "ledger/consumed_tokens" in row:
-            row[TOKENS_KEY] = row["ledger/consumed_tokens"]
-        if self.max_norm is not None and "ledger/grad_norm" in row:
-            row["ledger/max_norm"] = self.max_norm
-        self.wandb.log(row, step=wb_step)
-
-    # events ------------------------------------------------------------------
-    def spike(self, row: dict[str, Any], ev: dict[str, Any]) -> None:
-        self.spikes += 1
-        step = int(row["step"])
-        rules = ", ".join(ev.get("rules", []))
-        proof = ev.get("proof") or {}
-        a = _answer(ev)
-        self.spike_rows.append([step, rules, _f(row.get("loss")), _f(row.get("loss_max")),
-                                row.get("loss_max_rank"), _f(row.get("grad_norm")),
-                                _f(ev.get("grad_norm_median")), _f(row.get("max_logit")), ev.get("action"),
-                                proof.get("verdict"), a.cause_text if a else None, a.established if a else None,
-                                a.fix.change if a and a.fix else None, "\n".join(a.lines()) if a else None])
-        self.log({"spike/count": self.spikes}, step)
-        try:
-            table = self.wandb.Table(columns=["step", "rules", "loss", "loss_max", "loss_max_rank", "grad_norm",
-                                              "grad_norm_median", "max_logit", "action", "proof_verdict",
-                                              "answer_cause", "answer_established", "answer_fix", "answer"],
-                                     data=[list(r) for r in self.spike_rows])
-            self.wandb.log({"spike/events": table}, step=self._advance(step))
-        except Exception:
-            pass
-        self._alert(a.headline() if a else f"loss spike at step {step}", _incident_text(ev, row), "WARN")
-        self._save()
-
-    def answer(self, a) -> None:
-        """An incident answered outside a flag (a stall's window proof): its alert."""
-        self._alert(a.headline(), "\n".join(a.lines() + a.detail()), "WARN")
-
-    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
-        self.rewinds += 1
-        self.log({"rollback/from_step": from_step, "rollback/to_step": to_step,
-                  "rollback/skip_first": window[0], "rollback/skip_last": window[1],
-                  "rollback/count": self.rewinds}, from_step)
-        self._alert(f"rollback at step {from_step}",
-                    f"rolled back from step {from_step} to checkpoint step-{to_step}; skipping steps "
-                    f"{window[0]}-{window[1]} (rollback {self.rewinds})", "WARN")
-        self._save()
-
-    def stop(self, reason: str, exit_code: int = 1) -> None:
-        self.exit_code = exit_code
-        try:
-            self.run.summary["stop/reason"] = reason
-            if self.train_step is not None:
-                self.run.summary["stop/step"] = self.train_step
-        except Exception:
-            pass
-        self._alert("training stopped", reason, "ERROR")
-
-    def _alert(self, title: str, text: str, level: str) -> None:
-        try:
-            self.run.alert(title=title, text=text[:1000], level=level, wait_duration=1)
-        except Exception:
-            pass
-
-    def close(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if self.wandb.run is not None:
-            self.wandb.finish(exit_code=self.exit_code)
-
-
-class LedgerTensorBoard:
-    """torchtitan's ``TensorBoardLogger`` plus the layout, config text, no duplicates,
-    and a sub-run per rewind (TB purges events above a step that goes back)."""
-
-    def __init__(self, inner, *, log_dir: str | None, ledger_on: bool, max_norm: float | None = None):
-        self.inner = inner
-        self.writer = inner.writer
-        self.tag = inner.tag
-        self.log_dir = log_dir or self.writer.log_dir
-        self.ledger_on = ledger_on
-        self.max_norm = max_norm
-        self.rewinds = 0
-        self.last_step: int | None = None
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        metrics = _drop_duplicates(metrics, self.ledger_on)
-        if self.max_norm is not None and "ledger/grad_norm" in metrics:
-            metrics = {**metrics, "ledger/max_norm": self.max_norm}
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self.writer.add_scalar(k if self.tag is None else f"{self.tag}/{k}", v, step)
-        self.last_step = step
-
-    def setup(self, config_text: dict[str, str]) -> None:
-        self.writer.add_custom_scalars(TB_LAYOUT)
-        for name, text in config_text.items():
-            self.writer.add_text(name, text, 0)
-        self.writer.flush()
-
-    def spike(self, row: dict[str, Any], ev: dict[str, Any]) -> None:
-        self.writer.add_text("spike/events", _code(_incident_text(ev, row)), int(row["step"]))
-
-    def answer(self, a) -> None:
-        """An incident answered outside a flag (a stall's window proof), as text at its step."""
-        self.writer.add_text("spike/events", _code("\n".join(a.lines() + a.detail())), int(a.step))
-
-    def proof(self, step: int, proof: dict[str, Any]) -> None:
-        """A note's proof in words (a spike's rides in ``spike/events``)."""
-        self.writer.add_text("proof/events", f"step {step}: {_proof_line(proof)}", int(step))
-
-    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
-        self.rewinds += 1
-        self.log({"rollback/to_step": to_step, "rollback/skip_first": window[0],
-                  "rollback/skip_last": window[1]}, from_step)
-        self.writer.add_text("rollback/events", f"rolled back from step {from_step} to step-{to_step}; "
-                             f"skipping {window[0]}-{window[1]}; later steps: sub-run rewind-{self.rewinds}",
-                             from_step)
-        self.writer.close()
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(os.path.join(self.log_dir, f"rewind-{self.rewinds}"), max_queue=1000)
-        self.inner.writer = self.writer
-
-    def stop(self, reason: str, exit_code: int = 1) -> None:
-        self.writer.add_text("stop/reason", reason, int(self.last_step or 0))
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _f(v):
-    if v is None:
-        return None
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _fmt(v) -> str:
-    try:
-        return f"{float(v):.4g}"
-    except (TypeError, ValueError):
-        return str(v)
 
 
 # --------------------------------------------------------------------------- #
@@ -472,45 +224,21 @@ def config_text(config, info: dict[str, Any]) -> dict[str, str]:
     out = {}
     f = info.get("config_file")
     if f and Path(f).is_file():
-        out["config/toml"] = f"{f}\n\n" + _code(Path(f).read_text())
-    out["config/titan_ledger"] = _code(json.dumps(info, indent=1, default=str))
+        out["config/toml"] = f"{f}\n\n" + code_block(Path(f).read_text())
+    out["config/titan_ledger"] = code_block(json.dumps(info, indent=1, default=str))
     try:
         full = json.dumps(config.to_dict(), indent=1, default=repr, sort_keys=True)
     except Exception:
         full = repr(config)
-    out["config/full"] = _code(full[:200_000])
+    out["config/full"] = code_block(full[:200_000])
     return out
-
-
-def _code(text: str) -> str:
-    """A markdown code block (TensorBoard renders text summaries as markdown)."""
-    return "\n".join("    " + line for line in text.splitlines())
-
-
-def _answer(ev: dict[str, Any]):
-    """The incident's answer recorded in its event (``format.answers.Answer``), or None."""
-    from titan_ledger.format.answers import Answer
-
-    return Answer.of(ev["answer"]) if isinstance(ev.get("answer"), dict) else None
-
-
-def _incident_text(ev: dict[str, Any], row: dict[str, Any]) -> str:
-    """A flagged step in words: its answer (three lines and the command), then its signals;
-    an event without an answer (not rank 0's) says its rules and proof."""
-    a = _answer(ev)
-    signals = (f"loss {_fmt(row.get('loss'))} (worst DP rank {row.get('loss_max_rank')}: {_fmt(row.get('loss_max'))}), "
-               f"grad norm {_fmt(row.get('grad_norm'))} (window median {_fmt(ev.get('grad_norm_median'))}); rules "
-               f"{', '.join(ev.get('rules', []))}; action {ev.get('action')}")
-    if a is not None:
-        return "\n".join(a.lines() + (["  run it: " + a.command] if a.command else []) + ["  signals: " + signals])
-    return f"step {row['step']}: {signals}" + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else "")
 
 
 def answer_scalars(ev: dict[str, Any]) -> dict[str, float]:
     """The answer as dashboard scalars: ``answer/cause_<cause>`` (the one cause; none when not
     established), ``answer/established_<how>``, ``answer/fix_measured`` (a fix the window
     measured removed or lowered it)."""
-    a = _answer(ev)
+    a = answer_of(ev)
     if a is None:
         return {}
     out = {f"answer/established_{a.established.replace('+', '_')}": 1.0,
@@ -518,12 +246,6 @@ def answer_scalars(ev: dict[str, Any]) -> dict[str, float]:
     if a.cause:
         out[f"answer/cause_{a.cause}"] = 1.0
     return out
-
-
-def _proof_line(proof: dict[str, Any]) -> str:
-    from titan_ledger.format.proofs import describe_proof
-
-    return describe_proof(proof)
 
 
 def proof_scalars(proof: dict[str, Any] | None) -> dict[str, float]:
@@ -543,7 +265,7 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
     and its proof as TensorBoard text."""
     if metrics_logger is None:
         return
-    from titan_ledger.components.detection.spikes import RULES
+    from titan_ledger.components.detection.spike_rules import RULES
 
     metrics_logger.log({"spike/flag": 1.0, **{f"spike/{r}": float(r in ev["rules"]) for r in RULES},
                         "spike/loss": float(row["loss"]), "spike/grad_norm": float(row["grad_norm"]),
@@ -556,7 +278,7 @@ def log_spike(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
 def log_answer(metrics_logger, ev: dict[str, Any]) -> None:
     """An incident answered outside a flag (a stall's window proof, in its forced proof's
     event): its ``answer/*`` scalars at the stall's step, its alert and text."""
-    a = _answer(ev)
+    a = answer_of(ev)
     if metrics_logger is None or a is None:
         return
     metrics_logger.log(answer_scalars(ev), a.step)
@@ -569,7 +291,7 @@ def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
     ``proof/*`` (TensorBoard: the proof in words), no alert."""
     if metrics_logger is None:
         return
-    from titan_ledger.components.detection.spikes import RULES
+    from titan_ledger.components.detection.spike_rules import RULES
 
     metrics_logger.log({"note/flag": 1.0, **{f"note/{r}": 1.0 for r in ev["notes"] if r in RULES},
                         **proof_scalars(ev.get("proof"))}, row["step"])
@@ -588,10 +310,7 @@ def alert(metrics_logger, title: str, text: str, level: str = "ERROR") -> None:
     """An alert of the response itself (the circuit breaker's pause, a stall): W&B's alert,
     and the text in TensorBoard (``response/events``)."""
     for x in _ours(metrics_logger):
-        if isinstance(x, LedgerWandB):
-            x._alert(title, text, level)
-        elif isinstance(x, LedgerTensorBoard):
-            x.writer.add_text("response/events", text, int(x.last_step or 0))
+        x.alert(title, text, level)
 
 
 def log_stop(metrics_logger, err: BaseException | str, exit_code: int = 1) -> None:

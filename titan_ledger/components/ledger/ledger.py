@@ -17,9 +17,11 @@ unit-testable in-process without torchrun:
 
 A step is one :class:`~titan_ledger.components.signals.step_record.StepRecord`, handed in
 whole at ``record`` and fanned out to every writer in one place, :meth:`Ledger.drain`.
-``Ledger`` itself owns what spans the components: the segments (one ``seq`` per launch
-or rewind; the run folder's rules are :mod:`titan_ledger.components.run.run_folder`), the
-skip windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it at
+``Ledger`` itself owns what spans the components: the skip windows, rewinds, and, through
+two mixins, its start (:mod:`titan_ledger.components.ledger.start`: ``setup`` binds it to
+the built trainer) and what carries across a relaunch or a rewind
+(:mod:`titan_ledger.components.ledger.resume`: the segments, one ``seq`` per launch or
+rewind, and the checkpointed counters). ``LedgerTrainer`` calls it at
 ``open`` (first step), ``record`` (after the clip, before ``optimizers.step``),
 ``drain`` and ``close``; what a flagged step does is
 :mod:`titan_ledger.components.response.recovery`'s.
@@ -28,24 +30,24 @@ skip windows, rewinds, and the checkpointed counters. ``LedgerTrainer`` calls it
 from __future__ import annotations
 
 import json
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import Configurable
 
 from titan_ledger.components.detection.guard import SpikeGuard
-from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
+from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe
 from titan_ledger.components.detection.stall import StallConfig, StallWatch, describe_stall
 from titan_ledger.components.ledger import dashboards
 from titan_ledger.components.ledger.data_writer import DataLedgerWriter
+from titan_ledger.components.ledger.resume import LedgerResume, read_proven
 from titan_ledger.components.ledger.sections import DocLossConfig, FilterConfig, RehearsalConfig, SkipConfig
+from titan_ledger.components.ledger.start import LedgerStart
 from titan_ledger.components.response.config import (
     AdamCheckConfig,
     BreakerConfig,
@@ -56,30 +58,31 @@ from titan_ledger.components.response.config import (
     SnapshotsConfig,
     WindowConfig,
 )
-from titan_ledger.components.run.run_folder import Launch, agree_identity, claim_dump_folder, config_digest
+from titan_ledger.components.response.host import History, Recorded
+from titan_ledger.components.run.run_folder import Launch
 from titan_ledger.components.signals.adam_level import AdamLevel
-from titan_ledger.components.signals.attention import MaxLogitRecorder, forget_pp_metadata_inference
-from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats, find_doc_loss
+from titan_ledger.components.signals.doc_loss import DocLossTracker, LogZStats
 from titan_ledger.components.signals.recorder import SignalRecorder, check_finite, dashboard
 from titan_ledger.components.signals.step_record import StepRecord
-from titan_ledger.components.signals.sums import ParamPlan, natural_key
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.content import ContentMemory, window_hashes
 from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps, window_at
 from titan_ledger.errors import ConfigError
 from titan_ledger.format import answers, records
-from titan_ledger.format.reader import RunLedger
 from titan_ledger.rehearsal.faults import parse_inject
-
-#: the content memory's slots (two int32 stamps each: 16 MiB a rank): data/content.py
-CONTENT_SLOTS = 1 << 21
 
 __all__ = ["DocLossConfig", "FilterConfig", "Ledger", "RehearsalConfig", "SkipConfig"]
 
 
-class Ledger(Configurable):
-    """Per-step signals: computed on device, reduced packed, written a step late."""
+_NOTE = STAT_KEYS.index("note")
+
+
+class Ledger(LedgerStart, LedgerResume, Configurable):
+    """Per-step signals: computed on device, reduced packed, written a step late.
+
+    ``setup`` and ``attach_loss`` are :class:`LedgerStart`'s; ``open``, ``close`` and the
+    checkpoint's ``state_dict`` / ``load_state_dict`` are :class:`LedgerResume`'s."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
@@ -214,179 +217,6 @@ class Ledger(Configurable):
         self.global_batch = 0
         self.knobs = answers.Knobs()  # the run's settings a fix changes (setup: from the config)
 
-    # ------------------------------------------------------------------ setup
-    def setup(self, trainer) -> None:
-        """Bind to a built trainer (after model, optimizer and dataloader exist). The
-        launch checks ran before (``config.validate``); this claims the run folder, agrees
-        the run's identity and builds the writers."""
-        from titan_ledger.components.prevention.optimizer import describe_groups
-        from titan_ledger.components.signals.precision import audit_trainer
-        from titan_ledger.data.loader import LedgerDataLoader
-
-        cfg, tcfg = self.config, trainer.config
-        self.enabled = cfg.signals
-        self.topo = topo = Topology.from_trainer(trainer)
-        self.device = trainer.device
-        self.loader = trainer.dataloader if isinstance(trainer.dataloader, LedgerDataLoader) else None
-        self.folder = Path(tcfg.dump_folder) / cfg.folder
-        self.global_batch = tcfg.training.local_batch_size * topo.dp_size * trainer.gradient_accumulation_steps
-        if cfg.skip.auto:
-            rejected = RunLedger(tcfg.dump_folder, cfg.folder).rejected_steps() if self.folder.exists() else []
-            self.skip_windows = parse_skip_steps(
-                [f"{a}-{b}" for a, b in self.skip_windows] + [str(t) for t in rejected])
-        identity = agree_identity(self.folder, topo.is_rank0, self._claim(tcfg) if topo.is_rank0 else None)
-        self.run_id, self._seq = identity.run_id, identity.next_seq - 1
-        self.config_digest = config_digest(tcfg)
-        # the compute dtype of the parameters: diagnose's precision question needs it
-        # (a one-step glitch in an fp32 run cannot be bf16 rounding)
-        self.param_dtype = str(tcfg.training.mixed_precision_param)
-        self.precision = audit_trainer(trainer, topo.is_rank0)
-        # the optimizer's parameter groups and their weight decay (the no_decay presets)
-        self.param_groups = describe_groups(trainer.optimizers)
-        betas = next((g.get("betas") for o in getattr(trainer.optimizers, "optimizers", []) for g in o.param_groups
-                      if g.get("betas") is not None), None)
-        if betas is not None:  # Adam: its second moment's level, for the proof's optimizer-state test
-            self.adam_level = AdamLevel(float(betas[1]), int(cfg.adam_check.horizon))
-        if self.loader is not None and self.loader.tagging:
-            self.data = DataLedgerWriter(topo, self.loader, global_batch=self.global_batch, skip_lr=cfg.skip.lr,
-                                         tokenizer=str(Path(tcfg.hf_assets_path).resolve()))
-        if self.enabled:
-            self._build_recorder(trainer)
-        if cfg.proof.scope != "off" and self.loader is not None and self.loader.tagging:
-            self.content = ContentMemory(CONTENT_SLOTS, int(cfg.conviction.lookback))
-        self.knobs = knobs_of(tcfg)
-        if self.guard is not None:
-            self.guard.answer_context = lambda: self.answer_context(tcfg)
-        self._apply_state()
-
-    def answer_context(self, tcfg) -> answers.Context:
-        """What an incident's answer needs of the run (``format.answers.Context``): its
-        settings, its launch, the checkpoints on disk now (rank 0, once per incident)."""
-        from titan_ledger.format.reader import checkpoints
-
-        ck = tcfg.checkpoint
-        launch = self.launch.header()
-        return answers.Context(
-            knobs=self.knobs, dump=str(tcfg.dump_folder), argv=tuple(launch["argv"]) if "argv" in launch else None,
-            cwd=launch.get("cwd", ""), python=launch.get("python") or "python", world_size=self.topo.world,
-            checkpoints=tuple(checkpoints(tcfg.dump_folder, ck.folder)) if ck.enable else (),
-            checkpoint_folder=ck.folder, policy=self.config.response.policy, loss_jump=self.config.spike.loss_jump)
-
-    def attach_loss(self, loss_fn, *, per_document: bool, cp_enabled: bool, seq_len: int) -> DocLossTracker | None:
-        """Hook the step's signals into the trainer's loss when it is titan_ledger's
-        (``doc_loss.find_doc_loss``): log Z (the output-logit drift signal) and, with
-        ``per_document`` and no context parallelism (CP splits documents over ranks), the
-        per-document loss tracker, which is returned."""
-        ours = find_doc_loss(loss_fn)
-        if ours is not None and self.config.signals:
-            self.logz = ours.logz = LogZStats()
-        if ours is not None and per_document and not cp_enabled:
-            dl = self.config.doc_loss
-            self.doc_loss = ours.tracker = DocLossTracker(dl.k, dl.min_tokens, seq_len)
-        return self.doc_loss
-
-    def _claim(self, tcfg) -> str | None:
-        """Rank 0: the dump folder holds this run (or, ``--ledger.new_run``, another run is
-        moved aside); the refusal, if any, for every rank to raise."""
-        cfg = self.config
-        layout = {"seq_len": tcfg.training.seq_len, "global_batch": self.global_batch}
-        if self.loader is not None:
-            layout["fingerprint"] = self.loader.fingerprint
-        try:
-            moved = claim_dump_folder(tcfg.dump_folder, cfg.folder, layout, new_run=cfg.new_run,
-                                      allow_data_change=cfg.allow_data_change,
-                                      checkpoint_folder=tcfg.checkpoint.folder,
-                                      checkpoint_enabled=tcfg.checkpoint.enable)
-        except ConfigError as e:
-            return str(e)
-        if moved:
-            from torchtitan.tools.logging import logger
-
-            logger.warning(f"titan_ledger: --ledger.new_run: the earlier run of another layout "
-                           f"was moved aside to {', '.join(moved)}")
-        return None
-
-    def _build_recorder(self, trainer) -> None:
-        """The signal recorder (and QK-clip, which reads its per-head maxima) for the live model."""
-        cfg, topo = self.config, self.topo
-        named = [(n, p) for m in trainer.model_parts for n, p in m.named_parameters()]
-        groups = None
-        if cfg.per_layer:
-            local_groups = ParamPlan.build(named, topo.world, topo.pp_size).groups
-            gathered: list[list[str]] = [None] * topo.world  # type: ignore[list-item]
-            if dist.is_initialized():
-                dist.all_gather_object(gathered, local_groups)  # once, at setup
-            else:
-                gathered = [local_groups]
-            groups = sorted({g for gs in gathered for g in gs}, key=natural_key)
-        plan = ParamPlan.build(named, topo.world, topo.pp_size, groups)
-        plan.group_index = plan.group_index.to(self.device)  # no H2D copy per step
-        attn = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
-        for m in attn:
-            m.record_max_logit = cfg.max_logit
-        qk_cfg = getattr(trainer.config, "qk_clip", None)
-        if qk_cfg is not None and qk_cfg.enable:
-            from torchtitan.models.common.attention import GQAttention
-
-            from titan_ledger.components.prevention.qk_clip import QKClip
-
-            pd = trainer.parallel_dims
-            self.qk_clip = QKClip(qk_cfg, trainer.model_parts,
-                                  n_layers=sum(1 for _ in trainer.config.model_spec.model.traverse(GQAttention.Config)),
-                                  tp_rank=topo.tp_rank, tp_size=pd.tp if pd.tp_enabled else 1)
-        if trainer.parallel_dims.pp_enabled:
-            forget_pp_metadata_inference(trainer.pp_schedule, attn,
-                                         also=[x.rewind_step for x in (self.doc_loss, self.logz) if x])
-        self.recorder = SignalRecorder(
-            topo, device=self.device, plan=plan, attn=attn, per_layer=cfg.per_layer,
-            max_logit=cfg.max_logit, max_norm=float(trainer.config.training.max_norm),
-            global_batch=self.global_batch, seq_len=trainer.config.training.seq_len,
-            doc_loss=self.doc_loss, logz=self.logz, qk_clip=self.qk_clip, note_of=is_note)
-        if cfg.spike.enable:
-            self.guard = SpikeGuard(topo, cfg.spike, cfg.response.action, self.device)
-
-    # ------------------------------------------------------------------ segments
-    def open(self, resumed_from: int, rewind_from: int | None = None) -> None:
-        """Start this segment in every ledger file (after the checkpoint load)."""
-        self._seq += 1
-        header = records.Header(schema="", run_id=self.run_id, seq=self._seq, resumed_from=resumed_from,
-                                time=time.time(),
-                                extra={"config_digest": self.config_digest, "world_size": self.topo.world,
-                                       "dp_size": self.topo.dp_size, "param_dtype": self.param_dtype,
-                                       "precision": self.precision, "param_groups": self.param_groups,
-                                       "knobs": self.knobs.to_json(), **self.launch.header()})
-        # the documents proofs convicted up to the step this segment resumes from stay masked
-        # (later convictions happen again when their steps are trained again)
-        self.quarantine = Quarantine(self.config.filter.quarantine)
-        self.proven = [e for e in read_proven(self.folder) if e[2] <= resumed_from]
-        self.quarantine.add((s, d) for s, d, _ in self.proven)
-        if self.quarantine:
-            # recorded, not refused: quarantining documents after a spike is the normal use
-            header.extra["quarantine"] = {"files": self.quarantine.paths, "digest": self.quarantine.digest,
-                                          "documents": len(self.quarantine.docs),
-                                          "proven": len(self.proven)}
-        if self.config.filter.repetition:
-            header.extra["repetition_filter"] = {"min_repeats": self.config.filter.repetition_min,
-                                                 "max_period": self.config.filter.repetition_max_period}
-        if rewind_from is not None:
-            # a rewind is a new segment of the same process: its own run id and seq
-            header.run_id = f"{self.run_id}.r{self.rewinds}"
-            header.extra["rewind_from"] = rewind_from
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if self.topo.is_rank0:
-            records.append_segment(self.folder, header)
-        if self.data is not None:
-            self.data.open(self.folder, header, self.skip_windows)
-        if self.recorder is not None:
-            self.recorder.open(self.folder, header)
-        if self.guard is not None:
-            self.guard.open(self.folder, header)
-
-    def close(self) -> None:
-        for c in (self.recorder, self.data, self.guard):
-            if c is not None:
-                c.close()
-
     # ------------------------------------------------------------------ per step
     def take_provenance(self, rec: StepRecord, input_dict: dict, labels: torch.Tensor) -> None:
         """One fetched microbatch: its rows' provenance into ``rec``, and the loss masks that
@@ -453,51 +283,54 @@ class Ledger(Configurable):
         return self.qk_clip is not None
 
     @property
-    def detector(self):
-        """The spike rules' detector (a proof judges a re-execution by its bars)."""
-        return self.guard.detector
+    def detector(self) -> SpikeDetector | None:
+        """The spike rules' detector (a proof judges a re-execution by its bars); None
+        where no rule runs."""
+        return self.guard.detector if self.guard is not None else None
 
     def hold(self, *, acting: bool, notes: bool):
         """The device-side guard of a deferred update (``SpikeGuard.hold``)."""
         return self.guard.hold(acting=acting, notes=notes)
-
-    def host_stats(self, rec: StepRecord):
-        """``rec``'s rule stats on the host, from the copy the recorder made (None: not queued)."""
-        return self.recorder.host_stats(rec)
 
     def before_late_update(self) -> None:
         """A held update applied a step late: the update norm measures from its parameters."""
         if self.recorder is not None and self.config.update_norm:
             self.recorder.snapshot_params()
 
-    def adam_ratio(self) -> float | None:
-        """Adam's second moment's level against its long-run level (None: not measured)."""
-        return self.adam_level.ratio() if self.adam_level is not None else None
+    def adam(self) -> tuple[float | None, list | None]:
+        """Adam's second moment's level against its long-run level (None: not measured),
+        and the parameters' owned pieces, every logical element once (None: no signals)."""
+        return (self.adam_level.ratio() if self.adam_level is not None else None,
+                self.recorder.plan.params if self.recorder is not None else None)
 
-    def owned_params(self) -> list | None:
-        """The parameters' owned pieces, every logical element once (None: no signals)."""
-        return self.recorder.plan.params if self.recorder is not None else None
+    def history(self) -> History:
+        """What the rows written so far say: the ledger's own collections, by reference (asked
+        every step by the snapshot ring's stall anchor: no copy), read-only by their types."""
+        return History(recent=self.recent, flagged_at=self.flagged_at, flagged=self.flagged, stalls=self.stalls,
+                       rewinds=self.rewinds,
+                       content=self.content, stall_onset=self.stall.best_step if self.stall is not None else None)
 
     # ------------------------------------------------------------------ a flagged step (proofs)
-    def flags_now(self) -> tuple[bool, bool]:
-        """This step's (acting flag, note) on the host: one device->host read."""
+    def flags(self, rec: StepRecord | None = None) -> tuple[bool, bool] | None:
+        """(acting flag, note): this step's on the host, one device->host read (``rec``
+        None; no rule ran: both False), or a deferred step's from the copy the recorder
+        made (None: not queued)."""
+        if rec is not None:
+            stats = self.recorder.host_stats(rec)
+            return None if stats is None else (bool(stats[0]), bool(stats[_NOTE]))
         if self.guard is None or self.guard.last_stats is None:
             return False, False
-        acting, note = self.guard.last_stats[[0, STAT_KEYS.index("note")]].tolist()
+        acting, note = self.guard.last_stats[[0, _NOTE]].tolist()
         return bool(acting), bool(note)
 
-    def step_event(self) -> dict[str, Any]:
-        """This step's spike rules, as its event will describe them (a flagged step only)."""
-        return describe(self.guard.last_stats.tolist())
-
-    def last_dp_loss(self) -> list[float]:
-        return self.last_reduced.dp_loss.tolist()
-
-    def step_documents(self) -> dict | None:
-        """This DP rank's per-document summary of the step (``DocLossTracker.decode``)."""
-        if self.doc_loss is None:
-            return None
-        return self.doc_loss.decode(self.last_reduced.vector[-self.doc_loss.size:].tolist())
+    def recorded(self) -> Recorded:
+        """The step the last record reduced, read on the host (a flagged step's proof only):
+        its spike event, each DP rank's mean loss, this rank's per-document summary."""
+        documents = None
+        if self.doc_loss is not None and self.topo.owns_tokens:
+            documents = self.doc_loss.decode(self.last_reduced.vector[-self.doc_loss.size:].tolist())
+        return Recorded(event=describe(self.guard.last_stats.tolist()), dp_loss=self.last_reduced.dp_loss.tolist(),
+                        documents=documents)
 
     def trained_as(self, rec: StepRecord, execution: dict) -> None:
         """A proof applied ``execution`` (its record: ``loss``, ``grad_norm``, ``per_rank``),
@@ -522,10 +355,6 @@ class Ledger(Configurable):
                        "grad_norm_clipped": gn * coef, "masked_tokens": masked}
         if masked and self.recorder is not None:
             self.recorder.untrain(masked)
-
-    def flagged_steps(self) -> set[int]:
-        """The steps this process flagged (acting rules), whose content the look-back ignores."""
-        return self.flagged
 
     def discard_step_state(self) -> None:
         """Drain what an extra execution of the step refilled (per-document sums, log Z,
@@ -609,11 +438,14 @@ class Ledger(Configurable):
         if metrics_logger is not None:
             dashboards.alert(metrics_logger, title, text)
 
-    def record_event(self, ev: dict) -> None:
+    def record_event(self, ev: dict, alert: tuple[str, str] | None = None, metrics_logger=None) -> None:
         """An event of the response itself (the circuit breaker, a failure inside the
-        response) in spikes.jsonl."""
+        response) in spikes.jsonl; ``alert`` (title, text): also an alert on this rank's
+        dashboards (:meth:`alert`)."""
         if self.guard is not None:
             self.guard.record_event(ev)
+        if alert is not None:
+            self.alert(*alert, metrics_logger)
 
     def drain(self, block: bool, metrics_logger=None) -> None:
         """Write every step whose device->host copy is done, in step order: the one place a
@@ -651,11 +483,6 @@ class Ledger(Configurable):
                     (dashboards.log_spike if event[0] == "spike" else dashboards.log_note)(metrics_logger, done.row,
                                                                                            event[1])
             check_finite(done.row, self.recorder.path)
-
-    def stall_onset(self) -> int | None:
-        """The step where the stall rule's best window ended (a stall that follows began
-        there); None without the rule or before its first window."""
-        return self.stall.best_step if self.stall is not None else None
 
     # ------------------------------------------------------------------ data ledger, skips
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
@@ -713,69 +540,3 @@ class Ledger(Configurable):
                 "signal_rows": self.recorder.rows_written if self.recorder else 0,
                 "data_rows": self.data.rows_written if self.data else 0,
                 "spikes": self.guard.flagged if self.guard else 0, "rewinds": self.rewinds}
-
-    # ------------------------------------------------------------------ checkpoint state
-    def state_dict(self) -> dict[str, Any]:
-        state = self.recorder.state_dict() if self.recorder else dict(self._state)
-        state["spike_detector"] = json.dumps(self.guard.state_dict()) if self.guard else \
-            self._state.get("spike_detector", "")
-        state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
-        if self.stall is not None:
-            state["stall"] = json.dumps(self.stall.state_dict())
-        if self.adam_level is not None:
-            state["adam_level"] = json.dumps(self.adam_level.state_dict())
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # torchtitan loads checkpoints after setup(), but keep the values if not
-        self._state = dict(state)
-        self._apply_state()
-
-    def _apply_state(self) -> None:
-        if not self._state:
-            return
-        if self.recorder is not None:
-            self.recorder.load_state_dict(self._state)
-        det = self._state.get("spike_detector")
-        if self.guard is not None and det:
-            self.guard.load_state_dict(json.loads(det))
-        if self._state.get("stall") and self.stall is not None:
-            self.stall.load_state_dict(json.loads(self._state["stall"]))
-        if self._state.get("adam_level") and self.adam_level is not None:
-            self.adam_level.load_state_dict(json.loads(self._state["adam_level"]))
-
-
-def read_proven(folder: Path) -> list[list]:
-    """``[source, doc, step]`` of the run's own quarantine file (``records.PROVEN_FILE``)."""
-    path = Path(folder) / records.PROVEN_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            e = json.loads(line)
-            out.append([str(e["source"]), int(e["doc"]), int(e["step"])])
-    return out
-
-
-def knobs_of(tcfg) -> answers.Knobs:
-    """The run's settings an answer's fix changes, read from its config (the first
-    parameter group's optimizer kwargs: ``--optimizer.lr``/``eps``/``betas`` alias them)."""
-    groups = getattr(getattr(tcfg, "optimizer", None), "param_groups", None) or []
-    kw = dict(groups[0].optimizer_kwargs) if groups else {}
-    betas = kw.get("betas")
-    qk = getattr(tcfg, "qk_clip", None)
-    model = getattr(tcfg, "model", None)
-    z = getattr(getattr(tcfg, "loss", None), "z_loss_weight", None)
-
-    def f(v):
-        return float(v) if isinstance(v, (int, float)) else None
-
-    return answers.Knobs(
-        lr=f(kw.get("lr")), eps=f(kw.get("eps")),
-        betas=(float(betas[0]), float(betas[1])) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None,
-        warmup_steps=int(tcfg.lr_scheduler.warmup_steps) if hasattr(tcfg, "lr_scheduler") else None,
-        qk_norm=bool(getattr(model, "qk_norm", False)) if model is not None else None,
-        qk_clip=float(qk.threshold) if qk is not None and qk.enable else None,
-        z_loss=f(z), steps=int(tcfg.training.steps), dtype=str(getattr(tcfg.training, "dtype", "float32")),
-        snapshots=int(tcfg.ledger.snapshots.every) if hasattr(tcfg, "ledger") else None)

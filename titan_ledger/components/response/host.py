@@ -1,28 +1,36 @@
-"""``Host``: what the response layer uses of the trainer that runs it, as a typed protocol.
+"""What the response is given: two narrow ports and the run's facts, all typed.
 
-Design decision: ``Recovery``, ``Prover``, ``Reexecution``, the snapshot ring and the
-window proof act on a running ``LedgerTrainer``, but they are given this surface, not
-the class: torchtitan's own components (read and driven as torchtitan drives them),
-``execute`` (the copied step body, called only through ``Reexecution``), and three
-named changes of the loop's position. Only ``trainer.py`` writes ``step`` and
-``step_record`` (``tests/unit/test_seam.py`` checks every module's assignments): the
-response asks for
+Design decision: ``Recovery`` and its parts (``Prover``, ``Reexecution``, the snapshot ring,
+the window proof, ``Rewind``) act on a running ``LedgerTrainer`` and its ``Ledger``, but they
+are given these surfaces, not the classes, and are built after both exist
+(``Recovery.Config.build(host=..., ledger=..., facts=...)``): nothing here reads a setting
+later through either.
 
-* :meth:`Host.attend` -- the record the hooks fill (a re-execution's step, none after a
-  step was consumed whole or dropped),
-* :meth:`Host.as_step` -- the step the hooks and messages see while a decision made a step
-  late runs (the flagged step's, then the current one's again),
-* :meth:`Host.move_to` -- the step this ``train_step`` call is, where a skip window or a
-  rollback moved it (torchtitan's loop adds one per call).
+* :class:`Host` -- the trainer: torchtitan's own components (read and driven as torchtitan
+  drives them), ``execute`` (the copied step body, called only through ``Reexecution``),
+  ``decision_due`` (torchtitan's save rule, one copy, with the last step and validation),
+  and three named changes of the loop's position. Only ``trainer.py`` writes ``step`` and
+  ``step_record`` (``tests/unit/test_seam.py`` checks every module's assignments):
+  :meth:`Host.attend` (the record the hooks fill), :meth:`Host.as_step` (the step a late
+  decision's hooks and messages see), :meth:`Host.move_to` (where a skip window or a
+  rollback moved the loop).
+* :class:`LedgerPort` -- the ledger: what the response reads (the step's flags, the step
+  just recorded as :class:`Recorded`, the rows so far as one :class:`History`, Adam's
+  level) and what it writes (an action, an event, a quarantine, the rows of a step consumed
+  or moved, the drain).
+* :class:`RunFacts` -- torchtitan's settings, the ledger's other sections and the ledger's
+  own facts once set up (its topology, folder, global batch), read once at build.
 
-A test double (``tests/unit/components/response/test_recovery.py``) implements the same
-protocol with the trainer's own three methods and runs the trainer's own ``train_step``
-(the wrapper and the copied step, bound to it), so the state machine is exercised on
-the surface the trainer offers and through the calls it makes, not a copy of them.
+No member of either port is ``Any`` and the response uses no member they do not declare
+(test_seam.py). The unit doubles (``tests/doubles.py``) implement the ports: ``HostDouble``
+is a ``LedgerTrainer`` built without torchtitan's ``__init__``, its protocol methods and
+step inherited, and ``LedgerDouble`` declares every ``LedgerPort`` member.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +40,17 @@ import torch
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
+from titan_ledger.components.signals.topology import Topology
 
 if TYPE_CHECKING:  # (annotations only: torchtitan is imported after the device backend is installed)
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.metrics import BaseLogger, MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
     from titan_ledger.components.signals.step_record import StepRecord
-    from titan_ledger.components.signals.topology import Topology
-    from titan_ledger.data.loader import LedgerDataLoader
+    from titan_ledger.data.content import ContentMemory
+    from titan_ledger.data.loader import LedgerDataLoader, SkipInfo
 
 
 @runtime_checkable
@@ -56,6 +65,7 @@ class Host(Protocol):
     dataloader: BaseDataLoader
     checkpointer: CheckpointManager
     metrics_processor: MetricsProcessor
+    loss_fn: Callable[..., torch.Tensor]  # (the window proof's z-loss variant finds the ledger's loss in it)
     ntokens_seen: int  # (Reexecution puts an extra execution's count back)
 
     @property
@@ -68,7 +78,8 @@ class Host(Protocol):
         """The record the hooks fill (read-only here: :meth:`attend`)."""
         ...
 
-    def execute(self, microbatch_groups: list, need_loss: bool, tokens: Any = None) -> tuple:
+    def execute(self, microbatch_groups: list, need_loss: bool,
+                tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
         """The copied step body: forward/backward and clip (through ``Reexecution`` only)."""
         ...
 
@@ -98,64 +109,78 @@ class Host(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+@dataclass(frozen=True)
+class History:
+    """What the rows written so far say, as the response reads it (``LedgerPort.history``):
+    the ledger's collections by reference, typed read-only (no response code mutates them)."""
+
+    recent: Sequence[dict]  # the last rows written (the ledger keeps 64)
+    flagged_at: AbstractSet[int]  # the consumed-sample positions of the steps flagged (a look-back)
+    flagged: AbstractSet[int]  # the steps this process flagged (acting rules)
+    stalls: Sequence[dict]  # the stall rule's events this process raised
+    rewinds: int  # in-process rollbacks so far
+    content: ContentMemory | None  # the content the look-back remembers (a conviction's checks)
+    stall_onset: int | None  # where the stall rule's best window ended (None: no stall rule)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The step the last ``Ledger.record`` reduced, as a proof reads it (``LedgerPort.recorded``:
+    host reads, made only for a flagged step)."""
+
+    event: dict[str, Any]  # its spike rules, as its event will describe them
+    dp_loss: list[float]  # each DP rank's mean loss
+    documents: dict | None  # this DP rank's per-document summary (None: per-document loss off, or no tokens here)
+
+
 @runtime_checkable
 class LedgerPort(Protocol):
     """The ledger as the response layer sees it (``Ledger`` implements it): what it reads
     -- the run's facts, the step's flags and stats, the history the rows left -- and what it
     writes -- an action, an event, a quarantine, the rows of a step consumed or moved."""
 
-    # facts (set when the ledger is set up)
-    topo: Topology
-    folder: Path
-    global_batch: int
     loader: LedgerDataLoader | None  # the sample-id loader (skip, corpus reads), when the run uses one
     last_execution: tuple | None  # (local loss sum, local tokens, grad norm) as the last record saw them
 
-    @property
-    def watches(self) -> bool: ...
-
-    @property
-    def clips_qk(self) -> bool: ...
-
     # reads: the flags and the step just recorded
     @property
-    def detector(self) -> SpikeDetector: ...
+    def detector(self) -> SpikeDetector | None:
+        """The spike rules' detector (a proof judges a re-execution by its bars); None where
+        no rule runs (``[ledger] signals`` off): no step is ever flagged."""
+        ...
 
-    def flags_now(self) -> tuple[bool, bool]: ...
+    def flags(self, rec: StepRecord | None = None) -> tuple[bool, bool] | None:
+        """(acting flag, note): this step's on the host, one device->host read (``rec`` None;
+        no rule ran: both False), or a deferred step's from the recorder's queued copy
+        (None: not queued)."""
+        ...
 
-    def hold(self, *, acting: bool, notes: bool) -> torch.Tensor: ...
+    def hold(self, *, acting: bool, notes: bool) -> torch.Tensor:
+        """The device-side guard of a deferred update (the fused optimizer's ``found_inf``)."""
+        ...
 
-    def host_stats(self, rec: StepRecord) -> list | None: ...
+    def recorded(self) -> Recorded:
+        """The step the last record reduced, read on the host (a flagged step's proof only)."""
+        ...
 
-    def step_event(self) -> dict[str, Any]: ...
+    # reads: what the rows written so far say
+    def history(self) -> History: ...
 
-    def last_dp_loss(self) -> list[float]: ...
-
-    def step_documents(self) -> dict | None: ...
-
-    # reads: history
-    recent: Any  # the last rows written (a deque of dicts)
-    flagged_at: set[int]
-    stalls: list[dict]
-    rewinds: int
-    content: Any
-
-    def flagged_steps(self) -> set[int]: ...
-
-    def stall_onset(self) -> int | None: ...
-
-    def adam_ratio(self) -> float | None: ...
-
-    def owned_params(self) -> list | None: ...
+    def adam(self) -> tuple[float | None, list | None]:
+        """Adam's second moment's level against its long-run level, and the parameters'
+        owned pieces it is measured on (None, None: not measured)."""
+        ...
 
     def skip_window_at(self, step: int) -> tuple[int, int] | None: ...
 
     # writes
     def record_action(self, rec: dict) -> None: ...
 
-    def record_event(self, ev: dict) -> None: ...
-
-    def alert(self, title: str, text: str, metrics_logger: Any = None) -> None: ...
+    def record_event(self, ev: dict, alert: tuple[str, str] | None = None,
+                     metrics_logger: BaseLogger | None = None) -> None:
+        """An event of the response itself in spikes.jsonl; ``alert`` (title, text): also on
+        this rank's dashboards."""
+        ...
 
     def quarantine_proven(self, docs: list, step: int) -> None: ...
 
@@ -163,14 +188,14 @@ class LedgerPort(Protocol):
 
     def trained_as(self, rec: StepRecord, execution: dict) -> None: ...
 
-    def record_skip(self, *, first: int, last: int, info: Any, lr: float, step_start: float,
-                    metrics_logger: Any = None) -> None: ...
+    def record_skip(self, *, first: int, last: int, info: SkipInfo, lr: float, step_start: float,
+                    metrics_logger: BaseLogger | None = None) -> None: ...
 
-    def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger: Any = None) -> None: ...
+    def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger: BaseLogger | None = None) -> None: ...
 
-    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger: Any = None) -> None: ...
+    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger: BaseLogger | None = None) -> None: ...
 
-    def drain(self, block: bool, metrics_logger: Any = None) -> None: ...
+    def drain(self, block: bool, metrics_logger: BaseLogger | None = None) -> None: ...
 
     def discard_step_state(self) -> None: ...
 
@@ -187,6 +212,10 @@ class RunFacts:
     through it. A unit test names the few it exercises; the rest keep these defaults."""
 
     device: torch.device
+    topo: Topology = field(default_factory=lambda: Topology.single())  # the ledger's, once set up
+    folder: Path = Path("ledger")  # the ledger's folder (<dump_folder>/<[ledger] folder>)
+    global_batch: int = 1  # samples per step, every DP rank's
+    clips_qk: bool = False  # QK-clip rewrites Q and K after every update ([qk_clip] enable; a held update would not)
     dump_folder: str = "."
     checkpoint_folder: str = "checkpoint"  # --checkpoint.folder (under dump_folder)
     exclude_from_loading: tuple[str, ...] = ()  # --checkpoint.exclude_from_loading (a host snapshot's restore)
@@ -203,16 +232,18 @@ class RunFacts:
     faults: dict[str, str] = field(default_factory=dict)  # --ledger.rehearsal.response_fault, parsed
 
     @classmethod
-    def of(cls, config: Any, *, device: torch.device, microbatches: int) -> RunFacts:
+    def of(cls, config: Any, ledger: Any, *, device: torch.device, microbatches: int) -> RunFacts:
         """The facts of a ``LedgerTrainer.Config`` (its torchtitan sections and the ledger's
-        other sections), read once when the trainer builds the response; the rehearsal
-        flags parsed here, so a bad one fails the launch, not the step it names."""
+        other sections) and of the ledger once set up (its topology, global batch, QK-clip),
+        read once when the trainer builds the response; the rehearsal flags parsed here, so
+        a bad one fails the launch, not the step it names."""
         from titan_ledger.data.layout import parse_skip_steps
         from titan_ledger.rehearsal.faults import parse_response_faults
 
         table, training = config.ledger, config.training
         return cls(
-            device=device, dump_folder=config.dump_folder, checkpoint_folder=config.checkpoint.folder,
+            device=device, topo=ledger.topo, folder=Path(config.dump_folder) / table.folder,
+            global_batch=ledger.global_batch, clips_qk=ledger.clips_qk, dump_folder=config.dump_folder, checkpoint_folder=config.checkpoint.folder,
             exclude_from_loading=tuple(config.checkpoint.exclude_from_loading or ()), steps=training.steps,
             seq_len=training.seq_len, local_batch_size=training.local_batch_size, max_norm=training.max_norm,
             microbatches=microbatches, grads_freed=device.type == "cpu" and bool(training.disable_cuda_graphs),

@@ -21,7 +21,9 @@ Five places, each a spot where torchtitan's loop can change what a step is; a
 non-finite loss is raised as :class:`~titan_ledger.errors.NonFiniteLoss`, which
 ``settling`` answers, instead of a sixth call before the raise.
 
-Everything those answers need -- the ladder, the proof, the deferral -- lives here; moving
+*When* a step is decided lives here (the protocol, the deferral); *what* the decision is --
+proof, verdict, bounds, ladder -- is the :class:`~titan_ledger.components.response.judgment.Judgment`
+mixin's, over the same parts; moving
 the run's position (the checkpoint list, the LR factor a ``rollback_lr`` rung leaves for
 every later load) is :class:`~titan_ledger.components.response.rewind.Rewind`'s. Each action
 is one method with one caller: the rollback (:meth:`Rewind.rollback
@@ -59,7 +61,7 @@ A step's flow, deferral included::
                                 then the previous step's held decision: _resolve (prove, act,
                                 _apply_late) -> Outcome.STANDS | REDONE (_redo) | DROPPED
         Ledger.record           signals reduced, rules run (device)
-        update()                decide now (flags_now: a host read) or defer (hold on the
+        update()                decide now (flags(): a host read) or defer (hold on the
                                 device); optimizers.step(); Ledger.after_update
       at_data_end()             the fetch found no data: the held decision is made
     train: settling()           the end of training, a NonFiniteLoss: a held decision is made
@@ -90,17 +92,19 @@ from titan_ledger.components.response.config import (
     SnapshotsConfig,
     WindowConfig,
 )
+from titan_ledger.components.response.first_execution import FirstExecution, KeptExecution
 from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
-from titan_ledger.components.response.ladder import Action, Ladder, NoteBudget, ladder_report, parse_ladder
-from titan_ledger.components.response.prover import FirstExecution, KeptExecution, ProveMode, Prover
+from titan_ledger.components.response.judgment import Judgment
+from titan_ledger.components.response.ladder import Ladder, NoteBudget, parse_ladder
+from titan_ledger.components.response.prover import ProveMode, Prover
 from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.response.rewind import Rewind
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.data.layout import window_at
-from titan_ledger.errors import LedgerStop, NonFiniteLoss
-from titan_ledger.format.proofs import HARMFUL, Applied, Finding, ProofRecord, describe_proof
+from titan_ledger.errors import NonFiniteLoss
+from titan_ledger.format.proofs import Applied, Finding, ProofRecord
 
 
 class Outcome(enum.Enum):
@@ -123,7 +127,7 @@ class Update(enum.Enum):
 
 @dataclass
 class Deferred:
-    """What a deferred decision needs a step later (``StepRecord.deferred``)."""
+    """What a deferred decision needs a step later (``Recovery.held``, beside ``pending``)."""
 
     lrs: list[list]  # every optimizer's group learning rates at the step (floats, or tensors copied on the device)
     first: FirstExecution | KeptExecution | None  # the first execution, for a proof (None: prove off)
@@ -135,7 +139,7 @@ class Deferred:
 _NOTE = STAT_KEYS.index("note")
 
 
-class Recovery(Configurable):
+class Recovery(Judgment, Configurable):
     """The response of one ``LedgerTrainer``, a torchtitan component: built after
     torchtitan's ``__init__`` by ``Recovery.Config.of(config.ledger).build(host=...,
     ledger=..., facts=...)`` -- its sections, the two ports it acts through (:class:`Host`,
@@ -188,6 +192,7 @@ class Recovery(Configurable):
         self.window = WindowProof(host, ledger, facts, self.snapshots, config.window, config.proof.timeout)
         self.rewind = Rewind(host, ledger, facts, config.rollback, self.snapshots)  # rollbacks and skip windows
         self.pending: StepRecord | None = None  # the step whose decision is deferred
+        self.held: Deferred | None = None  # what its decision needs (its LRs, its first execution)
         self._deferrable: bool | None = None
         self.deferred = self.redone = 0  # counts: decisions deferred, steps executed again
         self._stalls_seen = 0  # the stall rule's flags already proven (Ledger.stalls)
@@ -282,8 +287,8 @@ class Recovery(Configurable):
             if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
                 for o in t.optimizers.optimizers:
                     o.found_inf = None
-        if how is Update.HOLD and isinstance(rec.deferred.first, KeptExecution):
-            rec.deferred.first.keep(t.model_parts)  # the step's gradients, kept for its proof (no checksum pass)
+        if how is Update.HOLD and isinstance(self.held.first, KeptExecution):
+            self.held.first.keep(t.model_parts)  # the step's gradients, kept for its proof (no checksum pass)
         self.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
         if how is not Update.HOLD:
             self.snapshots.after_decision(rec)
@@ -318,7 +323,7 @@ class Recovery(Configurable):
         self.ledger.record_masked_step(rec, lr=lr, metrics_logger=t.metrics_processor.logger)
         self._done(rec)
         self.snapshots.clear()  # a step consumed untrained is not replayed: the next due step starts the ring
-        if self.ledger.topo.is_rank0:
+        if self.facts.topo.is_rank0:
             what = ", ".join(sorted(k for k, v in rec.masked.items() if v)) or "masks"
             logger.warning(f"titan_ledger: step {t.step}: every label token of the step is masked ({what}): "
                            f"the step is skipped whole (no update; LR schedule {lr_mode}), not trained into a NaN")
@@ -359,22 +364,22 @@ class Recovery(Configurable):
             self._resolve()
             return
         self.pending = None
-        stats = self.ledger.host_stats(rec)
-        d = rec.deferred
-        rec.update_skipped = bool(stats and (d.forced or (stats[0] and d.holds) or (stats[_NOTE] and d.notes)))
-        rec.decided, rec.deferred = True, None  # its rows are written (train's final drain)
+        flags = self.ledger.flags(rec)
+        d, self.held = self.held, None
+        rec.update_skipped = bool(flags and (d.forced or (flags[0] and d.holds) or (flags[1] and d.notes)))
+        rec.decided = True  # its rows are written (train's final drain)
         self._done(rec)
 
     # ------------------------------------------------------------------ the decision
     def _acts(self) -> bool:
         """Whether a flag can change what a step does (a proof or an acting ladder)."""
-        return self.ledger.watches and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
+        return self.ledger.detector is not None and (self.prover.mode != ProveMode.OFF or self.ladder.acts)
 
     def _stall_due(self) -> bool:
         """A stall the rule flagged since the last step (``Ledger.stalls``): this step is
         proven as a forced one, and its window proof asks which fix lowers the loss (the
         snapshots' window; nothing without them)."""
-        stalls = self.ledger.stalls
+        stalls = self.ledger.history().stalls
         if len(stalls) <= self._stalls_seen:
             return False
         self._stalls_seen = len(stalls)
@@ -402,11 +407,11 @@ class Recovery(Configurable):
             hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
                           getattr(t.optimizers, "_optimizer_step_post_hooks", None))
             self._deferrable = bool(self.response.defer and self._acts() and fused
-                                    and not self.ledger.clips_qk and not hooked)
-            if self.response.defer and self._acts() and not self._deferrable and self.ledger.topo.is_rank0:
+                                    and not self.facts.clips_qk and not hooked)
+            if self.response.defer and self._acts() and not self._deferrable and self.facts.topo.is_rank0:
                 from torchtitan.tools.logging import logger
 
-                why = "QK-clip is on" if self.ledger.clips_qk else \
+                why = "QK-clip is on" if self.facts.clips_qk else \
                     "the optimizer is not a fused Adam/AdamW (--optimizer.implementation fused)" if not fused else \
                     "an optimizer step hook runs on every update (MoE load balancing)"
                 logger.warning(f"titan_ledger: --ledger.response.defer: {why}, so every step reads its spike "
@@ -435,7 +440,7 @@ class Recovery(Configurable):
             self._defer(rec, forced)
             return Update.HOLD
         try:
-            applied = self._judge(rec, *self.ledger.flags_now(), forced)
+            applied = self._judge(rec, *self.ledger.flags(), forced)
         finally:
             self._done(rec)  # the step's batches are not kept past its decision
         return Update.APPLY if applied else Update.WITHHOLD
@@ -461,8 +466,8 @@ class Recovery(Configurable):
             execution = self.ledger.last_execution
             first = (KeptExecution(execution) if self._keeps_grads()
                      else FirstExecution.of(t.model_parts, self.facts.device, execution))
-        rec.deferred = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
-                                forced=forced, holds=holds, notes=notes)
+        self.held = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
+                              forced=forced, holds=holds, notes=notes)
         rec.decided = False  # its rows wait for the decision
         self.pending = rec
         self.deferred += 1
@@ -499,11 +504,11 @@ class Recovery(Configurable):
         self.pending = None
         t = self.host
         ledger = self.ledger
-        d, rec.deferred = rec.deferred, None
-        stats = ledger.host_stats(rec)
-        if stats is None:
+        d, self.held = self.held, None
+        flags = ledger.flags(rec)
+        if flags is None:
             raise RuntimeError(f"titan_ledger: step {rec.step}'s decision was deferred but its flag was not queued")
-        acting, note = bool(stats[0]), bool(stats[_NOTE])
+        acting, note = flags
         rec.decided = True
         held = d.forced or (acting and d.holds) or (note and d.notes)
         if not held:  # the device applied the update
@@ -533,213 +538,11 @@ class Recovery(Configurable):
             return Outcome.DROPPED
         return Outcome.REDONE if (applied or rec.proof is not None) else Outcome.STANDS
 
-    def _load_late(self, rec: StepRecord) -> bool:
-        """A held step's update, decided applied, loaded into the gradients (the next step's
-        are there now). Loading it may execute the step again; if that fails, the update is
-        withheld instead (what a ``skip_update`` does) and the failure recorded: no failure
-        inside the response stops training. Returns whether it is applied."""
-        try:
-            self.prover.load_update(rec, rec.proof.applied if rec.proof is not None else Applied.ORIGINAL)
-            return True
-        except Exception as e:
-            self.prover.abandon(rec)
-            rec.update_skipped = True
-            rec.proof_failed = rec.proof_failed or _failure("update", e)
-            self._warn(f"titan_ledger: step {rec.step}: its held update could not be recomputed "
-                       f"({_failure('update', e)['error']}); the update is withheld")
-            return False
-
-    def _response_failure(self, step: int, where: str, e: BaseException) -> None:
-        """A failure inside the response outside a proof (a snapshot's copy, a restore): one
-        warning and an event (spikes.jsonl); training goes on without that part."""
-        failure = _failure(where, e)
-        self._warn(f"titan_ledger: step {step}: the response's {where} failed ({failure['error']}); "
-                   f"training goes on without it")
-        self.ledger.record_event({"step": step, "response_failure": failure})
-
     def _done(self, rec: StepRecord) -> None:
         """``rec``'s decision is made: its batches (device tensors once executed) and the
         proof's hold on them are let go."""
         rec.batches = None
         self.prover.release()
-
-    def _judge(self, rec: StepRecord, acting: bool, note: bool, forced: bool,
-               first: FirstExecution | None = None, decided_at: int | None = None) -> bool:
-        """Is this step's update applied? A flagged step is proven first
-        (``--ledger.proof.scope``); what its verdict changes is the policy's
-        (``--ledger.response.policy``: observe changes nothing) within the bounds (the
-        quarantine's size, the circuit breaker); the ladder acts on an acting flag no proof
-        resolved. In the step, or deferred (``first``: what was kept of the first
-        execution; the caller then loads the update, ``_resolve``)."""
-        self._forced_now = forced and not (acting or note)  # (_say: a forced proof of an unflagged step)
-        wanted = self.prover.wanted(acting, note, rec.step)
-        if note and not acting and self.prover.mode == ProveMode.ALL and not wanted:
-            rec.unproven = "budget"  # past the note budget: recorded, not proven
-        if wanted and not acting:
-            self.note_budget.spend(rec.step)  # a note's proof
-        variant = Applied.ORIGINAL
-        try:
-            if wanted or forced:
-                proof = self._proven(rec, acting, forced, first, decided_at)
-                if proof is not None:
-                    resolved, variant = self._act_on(rec, proof)
-                    if resolved:
-                        rec.update_skipped = variant == Applied.NONE
-                        return variant != Applied.NONE
-            if not (self.ladder.acts and acting):
-                return True
-            return self._ladder(rec, decided_at)
-        finally:
-            if first is None and decided_at is None and rec.proof is not None:
-                self.prover.load_update(rec, variant)  # in the step: the gradients of what is applied
-
-    def _proven(self, rec: StepRecord, acting: bool, forced: bool, first, decided_at) -> ProofRecord | None:
-        """The step's proof (and its window proof), or None when it failed: then the state
-        the proof touched is put back, the failure is recorded in the step's event
-        (``proof_failed``), and the step is decided as it would be without a proof -- no
-        failure inside the response stops training."""
-        ledger = self.ledger
-        event = ledger.step_event()
-        try:
-            proof = self.prover.prove(rec, acting=acting, event=event, first=first)
-        except Exception as e:
-            self.prover.abandon(rec)
-            rec.proof_failed = _failure("proof", e)
-            self._warn(f"titan_ledger: step {rec.step}: the proof failed ({rec.proof_failed['error']}); the step "
-                       f"is decided as without a proof, the state it touched put back")
-            return None
-        rec.proof = proof
-        proof.decided_at = decided_at  # deferred: proven behind the next step's launch (None: in the step)
-        proof.policy = self.response.policy
-        stall, self._stall = self._stall, None
-        if stall is not None:  # the stall rule's flag: which fix lowers the loss over the window
-            proof.stall = {"step": stall["step"], "kind": stall["stall"]["kind"]}
-        first_loss = proof.executions[0].get("loss") if proof.executions else None
-        median, jump = event.get("loss_recent", event.get("loss_median")), float(self.facts.spike.loss_jump)
-        flat = isinstance(first_loss, float) and isinstance(median, float) and first_loss <= (1 + jump) * median
-        why_not = self.window.why_not(proof, forced, stall=stall is not None, flat=flat)
-        if why_not is None:  # not the data: which cause, from the host snapshot's window
-            prior = Finding.OPTIMIZER_STATE if proof.verdict == Finding.OPTIMIZER_STATE else None
-            try:
-                proof.window = self.window.prove(rec, stall=stall is not None, prior=prior)
-            except Exception as e:
-                proof.window = {"cause": None, **_failure("window", e)}
-                self.ledger.discard_step_state()
-        elif why_not:  # called for and not run: the answer says why (a budget, no snapshots, a flat loss)
-            proof.window = {"cause": None, "why": why_not}
-        return proof
-
-    def _act_on(self, rec: StepRecord, proof: ProofRecord) -> tuple[bool, Applied]:
-        """What the proof's verdict changes: ``(resolved, variant)`` -- whether the proof
-        resolved the step (else the ladder decides it) and the update applied (``original``,
-        ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
-        holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
-        verdict, wants = proof.verdict, proof.applied
-        if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
-            self._say(rec, proof)
-            return False, Applied.ORIGINAL  # no data or fault to act on: the ladder (and the window proof's cause)
-        if verdict == Finding.OUTLIER or wants == Applied.ORIGINAL:
-            self._say(rec, proof)
-            return True, Applied.ORIGINAL
-        held = None
-        if self.response.policy == "observe":
-            held = "observe"
-        elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
-            held = "quarantine_bound"
-        elif verdict == Finding.BAD_DATA and ((proof.content or {}).get("novelty") or {}).get("available") is False \
-                and ((proof.content or {}).get("stands_out") or {}).get("log_ratio") is None:
-            held = "novelty"  # no control of the same novelty, nor the data's loss against the rest: no action
-        if held is None and not self._breaker_allows(rec.step):
-            held = "breaker"
-        if held is not None:
-            proof.would_apply, proof.applied, proof.held_back = wants, Applied.ORIGINAL, held
-            self._say(rec, proof)
-            # observe: resolved, nothing done (its action is none); a bound: the ladder decides
-            return held == "observe", Applied.ORIGINAL
-        self.breaker.record(rec.step)
-        if verdict == Finding.BAD_DATA:
-            self.prover.convict(rec, proof)
-        if wants not in (Applied.ORIGINAL, Applied.NONE):  # the rows record what trained: this execution
-            applied = next((e for e in reversed(proof.executions) if e.get("variant") == wants), None)
-            if applied is not None:
-                self.ledger.trained_as(rec, applied)
-        self._say(rec, proof)
-        return True, wants
-
-    def _breaker_allows(self, step: int) -> bool:
-        """Whether the circuit breaker lets an action be taken at ``step``; a pause or a
-        resumption is recorded (spikes.jsonl), a pause also said as one ERROR line and a
-        W&B alert."""
-        ok = self.breaker.allows(step)
-        self._breaker_events(step)
-        return ok
-
-    def _breaker_events(self, step: int) -> None:
-        ledger = self.ledger
-        for ev in self.breaker.take_events():
-            ledger.record_event(ev)
-            if ev["breaker"] == "paused":
-                self._alert(f"titan_ledger: the response is thrashing: {len(ev['actions'])} actions in "
-                            f"{ev['window']} steps (steps {', '.join(map(str, ev['actions']))}; "
-                            f"--ledger.breaker.actions {ev['limit']}); acting paused at step {step}, "
-                            f"recording continues")
-            else:
-                self._warn(f"titan_ledger: acting resumed at step {step} (paused at step {ev['paused_at']}: "
-                           f"{self.breaker.window} steps without an action)")
-
-    def _ladder(self, rec: StepRecord, decided_at: int | None) -> bool:
-        """The recovery ladder's answer to an acting flag no proof resolved."""
-        ledger = self.ledger
-        rung, action = self.ladder.on_spike(rec.step)  # the recovery ladder decides
-        if decided_at is not None:  # deferred: decided at that step, its update held until then
-            action = {**action, "decided_at": decided_at}
-        changes = rung is not None and rung.action not in (Action.NONE, Action.STOP)
-        if changes and not self._breaker_allows(rec.step):
-            ledger.record_action({**action, "held_back": "breaker"})
-            return True
-        ledger.record_action(action)
-        if rung is not None and rung.action == Action.NONE:
-            return True
-        rec.update_skipped = True
-        if rung is None or rung.action == Action.STOP:
-            # the ladder is exhausted (or says stop): write what is pending, then stop
-            # with a one-screen report (exit 1)
-            ledger.drain(block=True, metrics_logger=self.host.metrics_processor.logger)
-            raise LedgerStop(ladder_report(ledger.folder, self.ladder, self.facts, self.response.action, action))
-        self.breaker.record(rec.step)
-        if rung.rolls_back:
-            self.rewind.pending = rec.step
-            if rung.lr is not None:
-                self.rewind.lr_scale *= rung.lr  # kept across every later checkpoint load
-        return False
-
-    def _say(self, rec: StepRecord, proof: ProofRecord) -> None:
-        """A proof's line, for a proof that is no incident (a note's that found nothing
-        harmful, a ``--ledger.rehearsal.prove_at`` step's), at INFO: an incident's proof --
-        an acting flag's, a note it promoted, a stall's -- is said once, in the incident's
-        answer (``SpikeGuard.on_row``), not here as well."""
-        from torchtitan.tools.logging import logger
-
-        if not self.ledger.topo.is_rank0:
-            return
-        promoted = proof.verdict in HARMFUL and not self._forced_now  # a note its proof convicted
-        if proof.acting or promoted or proof.stall is not None:
-            return
-        logger.info(f"titan_ledger: step {rec.step}: {describe_proof(proof.to_json())}")
-
-    def _warn(self, line: str) -> None:
-        from torchtitan.tools.logging import logger
-
-        if self.ledger.topo.is_rank0:
-            logger.warning(line)
-
-    def _alert(self, line: str) -> None:
-        """One ERROR line and, with W&B on, an alert (rank 0)."""
-        from torchtitan.tools.logging import logger
-
-        if self.ledger.topo.is_rank0:
-            logger.error(line)
-            self.ledger.alert("titan_ledger: acting paused", line, self.host.metrics_processor.logger)
 
     # ------------------------------------------------------------------ actions
     def _drop(self, rec: StepRecord) -> None:
@@ -789,7 +592,3 @@ class Recovery(Configurable):
         self.redone += 1
         with Reexecution(t, self.ledger, self.facts, rec, replaces=True) as again:
             return again.run(rec.batches, need_loss)
-
-def _failure(where: str, e: BaseException) -> dict:
-    """What a failure inside the response records (the event's ``proof_failed``, a window's)."""
-    return {"where": where, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -81,10 +81,11 @@ class Rewind:
         t = self.host
         ledger, cfg = self.ledger, self.config
         self.pending = None
-        if unlimited and ledger.rewinds >= cfg.limit:
-            raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {ledger.rewinds} "
+        rewinds = ledger.history().rewinds
+        if unlimited and rewinds >= cfg.limit:
+            raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {rewinds} "
                                f"rollbacks (--ledger.rollback.limit); stopping. See "
-                               f"{ledger.folder / records.SPIKES_FILE}")
+                               f"{self.facts.folder / records.SPIKES_FILE}")
         t.checkpointer.maybe_wait_for_staging()
         # an async save in flight is finished first: which checkpoints exist must not depend
         # on when the decision was made (in the step, or a step late)

@@ -273,7 +273,7 @@ class SnapshotRing:
         the snapshot's step, not the onset's: every rank drops it at the same step, though
         ranks may drain the rows that move the onset a step apart."""
         t, stall = self.host, self.facts.stall
-        onset = self.ledger.stall_onset() if self.config.stall_anchor and self.replays else None
+        onset = self.ledger.history().stall_onset if self.config.stall_anchor and self.replays else None
         if onset is None or self.stall_proofs >= self.max_stall_proofs:
             self._onset = None
             self._drop_anchor()

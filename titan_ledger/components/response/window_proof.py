@@ -143,7 +143,7 @@ class WindowProof:
             with Reexecution(t, self.ledger, self.facts, None, replaces=False) as again:
                 for variant in (UNCHANGED, *causes, *([CONTROL] if cfg.control else [])):
                     kind = response_fault(faults, "window")  # (rehearsal)
-                    check_deadline(self.ledger.topo.world, self.facts.device, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
+                    check_deadline(self.facts.topo.world, self.facts.device, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
                     snap.tensors.restore(params, opts)
                     # every variant draws the same random numbers (dropout, if a model has it);
                     # the run's own draws per step are not kept, so with dropout ``same`` differs
@@ -155,7 +155,7 @@ class WindowProof:
                         entry = ring.log[s]
                         self._variant(opts, entry.lrs, betas, variant)
                         lo, gn, lt, gt = again.run(entry.batches)
-                        ls = _global_loss(self.ledger.topo, self.facts.device, loss_sum(lo, gt), int(lt))
+                        ls = _global_loss(self.facts.topo, self.facts.device, loss_sum(lo, gt), int(lt))
                         if rec.step - s <= cfg.cost_steps:
                             last.append(ls)
                         if not stall:
@@ -171,7 +171,7 @@ class WindowProof:
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
                     self._model_variant(UNCHANGED)
-                    mean = _global_loss(self.ledger.topo, self.facts.device, loss_sum(loss, global_tokens), int(local_tokens))
+                    mean = _global_loss(self.facts.topo, self.facts.device, loss_sum(loss, global_tokens), int(local_tokens))
                     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                     if kind == "nan" and variant != UNCHANGED:
                         mean = norm = math.nan  # (rehearsal: every rank alike)

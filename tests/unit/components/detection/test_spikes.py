@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.tools.test_diagnose import ledger
+from titan_ledger.components.detection.spike_rules import EROWS, evidence, window_rules
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, detect_offline, is_note
 from titan_ledger.errors import ConfigError
 
@@ -471,3 +472,24 @@ def test_one_ranks_loss_out_of_its_usual_spread_is_a_note_naming_the_rank():
     again = SpikeDetector(SpikeDetector.Config())
     again.load_state_dict(det.state_dict())
     assert torch.equal(again.ehist, det.ehist) and torch.equal(det.before().ehist[5, :10], det.ehist[5, :10])
+
+
+def test_the_rules_read_the_detectors_histories_and_write_none():
+    """spike_rules' functions are pure: the detector alone enters a step's values into its
+    histories (so a checkpoint and ``before`` hold all the state), and the rules it runs
+    see what ``step`` sees."""
+    det = SpikeDetector(SpikeDetector.Config(window=16, min_history=4))
+    doc = torch.tensor([_doc(), _doc(med=3.1, hi=3.4, lo=2.8)], dtype=torch.float64)
+    dp = torch.tensor([3.0, 3.1], dtype=torch.float64)
+    for i in range(12):
+        det.step(torch.tensor(3.0 - 0.01 * i), torch.tensor(1.0 + 0.01 * i), dp, doc)
+    state = [x.clone() for x in (det.hist, det.count, det.ehist, det.ecount)]
+    v = torch.tensor([5.0, 9.0], dtype=torch.float64)
+    win = window_rules(det.config, det.hist, det.count, torch.arange(16), v)
+    ev = evidence(det.config, det.ehist, det.ecount, torch.arange(16), v[1], doc, dp)
+    assert all(torch.equal(a, b) for a, b in zip(state, (det.hist, det.count, det.ehist, det.ecount)))
+    assert win.z.tolist() == [True, True] and bool(win.ratio) and bool(ev.fired[3])  # grad jump
+    assert ev.values.shape == (EROWS,) and math.isclose(float(ev.values[0]), math.log(9.0))
+    got = describe(det.step(v[0], v[1], dp, doc).tolist())
+    assert {"zscore_loss", "zscore_grad_norm", "ratio", "grad_jump"} <= set(got["rules"])
+    assert int(det.ecount[0]) == int(state[3][0]) + 1  # ...and step entered the value

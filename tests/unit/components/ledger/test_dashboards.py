@@ -1,4 +1,4 @@
-"""dashboards: W&B steps stay strictly increasing through a rewind and a relaunch,
+"""dashboards and dashboard_writers: W&B steps stay strictly increasing through a rewind and a relaunch,
 torchtitan's duplicate series are dropped, spikes alert and fill a table, a stop
 ends the run with exit code 1; TensorBoard gets its layout and a sub-run per rewind.
 W&B itself is replaced by a recording fake (the e2e test reads a real offline run)."""
@@ -11,7 +11,8 @@ import types
 import pytest
 
 from titan_ledger.components.ledger import dashboards
-from titan_ledger.components.ledger.dashboards import LedgerTensorBoard, LedgerWandB, log_rewind, log_spike, log_stop
+from titan_ledger.components.ledger.dashboard_writers import TB_LAYOUT, LedgerTensorBoard, LedgerWandB
+from titan_ledger.components.ledger.dashboards import log_rewind, log_spike, log_stop
 
 
 class FakeRun:
@@ -157,7 +158,7 @@ def test_tensorboard_layout_config_text_and_rewind_subrun(tmp_path):
     (config,) = ea.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
     charts = {(c.title, ch.title): list(ch.multiline.tag) for c in layout.category for ch in c.chart}
-    assert charts == {(cat, title): tags for cat, chs in dashboards.TB_LAYOUT.items()
+    assert charts == {(cat, title): tags for cat, chs in TB_LAYOUT.items()
                       for title, (_kind, tags) in chs.items()}
     # ... and its charts draw the series this logger writes (the tags are regexes)
     written = ea.Tags()["scalars"]
@@ -209,3 +210,17 @@ def test_proof_and_answer_on_every_view(tmp_path):
     dashboards.log_note(c, {**ROW, "step": 11}, {"notes": ["zscore_loss"], "proof": {**proof, "verdict": "outlier"}})
     note = next(r for _, r in fake.rows if r.get("note/flag") == 1.0)
     assert note["proof/outlier"] == 1.0 and note["note/zscore_loss"] == 1.0
+
+
+def test_the_responses_own_alert_reaches_every_dashboard(tmp_path):
+    """``dashboards.alert`` (the circuit breaker's pause, a stall) asks each writer: W&B
+    raises an alert; TensorBoard has none, so it writes the text at its last step."""
+    w, fake = _wandb(tmp_path)
+    texts = []
+    writer = types.SimpleNamespace(add_text=lambda tag, text, step: texts.append((tag, text, step)))
+    t = LedgerTensorBoard(types.SimpleNamespace(writer=writer, tag=None), log_dir=str(tmp_path), ledger_on=True)
+    t.last_step = 7
+    dashboards.alert(_container(w, t), "paused", "the response is thrashing")
+    assert fake.run.alerts == [("ERROR", "paused", "the response is thrashing")]
+    assert texts == [("response/events", "the response is thrashing", 7)]
+    dashboards.alert(types.SimpleNamespace(), "paused", "no dashboards on this rank")  # a no-op

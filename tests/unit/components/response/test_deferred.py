@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, run_facts
+from doubles import HostDouble, LedgerDouble
+from helpers import run_facts
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
 from titan_ledger.components.prevention.optimizer import group_lr
-from titan_ledger.components.response.prover import _per_param_sq, _per_param_sum
+from titan_ledger.components.response.first_execution import _per_param_sq, _per_param_sum
 from titan_ledger.components.response.recovery import Recovery
 from titan_ledger.components.signals.recorder import SignalRecorder
 from titan_ledger.components.signals.step_record import StepRecord
@@ -154,12 +155,12 @@ def _trainer(*, first_ckpt=False, log=False, more=True, ckpt=None, validate=None
         ledger=ledger_cfg,
         checkpoint=SimpleNamespace(enable=ckpt is not None, interval=ckpt or 1, enable_first_step_checkpoint=first_ckpt),
         validator=SimpleNamespace(enable=validate is not None), training=SimpleNamespace(disable_cuda_graphs=True))
-    ledger = ledger_double(SimpleNamespace(guard=object(), qk_clip=None, topo=Topology.single(),
-                                           skip_window_at=lambda s: (s, s) if window_next else None, stalls=[]))
-    return host_double(SimpleNamespace(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
-                                       metrics_processor=SimpleNamespace(should_log=lambda s: log),
-                                       should_continue_training=lambda: more,
-                                       validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0)))
+    guard = SimpleNamespace(detector=object())  # (rules run: a flag can exist)
+    ledger = LedgerDouble(guard=guard, windows=[(11, 11)] if window_next else [])
+    return HostDouble(config=cfg, ledger=ledger, optimizers=SimpleNamespace(optimizers=[opt]),
+                      metrics_processor=SimpleNamespace(should_log=lambda s: log),
+                      should_continue_training=lambda: more,
+                      validator=SimpleNamespace(should_validate=lambda s: s % (validate or 1) == 0))
 
 
 def _recovery(t):
@@ -193,8 +194,6 @@ def test_a_dropped_step_gives_back_what_its_fetch_added_to_torchtitans_throughpu
     rollback ran before that step's fetch, so its batches are not in the tokens and fetch
     times the next log line divides by its interval."""
     t = _trainer(action="rollback")
-    drained = []
-    t.ledger.discard_step_state = lambda: drained.append(True)
     t.metrics_processor.ntokens_since_last_log = 1000 + 2 * 256
     t.metrics_processor.data_loading_times = [0.1, 0.2, 0.01, 0.02]
     t.step, t.step_record = 12, None
@@ -204,7 +203,7 @@ def test_a_dropped_step_gives_back_what_its_fetch_added_to_torchtitans_throughpu
     _recovery(t)._drop(rec)
     assert t.metrics_processor.ntokens_since_last_log == 1000
     assert t.metrics_processor.data_loading_times == [0.1, 0.2]
-    assert drained == [True] and t.step_record is None and rec.batches is None
+    assert t.ledger.discards == 1 and t.step_record is None and rec.batches is None
 
 
 @pytest.mark.parametrize("prove,action,holds", [
@@ -227,7 +226,7 @@ def test_a_deferred_flag_holds_its_update_only_when_its_decision_can_withhold_it
     r = _recovery(t)
     rec = StepRecord(step=10, start=0.0)
     r._defer(rec, forced=False)
-    assert rec.deferred.holds is holds and r.pending is rec and rec.decided is False
+    assert r.held.holds is holds and r.pending is rec and rec.decided is False
     assert float(t.optimizers.optimizers[0].found_inf) == float(holds)
 
 
@@ -260,8 +259,6 @@ def test_a_late_update_is_applied_at_the_flagged_steps_learning_rate_a_tensor_on
     p, opt = opt_at(0.1)
     t = _trainer(action="skip_update")
     t.optimizers = SimpleNamespace(optimizers=[opt], step=opt.step)
-    after = []
-    t.ledger.recorder, t.ledger.after_update = None, lambda applied, rec=None: after.append(applied)
     saved = [[group_lr(g) for g in opt.param_groups]]
     if tensor_lr:
         opt.param_groups[0]["lr"].fill_(0.5)  # the scheduler's next value, in place
@@ -270,5 +267,5 @@ def test_a_late_update_is_applied_at_the_flagged_steps_learning_rate_a_tensor_on
     _recovery(t)._apply_late(StepRecord(step=4, start=0.0), saved)
     ref, ref_opt = opt_at(0.1)
     ref_opt.step()
-    assert torch.equal(p, ref) and after == [True]
+    assert torch.equal(p, ref) and t.ledger.updates == 1
     assert float(opt.param_groups[0]["lr"]) == 0.5

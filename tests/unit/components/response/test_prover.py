@@ -17,28 +17,29 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, run_facts
+from doubles import HostDouble, LedgerDouble
+from helpers import run_facts
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.ledger.sections import RehearsalConfig
 from titan_ledger.components.response.config import ConvictionConfig, ProofConfig
-from titan_ledger.components.response.prover import FirstExecution, Prover
+from titan_ledger.components.response.first_execution import FirstExecution
+from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import loss_sum
-from titan_ledger.components.signals.topology import Topology
 
 
-class _Trainer:
+class _Trainer(HostDouble):
     """``execute`` trains a linear model on the step's batch; ``noise`` maps an execution
     number (0: the first) to a factor on its loss, a transient fault in that execution."""
 
     def __init__(self, noise: dict[int, float] | None = None, grad_norm: float = 1.0):
+        super().__init__()
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 2)
         self.model_parts = [self.model]
         self.device = torch.device("cpu")
-        self.step_record, self.ntokens_seen, self.executions = None, 0, 0
-        host_double(self)
+        self.executions = 0
         self.noise = noise or {}
         self.x, self.y = torch.randn(8, 4), torch.randn(8, 2)
         self.config = SimpleNamespace(
@@ -49,14 +50,12 @@ class _Trainer:
         for i in range(20):  # a calm history: loss ~2, grad norm ~grad_norm
             detector.step(torch.tensor(2.0 + 0.01 * (i % 3), dtype=torch.float64),
                           torch.tensor(grad_norm * (1 + 0.01 * (i % 2)), dtype=torch.float64))
-        self.ledger = ledger_double(SimpleNamespace(
-            topo=Topology.single(), guard=SimpleNamespace(detector=detector), last_execution=None,
-            discard_step_state=lambda: None, step_documents=lambda: None, last_dp_loss=lambda: [2.0],
-            quarantine_proven=lambda docs, step: self.quarantined.append((docs, step)),
-            adam_level=None, recorder=None, global_batch=8, recent=[], flagged_at=set(),
+        self.ledger = LedgerDouble(
+            detector=detector, global_batch=8,
             # every document its own content, 4 tokens, of an unknown corpus size (a text source)
-            loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None)))
-        self.quarantined: list = []
+            loader=SimpleNamespace(document_facts=lambda s, d: (4, f"{s}{d}"), corpus_share=lambda s, n: None))
+        self.quarantined = self.ledger.quarantined  # (docs, step) the proofs convicted
+        self.ready()
 
     def execute(self, groups, need_loss=True):
         k = self.executions
@@ -185,7 +184,7 @@ class _Documents(_Trainer):
         for i in range(20):  # the history: steps without the bad document
             detector.step(torch.tensor(2.0, dtype=torch.float64), torch.tensor(clean * (1 + 0.02 * (i % 3)),
                                                                                 dtype=torch.float64))
-        self.ledger.guard.detector = detector
+        self.ledger.detector = detector
 
     def prover(self, rec, **kw) -> Prover:
         """A prover with an ordinary next step fetched (a deferred decision's control of the
@@ -277,7 +276,7 @@ def _adam_history(t, norms):
     for p in t.model.parameters():
         p.grad = None
     t.optimizers = SimpleNamespace(optimizers=[opt])
-    t.ledger.recorder = SimpleNamespace(plan=SimpleNamespace(params=list(t.model.parameters())))
+    t.ledger.owned = list(t.model.parameters())
     t.ledger.adam_level = level
 
 
@@ -486,7 +485,7 @@ def test_without_a_next_step_harder_data_is_not_convicted_and_easier_data_is(mon
     -- are not convicted, saying why; documents easier than the rest (repeated, degenerate:
     no shift makes text easier) are; where neither can be measured the conviction stands
     and ``Recovery`` holds it back (``novelty``)."""
-    from titan_ledger.components.response import prover as prover_module
+    from titan_ledger.components.response import conviction as prover_module  # where stands_out is read
 
     _, proof = _convicting(in_step=True)  # the bad document's loss is ~e^3 the rest's
     assert proof["verdict"] == "not_data" and proof["content"]["novelty"]["available"] is False
@@ -511,7 +510,7 @@ def test_a_model_that_spikes_on_its_own_convicts_no_ordinary_data(monkeypatch, m
     whose proofs had found the model's update abnormal with no data to blame earlier. Where
     such a step lies within the look-back, documents whose loss does not stand out (within
     ``ORDINARY_LOSS``) are ``not_data``, saying why; documents that stand out are convicted."""
-    from titan_ledger.components.response import prover as prover_module
+    from titan_ledger.components.response import conviction as prover_module  # where stands_out is read
 
     monkeypatch.setattr(prover_module, "stands_out", lambda first, applied: (ratio, 1.0, math.log(ratio)))
     _, proof = _convicting(model_made=[] if made is None else [made])

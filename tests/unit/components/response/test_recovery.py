@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, proof_record, run_facts
-from torchtitan.components.checkpoint import CheckpointManager
+from doubles import CheckpointerDouble, HostDouble, LedgerDouble
+from helpers import proof_record, run_facts
 
 from titan_ledger.components.detection.guard import SpikeGuard
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector
@@ -35,7 +34,6 @@ from titan_ledger.components.response.config import (
     ResponseConfig,
     RollbackConfig,
 )
-from titan_ledger.components.response.host import Host
 from titan_ledger.components.response.ladder import NoteBudget
 from titan_ledger.components.response.prover import Prover
 from titan_ledger.components.response.recovery import Outcome, Recovery, Update
@@ -43,7 +41,6 @@ from titan_ledger.components.response.reexecution import Reexecution
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.errors import LedgerStop
-from titan_ledger.trainer import LedgerTrainer
 
 _NOTE = STAT_KEYS.index("note")
 DOCS = 4  # documents per step's batch: (step, i)
@@ -76,70 +73,45 @@ def _ledger_config(act, defer, prove, action, budget, breaker) -> SimpleNamespac
                            rehearsal=RehearsalConfig(), skip=SimpleNamespace(lr="freeze"))
 
 
-class _Ledger:
-    """The ledger's side of the protocol: flags from a plan, rows in step order."""
+class _Ledger(LedgerDouble):
+    """The ledger's side of the protocol (the port, and what the trainer's own step calls):
+    flags from a plan, rows in step order."""
 
     def __init__(self, trainer, flags: dict[int, tuple[bool, bool]], action: str, folder: Path,
                  budget: tuple[float, int] = (0.01, 8)):
-        self.t, self.flags = trainer, flags
-        self.guard = SpikeGuard(Topology.single(), SpikeDetector.Config(), action)
-        self.recent: list = []  # (no rows: no LR fingerprint)
-        self.stalls: list = []  # (no stall flags)
-        self.events: list[dict] = []
-        self.qk_clip, self.topo, self.folder = None, Topology.single(), folder
-        self.config = SimpleNamespace(update_norm=False)
-        self.recorder = SimpleNamespace(host_stats=lambda rec: self.queued.get(rec.step))
-        self.queued: dict[int, list[float]] = {}
+        super().__init__(folder=folder, guard=SpikeGuard(Topology.single(), SpikeDetector.Config(), action))
+        self.t, self.plan = trainer, flags
         self.pending: list[StepRecord] = []
         self.rows: list[tuple] = []  # (step, update skipped, proof verdict) as written
-        self.actions: list[dict] = []
         self.quarantine: set = set()
-        self.windows: list[tuple[int, int]] = []
-        self.rewinds = 0
-        self.last_execution = None
         self.enabled, self.inject = True, None  # (a bitflip is planned from --ledger.rehearsal.inject)
-        ledger_double(self)
 
     def record(self, rec, *, grad_norm, local_tokens, local_loss_sum):
-        acting, note = self.flags.get(rec.step, (False, False))
+        acting, note = self.plan.get(rec.step, (False, False))
         stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
         stats[0], stats[_NOTE] = float(acting), float(note)
         self.guard.last_stats = stats
-        self.queued[rec.step] = stats.tolist()
+        self.stats[rec.step] = stats.tolist()
         self.last_execution = (local_loss_sum, local_tokens, grad_norm)
         self.pending.append(rec)
 
-    def flags_now(self):
-        return self.flags.get(self.t.step, (False, False))
-
-    def step_event(self):
-        return {"rules": ["ratio"]}
+    def flags(self, rec=None):
+        if rec is not None:
+            return super().flags(rec)  # the recorder's queued copy (record: ``stats``)
+        return self.plan.get(self.t.step, (False, False))
 
     def drain(self, block, metrics_logger=None):
         while self.pending and self.pending[0].decided:
             rec = self.pending.pop(0)
             self.rows.append((rec.step, rec.update_skipped, rec.proof.verdict if rec.proof else rec.unproven))
 
-    def discard_step_state(self):
-        pass
-
-    def after_update(self, applied, rec=None):
-        pass
-
-    def record_action(self, action):
-        self.actions.append({k: v for k, v in action.items() if k != "decided_at"})
-
-    def record_event(self, ev):
+    def record_event(self, ev, alert=None, metrics_logger=None):
         self.events.append(ev)
-
-    def alert(self, title, text, metrics_logger=None):
-        self.events.append({"alert": text})
+        if alert is not None:
+            self.events.append({"alert": alert[1]})
 
     def remask(self, rec, docs):
         rec.batches = _without(rec.batches, set(docs))
-
-    def skip_window_at(self, step):
-        return next(((a, b) for a, b in self.windows if a <= step <= b), None)
 
     def record_skip(self, **kw):
         self.rows.append(("skipped", kw["first"], kw["last"]))
@@ -148,18 +120,19 @@ class _Ledger:
         self.drain(True)
         self.pending.clear()
         self.rows = [r for r in self.rows if r[0] == "skipped" or r[0] <= to_step]
-        self.rewinds += 1
-        self.windows.append(window)
+        super().rewind(from_step=from_step, to_step=to_step, window=window)
 
 
-class _Trainer:
+class _Trainer(HostDouble):
     """A test double of the ``Host`` protocol (components/response/host.py): torchtitan's
-    components faked around a real model and a real fused AdamW, the protocol's own
-    methods the trainer's."""
+    components faked around a real model and a real fused AdamW; the protocol's methods and
+    the step (``train_step``, ``_train_step``, ``count_tokens``) are the trainer's own,
+    inherited."""
 
     def __init__(self, tmp: Path, *, flags, action="skip_update", defer=True, prove="off", steps=12,
                  ckpt: int | None = None, fused=True, keep_grads=True, budget=(0.01, 8), act="act",
                  breaker=(4, 100), first_ckpt: bool = False):
+        super().__init__()
         torch.manual_seed(0)
         self.model = torch.nn.Linear(3, 1)
         self.model_parts = [self.model]
@@ -185,18 +158,14 @@ class _Trainer:
         self.lr_schedulers = SimpleNamespace(step=self._lr_step, schedulers=[],
                                              get_metrics=lambda: {"lr": self.opt.param_groups[0]["lr"]})
         ck = self.config.checkpoint  # torchtitan's own _should_save over the double's settings
-        self.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None, maybe_wait_for_saving=lambda: None,
-                                            load=self._load, enable=ck.enable, load_only=False, interval=ck.interval,
-                                            enable_first_step_checkpoint=first_ckpt)
-        self.checkpointer._should_save = types.MethodType(CheckpointManager._should_save, self.checkpointer)
+        self.checkpointer = CheckpointerDouble(enable=ck.enable, interval=ck.interval, enable_first_step_checkpoint=first_ckpt,
+                                               maybe_wait_for_staging=lambda: None, maybe_wait_for_saving=lambda: None,
+                                               load=self._load)
         self.saved: dict[int, tuple] = {}
         self.rows_at_save: dict[int, list] = {}
         self.ledger.loader = SimpleNamespace(skip=lambda n: SimpleNamespace(position_before=0, position_after=n))
         self.validator = self.dataloader = None  # (validation off; the loader is the ledger's)
-        host_double(self)
-        for name in ("train_step", "_train_step", "count_tokens"):  # the trainer's own step, not a copy
-            setattr(self, name, types.MethodType(getattr(LedgerTrainer, name), self))
-        assert isinstance(self, Host)  # the double offers what the response is given
+        self.ready()  # the double offers what the response is given (Host)
         self.recovery = Recovery.Config.of(self.config.ledger).build(host=self, ledger=self.ledger,
                                                                       facts=run_facts(self))
 

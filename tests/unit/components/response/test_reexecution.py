@@ -4,10 +4,9 @@ module docstring's table lists, on a fake trainer around a real model (no proces
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-from helpers import host_double, run_facts
+from doubles import HostDouble, LedgerDouble
+from helpers import run_facts
 
 from titan_ledger.components.response.reexecution import Reexecution, expert_counts
 from titan_ledger.components.signals.step_record import StepRecord
@@ -24,19 +23,20 @@ def _moe():
     return layer.moe.build(), model.dim
 
 
-class _Trainer:
+class _Trainer(HostDouble):
     """What ``Reexecution`` touches of a ``LedgerTrainer``: ``execute`` runs a forward and
     backward, counts tokens as torchtitan does and refills a per-step accumulator."""
 
     def __init__(self, model, x):
+        super().__init__()
         self.model_parts, self.x = [model], x
         self.device = torch.device("cpu")
         self.step_record = "the trainer's own"
         self.ntokens_seen = 7
-        host_double(self)
         self.seen_records, self.discarded = [], 0
         self.accumulator = 0  # (per-document sums, log Z, max logits)
-        self.ledger = SimpleNamespace(discard_step_state=self._discard)
+        self.ledger = LedgerDouble(discard_step_state=self._discard)  # (a part the test counts itself)
+        self.ready()
 
     def _discard(self):
         self.discarded += 1

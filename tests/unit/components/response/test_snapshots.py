@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from doubles import HostDouble, LedgerDouble
 from helpers import proof_record, run_facts
 from torch import nn
 
@@ -165,7 +166,7 @@ class _Rec:
         self.step, self.batches, self.proof, self.update_skipped = step, [[step]], None, False
 
 
-class _Trainer:
+class _Trainer(HostDouble):
     """What ``SnapshotRing`` reads of a ``LedgerTrainer``: a model, its optimizers, the
     state dicts a rollback restores."""
 
@@ -187,6 +188,7 @@ class _Trainer:
             self.position = int(sd["position"])
 
     def __init__(self, every: int, keep: int, prove: str = "all", exclude: tuple = ()) -> None:
+        super().__init__()
         self.model, opt = model_and_adam()
         self.model_parts = [self.model]
         self.optimizers = type("Opts", (), {"optimizers": [opt]})()
@@ -196,10 +198,10 @@ class _Trainer:
         self.prove = prove
         ledger = type("L", (), {"snapshots": _Cfg(every, keep), "rehearsal": RehearsalConfig(),
                                 "stall": StallConfig()})()
-        self.onset: int | None = None  # the stall rule's (Ledger.stall_onset)
-        self.ledger = type("Ledger", (), {"stall_onset": lambda _: self.onset})()
+        self.ledger = LedgerDouble()  # (its ``onset``: the stall rule's, History.stall_onset)
         checkpoint = type("K", (), {"exclude_from_loading": list(exclude)})()
         self.config = type("C", (), {"ledger": ledger, "checkpoint": checkpoint})()
+        self.ready()
 
     def state_dict(self):
         return {"step": self.step}
@@ -244,7 +246,7 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     ring = _ring(t)
 
     ring.at_start()
-    t.onset = 15  # the best window ended at step 15 (its row written)
+    t.ledger.onset = 15  # the best window ended at step 15 (its row written)
     _steps(t, ring, 1, 16)
     assert ring.anchor.step == 10 and [s.step for s in ring.ring] == [0, 10]
     _steps(t, ring, 17, 55)
@@ -253,34 +255,34 @@ def test_a_stall_anchor_keeps_the_snapshot_at_the_stall_rules_onset_while_a_stal
     assert ring.window(56, stall=True).step == 10 and ring.window(56).step == 40
     assert ring.nbytes == 3 * ring.ring[0].tensors.nbytes
     pinned = ring.anchor.tensors
-    t.onset = 45  # the loss improved again: the newest snapshot at or before the new onset
+    t.ledger.onset = 45  # the loss improved again: the newest snapshot at or before the new onset
     _steps(t, ring, 56, 56)
     assert ring.anchor.step == 40 and sorted(ring.log)[0] == 41
     assert pinned not in ring._spare and ring.nbytes == 2 * ring.ring[0].tensors.nbytes  # the old copy freed
     bound = (t.config.ledger.stall.patience + 2) * t.config.ledger.stall.window
-    t.onset = 56 - bound - 1
+    t.ledger.onset = 56 - bound - 1
     _steps(t, ring, 57, 57)  # an onset no snapshot of the ring is at or before: nothing pinned
     assert ring.anchor is None and ring.window(58, stall=True).step == 40  # the ring's oldest
-    t.onset = 55
+    t.ledger.onset = 55
     _steps(t, ring, 58, 58)
     assert ring.anchor.step == 50
     ring.stall_proofs = 1  # --ledger.window.max_stall_proofs spent: no stall proof will read it
     _steps(t, ring, 59, 59)
     assert ring.anchor is None
-    ring.stall_proofs, t.onset = 0, 58
+    ring.stall_proofs, t.ledger.onset = 0, 58
     _steps(t, ring, 60, 61)
     assert ring.anchor.step == 50
     _steps(t, ring, 62, 50 + bound)  # the loss never improves again: the anchor is kept up to the bound ...
     assert ring.anchor.step == 50 and sorted(ring.log)[0] == 51
     _steps(t, ring, 51 + bound, 51 + bound)  # ... counted from the snapshot's step, then dropped
     assert ring.anchor is None and sorted(ring.log)[0] > 51
-    t.onset = 345
+    t.ledger.onset = 345
     _steps(t, ring, 52 + bound, 52 + bound)
     assert ring.anchor.step == 340
     ring.clear()  # what the replay cannot repeat releases the anchor with the ring
     assert ring.anchor is None and ring.nbytes == 0
     t.config.ledger.snapshots.stall_anchor = False
-    t.onset = 360
+    t.ledger.onset = 360
     _steps(t, ring, 53 + bound, 53 + bound + 20)
     assert ring.anchor is None
 

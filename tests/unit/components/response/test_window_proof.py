@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import host_double, ledger_double, proof_record, run_facts
+from doubles import HostDouble, LedgerDouble
+from helpers import proof_record, run_facts
 
 from titan_ledger.components.detection.spikes import SpikeDetector
 from titan_ledger.components.detection.stall import StallConfig
@@ -24,7 +25,6 @@ from titan_ledger.components.ledger.sections import RehearsalConfig
 from titan_ledger.components.response.config import SnapshotsConfig, WindowConfig
 from titan_ledger.components.response.snapshots import SnapshotRing
 from titan_ledger.components.response.window_proof import UNCHANGED, WindowProof
-from titan_ledger.components.signals.topology import Topology
 
 TARGET = torch.tensor([[0.3, -0.2, 0.5, 0.1], [-0.4, 0.2, 0.0, 0.6]])
 
@@ -34,10 +34,11 @@ class _Rec:
         self.step, self.batches, self.proof, self.update_skipped = step, [[("rows", step)]], None, False
 
 
-class _Trainer:
+class _Trainer(HostDouble):
     """The ``Host`` surface the window proof and the ring use, around one real model."""
 
     def __init__(self, lr: float = 1.0, causes: tuple[str, ...] = ("lr", "adam", "eps")) -> None:
+        super().__init__()
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 2, bias=False)
         with torch.no_grad():
@@ -60,10 +61,9 @@ class _Trainer:
         for i in range(20):  # a history of a healthy LR: loss ~0.006, grad norm ~0.11, +-30%
             detector.step(torch.tensor(0.006 * (1 + 0.3 * (i % 3 - 1)), dtype=torch.float64),
                           torch.tensor(0.11 * (1 + 0.3 * (i % 3 - 1)), dtype=torch.float64))
-        self.ledger = ledger_double(SimpleNamespace(topo=Topology.single(), guard=SimpleNamespace(detector=detector),
-                                                    discard_step_state=lambda: None))
+        self.ledger = LedgerDouble(detector=detector)
         self.draws: list[float] = []  # every random number an execution drew (dropout's stand-in)
-        host_double(self)
+        self.ready()
 
     def state_dict(self):
         return {"step": self.step}
