@@ -10,7 +10,9 @@ torchtitan's components are faked. The fake ledger stands in for the recorder's 
 order, a held step's waiting for its decision). Every outcome is reached -- ``STANDS``, ``REDONE`` (a late update, a proof
 that overwrote the gradients), ``DROPPED`` (a rollback decided a step late) -- and each
 deferred run is compared, bit for bit, with the same run deciding every step in the
-step: parameters, Adam's moments and step count, the rows and the ladder's actions.
+step: parameters, Adam's moments and step count, the rows and the ladder's actions. What
+each decision is -- the verdict under the policy, the bounds, the breaker, the ladder -- is
+the ``judgment`` mixin's (components/response/judgment.py), exercised here through it.
 """
 
 from __future__ import annotations
