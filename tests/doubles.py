@@ -69,10 +69,12 @@ class CheckpointerDouble(CheckpointManager):
 
 
 class LedgerDouble:
-    """The ledger's side of the response: flags a test sets, what the response writes kept in
-    lists; ``topo``, ``folder``, ``global_batch`` and ``clips_qk`` are the facts the trainer
-    reads of its ledger when it builds the response (``helpers.run_facts`` reads them here) (``actions``, ``events``, ``alerts``, ``quarantined``, ``remasked``,
-    ``trained``, ``skips``, ``masked_steps``, ``rewound``)."""
+    """The ledger's side of the response: flags and the step's execution a test sets, what
+    the response writes kept in lists (``actions``, ``events``, ``alerts``, ``quarantined``,
+    ``remasked``, ``trained``, ``skips``, ``masked_steps``, ``rewound``). ``topo``,
+    ``folder``, ``global_batch``, ``clips_qk``, ``loader`` and ``owned_params`` are the facts the
+    trainer reads of its ledger when it builds the response (``helpers.run_facts`` reads
+    them here, so a test sets them before it builds)."""
 
     def __init__(self, *, topo: Topology | None = None, folder: Path | None = None, global_batch: int = 1,
                  loader=None, guard=None, detector=None, clips_qk: bool = False, **state) -> None:
@@ -93,7 +95,7 @@ class LedgerDouble:
         self.content = None
         self.onset: int | None = None
         self.adam_level = None  # an AdamLevel (signals/adam_level.py) where the test measures one
-        self.owned: list | None = None
+        self.owned_params: list | None = None
         self.windows: list[tuple[int, int]] = []
         # the step just recorded
         self.stats: dict[int, list[float]] = {}
@@ -138,26 +140,20 @@ class LedgerDouble:
         return self.guard.hold(acting=acting, notes=notes)
 
     def recorded(self) -> Recorded:
-        return Recorded(event=dict(self.event), dp_loss=list(self.dp_loss), documents=self.documents)
+        return Recorded(self.last_execution, lambda: (dict(self.event), list(self.dp_loss), self.documents))
 
     # reads: history
     def history(self) -> History:
         return History(recent=self.recent, flagged_at=self.flagged_at, flagged=self.flagged, stalls=self.stalls,
-                       rewinds=self.rewinds,
-                       content=self.content, stall_onset=self.onset)
-
-    def adam(self) -> tuple[float | None, list | None]:
-        return (self.adam_level.ratio() if self.adam_level is not None else None), self.owned
-
-    def skip_window_at(self, step: int) -> tuple[int, int] | None:
-        return next(((a, b) for a, b in self.windows if a <= step <= b), None)
+                       rewinds=self.rewinds, content=self.content, stall_onset=self.onset,
+                       skip_windows=sorted(self.windows), adam=self.adam_level)
 
     # writes
-    def record_action(self, rec: dict) -> None:
-        self.actions.append({k: v for k, v in rec.items() if k != "decided_at"})
-
     def record_event(self, ev: dict, alert: tuple[str, str] | None = None, metrics_logger=None) -> None:
-        self.events.append(ev)
+        if ev.get("ladder"):  # a ladder's action
+            self.actions.append({k: v for k, v in ev.items() if k not in ("decided_at", "ladder")})
+        else:
+            self.events.append(ev)
         if alert is not None:
             self.alerts.append(alert[1])
 
@@ -170,11 +166,12 @@ class LedgerDouble:
     def trained_as(self, rec, execution: dict) -> None:
         self.trained.append((rec.step, execution))
 
-    def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float, metrics_logger=None) -> None:
-        self.skips.append({"first": first, "last": last, "lr": lr})
-
-    def record_masked_step(self, rec, *, lr: float, metrics_logger=None) -> None:
-        self.masked_steps.append(rec.step)
+    def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float, rec=None,
+                    metrics_logger=None) -> None:
+        if rec is not None:  # a step whose masks left no token
+            self.masked_steps.append(rec.step)
+        else:
+            self.skips.append({"first": first, "last": last, "lr": lr})
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger=None) -> None:
         self.rewinds += 1
@@ -187,8 +184,7 @@ class LedgerDouble:
     def discard_step_state(self) -> None:
         self.discards += 1
 
-    def before_late_update(self) -> None:
-        pass
-
-    def after_update(self, applied: bool, rec=None) -> None:
+    def update(self, step, rec=None) -> None:
+        if step is not None:
+            step()
         self.updates += 1

@@ -424,7 +424,7 @@ def run_facts(obj, **given):
     trainer reads them when it builds the response."""
     import torch
 
-    from titan_ledger.components.response.host import RunFacts
+    from titan_ledger.components.response.host import Parts, RunFacts
     from titan_ledger.data.layout import parse_skip_steps
     from titan_ledger.rehearsal.faults import parse_response_faults
 
@@ -450,6 +450,8 @@ def run_facts(obj, **given):
     if at("ledger.rehearsal") is not None:
         kw["prove_at"] = parse_skip_steps(at("ledger.rehearsal.prove_at"), "--ledger.rehearsal.prove_at")
         kw["faults"] = parse_response_faults(at("ledger.rehearsal.response_fault"))
+    kw["parts"] = Parts(**{f: getattr(obj, f, None) for f in Parts.__dataclass_fields__})  # (the double's fakes)
+    kw["loader"], kw["owned_params"] = getattr(ledger, "loader", None), getattr(ledger, "owned_params", None)
     return RunFacts(**{"device": getattr(obj, "device", None) or torch.device("cpu"), **kw, **given})
 
 

@@ -43,7 +43,7 @@ from titan_ledger.components.prevention.optimizer import LedgerOptimizers  # noq
 from titan_ledger.components.prevention.qk_clip import QKClipConfig  # noqa: E402
 from titan_ledger.components.prevention.qk_norm import ModelOptions, apply_qk_norm  # noqa: E402
 from titan_ledger.components.response import counterfactual  # noqa: E402  ADDED (replay rerun)
-from titan_ledger.components.response.host import RunFacts  # noqa: E402
+from titan_ledger.components.response.host import Parts, RunFacts  # noqa: E402
 from titan_ledger.components.response.recovery import Outcome, Recovery  # noqa: E402
 from titan_ledger.components.run import disk_space, patches  # noqa: E402
 from titan_ledger.components.signals import attention  # noqa: E402
@@ -111,7 +111,7 @@ class LedgerTrainer(Trainer):
             audit_trainer(self, int(os.environ.get("RANK", "0")) == 0)
         # the response, after torchtitan and the ledger built what it acts on: sections, ports, facts passed in
         self._overrides = counterfactual.parse_overrides(config.ledger.rehearsal.rerun)
-        facts = RunFacts.of(config, self.ledger, device=self.device,
+        facts = RunFacts.of(config, self.ledger, Parts.of(self), device=self.device,
                             microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)
         self.recovery = Recovery.Config.of(config.ledger).build(host=self, ledger=self.ledger, facts=facts)
 

@@ -203,14 +203,9 @@ class SpikeGuard:
                         f"not acted on)")
         return ev
 
-    def record_action(self, rec: dict) -> None:
-        """A recovery-ladder decision (what was done about a flagged step)."""
-        if self._spikes is not None:
-            self._spikes.write({**rec, "ladder": True})
-
     def record_event(self, ev: dict) -> None:
-        """An event of the response itself (``{"step", "breaker": ...}``, ``{"step",
-        "response_failure": ...}``)."""
+        """An event of the response itself (a ladder's action ``{..., "ladder": true}``,
+        ``{"step", "breaker": ...}``, ``{"step", "response_failure": ...}``)."""
         if self._spikes is not None:
             self._spikes.write(ev)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -67,7 +68,7 @@ from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.content import ContentMemory, window_hashes
 from titan_ledger.data.filters import Quarantine, mask_repetitive
-from titan_ledger.data.layout import parse_skip_steps, window_at
+from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
 from titan_ledger.format import answers, records
 from titan_ledger.rehearsal.faults import parse_inject
@@ -283,6 +284,12 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         return self.qk_clip is not None
 
     @property
+    def owned_params(self) -> list | None:
+        """The parameters' owned pieces, every logical element once (None: no signals): what
+        Adam's level is measured on (the response reads it once, at build)."""
+        return self.recorder.plan.params if self.recorder is not None else None
+
+    @property
     def detector(self) -> SpikeDetector | None:
         """The spike rules' detector (a proof judges a re-execution by its bars); None
         where no rule runs."""
@@ -292,23 +299,13 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         """The device-side guard of a deferred update (``SpikeGuard.hold``)."""
         return self.guard.hold(acting=acting, notes=notes)
 
-    def before_late_update(self) -> None:
-        """A held update applied a step late: the update norm measures from its parameters."""
-        if self.recorder is not None and self.config.update_norm:
-            self.recorder.snapshot_params()
-
-    def adam(self) -> tuple[float | None, list | None]:
-        """Adam's second moment's level against its long-run level (None: not measured),
-        and the parameters' owned pieces, every logical element once (None: no signals)."""
-        return (self.adam_level.ratio() if self.adam_level is not None else None,
-                self.recorder.plan.params if self.recorder is not None else None)
-
     def history(self) -> History:
         """What the rows written so far say: the ledger's own collections, by reference (asked
         every step by the snapshot ring's stall anchor: no copy), read-only by their types."""
         return History(recent=self.recent, flagged_at=self.flagged_at, flagged=self.flagged, stalls=self.stalls,
-                       rewinds=self.rewinds,
-                       content=self.content, stall_onset=self.stall.best_step if self.stall is not None else None)
+                       rewinds=self.rewinds, content=self.content,
+                       stall_onset=self.stall.best_step if self.stall is not None else None,
+                       skip_windows=self.skip_windows, adam=self.adam_level)
 
     # ------------------------------------------------------------------ a flagged step (proofs)
     def flags(self, rec: StepRecord | None = None) -> tuple[bool, bool] | None:
@@ -324,13 +321,18 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         return bool(acting), bool(note)
 
     def recorded(self) -> Recorded:
-        """The step the last record reduced, read on the host (a flagged step's proof only):
-        its spike event, each DP rank's mean loss, this rank's per-document summary."""
-        documents = None
-        if self.doc_loss is not None and self.topo.owns_tokens:
-            documents = self.doc_loss.decode(self.last_reduced.vector[-self.doc_loss.size:].tolist())
-        return Recorded(event=describe(self.guard.last_stats.tolist()), dp_loss=self.last_reduced.dp_loss.tolist(),
-                        documents=documents)
+        """The step the last record reduced: its execution (device values, by reference) and,
+        read on the host when a proof first asks, its spike event, each DP rank's mean loss
+        and this rank's per-document summary."""
+        red, stats = self.last_reduced, self.guard.last_stats if self.guard is not None else None
+
+        def read() -> tuple[dict, list[float], dict | None]:
+            documents = None
+            if self.doc_loss is not None and self.topo.owns_tokens:
+                documents = self.doc_loss.decode(red.vector[-self.doc_loss.size:].tolist())
+            return describe(stats.tolist()), red.dp_loss.tolist(), documents
+
+        return Recorded(self.last_execution, read)
 
     def trained_as(self, rec: StepRecord, execution: dict) -> None:
         """A proof applied ``execution`` (its record: ``loss``, ``grad_norm``, ``per_rank``),
@@ -401,23 +403,25 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         # and the fetch's key order (quarantine before repetition): the data row is the fetch's
         rec.masked = {"quarantine": hits, **{k: v for k, v in rec.masked.items() if k != "quarantine"}}
 
-    def after_update(self, applied: bool, rec: StepRecord | None = None) -> None:
-        """After ``optimizers.step()``: QK-clip scales the Q/K rows of the groups this step's
-        logits put over the threshold (not when the guard rejected the update); before it,
-        ``update_norm`` (the optimizer's update alone; ``rec``: a deferred step's update,
-        applied a step late)."""
-        if self.recorder is not None and self.config.update_norm:
+    def update(self, step: Callable[[], None] | None, rec: StepRecord | None = None) -> None:
+        """The optimizer's update as the ledger measures it: ``step`` (``optimizers.step()``;
+        None: the guard withheld it) and after it ``update_norm`` (the optimizer's update
+        alone; ``rec``: a deferred step's update, applied a step late, whose parameters are
+        snapshotted here first) and QK-clip, which scales the Q/K rows of the groups this
+        step's logits put over the threshold (not when the update was withheld)."""
+        measures = self.recorder is not None and self.config.update_norm
+        if rec is not None and measures:
+            self.recorder.snapshot_params()
+        if step is not None:
+            step()
+        if measures:
             with record_function("titan_ledger.signals"):
-                self.recorder.attach_update(applied, rec)
+                self.recorder.attach_update(step is not None, rec)
         if self.qk_clip is not None:
-            if applied:
+            if step is not None:
                 with record_function("titan_ledger.qk_clip"):
                     self.qk_clip.apply()
             self.qk_clip.head_max = None
-
-    def record_action(self, rec: dict) -> None:
-        if self.guard is not None:
-            self.guard.record_action(rec)
 
     def _on_stall(self, ev: dict, metrics_logger=None) -> None:
         """A stall flag: its event, a WARNING, a dashboard scalar and alert."""
@@ -485,38 +489,21 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             check_finite(done.row, self.recorder.path)
 
     # ------------------------------------------------------------------ data ledger, skips
-    def skip_window_at(self, step: int) -> tuple[int, int] | None:
-        return window_at(self.skip_windows, step)
-
     def record_skip(self, *, first: int, last: int, info, lr: float, step_start: float,
-                    metrics_logger=None) -> None:
-        """A skipped window: data consumed, no forward/backward, no update; one data row
-        per DP rank and one signals row for the whole window."""
+                    rec: StepRecord | None = None, metrics_logger=None) -> None:
+        """Steps ``first..last`` consumed untrained: data consumed, no forward/backward, no
+        update; one data row per DP rank and one signals row for the whole window. ``rec``:
+        one step whose masks left no label token on any rank (``Recovery.first_execution``),
+        whose data rows say why (``"why": "no_tokens"``) and hold the step's rows and masks."""
         self.drain(block=True, metrics_logger=metrics_logger)  # rows stay in step order
         if self.data is not None:
-            self.data.record_skip(first=first, last=last, info=info)
+            self.data.record_skip(first=first, last=last, info=info, **(
+                {"why": "no_tokens", "masked": rec.masked_or_none()} if rec is not None else {}))
         if self.recorder is not None:
             self.recorder.record_skip(first=first, last=last, n_samples=info.position_after - info.position_before,
                                       lr=lr, step_start=step_start, skip_lr=self.config.skip.lr,
                                       metrics_logger=metrics_logger)
-
-    def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger=None) -> None:
-        """A step whose masks left no label token on any rank (``Recovery.first_execution``): its
-        samples consumed untrained, recorded as a one-step skipped window whose data rows
-        say why (``"why": "no_tokens"``) and hold the step's rows and masks."""
-        from titan_ledger.data.loader import SkipInfo
-
-        after = self.loader.position if self.loader is not None else 0
-        info = SkipInfo(after - self.global_batch, after, list(rec.tags) if rec.tags else None)
-        self.drain(block=True, metrics_logger=metrics_logger)  # rows stay in step order
-        if self.data is not None:
-            self.data.record_skip(first=rec.step, last=rec.step, info=info, why="no_tokens",
-                                  masked=rec.masked_or_none())
-        if self.recorder is not None:
-            self.recorder.record_skip(first=rec.step, last=rec.step, n_samples=self.global_batch, lr=lr,
-                                      step_start=rec.start, skip_lr=self.config.skip.lr,
-                                      metrics_logger=metrics_logger)
-        if self.topo.is_rank0 and self.guard is not None:
+        if rec is not None and self.topo.is_rank0 and self.guard is not None:
             self.guard.record_event({"step": rec.step, "no_tokens": True,
                                      "masked": sorted(k for k, v in rec.masked.items() if v)})
 

@@ -319,7 +319,7 @@ class Conviction:
         from titan_ledger.data.layout import round_start
 
         ledger = self.ledger
-        loader = ledger.loader
+        loader = self.facts.loader
         sizes = {d: (content.get(d) or (None, None))[0] for d in docs}
         shares = {d: (loader.corpus_share(d[0], sizes[d]) if loader is not None and sizes[d] is not None else None)
                   for d in docs}
@@ -346,7 +346,7 @@ class Conviction:
     def _content(self, docs) -> dict:
         """(tokens, content digest) of each document (the corpus's, read back by the
         loader; None where it cannot be): the content control and the quarantine bound."""
-        loader = self.ledger.loader
+        loader = self.facts.loader
         return {d: (loader.document_facts(*d) if loader is not None else None) for d in docs}
 
     def _bisect(self, again: Reexecution, rec, groups, first_grads, original: Execution, sizes: dict,

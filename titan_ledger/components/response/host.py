@@ -6,20 +6,24 @@ are given these surfaces, not the classes, and are built after both exist
 (``Recovery.Config.build(host=..., ledger=..., facts=...)``): nothing here reads a setting
 later through either.
 
-* :class:`Host` -- the trainer: torchtitan's own components (read and driven as torchtitan
-  drives them), ``execute`` (the copied step body, called only through ``Reexecution``),
-  ``decision_due`` (torchtitan's save rule, one copy, with the last step and validation),
-  and three named changes of the loop's position. Only ``trainer.py`` writes ``step`` and
-  ``step_record`` (``tests/unit/test_seam.py`` checks every module's assignments):
-  :meth:`Host.attend` (the record the hooks fill), :meth:`Host.as_step` (the step a late
-  decision's hooks and messages see), :meth:`Host.move_to` (where a skip window or a
-  rollback moved the loop).
-* :class:`LedgerPort` -- the ledger: what the response reads (the step's flags, the step
-  just recorded as :class:`Recorded`, the rows so far as one :class:`History`, Adam's
-  level) and what it writes (an action, an event, a quarantine, the rows of a step consumed
-  or moved, the drain).
-* :class:`RunFacts` -- torchtitan's settings, the ledger's other sections and the ledger's
-  own facts once set up (its topology, folder, global batch), read once at build.
+* :class:`Host` (10 members) -- the trainer's loop: its position (``step``,
+  ``step_record``, ``ntokens_seen``), ``execute`` (the copied step body, called only
+  through ``Reexecution``), ``decision_due`` (torchtitan's save rule, one copy, with the last
+  step and validation), the train state a host snapshot copies, and three named changes of
+  the loop's position. Only ``trainer.py`` writes ``step`` and ``step_record``
+  (``tests/unit/test_seam.py`` checks every module's assignments): :meth:`Host.attend` (the
+  record the hooks fill), :meth:`Host.as_step` (the step a late decision's hooks and
+  messages see), :meth:`Host.move_to` (where a skip window or a rollback moved the loop).
+* :class:`LedgerPort` (14) -- the ledger: what the response reads (the step's flags, the
+  step just recorded as :class:`Recorded`, the rows so far as one :class:`History`) and what
+  it writes (an event -- a ladder's action is one --, a quarantine, the rows of a step
+  consumed or moved, the drain), and the update as the ledger measures it.
+* :class:`Parts` -- torchtitan's components (model, optimizers, schedulers, dataloader,
+  checkpointer, metrics, loss), references its ``__init__`` built: dependencies passed once,
+  as torchtitan passes them to its ``CheckpointManager``, not members of a port.
+* :class:`RunFacts` -- the parts, torchtitan's settings, the ledger's other sections and the
+  ledger's own facts once set up (its topology, folder, global batch, loader), read once at
+  build.
 
 No member of either port is ``Any`` and the response uses no member they do not declare
 (test_seam.py). The unit doubles (``tests/doubles.py``) implement the ports: ``HostDouble``
@@ -48,6 +52,7 @@ if TYPE_CHECKING:  # (annotations only: torchtitan is imported after the device 
     from torchtitan.components.metrics import BaseLogger, MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
+    from titan_ledger.components.signals.adam_level import AdamLevel
     from titan_ledger.components.signals.step_record import StepRecord
     from titan_ledger.data.content import ContentMemory
     from titan_ledger.data.loader import LedgerDataLoader, SkipInfo
@@ -56,16 +61,9 @@ if TYPE_CHECKING:  # (annotations only: torchtitan is imported after the device 
 @runtime_checkable
 class Host(Protocol):
     """The trainer as the response layer sees it (``LedgerTrainer`` implements it): the
-    torchtitan components a step is made of, the loop's position, and the step body."""
+    loop's position, the step body, and the train state torchtitan checkpoints. The
+    components a step is made of are :class:`Parts`, passed once at build."""
 
-    # torchtitan's components, read and driven as torchtitan's loop drives them
-    model_parts: list[torch.nn.Module]
-    optimizers: OptimizersContainer
-    lr_schedulers: LRSchedulersContainer
-    dataloader: BaseDataLoader
-    checkpointer: CheckpointManager
-    metrics_processor: MetricsProcessor
-    loss_fn: Callable[..., torch.Tensor]  # (the window proof's z-loss variant finds the ledger's loss in it)
     ntokens_seen: int  # (Reexecution puts an extra execution's count back)
 
     @property
@@ -109,6 +107,31 @@ class Host(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """torchtitan's components as its ``__init__`` built them, passed to the response once at
+    build (as torchtitan passes them to its ``CheckpointManager``): references that do not
+    change after it, read and driven as torchtitan's loop drives them."""
+
+    model_parts: list[torch.nn.Module]
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    dataloader: BaseDataLoader
+    checkpointer: CheckpointManager
+    metrics_processor: MetricsProcessor
+    loss_fn: Callable[..., torch.Tensor]  # (the window proof's z-loss variant finds the ledger's loss in it)
+
+    @classmethod
+    def of(cls, trainer: Any) -> Parts:
+        """The components of a built ``Trainer``."""
+        return cls(**{f: getattr(trainer, f) for f in cls.__dataclass_fields__})
+
+    @property
+    def metrics_logger(self) -> BaseLogger | None:
+        """torchtitan's dashboards (the response's own scalars and alerts)."""
+        return getattr(self.metrics_processor, "logger", None)
+
+
 @dataclass(frozen=True)
 class History:
     """What the rows written so far say, as the response reads it (``LedgerPort.history``):
@@ -121,26 +144,56 @@ class History:
     rewinds: int  # in-process rollbacks so far
     content: ContentMemory | None  # the content the look-back remembers (a conviction's checks)
     stall_onset: int | None  # where the stall rule's best window ended (None: no stall rule)
+    skip_windows: Sequence[tuple[int, int]] = ()  # the steps skipped whole, --ledger.skip.steps and rollbacks'
+    adam: AdamLevel | None = None  # Adam's second moment's level as the rows measured it (None: not measured)
+
+    def skip_window_at(self, step: int) -> tuple[int, int] | None:
+        """The skip window ``step`` is in (None: it trains)."""
+        from titan_ledger.data.layout import window_at  # (the one rule: sorted, disjoint windows)
+
+        return window_at(self.skip_windows, step)
 
 
-@dataclass(frozen=True)
 class Recorded:
-    """The step the last ``Ledger.record`` reduced, as a proof reads it (``LedgerPort.recorded``:
-    host reads, made only for a flagged step)."""
+    """The step the last ``Ledger.record`` reduced, as the response reads it
+    (``LedgerPort.recorded``): its execution as device values (no read), and -- read on the
+    host when first asked, a flagged step's proof only -- its spike event, each DP rank's
+    loss and this rank's documents."""
 
-    event: dict[str, Any]  # its spike rules, as its event will describe them
-    dp_loss: list[float]  # each DP rank's mean loss
-    documents: dict | None  # this DP rank's per-document summary (None: per-document loss off, or no tokens here)
+    __slots__ = ("execution", "_read", "_host")
+
+    def __init__(self, execution: tuple | None,
+                 read: Callable[[], tuple[dict[str, Any], list[float], dict | None]]) -> None:
+        self.execution = execution  # (local loss sum, local tokens, grad norm); None: nothing recorded yet
+        self._read, self._host = read, None
+
+    def _values(self) -> tuple[dict[str, Any], list[float], dict | None]:
+        if self._host is None:
+            self._host = self._read()
+        return self._host
+
+    @property
+    def event(self) -> dict[str, Any]:
+        """Its spike rules, as its event will describe them."""
+        return self._values()[0]
+
+    @property
+    def dp_loss(self) -> list[float]:
+        """Each DP rank's mean loss."""
+        return self._values()[1]
+
+    @property
+    def documents(self) -> dict | None:
+        """This DP rank's per-document summary (None: per-document loss off, or no tokens here)."""
+        return self._values()[2]
 
 
 @runtime_checkable
 class LedgerPort(Protocol):
     """The ledger as the response layer sees it (``Ledger`` implements it): what it reads
-    -- the run's facts, the step's flags and stats, the history the rows left -- and what it
-    writes -- an action, an event, a quarantine, the rows of a step consumed or moved."""
-
-    loader: LedgerDataLoader | None  # the sample-id loader (skip, corpus reads), when the run uses one
-    last_execution: tuple | None  # (local loss sum, local tokens, grad norm) as the last record saw them
+    -- the step's flags and stats, the history the rows left -- and what it writes -- an
+    event (an action is one), a quarantine, the rows of a step consumed or moved, and the
+    update as the ledger measures it."""
 
     # reads: the flags and the step just recorded
     @property
@@ -160,48 +213,57 @@ class LedgerPort(Protocol):
         ...
 
     def recorded(self) -> Recorded:
-        """The step the last record reduced, read on the host (a flagged step's proof only)."""
+        """The step the last record reduced (its host values read only when asked)."""
         ...
 
-    # reads: what the rows written so far say
-    def history(self) -> History: ...
-
-    def adam(self) -> tuple[float | None, list | None]:
-        """Adam's second moment's level against its long-run level, and the parameters'
-        owned pieces it is measured on (None, None: not measured)."""
+    def history(self) -> History:
+        """What the rows written so far say (by reference; asked every step)."""
         ...
 
-    def skip_window_at(self, step: int) -> tuple[int, int] | None: ...
-
-    # writes
-    def record_action(self, rec: dict) -> None: ...
-
+    # writes: an event, a quarantine, a step's rows
     def record_event(self, ev: dict, alert: tuple[str, str] | None = None,
                      metrics_logger: BaseLogger | None = None) -> None:
-        """An event of the response itself in spikes.jsonl; ``alert`` (title, text): also on
-        this rank's dashboards."""
+        """An event of the response itself in spikes.jsonl (a ladder's action, the breaker, a
+        failure inside the response); ``alert`` (title, text): also on this rank's dashboards."""
         ...
 
-    def quarantine_proven(self, docs: list, step: int) -> None: ...
+    def quarantine_proven(self, docs: list, step: int) -> None:
+        """Documents a proof convicted at ``step``: masked from the next fetch on."""
+        ...
 
-    def remask(self, rec: StepRecord, docs: list) -> None: ...
+    def remask(self, rec: StepRecord, docs: list) -> None:
+        """A step fetched before a deferred proof convicted ``docs``: masked in its batches now."""
+        ...
 
-    def trained_as(self, rec: StepRecord, execution: dict) -> None: ...
+    def trained_as(self, rec: StepRecord, execution: dict) -> None:
+        """A proof applied ``execution``, not the step's first: its rows record what trained."""
+        ...
 
     def record_skip(self, *, first: int, last: int, info: SkipInfo, lr: float, step_start: float,
-                    metrics_logger: BaseLogger | None = None) -> None: ...
+                    rec: StepRecord | None = None, metrics_logger: BaseLogger | None = None) -> None:
+        """Steps ``first..last`` consumed untrained: a skip window, or (``rec``) one step whose
+        masks left no label token (its rows and masks, ``"why": "no_tokens"``)."""
+        ...
 
-    def record_masked_step(self, rec: StepRecord, *, lr: float, metrics_logger: BaseLogger | None = None) -> None: ...
+    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int],
+               metrics_logger: BaseLogger | None = None) -> None:
+        """An in-process rollback: rows after ``to_step`` superseded, ``window`` skipped."""
+        ...
 
-    def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int], metrics_logger: BaseLogger | None = None) -> None: ...
+    def drain(self, block: bool, metrics_logger: BaseLogger | None = None) -> None:
+        """Write every step whose device->host copy is done (``block``: wait for all)."""
+        ...
 
-    def drain(self, block: bool, metrics_logger: BaseLogger | None = None) -> None: ...
+    def discard_step_state(self) -> None:
+        """Drain what an extra execution of the step refilled (its row was reduced from the first)."""
+        ...
 
-    def discard_step_state(self) -> None: ...
-
-    def before_late_update(self) -> None: ...
-
-    def after_update(self, applied: bool, rec: StepRecord | None = None) -> None: ...
+    # the update
+    def update(self, step: Callable[[], None] | None, rec: StepRecord | None = None) -> None:
+        """The optimizer's update as the ledger measures it: ``step`` (``optimizers.step``;
+        None: withheld) between what ``update_norm`` needs before it (``rec``: a deferred
+        step's update, applied a step late) and what follows it (update norm, QK-clip)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +274,7 @@ class RunFacts:
     through it. A unit test names the few it exercises; the rest keep these defaults."""
 
     device: torch.device
+    parts: Parts  # torchtitan's components, as its __init__ built them
     topo: Topology = field(default_factory=lambda: Topology.single())  # the ledger's, once set up
     folder: Path = Path("ledger")  # the ledger's folder (<dump_folder>/<[ledger] folder>)
     global_batch: int = 1  # samples per step, every DP rank's
@@ -228,11 +291,13 @@ class RunFacts:
     skip_lr: str = "freeze"  # --ledger.skip.lr (a step consumed untrained)
     stall: StallConfig = field(default_factory=StallConfig)  # [ledger.stall] (the stall anchor, the stall proof)
     spike: SpikeDetector.Config = field(default_factory=SpikeDetector.Config)  # [ledger.spike] (loss_jump, doc_outlier_floor)
+    loader: LedgerDataLoader | None = None  # the ledger's sample-id loader (skip, corpus reads), when the run uses one
+    owned_params: list | None = None  # the parameters' owned pieces, every logical element once (None: no signals)
     prove_at: list = field(default_factory=list)  # --ledger.rehearsal.prove_at, parsed (forced proofs)
     faults: dict[str, str] = field(default_factory=dict)  # --ledger.rehearsal.response_fault, parsed
 
     @classmethod
-    def of(cls, config: Any, ledger: Any, *, device: torch.device, microbatches: int) -> RunFacts:
+    def of(cls, config: Any, ledger: Any, parts: Parts, *, device: torch.device, microbatches: int) -> RunFacts:
         """The facts of a ``LedgerTrainer.Config`` (its torchtitan sections and the ledger's
         other sections) and of the ledger once set up (its topology, global batch, QK-clip),
         read once when the trainer builds the response; the rehearsal flags parsed here, so
@@ -247,6 +312,7 @@ class RunFacts:
             exclude_from_loading=tuple(config.checkpoint.exclude_from_loading or ()), steps=training.steps,
             seq_len=training.seq_len, local_batch_size=training.local_batch_size, max_norm=training.max_norm,
             microbatches=microbatches, grads_freed=device.type == "cpu" and bool(training.disable_cuda_graphs),
-            skip_lr=table.skip.lr, stall=table.stall, spike=table.spike,
+            skip_lr=table.skip.lr, stall=table.stall, spike=table.spike, parts=parts, loader=ledger.loader,
+            owned_params=ledger.owned_params,
             prove_at=parse_skip_steps(table.rehearsal.prove_at, "--table.rehearsal.prove_at"),
             faults=parse_response_faults(table.rehearsal.response_fault))

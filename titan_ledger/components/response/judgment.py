@@ -176,7 +176,7 @@ class Judgment:
             if rank0:
                 logger.error(line)
             self.ledger.record_event(ev, alert=("titan_ledger: acting paused", line) if rank0 else None,
-                                     metrics_logger=self.host.metrics_processor.logger)
+                                     metrics_logger=self.facts.parts.metrics_logger)
 
     def _ladder(self, rec: StepRecord, decided_at: int | None) -> bool:
         """The recovery ladder's answer to an acting flag no proof resolved."""
@@ -186,16 +186,16 @@ class Judgment:
             action = {**action, "decided_at": decided_at}
         changes = rung is not None and rung.action not in (Action.NONE, Action.STOP)
         if changes and not self._breaker_allows(rec.step):
-            ledger.record_action({**action, "held_back": "breaker"})
+            ledger.record_event({**action, "held_back": "breaker", "ladder": True})  # (a ladder's row: "ladder")
             return True
-        ledger.record_action(action)
+        ledger.record_event({**action, "ladder": True})
         if rung is not None and rung.action == Action.NONE:
             return True
         rec.update_skipped = True
         if rung is None or rung.action == Action.STOP:
             # the ladder is exhausted (or says stop): write what is pending, then stop
             # with a one-screen report (exit 1)
-            ledger.drain(block=True, metrics_logger=self.host.metrics_processor.logger)
+            ledger.drain(block=True, metrics_logger=self.facts.parts.metrics_logger)
             raise LedgerStop(ladder_report(self.facts.folder, self.ladder, self.facts, self.response.action, action))
         self.breaker.record(rec.step)
         if rung.rolls_back:

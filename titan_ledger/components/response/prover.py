@@ -134,7 +134,7 @@ class Prover:
         self._hits = []
 
     def _params(self) -> list:
-        return [p for m in self.host.model_parts for p in m.parameters()]
+        return [p for m in self.facts.parts.model_parts for p in m.parameters()]
 
     def _run(self, variant: str, again: Reexecution, groups, first, prev: Execution | None = None) -> Execution:
         """One execution of the step on ``groups`` (``again``: the proof's re-execution
@@ -279,14 +279,14 @@ class Prover:
         no parameter has Adam's state yet."""
         import torch.distributed as dist
 
-        t = self.host
         ledger = self.ledger
         bar = float(self.adam.ratio)
-        ratio, owned = ledger.adam()
+        adam, owned = ledger.history().adam, self.facts.owned_params
+        ratio = adam.ratio() if adam is not None else None
         if bar <= 0 or ratio is None or owned is None:
             return None
         restore = max(1.0, ratio) if math.isfinite(ratio) else 1e12
-        where = {id(p): (o, g) for o in t.optimizers.optimizers for g in o.param_groups for p in g["params"]}
+        where = {id(p): (o, g) for o in self.facts.parts.optimizers.optimizers for g in o.param_groups for p in g["params"]}
         entries = []
         for p in owned:  # owned pieces: every logical element once
             og = where.get(id(p))
@@ -372,7 +372,7 @@ class Prover:
         ledger = self.ledger
         if first is None:  # in the step: the first gradients, by reference (each execution gets fresh tensors)
             first_grads = [p.grad for p in self._params()]
-            loss_sum, local_tokens, grad_norm = ledger.last_execution
+            loss_sum, local_tokens, grad_norm = ledger.recorded().execution
             psq = _per_param_sq(first_grads, self.facts.device)
             self._first_grads = first_grads
         else:

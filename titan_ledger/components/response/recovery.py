@@ -62,7 +62,7 @@ A step's flow, deferral included::
                                 _apply_late) -> Outcome.STANDS | REDONE (_redo) | DROPPED
         Ledger.record           signals reduced, rules run (device)
         update()                decide now (flags(): a host read) or defer (hold on the
-                                device); optimizers.step(); Ledger.after_update
+                                device); optimizers.step() inside LedgerPort.update
       at_data_end()             the fetch found no data: the held decision is made
     train: settling()           the end of training, a NonFiniteLoss: a held decision is made
 """
@@ -242,13 +242,13 @@ class Recovery(Judgment, Configurable):
         if self.breaker.paused:  # a paused breaker resumes once a window passed without an action
             self.breaker.tick(t.step)
             self._breaker_events(t.step)
-        window = self.ledger.skip_window_at(t.step)  # skipped steps train nothing
+        window = self.ledger.history().skip_window_at(t.step)  # skipped steps train nothing
         if self.pending is not None and (self.rewind.pending is not None or window is not None):
             self._resolve()  # (the step before a window decides in the step; this is a safety net)
         if self.rewind.pending is not None:  # in-process rollback (on_spike)
             self.rewind.rollback(self.rewind.pending, unlimited=len(self.ladder.rungs) == 1,
                                  keeping_history=self._keeping_history, restore_failed=self._response_failure)
-            window = self.ledger.skip_window_at(t.step)
+            window = self.ledger.history().skip_window_at(t.step)
         if window is None:
             return False
         self.rewind.skip_window(window)
@@ -275,21 +275,23 @@ class Recovery(Judgment, Configurable):
         """In place of ``optimizers.step()``, after ``Ledger.record``: whether this step's
         update is applied -- decided in the step (a flag read on the host, a proof, the
         ladder), or deferred to the next step with the device withholding a flagged
-        update -- then the update, and what follows it (``Ledger.after_update``)."""
-        t = self.host
+        update -- then the update, and what follows it (``LedgerPort.update``: update norm, QK-clip)."""
+        parts = self.facts.parts
         self.snapshots.log_step(rec)  # its batches and LRs, for a window proof's replay
         how = self._decide(rec)
-        try:
-            if how is not Update.WITHHOLD:
+
+        def step() -> None:
+            try:
                 self.snapshots.before_update()
-                t.optimizers.step()
-        finally:
-            if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
-                for o in t.optimizers.optimizers:
-                    o.found_inf = None
+                parts.optimizers.step()
+            finally:
+                if how is Update.HOLD:  # the held update's guard is lifted, whatever happened
+                    for o in parts.optimizers.optimizers:
+                        o.found_inf = None
+
+        self.ledger.update(step if how is not Update.WITHHOLD else None)
         if how is Update.HOLD and isinstance(self.held.first, KeptExecution):
-            self.held.first.keep(t.model_parts)  # the step's gradients, kept for its proof (no checksum pass)
-        self.ledger.after_update(how is not Update.WITHHOLD)  # QK-clip, update_norm
+            self.held.first.keep(parts.model_parts)  # the step's gradients, kept for its proof (no checksum pass)
         if how is not Update.HOLD:
             self.snapshots.after_decision(rec)
 
@@ -318,9 +320,14 @@ class Recovery(Judgment, Configurable):
         t.attend(None)
         lr_mode = self.facts.skip_lr
         if lr_mode == "advance":
-            t.lr_schedulers.step()
-        lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
-        self.ledger.record_masked_step(rec, lr=lr, metrics_logger=t.metrics_processor.logger)
+            self.facts.parts.lr_schedulers.step()
+        from titan_ledger.data.loader import SkipInfo
+
+        lr = next(iter(self.facts.parts.lr_schedulers.get_metrics().values()), float("nan"))
+        after = self.facts.loader.position if self.facts.loader is not None else 0
+        info = SkipInfo(after - self.facts.global_batch, after, list(rec.tags) if rec.tags else None)
+        self.ledger.record_skip(first=rec.step, last=rec.step, info=info, lr=lr, step_start=rec.start, rec=rec,
+                                metrics_logger=self.facts.parts.metrics_logger)
         self._done(rec)
         self.snapshots.clear()  # a step consumed untrained is not replayed: the next due step starts the ring
         if self.facts.topo.is_rank0:
@@ -339,10 +346,9 @@ class Recovery(Judgment, Configurable):
         try:
             yield
         except NonFiniteLoss:
-            t = self.host
             try:
                 self._settle(ok=True)
-                self.ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
+                self.ledger.drain(block=True, metrics_logger=self.facts.parts.metrics_logger)
             except BaseException as stop:  # the ledger's stop at the non-finite row: the one to see
                 raise stop from None
             raise
@@ -398,14 +404,13 @@ class Recovery(Judgment, Configurable):
         optimizers (``found_inf``) and no step hook on the optimizers container (a held
         update would still run it); said once at the first step when it cannot."""
         if self._deferrable is None:
-            t = self.host
-            opts = list(getattr(t.optimizers, "optimizers", [t.optimizers]))
+            opts = list(getattr(self.facts.parts.optimizers, "optimizers", [self.facts.parts.optimizers]))
             fused = all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
                         all(g.get("fused") for g in o.param_groups) for o in opts)
             # a hook on the optimizers container (MoE load balancing's expert-bias update)
             # runs on every optimizers.step(), a held one included: not what a skipped step does
-            hooked = bool(getattr(t.optimizers, "_optimizer_step_pre_hooks", None) or
-                          getattr(t.optimizers, "_optimizer_step_post_hooks", None))
+            hooked = bool(getattr(self.facts.parts.optimizers, "_optimizer_step_pre_hooks", None) or
+                          getattr(self.facts.parts.optimizers, "_optimizer_step_post_hooks", None))
             self._deferrable = bool(self.response.defer and self._acts() and fused
                                     and not self.facts.clips_qk and not hooked)
             if self.response.defer and self._acts() and not self._deferrable and self.facts.topo.is_rank0:
@@ -425,7 +430,7 @@ class Recovery(Judgment, Configurable):
         row does, and its row is written a step later."""
         if not self.deferrable:
             return False
-        return not (self.host.decision_due(step) or self.ledger.skip_window_at(step + 1) is not None
+        return not (self.host.decision_due(step) or self.ledger.history().skip_window_at(step + 1) is not None
                     or self.snapshots.due(step))
 
     def _decide(self, rec: StepRecord) -> Update:
@@ -446,7 +451,6 @@ class Recovery(Judgment, Configurable):
         return Update.APPLY if applied else Update.WITHHOLD
 
     def _defer(self, rec: StepRecord, forced: bool) -> None:
-        t = self.host
         ledger = self.ledger
         mode = self.prover.mode
         # prove off: a flag the ladder answers with a `none` rung applies its update, so it
@@ -458,14 +462,14 @@ class Recovery(Judgment, Configurable):
         else:
             notes = self.prover.notes_allowed(rec.step)
             hold = ledger.hold(acting=holds, notes=notes)
-        opts = list(t.optimizers.optimizers)
+        opts = list(self.facts.parts.optimizers.optimizers)
         for o in opts:
             o.found_inf = hold
         first = None
         if mode != ProveMode.OFF:  # the gradients are freed every step anyway: kept, checksummed only if held
-            execution = self.ledger.last_execution
+            execution = self.ledger.recorded().execution
             first = (KeptExecution(execution) if self._keeps_grads()
-                     else FirstExecution.of(t.model_parts, self.facts.device, execution))
+                     else FirstExecution.of(self.facts.parts.model_parts, self.facts.device, execution))
         self.held = Deferred(lrs=[[group_lr(g) for g in o.param_groups] for o in opts], first=first,
                               forced=forced, holds=holds, notes=notes)
         rec.decided = False  # its rows wait for the decision
@@ -522,7 +526,7 @@ class Recovery(Judgment, Configurable):
         now = t.step
         try:
             with t.as_step(rec.step):  # the hooks and messages see the flagged step
-                first = d.first.first(t.model_parts, self.facts.device) if isinstance(d.first, KeptExecution) else d.first
+                first = d.first.first(self.facts.parts.model_parts, self.facts.device) if isinstance(d.first, KeptExecution) else d.first
                 applied = self._judge(rec, acting, note, d.forced, first=first, decided_at=now)
                 if applied:
                     applied = self._load_late(rec)
@@ -533,7 +537,7 @@ class Recovery(Judgment, Configurable):
         self.snapshots.after_decision(rec, late=True)  # a late update the replay cannot repeat clears the ring
         # its rows now, as in the step: the ledger stops at a non-finite row before this
         # step is recorded (a non-finite loss always flags)
-        ledger.drain(block=False, metrics_logger=t.metrics_processor.logger)
+        ledger.drain(block=False, metrics_logger=self.facts.parts.metrics_logger)
         if self.rewind.pending is not None:
             return Outcome.DROPPED
         return Outcome.REDONE if (applied or rec.proof is not None) else Outcome.STANDS
@@ -553,7 +557,7 @@ class Recovery(Judgment, Configurable):
         and its skip window run now."""
         t = self.host
         self.ledger.discard_step_state()
-        mp = t.metrics_processor
+        mp = self.facts.parts.metrics_processor
         mp.ntokens_since_last_log -= sum(rec.fetched)
         if rec.fetched:
             del mp.data_loading_times[-len(rec.fetched):]
@@ -564,20 +568,21 @@ class Recovery(Judgment, Configurable):
     def _apply_late(self, rec: StepRecord, lrs: list[list]) -> None:
         """The held update of ``rec``, applied a step late at its own learning rates (the
         schedule has moved on since)."""
-        t = self.host
-        opts = list(t.optimizers.optimizers)
+        opts = list(self.facts.parts.optimizers.optimizers)
         now = [[group_lr(g) for g in o.param_groups] for o in opts]
         for o, lr in zip(opts, lrs):
             for g, x in zip(o.param_groups, lr):
                 set_group_lr(g, x)
-        self.ledger.before_late_update()
-        try:
-            t.optimizers.step()
-        finally:
-            for o, lr in zip(opts, now):
-                for g, x in zip(o.param_groups, lr):
-                    set_group_lr(g, x)
-        self.ledger.after_update(True, rec)
+
+        def step() -> None:
+            try:
+                self.facts.parts.optimizers.step()
+            finally:
+                for o, lr in zip(opts, now):
+                    for g, x in zip(o.param_groups, lr):
+                        set_group_lr(g, x)
+
+        self.ledger.update(step, rec)
 
     def _redo(self, rec: StepRecord, proof: ProofRecord | None, need_loss: bool):
         """This step again, after the previous step's deferred decision changed the

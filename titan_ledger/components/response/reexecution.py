@@ -76,7 +76,7 @@ class Reexecution:
 
     def __enter__(self) -> Reexecution:
         t = self.host
-        counts = expert_counts(t.model_parts)
+        counts = expert_counts(self.facts.parts.model_parts)
         cuda = torch.cuda.get_rng_state() if self.facts.device.type == "cuda" else None
         self._saved = (t.step_record, t.ntokens_seen, counts, [c.clone() for c in counts],
                        torch.get_rng_state(), cuda)
@@ -89,7 +89,7 @@ class Reexecution:
         """One execution on ``groups`` with fresh gradients; returns ``execute``'s
         (accumulated loss, pre-clip grad norm, local and global valid tokens)."""
         t = self.host
-        for m in t.model_parts:
+        for m in self.facts.parts.model_parts:
             for p in m.parameters():
                 p.grad = None
         t.attend(self.rec)  # the hooks see the executed step (a swap repeats; a bitflip is done)

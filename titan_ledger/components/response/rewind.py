@@ -43,14 +43,14 @@ class Rewind:
         first = t.step
         last = min(window[1], self.facts.steps)
         n = last - first + 1
-        info = self.ledger.loader.skip(n * self.facts.microbatches)
+        info = self.facts.loader.skip(n * self.facts.microbatches)
         if self.facts.skip_lr == "advance":
-            for sched in t.lr_schedulers.schedulers:
+            for sched in self.facts.parts.lr_schedulers.schedulers:
                 sched.last_epoch += n - 1  # O(1) for any window: one step() applies it
                 sched.step()
-        lr = next(iter(t.lr_schedulers.get_metrics().values()), float("nan"))
+        lr = next(iter(self.facts.parts.lr_schedulers.get_metrics().values()), float("nan"))
         self.ledger.record_skip(first=first, last=last, info=info, lr=lr, step_start=step_start,
-                             metrics_logger=t.metrics_processor.logger)
+                             metrics_logger=self.facts.parts.metrics_logger)
         logger.info(f"titan_ledger: skipped steps {first}-{last}: samples "
                     f"[{info.position_before}, {info.position_after}) consumed without training, "
                     f"LR schedule {self.facts.skip_lr}")
@@ -86,13 +86,13 @@ class Rewind:
             raise RuntimeError(f"titan_ledger: spike at step {spike_step} after {rewinds} "
                                f"rollbacks (--ledger.rollback.limit); stopping. See "
                                f"{self.facts.folder / records.SPIKES_FILE}")
-        t.checkpointer.maybe_wait_for_staging()
+        self.facts.parts.checkpointer.maybe_wait_for_staging()
         # an async save in flight is finished first: which checkpoints exist must not depend
         # on when the decision was made (in the step, or a step late)
-        t.checkpointer.maybe_wait_for_saving()
+        self.facts.parts.checkpointer.maybe_wait_for_saving()
         # rows first: a deferred step's rows waited for this decision, and the load resets
         # the counters a row reads (skipped_samples)
-        ledger.drain(block=True, metrics_logger=t.metrics_processor.logger)
+        ledger.drain(block=True, metrics_logger=self.facts.parts.metrics_logger)
         decision = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:  # one list, rank 0's, for every rank
             steps = [c for c in checkpoints(self.facts.dump_folder, self.facts.checkpoint_folder)
@@ -121,7 +121,7 @@ class Rewind:
                                            f"{spike_step - cfg.back} exists to roll back to") from e
                     snap, load = None, checkpoint
             if snap is None:
-                t.checkpointer.load(step=load)  # sets t.step = load via the train state
+                self.facts.parts.checkpointer.load(step=load)  # sets t.step = load via the train state
         window = (load + 1, load + max(cfg.skip, spike_step - load))
         logger.warning(f"titan_ledger: rolling back from step {spike_step} to "
                        f"{'the host snapshot of step ' if snap else 'checkpoint step-'}{load}; "
@@ -129,8 +129,8 @@ class Rewind:
         logger.info(f"titan_ledger: step {load}'s state restored in {time.perf_counter() - loaded:.3f} s "
                     f"({'host memory' if snap is not None else 'checkpoint load'})")
         if self.lr_scale != 1.0:
-            scale_lr(t.lr_schedulers, self.lr_scale)
+            scale_lr(self.facts.parts.lr_schedulers, self.lr_scale)
         ledger.rewind(from_step=spike_step, to_step=load, window=window,
-                      metrics_logger=t.metrics_processor.logger)
+                      metrics_logger=self.facts.parts.metrics_logger)
         t.move_to(load + 1)
         self.ring.clear()  # the rewound steps are another timeline (and a skip window follows)

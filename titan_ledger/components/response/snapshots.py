@@ -234,11 +234,11 @@ class SnapshotRing:
         optimizer step hook moves: a replay runs that hook too) and the counters a
         forward fills (``tokens_per_expert``), so that a replay starts from the bits the
         run had."""
-        return ([p for m in self.host.model_parts for p in m.parameters()]
-                + [b for m in self.host.model_parts for b in m.buffers()])
+        return ([p for m in self.facts.parts.model_parts for p in m.parameters()]
+                + [b for m in self.facts.parts.model_parts for b in m.buffers()])
 
     def optimizers(self) -> list:
-        return list(self.host.optimizers.optimizers)
+        return list(self.facts.parts.optimizers.optimizers)
 
     def capture(self, step: int) -> None:
         """Snapshot the state after ``step`` (the oldest slot's buffers reused). Taken
@@ -256,8 +256,8 @@ class SnapshotRing:
         tensors = (self._spare.pop() if self._spare else HostState()).capture(
             self.tensors(), self.optimizers(), self._stream)
         run = {"trainer": {**_host_copy(t.state_dict()), "step": step},
-               "lr_schedulers": _host_copy(t.lr_schedulers.state_dict()),
-               "dataloader": _host_copy(t.dataloader.state_dict())}
+               "lr_schedulers": _host_copy(self.facts.parts.lr_schedulers.state_dict()),
+               "dataloader": _host_copy(self.facts.parts.dataloader.state_dict())}
         self.ring.append(Snapshot(step, tensors, run))
         self._prune_log()
 
@@ -389,8 +389,8 @@ class SnapshotRing:
         self.settle()
         response_fault(self.facts.faults, "restore")  # (rehearsal)
         snap.tensors.restore(self.tensors(), None if "optimizer" in excluded else self.optimizers())
-        for key, part, state in (("lr_scheduler", t.lr_schedulers, "lr_schedulers"),
-                                 ("dataloader", t.dataloader, "dataloader"), ("train_state", t, "trainer")):
+        for key, part, state in (("lr_scheduler", self.facts.parts.lr_schedulers, "lr_schedulers"),
+                                 ("dataloader", self.facts.parts.dataloader, "dataloader"), ("train_state", t, "trainer")):
             if key not in excluded:
                 part.load_state_dict(copy.deepcopy(snap.run[state]))
 

@@ -167,7 +167,7 @@ class WindowProof:
                             if flags_as_run(detector, judged, g):
                                 flagged.append(s)
                         if not entry.rec.update_skipped:
-                            t.optimizers.step()
+                            self.facts.parts.optimizers.step()
                     # the flagged step's forward/backward on the window's parameters (no update: no LR)
                     loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
                     self._model_variant(UNCHANGED)
@@ -244,14 +244,14 @@ class WindowProof:
         """The run's loss when it is titan_ledger's (its z-loss weight can be set)."""
         from titan_ledger.components.signals.doc_loss import find_doc_loss
 
-        ours = find_doc_loss(self.host.loss_fn)
+        ours = find_doc_loss(self.facts.parts.loss_fn)
         return ours if ours is not None and hasattr(ours, "z_loss_weight") else None
 
     def _attention(self) -> list:
         """The attention modules whose logits a cap can bound (titan_ledger's recorder)."""
         from titan_ledger.components.signals.attention import MaxLogitRecorder
 
-        return [m for part in self.host.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
+        return [m for part in self.facts.parts.model_parts for m in part.modules() if isinstance(m, MaxLogitRecorder)]
 
     def _model_variant(self, variant: str) -> None:
         """What a variant changes outside the optimizer, set for its window and back to the

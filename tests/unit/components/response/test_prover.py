@@ -276,7 +276,7 @@ def _adam_history(t, norms):
     for p in t.model.parameters():
         p.grad = None
     t.optimizers = SimpleNamespace(optimizers=[opt])
-    t.ledger.owned = list(t.model.parameters())
+    t.ledger.owned_params = list(t.model.parameters())
     t.ledger.adam_level = level
 
 

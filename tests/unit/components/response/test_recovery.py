@@ -108,7 +108,7 @@ class _Ledger(LedgerDouble):
             self.rows.append((rec.step, rec.update_skipped, rec.proof.verdict if rec.proof else rec.unproven))
 
     def record_event(self, ev, alert=None, metrics_logger=None):
-        self.events.append(ev)
+        super().record_event(ev)  # (a ladder's action: ``actions``)
         if alert is not None:
             self.events.append({"alert": alert[1]})
 
