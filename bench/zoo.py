@@ -72,9 +72,9 @@ The scenarios (``true_cause`` as ``diagnose`` prints it), in three sets:
 * long (``--set long``; not in ``all``): ``output_logits_long``, 10^4 steps of the tiny
   model without weight decay or z-loss (QK-norm on): log Z's peak drifts up late in the
   run without a flag; the prevention z-loss 1e-4 (about 16 minutes a run pair alone).
-* smoke (``--set smoke``; not in ``all``): ``hardware_smoke``, the CI test's scenario
-  (``tests/bench/test_zoo.py``): a bit flip at step 12 of 16 steps at a quarter of the
-  rows; it measures nothing. ``real_smoke``: the first 40 steps of ``lr_divergence_real``.
+* smoke (``--set smoke``; not in ``all``): ``hardware_smoke``: a bit flip at step 12 of
+  16 steps at a quarter of the rows; it measures nothing. ``real_smoke``, the CI test's
+  scenario (``tests/bench/test_zoo.py``): the first 40 steps of ``lr_divergence_real``.
 
 Per scenario it prints (``--json``: one object per line) ``scenario``, ``set``,
 ``true_cause``, ``named_cause`` (the heuristic), ``named_cause_rerun``, ``true_step``,

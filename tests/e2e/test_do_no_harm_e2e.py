@@ -77,6 +77,9 @@ PLATEAU = ["--job.config_file", str(CONFIGS / "tiny_cpu.toml"), "--dataloader.so
 #: the default run stopped on a NaN at step 421 (878e121); the 360 steps more it once trained (Adam's state
 #: flagged again at 633 and 638) asked the same question again for 2-3 minutes of CI
 PLATEAU_STEPS = 440
+#: the plateau run checkpoints as a real run does: its fix relaunches from the last checkpoint before the
+#: incident (trains ~30 steps to pass it), not from scratch (430 steps: a minute of CI)
+PLATEAU_CKPT = ["--checkpoint.enable", "--checkpoint.interval", "400"]
 DEBUG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
          "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8",
          "--ledger.rehearsal.inject", "6:0:bitflip,10:1:repeat"]
@@ -105,7 +108,7 @@ def runs(tmp_path_factory):
     quarantine.write_text(json.dumps({"source": "easy", "doc": 0}) + "\n")
     plateau = [*PLATEAU, "--dataloader.paths", str(prefix)]
     specs = {
-        "plateau": ([*plateau, "--training.steps", str(PLATEAU_STEPS)], 1),
+        "plateau": ([*plateau, "--training.steps", str(PLATEAU_STEPS), *PLATEAU_CKPT], 1),
         "plateau_off": ([*plateau, "--training.steps", "430", "--ledger.proof.scope", "off"], 1),
         "masked": ([*plateau, "--training.steps", "4", "--ledger.filter.quarantine", str(quarantine)], 1),
         "faults_observe": (DEBUG, 2),
@@ -177,7 +180,8 @@ def test_the_plateaus_first_answer_is_one_cause_and_its_printed_fix_trains_past_
     """Issue 67: the plateau's first ``optimizer_state`` incident has one answer (the console,
     diagnose and the page render it); its fix changes this run (``--optimizer.eps 1e-6``, now
     1e-8), no quarantine is offered, and its printed command -- run as printed, in a shell,
-    with only the horizon shortened -- relaunches into a new folder and trains past the step
+    with only the horizon shortened -- relaunches into a new folder from the run's last
+    checkpoint before the incident (step 400, loaded whole) and trains past the step
     without the spike; the page's first 1280 x 900 pixels hold the cause and the command."""
     import re
     import subprocess
@@ -196,7 +200,7 @@ def test_the_plateaus_first_answer_is_one_cause_and_its_printed_fix_trains_past_
     assert a.established.startswith("in_step") and a.cause_text.startswith("Adam's state")
     fix = a.fix or a.candidates[0]
     assert fix.flags == ("--optimizer.eps", "1e-6") and "(now 1e-8)" in fix.change  # not the run's own value
-    assert not a.quarantine and not a.documents and a.command and a.start.startswith("scratch")
+    assert not a.quarantine and not a.documents and a.command and a.start == "checkpoint step-400", a.start
     assert "\n".join(a.lines()) in out  # the console said these three lines
     res = diagnose.judge(led, first)
     assert res["answer"] == a.to_json() and not diagnose.offers_documents(res)
@@ -207,7 +211,7 @@ def test_the_plateaus_first_answer_is_one_cause_and_its_printed_fix_trains_past_
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, explain(p)
     fixed = signals_rows(new)
-    assert sorted(fixed) == list(range(1, first + 13))
+    assert sorted(fixed) == list(range(401, first + 13))  # from the checkpoint: optimizer, data position, step
     flagged = {e["step"] for e in spike_events(new) if e.get("rules")}
     assert not flagged & set(range(first - 10, first + 13)), flagged  # the incident did not recur
     assert not (d / "ledger" / "proven_documents.jsonl").exists() and sorted(signals_rows(d)) == list(range(1, PLATEAU_STEPS + 1))

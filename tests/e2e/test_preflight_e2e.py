@@ -8,8 +8,9 @@ nothing into the dump folder (no ``structured_logs/``, no lock, no ledger line).
 One 2-step training run (module-scoped, ``slow``) is the run already in the folder. Its
 data fingerprint hashes the seed, so ``--dataloader.seed 7`` is "another run's data" at
 the same seq_len and global batch. One refusal of each entry runs as a real process (the
-missing corpus through ``launch``, the other fingerprint through ``train``: one line on
-the process's stderr, exit 2); the others call the entries' ``main`` in this process
+missing corpus through ``launch``, a fresh interpreter; the other fingerprint through
+``train``, forked from the tests' warm launcher: one line on the process's stderr, exit 2);
+the others call the entries' ``main`` in this process
 (``helpers.launch_here``, ``train_refused_here``: a fresh interpreter imports torch and
 torchtitan for ~10 s), and the variants of each check the functions themselves
 (``loader.check_inputs``, ``loader.data_fingerprint``, ``run_folder.claim_dump_folder``)."""
@@ -17,11 +18,10 @@ torchtitan for ~10 s), and the variants of each check the functions themselves
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import CONFIGS, ROOT, child_env, explain, launch_here, py, train_refused_here
+from helpers import CONFIGS, ROOT, child_env, explain, launch_here, py, torchrun, train_argv, train_refused_here
 
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
 from titan_ledger.data.loader import LedgerDataLoader, check_inputs, data_fingerprint
@@ -38,11 +38,13 @@ def _launch(*train_args):
 
 
 def _train(*train_args):
-    """``python -m titan_ledger.train`` as one process (WORLD_SIZE=1, no torchrun)."""
+    """``python -m titan_ledger.train`` as one process (WORLD_SIZE=1, no torchrun), forked
+    from the warm launcher where it runs (``helpers.train_argv``: its own process, its own
+    stderr and exit code, without a fresh interpreter's imports)."""
     env = child_env(WORLD_SIZE="1")
     for k in ("RANK", "LOCAL_RANK"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "titan_ledger.train", *map(str, train_args)],
+    return subprocess.run([*train_argv(), *map(str, train_args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -71,7 +73,7 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
 def trained(tmp_path_factory) -> Path:
     """debug_cpu, 2 steps, 2 ranks, seed 1234: a folder holding a run and its data ledger."""
     dump = tmp_path_factory.mktemp("preflight") / "run"
-    p = _launch("--job.config_file", DEBUG, "--job.dump_folder", dump, "--training.steps", "2")
+    p = torchrun(["--job.config_file", DEBUG, "--job.dump_folder", str(dump), "--training.steps", "2"])
     assert p.returncode == 0, explain(p)
     assert (dump / "ledger" / "data_dp0.jsonl").is_file() and (dump / "structured_logs").is_dir()
     return dump
