@@ -49,16 +49,7 @@ from titan_ledger.components.ledger.data_writer import DataLedgerWriter
 from titan_ledger.components.ledger.resume import LedgerResume, read_proven
 from titan_ledger.components.ledger.sections import DocLossConfig, FilterConfig, RehearsalConfig, SkipConfig
 from titan_ledger.components.ledger.start import LedgerStart
-from titan_ledger.components.response.config import (
-    AdamCheckConfig,
-    BreakerConfig,
-    ConvictionConfig,
-    ProofConfig,
-    ResponseConfig,
-    RollbackConfig,
-    SnapshotsConfig,
-    WindowConfig,
-)
+from titan_ledger.components.response.config import ResponseSections
 from titan_ledger.components.response.host import History, Recorded
 from titan_ledger.components.run.run_folder import Launch
 from titan_ledger.components.signals.adam_level import AdamLevel
@@ -86,7 +77,7 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
     checkpoint's ``state_dict`` / ``load_state_dict`` are :class:`LedgerResume`'s."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
+    class Config(ResponseSections):
         device: Literal["auto", "cpu", "cuda"] = "auto"
         """
         Compute backend. ``auto`` uses CUDA when a GPU is visible and otherwise the
@@ -143,35 +134,6 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         """The stall rule: the loss's trend against its own past, window by window (a run
         that stops learning while its attention logits grow, or slowly diverges), on the
         host from the written rows (``[ledger.stall]``)."""
-
-        response: ResponseConfig = field(default_factory=lambda: ResponseConfig())
-        """What the response may change (the policy) and what a flagged step does (the
-        action or recovery ladder) (``[ledger.response]``)."""
-
-        proof: ProofConfig = field(default_factory=lambda: ProofConfig())
-        """The proof at the alarm: which flags, the note budget, the executions' tolerance
-        (``[ledger.proof]``)."""
-
-        adam_check: AdamCheckConfig = field(default_factory=lambda: AdamCheckConfig())
-        """The proof's optimizer-state test (``[ledger.adam_check]``)."""
-
-        conviction: ConvictionConfig = field(default_factory=lambda: ConvictionConfig())
-        """What convicting data needs: the quarantine's bound, a stable run, the content
-        look-back (``[ledger.conviction]``)."""
-
-        rollback: RollbackConfig = field(default_factory=lambda: RollbackConfig())
-        """In-process rollbacks: how far back, how many steps skipped, how many
-        (``[ledger.rollback]``)."""
-
-        breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig())
-        """The circuit breaker on automatic actions (``[ledger.breaker]``)."""
-
-        snapshots: SnapshotsConfig = field(default_factory=lambda: SnapshotsConfig())
-        """Host-memory snapshots: the ring a window proof re-runs from and a rollback
-        restores (``[ledger.snapshots]``)."""
-
-        window: WindowConfig = field(default_factory=lambda: WindowConfig())
-        """The window proof's fixes and budget (``[ledger.window]``)."""
 
         rehearsal: RehearsalConfig = field(default_factory=lambda: RehearsalConfig())
         """Fault injection and counterfactual reruns (``[ledger.rehearsal]``); rehearsal only."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
+from torchtitan.config import Configurable
+
 from titan_ledger.components.response.ladder import Action, parse_ladder
 from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES
 from titan_ledger.errors import ConfigError
@@ -393,3 +395,40 @@ class WindowConfig:
         if not 0 < self.lr_factor < 1 or not 0 < self.beta2 < 1 or not self.eps > 0:
             raise ConfigError(f"--ledger.window.lr_factor {self.lr_factor} / beta2 {self.beta2} / eps {self.eps}: "
                               f"expected lr_factor and beta2 in (0, 1), eps > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ResponseSections(Configurable.Config):
+    """The response's eight sections, declared once: ``Recovery.Config`` is them, and the
+    ledger's table (``Ledger.Config``) extends them, so that a user sets each as
+    ``[ledger.<name>]`` (``--ledger.<name>.<field>``) and the response is built from the
+    sections the user set (``Recovery.Config.of``)."""
+
+    response: ResponseConfig = field(default_factory=lambda: ResponseConfig())
+    """What the response may change (the policy) and what a flagged step does (the
+    action or recovery ladder) (``[ledger.response]``)."""
+
+    proof: ProofConfig = field(default_factory=lambda: ProofConfig())
+    """The proof at the alarm: which flags, the note budget, the executions' tolerance
+    (``[ledger.proof]``)."""
+
+    adam_check: AdamCheckConfig = field(default_factory=lambda: AdamCheckConfig())
+    """The proof's optimizer-state test (``[ledger.adam_check]``)."""
+
+    conviction: ConvictionConfig = field(default_factory=lambda: ConvictionConfig())
+    """What convicting data needs: the quarantine's bound, a stable run, the content
+    look-back (``[ledger.conviction]``)."""
+
+    rollback: RollbackConfig = field(default_factory=lambda: RollbackConfig())
+    """In-process rollbacks: how far back, how many steps skipped, how many
+    (``[ledger.rollback]``)."""
+
+    breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig())
+    """The circuit breaker on automatic actions (``[ledger.breaker]``)."""
+
+    snapshots: SnapshotsConfig = field(default_factory=lambda: SnapshotsConfig())
+    """Host-memory snapshots: the ring a window proof re-runs from and a rollback
+    restores (``[ledger.snapshots]``)."""
+
+    window: WindowConfig = field(default_factory=lambda: WindowConfig())
+    """The window proof's fixes and budget (``[ledger.window]``)."""

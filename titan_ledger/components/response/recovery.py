@@ -73,7 +73,7 @@ import contextlib
 import enum
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -82,16 +82,7 @@ from torchtitan.config import Configurable
 from titan_ledger.components.detection.spikes import STAT_KEYS
 from titan_ledger.components.prevention.optimizer import group_lr, set_group_lr
 from titan_ledger.components.response.bounds import Breaker
-from titan_ledger.components.response.config import (
-    AdamCheckConfig,
-    BreakerConfig,
-    ConvictionConfig,
-    ProofConfig,
-    ResponseConfig,
-    RollbackConfig,
-    SnapshotsConfig,
-    WindowConfig,
-)
+from titan_ledger.components.response.config import ResponseSections
 from titan_ledger.components.response.first_execution import FirstExecution, KeptExecution
 from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.judgment import Judgment
@@ -147,26 +138,10 @@ class Recovery(Judgment, Configurable):
     asked at the spots of the module docstring's table."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
-        """The response's eight sections (:mod:`.config`), each a ``[ledger.<name>]`` table of
-        the run's TOML: they stay where a user sets them, and this Config gathers them."""
-
-        response: ResponseConfig = field(default_factory=ResponseConfig)
-        """``[ledger.response]``: the policy and the recovery ladder."""
-        proof: ProofConfig = field(default_factory=ProofConfig)
-        """``[ledger.proof]``: the proof at the alarm."""
-        adam_check: AdamCheckConfig = field(default_factory=AdamCheckConfig)
-        """``[ledger.adam_check]``: Adam's second-moment check."""
-        conviction: ConvictionConfig = field(default_factory=ConvictionConfig)
-        """``[ledger.conviction]``: what convicting data needs."""
-        rollback: RollbackConfig = field(default_factory=RollbackConfig)
-        """``[ledger.rollback]``: the rollback rung."""
-        breaker: BreakerConfig = field(default_factory=BreakerConfig)
-        """``[ledger.breaker]``: the bound on automatic actions."""
-        snapshots: SnapshotsConfig = field(default_factory=SnapshotsConfig)
-        """``[ledger.snapshots]``: the host snapshot ring."""
-        window: WindowConfig = field(default_factory=WindowConfig)
-        """``[ledger.window]``: the window proof's fixes."""
+    class Config(ResponseSections):
+        """The response's eight sections (:class:`.config.ResponseSections`, declared once),
+        each a ``[ledger.<name>]`` table of the run's TOML: they stay where a user sets them
+        (``Ledger.Config`` extends them), and this Config gathers them."""
 
         @classmethod
         def of(cls, table: Any) -> Recovery.Config:

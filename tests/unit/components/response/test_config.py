@@ -37,6 +37,12 @@ def test_each_section_is_short_and_no_field_repeats_its_sections_job():
     from titan_ledger.components.response.recovery import Recovery
 
     assert [f.name for f in dataclasses.fields(Recovery.Config)] == list(SECTIONS)
+    # declared once (ResponseSections): the ledger's table extends them, Recovery.Config is them
+    from titan_ledger.components.response.config import ResponseSections
+
+    assert issubclass(Ledger.Config, ResponseSections) and issubclass(Recovery.Config, ResponseSections)
+    for cls in (Ledger.Config, Recovery.Config):
+        assert not set(cls.__dict__.get("__annotations__", {})) & set(SECTIONS), cls
 
 
 def test_every_renamed_field_exists_under_its_new_name():
