@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import zoo  # noqa: E402
 
-from titan_ledger.format.answers import Answer, Knobs  # noqa: E402
+from titan_ledger.format.answers import Answer, Knobs, of_run  # noqa: E402
 from titan_ledger.format.reader import RunLedger  # noqa: E402
 
 #: the real set of issue 61 (zoo's scenarios, trained without their prevention twins)
@@ -160,7 +160,7 @@ def run_fix(command: str, extra_env: dict, log: Path) -> int:
 
 
 def answers_of(dump: Path) -> list[Answer]:
-    return [Answer.of(a) for _, a in sorted(RunLedger(dump).recorded_answers().items())]
+    return [Answer.of(a) for _, a in sorted(of_run.recorded(RunLedger(dump)).items())]
 
 
 def main(argv=None) -> int:
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     for r in runs:
         dump = Path(r["dump"])
         led = RunLedger(dump)
-        ctx = led.answer_context()
+        ctx = of_run.context(led)
         for ans in answers_of(dump):
             inc = {"scenario": r["scenario"], "seed": r["seed"], "step": ans.step, "kind": ans.kind,
                    "title": ans.title, "cause": ans.cause or None, "cause_text": ans.cause_text,

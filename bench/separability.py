@@ -68,9 +68,9 @@ def flags_of(dump: Path) -> dict:
 
 def named_prevention(dump: Path) -> dict | None:
     """What ``diagnose`` names as the prevention at a run's first acting flag
-    (``decision.judge``: ``{"text", "flags"}``), None when nothing flagged."""
+    (``incident.judge``: ``{"text", "flags"}``), None when nothing flagged."""
     from titan_ledger.format.reader import RunLedger
-    from titan_ledger.tools.decision import judge
+    from titan_ledger.tools.incident import judge
 
     led = RunLedger(dump)
     flags = led.spike_steps()

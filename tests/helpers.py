@@ -203,14 +203,14 @@ def data_rows(dump: Path, dp_rank: int) -> dict[int, dict]:
 
 def data_ids(dump: Path) -> dict[int, dict[int, tuple]]:
     """{step: {dp_rank: sample ids}} (a skipped step: ``("skipped", *ids)``)."""
-    from titan_ledger.format.reader import DataLedger, step_ids
+    from titan_ledger.format.data_reader import DataLedger, step_ids
 
     return step_ids(DataLedger(Path(dump) / "ledger"))
 
 
 def data_spans(dump: Path, steps) -> list[tuple]:
     """Every (step, dp_rank, (source, doc, start, end)) document span trained at ``steps``."""
-    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.format.data_reader import DataLedger
 
     led = DataLedger(Path(dump) / "ledger")
     out = []

@@ -18,7 +18,8 @@ from helpers import ROOT, load_bench
 from titan_ledger.data.indexed import Blend, IndexedCorpus, IndexedWriter
 from titan_ledger.data.layout import round_size, row_digest, sample_id, step_digest
 from titan_ledger.format import records
-from titan_ledger.format.reader import RunLedger, step_ids
+from titan_ledger.format.data_reader import step_ids
+from titan_ledger.format.reader import RunLedger
 
 lg = load_bench("ledger_grow")
 

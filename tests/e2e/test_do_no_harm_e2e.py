@@ -188,20 +188,20 @@ def test_the_plateaus_first_answer_is_one_cause_and_its_printed_fix_trains_past_
 
     from helpers import child_env, chromium_dom, headless_chromium
 
-    from titan_ledger.format.answers import Answer
+    from titan_ledger.format.answers import Answer, of_run, render
     from titan_ledger.format.reader import RunLedger
     from titan_ledger.tools import diagnose
     from titan_ledger.tools.report import report
 
     d, out = runs["plateau"]
     led = RunLedger(d)
-    first = min(s for s, a in led.recorded_answers().items() if a["cause"] == "optimizer_state")
-    a = Answer.of(led.recorded_answers()[first])
+    first = min(s for s, a in of_run.recorded(led).items() if a["cause"] == "optimizer_state")
+    a = Answer.of(of_run.recorded(led)[first])
     assert a.established.startswith("in_step") and a.cause_text.startswith("Adam's state")
     fix = a.fix or a.candidates[0]
     assert fix.flags == ("--optimizer.eps", "1e-6") and "(now 1e-8)" in fix.change  # not the run's own value
     assert not a.quarantine and not a.documents and a.command and a.start == "checkpoint step-400", a.start
-    assert "\n".join(a.lines()) in out  # the console said these three lines
+    assert "\n".join(render.lines(a)) in out  # the console said these three lines
     res = diagnose.judge(led, first)
     assert res["answer"] == a.to_json() and not diagnose.offers_documents(res)
     # the command as printed, shortened to 12 steps past the incident

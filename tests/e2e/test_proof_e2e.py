@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import CONFIGS, cli, data_rows, explain, load_bench, rejected_steps, signals_rows, spike_events, torchrun
 
+from titan_ledger.format.data_reader import DataLedger
 from titan_ledger.format.proofs import HARMFUL
-from titan_ledger.format.reader import DataLedger
 from titan_ledger.format.records import read_ledger
 
 pytestmark = pytest.mark.slow

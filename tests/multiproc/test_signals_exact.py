@@ -19,7 +19,7 @@ from helpers import data_rows, first_batches, rank_losses, signal_keys, signals_
 from titan_ledger.components.signals.attention import CpuAttention, document_causal_mask
 from titan_ledger.components.signals.sums import layer_group
 from titan_ledger.data.layout import distinct_documents
-from titan_ledger.format.reader import DataLedger
+from titan_ledger.format.data_reader import DataLedger
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,8 @@ import numpy as np
 from titan_ledger.errors import LedgerCorrupt, LedgerError
 from titan_ledger.format import columns, records
 from titan_ledger.format.proofs import Proof
-from titan_ledger.format.reader import SIGNAL_ROW_KEYS, RunLedger, same_run
+from titan_ledger.format.reader import SIGNAL_ROW_KEYS, RunLedger
+from titan_ledger.format.run_identity import same_run
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -115,7 +116,7 @@ SPIKE_COLUMNS = {
     "proof_verdict": "str", "proof_applied": "str", "proof_would_apply": "str", "proof_held_back": "str",
     "proof_policy": "str", "proof_executions": "int", "proof_seconds": "float", "proof_documents": "list",
     "proof_adam_amplification": "float", "proof_window_from": "int", "proof_failed": "str",
-    # the incident's answer (format.answers: the one record every view renders)
+    # the incident's answer (format.answers: the one record every view renders; render.columns)
     "answer_step": "int", "answer_title": "str", "answer_cause": "str", "answer_driver": "str",
     "answer_cause_text": "str", "answer_established": "str", "answer_separates": "bool", "answer_fix": "str",
     "answer_fix_effect": "str", "answer_fix_flags": "list", "answer_candidates": "list", "answer_command": "str",
@@ -150,7 +151,7 @@ def event_row(e: dict) -> dict:
     proof's snapshot step) and the incident's answer into ``answer_*`` columns (an
     acting flag's, a promoted note's; a stall's rides in its forced proof's event, with
     ``answer_step`` the stall's step)."""
-    from titan_ledger.format.answers import Answer
+    from titan_ledger.format.answers import Answer, render
 
     p = e.get("proof")
     a = Answer.of(e["answer"]) if isinstance(e.get("answer"), dict) else None
@@ -163,7 +164,7 @@ def event_row(e: dict) -> dict:
         "ladder_action": e.get("action") if e.get("ladder") else None, "rewind_to": e.get("rewind_to"),
         "breaker": e.get("breaker"), "stall_kind": (e.get("stall") or {}).get("kind"),
         "response_failure": (e.get("response_failure") or {}).get("error"),
-        **({"answer_step": a.step, **a.columns()} if a is not None else _NO_ANSWER),
+        **({"answer_step": a.step, **render.columns(a)} if a is not None else _NO_ANSWER),
     }
 
 

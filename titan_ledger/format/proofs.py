@@ -46,14 +46,22 @@ VERDICTS = tuple(Finding)
 HARMFUL = (Finding.HARDWARE, Finding.BAD_DATA)
 
 
-#: why a verdict that calls for an action did not act (a proof's ``held_back``)
+#: why a verdict that calls for an action did not act (a proof's ``held_back``): the proof's
+#: line says it in full, an answer's "done" line briefly (``held_back_words(key, brief=True)``)
 HELD_BACK = {
-    "observe": "--ledger.response.policy observe",
-    "quarantine_bound": "the quarantine bound",
-    "fragile": "a run already fragile",  # (records before the prover said not_data there)
-    "breaker": "the circuit breaker",
-    "novelty": "no control of the same novelty (decided in the step: the next step's data not fetched yet)",
+    "observe": ("--ledger.response.policy observe", "--ledger.response.policy observe"),
+    "quarantine_bound": ("the quarantine bound", "the quarantine bound"),
+    "fragile": ("a run already fragile", "a fragile run"),  # (records before the prover said not_data there)
+    "breaker": ("the circuit breaker", "the circuit breaker"),
+    "novelty": ("no control of the same novelty (decided in the step: the next step's data not fetched yet)",
+                "no control of the same novelty (decided in the step)"),
 }
+
+
+def held_back_words(key: str, brief: bool = False) -> str:
+    """Why a verdict did not act, in words (:data:`HELD_BACK`; an unknown key as itself)."""
+    row = HELD_BACK.get(key)
+    return key if row is None else row[1 if brief else 0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,6 +95,24 @@ class ProofRecord:
     window: dict[str, Any] | None = None  # the window proof from the host snapshot
     would_apply: Applied | None = None  # what the verdict called for, where it was held back
     held_back: str | None = None  # a :data:`HELD_BACK` key
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> ProofRecord:
+        """The record a reader parsed (``spikes.jsonl``'s ``proof``), typed again: the
+        verdict and updates as their enums where they are known values (a record of an older
+        writer keeps its string), keys this writer does not know left out."""
+        def enum(kind, v):
+            return kind(v) if v in {m.value for m in kind} else v
+
+        kw = {k: d[k] for k in cls.__slots__ if k in d}
+        kw["verdict"] = enum(Finding, d["verdict"])
+        kw["applied"] = enum(Applied, d.get("applied") or "original")
+        if kw.get("would_apply") is not None:
+            kw["would_apply"] = enum(Applied, kw["would_apply"])
+        kw.setdefault("why", "")
+        kw.setdefault("acting", True)
+        kw.setdefault("executions", [])
+        return cls(**kw)
 
     def to_json(self) -> dict[str, Any]:
         """The record on disk: the fields set, in order (enums as their strings)."""
@@ -225,7 +251,7 @@ def describe_proof(proof: dict[str, Any]) -> str:
         done = "would have " + {"hardware": {"same": "applied the recomputed update", "original": "applied the first "
                                              "update", "none": "applied no update"}.get(wants, wants),
                                 "bad_data": "trained without them and quarantined them"}[v]
-        done += f" ({HELD_BACK.get(held, held)}" + (
+        done += f" ({held_back_words(held)}" + (
             f": {proof['coverage']['refused']}" if held == "quarantine_bound" and proof.get("coverage") else
             f": the update moved the weights {proof['fragile'].get('param_norm_change_pre_median') or 0:.2%} of "
             f"their norm a step" if held == "fragile" and proof.get("fragile") else "") + ")"

@@ -44,7 +44,7 @@ LR computed from the run's own update sizes; QK-norm; beta2 0.95; fp32 master we
 z-loss 1e-4), and data proven in step in a run whose F1/F2 fingerprint holds says so
 (``also``: the configuration made the model fragile).
 
-Every verdict carries its certainty (``decision.judge``; ``report`` prints the same one):
+Every verdict carries its certainty (``incident.judge``; ``report`` prints the same one):
 proven (a rerun reproduced and removed it; bad data only by the ``quarantine`` variant),
 evidence (the trainer's evidence rule and the recorded per-document data agree; or a
 ``skip`` rerun removed it), guess (heuristics only); and what was done about the step
@@ -72,16 +72,8 @@ from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_
 
 # the decision tree (pure); importing it chooses the device backend before torchtitan
 # loads (--rerun parses training configs in this process)
-from titan_ledger.tools.decision import (
-    Thresholds,
-    document_scores,
-    judge,
-    rank_phrase,
-    rank_summary,
-    rules_of,
-    spike_check,
-    spike_steps,
-)
+from titan_ledger.tools.decision import Thresholds, rules_of, spike_check, spike_steps
+from titan_ledger.tools.incident import document_scores, judge, rank_phrase, rank_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,14 +199,15 @@ def print_verdict(r: dict) -> None:
     reading (a candidate, never the answer), the flag, the per-rank losses, the tree's
     questions with their numbers, and the documents and quarantine command when the answer
     allows them."""
-    from titan_ledger.format.answers import Answer, times
+    from titan_ledger.format.answers import Answer, Fix, render, times
 
     a = Answer.of(r["answer"]) if r.get("answer") else None
+    reading = [Fix.of(f) for f in r.get("reading") or []]  # the tree's candidates, beside the answer
     rewound = "   [judged on the history as it stood when the step ran]" if r.get("rewound") else ""
     if a is not None:
-        lines = a.lines()
+        lines = render.lines(a, reading)
         print(lines[0] + rewound)
-        for line in lines[1:] + a.detail():
+        for line in lines[1:] + render.detail(a, reading):
             print(line)
     else:
         print(f"step {r['step']}: not an incident: the trainer did not flag it{rewound}")
@@ -276,7 +269,7 @@ def offending_documents(led: RunLedger, step: int, rank: int | None, n: int = 3)
     """Up to ``n`` distinct documents of ``rank`` (every rank's when it holds none)
     furthest from the step's median document, either way, with a text excerpt; []
     when the run recorded none. (A verdict names only those that stand out:
-    :func:`titan_ledger.tools.decision.judge`.)"""
+    :func:`titan_ledger.tools.incident.judge`.)"""
     scores = document_scores(led, step)
     mine = [d for d in scores if rank is None or d["dp_rank"] == rank] or scores
     return with_text(led, mine[:n])

@@ -26,7 +26,8 @@ import sys
 from titan_ledger.data.layout import RowTag
 from titan_ledger.errors import LedgerError
 from titan_ledger.format import records
-from titan_ledger.format.reader import DataLedger, RunLedger
+from titan_ledger.format.data_reader import DataLedger
+from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 from titan_ledger.tools.postmortem import actions_at
 

@@ -6,7 +6,7 @@ and evidence stats, ``spikes.jsonl``), the recovery ladder's decision, an
 in-process rewind (``rewind_to``, ``skip_window``), the signals row as it stood
 when the step ran (``update_skipped``) and the current history (the window that
 now holds the step, the steps trained after it). ``diagnose``, ``report``
-(through :func:`titan_ledger.tools.decision.judge`), ``lookup``, ``rollback`` and
+(through :func:`titan_ledger.tools.incident.judge`), ``lookup``, ``rollback`` and
 ``replay rerun`` print the same sentence. Imports only the format layer, so the
 light tools (lookup, rollback) do not load the decision tree.
 """

@@ -38,7 +38,8 @@ from pathlib import Path
 
 from titan_ledger.errors import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, LedgerError
 from titan_ledger.format import records
-from titan_ledger.format.reader import RunLedger, checkpoints, step_ids, stream_step_ids
+from titan_ledger.format.data_reader import step_ids, stream_step_ids
+from titan_ledger.format.reader import RunLedger, checkpoints
 from titan_ledger.tools.cli import ToolParser, run_tool
 from titan_ledger.tools.runs import ReplayError, run_training
 

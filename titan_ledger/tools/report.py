@@ -123,7 +123,7 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from titan_ledger.tools.decision import RANKS_LISTED, rank_summary
+    from titan_ledger.tools.incident import RANKS_LISTED, rank_summary
 
     fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     series = {r: [x for x in rows if abs(x["step"] - step) <= around and x.get("loss") is not None
@@ -175,10 +175,10 @@ def ranks_section(led: RunLedger, step: int, around: int) -> str:
 
 
 def diagnosis_section(led: RunLedger, step: int) -> tuple[str, dict | None]:
-    """The verdict of :func:`titan_ledger.tools.decision.judge` -- the one diagnose
+    """The verdict of :func:`titan_ledger.tools.incident.judge` -- the one diagnose
     prints: cause, certainty and its rule, the trainer's flag, what was done, the
     per-rank losses as the step trained, every question with its numbers."""
-    from titan_ledger.tools.decision import judge, rank_phrase, rank_summary
+    from titan_ledger.tools.incident import judge, rank_phrase, rank_summary
 
     try:
         res = judge(led, step)
@@ -223,9 +223,10 @@ def answer_section(res: dict | None, step: int) -> tuple[str, str]:
     """The page's first box: the incident's answer (``format.answers``, the record every view
     renders) -- the cause and how it was established, the fix with its command, what was
     done and what acting would have done, why it was not proven -- and the page's title."""
-    from titan_ledger.format.answers import ESTABLISHED, Answer
+    from titan_ledger.format.answers import ESTABLISHED, Answer, Fix, render
 
     a = Answer.of(res["answer"]) if res and res.get("answer") else None
+    reading = [Fix.of(f) for f in (res or {}).get("reading") or []]  # the tree's candidates, beside the answer
     if a is None:
         return (f"<div class='answer'><p class='cause'>Step {step}: not an incident</p><p>The trainer did not flag "
                 f"this step; the tree's reading is below.</p></div>"), f"step {step} (not flagged)"
@@ -234,11 +235,11 @@ def answer_section(res: dict | None, step: int) -> tuple[str, str]:
     if a.fix is not None:
         parts.append(f"<p><b>Fix:</b> <code>{_e(a.fix.change)}</code>: {_e(a.fix.effect)}"
                      + (f" ({_e(a.fix.detail)})" if a.fix.detail else "") + "</p>")
-    elif a.candidates:
-        parts.append("<p><b>Fix:</b> none measured; candidate (untested): "
-                     + "; ".join(f"<code>{_e(c.change)}</code> ({_e(c.detail)})" for c in a.candidates[:3]) + "</p>")
+    elif render.candidates_of(a, reading):
+        parts.append("<p><b>Fix:</b> none measured; candidate (untested): " + "; ".join(
+            f"<code>{_e(c.change)}</code> ({_e(c.detail)})" for c in render.candidates_of(a, reading)[:3]) + "</p>")
     else:
-        parts.append(f"<p><b>Fix:</b> {_e(a.lines()[1].strip().removeprefix('fix: '))}</p>")
+        parts.append(f"<p><b>Fix:</b> {_e(render.lines(a)[1].strip().removeprefix('fix: '))}</p>")
     if a.command:
         parts.append(f"<p><b>Run it</b> ({_e(a.start)}, into a new folder):</p><pre>{_e(a.command)}</pre>")
     parts.append(f"<p><b>Done:</b> {_e(a.did)}" + (f"; acting would have {_e(a.acting)}" if a.acting else "")
@@ -271,7 +272,7 @@ def proof_section(led: RunLedger, step: int) -> str:
     re-runs from the host snapshot (variant, loss, grad norm, update normal, removed the
     spike, seconds, loss cost) -- each DP rank's share in words, the suspect and its
     control, and the group testing's rounds (``--ledger.proof.bisect``)."""
-    from titan_ledger.format.proofs import HELD_BACK, Proof
+    from titan_ledger.format.proofs import Proof, held_back_words
 
     head = "<h2>Proof at the alarm</h2>"
     record = led.proof_at(step)
@@ -280,7 +281,7 @@ def proof_section(led: RunLedger, step: int) -> str:
     p = Proof.of(record)
     facts = [["in-step verdict", f"{p.verdict}: {p.why}"], ["applied", p.applied]]
     if p.held_back is not None:
-        facts.append(["would have applied", f"{p.would_apply} (held back by {HELD_BACK.get(p.held_back, p.held_back)})"])
+        facts.append(["would have applied", f"{p.would_apply} (held back by {held_back_words(p.held_back)})"])
     facts.append(["in one line", p.line()])
     for key in ("decided_at", "update_recomputed", "ranks", "dp_ranks", "documents"):
         if record.get(key) is not None:

@@ -364,7 +364,7 @@ def _derived_ledger(tmp_path, dp=2, mbs=2, accum=2, steps=3, derive=True):
 def test_derived_rows_are_o1_and_read_back_exactly(tmp_path):
     import json
 
-    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.format.data_reader import DataLedger
 
     led, trained, _ = _derived_ledger(tmp_path)
     raw = [json.loads(x) for x in (led / "data_dp1.jsonl").read_text().splitlines()[1:]]
@@ -379,7 +379,7 @@ def test_derived_rows_are_o1_and_read_back_exactly(tmp_path):
 
 def test_a_changed_corpus_is_caught_by_the_token_hash(tmp_path):
     from titan_ledger.errors import LedgerError
-    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.format.data_reader import DataLedger
 
     led, _, prefix = _derived_ledger(tmp_path, steps=1)
     with open(prefix + ".bin", "r+b") as f:  # same length, other tokens
@@ -394,7 +394,7 @@ def test_a_changed_corpus_is_caught_by_the_token_hash(tmp_path):
 def test_explicit_rows_stay_readable(tmp_path):
     import json
 
-    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.format.data_reader import DataLedger
 
     led, trained, _ = _derived_ledger(tmp_path, steps=2, derive=False)
     raw = json.loads((led / "data_dp0.jsonl").read_text().splitlines()[1])
@@ -409,7 +409,7 @@ def test_derived_rows_across_a_dp_change_use_their_segments_layout(tmp_path):
     from titan_ledger.components.signals.topology import Topology
     from titan_ledger.data.loader import LedgerDataLoader
     from titan_ledger.format import records
-    from titan_ledger.format.reader import DataLedger
+    from titan_ledger.format.data_reader import DataLedger
 
     led, trained, prefix = _derived_ledger(tmp_path, dp=2, mbs=2, accum=1, steps=2)
     from titan_ledger.config_registry import TOKENIZER_DIR

@@ -14,7 +14,15 @@ import shlex
 import pytest
 
 from titan_ledger.format import answers
-from titan_ledger.format.answers import Answer, Context, Knobs, build, derive, fix_command, title_of
+from titan_ledger.format.answers import Answer, Context, Knobs, RerunFinding, derive, fix_command, render, title_of
+from titan_ledger.format.answers import build as build_answer
+from titan_ledger.format.proofs import ProofRecord
+
+
+def build(step, kind, event, proof, ctx, **kw) -> Answer:
+    """The builder, given a proof as a reader parses it (``ProofRecord.of``: typed, as the trainer hands it)."""
+    return build_answer(step, kind, event, ProofRecord.of(proof) if proof is not None else None, ctx, **kw)
+
 
 KNOBS = Knobs(lr=1e-2, eps=1e-8, betas=(0.9, 0.95), warmup_steps=20, qk_norm=False, qk_clip=None, z_loss=0.0,
               steps=800, dtype="float32")
@@ -113,7 +121,7 @@ def test_a_mechanism_measured_in_step_and_removed_by_its_own_fix_is_the_one_caus
     assert a.cause_text.startswith("LR-driven Adam's state")
     assert a.fix.variant == "eps" and a.fix.flags == ("--optimizer.eps", "1e-6") and a.fix.effect == "removed"
     assert a.start == "checkpoint step-300" and "--optimizer.eps 1e-6" in a.command  # the last before the onset (360)
-    lines = a.lines()
+    lines = render.lines(a)
     assert len(lines) == 3 and lines[0].startswith("loss spike at step 421: LR-driven Adam's state")
     assert lines[1].strip().startswith("fix: --optimizer.eps 1e-6 (now 1e-8): removed")
     assert Answer.of(json.loads(json.dumps(a.to_json()))) == a  # one record, on disk and back
@@ -126,7 +134,7 @@ def test_where_the_windows_control_removed_it_too_the_fix_is_the_in_step_causes_
     assert "control" in a.not_proven and not a.candidates
     assert a.fix.variant == "eps" and a.fix.effect == "not measured" and "proven in step" in a.fix.detail
     assert a.command and "--optimizer.eps 1e-6" in a.command
-    assert a.lines()[1].strip().startswith("fix: --optimizer.eps 1e-6 (now 1e-8): not measured")
+    assert render.lines(a)[1].strip().startswith("fix: --optimizer.eps 1e-6 (now 1e-8): not measured")
 
 
 def test_an_in_step_cause_whose_own_fix_the_window_found_useless_gets_no_command():
@@ -135,7 +143,7 @@ def test_an_in_step_cause_whose_own_fix_the_window_found_useless_gets_no_command
     a = build(421, "spike", SPIKE, {**ADAM, "window": _window({"eps": "not removed", "lr": "not removed"})}, CTX)
     assert a.cause == "optimizer_state" and a.fix is None and a.command is None
     assert [c.variant for c in a.candidates] == ["eps"] and "not removed" in a.candidates[0].detail
-    assert "untested" in "\n".join(a.detail())
+    assert "untested" in "\n".join(render.detail(a))
 
 
 def test_where_the_lr_drives_a_mechanism_the_fix_is_the_one_that_trained_better_in_the_window():
@@ -208,12 +216,12 @@ def test_an_unproven_incident_says_why_and_lists_the_trees_reading_as_a_candidat
                                                                                           "certainty": "guess"})
     assert a.cause == "" and a.established == "none" and a.not_proven == "--ledger.proof.scope off"
     assert a.fix is None and [c.variant for c in a.candidates] == ["lr"] and "tree" in a.candidates[0].detail
-    assert a.lines()[0] == "loss spike at step 8: cause not established"
+    assert render.lines(a)[0] == "loss spike at step 8: cause not established"
     # a budget spent: the window's why is the answer's
     b = build(633, "spike", SPIKE, {**ADAM, "window": {"cause": None, "why": "the window-proof budget is spent: 2 "
                                                                            "proof(s), at step(s) 421, 429"}}, CTX)
     assert "budget is spent" in b.not_proven and b.cause == "optimizer_state"
-    assert "budget is spent" in b.lines()[1]
+    assert "budget is spent" in render.lines(b)[1]
 
 
 def test_a_stall_is_answered_by_its_windows_lowered_loss_alone():
@@ -247,7 +255,7 @@ def test_an_incident_without_a_measured_fix_gets_the_runs_earlier_one_as_a_candi
     assert later.fix is None and later.cause == "" and [c.variant for c in later.candidates] == ["lr"]
     assert later.candidates[0].effect == "not measured" and "measured at step 17" in later.candidates[0].detail
     # untested here: listed with its flags, no command (at 304c3a5 such a command helped 50 of 75 incidents)
-    assert later.command is None and "--optimizer.lr 0.001" in later.lines()[1]
+    assert later.command is None and "--optimizer.lr 0.001" in render.lines(later)[1]
     hw = build(63, "spike", SPIKE, {"verdict": "hardware", "applied": "same", "why": "", "acting": True,
                                     "executions": [], "dp_ranks": [0]}, CTX, earlier=(17, first.fix))
     assert not hw.candidates and hw.command is None
@@ -268,13 +276,39 @@ def test_a_cause_a_rerun_proved_gets_its_own_fix_and_command_evidence_only_a_can
     """``diagnose --rerun``: a cause the rerun proved is established by it, and its own fix is
     the answer's (not measured, with a command); evidence alone leaves the fix a candidate,
     without a command."""
-    from titan_ledger.format.answers import with_rerun
-
     bare = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.proof.scope off")
-    proven = with_rerun(bare, "lr", "the LR's rerun removed it", True, CTX)
+    assert bare.cause == "" and bare.fix is None
+    proven = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.proof.scope off",
+                   rerun=RerunFinding("lr", "the LR's rerun removed it", True))
     assert (proven.cause, proven.established, proven.not_proven) == ("lr", "rerun", None)
     assert proven.fix.variant == "lr" and proven.fix.effect == "not measured" and not proven.candidates
     assert proven.command and "--optimizer.lr 0.001" in proven.command and proven.start.startswith("scratch")
-    evidence = with_rerun(bare, "lr", "a skip removed it", False, CTX)
+    evidence = build(8, "spike", SPIKE, None, CTX, unproven="--ledger.proof.scope off",
+                     rerun=RerunFinding("lr", "a skip removed it", False))
     assert evidence.established == "rerun_evidence" and evidence.fix is None and evidence.command is None
     assert [c.variant for c in evidence.candidates] == ["lr"]
+
+
+def test_one_table_per_cause_every_other_table_derives_from_it():
+    """A cause and its fix are declared once (``format.answers.causes``): the window's fixes
+    and their defaults (``[ledger.window]``), the rerun's causes and plans, a cause's own fix
+    and its words are read from that table, never restated."""
+    from titan_ledger.components.response.config import WindowConfig
+    from titan_ledger.format.answers import causes, records
+    from titan_ledger.tools.rerun.variants import CAUSE_OF, PLAN_FOR
+
+    cfg = WindowConfig()
+    assert cfg.causes == [f.name for f in causes.FIXES.values() if f.window] == list(causes.WINDOW_CAUSE)
+    for f in causes.FIXES.values():
+        assert f.cause in causes.CAUSES, f
+        for key, value in f.defaults:
+            assert getattr(cfg, key) == value == causes.default(key), (f.name, key)
+        assert (CAUSE_OF.get(f.name) == f.cause) == f.rerun, f.name
+    for c in causes.CAUSES.values():
+        assert PLAN_FOR[c.name] == list(c.plan)
+        if c.candidate:
+            assert causes.FIXES[c.candidate].cause == c.name  # a cause's own fix proves it
+        a = records.Answer(step=1, kind="spike", title="loss spike", cause=c.name, driver=None, established="in_step",
+                           how="", not_proven=None, separates=None, fixes=(), fix=None, candidates=(), start=None,
+                           command=None, new_dump=None, did="", acting=None)
+        assert a.cause_text == c.words and render.headline(a) == f"loss spike at step 1: {c.words}"

@@ -13,7 +13,8 @@ import pytest
 
 from titan_ledger.errors import LedgerWarning
 from titan_ledger.format import index, records
-from titan_ledger.format.reader import DataLedger, RunLedger, latest_data_header, step_ids_between
+from titan_ledger.format.data_reader import DataLedger, step_ids_between
+from titan_ledger.format.reader import RunLedger, latest_data_header
 
 
 def _data_segment(folder, r, seq, resumed, steps, dp=2, run=None, window=None):
@@ -281,7 +282,7 @@ def _window(a, b):
 def test_the_stream_carries_every_window_that_crosses_a_chunk_edge(tmp_path, chunk):
     """A later launch's window inside an earlier window that stays current: both cross the
     chunk edge (a single carried window lost steps 7-20 here)."""
-    from titan_ledger.format.reader import stream_step_ids
+    from titan_ledger.format.data_reader import stream_step_ids
 
     _seg(tmp_path, 1, "A", 0, [_window(1, 20)])
     _seg(tmp_path, 2, "B", 1, [_window(2, 6), _step(7)])

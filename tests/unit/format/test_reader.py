@@ -6,7 +6,8 @@ import pytest
 
 from titan_ledger.errors import LedgerError, LedgerWarning
 from titan_ledger.format import records
-from titan_ledger.format.reader import DataLedger, RunLedger, checkpoints
+from titan_ledger.format.data_reader import DataLedger
+from titan_ledger.format.reader import RunLedger, checkpoints
 
 
 def _hdr(run, resumed, dp, t, mbs=2):
@@ -120,6 +121,9 @@ def test_a_file_of_another_run_is_named_and_a_launch_opening_now_is_not(tmp_path
     data_file(3, "Y", 1)  # another run's rank 3, seq 1 of ITS run
     with pytest.raises(LedgerCorrupt, match="data_dp3.jsonl: holds run 'Y'"):
         DataLedger(tmp_path)
+    from titan_ledger.format.run_identity import launch_ids
+
+    assert launch_ids(tmp_path) == {1: "A", 2: "B"}  # the run identity every reader checks a file against
 
 
 def test_a_sample_is_checked_against_the_run_before_any_corpus_access(tmp_path):

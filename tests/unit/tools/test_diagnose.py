@@ -166,8 +166,8 @@ def test_documents_are_ranked_against_the_median_document_not_the_median_segment
     the median over distinct documents it is the outlier (0.69x) and is named first."""
     from types import SimpleNamespace
 
-    from titan_ledger.tools.decision import document_scores, extreme_document_rank
     from titan_ledger.tools.diagnose import offending_documents
+    from titan_ledger.tools.incident import document_scores, extreme_document_rank
 
     def seg(rank, doc, loss, tokens=256):
         return {"dp_rank": rank, "row": 0, "segment": 0, "sample_id": 0, "source": "zoo", "doc": doc,
@@ -206,7 +206,7 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     is logit growth on the evidence, and the window proof the trainer ran at the next step
     (a forced proof naming the stall) proves the fix that lowered the loss."""
     from titan_ledger.format.reader import RunLedger
-    from titan_ledger.tools.decision import judge
+    from titan_ledger.tools.incident import judge
 
     from ..bad_input_ledgers import signal_row
 
@@ -246,9 +246,9 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     a = res["answer"]
     assert (a["cause"], a["established"], a["fix"]["variant"], a["fix"]["effect"]) == \
         ("logit_growth", "window", "logit_cap", "lowered")
-    from titan_ledger.format.answers import Answer  # the record diagnose renders, read back whole
+    from titan_ledger.format.answers import Answer, render  # the record diagnose renders, read back whole
 
-    assert Answer.of(a).lines()[0] == "stall at step 350: attention-logit growth -- proven by its fix in the window"
+    assert render.lines(Answer.of(a))[0] == "stall at step 350: attention-logit growth -- proven by its fix in the window"
     assert main([str(tmp_path / "run")]) == 0  # listed without --step: the stall is a finding
     out = capsys.readouterr().out
     assert out.startswith("stall at step 350: attention-logit growth -- proven by its fix in the window\n"

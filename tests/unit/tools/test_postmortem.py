@@ -1,4 +1,4 @@
-"""The postmortem of automatic actions and the one verdict (``decision.judge``) on
+"""The postmortem of automatic actions and the one verdict (``incident.judge``) on
 synthetic ledgers written through ``records.RecordWriter``: a step the trainer flagged
 and rolled back (later a skipped window), an update skip, an injected batch, and how
 sure each verdict is (``certainty``)."""
@@ -13,7 +13,7 @@ import pytest
 from titan_ledger.format import records
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools import diagnose, lookup, report, rollback
-from titan_ledger.tools.decision import DOC_STANDOUT, judge
+from titan_ledger.tools.incident import DOC_STANDOUT, judge
 from titan_ledger.tools.postmortem import actions_at
 
 from ..bad_input_ledgers import data_header, signal_row
@@ -266,7 +266,7 @@ def test_a_rerun_that_contradicts_the_in_step_proof_does_not_override_it(tmp_pat
     window of steps and the spike went away ("bad_data", evidence). The verdict keeps the
     proof's reading and says what the rerun claimed; a rerun that names a cause that is
     not the data (lr) after a not_data proof still decides."""
-    from titan_ledger.tools.decision import rerun_contradicts
+    from titan_ledger.format.answers.of_run import contradicts as rerun_contradicts
     from titan_ledger.tools.rerun.run import write_summary
 
     proof = {"verdict": "not_data", "applied": "original", "why": "reproducible, abnormal without the suspect data",

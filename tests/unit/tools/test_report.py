@@ -130,7 +130,7 @@ def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_pat
     page's answer box and ``diagnose`` render the one answer (``format.answers``, built from
     the record by the same function the trainer's console uses); the proof section keeps
     what the proof measured, the window's re-runs as rows with the one judge's effect."""
-    from titan_ledger.format.answers import Answer
+    from titan_ledger.format.answers import Answer, Fix, of_run, render
     from titan_ledger.format.proofs import Proof, describe_proof
     from titan_ledger.format.reader import RunLedger
     from titan_ledger.tools import diagnose
@@ -147,9 +147,9 @@ def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_pat
     section = page.split("<h2>Proof at the alarm</h2>")[1].split("<h2>")[0]
     assert "<th>cause</th>" not in section  # the proof section derives no cause
     if kind == "outlier":  # a note's proof that found nothing harmful: no incident, no answer
-        assert info["answer"] is None and RunLedger(d).answer(5) is None and "not an incident" in box
+        assert info["answer"] is None and of_run.answer_at(RunLedger(d), 5) is None and "not an incident" in box
     else:
-        a = RunLedger(d).answer(5, info["verdict"]["tree"])
+        a = of_run.answer_at(RunLedger(d), 5)
         assert Answer.of(info["answer"]) == a and f"<p class='cause'>{html.escape(a.cause_text)}</p>" in box
         assert a.cause == {"bad_data": "bad_data", "hardware": "hardware", "lr_window": "lr"}[kind]
     line = describe_proof(ev["proof"])
@@ -163,7 +163,7 @@ def test_the_box_the_proof_table_the_console_and_diagnose_tell_one_story(tmp_pat
         assert "effect (the one judge)" in section and "+2.167" in section  # the LR fix's loss cost
     assert diagnose.main([str(d), "--step", "5"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("\n".join(Answer.of(info["answer"]).lines()) if info["answer"] else
+    assert out.startswith("\n".join(render.lines(Answer.of(info["answer"]), [Fix.of(f) for f in info["verdict"].get("reading") or []])) if info["answer"] else
                           "step 5: not an incident")
 
 

@@ -15,7 +15,6 @@ Event logs are never superseded: a spike that caused a rewind stays on record.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,8 @@ from torch.profiler import record_function
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import answers, records
+from titan_ledger.format.answers import render
+from titan_ledger.format.proofs import ProofRecord
 
 _NOTE = STAT_KEYS.index("note")
 
@@ -83,7 +84,7 @@ class SpikeGuard:
             fired = fired | (stats[_NOTE] > 0)
         return fired.to(torch.float32)
 
-    def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: dict | None = None,
+    def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: ProofRecord | None = None,
                unproven: str | None = None, proof_failed: dict | None = None,
                stall: dict | None = None) -> tuple[str, dict[str, Any]] | None:
         """A written signals row: if it was flagged, record the event; a note (weaker
@@ -97,6 +98,7 @@ class SpikeGuard:
         it), ``("answer", event)`` for a stall's answered proof, None when the row was neither."""
         from titan_ledger.format.proofs import HARMFUL, resolves
 
+        record, proof = proof, (proof.to_json() if proof is not None else None)  # (typed for the answer; on disk)
         promoted = bool(stats) and is_note(stats) and proof is not None and proof["verdict"] in HARMFUL
         if stats and is_note(stats) and not promoted:
             return "note", self._note(row, stats, proof, unproven, proof_failed)
@@ -104,7 +106,7 @@ class SpikeGuard:
             # a forced proof of a step nothing flagged (--ledger.rehearsal.prove_at; a stall's): its own event
             forced: dict[str, Any] = {"step": row["step"], "proof": proof, "forced": True}
             if stall is not None:  # the stall's answer, at the stall's step
-                answer = self._answer(int(stall["step"]), "stall", stall, proof)
+                answer = self._answer(int(stall["step"]), "stall", stall, record)
                 forced["answer"] = answer.to_json()
                 self._say(answer, None)
             self._spikes.write(forced)
@@ -135,7 +137,7 @@ class SpikeGuard:
         if self.topo.is_rank0:
             why = (f"the proof failed ({proof_failed.get('error')}); the step was decided as without a proof"
                    if proof_failed else None)
-            answer = self._answer(int(row["step"]), "spike", ev, proof, unproven=why)
+            answer = self._answer(int(row["step"]), "spike", ev, record, unproven=why)
             ev["answer"] = answer.to_json()
         if self._spikes is not None:
             self._spikes.write(ev)
@@ -152,7 +154,7 @@ class SpikeGuard:
                     f"rules' history starts again from these steps (--ledger.spike.readmit_after)")
         return "spike", ev
 
-    def _answer(self, step: int, kind: str, event: dict, proof: dict | None,
+    def _answer(self, step: int, kind: str, event: dict, proof: ProofRecord | None,
                 unproven: str | None = None) -> answers.Answer:
         ctx = self.answer_context() if self.answer_context is not None else answers.Context()
         a = answers.build(step, kind, event, proof, ctx, unproven=unproven, earlier=self.measured)
@@ -162,24 +164,10 @@ class SpikeGuard:
         return a
 
     def _say(self, answer: answers.Answer, ev: dict | None) -> None:
-        """An incident on the console (rank 0): its answer's three lines, then the signals
-        that flagged it and the command that applies the fix."""
+        """An incident on the console (rank 0): its answer as every view says it."""
         from torchtitan.tools.logging import logger
 
-        lines = answer.lines()
-        if ev is not None:
-            rank = (f"suspect DP rank {ev['suspect_dp_rank']}" if "suspect_dp_rank" in ev else
-                    f"highest-loss DP rank {ev.get('loss_max_rank')}")
-            g, med = ev.get("grad_norm"), ev.get("grad_norm_median")
-            ratio = (f" = {answers.times(g / med)} its median"
-                     if isinstance(g, float) and isinstance(med, float) and med and math.isfinite(g) else "")
-            lines.append(f"  signals: loss {answers.num(ev.get('loss'))} (recent median "
-                         f"{answers.num(ev.get('loss_recent', ev.get('loss_median')))}), grad norm "
-                         f"{answers.num(ev.get('grad_norm'))}"
-                         f"{ratio}; rules {', '.join(ev.get('rules', []))}; {rank}")
-        if answer.command:
-            lines.append(f"  run it ({answer.start}, into a new folder): {answer.command}")
-        logger.warning("titan_ledger: " + "\n".join(lines))
+        logger.warning("titan_ledger: " + render.console(answer, ev))
 
     def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None,
               unproven: str | None = None, proof_failed: dict | None = None) -> dict[str, Any]:

@@ -44,6 +44,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titan_ledger.format.answers import Answer, render
+
 #: torchtitan's keys that the ledger's per-step ``ledger/<key>`` already carries.
 DUPLICATES = ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm")
 DUPLICATE_PREFIXES = ("lr/",)
@@ -153,7 +155,7 @@ class LedgerWandB:
                                 row.get("loss_max_rank"), _f(row.get("grad_norm")),
                                 _f(ev.get("grad_norm_median")), _f(row.get("max_logit")), ev.get("action"),
                                 proof.get("verdict"), a.cause_text if a else None, a.established if a else None,
-                                a.fix.change if a and a.fix else None, "\n".join(a.lines()) if a else None])
+                                a.fix.change if a and a.fix else None, "\n".join(render.lines(a)) if a else None])
         self.log({"spike/count": self.spikes}, step)
         try:
             table = self.wandb.Table(columns=["step", "rules", "loss", "loss_max", "loss_max_rank", "grad_norm",
@@ -163,12 +165,12 @@ class LedgerWandB:
             self.wandb.log({"spike/events": table}, step=self._advance(step))
         except Exception:
             pass
-        self.alert(a.headline() if a else f"loss spike at step {step}", _incident_text(ev, row), "WARN")
+        self.alert(render.headline(a) if a else f"loss spike at step {step}", _incident_text(ev, row), "WARN")
         self._save()
 
     def answer(self, a) -> None:
         """An incident answered outside a flag (a stall's window proof): its alert."""
-        self.alert(a.headline(), "\n".join(a.lines() + a.detail()), "WARN")
+        self.alert(render.headline(a), "\n".join(render.lines(a) + render.detail(a)), "WARN")
 
     def rewind(self, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
         self.rewinds += 1
@@ -239,7 +241,7 @@ class LedgerTensorBoard:
 
     def answer(self, a) -> None:
         """An incident answered outside a flag (a stall's window proof), as text at its step."""
-        self.writer.add_text("spike/events", code_block("\n".join(a.lines() + a.detail())), int(a.step))
+        self.writer.add_text("spike/events", code_block("\n".join(render.lines(a) + render.detail(a))), int(a.step))
 
     def proof(self, step: int, proof: dict[str, Any]) -> None:
         """A note's proof in words (a spike's rides in ``spike/events``)."""
@@ -293,8 +295,6 @@ def code_block(text: str) -> str:
 
 def answer_of(ev: dict[str, Any]):
     """The incident's answer recorded in its event (``format.answers.Answer``), or None."""
-    from titan_ledger.format.answers import Answer
-
     return Answer.of(ev["answer"]) if isinstance(ev.get("answer"), dict) else None
 
 
@@ -306,7 +306,7 @@ def _incident_text(ev: dict[str, Any], row: dict[str, Any]) -> str:
                f"grad norm {_fmt(row.get('grad_norm'))} (window median {_fmt(ev.get('grad_norm_median'))}); rules "
                f"{', '.join(ev.get('rules', []))}; action {ev.get('action')}")
     if a is not None:
-        return "\n".join(a.lines() + (["  run it: " + a.command] if a.command else []) + ["  signals: " + signals])
+        return "\n".join([*render.lines(a), *filter(None, [render.run_it(a)]), "  signals: " + signals])
     return f"step {row['step']}: {signals}" + (f"; {_proof_line(ev['proof'])}" if ev.get("proof") else "")
 
 

@@ -434,10 +434,10 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             stall = self.stall.observe(done.row) if self.stall is not None else None
             if stall is not None:
                 self._on_stall(stall, metrics_logger)
-            proof = done.rec.proof.to_json() if done.rec.proof is not None else None  # (the record on disk)
+            proof = done.rec.proof  # (typed: the answer is built from it; the guard writes its JSON)
             stall_ev = None
-            if proof is not None and proof.get("stall"):  # a forced proof answering the stall rule's flag
-                stall_ev = next((e for e in reversed(self.stalls) if e["step"] == proof["stall"]["step"]), None)
+            if proof is not None and proof.stall:  # a forced proof answering the stall rule's flag
+                stall_ev = next((e for e in reversed(self.stalls) if e["step"] == proof.stall["step"]), None)
             event = self.guard.on_row(done.row, done.stats, proof=proof, unproven=done.rec.unproven,
                                       proof_failed=done.rec.proof_failed, stall=stall_ev) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl

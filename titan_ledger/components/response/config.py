@@ -26,8 +26,8 @@ from typing import Literal
 from torchtitan.config import Configurable
 
 from titan_ledger.components.response.ladder import Action, parse_ladder
-from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES
 from titan_ledger.errors import ConfigError
+from titan_ledger.format.answers.causes import WINDOW_CAUSE, default
 from titan_ledger.format.spellings import RENAMED, refuse_renamed, renamed_argv, renamed_table  # noqa: F401
 
 #: what the response may change by itself (``--ledger.response.policy``)
@@ -324,7 +324,7 @@ class SnapshotsConfig:
 
 @dataclass(kw_only=True, slots=True)
 class WindowConfig:
-    causes: list[str] = field(default_factory=lambda: ["lr", "adam", "eps", "logit_cap", "zloss"])
+    causes: list[str] = field(default_factory=lambda: list(WINDOW_CAUSE))
     """The fixes the window proof tries, each a re-run of the window besides the unchanged one.
 
     ``lr`` (every step's learning rate x ``lr_factor``: the learning rate), ``adam`` (beta2
@@ -335,27 +335,27 @@ class WindowConfig:
     the spike or not, at a cost (its loss over the window's last ``cost_steps`` steps
     against the unchanged run's)."""
 
-    lr_factor: float = 0.1
+    lr_factor: float = default("lr_factor")
     """The ``lr`` fix's scale on every step's learning rate in the window."""
 
-    beta2: float = 0.95
+    beta2: float = default("beta2")
     """The ``adam`` fix's beta2 over the window (the article's section 2.6: 0.95); a group
     whose beta2 is lower keeps its own."""
 
-    eps: float = 1e-8
+    eps: float = default("eps")
     """The ``adam`` fix's epsilon over the window; a group whose epsilon is larger keeps its
     own. A run already at ``beta2`` and ``eps`` does not run the fix (it would change nothing)."""
 
-    eps_fix: float = 1e-6
+    eps_fix: float = default("eps_fix")
     """The ``eps`` fix: Adam's epsilon raised to this over the window (a group whose epsilon
     is larger keeps its own). 1e-6 removed the memorisation plateau's spikes on the tiny
     model (docs/benchmarks.md)."""
 
-    logit_cap: float = 30.0
+    logit_cap: float = default("logit_cap")
     """The ``logit_cap`` fix: every attention logit soft-capped at this (``cap x tanh(logit /
     cap)``, Gemma 2's) over the window."""
 
-    zloss: float = 1e-4
+    zloss: float = default("zloss")
     """The ``zloss`` fix: the loss's z-loss weight over the window (PaLM's 1e-4)."""
 
     cost_steps: int = 5
@@ -383,9 +383,9 @@ class WindowConfig:
         if self.max_proofs < 0 or self.max_stall_proofs < 0:
             raise ConfigError(f"--ledger.window.max_proofs {self.max_proofs} / max_stall_proofs "
                               f"{self.max_stall_proofs}: expected both >= 0")
-        bad = [c for c in self.causes if c not in SNAPSHOT_CAUSES]
+        bad = [c for c in self.causes if c not in WINDOW_CAUSE]
         if bad:
-            raise ConfigError(f"--ledger.window.causes {','.join(bad)}: expected some of {', '.join(SNAPSHOT_CAUSES)}")
+            raise ConfigError(f"--ledger.window.causes {','.join(bad)}: expected some of {', '.join(WINDOW_CAUSE)}")
         if not (self.eps_fix > 0 and self.logit_cap > 0 and self.zloss > 0 and self.cost_steps >= 1):
             raise ConfigError(f"--ledger.window.eps_fix {self.eps_fix} / logit_cap {self.logit_cap} / zloss "
                               f"{self.zloss} / cost_steps {self.cost_steps}: expected each > 0 (cost_steps >= 1)")

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from titan_ledger.format.answers.causes import WINDOW_CAUSE
+from titan_ledger.format.answers.records import REMOVED_SHARE
 from titan_ledger.format.proofs import Applied, Finding
 
 
@@ -425,14 +427,13 @@ def window_effect(detector, same: tuple[float, float], variant: tuple[float, flo
     """The window proof's one judge of a variant's flagged step (``same``: the unchanged
     re-run's (loss, grad norm); ``variant``: the fix's): ``removed`` when the run's own
     acting rules at that step -- its history and novelty gate included, as they judged the
-    run -- do not flag it and at most :data:`~titan_ledger.format.answers.REMOVED_SHARE` of
+    run -- do not flag it and at most :data:`~titan_ledger.format.answers.records.REMOVED_SHARE` of
     the flagged signal's excess over its pre-onset median is left; ``lowered`` when that
     much is gone but the rules still flag it; else ``not removed``. Returns (effect, the
     share left: the largest over the signals that stood out, None when none did). Measured
     on the memorisation plateau (issue 67): the run recorded grad norms of 0.012-0.014 as
     notes (its novelty gate), and a window without the gate judged fixes at 0.0146-0.0165
     "spiked"; an LR cut that left 79% of a grad-norm jump's excess had "removed" it."""
-    from titan_ledger.format.answers import REMOVED_SHARE
 
     loss, norm = variant
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -479,12 +480,6 @@ def mean_loss(ranks: list[list[float]]) -> float:
     return sum(r[0] for r in ranks) / tokens if tokens else float("nan")
 
 
-#: the window proof's variants (``[ledger.window] causes``) and the cause each one's fix
-#: proves: the LR scaled, Adam's beta2 / epsilon, a cap on the attention logits, z-loss
-SNAPSHOT_CAUSES = {"lr": "lr", "adam": Finding.OPTIMIZER_STATE, "eps": Finding.OPTIMIZER_STATE, "logit_cap": "logit_growth",
-                   "zloss": "output_logits"}
-
-
 def window_verdict(same_normal: bool, removed: dict[str, bool],
                    costs: dict[str, float | None] | None = None,
                    prior: str | None = None, control: str | None = None) -> tuple[str | None, str, list[dict]]:
@@ -506,7 +501,7 @@ def window_verdict(same_normal: bool, removed: dict[str, bool],
     and no fix names a cause (the fixes are still listed).
     Returns (variant of the fix that names the cause or None, why, fixes)."""
     costs = costs or {}
-    fixes = sorted(({"variant": c, "cause": SNAPSHOT_CAUSES.get(c, c), "cost": costs.get(c)}
+    fixes = sorted(({"variant": c, "cause": WINDOW_CAUSE.get(c, c), "cost": costs.get(c)}
                     for c, ok in removed.items() if ok),
                    key=lambda f: (f["cost"] is None, f["cost"] if f["cost"] is not None else 0.0, f["variant"]))
     if same_normal:

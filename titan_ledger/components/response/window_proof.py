@@ -37,10 +37,11 @@ from titan_ledger.components.response.config import WindowConfig
 from titan_ledger.components.response.host import Host, LedgerPort, RunFacts
 from titan_ledger.components.response.reexecution import Reexecution, check_deadline
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
-from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, flags_as_run, window_effect, window_verdict
+from titan_ledger.components.response.verdict import flags_as_run, window_effect, window_verdict
 from titan_ledger.components.signals.sums import loss_sum
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.errors import ProofFailure
+from titan_ledger.format.answers.causes import WINDOW_CAUSE
 from titan_ledger.format.proofs import Finding, ProofRecord
 from titan_ledger.rehearsal.faults import response_fault
 
@@ -230,7 +231,7 @@ class WindowProof:
             why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
         if dist.is_initialized():
             dist.barrier()  # every rank leaves together (the window's collectives are done)
-        return {"cause": SNAPSHOT_CAUSES.get(cause) if cause else None, "variant": cause, "why": why,
+        return {"cause": WINDOW_CAUSE.get(cause) if cause else None, "variant": cause, "why": why,
                 "fixes": fixes, **({"stall": True} if stall else {}), "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
                 "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
                 "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "control": cfg.control,

@@ -48,7 +48,7 @@ Variants (``--variant``, repeatable; a counterfactual changes one thing):
               with a file the rerun writes into its folder), the rest of the batch
               trained: the sharp counterfactual -- the one that PROVES bad data (a bare
               ``quarantine`` takes the documents that stand out at a flagged step,
-              ``decision.judge``; ``quarantine=SOURCE:DOC,...`` names them; none named,
+              ``incident.judge``; ``quarantine=SOURCE:DOC,...`` names them; none named,
               e.g. an injected batch: not applicable). A quarantine that removes a
               reproduced spike is followed at once by its same-size control
               (``control:quarantine=...``, :func:`.plan.quarantine_control`: other

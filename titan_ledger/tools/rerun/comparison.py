@@ -162,7 +162,7 @@ def _signals_at(row: dict | None) -> dict | None:
 
 def compare(original, rerun_led, plan: Plan, v: Variant, folder: Path | None = None) -> VariantResult:
     """Compare a finished rerun (``RunLedger``) with the original over the plan's window."""
-    from titan_ledger.format.reader import step_ids
+    from titan_ledger.format.data_reader import step_ids
 
     res = VariantResult(v.name, v.kind, str(folder) if folder else None)
     ho, hr = original.data.header(), rerun_led.data.header()

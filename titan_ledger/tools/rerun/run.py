@@ -168,7 +168,7 @@ def prepare(dump, step: int, variants: list[str] | list[Variant], train_args: li
     vs = [x if isinstance(x, Variant) else parse_variant(x) for x in variants]
     if any(v.kind == "quarantine" and not v.docs for v in vs):
         # a bare quarantine: the documents the verdict names (standing out at a flagged step)
-        from titan_ledger.tools.decision import judge
+        from titan_ledger.tools.incident import judge
 
         docs = tuple(sorted({(d["source"], int(d["doc"])) for d in judge(led, step).get("documents") or []}))
         vs = [Variant("quarantine", docs=docs) if v.kind == "quarantine" and not v.docs else v for v in vs]
@@ -289,12 +289,28 @@ def write_summary(ledger_dir: Path, rep: dict) -> Path:
             "folder", "note")
     summary = {"step": rep["step"], "load_step": rep["load_step"], "stop": rep["stop"],
                "verdict": rep["verdict"], "variants": [{k: v.get(k) for k in keep} for v in rep["variants"]]}
+    answer = _answer_with(ledger_dir, rep["step"], rep["verdict"])
+    if answer is not None:  # what the rerun proved, recorded as the incident's answer (every view reads it)
+        summary["answer"] = answer.to_json()
     path = records.rerun_summary_file(ledger_dir, rep["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def _answer_with(ledger_dir: Path, step: int, verdict: dict):
+    """The incident's answer built again with what the rerun found (``format.answers``); None
+    when the step is no incident of the ledger or the rerun proved nothing new."""
+    from titan_ledger.errors import LedgerError
+    from titan_ledger.format.answers.of_run import rerun_answer
+    from titan_ledger.format.reader import RunLedger
+
+    try:
+        return rerun_answer(RunLedger.at(ledger_dir), step, verdict)
+    except LedgerError:
+        return None
 
 
 def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: int = 2, after: int = 1,
@@ -309,7 +325,7 @@ def for_diagnosis(dump, results: list[dict], train_args: list[str], *, nproc: in
     if not train_args:
         raise RerunError("--rerun needs the original run's training flags after `--` (at least "
                          "--job.config_file X.toml), as python -m titan_ledger.replay rerun does")
-    from titan_ledger.tools.decision import document_scores
+    from titan_ledger.tools.incident import document_scores
 
     led = RunLedger(dump, ledger_folder)
     jobs = []

@@ -11,22 +11,19 @@ from dataclasses import dataclass
 
 from titan_ledger.errors import TitanLedgerError
 from titan_ledger.format import records
+from titan_ledger.format.answers.causes import CAUSES as CAUSE_TABLE
+from titan_ledger.format.answers.causes import RERUN_CAUSE
 from titan_ledger.tools.rerun.report import _ranges
 
 PRE = 50  # trained steps before T that describe "normal"
 #: a counterfactual that removes the spike -> the cause it proves (priority order);
 #: bad data is PROVEN only by ``quarantine`` (only the named documents masked, the rest
 #: of the batch trained); ``skip`` (the whole step) shows "something in this step"
-CAUSE_OF = {"quarantine": "bad_data", "skip": "bad_data", "lr": "lr", "fp32": "bf16", "beta2": "optimizer_state",
-            "eps": "optimizer_state", "logit_cap": "logit_growth", "qk_clip": "logit_growth", "clip": "clip",
-            "zloss": "output_logits"}
+#: (one table with the window's and the answer's: ``format.answers.causes``)
+CAUSE_OF = RERUN_CAUSE
 CAUSES = tuple(dict.fromkeys(("hardware", *CAUSE_OF.values(), "unproven")))
 #: diagnose's heuristic verdict -> the variants that test it
-PLAN_FOR = {"bad_data": ["same", "quarantine", "skip"], "lr": ["same", "lr"],
-            "optimizer_state": ["same", "beta2", "eps=1e-6"], "bf16": ["same", "fp32"],
-            "output_logits": ["same", "zloss=1e-4"],
-            "logit_growth": ["same", "fp32", "logit_cap", "qk_clip"], "divergence": ["same", "quarantine", "skip"],
-            "hardware": ["same"], "transient": ["same"], "unknown": ["same"]}
+PLAN_FOR = {c.name: list(c.plan) for c in CAUSE_TABLE.values()}
 #: after an unproven plan: the other counterfactuals, most specific first ("lr",
 #: "beta2" and "logit_cap" without a value take theirs from the ledger and the run's
 #: config: :func:`ledger_values`)
@@ -84,7 +81,7 @@ def parse_variant(spec: str, allow_open: bool = False) -> Variant:
     """``same``, ``skip``, ``skip=28-29``, ``quarantine``, ``quarantine=SOURCE:DOC,...``,
     ``lr=0.5``, ...; with ``allow_open``, ``lr`` and ``logit_cap`` without a value (filled
     in by :func:`ledger_values`). A bare ``quarantine`` masks the documents the verdict
-    names (:func:`titan_ledger.tools.decision.judge`: those that stand out at a flagged step)."""
+    names (:func:`titan_ledger.tools.incident.judge`: those that stand out at a flagged step)."""
     kind, eq, val = spec.strip().partition("=")
     if kind in ("same", "skip", "fp32", "swap", "quarantine") and not eq:
         return Variant(kind)

@@ -144,7 +144,7 @@ def test_data_proven_in_a_run_the_lr_made_fragile_says_both():
     """The real set's LR 0.3 run (no bad data planted) had documents convicted in step: the
     proof stands (masking them did bring the update back), and the verdict adds that the
     run's fingerprint says lr, with the LR's prevention; the LR's mechanism is dropped."""
-    from titan_ledger.tools.decision import note_fragile
+    from titan_ledger.tools.incident import note_fragile
 
     res = _classify("lr_warmup_real_seed0")
     assert res["mechanism"] == "logit_growth"
@@ -192,7 +192,7 @@ def test_a_window_proof_that_named_a_cause_decides_the_verdict_and_its_preventio
     removed the spike: ``diagnose`` says that cause, proven in process, with that cause's
     prevention, and keeps the tree's reading as ``heuristic``; a window proof that named
     nothing leaves the tree's verdict as it was."""
-    from titan_ledger.tools.decision import _apply_proof
+    from titan_ledger.tools.incident import _apply_proof
 
     window = {"cause": "optimizer_state", "variant": "adam", "why": "with the adam variant alone ...",
               "from_step": 0, "steps": 26, "seconds": 2.0,
@@ -217,7 +217,7 @@ def test_data_convicted_where_the_window_at_a_lower_lr_removes_the_spike_too_say
     proof's (bad data, proven); ``fragile`` says the LR is proven too, and the prevention
     is the LR's -- not the fingerprint's guess, which note_fragile leaves alone then."""
     from titan_ledger.format.proofs import describe_proof
-    from titan_ledger.tools.decision import _apply_proof, note_fragile
+    from titan_ledger.tools.incident import _apply_proof, note_fragile
 
     window = {"cause": "lr", "variant": "lr", "why": "with the lr variant alone ...", "from_step": 100, "steps": 26,
               "seconds": 3.0, "runs": [{"variant": "same", "loss": 9.0, "grad_norm": 94.7, "normal": False},
@@ -238,7 +238,7 @@ def test_a_forced_proofs_window_on_an_outlier_is_shown_and_proves_nothing():
     update was normal: the window replayed there is kept in ``diagnose``'s proof and in
     the console line, and the verdict stays the tree's."""
     from titan_ledger.format.proofs import describe_proof
-    from titan_ledger.tools.decision import _apply_proof
+    from titan_ledger.tools.incident import _apply_proof
 
     window = {"cause": None, "variant": None, "why": "the unchanged re-run did not flag the step", "from_step": 0,
               "steps": 6, "seconds": 0.4, "runs": [{"variant": "same", "loss": 6.0, "grad_norm": 0.4, "normal": True}]}

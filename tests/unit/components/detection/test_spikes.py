@@ -337,7 +337,7 @@ def test_a_degenerate_document_history_is_judged_by_its_upper_tail():
 
 
 def test_diagnose_says_why_a_grad_norm_move_stayed_a_note():
-    from titan_ledger.tools.decision import _why_noted
+    from titan_ledger.tools.incident import _why_noted
 
     why = _why_noted({"notes": ["ratio", "grad_jump"], "grad_jump_ratio": 4.1, "grad_jump_bound": 6.5})
     assert why and "4.10x" in why and "6.50x" in why

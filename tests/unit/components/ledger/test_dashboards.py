@@ -179,6 +179,8 @@ def test_proof_and_answer_on_every_view(tmp_path):
     answer columns and the alert; no view derives a cause from the proof; a note's proof
     logs its scalars too."""
     from titan_ledger.format import answers
+    from titan_ledger.format.answers import render
+    from titan_ledger.format.proofs import ProofRecord
 
     proof = {"verdict": "bad_data", "applied": "original", "would_apply": "quarantine",
              "held_back": "observe", "executions": [{}, {}, {}], "seconds": 2.5,
@@ -190,7 +192,7 @@ def test_proof_and_answer_on_every_view(tmp_path):
     acted = dashboards.proof_scalars({**proof, "applied": "quarantine", "held_back": None})
     assert acted["proof/acted"] == 1.0 and acted["proof/held_back"] == 0.0
     assert dashboards.proof_scalars(None) == {}
-    answer = answers.build(10, "spike", {**EV, **ROW}, proof, answers.Context())
+    answer = answers.build(10, "spike", {**EV, **ROW}, ProofRecord.of(proof), answers.Context())
     ev = {**EV, "proof": proof, "answer": answer.to_json()}
     assert dashboards.answer_scalars(ev) == {"answer/established_in_step": 1.0, "answer/fix_measured": 0.0,
                                              "answer/cause_bad_data": 1.0}
@@ -202,11 +204,11 @@ def test_proof_and_answer_on_every_view(tmp_path):
     cols, data = table[1], table[2][0]
     got = dict(zip(cols, data))
     assert got["proof_verdict"] == "bad_data" and got["answer_cause"] == "bad data"
-    assert got["answer_established"] == "in_step" and got["answer"].startswith(answer.lines()[0])
+    assert got["answer_established"] == "in_step" and got["answer"].startswith(render.lines(answer)[0])
     assert any(r.get("proof/bad_data") == 1.0 and r.get("spike/flag") == 1.0 and r.get("answer/cause_bad_data")
                for _, r in fake.rows)
     level, title, text = fake.run.alerts[-1]
-    assert title == answer.headline() and text.startswith("\n".join(answer.lines()))
+    assert title == render.headline(answer) and text.startswith("\n".join(render.lines(answer)))
     dashboards.log_note(c, {**ROW, "step": 11}, {"notes": ["zscore_loss"], "proof": {**proof, "verdict": "outlier"}})
     note = next(r for _, r in fake.rows if r.get("note/flag") == 1.0)
     assert note["proof/outlier"] == 1.0 and note["note/zscore_loss"] == 1.0

@@ -10,7 +10,7 @@ from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.layout import RowTag, Segment
 from titan_ledger.format import records
-from titan_ledger.format.reader import DataLedger
+from titan_ledger.format.data_reader import DataLedger
 
 
 class _Loader:

@@ -18,9 +18,10 @@ from titan_ledger.components.detection.stall import StallConfig
 from titan_ledger.components.ledger.sections import RehearsalConfig
 from titan_ledger.components.response.config import SnapshotsConfig, WindowConfig
 from titan_ledger.components.response.snapshots import HostState, SnapshotRing
-from titan_ledger.components.response.verdict import SNAPSHOT_CAUSES, window_verdict
+from titan_ledger.components.response.verdict import window_verdict
 from titan_ledger.components.response.window_proof import WindowProof
 from titan_ledger.errors import ConfigError
+from titan_ledger.format.answers.causes import WINDOW_CAUSE
 
 
 def model_and_adam(seed: int = 0, fused: bool = False):
@@ -126,7 +127,7 @@ def test_one_variant_alone_removing_the_spike_proves_its_cause():
     cause, why, fixes = window_verdict(False, {"lr": True, "adam": False}, {"lr": 0.4, "adam": 0.0})
     assert cause == "lr" and "not by adam" in why and "loss +0.4 over the window's last steps" in why
     assert fixes == [{"variant": "lr", "cause": "lr", "cost": 0.4}]
-    assert SNAPSHOT_CAUSES[cause] == "lr" and SNAPSHOT_CAUSES["adam"] == "optimizer_state"
+    assert WINDOW_CAUSE[cause] == "lr" and WINDOW_CAUSE["adam"] == "optimizer_state"
 
 
 def test_an_unreproduced_window_proves_nothing_even_when_a_variant_is_normal():
