@@ -154,6 +154,7 @@ class LedgerTrainer(Trainer):
         finally:
             self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
             self.ledger.close()
+            self.episodes = self.ledger.episodes(self.metrics_processor.logger)  # ADDED: the run's answer
 
     # ------------------------------------------------------------------ the step
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):

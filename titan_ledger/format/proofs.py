@@ -55,6 +55,8 @@ HELD_BACK = {
     "breaker": ("the circuit breaker", "the circuit breaker"),
     "novelty": ("no control of the same novelty (decided in the step: the next step's data not fetched yet)",
                 "no control of the same novelty (decided in the step)"),
+    "unhealthy": ("a model that had left its healthy regime (a conviction needs a healthy state: none was tested)",
+                  "a broken model (the conviction needs a healthy state)"),
 }
 
 
@@ -95,6 +97,7 @@ class ProofRecord:
     window: dict[str, Any] | None = None  # the window proof from the host snapshot
     would_apply: Applied | None = None  # what the verdict called for, where it was held back
     held_back: str | None = None  # a :data:`HELD_BACK` key
+    health: dict[str, Any] | None = None  # the model's health when proven: {"broken_since": onset} (None: healthy)
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> ProofRecord:

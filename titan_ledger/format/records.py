@@ -108,7 +108,8 @@ DATA = Schema("data", 2)  # 2: a step row may hold only its sample range + diges
 SPIKES = Schema("spikes", 1, event_log=True)
 REJECTED = Schema("rejected", 1, event_log=True)
 SEGMENTS = Schema("segments", 1, event_log=True, row_per_launch=True)
-SCHEMAS = {s.kind: s for s in (SIGNALS, RANK, DATA, SPIKES, REJECTED, SEGMENTS)}
+EPISODES = Schema("episodes", 1, event_log=True)  # what diagnose --rerun measured of each episode
+SCHEMAS = {s.kind: s for s in (SIGNALS, RANK, DATA, SPIKES, REJECTED, SEGMENTS, EPISODES)}
 
 
 #: file names inside the ledger folder (``<dump_folder>/<ledger.folder>``)
@@ -116,6 +117,7 @@ SIGNALS_FILE = "signals.jsonl"
 SPIKES_FILE = "spikes.jsonl"
 REJECTED_FILE = "rejected_steps.jsonl"
 SEGMENTS_FILE = "segments.jsonl"
+EPISODES_FILE = "episodes.jsonl"  # one row per episode proof (``{"step": onset, ...}``), the last for an onset wins
 
 
 def data_file(dp_rank: int) -> str:

@@ -67,6 +67,9 @@ from dataclasses import asdict
 
 from titan_ledger.errors import LedgerError
 from titan_ledger.format import records
+from titan_ledger.format.answers import render
+from titan_ledger.format.answers.episodes import Episode, episode_of
+from titan_ledger.format.answers.of_run import RunAnswers
 from titan_ledger.format.reader import RunLedger
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
@@ -85,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the documents named by bad_data verdicts, one JSON object per line "
                          "({\"source\", \"doc\"}), for --ledger.filter.quarantine FILE")
     ap.add_argument("--rerun", action="store_true",  # ADDED (--rerun): titan_ledger.tools.rerun
-                    help="prove the cause: rerun the steps before each spike from a checkpoint under "
+                    help="prove the cause. Without --step: every episode's fix, over the episode's horizon -- "
+                         "each candidate fix relaunched as its command would relaunch it, from the checkpoint "
+                         "before the onset (or from scratch) to the horizon's end, judged against the run itself "
+                         "by its own rules and its loss; the budget is printed first, what was measured is recorded "
+                         "(ledger/episodes.jsonl) and every view shows it (titan_ledger.tools.episode_proof). "
+                         "With --step: "
+                         "rerun the steps before the spike from a checkpoint under "
                          "the variants the verdict calls for (titan_ledger.tools.rerun.PLAN_FOR: bad_data: same, "
                          "quarantine (only the named documents masked: proves it), skip over the named "
                          "documents' steps (\"something in this step\"); lr: same, lr undoing the jump; "
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=None,
                     help="--rerun: processes per rerun (default: the world size the ledger records)")
     ap.add_argument("--rerun-after", type=int, default=1, help="--rerun: steps after the spike to train")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="--rerun of episodes: relaunches at once (each on the run's world size of processes)")
     ap.add_argument("--rerun-max-steps", type=int, default=200,
                     help="--rerun: refuse when the reruns need more training steps than this")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -114,10 +125,25 @@ def _main(a) -> int:
     if a.step is None and not led.trained_rows():  # (--step: judge names a step it cannot judge)
         raise LedgerError(f"{path}: no trained step recorded (the run died before its first "
                           f"step completed, or every step was skipped)")
+    episodes = None
+    if a.step is None:  # the run's answer first: its episodes (format.answers.episodes)
+        if getattr(a, "rerun", False):
+            from titan_ledger.tools.episode_proof import prove_run
+
+            episodes = prove_run(led, parallel=a.parallel, max_steps=a.rerun_max_steps,
+                                 log=(lambda m: print(m, file=sys.stderr)) if a.json else print)
+            led = RunLedger(a.dump_folder, a.ledger_folder)
+        else:
+            episodes = RunAnswers(led).episodes()
     steps = [a.step] if a.step is not None else acted_steps(led)
     results = []
+    ra = RunAnswers(led)
+    eps_all = episodes if episodes is not None else (ra.episodes() if a.step is not None else [])
     for s in steps:
         res = judge(led, s)  # the one verdict (report calls it too)
+        ep = episode_of(eps_all, s)
+        if ep is not None:  # the incident's own answer, and the episode it belongs to
+            res["episode"] = ep.to_json()
         if a.step is not None:
             # the trainer's own flags (its event log, small) when it ran the rules, else the
             # default rules offline over the whole history (a run with detection off)
@@ -141,7 +167,7 @@ def _main(a) -> int:
             raise LedgerError(f"--write-quarantine {a.write_quarantine}: no bad_data verdict named a "
                               f"document (nothing written)")
         write_quarantine(a.write_quarantine, sorted(docs))
-    if getattr(a, "rerun", False):  # ADDED (--rerun): prove the cause by rerunning from a checkpoint
+    if getattr(a, "rerun", False) and a.step is not None:  # ADDED (--rerun): the step, rerun from a checkpoint
         from titan_ledger.tools import rerun
         from titan_ledger.tools.recorded import launch_args
 
@@ -156,9 +182,14 @@ def _main(a) -> int:
             results[i] = {**again, **{k: res[k] for k in ("rerun", "spike_check", "documents",
                                                            "quarantine_command") if k in res}}
     if a.json:
-        print(json.dumps({"spikes": results, "thresholds": asdict(Thresholds()),
+        print(json.dumps({**({"episodes": [e.to_json() for e in episodes]} if episodes is not None else {}),
+                          "spikes": results, "thresholds": asdict(Thresholds()),
                           "notes": [{"step": int(e["step"]), "notes": e["notes"]} for e in led.note_events()]}))
         return 0
+    if episodes is not None:
+        print("\n".join(render.episodes_block(episodes)))
+        if results:
+            print(f"\nincidents: {len(results)} (each one's own answer; its episode above)")
     if not results:
         print(no_spikes(led))
     for r in results:
@@ -209,6 +240,8 @@ def print_verdict(r: dict) -> None:
         print(lines[0] + rewound)
         for line in lines[1:] + render.detail(a, reading):
             print(line)
+        if r.get("episode"):
+            print(f"  episode: {render.episode_head(Episode.of(r['episode']))}")
     else:
         print(f"step {r['step']}: not an incident: the trainer did not flag it{rewound}")
     tree = r.get("tree") or {"cause": r.get("cause"), "certainty": r.get("certainty"), "rule": r.get("certainty_rule")}

@@ -7,7 +7,8 @@ steps) and, with ``--step``, :func:`titan_ledger.format.arrow.data_table`; this 
 writes them with pyarrow's writers (installed with ``datasets``: nothing new to
 install). Every table is read before anything is written, and each file is written
 under a temporary name and renamed into place, so a failed export leaves no file and
-no partial one. Files: ``OUT/signals.<ext>`` and ``OUT/data_step<S>.<ext>``
+no partial one. Files: ``OUT/signals.<ext>``, ``OUT/spikes.<ext>``, ``OUT/episodes.<ext>`` (the run's
+episodes: ``format.answers.episodes``) and ``OUT/data_step<S>.<ext>``
 (``parquet``, ``csv``, ``arrow``: the Arrow IPC file format, Feather v2). Read them with
 ``pd.read_parquet``, ``pl.read_parquet`` or DuckDB's ``SELECT ... FROM
 'OUT/signals.parquet'`` (docs/tools.md).
@@ -32,6 +33,7 @@ from titan_ledger.format.arrow import (
     data_table,
     data_tables,
     documents_tables,
+    episodes_table,
     ranks_tables,
     signals_table,
     spikes_table,
@@ -115,7 +117,7 @@ def parse_steps(spec: str) -> tuple[int, int]:
 def export(dump_folder: str | os.PathLike, out: str | os.PathLike, fmt: str = "parquet",
            step: int | None = None, ledger_folder: str = records.LEDGER_FOLDER,
            steps: tuple[int, int] | None = None) -> list[dict]:
-    """Write the signals and spikes tables (and ``step``'s data table; with ``steps``
+    """Write the signals, spikes and episodes tables (and ``step``'s data table; with ``steps``
     (A, B), the per-rank losses, the per-document losses and the data rows of steps A..B,
     streamed) into the folder ``out`` (created if missing); returns one ``{"path", "rows",
     "columns", "bytes", "read_s", "write_s"}`` per file written."""
@@ -141,6 +143,8 @@ def export(dump_folder: str | os.PathLike, out: str | os.PathLike, fmt: str = "p
         tables.append((f"data_step{step}", data_table(led, step), time.perf_counter() - t0))
     t0 = time.perf_counter()
     tables.append(("spikes", spikes_table(led), time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    tables.append(("episodes", episodes_table(led), time.perf_counter() - t0))
     out.mkdir(parents=True, exist_ok=True)
     done = []
     if steps is not None:

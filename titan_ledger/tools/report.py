@@ -475,9 +475,9 @@ def report(dump_folder: str | Path, step: int, out: str | Path, ledger_folder: s
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser.for_tool(__name__, __doc__)
     add_dump_folder(ap)
-    ap.add_argument("--step", type=int, help="the spike step (default: every flagged spike, one page each)")
-    ap.add_argument("-o", "--out", default="incident.html",
-                    help="output page; with several spikes, NAME-step<T>.html per spike")
+    ap.add_argument("--step", type=int, help="the incident's step: its own page (default: the run's page -- its "
+                                             "episodes first, then every incident)")
+    ap.add_argument("-o", "--out", default="incident.html", help="output page")
     ap.add_argument("--around", type=int, default=30, help="steps shown before and after the spike")
     ap.add_argument("--back", type=int, default=100, help="rollback plan: checkpoint at or before T - back (fitted "
                     "to the checkpoints that exist: the earliest before the spike when none is that far back)")
@@ -488,18 +488,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(a) -> int:
-    from titan_ledger.tools.decision import spike_steps
-
     out = Path(a.out)
     if not out.parent.is_dir():
         raise ConfigError(f"-o {a.out}: folder {out.parent} does not exist; create it first")
     if a.around < 1:
         raise ConfigError(f"--around must be >= 1, got {a.around}")
     led = RunLedger(a.dump_folder, a.ledger_folder)
-    steps = [a.step] if a.step is not None else spike_steps(led)
-    if not steps:
-        print("no spikes detected; give --step T for a page about any step")
+    if a.step is None:  # the run's page: its episodes, then its incidents (tools/run_page.py)
+        from titan_ledger.tools.run_page import write
+
+        if not led.trained_rows():
+            raise LedgerError(f"{led.folder / records.SIGNALS_FILE}: no trained step recorded")
+        info = write(a.dump_folder, out, a.ledger_folder)
+        print(f"wrote {info['out']}: {len(info['episodes'])} episode(s), {len(info['incidents'])} incident(s)")
         return 0
+    steps = [a.step]
     for s in steps:
         if led.history_at(s, 0, 0) is None:
             raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import answers, records
-from titan_ledger.format.answers import render
+from titan_ledger.format.answers import episodes, render
 from titan_ledger.format.proofs import ProofRecord
 
 _NOTE = STAT_KEYS.index("note")
@@ -49,6 +49,8 @@ class SpikeGuard:
         self.answer_context: Callable[[], answers.Context] | None = None
         #: the last fix an incident of this process measured (``(step, Fix)``)
         self.measured: tuple[int, answers.Fix] | None = None
+        #: the episode open now, as the console groups incidents (the views' episodes: format.answers.episodes)
+        self.live = episodes.Live()
 
     def open(self, folder: Path, header: records.Header) -> None:
         self.folder = folder
@@ -86,7 +88,7 @@ class SpikeGuard:
 
     def on_row(self, row: dict[str, Any], stats: list[float] | None, proof: ProofRecord | None = None,
                unproven: str | None = None, proof_failed: dict | None = None,
-               stall: dict | None = None) -> tuple[str, dict[str, Any]] | None:
+               stall: dict | None = None, broken_since: int | None = None) -> tuple[str, dict[str, Any]] | None:
         """A written signals row: if it was flagged, record the event; a note (weaker
         evidence, no acting rule) is recorded, never alerted or acted on -- unless its
         proof at the alarm (``proof``) found a harmful cause: then it is an alarm. A proof
@@ -108,7 +110,7 @@ class SpikeGuard:
             if stall is not None:  # the stall's answer, at the stall's step
                 answer = self._answer(int(stall["step"]), "stall", stall, record)
                 forced["answer"] = answer.to_json()
-                self._say(answer, None)
+                self._say(answer, None, broken_since)
             self._spikes.write(forced)
             if "answer" in forced:
                 return "answer", forced
@@ -144,7 +146,7 @@ class SpikeGuard:
             if proof is None or not resolves(proof):
                 self._rejected.write({"step": row["step"], "rules": ev["rules"]})
         if answer is not None:
-            self._say(answer, ev)
+            self._say(answer, ev, broken_since)
             if "readmitted" in ev:  # --ledger.spike.readmit_after: a change of level, not a spike
                 from torchtitan.tools.logging import logger
 
@@ -163,11 +165,19 @@ class SpikeGuard:
             self.measured = (step, a.fix)  # a later incident's candidate, where its own is not measured
         return a
 
-    def _say(self, answer: answers.Answer, ev: dict | None) -> None:
-        """An incident on the console (rank 0): its answer as every view says it."""
+    def _say(self, answer: answers.Answer, ev: dict | None, broken_since: int | None = None) -> None:
+        """An incident on the console (rank 0): its answer as every view says it -- a WARNING
+        where it opens an episode, one INFO line where it is a symptom of the episode open
+        (``episodes.Live``: a broken model's, a burst's, a shift's), so a user reads one alarm
+        per episode, not one per flagged step."""
         from torchtitan.tools.logging import logger
 
-        logger.warning("titan_ledger: " + render.console(answer, ev))
+        opens, onset = self.live.see(answer, ev, broken_since)
+        if opens:
+            logger.warning("titan_ledger: " + render.console(answer, ev))
+        else:
+            logger.info(f"titan_ledger: {render.headline(answer)} -- part of the episode from step {onset} "
+                        f"(python -m titan_ledger.diagnose <dump> names its cause)")
 
     def _note(self, row: dict[str, Any], stats: list[float], proof: dict | None,
               unproven: str | None = None, proof_failed: dict | None = None) -> dict[str, Any]:

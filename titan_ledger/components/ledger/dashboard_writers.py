@@ -182,6 +182,20 @@ class LedgerWandB:
                    f"{window[0]}-{window[1]} (rollback {self.rewinds})", "WARN")
         self._save()
 
+    def episodes(self, eps: list) -> None:
+        """The run's answer at its end: the episodes in the run's summary (``episodes/count``,
+        ``episodes/text``: every view's words) and as a table (``episodes/table``)."""
+        try:
+            self.run.summary["episodes/count"] = len(eps)
+            self.run.summary["episodes/text"] = "\n".join(render.episodes_block(eps, detail=False))
+            cols = ["onset", "last", "kind", "cause_text", "established", "incidents", "fix", "command"]
+            rows = [[str(c.get(k)) if k == "incidents" else c.get(k) for k in cols]
+                    for c in (render.episode_columns(e) for e in eps)]
+            self.wandb.log({"episodes/table": self.wandb.Table(columns=cols, data=rows)},
+                           step=self._advance(self.train_step or 0))
+        except Exception:
+            pass
+
     def stop(self, reason: str, exit_code: int = 1) -> None:
         self.exit_code = exit_code
         try:
@@ -263,6 +277,11 @@ class LedgerTensorBoard:
     def alert(self, title: str, text: str, level: str) -> None:
         """An alert of the response itself: TensorBoard has none, so its text at the last step."""
         self.writer.add_text("response/events", text, int(self.last_step or 0))
+
+    def episodes(self, eps: list) -> None:
+        """The run's answer at its end, as text (``episodes``)."""
+        self.writer.add_text("episodes", code_block("\n".join(render.episodes_block(eps, detail=False))),
+                             int(self.last_step or 0))
 
     def stop(self, reason: str, exit_code: int = 1) -> None:
         self.writer.add_text("stop/reason", reason, int(self.last_step or 0))

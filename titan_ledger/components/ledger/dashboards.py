@@ -301,6 +301,13 @@ def log_note(metrics_logger, row: dict[str, Any], ev: dict[str, Any]) -> None:
                 x.proof(int(row["step"]), ev["proof"])
 
 
+def log_episodes(metrics_logger, eps: list) -> None:
+    """The run's episodes at its end (``format.answers.episodes``): W&B's run summary and an
+    ``episodes/table``, TensorBoard's ``episodes`` text."""
+    for x in _ours(metrics_logger):
+        x.episodes(eps)
+
+
 def log_rewind(metrics_logger, *, from_step: int, to_step: int, window: tuple[int, int]) -> None:
     for x in _ours(metrics_logger):
         x.rewind(from_step=from_step, to_step=to_step, window=window)

@@ -62,6 +62,7 @@ from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps
 from titan_ledger.errors import ConfigError
 from titan_ledger.format import answers, records
+from titan_ledger.format.answers.health import Health
 from titan_ledger.rehearsal.faults import parse_inject
 
 __all__ = ["DocLossConfig", "FilterConfig", "Ledger", "RehearsalConfig", "SkipConfig"]
@@ -176,6 +177,7 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         #: what trained recently, by content (a conviction's look-back: data/content.py); built at setup
         self.content: ContentMemory | None = None
         self.stall = StallWatch(config.stall) if config.stall.enable else None
+        self.health = Health()  # the model's health from the written rows (format.answers.health)
         self.stalls: list[dict] = []  # stall events this process raised (Recovery proves the newest)
         self.global_batch = 0
         self.knobs = answers.Knobs()  # the run's settings a fix changes (setup: from the config)
@@ -267,7 +269,8 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         return History(recent=self.recent, flagged_at=self.flagged_at, flagged=self.flagged, stalls=self.stalls,
                        rewinds=self.rewinds, content=self.content,
                        stall_onset=self.stall.best_step if self.stall is not None else None,
-                       skip_windows=self.skip_windows, adam=self.adam_level)
+                       skip_windows=self.skip_windows, adam=self.adam_level,
+                       broken_since=self.health.broken_since)
 
     # ------------------------------------------------------------------ a flagged step (proofs)
     def flags(self, rec: StepRecord | None = None) -> tuple[bool, bool] | None:
@@ -398,6 +401,23 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             if self.topo.is_rank0:
                 self.alert(f"titan_ledger: stall at step {ev['step']}", describe_stall(ev), metrics_logger)
 
+    def _on_broken(self, step: int, span, metrics_logger=None) -> None:
+        """The model left its healthy regime (no spike rule need have fired): its event, one
+        WARNING naming the episode it opens, a dashboard scalar and alert."""
+        from torchtitan.tools.logging import logger
+
+        self.record_event({"step": step, "health": span.to_json()})
+        text = (f"the model left its healthy regime at step {span.onset}: {span.words()}; an episode from step "
+                f"{span.onset} (later flags are its symptoms; python -m titan_ledger.diagnose {self.folder.parent} "
+                f"--rerun proves its fix over the run's horizon)")
+        if self.topo.is_rank0:
+            logger.warning(f"titan_ledger: {text}")
+        if metrics_logger is not None:
+            metrics_logger.log({"health/broken": 1.0, "health/onset": float(span.onset)}, step)
+            if self.topo.is_rank0:
+                self.alert(f"titan_ledger: the model left its healthy regime at step {span.onset}", text,
+                           metrics_logger)
+
     def alert(self, title: str, text: str, metrics_logger=None) -> None:
         """An alert of the response itself on the dashboards (W&B's alert, TensorBoard's
         ``response/events`` text)."""
@@ -434,12 +454,16 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             stall = self.stall.observe(done.row) if self.stall is not None else None
             if stall is not None:
                 self._on_stall(stall, metrics_logger)
+            broke = self.health.observe(done.row)
+            if broke is not None:
+                self._on_broken(int(done.row["step"]), broke, metrics_logger)
             proof = done.rec.proof  # (typed: the answer is built from it; the guard writes its JSON)
             stall_ev = None
             if proof is not None and proof.stall:  # a forced proof answering the stall rule's flag
                 stall_ev = next((e for e in reversed(self.stalls) if e["step"] == proof.stall["step"]), None)
             event = self.guard.on_row(done.row, done.stats, proof=proof, unproven=done.rec.unproven,
-                                      proof_failed=done.rec.proof_failed, stall=stall_ev) \
+                                      proof_failed=done.rec.proof_failed, stall=stall_ev,
+                                      broken_since=self.health.broken_since) \
                 if self.guard is not None else None  # spikes.jsonl, rejected_steps.jsonl
             if event is not None and metrics_logger is not None:
                 # spike/* and note/* scalars; W&B: a spike's alert and its spike/events table row
@@ -482,6 +506,26 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         self.open(resumed_from=to_step, rewind_from=from_step)
         if metrics_logger is not None:
             dashboards.log_rewind(metrics_logger, from_step=from_step, to_step=to_step, window=window)
+
+    def episodes(self, metrics_logger=None) -> list | None:
+        """The run's episodes at its end (rank 0, read back from what it wrote: one answer in
+        every view), logged to the dashboards; None elsewhere, or where they cannot be read (a
+        failure here never fails the run)."""
+        if not self.topo.is_rank0 or getattr(self, "folder", None) is None:
+            return None
+        from torchtitan.tools.logging import logger
+
+        from titan_ledger.format.answers.of_run import RunAnswers
+        from titan_ledger.format.reader import RunLedger
+
+        try:
+            eps = RunAnswers(RunLedger(self.folder.parent, self.folder.name)).episodes()
+        except Exception as e:  # (the summary says so; the run's own outcome stands)
+            logger.warning(f"titan_ledger: the run's episodes could not be read: {type(e).__name__}: {e}")
+            return None
+        if metrics_logger is not None:
+            dashboards.log_episodes(metrics_logger, eps)
+        return eps
 
     def summary(self) -> dict[str, Any]:
         """What this process wrote (for the end-of-run summary)."""

@@ -74,6 +74,7 @@ class LedgerResume:
         state["quarantine_digest"] = self.quarantine.digest  # what the checkpointed model was masked with
         if self.stall is not None:
             state["stall"] = json.dumps(self.stall.state_dict())
+        state["health"] = json.dumps(self.health.state_dict())
         if self.adam_level is not None:
             state["adam_level"] = json.dumps(self.adam_level.state_dict())
         return state
@@ -93,6 +94,8 @@ class LedgerResume:
             self.guard.load_state_dict(json.loads(det))
         if self._state.get("stall") and self.stall is not None:
             self.stall.load_state_dict(json.loads(self._state["stall"]))
+        if self._state.get("health"):
+            self.health.load_state_dict(json.loads(self._state["health"]))
         if self._state.get("adam_level") and self.adam_level is not None:
             self.adam_level.load_state_dict(json.loads(self._state["adam_level"]))
 

@@ -146,6 +146,7 @@ class History:
     stall_onset: int | None  # where the stall rule's best window ended (None: no stall rule)
     skip_windows: Sequence[tuple[int, int]] = ()  # the steps skipped whole, --ledger.skip.steps and rollbacks'
     adam: AdamLevel | None = None  # Adam's second moment's level as the rows measured it (None: not measured)
+    broken_since: int | None = None  # the model's health: the onset of the broken stretch it is in (None: healthy)
 
     def skip_window_at(self, step: int) -> tuple[int, int] | None:
         """The skip window ``step`` is in (None: it trains)."""

@@ -119,6 +119,9 @@ class Judgment:
         ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
         holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
         verdict, wants = proof.verdict, proof.applied
+        broken = self.ledger.history().broken_since
+        if broken is not None:  # the model's health: what a proof measured, it measured on a broken model
+            proof.health = {"broken_since": broken}
         if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):
             self._say(rec, proof)
             return False, Applied.ORIGINAL  # no data or fault to act on: the ladder (and the window proof's cause)
@@ -128,6 +131,8 @@ class Judgment:
         held = None
         if self.response.policy == "observe":
             held = "observe"
+        elif verdict == Finding.BAD_DATA and broken is not None:
+            held = "unhealthy"  # data abnormal on a broken model: recorded, not acted on (format.answers.episodes)
         elif verdict == Finding.BAD_DATA and (proof.coverage or {}).get("refused"):
             held = "quarantine_bound"
         elif verdict == Finding.BAD_DATA and ((proof.content or {}).get("novelty") or {}).get("available") is False \

@@ -76,6 +76,11 @@ class _Draft:
             self.cause, self.established = "hardware", "in_step"
             ranks = ", ".join(map(str, proof.dp_ranks or []))
             self.how = f"the step executed again on the same data and state differed (DP rank(s) {ranks})"
+        elif v == "bad_data" and proof.health:  # a conviction needs a healthy state: this one had none
+            self.documents = tuple(f"{s}:{d}" for s, d in proof.documents or [])
+            self.how = (f"the data stood out on a model that had left its healthy regime at step "
+                        f"{proof.health.get('broken_since')}: a conviction there is not believed (it needs the "
+                        f"data abnormal on a healthy state too); the episode's cause is what broke the model")
         elif v == "bad_data":
             self.cause, self.established = "bad_data", "in_step"
             self.documents = tuple(f"{s}:{d}" for s, d in proof.documents or [])

@@ -28,6 +28,9 @@ class Cause:
     candidate: str | None = None  # the fix (a :data:`FIXES` name) that is its own
     plan: tuple[str, ...] = ("same",)  # replay rerun's variants for a heuristic verdict of it
     driver: str | None = None  # its words as the driver of another mechanism
+    #: the fixes an episode of it is proven by over its horizon (``diagnose RUN --rerun``):
+    #: (a :data:`FIXES` name, its settings); the LR's are tried for every episode (the driver)
+    horizon: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +51,14 @@ class FixKind:
 
 #: the causes an answer names (its first line's words), in no particular order
 CAUSES: dict[str, Cause] = {c.name: c for c in (
-    Cause("lr", "the learning rate", candidate="lr", plan=("same", "lr"), driver="LR-driven"),
+    Cause("lr", "the learning rate", candidate="lr", plan=("same", "lr"), driver="LR-driven",
+          horizon=(("lr", (("lr_factor", 0.3),)), ("lr", (("lr_factor", 0.1),)))),
     Cause("optimizer_state", "Adam's state (its second moment lagging the gradients)", candidate="eps",
-          plan=("same", "beta2", "eps=1e-6")),
+          plan=("same", "beta2", "eps=1e-6"), horizon=(("eps", ()),)),
     Cause("logit_growth", "attention-logit growth", candidate="logit_cap",
-          plan=("same", "fp32", "logit_cap", "qk_clip")),
-    Cause("output_logits", "output-logit drift", candidate="zloss", plan=("same", "zloss=1e-4")),
+          plan=("same", "fp32", "logit_cap", "qk_clip"), horizon=(("logit_cap", ()),)),
+    Cause("output_logits", "output-logit drift", candidate="zloss", plan=("same", "zloss=1e-4"),
+          horizon=(("zloss", ()),)),
     Cause("bad_data", "bad data", plan=("same", "quarantine", "skip")),
     Cause("hardware", "a hardware fault (the step did not reproduce)"),
     Cause("bf16", "bf16 rounding", candidate="fp32", plan=("same", "fp32")),

@@ -57,12 +57,47 @@ def _strip(argv: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _units(args: list[str]) -> list[tuple[str, list[str]]]:
+    """Flags as (flag, its values): ``--x=1`` as ``--x 1``; a value is whatever follows a flag
+    up to the next ``--`` word (a list flag takes several; a boolean none)."""
+    out: list[tuple[str, list[str]]] = []
+    for a in args:
+        if a.startswith("--"):
+            key, eq, val = a.partition("=")
+            out.append((key, [val] if eq else []))
+        elif out:
+            out[-1][1].append(a)
+        else:
+            out.append((a, []))
+    return out
+
+
+def _key(flag: str) -> str:
+    """One key for a boolean and its negation (``--model.qk_norm`` / ``--model.no_qk_norm``)."""
+    head, dot, last = flag[2:].rpartition(".")
+    return head + dot + last.removeprefix("no_")
+
+
+def once(args: list[str]) -> list[str]:
+    """Each flag once, where it first stood, with its last value (tyro's rule: the last wins) --
+    a printed command a user can read and edit, not the run's flags with the fix's appended."""
+    last: dict[str, tuple[str, list[str]]] = {}
+    order: list[str] = []
+    for flag, vals in _units(args):
+        k = _key(flag) if flag.startswith("--") else flag
+        if k not in last:
+            order.append(k)
+        last[k] = (flag, vals)
+    return [x for k in order for x in (last[k][0], *last[k][1])]
+
+
 def fix_command(ctx: Context, flags: tuple[str, ...], start: int | None, new_dump: str) -> str | None:
     """The relaunch of this run with ``flags`` from checkpoint ``start`` (None: from scratch)
     into ``new_dump``, from the run's working directory with its interpreter: its own
     training flags (less its dump folder and checkpoint position), the checkpoint loaded
     whole (model, optimizer, data position, step: ``--checkpoint.initial_load_path`` with
-    ``initial_load_model_only`` off) and the fix's flags last (the last spelling wins)."""
+    ``initial_load_model_only`` off) and the fix's flags, each flag once with its last value
+    (:func:`once`)."""
     if ctx.argv is None:
         return None
     args = renamed_argv(_strip(ctx.argv))  # an old run recorded old spellings: today's, so it runs as printed
@@ -72,7 +107,7 @@ def fix_command(ctx: Context, flags: tuple[str, ...], start: int | None, new_dum
                                                                              else ck),
                  "--checkpoint.no_initial_load_model_only"]
     args += ["--job.dump_folder", new_dump, *flags]
-    cmd = [ctx.python or "python", "-m", "titan_ledger.launch", "--nproc", str(ctx.world_size), "--", *args]
+    cmd = [ctx.python or "python", "-m", "titan_ledger.launch", "--nproc", str(ctx.world_size), "--", *once(args)]
     return (f"cd {shlex.quote(ctx.cwd)} && " if ctx.cwd else "") + shlex.join(cmd)
 
 

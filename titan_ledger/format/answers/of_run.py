@@ -18,9 +18,14 @@ from typing import Any
 from titan_ledger.format import records
 from titan_ledger.format.answers.build import RerunFinding, build
 from titan_ledger.format.answers.causes import Knobs
+from titan_ledger.format.answers.episodes import LEVEL, Episode, HorizonProof, episodes
+from titan_ledger.format.answers.health import Health, Span
 from titan_ledger.format.answers.records import Answer, Context
 from titan_ledger.format.proofs import ProofRecord
 from titan_ledger.format.reader import RunLedger
+
+#: the signals the episodes read (the model's health, a shift's loss level)
+HEALTH_KEYS = ("loss", "max_logit", "param_norm", "update_norm")
 
 
 def context(led: RunLedger) -> Context:
@@ -90,48 +95,142 @@ def rerun_finding(verdict: dict[str, Any], proof_verdict: str | None) -> RerunFi
     return RerunFinding(cause, rule, proven)
 
 
-def _incident(led: RunLedger, step: int) -> tuple[str, dict[str, Any], ProofRecord | None, str | None] | None:
-    """The incident at ``step`` as recorded: (kind, event, proof, why not proven), or None."""
-    events = led.events()
-    flag = next((e for e in reversed(events) if int(e.get("step", -1)) == step and "rules" in e), None)
-    stall = next((e for e in reversed(events) if int(e.get("step", -1)) == step and e.get("stall")), None)
-    if flag is not None:
-        p = flag.get("proof")
-        return "spike", flag, ProofRecord.of(p) if p else None, (flag.get("proof_failed") or {}).get("error")
-    if stall is not None:
-        p = next((e["proof"] for e in reversed(events) if (e.get("proof") or {}).get("stall", {}).get("step") == step),
-                 None)
-        return "stall", stall, ProofRecord.of(p) if p else None, None
-    return None
+class RunAnswers:
+    """A run's answers and episodes, read once: the events, the rerun summaries and the
+    horizon proofs are read on first use and kept (a view asks for many steps)."""
+
+    def __init__(self, led: RunLedger):
+        self.led = led
+        self._events: list[dict[str, Any]] | None = None
+        self._ctx: Context | None = None
+        self._cols: dict[str, Any] | None = None
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        if self._events is None:
+            self._events = self.led.events()
+        return self._events
+
+    @property
+    def context(self) -> Context:
+        if self._ctx is None:
+            self._ctx = context(self.led)
+        return self._ctx
+
+    def steps(self) -> list[int]:
+        """Every incident's step: an acting flag, a note its proof promoted, a stall."""
+        return sorted({int(e["step"]) for e in self.events if "rules" in e and "step" in e}
+                      | {int(e["step"]) for e in self.events if e.get("stall") and "step" in e}
+                      | {int(e["answer"]["step"]) for e in self.events if isinstance(e.get("answer"), dict)})
+
+    def incident(self, step: int) -> tuple[str, dict[str, Any], ProofRecord | None, str | None] | None:
+        """The incident at ``step`` as recorded: (kind, event, proof, why not proven), or None."""
+        events = self.events
+        flag = next((e for e in reversed(events) if int(e.get("step", -1)) == step and "rules" in e), None)
+        stall = next((e for e in reversed(events) if int(e.get("step", -1)) == step and e.get("stall")), None)
+        if flag is not None:
+            p = flag.get("proof")
+            return "spike", flag, ProofRecord.of(p) if p else None, (flag.get("proof_failed") or {}).get("error")
+        if stall is not None:
+            p = next((e["proof"] for e in reversed(events)
+                      if (e.get("proof") or {}).get("stall", {}).get("step") == step), None)
+            return "stall", stall, ProofRecord.of(p) if p else None, None
+        return None
+
+    def answer(self, step: int) -> Answer | None:
+        """THE answer to the incident at ``step`` (the module docstring's rule); None when
+        nothing flagged the step."""
+        summary = rerun_summary(self.led, step)
+        if summary is not None and isinstance(summary.get("answer"), dict):
+            return Answer.of(summary["answer"])
+        rec = next((e["answer"] for e in reversed(self.events) if isinstance(e.get("answer"), dict)
+                    and int(e["answer"].get("step", -1)) == step), None)
+        if rec is not None and summary is None:
+            return Answer.of(rec)
+        incident = self.incident(step)
+        if incident is None:
+            return Answer.of(rec) if rec is not None else None
+        kind, event, proof, unproven = incident
+        found = rerun_finding(summary.get("verdict") or {}, proof.verdict if proof else None) if summary else None
+        if rec is not None and (found is None or rec.get("cause")):  # a rerun adds a cause only where none was
+            return Answer.of(rec)
+        return build(step, kind, event, proof, self.context, unproven=unproven, rerun=found)
+
+    def rerun_answer(self, step: int, verdict: dict[str, Any]) -> Answer | None:
+        """The answer a rerun writes beside its verdict: the step's recorded incident built
+        again with what the rerun found (None: not an incident, or the rerun proved nothing new)."""
+        incident = self.incident(step)
+        if incident is None:
+            return None
+        kind, event, proof, unproven = incident
+        found = rerun_finding(verdict, proof.verdict if proof else None)
+        if found is None:
+            return None
+        return build(step, kind, event, proof, self.context, unproven=unproven, rerun=found)
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        """The signals the episodes read, as columns of the current trained history (the fast
+        columnar read, once)."""
+        if self._cols is None:
+            self._cols, _ = self.led.signal_columns(HEALTH_KEYS)
+        return self._cols
+
+    def health(self) -> tuple[list[Span], int]:
+        """The model's broken stretches over the run's current history, and its last trained
+        step (one pass over the signals' columns)."""
+        cols = self.columns
+        h = Health()
+        steps = cols["step"]
+        for i in range(len(steps)):
+            h.observe({"step": int(steps[i]), **{k: float(cols[k][i]) for k in HEALTH_KEYS}})
+        return h.current(), int(steps[-1]) if len(steps) else 0
+
+    def level(self, step: int) -> float | None:
+        """The loss's median over the ``LEVEL`` trained steps from ``step`` over its median over
+        the ``LEVEL`` before (None: too few of either): a change of level, or a spike."""
+        import numpy as np
+
+        steps, loss = self.columns["step"], self.columns["loss"]
+        i = int(np.searchsorted(steps, step))
+        before, after = loss[max(0, i - LEVEL):i], loss[i:i + LEVEL]
+        before, after = before[np.isfinite(before)], after[np.isfinite(after)]
+        if len(before) < LEVEL // 2 or len(after) < LEVEL // 2:
+            return None
+        b = float(np.median(before))
+        return float(np.median(after)) / b if b > 0 else None
+
+    def proofs(self) -> dict[int, HorizonProof]:
+        """The horizon proofs ``diagnose RUN --rerun`` recorded (``episodes.jsonl``), by onset;
+        the last recorded for an onset wins."""
+        path = self.led.folder / records.EPISODES_FILE
+        if not path.is_file():
+            return {}
+        out = {}
+        for row in records.read_ledger(path, records.EPISODES).history:
+            if "onset" in row:
+                p = HorizonProof.of(row)
+                out[p.onset] = p
+        return out
+
+    def episodes(self) -> list[Episode]:
+        """THE episodes of the run (:mod:`.episodes`)."""
+        answers = [a for a in (self.answer(s) for s in self.steps()) if a is not None]
+        spans, end = self.health()
+        flags = {int(e["step"]): e for e in self.events if "rules" in e and "step" in e}
+        return episodes(answers, spans, flags, end, self.context, self.proofs(), level=self.level)
 
 
 def answer_at(led: RunLedger, step: int) -> Answer | None:
-    """THE answer to the incident at ``step`` (the module docstring's rule); None when
-    nothing flagged the step."""
-    summary = rerun_summary(led, step)
-    if summary is not None and isinstance(summary.get("answer"), dict):
-        return Answer.of(summary["answer"])
-    rec = recorded(led).get(int(step))
-    if rec is not None and summary is None:
-        return Answer.of(rec)
-    incident = _incident(led, step)
-    if incident is None:
-        return Answer.of(rec) if rec is not None else None
-    kind, event, proof, unproven = incident
-    found = rerun_finding(summary.get("verdict") or {}, proof.verdict if proof else None) if summary else None
-    if rec is not None and (found is None or rec.get("cause")):  # a rerun adds a cause only where none was
-        return Answer.of(rec)
-    return build(step, kind, event, proof, context(led), unproven=unproven, rerun=found)
+    """THE answer to the incident at ``step`` (:meth:`RunAnswers.answer`)."""
+    return RunAnswers(led).answer(step)
 
 
 def rerun_answer(led: RunLedger, step: int, verdict: dict[str, Any]) -> Answer | None:
-    """The answer a rerun writes beside its verdict: the step's recorded incident built again
-    with what the rerun found (None: not an incident, or the rerun proved nothing new)."""
-    incident = _incident(led, step)
-    if incident is None:
-        return None
-    kind, event, proof, unproven = incident
-    found = rerun_finding(verdict, proof.verdict if proof else None)
-    if found is None:
-        return None
-    return build(step, kind, event, proof, context(led), unproven=unproven, rerun=found)
+    """:meth:`RunAnswers.rerun_answer`."""
+    return RunAnswers(led).rerun_answer(step, verdict)
+
+
+def episodes_of(led: RunLedger) -> list[Episode]:
+    """THE episodes of a run (:meth:`RunAnswers.episodes`)."""
+    return RunAnswers(led).episodes()

@@ -124,3 +124,62 @@ def columns(a: Answer) -> dict[str, Any]:
             "answer_candidates": [c.change for c in a.candidates],
             "answer_command": a.command, "answer_start": a.start, "answer_not_proven": a.not_proven,
             "answer_did": a.did, "answer_acting": a.acting}
+
+
+# --------------------------------------------------------------------------- a run's episodes
+def episode_head(ep) -> str:
+    """An episode's first line: its steps, what happened, its cause and how it was established."""
+    from titan_ledger.format.answers.episodes import ESTABLISHED_EPISODE
+
+    span = f"steps {ep.onset}-{ep.last}" if ep.last != ep.onset else f"step {ep.onset}"
+    how = "" if ep.established == "none" or ep.kind == "shift" else f" -- {ESTABLISHED_EPISODE[ep.established]}"
+    return f"{span}: {ep.title}: {ep.cause_text}{how}"
+
+
+def episode_fix_line(ep) -> str:
+    if ep.kind == "shift":
+        return "fix: none needed (a change of data, not a fault: the loss rose with the new data)"
+    if ep.fix is not None:
+        return f"fix: {ep.fix.change}: {ep.fix.effect}" + (f" ({ep.fix.detail})" if ep.fix.detail else "")
+    if ep.cause == "hardware":
+        return "fix: none in the configuration: a fault, not a setting"
+    if ep.cause == "bad_data":
+        return "fix: the convicted data (see the incident)"
+    if ep.candidates:
+        return ("fix: none proven; candidates (untested): " + "; ".join(c.change for c in ep.candidates[:4])
+                + " -- diagnose RUN --rerun proves them over the episode's horizon")
+    return "fix: none measured"
+
+
+def episode_lines(ep, detail: bool = True) -> list[str]:
+    """An episode in a few lines: what and why, the fix, the incidents it explains, the command."""
+    out = [episode_head(ep), f"  {episode_fix_line(ep)}"]
+    if detail and ep.how:
+        out.append(f"  how: {ep.how}")
+    if ep.incidents:
+        shown = ", ".join(map(str, ep.incidents[:12])) + (" ..." if len(ep.incidents) > 12 else "")
+        out.append(f"  incidents: {len(ep.incidents)} (steps {shown})")
+    out += [f"  note: {n}" for n in ep.notes[:3]]
+    if ep.command:
+        out.append(f"  run it ({ep.start}, into a new folder): {ep.command}")
+    return out
+
+
+def episodes_block(eps: list, detail: bool = True) -> list[str]:
+    """Every episode of a run, first thing a view says of it."""
+    if not eps:
+        return ["episodes: none (no incident, and the model's health never left its regime)"]
+    out = [f"episodes: {len(eps)}"]
+    for i, ep in enumerate(eps, 1):
+        lines = episode_lines(ep, detail)
+        out += [f"episode {i}, {lines[0]}", *lines[1:]]
+    return out
+
+
+def episode_columns(ep) -> dict[str, Any]:
+    """An episode flattened (``export``'s episodes table, the dashboards' summary)."""
+    return {"onset": ep.onset, "last": ep.last, "kind": ep.kind, "title": ep.title, "cause": ep.cause or None,
+            "cause_text": ep.cause_text, "driver": ep.driver, "established": ep.established,
+            "incidents": list(ep.incidents), "fix": ep.fix.change if ep.fix else None,
+            "fix_flags": list(ep.fix.flags) if ep.fix else None, "candidates": [c.change for c in ep.candidates],
+            "command": ep.command, "start": ep.start}
