@@ -129,9 +129,10 @@ def check_files(config, world_size: int) -> None:
     """What the ranks would otherwise refuse only after torchrun started them, checked
     from files on every rank (and in ``titan_ledger.launch``) before any process group,
     read-only: the tokenizer folder, every input file of the dataloader
-    (``LedgerDataLoader`` configs: ``loader.check_inputs``), and the run already in the
+    (``LedgerDataLoader`` configs: ``inputs.check_inputs``), and the run already in the
     dump folder (:func:`check_dump_folder_run`)."""
-    from titan_ledger.data.loader import LedgerDataLoader, check_inputs
+    from titan_ledger.data.inputs import check_inputs
+    from titan_ledger.data.loader import LedgerDataLoader
 
     dry = config.comm.mode == "fake_backend"
     check_tokenizer_path(config)
@@ -160,14 +161,15 @@ def check_tokenizer_path(config) -> None:
 def check_dump_folder_run(config, world_size: int) -> None:
     """The dump folder holds this run or none (``run_folder.claim_dump_folder``, read-only, with
     the rules of the check rank 0 repeats at setup): seq_len, global batch and the data
-    fingerprint (``loader.data_fingerprint``: source, tokenizer, seq_len, seed; computed
+    fingerprint (``inputs.data_fingerprint``: source, tokenizer, seq_len, seed; computed
     only when the folder holds a data ledger to compare with). ``--ledger.new_run`` (rank 0
     moves the old run aside at setup) and ``--ledger.allow_data_change`` skip it."""
     led = getattr(config, "ledger", None)
     if led is None or led.new_run or led.allow_data_change:
         return
     from titan_ledger.components.run.run_folder import claim_dump_folder
-    from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
+    from titan_ledger.data.inputs import data_fingerprint
+    from titan_ledger.data.loader import LedgerDataLoader
 
     t = config.training
     dp = dp_size_of(config, world_size)
