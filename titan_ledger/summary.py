@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_ledger.errors import LedgerError, python_command
-from titan_ledger.format.records import LedgerFile, read_ledger
+from titan_ledger.format.records import (
+    DATA_GLOB,
+    LEDGER_FOLDER,
+    SIGNALS_FILE,
+    SPIKES_FILE,
+    LedgerFile,
+    data_file,
+    read_ledger,
+)
 
 
 @dataclass
@@ -46,13 +54,13 @@ class RunFiles:
              checkpoint_folder: str) -> RunFiles:
         dump = Path(dump_folder)
         run = cls(dump, dump / ledger_folder, ledger_folder, checkpoint_folder)
-        signals = run.folder / "signals.jsonl"
+        signals = run.folder / SIGNALS_FILE
         if signals.is_file():
             run.signals = read_ledger(signals)
             rows = run.signals.history
             run.steps = [r["step"] for r in rows]
             run.spike_steps = [r["step"] for r in rows if r.get("spike")]
-        spikes = run.folder / "spikes.jsonl"
+        spikes = run.folder / SPIKES_FILE
         if spikes.is_file():
             run.events = read_ledger(spikes).history
             # the event log keeps spikes that a rollback rewound: it, not the signals, says which
@@ -60,7 +68,7 @@ class RunFiles:
         return run
 
 
-def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike = "ledger", *,
+def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike = LEDGER_FOLDER, *,
                 checkpoint_folder: str = "checkpoint") -> str:
     """What the run left on disk and how to look at it (printed by rank 0 at the end):
     the ledger's folder, then every section of :data:`SECTIONS` in order.
@@ -80,7 +88,7 @@ def signals_lines(run: RunFiles) -> list[str]:
     sig, rows = run.signals, run.signals.history
     span = f", steps {min(run.steps)}-{max(r.get('last_step', r['step']) for r in rows)}" if rows else ""
     extra = f"; {len(sig.superseded)} superseded rows of earlier runs" if sig.superseded else ""
-    return [f"  signals      {len(rows)} rows{span} (signals.jsonl){extra}"]
+    return [f"  signals      {len(rows)} rows{span} ({SIGNALS_FILE}){extra}"]
 
 
 def spikes_lines(run: RunFiles) -> list[str]:
@@ -136,7 +144,7 @@ def data_ledger_lines(run: RunFiles) -> list[str]:
         ends = {}
     if not ends:
         return ["  data ledger  none (dataloader.tagging is off, or not LedgerDataLoader)"]
-    files = "data_dp0.jsonl" if len(ends) == 1 else "data_dp<r>.jsonl"
+    files = data_file(0) if len(ends) == 1 else DATA_GLOB.replace("*", "<r>")
     if len(set(ends.values())) == 1:
         last = next(iter(ends.values()))
         each = "" if len(ends) == 1 else f" on each of {len(ends)} DP ranks"
@@ -162,7 +170,7 @@ def look_lines(run: RunFiles) -> list[str]:
     printed): plot, diagnose, lookup (the first spike, else the last step), report (a
     spike's incident), export."""
     dump = run.dump
-    opt = f" --ledger-folder {run.ledger_folder}" if str(run.ledger_folder) != "ledger" else ""
+    opt = f" --ledger-folder {run.ledger_folder}" if str(run.ledger_folder) != LEDGER_FOLDER else ""
     look = run.spike_steps[0] if run.spike_steps else (max(run.steps) if run.steps else 1)
     py = python_command()
     lines = [
