@@ -13,7 +13,7 @@ missing corpus through ``launch``, a fresh interpreter; the other fingerprint th
 the others call the entries' ``main`` in this process
 (``helpers.launch_here``, ``train_refused_here``: a fresh interpreter imports torch and
 torchtitan for ~10 s), and the variants of each check the functions themselves
-(``loader.check_inputs``, ``loader.data_fingerprint``, ``run_folder.claim_dump_folder``)."""
+(``inputs.check_inputs``, ``inputs.data_fingerprint``, ``run_folder.claim_dump_folder``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import pytest
 from helpers import CONFIGS, ROOT, child_env, explain, launch_here, py, torchrun, train_argv, train_refused_here
 
 from titan_ledger.config_registry import CORPUS_DIR, TOKENIZER_DIR
-from titan_ledger.data.loader import LedgerDataLoader, check_inputs, data_fingerprint
+from titan_ledger.data.inputs import check_inputs, data_fingerprint
+from titan_ledger.data.loader import LedgerDataLoader
 from titan_ledger.errors import ConfigError, CorpusError
 
 slow = pytest.mark.slow  # each real-process case imports torch + torchtitan in a fresh process

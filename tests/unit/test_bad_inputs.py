@@ -74,7 +74,8 @@ def with_run(fn=None, **kw):
 
 def debug_fingerprint() -> str:
     """The data fingerprint debug_cpu.toml's run has (the bundled corpus and tokenizer, seq 256)."""
-    from titan_ledger.data.loader import LedgerDataLoader, data_fingerprint
+    from titan_ledger.data.inputs import data_fingerprint
+    from titan_ledger.data.loader import LedgerDataLoader
     from titan_ledger.data.prepare import default_tokenizer_dir, load_tokenizer
 
     corpus = ROOT / "titan_ledger" / "assets" / "corpus"

@@ -245,7 +245,7 @@ class HFStreaming:
     def _texts(self, ds, where) -> Iterator[str]:
         # ds.iter(), not iter(ds): in a DataLoader worker iter(ds) would shard the
         # stream over the workers itself; here every worker walks the whole stream
-        # and builds only its own batches (titan_ledger.data.loader._Rows)
+        # and builds only its own batches (titan_ledger.data.batches.Rows)
         for batch in ds.iter(batch_size=STREAM_BATCH):
             if self.spec.text_key not in batch:
                 self.spec.text(batch, where)  # raises, naming the columns

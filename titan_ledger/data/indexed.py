@@ -310,7 +310,7 @@ def open_files(prefix: str | os.PathLike):
     """``PREFIX.bin`` and ``PREFIX.idx`` exist and agree (``read_idx`` + ``check_bin``:
     constant time, nothing written); returns ``read_idx``'s (header, lengths, pointers,
     doc_indices). What ``IndexedCorpus`` opens first, and what a launch checks before
-    any process group (``titan_ledger.data.loader.check_inputs``)."""
+    any process group (``titan_ledger.data.inputs.check_inputs``)."""
     prefix = Path(prefix)
     for suffix in (".bin", ".idx"):
         if not Path(str(prefix) + suffix).exists():

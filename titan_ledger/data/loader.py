@@ -5,9 +5,9 @@ consumed (see ``titan_ledger.data.layout``), counted where the trainer takes a
 batch (this class's ``__iter__``), never in the workers. Workers, prefetching and
 torchdata's ``StatefulDataLoader`` snapshots therefore do not enter the state:
 on resume (or after a skip) the iterator is rebuilt at the position, and what
-workers had prefetched is simply dropped. Worker ``w`` of ``n`` builds the
-batches ``q`` with ``q % n == w`` (the order torch's DataLoader returns them in),
-so ``num_workers`` 0 and 2 give the same sequence and no document is read twice.
+workers had prefetched is simply dropped. What the workers run (``Rows``: worker
+``w`` of ``n`` builds the batches ``q`` with ``q % n == w``) is
+``titan_ledger.data.batches``.
 
 Each batch carries its rows' provenance (``RowTag``: sample id, source, document
 spans); ``__iter__`` strips it before torchtitan sees the batch (torchtitan hands
@@ -28,17 +28,15 @@ backend (a dry run) a missing indexed corpus is a warning, not an error.
 Bad input: ``Config.__post_init__`` checks every ``--dataloader.*`` value it can
 without I/O or a process group (``ConfigError`` naming the flag), so a bad flag
 stops before any process group starts; so does a missing or empty input file
-(``check_inputs``) and, where the dump folder already holds a data ledger, another
-data fingerprint (``data_fingerprint``): the entry points call both before any
-process group, through the functions the constructor opens its source with. A
-bundled corpus prepared on first use (``prepare_from``) is prepared by global rank
-0, which broadcasts success or its error message; every rank then raises the same
-``CorpusError`` (none hangs).
+(``inputs.check_inputs``) and, where the dump folder already holds a data ledger,
+another data fingerprint (``inputs.data_fingerprint``): the entry points call both
+before any process group, through the functions the constructor opens its source
+with (``titan_ledger.data.inputs``, which also prepares a first-use corpus).
 
-Profiling: the provenance work (building tags where it happens in this process,
+Profiling: the provenance work (building tags where a batch is built, in ``Rows``;
 handing them to the trainer in ``__iter__`` / ``take_tags``) runs inside
-``torch.profiler.record_function("titan_ledger.tagging")`` spans (host only, no
-device sync), so a profile can sum the ledger's data-side cost.
+``torch.profiler.record_function(TAGGING_SPAN)`` spans (host only, no device sync),
+so a profile can sum the ledger's data-side cost.
 """
 
 from __future__ import annotations
@@ -54,25 +52,20 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from titan_ledger.data.indexed import Blend, IndexedCorpus, open_files
-from titan_ledger.data.layout import RowTag, positions_of, round_size, row_digest, sample_id
-from titan_ledger.data.text import Cursor, TextStream, register_bundled
-from titan_ledger.errors import ConfigError, CorpusError, TitanLedgerError
+from titan_ledger.data.batches import TAGGING_SPAN, Rows
+from titan_ledger.data.inputs import fingerprint, open_source
+from titan_ledger.data.layout import RowTag, round_size, sample_id
+from titan_ledger.data.text import Cursor, register_bundled
+from titan_ledger.errors import ConfigError, CorpusError, DataStateError
 
 # the bundled corpus by name (--dataloader.dataset stdlib_docs), for torchtitan's
 # validator dataloader as well as ours
 register_bundled()
 
 STATE_KEY = "titan_ledger_data"
-#: Profiler span around the data ledger's per-batch provenance work.
-TAGGING_SPAN = "titan_ledger.tagging"
-
-
-from titan_ledger.errors import DataStateError  # noqa: E402  (one error hierarchy)
 
 
 @dataclass
@@ -80,61 +73,6 @@ class SkipInfo:
     position_before: int
     position_after: int
     tags: list[RowTag] | None  # this DP rank's skipped rows (text streams); None if derivable
-
-
-class _Rows(IterableDataset):
-    """Batches of ``mbs`` packed rows for one DP rank, from ``start_position``."""
-
-    def __init__(self, kind: str, source, mbs: int, dp_rank: int, dp_size: int, tagging: bool):
-        self.kind, self.source = kind, source
-        self.mbs, self.dp_rank, self.dp_size, self.tagging = mbs, dp_rank, dp_size, tagging
-        self.start_position = 0
-        self.start_cursor = Cursor()
-
-    def ids(self, position: int) -> list[int]:
-        return [sample_id(position, self.dp_rank, self.mbs, j) for j in range(self.mbs)]
-
-    def __iter__(self):
-        info = get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        R = round_size(self.mbs, self.dp_size)
-        if self.kind == "indexed":
-            q = wid
-            while True:
-                rows = [self.source.row(i) for i in self.ids(self.start_position + q * R)]
-                with torch.profiler.record_function(TAGGING_SPAN):
-                    # (the blend builds each RowTag with its row); the token hash lets the
-                    # data ledger store a step as (sample range, hash) and derive the rows
-                    tags = ([RowTag(r[3].sample_id, r[3].source, r[3].segments,
-                                    row_digest(r[0], r[1])) for r in rows]
-                            if self.tagging else [r[3] for r in rows])
-                yield self._collate([r[:3] for r in rows], tags, None)
-                q += nw
-        else:
-            mbs = self.mbs
-            # every worker walks the stream; only the owner of a batch builds it
-            stream = self.source.rows(self.start_cursor, build=lambda k: (k // mbs) % nw == wid)
-            q = 0
-            while True:
-                got = [next(stream) for _ in range(mbs)]
-                if q % nw == wid:
-                    with torch.profiler.record_function(TAGGING_SPAN):
-                        ids = self.ids(self.start_position + q * R)
-                        tags = [RowTag(i, self.source.name, g[0]) for i, g in zip(ids, got)]
-                    yield self._collate([(g[2], g[3], None) for g in got], tags, got[-1][1])
-                q += 1
-
-    def _collate(self, rows, tags, cursor: Cursor | None):
-        inputs = torch.as_tensor(np.asarray([r[0] for r in rows], dtype=np.int64))
-        labels = torch.as_tensor(np.asarray([r[1] for r in rows], dtype=np.int64))
-        if rows[0][2] is not None:
-            positions = torch.as_tensor(np.asarray([r[2] for r in rows], dtype=np.int64))
-        else:
-            positions = torch.as_tensor(np.asarray([positions_of(t.segments) for t in tags],
-                                                   dtype=np.int64))
-        meta = {"tags": tags if self.tagging else None,
-                "cursor": cursor.to_json() if cursor is not None else None}
-        return {"input": inputs, "positions": positions}, labels, meta
 
 
 class LedgerDataLoader(ParallelAwareDataloader):
@@ -324,7 +262,7 @@ class LedgerDataLoader(ParallelAwareDataloader):
                      # how Blend picks a corpus per sample (titan_ledger.data.indexed.BLEND_RULE);
                      # absent in ledgers written before rule 2, which used rule 1
                      "blend_rule": getattr(source, "rule", None)}
-        self.fingerprint = _fingerprint(described, tokenizer, seq_len, config.seed)
+        self.fingerprint = fingerprint(described, tokenizer, seq_len, config.seed)
         self.description = described
         self.tagging = config.tagging
         self.derive_rows = bool(config.derive_rows) and config.source == "indexed"
@@ -333,10 +271,10 @@ class LedgerDataLoader(ParallelAwareDataloader):
         self._cursor = Cursor()
         self._tags: list[RowTag] = []
         self._restart = False
-        rows = _Rows(config.source, source, self.mbs, dp_rank, dp_world_size, config.tagging)
+        rows = Rows(config.source, source, self.mbs, dp_rank, dp_world_size, config.tagging)
         super().__init__(
             rows, dp_rank=dp_rank, dp_world_size=dp_world_size,
-            batch_size=None,  # _Rows yields whole batches (a worker owns a batch)
+            batch_size=None,  # Rows yields whole batches (a worker owns a batch)
             num_workers=config.num_workers,
             persistent_workers=False,  # a restart must see the new start position
             pin_memory=config.pin_memory,
@@ -347,16 +285,6 @@ class LedgerDataLoader(ParallelAwareDataloader):
         if config.persistent_workers:
             logger.warning("titan_ledger: --dataloader.persistent_workers is ignored (workers "
                            "restart at the consumed position after a skip or resume)")
-
-    @staticmethod
-    def _build_blend(config: LedgerDataLoader.Config, tokenizer, seq_len: int) -> Blend:
-        config.validate()  # (a config changed after construction)
-        weights = list(config.weights) or [1.0] * len(config.paths)
-        if config.prepare_from:
-            _prepare_once(config.prepare_from, config.paths[0], tokenizer)
-        corpora = [IndexedCorpus(p, seq_len, config.seed, config.cache_dir or None,
-                                 shuffle=config.shuffle) for p in config.paths]
-        return Blend(corpora, weights)
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -568,142 +496,3 @@ def as_ledger_dataloader(trainer_config) -> bool:
 def _dry_run() -> bool:
     """A torchtitan ``--comm.mode fake_backend`` process group (builds, moves no data)."""
     return dist.is_initialized() and dist.get_backend() == "fake"
-
-
-def _fingerprint(described: str, tokenizer, seq_len: int, seed: int) -> str:
-    tok = getattr(tokenizer, "tokenizer", None)
-    tok_blob = tok.to_str() if hasattr(tok, "to_str") else repr(type(tokenizer))
-    h = hashlib.sha256()
-    for part in (described, hashlib.sha256(tok_blob.encode()).hexdigest(), f"L{seq_len}",
-                 f"seed{seed}"):
-        h.update(part.encode() + b"|")
-    return h.hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------- before the ranks
-# Design decision: what the loader's constructor opens is opened by the same functions
-# (``open_source``, ``indexed.open_files``, ``hf.check_files``, ``text.locate_dataset``) when
-# the entry points check a launch before any process group, so the files a run reads
-# are named in one place and a missing or empty one is refused before torchrun starts
-# the ranks (``titan_ledger.train.load_config``).
-
-
-def open_source(config: LedgerDataLoader.Config, tokenizer, seq_len: int, dp_rank: int,
-                dp_size: int):
-    """``(source, description)`` of a loader of ``config`` for ``dp_rank`` of ``dp_size``:
-    the description is the first part of the data fingerprint. Prepares a first-use
-    indexed corpus (``prepare_from``; global rank 0, with a process group)."""
-    if config.source == "hf":
-        from titan_ledger.data import hf
-
-        config.validate()
-        source = hf.open_source(config, tokenizer, seq_len, dp_rank, dp_size)
-        return source, source.describe()
-    if config.source == "indexed":
-        source = LedgerDataLoader._build_blend(config, tokenizer, seq_len)
-        return source, f"indexed:{source.fingerprint()}"
-    source = TextStream(config.dataset, config.dataset_path, tokenizer, seq_len,
-                        dp_rank, dp_size, config.seed)
-    return source, source.describe()
-
-
-def _unprepared(prefix: str) -> bool:
-    """``PREFIX.bin`` or ``PREFIX.idx`` is missing: ``prepare_from`` writes them first."""
-    return not (Path(prefix + ".bin").exists() and Path(prefix + ".idx").exists())
-
-
-#: what ``titan_ledger.prepare`` reads from a folder (``prepare.iter_texts``)
-_PREPARE_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-def check_inputs(config: LedgerDataLoader.Config, *, dry_run: bool = False) -> None:
-    """Every input file of a loader of ``config`` exists and holds data, checked before
-    any process group: no tokenizer, no ``datasets`` loading, no write (constant time per
-    file). ``text``: the dataset's local path (``dataset_path`` or the registry's); ``hf``:
-    ``hf.check_files``; ``indexed``: each ``PREFIX.bin`` + ``.idx`` as the loader opens
-    them first (``indexed.open_files``), or, for a prefix not yet prepared,
-    ``prepare_from``. A dry run
-    (``dry_run``: the fake backend) builds an indexed loader without its corpus, so its
-    corpora are not checked. Raises ``ConfigError`` / ``CorpusError`` naming the flag and
-    the path."""
-    from titan_ledger.data import hf
-    from titan_ledger.data.text import check_local_input, is_local_path, locate_dataset
-
-    config.validate()
-    if config.source == "hf":
-        hf.check_files(config)
-    elif config.source == "indexed":
-        if dry_run:
-            return
-        if config.prepare_from and _unprepared(config.paths[0]):  # (validate: the one path)
-            src = Path(config.prepare_from).expanduser()
-            if not (src.is_dir() and ((src / "dataset_info.json").exists()
-                                      or (src / "state.json").exists())):  # a save_to_disk folder
-                check_local_input("--dataloader.prepare_from", config.prepare_from,
-                                  _PREPARE_SUFFIXES)
-            return
-        for prefix in config.paths:
-            open_files(prefix)
-    else:
-        path, _, _ = locate_dataset(config.dataset, config.dataset_path)
-        if is_local_path(path):
-            flag = ("--dataloader.dataset_path" if config.dataset_path else
-                    f"--dataloader.dataset {config.dataset} (no --dataloader.dataset_path: "
-                    f"torchtitan's path)")
-            check_local_input(flag, path, hf.BUILDERS)
-
-
-def data_fingerprint(config: LedgerDataLoader.Config, tokenizer, seq_len: int,
-                     dp_size: int) -> str | None:
-    """The data fingerprint (``LedgerDataLoader.fingerprint``: source description,
-    tokenizer, seq_len, seed) a loader of ``config`` will have, without a process group.
-    The description is the whole source's, the same on every DP rank; it is built for the
-    last DP rank, so a corpus with fewer documents than DP ranks is refused here too.
-    Costs what the loader's constructor costs (text/hf: ``load_dataset`` of the files,
-    memory-mapped; indexed: the .idx headers). ``None`` when it cannot be known before
-    training: an indexed corpus still to be prepared (``prepare_from``)."""
-    if config.source == "indexed" and config.prepare_from and _unprepared(config.paths[0]):
-        return None
-    import datasets
-    from datasets.utils import logging as ds_logging
-
-    bars, verbosity = datasets.is_progress_bar_enabled(), ds_logging.get_verbosity()
-    datasets.disable_progress_bars()  # ("Generating train split": a check prints nothing)
-    ds_logging.set_verbosity_error()
-    try:
-        _, described = open_source(config, tokenizer, seq_len, dp_size - 1, dp_size)
-    finally:
-        ds_logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
-    return _fingerprint(described, tokenizer, seq_len, config.seed)
-
-
-def _prepare_once(src: str, prefix: str, tokenizer) -> None:
-    """Tokenize ``src`` into ``prefix`` on global rank 0 if missing.
-
-    Rank 0 broadcasts ``None`` (done, or nothing to do) or its error message; the
-    broadcast is also the wait of the other ranks, and every rank raises the same
-    ``CorpusError`` if rank 0 failed, so no rank waits forever on a failed rank 0.
-    """
-    from titan_ledger.data import prepare
-
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    error: str | None = None
-    cause: BaseException | None = None
-    if rank == 0:
-        if _unprepared(prefix):
-            logger.info(f"titan_ledger: preparing {prefix}.bin/.idx from {src} (first use)")
-            try:
-                prepare.prepare([src], prefix, tokenizer=tokenizer, workers=0, progress=False)
-            except Exception as e:  # every failure reaches the other ranks
-                cause = e
-                error = str(e) if isinstance(e, TitanLedgerError) else f"{type(e).__name__}: {e}"
-    if multi:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise CorpusError(f"--dataloader.prepare_from {src}: preparing {prefix}.bin/.idx on rank 0 "
-                          f"failed: {error}") from cause

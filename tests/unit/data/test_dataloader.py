@@ -199,7 +199,7 @@ def test_config_post_init_runs_with_slots_and_on_replace():
 
 # --------------------------------------------------------------------------- prepare on rank 0
 class FakeDist:
-    """Just the collective ``_prepare_once`` uses, as seen from one rank."""
+    """Just the collective ``prepare_once`` uses, as seen from one rank."""
 
     def __init__(self, rank, incoming=None):
         self.rank, self.incoming, self.sent = rank, incoming, []
@@ -226,31 +226,31 @@ class FakeDist:
 
 
 def test_a_failed_preparation_on_rank_0_stops_every_rank_with_its_message(tmp_path, tok, monkeypatch):
-    from titan_ledger.data import loader as dl_mod
+    from titan_ledger.data import inputs as inputs_mod
     from titan_ledger.data.indexed import CorpusError
 
     (tmp_path / "empty.jsonl").write_text("")
     prefix = str(tmp_path / "c")
     rank0 = FakeDist(0)
-    monkeypatch.setattr(dl_mod, "dist", rank0)
+    monkeypatch.setattr(inputs_mod, "dist", rank0)
     with pytest.raises(CorpusError, match="--dataloader.prepare_from .*empty.jsonl: preparing .*c.bin/.idx "
                                           "on rank 0 failed: .*no documents") as e0:
-        dl_mod._prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
+        inputs_mod.prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
     assert len(rank0.sent) == 1 and "no documents" in rank0.sent[0]
     rank1 = FakeDist(1, incoming=rank0.sent[0])
-    monkeypatch.setattr(dl_mod, "dist", rank1)
+    monkeypatch.setattr(inputs_mod, "dist", rank1)
     with pytest.raises(CorpusError) as e1:
-        dl_mod._prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
+        inputs_mod.prepare_once(str(tmp_path / "empty.jsonl"), prefix, tok)
     assert str(e1.value) == str(e0.value)  # the same one line on every rank
     # success: rank 0 broadcasts None and the other ranks carry on
     src = tmp_path / "one.jsonl"
     src.write_text('{"text": "def f(): return 1"}\n' * 40)
     ok0 = FakeDist(0)
-    monkeypatch.setattr(dl_mod, "dist", ok0)
-    dl_mod._prepare_once(str(src), prefix, tok)
+    monkeypatch.setattr(inputs_mod, "dist", ok0)
+    inputs_mod.prepare_once(str(src), prefix, tok)
     assert ok0.sent == [None] and (tmp_path / "c.idx").exists()
-    monkeypatch.setattr(dl_mod, "dist", FakeDist(1, incoming=None))
-    dl_mod._prepare_once(str(src), prefix, tok)
+    monkeypatch.setattr(inputs_mod, "dist", FakeDist(1, incoming=None))
+    inputs_mod.prepare_once(str(src), prefix, tok)
 
 
 # --------------------------------------------------------------------------- blend rule, profiling
@@ -258,15 +258,15 @@ def test_blend_rule_is_in_the_fingerprint_and_header(tok, corpus, tmp_path):
     import shutil
 
     from titan_ledger.data.indexed import BLEND_RULE, Blend
-    from titan_ledger.data.loader import _fingerprint
+    from titan_ledger.data.inputs import fingerprint
 
     for suffix in (".bin", ".idx"):
         shutil.copy(corpus + suffix, str(tmp_path / "other") + suffix)
     dl = loader(tok, paths=[corpus, str(tmp_path / "other")], weights=[0.7, 0.3], source="indexed")
     assert dl.header()["spec"]["blend_rule"] == BLEND_RULE == 2
     old = Blend(dl.source.corpora, [0.7, 0.3], rule=1)
-    assert dl.fingerprint == _fingerprint(f"indexed:{dl.source.fingerprint()}", tok, SEQ, 1234)
-    assert dl.fingerprint != _fingerprint(f"indexed:{old.fingerprint()}", tok, SEQ, 1234)
+    assert dl.fingerprint == fingerprint(f"indexed:{dl.source.fingerprint()}", tok, SEQ, 1234)
+    assert dl.fingerprint != fingerprint(f"indexed:{old.fingerprint()}", tok, SEQ, 1234)
     # sample 4 is where Megatron's rule (ours now) and the former rule part
     assert dl.source.locate(4)[0].name == "other" and old.locate(4)[0].name == "bundled"
 
@@ -275,7 +275,7 @@ def test_blend_rule_is_in_the_fingerprint_and_header(tok, corpus, tmp_path):
 def test_tagging_work_is_in_profiler_spans(tok, corpus, source):
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_ledger.data.loader import TAGGING_SPAN
+    from titan_ledger.data.batches import TAGGING_SPAN
 
     dl = loader(tok, corpus if source == "indexed" else None)
     it = iter(dl)

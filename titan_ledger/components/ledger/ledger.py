@@ -238,11 +238,6 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
     # ------------------------------------------------------------------ what the response asks
     # (components/response reads the ledger through these, not its parts: tests/unit/test_seam.py)
     @property
-    def watches(self) -> bool:
-        """Whether the spike rules run (a flag can exist)."""
-        return self.guard is not None
-
-    @property
     def clips_qk(self) -> bool:
         """Whether QK-clip rewrites Q and K after every update (``[qk_clip] enable``)."""
         return self.qk_clip is not None

@@ -28,7 +28,6 @@ from torchtitan.config import Configurable
 from titan_ledger.components.response.ladder import Action, parse_ladder
 from titan_ledger.errors import ConfigError
 from titan_ledger.format.answers.causes import WINDOW_CAUSE, default
-from titan_ledger.format.spellings import RENAMED, refuse_renamed, renamed_argv, renamed_table  # noqa: F401
 
 #: what the response may change by itself (``--ledger.response.policy``)
 POLICIES = ("observe", "act")

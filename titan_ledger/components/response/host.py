@@ -315,5 +315,5 @@ class RunFacts:
             microbatches=microbatches, grads_freed=device.type == "cpu" and bool(training.disable_cuda_graphs),
             skip_lr=table.skip.lr, stall=table.stall, spike=table.spike, parts=parts, loader=ledger.loader,
             owned_params=ledger.owned_params,
-            prove_at=parse_skip_steps(table.rehearsal.prove_at, "--table.rehearsal.prove_at"),
+            prove_at=parse_skip_steps(table.rehearsal.prove_at, "--ledger.rehearsal.prove_at"),
             faults=parse_response_faults(table.rehearsal.response_fault))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +51,31 @@ from titan_ledger.rehearsal.faults import response_fault
 UNCHANGED = "same"
 #: the window's control: every step's LR x ``control`` (> 1): a perturbation that is no fix
 CONTROL = "control"
+
+
+@dataclass
+class _Window:
+    """One window proof's re-runs share these: the flagged step (``rec``, its batches
+    held), the snapshot they start from, the parameters and optimizers it restores, and
+    what the first re-runs leave for the later ones."""
+
+    rec: Any
+    snap: Any
+    params: list
+    opts: list
+    stall: bool
+    detector: Any  # the run's spike detector (``flags_as_run``, ``window_effect`` judge by its bars)
+    kept: list[list] = field(default_factory=list)  # each group's (betas, eps) as the run has them
+    kept_loss: dict[int, float] = field(default_factory=dict)  # the unchanged re-run's loss per replayed step
+
+
+def _costs(runs: list[dict], by: dict[str, dict]) -> float | None:
+    """Each re-run's cost (its window's last losses against the unchanged re-run's), set in
+    its row; returns the unchanged re-run's (None: not finite, or no steps to price)."""
+    base = by[UNCHANGED]["loss_end"]
+    for r in runs:
+        r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
+    return base
 
 
 class WindowProof:
@@ -112,11 +138,15 @@ class WindowProof:
         (no spike at ``rec``): a fix removes it when it lowers the window's last steps'
         loss by the rule's ``min_gain`` against the unchanged re-run's. ``prior``: the cause
         the step's proof measured (``optimizer_state``), which its own fix confirms
-        (``verdict.window_verdict``)."""
+        (``verdict.window_verdict``).
+
+        The steps: spend the budget; re-run the window once per variant
+        (:meth:`_replay`, everything it touched put back); price each fix against the
+        unchanged re-run (:func:`_costs`); judge (:meth:`_judge_stall` /
+        :meth:`_judge_spike`); the record (:meth:`_record`)."""
         import torch.distributed as dist
 
-        t, ring = self.host, self.ring
-        cfg = self.config
+        ring, cfg = self.ring, self.config
         snap = ring.window(rec.step, stall=stall)  # a stall: from its onset (the anchor), where pinned
         if snap is None:
             return {"cause": None, "why": f"no snapshot from which steps up to {rec.step} can be replayed "
@@ -129,110 +159,149 @@ class WindowProof:
         ring.settle()
         start = time.perf_counter()
         params, opts = ring.tensors(), ring.optimizers()
-        now = HostState().capture(params, opts)  # the state at the alarm, put back after
-        grads = [p.grad for p in params]  # (a buffer's: None)
-        betas = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
         causes = [c for c in cfg.causes if (c != "adam" or self._changes_adam(opts))
                   and (c != "eps" or self._raises_eps(opts)) and (c != "zloss" or self._loss() is not None)
                   and (c != "logit_cap" or self._attention())]
-        detector = self.ledger.detector
-        faults = self.facts.faults
-        deadline = start + self.timeout
-        runs: list[dict] = []
-        kept_loss: dict[int, float] = {}  # the unchanged re-run's loss per replayed step
-        try:
-            with Reexecution(t, self.ledger, self.facts, None, replaces=False) as again:
-                for variant in (UNCHANGED, *causes, *([CONTROL] if cfg.control else [])):
-                    kind = response_fault(faults, "window")  # (rehearsal)
-                    check_deadline(self.facts.topo.world, self.facts.device, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
-                    snap.tensors.restore(params, opts)
-                    # every variant draws the same random numbers (dropout, if a model has it);
-                    # the run's own draws per step are not kept, so with dropout ``same`` differs
-                    again.rewind_rng()
-                    self._model_variant(variant)
-                    last: list[float] = []  # the window's last steps' losses: what the fix cost
-                    flagged: list[int] = []  # replayed steps the run's rules flag (a spike that came earlier)
-                    for s in range(snap.step + 1, rec.step):
-                        entry = ring.log[s]
-                        self._variant(opts, entry.lrs, betas, variant)
-                        lo, gn, lt, gt = again.run(entry.batches)
-                        ls = _global_loss(self.facts.topo, self.facts.device, loss_sum(lo, gt), int(lt))
-                        if rec.step - s <= cfg.cost_steps:
-                            last.append(ls)
-                        if not stall:
-                            g = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-                            if variant == UNCHANGED:
-                                kept_loss[s] = ls
-                            # z-loss adds w log Z^2 to the loss: its losses are judged as the unchanged run's
-                            judged = kept_loss.get(s, ls) if variant == "zloss" else ls
-                            if flags_as_run(detector, judged, g):
-                                flagged.append(s)
-                        if not entry.rec.update_skipped:
-                            self.facts.parts.optimizers.step()
-                    # the flagged step's forward/backward on the window's parameters (no update: no LR)
-                    loss, grad_norm, local_tokens, global_tokens = again.run(rec.batches)
-                    self._model_variant(UNCHANGED)
-                    mean = _global_loss(self.facts.topo, self.facts.device, loss_sum(loss, global_tokens), int(local_tokens))
-                    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                    if kind == "nan" and variant != UNCHANGED:
-                        mean = norm = math.nan  # (rehearsal: every rank alike)
-                    if variant != UNCHANGED and runs and math.isfinite(runs[0]["loss"]) and \
-                            math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
-                        raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
-                                           f"unchanged window was")
-                    end = sum(last) / len(last) if last else None
-                    runs.append({"variant": variant, "loss": mean, "grad_norm": norm,
-                                 "normal": not flags_as_run(detector, mean, norm),
-                                 "loss_end": end if end is None or math.isfinite(end) else None,
-                                 "flagged": flagged})
-        finally:
-            self._model_variant(UNCHANGED)  # the attention's cap and the loss's z-loss as the run has them
-            now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
-            for p, g in zip(params, grads):
-                p.grad = g
+        w = _Window(rec, snap, params, opts, stall, self.ledger.detector)
+        runs = self._replay(w, causes, deadline=start + self.timeout)
         by = {r["variant"]: r for r in runs}
-        base = by[UNCHANGED]["loss_end"]
-        for r in runs:
-            r["cost"] = None if r["loss_end"] is None or base is None else round(r["loss_end"] - base, 6)
-        same = by[UNCHANGED]
-        if stall:  # a stall is no spike: a fix that removes it is one the loss improves under
-            gain = float(self.facts.stall.min_gain)
-            removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
-                       for c in causes}
-            for c in by:
-                if c != UNCHANGED:
-                    by[c]["effect"] = "lowered" if (by[c]["cost"] is not None and base is not None
-                                                    and by[c]["cost"] < -gain * abs(base)) else "not removed"
-            cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes},
-                                               control=by.get(CONTROL, {}).get("effect"))
-            for spike, stalled in (("reproduced the spike", "stalled as the run did"),
-                                   ("removed the spike from this window",
-                                    f"lowered the window's last losses by {gain:.0%} from step {snap.step}"),
-                                   ("removed it", "lowered the loss"), ("removed by", "lowered by")):
-                why = why.replace(spike, stalled)
-            why = f"the stall: {why}"
-        else:  # the one judge (verdict.window_effect): the run's own rules, and the excess left
-            for c in by:
-                if c != UNCHANGED:
-                    by[c]["effect"], by[c]["share"] = window_effect(detector, (same["loss"], same["grad_norm"]),
-                                                                    (by[c]["loss"], by[c]["grad_norm"]))
-                    # a replayed step the unchanged re-run did not flag, flagged under the variant:
-                    # the spike came earlier, it was not removed (the judge reads the whole window)
-                    moved = sorted(set(by[c]["flagged"]) - set(same["flagged"]))
-                    if moved:
-                        by[c]["moved_to"] = moved[0]
-                        if by[c]["effect"] == "removed":
-                            by[c]["effect"] = "moved"
-            cause, why, fixes = window_verdict(same["normal"], {c: by[c]["effect"] == "removed" for c in causes},
-                                               {c: by[c]["cost"] for c in causes}, prior=prior,
-                                               control=by.get(CONTROL, {}).get("effect"))
+        base = _costs(runs, by)
+        if stall:
+            cause, why, fixes = self._judge_stall(by, causes, base, snap.step)
+        else:
+            cause, why, fixes = self._judge_spike(by, causes, prior, w.detector)
         skipped = sorted(set(cfg.causes) - set(causes))
         if skipped:
             why += f"; not run: {', '.join(skipped)} (it would change nothing here)"
         if dist.is_initialized():
             dist.barrier()  # every rank leaves together (the window's collectives are done)
+        return self._record(cause, why, fixes, runs, stall, rec.step, snap.step, start)
+
+    # ------------------------------------------------------------------ the re-runs
+    def _replay(self, w: _Window, causes: list[str], deadline: float) -> list[dict]:
+        """One re-run of the window per variant -- unchanged first, each cause's fix, the
+        control last -- each from the snapshot with the same random numbers; what they
+        touched (parameters, optimizer state, gradients, the groups' LR, betas and eps, the
+        attention's cap, the loss's z-loss weight) put back after, whatever happened."""
+        params, opts = w.params, w.opts
+        now = HostState().capture(params, opts)  # the state at the alarm, put back after
+        grads = [p.grad for p in params]  # (a buffer's: None)
+        w.kept = [[(g.get("betas"), g.get("eps")) for g in o.param_groups] for o in opts]
+        runs: list[dict] = []
+        try:
+            with Reexecution(self.host, self.ledger, self.facts, None, replaces=False) as again:
+                for variant in (UNCHANGED, *causes, *([CONTROL] if self.config.control else [])):
+                    runs.append(self._run_variant(again, w, variant, runs, deadline))
+        finally:
+            self._model_variant(UNCHANGED)  # the attention's cap and the loss's z-loss as the run has them
+            now.restore(params, opts)  # parameters, moments, the groups' LR, betas, eps
+            for p, g in zip(params, grads):
+                p.grad = g
+        return runs
+
+    def _run_variant(self, again: Reexecution, w: _Window, variant: str, runs: list[dict],
+                     deadline: float) -> dict:
+        """``variant``'s re-run of the window and of the flagged step (forward/backward on
+        the window's parameters, no update): its row of ``runs``."""
+        kind = response_fault(self.facts.faults, "window")  # (rehearsal)
+        check_deadline(self.facts.topo.world, self.facts.device, -math.inf if kind == "timeout" else deadline, "the window proof", self.timeout)
+        w.snap.tensors.restore(w.params, w.opts)
+        # every variant draws the same random numbers (dropout, if a model has it);
+        # the run's own draws per step are not kept, so with dropout ``same`` differs
+        again.rewind_rng()
+        self._model_variant(variant)
+        last, flagged = self._replay_steps(again, w, variant)
+        # the flagged step's forward/backward on the window's parameters (no update: no LR)
+        loss, grad_norm, local_tokens, global_tokens = again.run(w.rec.batches)
+        self._model_variant(UNCHANGED)
+        mean = _global_loss(self.facts.topo, self.facts.device, loss_sum(loss, global_tokens), int(local_tokens))
+        norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if kind == "nan" and variant != UNCHANGED:
+            mean = norm = math.nan  # (rehearsal: every rank alike)
+        if variant != UNCHANGED and runs and math.isfinite(runs[0]["loss"]) and \
+                math.isfinite(runs[0]["grad_norm"]) and not (math.isfinite(mean) and math.isfinite(norm)):
+            raise ProofFailure(f"the window's {variant} variant was not finite ({mean}, {norm}) where the "
+                               f"unchanged window was")
+        end = sum(last) / len(last) if last else None
+        return {"variant": variant, "loss": mean, "grad_norm": norm,
+                "normal": not flags_as_run(w.detector, mean, norm),
+                "loss_end": end if end is None or math.isfinite(end) else None,
+                "flagged": flagged}
+
+    def _replay_steps(self, again: Reexecution, w: _Window, variant: str) -> tuple[list[float], list[int]]:
+        """The window's steps after the snapshot, up to the flagged one, under ``variant``,
+        each updated as the run updated it: the last ``cost_steps`` steps' losses (what the
+        fix cost), and the steps the run's rules flag (a spike that came earlier; not for
+        a stall)."""
+        ring, cfg = self.ring, self.config
+        last: list[float] = []  # the window's last steps' losses: what the fix cost
+        flagged: list[int] = []  # replayed steps the run's rules flag (a spike that came earlier)
+        for s in range(w.snap.step + 1, w.rec.step):
+            entry = ring.log[s]
+            self._variant(w.opts, entry.lrs, w.kept, variant)
+            lo, gn, lt, gt = again.run(entry.batches)
+            ls = _global_loss(self.facts.topo, self.facts.device, loss_sum(lo, gt), int(lt))
+            if w.rec.step - s <= cfg.cost_steps:
+                last.append(ls)
+            if not w.stall:
+                g = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                if variant == UNCHANGED:
+                    w.kept_loss[s] = ls
+                # z-loss adds w log Z^2 to the loss: its losses are judged as the unchanged run's
+                judged = w.kept_loss.get(s, ls) if variant == "zloss" else ls
+                if flags_as_run(w.detector, judged, g):
+                    flagged.append(s)
+            if not entry.rec.update_skipped:
+                self.facts.parts.optimizers.step()
+        return last, flagged
+
+    # ------------------------------------------------------------------ the judgement
+    def _judge_stall(self, by: dict[str, dict], causes: list[str], base: float | None,
+                     from_step: int) -> tuple[str | None, str, Any]:
+        """A stall is no spike: a fix that removes it is one the loss improves under (the
+        window's last losses lowered by the stall rule's ``min_gain``)."""
+        gain = float(self.facts.stall.min_gain)
+        removed = {c: by[c]["cost"] is not None and base is not None and by[c]["cost"] < -gain * abs(base)
+                   for c in causes}
+        for c in by:
+            if c != UNCHANGED:
+                by[c]["effect"] = "lowered" if (by[c]["cost"] is not None and base is not None
+                                                and by[c]["cost"] < -gain * abs(base)) else "not removed"
+        cause, why, fixes = window_verdict(False, removed, {c: by[c]["cost"] for c in causes},
+                                           control=by.get(CONTROL, {}).get("effect"))
+        for spike, stalled in (("reproduced the spike", "stalled as the run did"),
+                               ("removed the spike from this window",
+                                f"lowered the window's last losses by {gain:.0%} from step {from_step}"),
+                               ("removed it", "lowered the loss"), ("removed by", "lowered by")):
+            why = why.replace(spike, stalled)
+        return cause, f"the stall: {why}", fixes
+
+    def _judge_spike(self, by: dict[str, dict], causes: list[str], prior: str | None,
+                     detector) -> tuple[str | None, str, Any]:
+        """The one judge (``verdict.window_effect``): the run's own rules, and the share of
+        the flagged signal's excess each fix left."""
+        same = by[UNCHANGED]
+        for c in by:
+            if c != UNCHANGED:
+                by[c]["effect"], by[c]["share"] = window_effect(detector, (same["loss"], same["grad_norm"]),
+                                                                (by[c]["loss"], by[c]["grad_norm"]))
+                # a replayed step the unchanged re-run did not flag, flagged under the variant:
+                # the spike came earlier, it was not removed (the judge reads the whole window)
+                moved = sorted(set(by[c]["flagged"]) - set(same["flagged"]))
+                if moved:
+                    by[c]["moved_to"] = moved[0]
+                    if by[c]["effect"] == "removed":
+                        by[c]["effect"] = "moved"
+        return window_verdict(same["normal"], {c: by[c]["effect"] == "removed" for c in causes},
+                              {c: by[c]["cost"] for c in causes}, prior=prior,
+                              control=by.get(CONTROL, {}).get("effect"))
+
+    def _record(self, cause: str | None, why: str, fixes, runs: list[dict], stall: bool, step: int,
+                from_step: int, start: float) -> dict[str, Any]:
+        """``proof["window"]``: the verdict, every re-run, and the settings it ran with."""
+        cfg = self.config
         return {"cause": WINDOW_CAUSE.get(cause) if cause else None, "variant": cause, "why": why,
-                "fixes": fixes, **({"stall": True} if stall else {}), "from_step": snap.step, "steps": rec.step - snap.step, "runs": runs,
+                "fixes": fixes, **({"stall": True} if stall else {}), "from_step": from_step, "steps": step - from_step, "runs": runs,
                 "lr_factor": cfg.lr_factor, "beta2": cfg.beta2, "eps": cfg.eps, "eps_fix": cfg.eps_fix,
                 "logit_cap": cfg.logit_cap, "zloss": cfg.zloss, "control": cfg.control,
                 "seconds": round(time.perf_counter() - start, 4)}

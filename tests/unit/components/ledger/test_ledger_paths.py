@@ -36,10 +36,6 @@ FOLDER = "ledger"
 #: (path relative to the repo, the text the scan matched). Empty this as they move.
 ALLOW = {
     # being moved (issue 34)
-    ("titan_ledger/train.py", "signals.jsonl"),
-    ("titan_ledger/train.py", "spikes.jsonl"),
-    ("titan_ledger/train.py", "data_dp"),
-    ("titan_ledger/train.py", "ledger"),
     ("titan_ledger/components/ledger/ledger.py", "ledger"),
     ("titan_ledger/components/ledger/dashboards.py", "wandb.json"),
     ("titan_ledger/components/ledger/dashboards.py", "ledger"),
