@@ -2,8 +2,8 @@
 
 Rank 0 prints it when ``titan_ledger.train`` ends a run that trained (a summary that
 fails is a warning, never a failed run): the ledger's folder, then one section a line
-or a few -- signals, spikes, what the response did, the data ledger, checkpoints -- and
-the commands that look at the run ("look at it").
+or a few -- the run's episodes first (its answer), then signals, spikes, what the response
+did, the data ledger, checkpoints -- and the commands that look at the run ("look at it").
 
 Design decision: the summary is a list of sections (:data:`SECTIONS`), each a function
 of the run's files read once (:class:`RunFiles`), each returning its own lines in
@@ -81,6 +81,27 @@ def run_summary(dump_folder: str | os.PathLike, ledger_folder: str | os.PathLike
 
 
 # --------------------------------------------------------------------------- the sections
+def episodes_lines(run: RunFiles) -> list[str]:
+    """The run's answer first: its episodes (``format.answers.episodes``), each its cause, how
+    it was established, its fix and the command; what an unproven one needs next."""
+    from titan_ledger.format.answers import render
+    from titan_ledger.format.answers.of_run import RunAnswers
+    from titan_ledger.format.reader import RunLedger
+
+    if run.signals is None:
+        return []
+    try:
+        eps = RunAnswers(RunLedger(run.dump, Path(run.ledger_folder).name)).episodes()
+    except (LedgerError, OSError, ValueError) as e:
+        return [f"  episodes     could not be read: {e}"]
+    lines = render.episodes_block(eps, detail=False)
+    out = [f"  {lines[0]}"] + [f"    {x}" for x in lines[1:]]
+    if any(e.candidates and e.fix is None for e in eps):
+        out.append(f"    prove the candidates over each episode's horizon: {python_command()} -m titan_ledger.diagnose "
+                   f"{run.dump} --rerun")
+    return out
+
+
 def signals_lines(run: RunFiles) -> list[str]:
     """The signals ledger: its rows, their steps, rows of earlier runs it superseded."""
     if run.signals is None:
@@ -179,6 +200,7 @@ def look_lines(run: RunFiles) -> list[str]:
         f"    {py} -m titan_ledger.diagnose {dump}{opt}",
         f"    {py} -m titan_ledger.lookup {dump} --step {look}{opt}",
     ]
+    lines.append(f"    {py} -m titan_ledger.report {dump} -o {dump / 'run.html'}{opt}")
     if run.spike_steps:
         first = run.spike_steps[0]
         lines.append(f"    {py} -m titan_ledger.report {dump} --step {first} -o "
@@ -189,5 +211,5 @@ def look_lines(run: RunFiles) -> list[str]:
 
 #: the summary's sections, in the order they print
 SECTIONS: list[Callable[[RunFiles], list[str]]] = [
-    signals_lines, spikes_lines, response_lines, data_ledger_lines, checkpoint_lines, look_lines,
+    episodes_lines, signals_lines, spikes_lines, response_lines, data_ledger_lines, checkpoint_lines, look_lines,
 ]

@@ -152,9 +152,7 @@ class LedgerTrainer(Trainer):
             dashboards.log_stop(self.metrics_processor.logger, e)
             raise
         finally:
-            self.ledger.drain(block=True, metrics_logger=self.metrics_processor.logger)
-            self.ledger.close()
-            self.episodes = self.ledger.episodes(self.metrics_processor.logger)  # ADDED: the run's answer
+            self.ledger.finish(self.metrics_processor.logger)  # the last rows, the files closed, the run's episodes
 
     # ------------------------------------------------------------------ the step
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):

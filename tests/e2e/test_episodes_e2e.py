@@ -6,8 +6,9 @@ the model left its healthy regime (dated step 3: the loss above its first steps'
 moving 0.5% a step), and every view leads with that episode; ``diagnose RUN --rerun`` states
 its budget, relaunches the candidate fixes as their commands would (from scratch: no
 checkpoint before the onset) over the run's horizon, records what it measured, and names the
-LR with the value measured; that command, run as printed, trains to a lower loss with a
-healthy model; the run page shows the episode's cause and command above the fold."""
+LR with the value measured (``titan_ledger.tools.episode_proof``); that command, run as
+printed, trains to a lower loss with a healthy model; the run page
+(``titan_ledger.tools.run_page``) shows the episode's cause and command above the fold."""
 
 from __future__ import annotations
 

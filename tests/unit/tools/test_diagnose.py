@@ -251,5 +251,8 @@ def test_a_stall_is_listed_and_named_and_its_window_proof_proves_the_fix(tmp_pat
     assert render.lines(Answer.of(a))[0] == "stall at step 350: attention-logit growth -- proven by its fix in the window"
     assert main([str(tmp_path / "run")]) == 0  # listed without --step: the stall is a finding
     out = capsys.readouterr().out
-    assert out.startswith("stall at step 350: attention-logit growth -- proven by its fix in the window\n"
-                          "  fix: --qk_clip.enable --qk_clip.threshold 30 (now off): lowered"), out[:300]
+    # the run's answer first: the stall is its one episode, the incident's own answer after it
+    assert out.startswith("episodes: 1\nepisode 1, step 350: stall: attention-logit growth -- proven by its fix in "
+                          "the window\n  fix: --qk_clip.enable --qk_clip.threshold 30 (now off): lowered"), out[:300]
+    assert "\nstall at step 350: attention-logit growth -- proven by its fix in the window\n" \
+           "  fix: --qk_clip.enable --qk_clip.threshold 30 (now off): lowered" in out

@@ -30,12 +30,14 @@ def test_export_writes_the_tables_and_says_so(run, tmp_path, capsys, fmt):
     out = tmp_path / "out" / "nested"
     assert main([str(run), "-o", str(out), "--format", fmt, "--step", "7"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert lines[0].startswith(f"wrote {out}/signals.{fmt}: 11 rows x 28 columns, ")
     assert lines[1].startswith(f"wrote {out}/data_step7.{fmt}: 4 rows x 10 columns, ")
     assert lines[2].startswith(f"wrote {out}/spikes.{fmt}: 1 rows x 41 columns, ")
+    assert lines[3].startswith(f"wrote {out}/episodes.{fmt}: 1 rows x 14 columns, ")  # the spike at 9: one burst
     assert all(" bytes), read " in ln and ln.endswith(" s") for ln in lines)
-    assert sorted(p.name for p in out.iterdir()) == [f"data_step7.{fmt}", f"signals.{fmt}", f"spikes.{fmt}"]
+    assert sorted(p.name for p in out.iterdir()) == [f"data_step7.{fmt}", f"episodes.{fmt}", f"signals.{fmt}",
+                                                      f"spikes.{fmt}"]
     want, data = signals_table(run), data_table(run, 7)
     if fmt == "parquet":
         import pandas as pd
@@ -60,7 +62,8 @@ def test_export_without_step_writes_signals_and_spikes_and_warns_on_a_torn_line(
     tear(run / "ledger" / "signals.jsonl")
     assert main(["--dump-folder", str(run), "-o", str(tmp_path / "o")]) == 0
     out, err = capsys.readouterr()
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["signals.parquet", "spikes.parquet"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["episodes.parquet", "signals.parquet",
+                                                                   "spikes.parquet"]
     assert "signals.parquet: 11 rows" in out
     assert err.startswith("titan_ledger.export: warning: ") and "torn last line skipped" in err
 
@@ -126,7 +129,7 @@ def test_the_documented_duckdb_queries_answer_on_an_export(run, tmp_path):
     out = tmp_path / "out"
     assert main([str(run), "-o", str(out), "--steps", "1:12"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["data_steps1-12.parquet", "documents_steps1-12.parquet",
-                                                      "ranks_steps1-12.parquet",
+                                                      "episodes.parquet", "ranks_steps1-12.parquet",
                                                       "signals.parquet", "spikes.parquet"]
     doc = (Path(__file__).resolve().parents[3] / "docs" / "tools.md").read_text()
     block = doc.split("The questions asked first after an incident", 1)[1].split("```sql", 1)[1].split("```", 1)[0]

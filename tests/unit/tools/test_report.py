@@ -65,7 +65,7 @@ def test_rerun_folder_shown_and_cli(tmp_path, capsys):
     d = _run(tmp_path)
     (d / "ledger" / "rerun").mkdir()
     (d / "ledger" / "rerun" / "result.jsonl").write_text('{"step": 5, "loss": 5.01}\n{"step": 6}\n')
-    assert main([str(d), "-o", str(tmp_path / "p.html")]) == 0  # the flagged spike: step 5
+    assert main([str(d), "--step", "5", "-o", str(tmp_path / "p.html")]) == 0  # the flagged spike: step 5
     page = (tmp_path / "p.html").read_text()
     assert "rerun/result.jsonl" in page and "5.01" in page
     assert main([str(d), "--step", "99", "-o", str(tmp_path / "q.html")]) == 2
@@ -182,13 +182,23 @@ def test_above_dp_16_the_per_rank_section_summarises(tmp_path):
     assert "20 ranks: median" in ranks and "highest rank 17 4.1700" in ranks and "<td>" not in ranks
 
 
-def test_every_flagged_spike_gets_its_page_and_its_answers_line(tmp_path, capsys):
-    """No ``--step``: one page per flagged spike, each said in one line with its answer."""
+def test_without_a_step_the_runs_page_leads_with_its_episodes_then_every_incident(tmp_path, capsys):
+    """No ``--step``: the run's page -- its episodes first (each one's cause, how, fix), then
+    every incident with its own answer and the episode it belongs to -- said in one line."""
     d = _run(tmp_path)
     with open(d / "ledger" / records.SPIKES_FILE, "a") as f:
         f.write(json.dumps({"step": 9, "rules": ["grad_jump"], "loss_max_rank": 0, "loss": 7.1, "grad_norm": 6.0,
                             "action": "none"}) + "\n")
+        f.write(json.dumps({"step": 90, "rules": ["grad_jump"], "loss_max_rank": 0, "loss": 7.1, "grad_norm": 6.0,
+                            "action": "none"}) + "\n")
     assert main([str(d), "-o", str(tmp_path / "p.html")]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert [x.split(": ", 1)[0] for x in out] == [f"wrote {tmp_path / 'p-step5.html'}", f"wrote {tmp_path / 'p-step9.html'}"]
-    assert out[0].endswith("loss spike at step 5: cause not established")
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'p.html'}: 2 episode(s), 3 incident(s)\n"
+    page = (tmp_path / "p.html").read_text()
+    boxes = re.findall(r"<div class='ep'>(.*?)</div>", page)
+    assert len(boxes) == 2 and "Episode 1, steps 5-9: 2 incidents at steps 5-9" in boxes[0]
+    assert "<p class='cause'>cause not established</p>" in boxes[0] and "step 90" in boxes[1]
+    assert page.index("<div class='ep'>") < page.index("<h2>Incidents")  # the episodes above the incidents
+    assert page.count("<td>episode 1</td>") == 2 and page.count("<td>episode 2</td>") == 1
+    from titan_ledger.tools.run_page import page as run_page  # (what report writes, read without a file)
+
+    assert run_page(d)[0] == page

@@ -502,6 +502,13 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         if metrics_logger is not None:
             dashboards.log_rewind(metrics_logger, from_step=from_step, to_step=to_step, window=window)
 
+    def finish(self, metrics_logger=None) -> None:
+        """The run's end (a stop's too): every row written, the files closed, and the run's
+        answer -- its episodes -- on the dashboards."""
+        self.drain(block=True, metrics_logger=metrics_logger)
+        self.close()
+        self.episodes(metrics_logger)
+
     def episodes(self, metrics_logger=None) -> list | None:
         """The run's episodes at its end (rank 0, read back from what it wrote: one answer in
         every view), logged to the dashboards; None elsewhere, or where they cannot be read (a
