@@ -1,7 +1,7 @@
 """What a user reads of a run's incidents, from two source trees, compared (issue 76).
 
     python bench/answer_views.py --tree DIR --dumps D1 D2 ... --out OUT   # render with DIR's code
-    python bench/answer_views.py --compare A B                           # the same text? exit 1 if not
+    python bench/answer_views.py --compare A B [--mask PATH ...]         # the same text? exit 1 if not
 
 Design decision: a restructure of the answer must leave what a user reads unchanged, and the
 ledger-equality bench (``bench/ledger_equal.py``) only compares what the trainer wrote. This
@@ -69,12 +69,21 @@ def render(tree: Path, dumps: list[Path], out: Path) -> int:
     return 0
 
 
-def compare(a: Path, b: Path) -> int:
+def compare(a: Path, b: Path, mask: list[str] = ()) -> int:
+    """Every rendered file of ``a`` against ``b``'s, line by line; ``mask``: paths that read
+    as ``<TREE>`` in both (the tree a run was trained in, which a recorded command names)."""
+
+    def norm(text: str) -> list[str]:
+        for m in mask:
+            text = text.replace(m, "<TREE>")
+        # the datasets library's own progress line when its cache is cold (not the tools' output)
+        return [x for x in text.splitlines() if not x.startswith("Generating train split")]
+
     bad = 0
     files = sorted({p.relative_to(a) for p in a.rglob("*.txt")} | {p.relative_to(b) for p in b.rglob("*.txt")})
     for rel in files:
-        x = (a / rel).read_text().splitlines() if (a / rel).exists() else ["(missing)"]
-        y = (b / rel).read_text().splitlines() if (b / rel).exists() else ["(missing)"]
+        x = norm((a / rel).read_text()) if (a / rel).exists() else ["(missing)"]
+        y = norm((b / rel).read_text()) if (b / rel).exists() else ["(missing)"]
         if x != y:
             bad += 1
             print(f"DIFFERS {rel}")
@@ -90,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dumps", type=Path, nargs="*", default=[])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", type=Path, nargs=2)
+    ap.add_argument("--mask", nargs="*", default=[], help="--compare: paths read as <TREE> in both")
     a = ap.parse_args(argv)
     if a.compare:
-        return compare(*a.compare)
+        return compare(*a.compare, mask=a.mask)
     return render(a.tree.resolve(), [d.resolve() for d in a.dumps], a.out)
 
 
