@@ -77,7 +77,10 @@ def compare(a: Path, b: Path, mask: list[str] = ()) -> int:
         for m in mask:
             text = text.replace(m, "<TREE>")
         # the datasets library's own progress line when its cache is cold (not the tools' output)
-        return [x for x in text.splitlines() if not x.startswith("Generating train split")]
+        lines = [x for x in text.splitlines() if not x.startswith("Generating train split")]
+        while lines and not lines[-1].strip():
+            lines.pop()
+        return lines
 
     bad = 0
     files = sorted({p.relative_to(a) for p in a.rglob("*.txt")} | {p.relative_to(b) for p in b.rglob("*.txt")})
