@@ -63,22 +63,29 @@ class Trial:
     resumes: bool = True
 
 
+#: relaunches an episode's proof tries at most (each trains the whole horizon)
+MAX_TRIALS = 4
+
+
 def trials(ep: Episode, ctx: Context) -> list[Trial]:
-    """The candidates for an episode: its fix and candidates (what its incidents measured), its
-    cause's horizon fixes and the LR's cut; each a change to this run, each once."""
+    """The candidates for an episode, at most :data:`MAX_TRIALS`: its fix, its cause's horizon
+    fixes and the LR's cut (the driver of most), then what its incidents measured; each a
+    change to this run, each once."""
     out: list[Trial] = []
 
     def add(variant: str, cause: str, flags: tuple[str, ...], change: str, resumes: bool = True) -> None:
-        if flags and not any(t.flags == flags for t in out):
+        if flags and len(out) < MAX_TRIALS and not any(t.flags == flags for t in out):
             out.append(Trial(variant, cause, flags, change, resumes))
 
-    for f in (*([ep.fix] if ep.fix else []), *ep.candidates):
-        add(f.variant, f.cause, f.flags, f.change, f.resumes)
+    if ep.fix is not None:
+        add(ep.fix.variant, ep.fix.cause, ep.fix.flags, ep.fix.change, ep.fix.resumes)
     for cause in dict.fromkeys(c for c in (ep.cause, "lr") if c in CAUSES):
         for name, params in CAUSES[cause].horizon:
             ch = derive(name, ctx.knobs, dict(params))
             if ch is not None:
                 add(name, cause, ch.flags, ch.words, ch.resumes)
+    for f in ep.candidates:
+        add(f.variant, f.cause, f.flags, f.change, f.resumes)
     return out
 
 

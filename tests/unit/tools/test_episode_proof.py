@@ -30,8 +30,11 @@ def episode(**kw) -> Episode:
 
 def test_the_candidates_are_the_episodes_own_its_causes_and_the_lrs_each_once():
     got = trials(episode(candidates=(ZLOSS,)), CTX)
-    assert [(t.variant, t.flags) for t in got] == [("zloss", ("--loss.z_loss_weight", "0.0001")),
-                                                   ("lr", ("--optimizer.lr", "0.06")), ("lr", ("--optimizer.lr", "0.02"))]
+    assert [(t.variant, t.flags) for t in got] == [("lr", ("--optimizer.lr", "0.06")), ("lr", ("--optimizer.lr", "0.02")),
+                                                   ("zloss", ("--loss.z_loss_weight", "0.0001"))]
+    many = trials(episode(candidates=(ZLOSS, *[Fix("eps", "optimizer_state", ("--optimizer.eps", f"1e-{k}"), "", "")
+                                                for k in (5, 6, 7)])), CTX)
+    assert len(many) == episode_proof.MAX_TRIALS  # each relaunch trains the whole horizon: a bound
     adam = trials(episode(kind="burst", cause="optimizer_state", established="in_step"), CTX)
     assert [t.flags for t in adam] == [("--optimizer.eps", "1e-6"), ("--optimizer.lr", "0.06"),
                                        ("--optimizer.lr", "0.02")]
