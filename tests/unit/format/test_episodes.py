@@ -87,3 +87,18 @@ def test_the_console_raises_one_alarm_per_episode():
         (205, "hardware", "in_step", None), (300, "", "none", 250), (310, "", "none", 250),
         (320, "bad_data", "in_step", None))]
     assert said == [True, False, False, True, True, False, False, True]
+
+
+def test_a_change_of_data_is_one_episode_with_nothing_to_fix():
+    """A burst of loss flags no rule pinned on a rank or a document, nothing established, where
+    the loss's level changed (its median after the onset 3x the median before): one shift
+    episode, however many flags; the same burst where the loss came back is a burst."""
+    flags = [answer(s, title="loss spike") for s in range(402, 466)]
+    events = {s: {"rules": ["zscore_loss"]} for s in range(402, 466)}
+    (shift,) = episodes.episodes(flags, [], events, 800, CTX, level=lambda s: 3.06)
+    assert (shift.kind, shift.onset, shift.last, len(shift.incidents), shift.fix) == ("shift", 402, 465, 64, None)
+    assert render.episode_fix_line(shift).startswith("fix: none needed") and shift.title == "the data changed at step 402"
+    (burst,) = episodes.episodes(flags, [], events, 800, CTX, level=lambda s: 1.01)
+    assert burst.kind == "burst"
+    pinned = {s: {"rules": ["zscore_loss", "rank_separation"]} for s in range(402, 466)}
+    assert episodes.episodes(flags, [], pinned, 800, CTX, level=lambda s: 3.06)[0].kind == "burst"

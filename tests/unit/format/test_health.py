@@ -67,3 +67,15 @@ def test_a_non_finite_or_skipped_row_is_not_read():
     rows.append({"step": 6, "skipped": True, "loss": None})
     h = health.Health()
     assert all(h.observe(r) is None for r in rows) and not h.broken and h.broken_since is None
+
+
+def test_a_loss_that_rose_alone_is_new_data_not_a_broken_model():
+    """docstrings then tables (bench/adversarial.py's shift_tables, DP 2): the loss 2.0 -> 8.8
+    in one step, 4.4x its best window, the logits and the weights' steps as before: healthy."""
+    n = 500
+    rows = _rows([2.0] * 400 + [8.8] * 40 + [6.0] * (n - 440), [10.0] * n)
+    assert health.read(rows) == []
+    # the same jump beside an update moving the weights 1% a step: broken, from where the update began
+    pn = [100.0 * (1.01 ** max(0, i - 395)) for i in range(n)]
+    (span,) = health.read(_rows([2.0] * 400 + [8.8] * 40 + [6.0] * (n - 440), [10.0] * n, pn))
+    assert span.names == ("loss", "update") and span.onset == 397

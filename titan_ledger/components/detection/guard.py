@@ -150,7 +150,7 @@ class SpikeGuard:
             if "readmitted" in ev:  # --ledger.spike.readmit_after: a change of level, not a spike
                 from torchtitan.tools.logging import logger
 
-                logger.warning(
+                logger.warning(  # (one of an episode's two alarms: its first incident's, and this one)
                     f"titan_ledger: {int(ev['readmitted'])} steps in a row flagged up to step {row['step']}: a "
                     f"lasting change of level (a new data mixture, an easy stretch's end), not a spike; the spike "
                     f"rules' history starts again from these steps (--ledger.spike.readmit_after)")

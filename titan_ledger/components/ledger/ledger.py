@@ -390,7 +390,11 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         self.stalls.append(ev)
         self.record_event(ev)
         if self.topo.is_rank0:
-            logger.warning(f"titan_ledger: {describe_stall(ev)}")
+            onset = self.guard.live.open_at(int(ev["step"]), self.health.broken_since) if self.guard else None
+            if onset is None:
+                logger.warning(f"titan_ledger: {describe_stall(ev)}")
+            else:  # a symptom of the episode open (one alarm per episode)
+                logger.info(f"titan_ledger: {describe_stall(ev)} -- part of the episode from step {onset}")
         if metrics_logger is not None:
             metrics_logger.log({"stall/flag": 1.0, "stall/best_loss": float(ev["stall"]["best"])}, ev["step"])
             if self.topo.is_rank0:

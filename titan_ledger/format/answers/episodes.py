@@ -166,12 +166,21 @@ def shift_like(a: Answer, event: dict[str, Any] | None) -> bool:
         "none", "in_step", "unseparated", "tree")
 
 
+#: a shift's incidents: at least this share shift-like (the first document of the new kind may
+#: stand out against the old kind -- a document rule fires -- and the stall rule may see the loss
+#: above its best: both are what new data does)
+SHIFT_SHARE = 0.8
+
+
 def is_shift(g: _Group, events: dict[int, dict[str, Any]], level: Callable[[int], float | None] | None) -> bool:
-    """A burst that is a change of data: every incident shift-like, the first a loss that rose,
-    and the loss's level changed at its onset (``level``: the after/before median ratio)."""
-    if not g.answers or g.answers[0].title != "loss spike":
+    """A burst that is a change of data: no incident with a cause established, most of them
+    shift-like, the first a loss that rose, and the loss's level changed at the onset
+    (``level``: the median after over the median before)."""
+    if not g.answers or g.answers[0].title not in ("loss spike", "loss climbing back (stall rule)"):
         return False
-    if not all(shift_like(a, events.get(a.step)) for a in g.answers):
+    if any(a.cause for a in g.answers):
+        return False
+    if sum(shift_like(a, events.get(a.step)) for a in g.answers) < SHIFT_SHARE * len(g.answers):
         return False
     ratio = level(g.onset) if level is not None else None
     return ratio is not None and ratio >= 1 + LEVEL_RISE
@@ -334,6 +343,13 @@ class Live:
     onset: int = 0
     last: int = 0
     causes: set[str] = field(default_factory=set)
+
+    def open_at(self, step: int, broken_since: int | None) -> int | None:
+        """The onset of the episode ``step`` falls in (a broken model's, or a burst within
+        ``GAP``), None: it would open one."""
+        if broken_since is not None and step >= broken_since:
+            return broken_since
+        return self.onset if self.kind == "burst" and step - self.last <= GAP else None
 
     def see(self, a: Answer, event: dict[str, Any] | None, broken_since: int | None) -> tuple[bool, int]:
         """(whether ``a`` opens an episode, the onset of the episode it is in)."""

@@ -20,10 +20,12 @@ its own *best*, with bars no healthy run comes near:
   ``update_norm`` recorded, the param norm's own change >= ``rel_norm_change``, a lower bound).
 
 Each holds ``hold`` steps in a row before it counts (one odd batch is not a broken model).
-The model is *broken* from the first step a damage sign (logits, loss) holds, dated back to
-where the update's sign began if it led into it (the LR moved the weights too far before the
-damage showed), and stays broken until every damage sign has cleared for ``recover`` steps
-(the logits below ``logit_clear`` x their bar). The reading streams (one row at a time,
+The model is *broken* from the first step its own signals show damage -- the logits' sign,
+or the loss's beside the update's (a loss that rose alone is also what new data does: a
+change of data kind is not a broken model) -- dated back to where the update's sign began if
+it led into it (the LR moved the weights too far before the damage showed), and stays broken
+until every damage sign has cleared for ``recover`` steps (the logits below ``logit_clear`` x
+their bar). The reading streams (one row at a time,
 O(1) state): the trainer keeps one live, the answer's episodes read a whole run in one pass.
 """
 
@@ -203,7 +205,10 @@ class Health:
 
     def _judge(self, step: int, ml: Any, bar: float | None, loss_med: float, start: float) -> Span | None:
         b = self.bars
-        damaged = any(self._streaks[k].count >= b.hold for k in ("logits", "loss"))
+        held = {k for k, v in self._streaks.items() if v.count >= b.hold}
+        # the model's own signals must show it: a loss that rose alone is also what new data
+        # does (docstrings, then tables: 4.4x the best window in one step, the model healthy)
+        damaged = "logits" in held or {"loss", "update"} <= held
         if self._open is None:
             if not damaged:
                 return None
