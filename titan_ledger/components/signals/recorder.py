@@ -53,14 +53,17 @@ class Reduced:
     # segments, distinct documents (see spikes.SpikeDetector.step)
 
 
-class NonFiniteLoss(RuntimeError):
-    """The recorded loss is NaN/inf: training stops (the row is written first)."""
+class NonFiniteRow(RuntimeError):
+    """A written signals row's loss is NaN/inf: training stops (the row is written first).
+    Not :class:`titan_ledger.errors.NonFiniteLoss` (torchtitan's own loss check, which
+    ``Recovery.settling`` answers by deciding a held step): this stop is the ledger's own,
+    after the row."""
 
 
 def check_finite(row: dict[str, Any], path: str) -> None:
     """Stop training at a written row whose loss is NaN/inf (``path``: where it is)."""
     if not math.isfinite(row["loss"]):
-        raise NonFiniteLoss(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
+        raise NonFiniteRow(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
                             f"is in {path}. Stopping training.")
 
 

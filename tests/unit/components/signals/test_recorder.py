@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from titan_ledger.components.signals.recorder import NonFiniteLoss, SignalRecorder, check_finite
+from titan_ledger.components.signals.recorder import NonFiniteRow, SignalRecorder, check_finite
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import ParamPlan
 from titan_ledger.components.signals.topology import Topology
@@ -63,7 +63,7 @@ def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
     try:
         _write(rec, block=True)
         raise AssertionError("a NaN loss must stop training")
-    except NonFiniteLoss as e:
+    except NonFiniteRow as e:
         assert "step 3" in str(e)
     rec.close()
     assert math.isnan(records.read_ledger(tmp_path / "signals.jsonl").history[0]["loss"])
