@@ -12,14 +12,18 @@ computed from :data:`COLUMNS` and never written by hand again:
   pyarrow type for the fast reader, ``export`` and plot);
 * :data:`DEVICE_SLOTS`, the fixed block of ``components.signals.recorder``'s reduced vector
   (the recorder builds it and reads it back by these names; it adds only its own scratch
-  slots, values no column holds);
+  slots, values no column holds), and :data:`RECORD_KEYS`, the host facts the row copies
+  from the step's record as they stand;
 * :func:`plot_panels` (``tools.plot``), :func:`tensorboard_charts`, :data:`SUMMARIES` and
   :data:`DASHBOARD_KEYS` (``components.ledger`` and the recorder's ``ledger/<key>`` scalars).
 
-So adding a column is one line here, plus the code that measures it and the recorder's line
-that puts it in the row (``tests/unit/format/test_signal_columns.py`` checks that every view
-agrees with the table). This module is part of the format layer: it imports nothing else of
-the package, so the readers, the recorder and the tools all stand on it.
+So adding a column is one line here plus the code that measures it: a host fact is a
+``record`` column and a field of the step record (the recorder copies it, no code there); a
+device signal is a ``slot`` and the recorder's lines that put this rank's value in the
+all-gather, reduce it and turn it into the row's value. ``tests/unit/format/
+test_signal_columns.py`` checks that every view agrees with the table, and adds a column to
+prove it. This module is part of the format layer: it imports nothing else of the package,
+so the readers, the recorder and the tools all stand on it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class Column:
     #: its value's slot in the recorder's reduced device vector (the device reduces it over
     #: the world; the row reads it back by this name); None: a fact the host knows
     slot: str | None = None
+    #: the value is the step record's field of the same name, as it stands (a host fact:
+    #: ``components.signals.step_record.StepRecord``); the recorder computes the others
+    record: bool = False
     window: bool = False  # only a skipped window's row has it (not in SIGNAL_KEYS)
     off: str | None = None  # the setting, off by default, without which it is null in every row
     plot: str | None = None  # plot's panel (PLOT_PANELS) it is drawn in
@@ -82,8 +89,9 @@ C = Column
 #: every column of a signals row, in the row's key order (trained rows: those without
 #: ``window``; a skipped window's row appends the ``window`` ones)
 COLUMNS: tuple[Column, ...] = (
-    C("step", int, "1-based training step (a skipped window: its first step)", null=False, dashboard=False),
-    C("consumed_samples", int, "rows consumed so far, trained or skipped (checkpointed)", null=False),
+    C("step", int, "1-based training step (a skipped window: its first step)", null=False, record=True,
+      dashboard=False),
+    C("consumed_samples", int, "rows consumed so far, trained or skipped (checkpointed)", null=False, record=True),
     C("consumed_tokens", int, "valid label tokens trained so far; skipped windows add none (checkpointed)",
       null=False, slot="consumed_tokens"),
     C("loss", float, "global token-weighted average loss (under PP: from the last stage)",
@@ -115,14 +123,15 @@ COLUMNS: tuple[Column, ...] = (
       off="--qk_clip.enable", tensorboard="qk_clip", summary="max"),
     C("qk_clip_eta_min", float, "the smallest QK-clip factor eta (1: nothing clipped)", slot="qk_clip_eta_min",
       off="--qk_clip.enable", tensorboard="qk_clip", summary="min"),
-    C("lr", float, "learning rate of this step's update (first param group)", null=False, plot="lr"),
+    C("lr", float, "learning rate of this step's update (first param group)", null=False, record=True,
+      plot="lr"),
     C("skipped", bool, "the step's data was consumed without training", null=False),
     C("skipped_samples", int, "samples consumed without training so far", null=False),
     C("spike", bool, "an acting spike rule fired: the step is a spike"),
     C("spike_note", bool, "only note-tier rules fired (recorded, not acted on)"),
-    C("update_skipped", bool, "the update guard did not apply this step's update", null=False),
-    C("step_time_s", float, "host wall time of the step", null=False),
-    C("data_loading_s", float, "host wall time of fetching the step's batches", null=False),
+    C("update_skipped", bool, "the update guard did not apply this step's update", null=False, record=True),
+    C("step_time_s", float, "host wall time of the step", null=False, record=True),
+    C("data_loading_s", float, "host wall time of fetching the step's batches", null=False, record=True),
     C("last_step", int, "the window's last step", null=False, window=True, dashboard=False),
     C("skip_lr", str, "the LR schedule over the window (freeze or advance)", null=False, window=True,
       dashboard=False),
@@ -138,6 +147,8 @@ SIGNAL_KEYS: tuple[str, ...] = tuple(c.name for c in COLUMNS if not c.window)
 WINDOW_KEYS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.window)
 #: the reduced device vector's slots that hold a column's value, in table order
 DEVICE_SLOTS: tuple[str, ...] = tuple(c.slot for c in COLUMNS if c.slot is not None)
+#: the columns whose value is the step record's field of the same name
+RECORD_KEYS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.record)
 #: the columns logged as ``ledger/<key>`` scalars
 DASHBOARD_KEYS: frozenset[str] = frozenset(c.name for c in COLUMNS if c.dashboard)
 #: W&B summaries of the ``ledger/<key>`` scalars (``define_metric(summary=...)``)

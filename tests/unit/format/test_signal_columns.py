@@ -5,6 +5,7 @@ The last test adds a column to the table (in a fresh interpreter) and finds it i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from titan_ledger.components.ledger.dashboard_writers import TB_LAYOUT
 from titan_ledger.components.ledger.dashboards import SUMMARIES
 from titan_ledger.components.signals.recorder import SLOTS, dashboard
+from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.format import columns, records, signal_columns
 from titan_ledger.format.signal_columns import COLUMNS, PLOT_PANELS, TB_CHARTS
 from titan_ledger.tools import plot
@@ -34,6 +36,7 @@ def test_the_table_is_well_formed():
         assert c.summary in (None, "max", "min") and (c.summary is None or c.dashboard), c
         assert c.label is None or c.plot is not None, c
         assert not (c.window and (c.slot or c.dashboard or c.plot)), c  # a window trains nothing
+        assert not (c.record and c.slot), c  # one source per value: the step's record or the device
     # every panel and chart draws something; no two columns share a slot
     assert {c.plot for c in COLUMNS} - {None} == set(PLOT_PANELS)
     assert {c.tensorboard for c in COLUMNS} - {None} == set(TB_CHARTS)
@@ -50,10 +53,11 @@ def test_the_format_views_are_the_tables():
     assert all(hints[c.name] == (c.type | None if c.null else c.type) for c in COLUMNS)
 
 
-def test_the_recorders_vector_has_a_slot_per_device_column():
+def test_the_recorders_vector_has_a_slot_per_device_column_and_the_record_a_field_per_host_fact():
     # the table's slots first, in its order, then the recorder's own scratch (no column's)
     assert SLOTS[:len(signal_columns.DEVICE_SLOTS)] == tuple(c.slot for c in COLUMNS if c.slot)
     assert not set(SLOTS[len(signal_columns.DEVICE_SLOTS):]) & set(signal_columns.DEVICE_SLOTS)
+    assert set(signal_columns.RECORD_KEYS) <= {f.name for f in dataclasses.fields(StepRecord)}
 
 
 def test_plot_and_the_dashboards_draw_what_the_table_says():
@@ -75,9 +79,10 @@ def test_plot_and_the_dashboards_draw_what_the_table_says():
     assert all(isinstance(v, float) and math.isfinite(v) for v in scalars.values())
 
 
-# What adding a column is: one line in the table. In a fresh interpreter, a column "foo" is
-# added (reduced on device, charted, summarised); every view must then hold it, and the
-# recorder refuses to reduce a step until its code fills the new slot.
+# What adding a column is: one line in the table. In a fresh interpreter, a device signal
+# "foo" (reduced on device, charted, summarised) and a host fact "bar" (the step record's
+# field) are added; every view must then hold them, the recorder copies "bar" from the
+# record with no code of its own, and refuses a step until its code fills "foo".
 _ADD_A_COLUMN = r"""
 import importlib.util, json, sys
 from pathlib import Path
@@ -87,7 +92,8 @@ src = path.read_text()
 line = '    C("lr", float,'
 assert src.count(line) == 1
 src = src.replace(line, '    C("foo", float, "a new signal", slot="foo", plot="loss", label="the foo", '
-                        'tensorboard="logz", summary="max"),\n' + line)
+                        'tensorboard="logz", summary="max"),\n'
+                        '    C("bar", int, "a new host fact", null=False, record=True),\n' + line)
 spec = importlib.util.spec_from_loader("titan_ledger.format.signal_columns", loader=None)
 mod = importlib.util.module_from_spec(spec)
 mod.__file__ = str(path)
@@ -114,11 +120,21 @@ try:
     refused = None
 except RuntimeError as e:
     refused = str(e)
+from titan_ledger.components.signals.step_record import StepRecord
+step = StepRecord(step=1, start=0.0)
+step.bar = 7  # (the field the new host fact would add to StepRecord)
+layout = recorder.RowLayout(dp_size=1, dp_rank=0, max_logit=True, qk_clip=False, per_layer_groups=None)
+try:
+    recorder.signals_row([2.0, 1.0] + [0.0] * len(recorder.SLOTS), step, layout, skipped_samples=0, stats=None)
+    row_refused = None
+except KeyError as e:
+    row_refused = str(e)
 print(json.dumps({
     "signal_keys": list(records.SIGNAL_KEYS), "kinds": columns.KINDS, "slots": list(recorder.SLOTS),
     "panels": [list(keys) for _, _, keys in plot.PANELS], "labels": plot.LABELS,
     "tb": TB_LAYOUT["titan_ledger"], "summaries": SUMMARIES,
-    "dashboard": sorted(recorder.dashboard({"step": 1, "foo": 2.0})), "refused": refused}))
+    "dashboard": sorted(recorder.dashboard({"step": 1, "foo": 2.0, "bar": 3})), "refused": refused,
+    "row_refused": row_refused}))
 """
 
 
@@ -129,12 +145,15 @@ def test_a_column_added_to_the_table_reaches_every_view():
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
     keys = got["signal_keys"]
-    assert keys[keys.index("foo") + 1] == "lr" and len(keys) == len(records.SIGNAL_KEYS) + 1
-    assert got["kinds"]["foo"] == "float" and list(got["kinds"])[:len(keys)] == keys
+    assert keys[keys.index("foo") + 1:keys.index("foo") + 3] == ["bar", "lr"]
+    assert len(keys) == len(records.SIGNAL_KEYS) + 2
+    assert got["kinds"]["foo"] == "float" and got["kinds"]["bar"] == "int" and list(got["kinds"])[:len(keys)] == keys
     assert "foo" in got["slots"] and len(got["slots"]) == len(SLOTS) + 1
     assert got["panels"][0] == ["loss", "loss_max", "foo"] and got["labels"]["foo"] == "the foo"
     assert r"^ledger/foo$" in got["tb"][TB_CHARTS["logz"]][1]
     assert got["summaries"]["ledger/foo"] == "max"
-    assert got["dashboard"] == ["ledger/foo"]
-    # the recorder's vector follows the table: the new slot is one its code must fill
+    assert got["dashboard"] == ["ledger/bar", "ledger/foo"]
+    # the recorder's vector follows the table: the new slot is one its code must fill; the
+    # row takes the host fact from the record, and waits for the device signal's value only
     assert got["refused"] and "'foo'" in got["refused"], got["refused"]
+    assert got["row_refused"] and "columns nothing computes ['foo']" in got["row_refused"], got["row_refused"]

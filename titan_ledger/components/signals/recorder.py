@@ -54,6 +54,7 @@ _FIXED = len(_LOCAL)  # where the per-layer sums start
 #: from that no column holds (log Z's token count divides z_loss and logz_mean)
 SLOTS: tuple[str, ...] = (*signal_columns.DEVICE_SLOTS, "logz_tokens")
 _SLOT_SET = frozenset(SLOTS)
+_ROW_KEYS = frozenset(records.SIGNAL_KEYS)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def check_finite(row: dict[str, Any], path: str) -> None:
     """Stop training at a written row whose loss is NaN/inf (``path``: where it is)."""
     if not math.isfinite(row["loss"]):
         raise NonFiniteRow(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
-                            f"is in {path}. Stopping training.")
+                           f"is in {path}. Stopping training.")
 
 
 @dataclass
@@ -395,9 +396,8 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
     local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
     max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
                                              else float("inf")))
-    values = {
-        "step": rec.step,
-        "consumed_samples": rec.consumed_samples,
+    values = {k: getattr(rec, k) for k in signal_columns.RECORD_KEYS}  # host facts, as the record has them
+    values.update({
         "consumed_tokens": int(ctok),
         "loss": loss,
         "loss_max": local_avg[max_rank],
@@ -415,18 +415,15 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
         # QK-clip (None when off): query heads whose rows this step's clip scales, smallest eta
         "qk_clip_heads": int(s["qk_clip_heads"]) if layout.qk_clip else None,
         "qk_clip_eta_min": s["qk_clip_eta_min"] if layout.qk_clip else None,
-        "lr": rec.lr,
         "skipped": False,
         "skipped_samples": skipped_samples,
         "spike": bool(stats[0]) if stats is not None else None,
         "spike_note": layout.note_of(stats) if stats is not None and layout.note_of is not None else None,
-        "update_skipped": rec.update_skipped,
-        "step_time_s": rec.step_time_s,
-        "data_loading_s": rec.data_loading_s,
-    }
+    })
+    if values.keys() != _ROW_KEYS:  # a column nothing computes, or a value no column declares
+        raise KeyError(f"signals_row: columns nothing computes {sorted(_ROW_KEYS - values.keys())}, values no "
+                       f"column declares {sorted(values.keys() - _ROW_KEYS)} (format/signal_columns.py)")
     row = {k: values[k] for k in records.SIGNAL_KEYS}  # the table's order: the bytes on disk
-    if len(row) != len(values):  # a value the table does not declare would be dropped unseen
-        raise KeyError(f"signals_row: {sorted(set(values) - set(row))} are not columns of signal_columns")
     rest = v[2 * dp + len(SLOTS):]
     if layout.per_layer_groups is not None:
         row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(layout.per_layer_groups, rest)}
