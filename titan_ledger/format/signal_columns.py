@@ -15,7 +15,9 @@ computed from :data:`COLUMNS` and never written by hand again:
   slots, values no column holds), and :data:`RECORD_KEYS`, the host facts the row copies
   from the step's record as they stand;
 * :func:`plot_panels` (``tools.plot``), :func:`tensorboard_charts`, :data:`SUMMARIES` and
-  :data:`DASHBOARD_KEYS` (``components.ledger`` and the recorder's ``ledger/<key>`` scalars).
+  :data:`DASHBOARD_KEYS` (``components.ledger`` and the recorder's ``ledger/<key>`` scalars);
+* :data:`TIMING_KEYS`, the wall-clock columns that comparisons of two runs leave out (the
+  tests' bit-for-bit comparisons of a resumed, deferred or proven run with a straight one).
 
 So adding a column is one line here plus the code that measures it: a host fact is a
 ``record`` column and a field of the step record (the recorder copies it, no code there); a
@@ -72,6 +74,9 @@ class Column:
     #: ``components.signals.step_record.StepRecord``); the recorder computes the others
     record: bool = False
     window: bool = False  # only a skipped window's row has it (not in SIGNAL_KEYS)
+    #: a wall-clock measurement: two runs of the same steps differ in it, so comparisons of
+    #: runs (a resume against a straight run, deferred against in-step) leave it out
+    timing: bool = False
     off: str | None = None  # the setting, off by default, without which it is null in every row
     plot: str | None = None  # plot's panel (PLOT_PANELS) it is drawn in
     label: str | None = None  # its legend label there (default: its name, "_" as " ")
@@ -130,8 +135,9 @@ COLUMNS: tuple[Column, ...] = (
     C("spike", bool, "an acting spike rule fired: the step is a spike"),
     C("spike_note", bool, "only note-tier rules fired (recorded, not acted on)"),
     C("update_skipped", bool, "the update guard did not apply this step's update", null=False, record=True),
-    C("step_time_s", float, "host wall time of the step", null=False, record=True),
-    C("data_loading_s", float, "host wall time of fetching the step's batches", null=False, record=True),
+    C("step_time_s", float, "host wall time of the step", null=False, record=True, timing=True),
+    C("data_loading_s", float, "host wall time of fetching the step's batches", null=False, record=True,
+      timing=True),
     C("last_step", int, "the window's last step", null=False, window=True, dashboard=False),
     C("skip_lr", str, "the LR schedule over the window (freeze or advance)", null=False, window=True,
       dashboard=False),
@@ -149,6 +155,8 @@ WINDOW_KEYS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.window)
 DEVICE_SLOTS: tuple[str, ...] = tuple(c.slot for c in COLUMNS if c.slot is not None)
 #: the columns whose value is the step record's field of the same name
 RECORD_KEYS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.record)
+#: the wall-clock columns: what differs between two runs of the same steps
+TIMING_KEYS: frozenset[str] = frozenset(c.name for c in COLUMNS if c.timing)
 #: the columns logged as ``ledger/<key>`` scalars
 DASHBOARD_KEYS: frozenset[str] = frozenset(c.name for c in COLUMNS if c.dashboard)
 #: W&B summaries of the ``ledger/<key>`` scalars (``define_metric(summary=...)``)

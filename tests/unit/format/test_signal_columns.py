@@ -80,9 +80,9 @@ def test_plot_and_the_dashboards_draw_what_the_table_says():
 
 
 # What adding a column is: one line in the table. In a fresh interpreter, a device signal
-# "foo" (reduced on device, charted, summarised) and a host fact "bar" (the step record's
-# field) are added; every view must then hold them, the recorder copies "bar" from the
-# record with no code of its own, and refuses a step until its code fills "foo".
+# "new_signal" (reduced on device, charted, summarised) and a host fact "new_fact" (the step
+# record's field, a wall-clock time) are added; every view must then hold them, the recorder copies "new_fact" from the
+# record with no code of its own, and refuses a step until its code fills "new_signal".
 _ADD_A_COLUMN = r"""
 import importlib.util, json, sys
 from pathlib import Path
@@ -91,9 +91,9 @@ path = Path(titan_ledger.format.__file__).parent / "signal_columns.py"
 src = path.read_text()
 line = '    C("lr", float,'
 assert src.count(line) == 1
-src = src.replace(line, '    C("foo", float, "a new signal", slot="foo", plot="loss", label="the foo", '
+src = src.replace(line, '    C("new_signal", float, "a new signal", slot="new_signal", plot="loss", label="the new signal", '
                         'tensorboard="logz", summary="max"),\n'
-                        '    C("bar", int, "a new host fact", null=False, record=True),\n' + line)
+                        '    C("new_fact", int, "a new host fact", record=True, timing=True),\n' + line)
 spec = importlib.util.spec_from_loader("titan_ledger.format.signal_columns", loader=None)
 mod = importlib.util.module_from_spec(spec)
 mod.__file__ = str(path)
@@ -122,7 +122,7 @@ except RuntimeError as e:
     refused = str(e)
 from titan_ledger.components.signals.step_record import StepRecord
 step = StepRecord(step=1, start=0.0)
-step.bar = 7  # (the field the new host fact would add to StepRecord)
+step.new_fact = 7  # (the field the new host fact would add to StepRecord)
 layout = recorder.RowLayout(dp_size=1, dp_rank=0, max_logit=True, qk_clip=False, per_layer_groups=None)
 try:
     recorder.signals_row([2.0, 1.0] + [0.0] * len(recorder.SLOTS), step, layout, skipped_samples=0, stats=None)
@@ -133,8 +133,8 @@ print(json.dumps({
     "signal_keys": list(records.SIGNAL_KEYS), "kinds": columns.KINDS, "slots": list(recorder.SLOTS),
     "panels": [list(keys) for _, _, keys in plot.PANELS], "labels": plot.LABELS,
     "tb": TB_LAYOUT["titan_ledger"], "summaries": SUMMARIES,
-    "dashboard": sorted(recorder.dashboard({"step": 1, "foo": 2.0, "bar": 3})), "refused": refused,
-    "row_refused": row_refused}))
+    "dashboard": sorted(recorder.dashboard({"step": 1, "new_signal": 2.0, "new_fact": 3})), "refused": refused,
+    "row_refused": row_refused, "timing": sorted(mod.TIMING_KEYS)}))
 """
 
 
@@ -145,15 +145,17 @@ def test_a_column_added_to_the_table_reaches_every_view():
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
     keys = got["signal_keys"]
-    assert keys[keys.index("foo") + 1:keys.index("foo") + 3] == ["bar", "lr"]
+    assert keys[keys.index("new_signal") + 1:keys.index("new_signal") + 3] == ["new_fact", "lr"]
     assert len(keys) == len(records.SIGNAL_KEYS) + 2
-    assert got["kinds"]["foo"] == "float" and got["kinds"]["bar"] == "int" and list(got["kinds"])[:len(keys)] == keys
-    assert "foo" in got["slots"] and len(got["slots"]) == len(SLOTS) + 1
-    assert got["panels"][0] == ["loss", "loss_max", "foo"] and got["labels"]["foo"] == "the foo"
-    assert r"^ledger/foo$" in got["tb"][TB_CHARTS["logz"]][1]
-    assert got["summaries"]["ledger/foo"] == "max"
-    assert got["dashboard"] == ["ledger/bar", "ledger/foo"]
+    assert (got["kinds"]["new_signal"], got["kinds"]["new_fact"]) == ("float", "int")
+    assert list(got["kinds"])[:len(keys)] == keys
+    assert "new_signal" in got["slots"] and len(got["slots"]) == len(SLOTS) + 1
+    assert got["panels"][0] == ["loss", "loss_max", "new_signal"] and got["labels"]["new_signal"] == "the new signal"
+    assert r"^ledger/new_signal$" in got["tb"][TB_CHARTS["logz"]][1]
+    assert got["summaries"]["ledger/new_signal"] == "max"
+    assert got["dashboard"] == ["ledger/new_fact", "ledger/new_signal"]
+    assert got["timing"] == sorted({*signal_columns.TIMING_KEYS, "new_fact"})  # runs compared without it
     # the recorder's vector follows the table: the new slot is one its code must fill; the
     # row takes the host fact from the record, and waits for the device signal's value only
-    assert got["refused"] and "'foo'" in got["refused"], got["refused"]
-    assert got["row_refused"] and "columns nothing computes ['foo']" in got["row_refused"], got["row_refused"]
+    assert got["refused"] and "'new_signal'" in got["refused"], got["refused"]
+    assert got["row_refused"] and "columns nothing computes ['new_signal']" in got["row_refused"], got["row_refused"]
