@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import CONFIGS, explain, torchrun
 
+from titan_ledger.format.signal_columns import TIMING_KEYS
+
 pytestmark = pytest.mark.slow
 
 BASE = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.local_batch_size", "2",
@@ -41,7 +43,7 @@ PAIRS = {
     "non_finite": ["--training.steps", "6", "--optimizer.lr", "1e30", "--ledger.response.policy", "act", "--ledger.response.action", "none,skip_update"],
 }
 PAIRS["non_finite_quiet"] = [*PAIRS["non_finite"], "--metrics.log_freq", "10"]  # step 3 logs nothing
-TIMING = {"step_time_s", "data_loading_s", "time", "run_id"}
+TIMING = {*TIMING_KEYS, "time", "run_id"}  # the table's wall-clock columns, a header's time and id
 HEADER = {"schema", "seq", "resumed_from", "rewind_from"}
 
 

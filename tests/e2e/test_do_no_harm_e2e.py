@@ -38,6 +38,8 @@ from pathlib import Path
 import pytest
 from helpers import CONFIGS, data_rows, explain, load_bench, signals_rows, spike_events, torchrun
 
+from titan_ledger.format.signal_columns import TIMING_KEYS
+
 pytestmark = pytest.mark.slow
 
 EASY = [{"text": " the end." * 400}] * 1500
@@ -83,7 +85,7 @@ PLATEAU_CKPT = ["--checkpoint.enable", "--checkpoint.interval", "400"]
 DEBUG = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.steps", "12",
          "--training.local_batch_size", "2", "--training.seq_len", "128", "--ledger.spike.window", "8",
          "--ledger.rehearsal.inject", "6:0:bitflip,10:1:repeat"]
-TIMING = {"step_time_s", "data_loading_s"}
+TIMING = TIMING_KEYS  # the table's wall-clock columns
 
 
 def response_events(dump):

@@ -21,6 +21,7 @@ from helpers import (
     torchrun,
 )
 
+from titan_ledger.format.signal_columns import TIMING_KEYS
 from titan_ledger.tools import replay
 from titan_ledger.tools.runs import run_training
 
@@ -55,7 +56,7 @@ def test_quarantine_added_on_resume_masks_the_documents_and_keeps_the_samples(ru
     assert sig[6]["masked_tokens"] > 0 and ref[6]["masked_tokens"] == 0
     assert sig[6]["consumed_tokens"] - sig[5]["consumed_tokens"] == \
         ref[6]["consumed_tokens"] - ref[5]["consumed_tokens"] - sig[6]["masked_tokens"]
-    timing = ("step_time_s", "data_loading_s")
+    timing = TIMING_KEYS  # (the table's wall-clock columns)
     assert {k: v for k, v in sig[3].items() if k not in timing} == \
         {k: v for k, v in ref[3].items() if k not in timing}  # before the quarantine: the same history
     hdr = signals_ledger(dump).segments[-1].header

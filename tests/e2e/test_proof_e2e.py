@@ -29,6 +29,7 @@ from helpers import CONFIGS, cli, data_rows, explain, load_bench, rejected_steps
 from titan_ledger.format.data_reader import DataLedger
 from titan_ledger.format.proofs import HARMFUL
 from titan_ledger.format.records import read_ledger
+from titan_ledger.format.signal_columns import TIMING_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -243,7 +244,7 @@ def test_deferred_decisions_train_exactly_the_run_in_step_decisions_train(runs):
     d, _ = runs["clean_deferred"]
     ref, _ = runs["clean"]
     a, b = signals_rows(d), signals_rows(ref)
-    timing = {"step_time_s", "data_loading_s"}
+    timing = TIMING_KEYS  # (the table's wall-clock columns)
     assert sorted(a) == sorted(b) == list(range(1, 13))
     for step in a:
         assert {k: v for k, v in a[step].items() if k not in timing} == \

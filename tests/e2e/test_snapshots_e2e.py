@@ -24,6 +24,7 @@ import pytest
 from helpers import CONFIGS, chromium_dom, cli, explain, signals_ledger, spike_events, torchrun
 
 from titan_ledger.format.records import read_ledger
+from titan_ledger.format.signal_columns import TIMING_KEYS
 from titan_ledger.tools import diagnose
 
 pytestmark = pytest.mark.slow
@@ -119,7 +120,7 @@ def test_the_in_process_lr_page_tells_one_story_in_a_browser(runs, tmp_path):
 def test_the_run_with_the_ring_equals_the_run_without_it_bit_for_bit(runs):
     (a, _), (b, plain_log) = runs["ring"], runs["plain"]
     assert f"rolling back from step {SPIKE} to checkpoint step-8" in plain_log
-    skip = {"step_time_s", "data_loading_s", "run_id", "time", "config_digest", "argv", "superseded_by"}
+    skip = {*TIMING_KEYS, "run_id", "time", "config_digest", "argv", "superseded_by"}
     la, lb = signals_ledger(a), signals_ledger(b)
     for rows_a, rows_b in ((la.history, lb.history), (la.superseded, lb.superseded)):
         assert len(rows_a) == len(rows_b)
@@ -135,7 +136,7 @@ def test_a_restore_from_host_memory_that_fails_loads_the_checkpoint_instead(runs
     assert "the response's restore failed (ResponseFault: rehearsal: --ledger.rehearsal.response_fault " \
            "restore:raise); training goes on without it" in log
     assert f"rolling back from step {SPIKE} to checkpoint step-8" in log
-    skip = {"step_time_s", "data_loading_s", "run_id", "time", "config_digest", "argv", "superseded_by"}
+    skip = {*TIMING_KEYS, "run_id", "time", "config_digest", "argv", "superseded_by"}
     la, lb = signals_ledger(a), signals_ledger(b)
     assert [{k: v for k, v in x.items() if k not in skip} for x in la.history] == \
         [{k: v for k, v in y.items() if k not in skip} for y in lb.history]

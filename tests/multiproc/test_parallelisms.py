@@ -11,6 +11,8 @@ import pytest
 from conftest import PARALLELISMS, PROVEN_STEP, STEPS
 from helpers import TB_GRAD_NORM, read_tb, signals_rows
 
+from titan_ledger.format.signal_columns import TIMING_KEYS
+
 pytestmark = pytest.mark.slow
 
 
@@ -54,7 +56,7 @@ def test_under_pipeline_parallelism_a_deferred_proof_trains_what_an_in_step_proo
     executed again) against the same run deciding in the step: every row bit for bit
     (``update_norm`` included: the late update is measured on step 2's row)."""
     a, b = signals_rows(runs.straight("PP")), signals_rows(runs.in_step("PP"))
-    timing = {"step_time_s", "data_loading_s"}
+    timing = TIMING_KEYS  # (the table's wall-clock columns)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:
         assert {k: v for k, v in a[step].items() if k not in timing} == \

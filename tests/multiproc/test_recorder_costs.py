@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ledger.components.signals.recorder import SignalRecorder
+from titan_ledger.components.signals.recorder import SLOTS, SignalRecorder, reduced_slots
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import ParamPlan
 from titan_ledger.components.signals.topology import Topology
@@ -99,11 +99,13 @@ def test_record_is_one_collective_and_no_host_reads_on_gloo_ranks():
     assert v[:2] == [2.0, 3.0]  # loss sums by DP rank, one from each rank
     assert v[2:4] == [4.0, 4.0]  # tokens by DP rank
     assert loss == 5.0 / 8.0
-    zeros, param_sq, max_logit, gn, gn_clip, ctok = v[4:10]
-    assert zeros == ref["zeros"] and math.isclose(param_sq, ref["param_sq"], rel_tol=1e-6)
-    assert max_logit == float("-inf") and ctok == 8.0
-    masked, zsq, zsum, zmax, ztok = v[10:15]  # no loss of ours here: log Z not measured
-    assert masked == 0.0 and (zsq, zsum, zmax, ztok) == (0.0, 0.0, float("-inf"), 0.0)
-    assert all(math.isnan(x) for x in v[15:17])  # QK-clip's heads and min eta: off
-    assert math.isclose(sum(v[17:]), ref["grad_sq"], rel_tol=1e-6)  # per-layer grad sums of squares
-    assert math.isclose(gn, math.sqrt(ref["grad_sq"]), rel_tol=1e-5)
+    s = reduced_slots(v, 2)  # the named slots (their order is the table's)
+    assert s["num_zeros"] == ref["zeros"] and math.isclose(s["param_sq"], ref["param_sq"], rel_tol=1e-6)
+    assert s["max_logit"] == float("-inf") and s["consumed_tokens"] == 8.0
+    # no loss of ours here: log Z not measured
+    assert s["masked_tokens"] == 0.0 and (s["logz_sq"], s["logz_sum"], s["logz_max"], s["logz_tokens"]) == \
+        (0.0, 0.0, float("-inf"), 0.0)
+    assert math.isnan(s["qk_clip_heads"]) and math.isnan(s["qk_clip_eta_min"])  # QK-clip: off
+    per_layer = v[4 + len(SLOTS):]
+    assert math.isclose(sum(per_layer), ref["grad_sq"], rel_tol=1e-6)  # per-layer grad sums of squares
+    assert math.isclose(s["grad_norm"], math.sqrt(ref["grad_sq"]), rel_tol=1e-5)

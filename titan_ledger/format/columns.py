@@ -3,8 +3,8 @@
 Design decision: one reader, :func:`read_table`, gives the current history of
 ``signals.jsonl`` (superseded rows left out, skipped windows as rows with
 ``last_step``) as a ``pyarrow.Table`` whose every column has the type
-:class:`records.SignalRow` declares (:data:`KINDS`: ints int64, floats float64,
-bools, strings). Its views: :func:`read_columns` (numpy columns of the trained rows and
+:mod:`~titan_ledger.format.signal_columns` declares (:data:`KINDS`: ints int64,
+floats float64, bools, strings). Its views: :func:`read_columns` (numpy columns of the trained rows and
 the skipped windows, :meth:`titan_ledger.format.reader.RunLedger.signal_columns`) and
 :func:`titan_ledger.format.arrow.signals_table` (the table itself: plot, export, pandas,
 polars, DuckDB). The fast path uses pyarrow's multithreaded JSON reader with a fixed
@@ -23,33 +23,23 @@ bad line an error naming ``FILE:LINE``), and the table built from its rows.
 from __future__ import annotations
 
 import functools
-import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError
-from titan_ledger.format import records
+from titan_ledger.format import records, signal_columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-_KINDS = {int: "int", float: "float", bool: "bool", str: "str"}
-
-
-def _kind(hint) -> str | None:
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    return _KINDS.get(args[0]) if len(args) == 1 else None
-
-
-_HINTS = typing.get_type_hints(records.SignalRow)
-#: each column's kind (``int``, ``float``, ``bool``, ``str``), as :class:`records.SignalRow`
-#: declares it: :data:`records.SIGNAL_KEYS`, then the keys only a skipped window has
-#: (``last_step``, ``skip_lr``); the per-layer norms (a dict per row,
+#: each column's kind (``int``, ``float``, ``bool``, ``str``), as the table declares it
+#: (:data:`signal_columns.COLUMNS`): :data:`records.SIGNAL_KEYS`, then the keys only a
+#: skipped window has (``last_step``, ``skip_lr``); the per-layer norms (a dict per row,
 #: :data:`records.PER_LAYER_KEY`) are no column: ``RunLedger.signal_rows()`` has them
-KINDS: dict[str, str] = {k: kind for k in (*records.SIGNAL_KEYS, *_HINTS)
-                         if (kind := _kind(_HINTS.get(k))) is not None}
+KINDS: dict[str, str] = {k: signal_columns.BY_NAME[k].kind
+                         for k in (*signal_columns.SIGNAL_KEYS, *signal_columns.WINDOW_KEYS)}
 #: every column of the table, in order
 TABLE_KEYS: tuple[str, ...] = tuple(KINDS)
 #: the columns the reader itself needs (supersession, windows)

@@ -32,7 +32,8 @@ lost run; readers return them separately. Event logs (spikes, rejected steps)
 are never superseded: a spike that caused a rewind stays on record.
 
 **Rows.** Signal rows have exactly :data:`SIGNAL_KEYS` (plus
-:data:`PER_LAYER_KEY` when per-layer norms are on). A skipped window is ONE row,
+:data:`PER_LAYER_KEY` when per-layer norms are on), declared with their types in
+:mod:`titan_ledger.format.signal_columns`. A skipped window is ONE row,
 ``step`` = its first step, with ``last_step`` and ``skip_lr``, model signals null,
 so a skip of 10^6 steps costs one line. Data rows (one file per DP rank) are
 ``{"step", "skipped", "rows": [[sample_id, source, [[doc, start, end], ...]], ...]}``
@@ -54,9 +55,15 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from titan_ledger.errors import LedgerCorrupt, LedgerError, LedgerWarning
+
+# the signals row's keys and types, declared once in signal_columns (the table every view
+# derives from), re-exported here where rows are written and read
+from titan_ledger.format.signal_columns import PER_LAYER_KEY as PER_LAYER_KEY
+from titan_ledger.format.signal_columns import SIGNAL_KEYS as SIGNAL_KEYS
+from titan_ledger.format.signal_columns import SignalRow as SignalRow
 
 if TYPE_CHECKING:
     import numpy as np
@@ -180,70 +187,6 @@ def data_files(ledger_folder: str | os.PathLike) -> dict[int, Path]:
 def rank_files(ledger_folder: str | os.PathLike) -> dict[int, Path]:
     """Every ``rank<r>.jsonl`` in the ledger folder, by rank (ascending)."""
     return _files_by_rank(ledger_folder, RANK_GLOB)
-
-
-SIGNAL_KEYS = (
-    "step",
-    "consumed_samples",
-    "consumed_tokens",
-    "loss",
-    "loss_max",
-    "loss_max_rank",
-    "grad_norm",
-    "grad_norm_clipped",
-    "num_zeros",
-    "masked_tokens",
-    "param_norm",
-    "update_norm",
-    "max_logit",
-    "z_loss",
-    "logz_mean",
-    "logz_max",
-    "qk_clip_heads",
-    "qk_clip_eta_min",
-    "lr",
-    "skipped",
-    "skipped_samples",
-    "spike",
-    "spike_note",
-    "update_skipped",
-    "step_time_s",
-    "data_loading_s",
-)
-PER_LAYER_KEY = "grad_norm_per_layer"
-
-
-class SignalRow(TypedDict, total=False):
-    """One row of ``signals.jsonl`` (a trained step, or a skipped window)."""
-
-    step: int
-    consumed_samples: int
-    consumed_tokens: int  # valid (label) tokens trained so far; skipped windows add none
-    loss: float | None
-    loss_max: float | None
-    loss_max_rank: int | None
-    grad_norm: float | None
-    grad_norm_clipped: float | None
-    num_zeros: int | None
-    masked_tokens: int | None  # label tokens the quarantine / repetition filter masked (all ranks)
-    param_norm: float | None
-    update_norm: float | None  # [ledger] update_norm: || params after optimizers.step - before || (0: no update)
-    max_logit: float | None
-    z_loss: float | None  # mean over valid label tokens of log Z^2 (unweighted; None: not measured)
-    logz_mean: float | None  # mean log Z = logsumexp(logits) over valid label tokens
-    logz_max: float | None  # its max (the output-logit drift signal)
-    qk_clip_heads: int | None  # [qk_clip]: query heads whose Q/K rows this step's clip scaled
-    qk_clip_eta_min: float | None  # [qk_clip]: the smallest factor eta (1: nothing clipped)
-    lr: float
-    skipped: bool
-    skipped_samples: int
-    spike: bool | None  # an acting rule fired: the step is a spike
-    spike_note: bool | None  # only note-tier rules fired (recorded, not acted on)
-    update_skipped: bool
-    step_time_s: float
-    data_loading_s: float
-    last_step: int  # skipped windows only
-    skip_lr: str  # skipped windows only
 
 
 @dataclass

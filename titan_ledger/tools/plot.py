@@ -1,8 +1,9 @@
 """``python -m titan_ledger.plot``: the signals ledger as one picture.
 
 Design decision: read the same ledger files as every other tool (signals.jsonl,
-spikes.jsonl) and draw six panels against step -- loss (average and worst DP
-rank), pre-clip grad norm, param norm, max attention logit, zeros in grads, LR --
+spikes.jsonl) and draw the panels the signal-column table declares
+(:func:`titan_ledger.format.signal_columns.plot_panels`) against step -- today six: loss
+(average and worst DP rank), pre-clip grad norm, param norm, max attention logit, zeros in grads, LR --
 with spikes as red lines (their steps in red above the first panel, their rules and worst
 DP rank in the title), skipped windows shaded, rows a rollback (or resume) superseded drawn
 faintly, and the clip threshold ``max_norm`` as a dashed line on the grad-norm panel (pre-
@@ -30,15 +31,14 @@ from titan_ledger.errors import ConfigError, LedgerError
 from titan_ledger.format import records
 from titan_ledger.format.arrow import signal_columns
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.format.signal_columns import COLUMNS, plot_panels
 from titan_ledger.tools.cli import ToolParser, add_dump_folder, parse_args, run_tool
 
-PANELS = (("loss\n(nats/token)", "loss", ("loss", "loss_max")),
-          ("grad norm\n(global L2)", "log", ("grad_norm", "grad_norm_clipped")),
-          ("param norm\n(global L2)", "linear", ("param_norm",)),
-          ("max attention logit\n(q·k·scale)", "linear", ("max_logit",)),
-          ("zeros in grads\n(elements)", "linear", ("num_zeros",)), ("learning rate", "linear", ("lr",)))
-KEYS = ("loss", "loss_max", "grad_norm", "grad_norm_clipped", "param_norm", "max_logit", "num_zeros", "lr")
-LABELS = {"loss": "avg", "loss_max": "worst DP rank", "grad_norm": "pre-clip", "grad_norm_clipped": "post-clip"}
+# the panels, the columns they draw and their legend labels are the table's
+# (format/signal_columns.py: a column's ``plot`` and ``label``)
+PANELS = plot_panels()  # (y-axis label, scale, columns), top to bottom
+KEYS = tuple(k for _, _, keys in PANELS for k in keys)
+LABELS = {c.name: c.label for c in COLUMNS if c.label}
 DPI = 100
 PANEL_PX = 170  # figure height per panel (the axes get ~157 px of it: legible, no tall gaps)
 HEAD_PX = 90  # the two-line title and the x axis label

@@ -15,23 +15,25 @@ from titan_ledger.errors import LedgerError, LedgerWarning
 from titan_ledger.format import columns, records
 from titan_ledger.format.arrow import data_table, signal_columns, signals_table
 from titan_ledger.format.reader import RunLedger
+from titan_ledger.format.signal_columns import COLUMNS
 
 from ..bad_input_ledgers import make_run
 
+#: a value of each kind (format.columns.KINDS), full-precision floats
+_VALUE = {"int": lambda rng: rng.randrange(10**9), "float": lambda rng: 10 * rng.random(),
+          "bool": lambda rng: rng.random() < 0.5, "str": lambda rng: rng.choice(("a", "b"))}
+
 
 def signal_row(step: int, rng: random.Random, **over) -> dict:
-    """A row as the recorder writes it: every key of records.SIGNAL_KEYS, full-precision floats."""
+    """A row as the recorder writes it: every key of records.SIGNAL_KEYS in order, each a
+    value of its column's kind (null where its option is off by default), then the step's
+    own facts (derived from the table: a new column needs no change here)."""
+    row = {c.name: None if c.off else _VALUE[c.kind](rng) for c in COLUMNS if not c.window}
     loss = 2.0 + rng.random()
-    row = {
-        "step": step, "consumed_samples": 8 * step, "consumed_tokens": 2040 * step, "loss": loss,
-        "loss_max": loss + rng.random() / 10, "loss_max_rank": rng.randrange(2), "grad_norm": rng.random(),
-        "grad_norm_clipped": min(1.0, rng.random()), "num_zeros": rng.randrange(10**9), "masked_tokens": 0,
-        "param_norm": 100 + rng.random(), "update_norm": None, "max_logit": 30 * rng.random(),
-        "z_loss": rng.random() * 1e-3, "logz_mean": rng.random(), "logz_max": 5 * rng.random(),
-        "qk_clip_heads": None, "qk_clip_eta_min": None, "lr": 3e-4 * rng.random(), "skipped": False,
-        "skipped_samples": 0, "spike": False, "spike_note": None, "update_skipped": False,
-        "step_time_s": rng.random(), "data_loading_s": rng.random() / 100}
-    assert set(row) == set(records.SIGNAL_KEYS)
+    row.update(step=step, consumed_samples=8 * step, consumed_tokens=2040 * step, loss=loss,
+               loss_max=loss + rng.random() / 10, loss_max_rank=rng.randrange(2), skipped=False,
+               skipped_samples=0, spike=False, spike_note=None, update_skipped=False)
+    assert tuple(row) == records.SIGNAL_KEYS
     return {**row, **over}
 
 

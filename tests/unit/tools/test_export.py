@@ -11,6 +11,7 @@ import pytest
 
 from titan_ledger.export import main
 from titan_ledger.format.arrow import data_table, signals_table
+from titan_ledger.format.columns import TABLE_KEYS
 
 from ..bad_input_ledgers import make_run, tear
 
@@ -31,7 +32,8 @@ def test_export_writes_the_tables_and_says_so(run, tmp_path, capsys, fmt):
     assert main([str(run), "-o", str(out), "--format", fmt, "--step", "7"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
-    assert lines[0].startswith(f"wrote {out}/signals.{fmt}: 11 rows x 28 columns, ")
+    # every column of the signal-column table (format/signal_columns.py)
+    assert lines[0].startswith(f"wrote {out}/signals.{fmt}: 11 rows x {len(TABLE_KEYS)} columns, ")
     assert lines[1].startswith(f"wrote {out}/data_step7.{fmt}: 4 rows x 10 columns, ")
     assert lines[2].startswith(f"wrote {out}/spikes.{fmt}: 1 rows x 41 columns, ")
     assert lines[3].startswith(f"wrote {out}/episodes.{fmt}: 1 rows x 14 columns, ")  # the spike at 9: one burst

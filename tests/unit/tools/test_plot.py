@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_ledger.tools.plot import envelope, main, plot
+from titan_ledger.tools.plot import PANELS, envelope, main, plot
 
 from ..format.test_columns import _signals
 
@@ -76,7 +76,8 @@ def assert_legible(layout: dict, spikes: list[int], scale: float = 1.0) -> None:
     the labels short and between the title and the first panel, nothing off the image."""
     w, h = layout["size_px"]
     panels = layout["panels"]
-    assert len(panels) == 6, panels
+    # every panel the table declares (format/signal_columns.py), top to bottom
+    assert [p["name"] for p in panels] == [ylabel.split("\n")[0] for ylabel, _, _ in PANELS], panels
     inside = lambda b: -1 <= b[0] and b[2] <= w + 1 and -1 <= b[1] and b[3] <= h + 1  # noqa: E731
     for p in panels:
         ax = p["axes"]

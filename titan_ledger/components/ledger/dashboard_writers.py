@@ -44,6 +44,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titan_ledger.format import signal_columns
 from titan_ledger.format.answers import Answer, render
 
 #: torchtitan's keys that the ledger's per-step ``ledger/<key>`` already carries.
@@ -54,16 +55,14 @@ DUPLICATE_PREFIXES = ("lr/",)
 STEP_KEY = "train/step"
 TOKENS_KEY = "train/consumed_tokens"
 
-#: TensorBoard custom-scalars layout (tags are regexes).
+#: TensorBoard custom-scalars layout (tags are regexes): the signal columns' charts (a
+#: column's ``tensorboard`` in format/signal_columns.py; ``max_norm`` is logged beside
+#: ``grad_norm``, so it is drawn with it), then the response's
 TB_LAYOUT = {
     "titan_ledger": {
-        "loss (average, worst DP rank)": ["Multiline", [r"^ledger/loss$", r"^ledger/loss_max$"]],
-        "grad norm (pre-clip, post-clip, max_norm)": [
-            "Multiline", [r"^ledger/grad_norm$", r"^ledger/grad_norm_clipped$", r"^ledger/max_norm$"]],
-        "max attention logit": ["Multiline", [r"^ledger/max_logit$"]],
-        "QK-clip (heads scaled, smallest eta)": ["Multiline", [r"^ledger/qk_clip_heads$", r"^ledger/qk_clip_eta_min$"]],
-        "output logits: log Z (mean, max)": ["Multiline", [r"^ledger/logz_mean$", r"^ledger/logz_max$"]],
-        "param norm": ["Multiline", [r"^ledger/param_norm$"]],
+        **{title: ["Multiline", [rf"^ledger/{k}$" for k in keys]
+                   + ([r"^ledger/max_norm$"] if "grad_norm" in keys else [])]
+           for title, keys in signal_columns.tensorboard_charts().items()},
         "spikes and rollbacks": ["Multiline", [r"^spike/flag$", r"^rollback/to_step$"]],
         "notes (not acted on)": ["Multiline", [r"^note/flag$"]],
     }

@@ -49,14 +49,13 @@ from titan_ledger.components.ledger.dashboard_writers import (
     read_state,
     write_state,
 )
+from titan_ledger.format import signal_columns
 
 STATE_FILE = "wandb.json"
 
-#: W&B summaries (``define_metric(summary=...)``).
-SUMMARIES = {"ledger/grad_norm": "max", "ledger/grad_norm_clipped": "max", "ledger/max_logit": "max",
-             "ledger/logz_max": "max", "ledger/qk_clip_heads": "max", "ledger/qk_clip_eta_min": "min",
-             "ledger/loss_max": "max", "ledger/loss": "min", "spike/count": "max",
-             "rollback/count": "max"}
+#: W&B summaries (``define_metric(summary=...)``): the signal columns' (a column's
+#: ``summary`` in format/signal_columns.py), then the response's counters
+SUMMARIES = {**signal_columns.SUMMARIES, "spike/count": "max", "rollback/count": "max"}
 
 
 #: what train.py's :func:`prepare` learned before the trainer was built

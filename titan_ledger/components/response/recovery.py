@@ -316,7 +316,8 @@ class Recovery(Judgment, Configurable):
         """Around torchtitan's ``train``: a decision still deferred is made when training
         ends (the data ran out, the last step) or stops on a non-finite loss
         (:class:`~titan_ledger.errors.NonFiniteLoss`: its row is written with its decision
-        before the stop, as the step would have: the ledger stops at a non-finite row);
+        before the stop, as the step would have: the ledger stops at a non-finite row, with
+        :class:`~titan_ledger.components.signals.recorder.NonFiniteRow`);
         after any other stop its step's rows are written as they stand."""
         try:
             yield
@@ -324,7 +325,7 @@ class Recovery(Judgment, Configurable):
             try:
                 self._settle(ok=True)
                 self.ledger.drain(block=True, metrics_logger=self.facts.parts.metrics_logger)
-            except BaseException as stop:  # the ledger's stop at the non-finite row: the one to see
+            except BaseException as stop:  # the ledger's stop at the non-finite row (NonFiniteRow): the one to see
                 raise stop from None
             raise
         except BaseException:

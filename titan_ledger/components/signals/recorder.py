@@ -12,9 +12,13 @@ memory behind a CUDA event and turned into a row when the event has completed
 (usually at the next step). On torchtitan's logging steps, which synchronise
 anyway, pending rows are drained first so loggers see steps in order.
 
-Rows have exactly :data:`records.SIGNAL_KEYS`; the writer of ``signals.jsonl`` is
+Rows have exactly :data:`records.SIGNAL_KEYS`, in that order; the writer of ``signals.jsonl`` is
 rank 0, and every rank that owns tokens writes its own ``rank<r>.jsonl`` (its DP
-group's loss, for per-rank forensics).
+group's loss, for per-rank forensics). The reduced vector's fixed slots are named, not
+counted: the table's (:data:`titan_ledger.format.signal_columns.DEVICE_SLOTS`, one per
+column the device reduces) then the recorder's scratch (:data:`SLOTS`); the recorder fills
+them by name and the row reads them back by name, so a column added to the table is a slot
+here without any position to keep in step by hand.
 """
 
 from __future__ import annotations
@@ -34,12 +38,23 @@ from torch.profiler import record_function
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import ParamPlan, clip_coef, local_sums, snapshot, update_sq
 from titan_ledger.components.signals.topology import Topology
-from titan_ledger.format import records
+from titan_ledger.format import records, signal_columns
 
-# columns of the local vector every rank contributes to the all-gather
-_LOSS, _TOK, _ZEROS, _PSQ, _LOGIT, _MASKED = range(6)
-_LOGZ = 6  # LogZStats: sum log Z^2, sum log Z, max log Z, tokens (loss-owning ranks)
-_FIXED = 10
+# the local vector every rank contributes to the all-gather: one value per name, in this
+# order, then per-layer grad sums of squares, this rank's per-document summary and QK-clip's
+# heads; log Z's four are LogZStats.take's, in its order (loss-owning ranks)
+_LOCAL = ("loss_sum", "tokens", "num_zeros", "param_sq", "max_logit", "masked_tokens",
+          "logz_sq", "logz_sum", "logz_max", "logz_tokens")
+_AT = {name: i for i, name in enumerate(_LOCAL)}
+_LOGZ = _AT["logz_sq"]
+_FIXED = len(_LOCAL)  # where the per-layer sums start
+
+#: the reduced vector's fixed slots, after the loss and tokens by DP rank: the table's (each
+#: holds a column's value), then the recorder's scratch -- what a row's value is computed
+#: from that no column holds (log Z's token count divides z_loss and logz_mean)
+SLOTS: tuple[str, ...] = (*signal_columns.DEVICE_SLOTS, "logz_tokens")
+_SLOT_SET = frozenset(SLOTS)
+_ROW_KEYS = frozenset(records.SIGNAL_KEYS)
 
 
 @dataclass
@@ -53,15 +68,18 @@ class Reduced:
     # segments, distinct documents (see spikes.SpikeDetector.step)
 
 
-class NonFiniteLoss(RuntimeError):
-    """The recorded loss is NaN/inf: training stops (the row is written first)."""
+class NonFiniteRow(RuntimeError):
+    """A written signals row's loss is NaN/inf: training stops (the row is written first).
+    Not :class:`titan_ledger.errors.NonFiniteLoss` (torchtitan's own loss check, which
+    ``Recovery.settling`` answers by deciding a held step): this stop is the ledger's own,
+    after the row."""
 
 
 def check_finite(row: dict[str, Any], path: str) -> None:
     """Stop training at a written row whose loss is NaN/inf (``path``: where it is)."""
     if not math.isfinite(row["loss"]):
-        raise NonFiniteLoss(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
-                            f"is in {path}. Stopping training.")
+        raise NonFiniteRow(f"titan_ledger: loss is not finite ({row['loss']}) at step {row['step']}; the row "
+                           f"is in {path}. Stopping training.")
 
 
 @dataclass
@@ -160,11 +178,9 @@ class SignalRecorder:
                grad_norm: torch.Tensor, masked_tokens: int = 0) -> Reduced:
         """One all-gather; returns the reduced vector and what the spike rules read, on device.
 
-        Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), zeros,
-        param_sq, max_logit, grad_norm, grad_norm_clipped, consumed_tokens, masked_tokens,
-        sum log Z^2, sum log Z, max log Z, log Z tokens, QK-clip heads, QK-clip min eta,
-        grad_sq per layer..., this DP rank's per-document summary...]``. With QK-clip the
-        local vector also carries this rank's per-head max logits (``QKClip.place``).
+        Reduced layout: ``[loss by DP rank (dp), tokens by DP rank (dp), the named
+        SLOTS..., grad_sq per layer..., this DP rank's per-document summary...]``. With
+        QK-clip the local vector also carries this rank's per-head max logits (``QKClip.place``).
         """
         topo, dev = self.topo, self.device
         sums = local_sums(self.plan, self.per_layer, dev)
@@ -175,14 +191,14 @@ class SignalRecorder:
         qk0 = doc0 + n_doc
         loc = torch.zeros(qk0 + (self.qk_clip.size if self.qk_clip else 0), dtype=torch.float64, device=dev)
         if topo.owns_loss and local_loss_sum is not None:
-            loc[_LOSS] = local_loss_sum.detach().double()
+            loc[_AT["loss_sum"]] = local_loss_sum.detach().double()
         if topo.owns_tokens:
-            loc[_TOK] = float(local_tokens)  # a host int: no copy
-            loc[_MASKED] = float(masked_tokens)
-        loc[_ZEROS] = sums["num_zeros"].double()
-        loc[_PSQ] = sums["param_sq"].double()
-        loc[_LOGIT] = torch.stack(logits).amax().double() if logits else float("-inf")
-        loc[_LOGZ + 2] = float("-inf")
+            loc[_AT["tokens"]] = float(local_tokens)  # a host int: no copy
+            loc[_AT["masked_tokens"]] = float(masked_tokens)
+        loc[_AT["num_zeros"]] = sums["num_zeros"].double()
+        loc[_AT["param_sq"]] = sums["param_sq"].double()
+        loc[_AT["max_logit"]] = torch.stack(logits).amax().double() if logits else float("-inf")
+        loc[_AT["logz_max"]] = float("-inf")
         if self.logz is not None:
             z = self.logz.take()  # every call of this step, also on ranks that own no loss
             if z is not None and topo.owns_loss:
@@ -201,20 +217,26 @@ class SignalRecorder:
         else:
             table = loc.view(1, -1)
         dp = topo.dp_size
-        loss_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, table[:, _LOSS])
-        tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, table[:, _TOK])
+        world = lambda name: table[:, _AT[name]]  # noqa: E731 (one local slot, every rank's)
+        loss_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, world("loss_sum"))
+        tok_by_dp = torch.zeros(dp, dtype=torch.float64, device=dev).index_add_(0, self._dp_of, world("tokens"))
         self._consumed_tokens = self._consumed_tokens + tok_by_dp.sum()
         gn = grad_norm.detach().double().reshape(1)
         coef = clip_coef(gn, self.max_norm)
         qk = self.qk_clip.reduce(table[:, qk0:]) if self.qk_clip is not None else self._qk_off
+        logz = table[:, _LOGZ:_LOGZ + 2].sum(0)  # sum log Z^2 and sum log Z: one reduction
+        slots = {"num_zeros": world("num_zeros").sum(), "param_sq": world("param_sq").sum(),
+                 "max_logit": world("max_logit").amax(), "grad_norm": gn, "grad_norm_clipped": gn * coef,
+                 "consumed_tokens": self._consumed_tokens, "masked_tokens": world("masked_tokens").sum(),
+                 "logz_sq": logz[0], "logz_sum": logz[1], "logz_max": world("logz_max").amax(),
+                 "logz_tokens": world("logz_tokens").sum(), "qk_clip_heads": qk[0], "qk_clip_eta_min": qk[1]}
+        if slots.keys() != _SLOT_SET:  # a slot the table declares and nothing fills, or one it does not
+            raise RuntimeError(f"SignalRecorder.reduce fills {sorted(slots)}, the reduced vector's slots are "
+                               f"{sorted(SLOTS)} (signal_columns.DEVICE_SLOTS and the recorder's own)")
         # the gradients were read after the clip: per-layer sums of squares are
         # scaled back to their pre-clip values (the global norm is the clip's own)
         reduced = torch.cat([
-            loss_by_dp, tok_by_dp, table[:, _ZEROS].sum().reshape(1), table[:, _PSQ].sum().reshape(1),
-            table[:, _LOGIT].amax().reshape(1), gn, gn * coef,
-            self._consumed_tokens.reshape(1), table[:, _MASKED].sum().reshape(1),
-            table[:, _LOGZ:_LOGZ + 2].sum(0), table[:, _LOGZ + 2].amax().reshape(1),
-            table[:, _LOGZ + 3].sum().reshape(1), qk,
+            loss_by_dp, tok_by_dp, *(slots[name].reshape(1) for name in SLOTS),
             table[:, _FIXED:_FIXED + self._n_layers].sum(0) / coef.square(),
             # the per-document summary of this rank's DP group, from the rank that owns its loss
             table[topo.loss_rank_of_dp[topo.dp_rank], doc0:qk0]])
@@ -346,15 +368,23 @@ class SignalRecorder:
                                              dtype=torch.float64, device=self.device)
 
 
+def reduced_slots(v: list[float], dp: int) -> dict[str, float]:
+    """The named fixed slots (:data:`SLOTS`) of a reduced host vector (layout:
+    :meth:`SignalRecorder.reduce`) of a run of ``dp`` DP ranks."""
+    return dict(zip(SLOTS, v[2 * dp:2 * dp + len(SLOTS)]))
+
+
 def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_samples: int,
                 stats: list[float] | None) -> tuple[dict[str, Any], list[float]]:
     """The ``signals.jsonl`` row of a step from its reduced host vector (layout:
-    :meth:`SignalRecorder.reduce`) and its record; returns the row and the vector's
-    tail (per-layer sums of squares, then the per-document summary). Pure."""
+    :meth:`SignalRecorder.reduce`) and its record, its keys in the table's order
+    (:data:`records.SIGNAL_KEYS`); returns the row and the vector's tail (per-layer sums
+    of squares, then the per-document summary). Pure."""
     dp = layout.dp_size
     loss_by_dp, tok_by_dp = v[:dp], v[dp:2 * dp]
-    zeros, param_sq, max_logit, gn, gn_clip, ctok, masked, zsq, zsum, zmax, ztok, qk_heads, qk_eta = \
-        v[2 * dp:2 * dp + 13]
+    s = reduced_slots(v, dp)
+    gn, gn_clip, ctok, masked = s["grad_norm"], s["grad_norm_clipped"], s["consumed_tokens"], s["masked_tokens"]
+    ztok = s["logz_tokens"]
     if rec.trained is not None:  # a proof applied another execution's update: the row is what trained
         t = rec.trained
         loss_by_dp, tok_by_dp = t["loss_by_dp"], t["tok_by_dp"]
@@ -366,36 +396,35 @@ def signals_row(v: list[float], rec: StepRecord, layout: RowLayout, *, skipped_s
     local_avg = [lv / t if t else float("-inf") for lv, t in zip(loss_by_dp, tok_by_dp)]
     max_rank = max(range(dp), key=lambda r: (local_avg[r] if not math.isnan(local_avg[r])
                                              else float("inf")))
-    row = {
-        "step": rec.step,
-        "consumed_samples": rec.consumed_samples,
+    values = {k: getattr(rec, k) for k in signal_columns.RECORD_KEYS}  # host facts, as the record has them
+    values.update({
         "consumed_tokens": int(ctok),
         "loss": loss,
         "loss_max": local_avg[max_rank],
         "loss_max_rank": max_rank,
         "grad_norm": gn,
         "grad_norm_clipped": gn_clip,
-        "num_zeros": int(zeros),
+        "num_zeros": int(s["num_zeros"]),
         "masked_tokens": int(masked),
-        "param_norm": math.sqrt(param_sq),
+        "param_norm": math.sqrt(s["param_sq"]),
         "update_norm": math.sqrt(rec.update_sq) if rec.update_sq is not None else None,
-        "max_logit": max_logit if layout.max_logit else None,
-        "z_loss": zsq / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
-        "logz_mean": zsum / ztok if ztok else None,
-        "logz_max": zmax if ztok else None,
+        "max_logit": s["max_logit"] if layout.max_logit else None,
+        "z_loss": s["logz_sq"] / ztok if ztok else None,  # mean log Z^2 (before --loss.z_loss_weight)
+        "logz_mean": s["logz_sum"] / ztok if ztok else None,
+        "logz_max": s["logz_max"] if ztok else None,
         # QK-clip (None when off): query heads whose rows this step's clip scales, smallest eta
-        "qk_clip_heads": int(qk_heads) if layout.qk_clip else None,
-        "qk_clip_eta_min": qk_eta if layout.qk_clip else None,
-        "lr": rec.lr,
+        "qk_clip_heads": int(s["qk_clip_heads"]) if layout.qk_clip else None,
+        "qk_clip_eta_min": s["qk_clip_eta_min"] if layout.qk_clip else None,
         "skipped": False,
         "skipped_samples": skipped_samples,
         "spike": bool(stats[0]) if stats is not None else None,
         "spike_note": layout.note_of(stats) if stats is not None and layout.note_of is not None else None,
-        "update_skipped": rec.update_skipped,
-        "step_time_s": rec.step_time_s,
-        "data_loading_s": rec.data_loading_s,
-    }
-    rest = v[2 * dp + 13:]
+    })
+    if values.keys() != _ROW_KEYS:  # a column nothing computes, or a value no column declares
+        raise KeyError(f"signals_row: columns nothing computes {sorted(_ROW_KEYS - values.keys())}, values no "
+                       f"column declares {sorted(values.keys() - _ROW_KEYS)} (format/signal_columns.py)")
+    row = {k: values[k] for k in records.SIGNAL_KEYS}  # the table's order: the bytes on disk
+    rest = v[2 * dp + len(SLOTS):]
     if layout.per_layer_groups is not None:
         row[records.PER_LAYER_KEY] = {g: math.sqrt(x) for g, x in zip(layout.per_layer_groups, rest)}
     return row, rest
@@ -410,11 +439,12 @@ def rank_row(v: list[float], rec: StepRecord, layout: RowLayout) -> dict[str, An
 
 
 def dashboard(row: dict[str, Any]) -> dict[str, float]:
-    """Row -> ``ledger/<key>`` scalars for torchtitan's TensorBoard / W&B loggers."""
+    """Row -> ``ledger/<key>`` scalars for torchtitan's TensorBoard / W&B loggers: the
+    table's dashboard columns (:data:`signal_columns.DASHBOARD_KEYS`) that have a value."""
     out = {}
     for k, v in row.items():
         if k == records.PER_LAYER_KEY:
             out.update({f"ledger/grad_norm_per_layer/{g}": x for g, x in v.items()})
-        elif k != "step" and v is not None:
+        elif k in signal_columns.DASHBOARD_KEYS and v is not None:
             out[f"ledger/{k}"] = float(v)
     return out

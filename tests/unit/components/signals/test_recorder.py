@@ -8,11 +8,12 @@ import time
 
 import torch
 
-from titan_ledger.components.signals.recorder import NonFiniteLoss, SignalRecorder, check_finite
+from titan_ledger.components.signals.recorder import SLOTS, NonFiniteRow, SignalRecorder, check_finite, reduced_slots
 from titan_ledger.components.signals.step_record import StepRecord
 from titan_ledger.components.signals.sums import ParamPlan
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import records
+from titan_ledger.format.signal_columns import BY_NAME, COLUMNS
 
 
 def _write(rec, block):
@@ -42,7 +43,8 @@ def test_rows_from_a_single_process(tmp_path):
     _write(rec, block=False)
     rec.close()
     row = records.read_ledger(tmp_path / "signals.jsonl", records.SIGNALS).history[0]
-    assert set(row) == set(records.SIGNAL_KEYS)
+    assert list(row) == list(records.SIGNAL_KEYS)  # the table's keys, in its order (the bytes on disk)
+    _typed_as_declared(row)
     assert row["loss"] == 1.5 and row["loss_max_rank"] == 0 and row["consumed_tokens"] == 4
     assert row["consumed_samples"] == 8 and row["grad_norm"] == float(gn)
     assert math.isclose(row["grad_norm_clipped"], min(1.0, float(gn)), rel_tol=1e-6)  # clip coef has eps 1e-6
@@ -51,6 +53,35 @@ def test_rows_from_a_single_process(tmp_path):
                         rel_tol=1e-6)
     assert row["max_logit"] == float("-inf")  # no attention recorders in this model
     assert records.read_ledger(tmp_path / "rank0.jsonl", records.RANK).history == [{"step": 1, "loss": 1.5, "tokens": 4}]
+
+
+def _typed_as_declared(row: dict) -> None:
+    """Every value of the row has its column's declared type, or is null where it may be."""
+    for k, v in row.items():
+        c = BY_NAME[k]
+        assert (v is None and c.null) or type(v) is c.type or (c.type is float and type(v) is int), (k, v, c)
+
+
+def test_the_reduced_vector_is_the_named_slots_and_a_window_row_the_tables_keys(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    rec = _recorder(Topology.single(), model)
+    rec.open(tmp_path, records.Header(schema="", run_id="r", seq=1, resumed_from=0))
+    gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    v = rec.reduce(local_loss_sum=torch.tensor(6.0), local_tokens=4, grad_norm=gn, masked_tokens=1).vector.tolist()
+    assert len(v) == 2 + len(SLOTS)  # loss and tokens of the one DP rank, the slots (no per-layer, no documents)
+    s = reduced_slots(v, 1)
+    assert (s["grad_norm"], s["consumed_tokens"], s["masked_tokens"]) == (float(gn), 4.0, 1.0)
+    assert s["num_zeros"] == sum(int((p.grad == 0).sum()) for p in model.parameters())
+    assert math.isclose(s["param_sq"], sum(float(p.detach().double().square().sum()) for p in model.parameters()),
+                        rel_tol=1e-6)  # (summed in the parameters' float32)
+    assert math.isnan(s["qk_clip_heads"]) and s["logz_tokens"] == 0.0  # QK-clip off, no log Z measured
+    rec.record_skip(first=2, last=5, n_samples=32, lr=0.1, step_start=time.perf_counter(), skip_lr="freeze")
+    rec.close()
+    (window,) = records.read_ledger(tmp_path / "signals.jsonl", records.SIGNALS).history
+    assert list(window) == [*records.SIGNAL_KEYS, *(c.name for c in COLUMNS if c.window)]
+    _typed_as_declared(window)
 
 
 def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
@@ -63,7 +94,7 @@ def test_a_nonfinite_loss_is_written_then_stops(tmp_path):
     try:
         _write(rec, block=True)
         raise AssertionError("a NaN loss must stop training")
-    except NonFiniteLoss as e:
+    except NonFiniteRow as e:
         assert "step 3" in str(e)
     rec.close()
     assert math.isnan(records.read_ledger(tmp_path / "signals.jsonl").history[0]["loss"])
