@@ -40,6 +40,8 @@ ledger):
   the import; load_config: load_config on the empty folder); ``in-proc s`` = the call
   alone, timed inside the child.
 * point queries: ``lookup --step mid``, ``lookup --step end``, ``diagnose D --step T``,
+  the run's episodes (``RunAnswers(RunLedger(D)).episodes()``: the signals' columns and the
+  event log, whatever the DP size),
   ``report D --step T -o ...``, ``rollback D --step T --skip-from T --back 100`` (the
   default window right after the checkpoint need not contain T; ``--back`` T/2 on tiny runs), and the postmortem of T
   (no CLI: ``python -c`` of ``tools.postmortem.actions_at(RunLedger(D), T)``).
@@ -218,6 +220,10 @@ def commands(dump: Path, info: dict, out: Path, empty: Path) -> list[dict]:
         [py, "-c", "from titan_ledger.format.reader import RunLedger; "
                    "from titan_ledger.tools.postmortem import actions_at; "
                    f"print(actions_at(RunLedger({str(dump)!r}), {spike}))"])
+    add("point", "episodes (the run's answer)",  # signals.jsonl by columns + spikes.jsonl: the data ledger unread
+        [py, "-c", _timed("from titan_ledger.format.answers.of_run import RunAnswers; "
+                          f"eps = RunAnswers(RunLedger({str(dump)!r})).episodes()") + "; print(len(eps), 'episodes')"],
+        baseline="baseline: import")
     add("whole", "replay check D D", [*m, "titan_ledger.replay", "check", str(dump), str(dump)])
     add("whole", "diagnose (all)", [*m, "titan_ledger.diagnose", str(dump)])
     add("whole", "report (every spike)", [*m, "titan_ledger.report", str(dump), "-o", str(out / "report.html")])

@@ -70,14 +70,18 @@ def test_diagnose_rerun_proves_the_lr_over_the_horizon_and_its_command_trains_lo
     assert f"to step {STEPS}" in budget and f"= {2 * STEPS} training steps" in budget, budget  # said first
     assert text.index(budget) < text.index("--optimizer.lr 0.005 (now 0.05): ")
     rows = [json.loads(x) for x in (d / "ledger" / "episodes.jsonl").read_text().splitlines()[1:]]
-    assert rows[-1]["chosen"] == "lr" and rows[-1]["horizon"] == [1, STEPS]
+    assert rows[-1]["horizon"] == [1, STEPS]
+    tried = {tuple(v["flags"]): v for v in rows[-1]["variants"]}
+    assert set(tried) == {("--optimizer.lr", "0.015"), ("--optimizer.lr", "0.005")}  # x0.3, x0.1
+    best = min((v for v in tried.values() if v["effect"] in ("removed", "lowered")), key=lambda v: v["final_loss"])
+    assert rows[-1]["variants"][rows[-1]["chosen"]] == best
     head = text.split("\nepisode 1, ", 1)[1].splitlines()
     assert head[0].endswith("the learning rate -- proven by its fix over the episode's horizon"), head
-    assert head[1].startswith("  fix: --optimizer.lr 0.005 (now 0.05): lowered"), head
+    assert head[1].startswith(f"  fix: {best['change']}: lowered"), head  # the value measured, the best loss
     command = next(x for x in head if x.startswith("  run it (scratch")).split("): ", 1)[1]
     argv = shlex.split(command.split(" && ", 1)[1])
     flags = [a for a in argv[argv.index("--") + 1:] if a.startswith("--")]
-    assert len(flags) == len(set(flags)) and argv[argv.index("--optimizer.lr") + 1] == "0.005"  # each flag once
+    assert len(flags) == len(set(flags)) and argv[argv.index("--optimizer.lr") + 1] == best["flags"][1]  # once
     # proven once: a second --rerun relaunches nothing
     rc, again, _ = cli(diagnose.main, [d, "--rerun"])
     assert rc == 0 and "proving" not in again and "proven by its fix over the episode's horizon" in again

@@ -139,13 +139,14 @@ def judge(ep: Episode, orig: RunLedger, trial: RunLedger, first: int, last: int)
 _ORDER = {"removed": 0, "lowered": 1, "not removed": 2, "failed": 3}
 
 
-def choose(variants: list[dict[str, Any]]) -> str | None:
-    """The fix: the best effect, then the lowest loss at the horizon's end (None: none worked)."""
-    good = [v for v in variants if v.get("effect") in ("removed", "lowered")]
+def choose(variants: list[dict[str, Any]]) -> int | None:
+    """The fix, by its index: the best effect, then the lowest loss at the horizon's end (None:
+    none worked). Two candidates of one variant (the LR x0.3 and x0.1) are told apart by index."""
+    good = [i for i, v in enumerate(variants) if v.get("effect") in ("removed", "lowered")]
     if not good:
         return None
-    return min(good, key=lambda v: (_ORDER[v["effect"]], v.get("final_loss") if v.get("final_loss") is not None
-                                    else math.inf))["variant"]
+    return min(good, key=lambda i: (_ORDER[variants[i]["effect"]], variants[i].get("final_loss")
+                                    if variants[i].get("final_loss") is not None else math.inf))
 
 
 def _relaunch(cmd: str, log: Path) -> int:
@@ -201,7 +202,7 @@ def prove(led: RunLedger, ep: Episode, ctx: Context, end: int, *, parallel: int 
                                   "final_loss": _tail_loss(led, first, last)},
                          chosen=choose(variants), steps=steps)
     record(led, proof)
-    log(f"  the fix: {next(v['change'] for v in variants if v['variant'] == proof.chosen)}" if proof.chosen else
+    log(f"  the fix: {variants[proof.chosen]['change']}" if proof.chosen is not None else
         "  no candidate fixed it over the horizon: the cause stays not established")
     return proof
 

@@ -56,7 +56,7 @@ def test_incidents_close_together_are_one_burst_far_apart_two_and_a_cause_splits
 
 
 def test_a_fix_proven_over_the_horizon_is_the_episodes_and_its_command_runs_each_flag_once():
-    proof = HorizonProof(onset=3, horizon=(1, 60), start=None, chosen="lr", steps=120, control={"final_loss": 6.6},
+    proof = HorizonProof(onset=3, horizon=(1, 60), start=None, chosen=0, steps=120, control={"final_loss": 6.6},
                          variants=({"variant": "lr", "cause": "lr", "flags": ["--optimizer.lr", "0.005"],
                                     "change": "--optimizer.lr 0.005 (now 0.05)", "effect": "lowered",
                                     "detail": "over steps 1-60: the loss at the end 5.70 against 6.60"},))

@@ -56,7 +56,7 @@ class HorizonProof:
     start: int | None  # the checkpoint the relaunches loaded (None: from scratch)
     variants: tuple[dict[str, Any], ...]  # {variant, flags, change, flags_in_horizon, incidents_removed, ...}
     control: dict[str, Any]  # the run's own numbers over the same horizon
-    chosen: str | None  # the variant that fixed it (None: none did)
+    chosen: int | None  # the index in ``variants`` of the fix (None: none fixed it)
     steps: int  # training steps spent (variants x horizon)
 
     def to_json(self) -> dict[str, Any]:
@@ -309,7 +309,7 @@ def build_episode(g: _Group, ctx: Context, proof: HorizonProof | None = None, ex
     else:
         ep = replace(ep, candidates=tuple(_measured(g.answers)))
     if proof is not None and proof.chosen is not None:
-        v = next(v for v in proof.variants if v["variant"] == proof.chosen)
+        v = proof.variants[proof.chosen]
         fix = Fix(v["variant"], v.get("cause") or ep.cause or "", tuple(v["flags"]), v["change"], v["effect"],
                   v.get("detail", ""), resumes=v.get("resumes", True))
         cause = fix.cause or ep.cause
