@@ -58,9 +58,10 @@ class SpikeGuard:
             return
         # event logs, not step histories: no resumed_from, so no event is ever superseded
         extra = {**header.extra, "started_after_step": header.resumed_from}
+        # "health": the ledger records the model's health here (format.answers.health: views read its spans)
         hdr = records.Header(schema=records.SPIKES.id, run_id=header.run_id, seq=header.seq,
                              time=header.time, extra={**extra, "rules": _asdict(self.config),
-                                                      "on_spike": self.on_spike})
+                                                      "on_spike": self.on_spike, "health": 1})
         self._spikes = records.RecordWriter(folder / records.SPIKES_FILE, hdr)
         self._rejected = records.RecordWriter(
             folder / records.REJECTED_FILE,

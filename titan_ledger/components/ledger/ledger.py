@@ -456,6 +456,8 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             broke = self.health.observe(done.row)
             if broke is not None:
                 self._on_broken(int(done.row["step"]), broke, metrics_logger)
+            for span in self.health.recovered():  # where a broken stretch closed: the views read the spans
+                self.record_event({"step": int(done.row["step"]), "health": span.to_json(), "recovered": True})
             proof = done.rec.proof  # (typed: the answer is built from it; the guard writes its JSON)
             stall_ev = None
             if proof is not None and proof.stall:  # a forced proof answering the stall rule's flag

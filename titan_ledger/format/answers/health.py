@@ -26,7 +26,9 @@ change of data kind is not a broken model) -- dated back to where the update's s
 it led into it (the LR moved the weights too far before the damage showed), and stays broken
 until every damage sign has cleared for ``recover`` steps (the logits below ``logit_clear`` x
 their bar). The reading streams (one row at a time,
-O(1) state): the trainer keeps one live, the answer's episodes read a whole run in one pass.
+O(1) state): the trainer keeps one live and records where a stretch opens and where it closes
+(``spikes.jsonl``'s ``health`` events: :func:`from_events`), so a view reads the spans, not the
+run's rows; a ledger from before them is read in one pass over its rows (:func:`read`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class Health:
     _last_pn: tuple[int, float] | None = None
     _streaks: dict[str, _Streak] = field(default_factory=lambda: {k: _Streak() for k in ("logits", "loss", "update")})
     _open: dict[str, Any] | None = None  # the open span: onset, signs, the last damaged step
+    _closed: list[Span] = field(default_factory=list)  # closed since ``recovered`` was last asked
     _last_step: int | None = None
 
     @property
@@ -225,7 +228,13 @@ class Health:
         elif step - self._open["damaged"] >= b.recover:
             self.spans.append(Span(self._open["onset"], self._open["damaged"], tuple(self._open["signs"])))
             self._open = None
+            self._closed.append(self.spans[-1])
         return None
+
+    def recovered(self) -> list[Span]:
+        """The broken stretches that closed since the last call (the trainer records each)."""
+        out, self._closed = self._closed, []
+        return out
 
     @property
     def broken_since(self) -> int | None:
@@ -270,3 +279,23 @@ def read(rows) -> list[Span]:
     for r in rows:
         h.observe(r)
     return h.current()
+
+
+def from_events(events) -> list[Span]:
+    """The broken stretches a trainer recorded (``{"step", "health": span}`` where one opened,
+    ``{"step", "health": span, "recovered": true}`` where it closed), the last word for an onset
+    standing; one never closed runs to the end (``last`` None)."""
+    out: dict[int, Span] = {}
+    for e in events:
+        h = e.get("health")
+        if isinstance(h, dict) and "onset" in h:
+            span = Span.of(h)
+            if e.get("recovered") or out.get(span.onset) is None or out[span.onset].last is None:
+                out[span.onset] = span
+    return [out[k] for k in sorted(out)]
+
+
+#: a ``spikes.jsonl`` header that says its writer recorded the model's health (its events are
+#: every span: a view need not read the rows)
+HEADER_KEY = "health"
+

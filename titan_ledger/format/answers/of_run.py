@@ -13,9 +13,12 @@ not override it (the proof executed the step itself, its masks against a control
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from typing import Any
 
 from titan_ledger.format import records
+from titan_ledger.format.answers import health
 from titan_ledger.format.answers.build import RerunFinding, build
 from titan_ledger.format.answers.causes import Knobs
 from titan_ledger.format.answers.episodes import LEVEL, Episode, HorizonProof, episodes
@@ -104,6 +107,7 @@ class RunAnswers:
         self._events: list[dict[str, Any]] | None = None
         self._ctx: Context | None = None
         self._cols: dict[str, Any] | None = None
+        self._health: tuple[list[Span], int] | None = None
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -169,7 +173,7 @@ class RunAnswers:
         return build(step, kind, event, proof, self.context, unproven=unproven, rerun=found)
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, Any]:  # (a ledger whose trainer did not record its health)
         """The signals the episodes read, as columns of the current trained history (the fast
         columnar read, once)."""
         if self._cols is None:
@@ -177,28 +181,41 @@ class RunAnswers:
         return self._cols
 
     def health(self) -> tuple[list[Span], int]:
-        """The model's broken stretches over the run's current history, and its last trained
-        step (one pass over the signals' columns)."""
-        cols = self.columns
-        h = Health()
-        steps = cols["step"]
-        for i in range(len(steps)):
-            h.observe({"step": int(steps[i]), **{k: float(cols[k][i]) for k in HEALTH_KEYS}})
-        return h.current(), int(steps[-1]) if len(steps) else 0
+        """The model's broken stretches and the run's last trained step: the spans the trainer
+        recorded where every launch of the run recorded them (``spikes.jsonl``'s headers say
+        so: the event log and the offset index, whatever the run's length), else one pass over
+        the signals' columns (a ledger from before them)."""
+        if self._health is None:
+            end = self.led.last_signal_step() or 0
+            if self._recorded_health():
+                self._health = (health.from_events(self.events), end)
+            else:
+                cols = self.columns
+                h = Health()
+                rows = zip(cols["step"].tolist(), *(cols[k].tolist() for k in HEALTH_KEYS))
+                for step, *vals in rows:
+                    h.observe({"step": step, **dict(zip(HEALTH_KEYS, vals))})
+                self._health = (h.current(), int(cols["step"][-1]) if len(cols["step"]) else end)
+        return self._health
+
+    def _recorded_health(self) -> bool:
+        path = self.led.folder / records.SPIKES_FILE
+        if not path.is_file():
+            return False
+        segs = records.read_ledger(path, records.SPIKES).segments
+        return bool(segs) and all(s.header.extra.get(health.HEADER_KEY) for s in segs)
 
     def level(self, step: int) -> float | None:
         """The loss's median over the ``LEVEL`` trained steps from ``step`` over its median over
-        the ``LEVEL`` before (None: too few of either): a change of level, or a spike."""
-        import numpy as np
-
-        steps, loss = self.columns["step"], self.columns["loss"]
-        i = int(np.searchsorted(steps, step))
-        before, after = loss[max(0, i - LEVEL):i], loss[i:i + LEVEL]
-        before, after = before[np.isfinite(before)], after[np.isfinite(after)]
+        the ``LEVEL`` before (None: too few of either): a change of level, or a spike. Reads
+        those rows only (the offset index)."""
+        rows = [r for r in self.led.signals_between(step - LEVEL, step + LEVEL - 1) if not r.get("skipped")]
+        before = [r["loss"] for r in rows if r["step"] < step and _finite(r.get("loss"))]
+        after = [r["loss"] for r in rows if r["step"] >= step and _finite(r.get("loss"))]
         if len(before) < LEVEL // 2 or len(after) < LEVEL // 2:
             return None
-        b = float(np.median(before))
-        return float(np.median(after)) / b if b > 0 else None
+        b = statistics.median(before)
+        return statistics.median(after) / b if b > 0 else None
 
     def proofs(self) -> dict[int, HorizonProof]:
         """The horizon proofs ``diagnose RUN --rerun`` recorded (``episodes.jsonl``), by onset;
@@ -234,3 +251,8 @@ def rerun_answer(led: RunLedger, step: int, verdict: dict[str, Any]) -> Answer |
 def episodes_of(led: RunLedger) -> list[Episode]:
     """THE episodes of a run (:meth:`RunAnswers.episodes`)."""
     return RunAnswers(led).episodes()
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+

@@ -148,7 +148,8 @@ def episode_fix_line(ep) -> str:
     if ep.candidates:
         return ("fix: none proven; candidates (untested): " + "; ".join(c.change for c in ep.candidates[:4])
                 + " -- diagnose RUN --rerun proves them over the episode's horizon")
-    return "fix: none measured"
+    return ("fix: none measured (diagnose RUN --rerun tries the LR's cut over the episode's horizon; "
+            "diagnose RUN --step N --rerun reruns one incident's step from a checkpoint)")
 
 
 def episode_lines(ep, detail: bool = True) -> list[str]:
