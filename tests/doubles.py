@@ -146,7 +146,8 @@ class LedgerDouble:
     def history(self) -> History:
         return History(recent=self.recent, flagged_at=self.flagged_at, flagged=self.flagged, stalls=self.stalls,
                        rewinds=self.rewinds, content=self.content, stall_onset=self.onset,
-                       skip_windows=sorted(self.windows), adam=self.adam_level)
+                       skip_windows=sorted(self.windows), adam=self.adam_level,
+                       broken_since=getattr(self, "broken_since", None))
 
     # writes
     def record_event(self, ev: dict, alert: tuple[str, str] | None = None, metrics_logger=None) -> None:

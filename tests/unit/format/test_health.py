@@ -79,3 +79,13 @@ def test_a_loss_that_rose_alone_is_new_data_not_a_broken_model():
     pn = [100.0 * (1.01 ** max(0, i - 395)) for i in range(n)]
     (span,) = health.read(_rows([2.0] * 400 + [8.8] * 40 + [6.0] * (n - 440), [10.0] * n, pn))
     assert span.names == ("loss", "update") and span.onset == 397
+
+
+def test_the_spans_a_trainer_recorded_are_read_from_its_events():
+    """The trainer records where a stretch opened and where it closed (``spikes.jsonl``): the
+    views read those, the last word for an onset standing; one never closed runs to the end."""
+    (span,) = health.read(SIGNALS["lr0.05"])
+    closed = health.Span(40, 90, span.signs)
+    events = [{"step": 6, "health": span.to_json()}, {"step": 44, "health": {**closed.to_json(), "last": None}},
+              {"step": 140, "health": closed.to_json(), "recovered": True}]
+    assert health.from_events(events) == [span, closed] and span.last is None

@@ -86,6 +86,7 @@ class _Ledger(LedgerDouble):
         self.pending: list[StepRecord] = []
         self.rows: list[tuple] = []  # (step, update skipped, proof verdict) as written
         self.quarantine: set = set()
+        self.proof_records: list = []  # every written step's proof (None: none)
         self.enabled, self.inject = True, None  # (a bitflip is planned from --ledger.rehearsal.inject)
 
     def record(self, rec, *, grad_norm, local_tokens, local_loss_sum):
@@ -106,6 +107,7 @@ class _Ledger(LedgerDouble):
         while self.pending and self.pending[0].decided:
             rec = self.pending.pop(0)
             self.rows.append((rec.step, rec.update_skipped, rec.proof.verdict if rec.proof else rec.unproven))
+            self.proof_records.append(rec.proof)
 
     def record_event(self, ev, alert=None, metrics_logger=None):
         super().record_event(ev)  # (a ladder's action: ``actions``)
@@ -501,6 +503,20 @@ def test_a_quarantine_the_bound_refuses_leaves_the_step_to_the_ladder(tmp_path):
     assert not d.ledger.quarantine  # nothing quarantined
     assert (3, True, "bad_data") in d.ledger.rows  # the ladder's skip_update took the step
     assert [a["action"] for a in d.ledger.actions] == ["skip_update"] * 3
+
+
+def test_data_convicted_on_a_broken_model_is_recorded_not_acted_on(tmp_path):
+    """Issue 77: a conviction needs a healthy state. The model's health says it broke at step 1
+    (``History.broken_since``): the proofs' bad data is held back (``unhealthy``), the proof says
+    when the model broke, nothing is quarantined, and the ladder takes the steps."""
+    verdicts = {s: ("bad_data", "masked") for s in FLAGS}
+    t = _Trainer(tmp_path / "broken", flags=FLAGS, action="skip_update", prove="acting")
+    t.recovery.prover = _Prover(t, "acting", verdicts)
+    t.ledger.broken_since = 1
+    t.train()
+    assert not t.ledger.quarantine and (3, True, "bad_data") in t.ledger.rows
+    proofs = [p for p in t.ledger.proof_records if p is not None and p.verdict == "bad_data"]
+    assert proofs and all(p.held_back == "unhealthy" and p.health == {"broken_since": 1} for p in proofs)
 
 
 def test_the_breaker_holds_back_the_action_past_its_limit_and_records_the_pause(tmp_path):
