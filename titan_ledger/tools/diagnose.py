@@ -125,16 +125,8 @@ def _main(a) -> int:
     if a.step is None and not led.trained_rows():  # (--step: judge names a step it cannot judge)
         raise LedgerError(f"{path}: no trained step recorded (the run died before its first "
                           f"step completed, or every step was skipped)")
-    episodes = None
-    if a.step is None:  # the run's answer first: its episodes (format.answers.episodes)
-        if getattr(a, "rerun", False):
-            from titan_ledger.tools.episode_proof import prove_run
-
-            episodes = prove_run(led, parallel=a.parallel, max_steps=a.rerun_max_steps,
-                                 log=(lambda m: print(m, file=sys.stderr)) if a.json else print)
-            led = RunLedger(a.dump_folder, a.ledger_folder)
-        else:
-            episodes = RunAnswers(led).episodes()
+    episodes = _episodes(a, led) if a.step is None else None  # the run's answer first
+    led = RunLedger(a.dump_folder, a.ledger_folder)  # (read again: a proof wrote to it)
     steps = [a.step] if a.step is not None else acted_steps(led)
     results = []
     ra = RunAnswers(led)
@@ -211,6 +203,17 @@ def _main(a) -> int:
     if a.write_quarantine:
         print(f"wrote {a.write_quarantine}")
     return 0
+
+
+def _episodes(a, led: RunLedger) -> list[Episode]:
+    """The run's episodes (format.answers.episodes); with ``--rerun``, each proven over its
+    horizon first (tools/episode_proof.py)."""
+    if not getattr(a, "rerun", False):
+        return RunAnswers(led).episodes()
+    from titan_ledger.tools.episode_proof import prove_run
+
+    return prove_run(led, parallel=a.parallel, max_steps=a.rerun_max_steps,
+                     log=(lambda m: print(m, file=sys.stderr)) if a.json else print)
 
 
 def offers_documents(res: dict) -> bool:
