@@ -91,12 +91,12 @@ def episodes_lines(run: RunFiles) -> list[str]:
     if run.signals is None:
         return []
     try:
-        eps = RunAnswers(RunLedger(run.dump, Path(run.ledger_folder).name)).episodes()
-    except (LedgerError, OSError, ValueError) as e:
-        return [f"  episodes     could not be read: {e}"]
+        eps = RunAnswers(RunLedger(run.dump, run.ledger_folder, run.checkpoint_folder)).episodes()
+    except Exception as e:  # (the summary says so; a summary never fails the run's end)
+        return [f"  episodes     could not be read: {type(e).__name__}: {e}"]
     lines = render.episodes_block(eps, detail=False)
     out = [f"  {lines[0]}"] + [f"    {x}" for x in lines[1:]]
-    if any(e.candidates and e.fix is None for e in eps):
+    if any(e.candidates and e.fix is None and e.proof is None for e in eps):
         out.append(f"    prove the candidates over each episode's horizon: {python_command()} -m titan_ledger.diagnose "
                    f"{run.dump} --rerun")
     return out

@@ -102,3 +102,22 @@ def test_printed_commands_name_the_interpreter_that_runs(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path / "elsewhere")  # not below: the absolute path
     monkeypatch.setenv("PATH", "/nonexistent")
     assert python_command() == str(venv / "python")
+
+
+def test_the_summary_leads_with_the_runs_episodes(tmp_path):
+    """The run's answer first (issue 77): a run whose loss rose above its first steps with its
+    weights moving 1.5% a step -- no spike rule fired -- is one episode from step 3, its LR a
+    candidate the summary tells how to prove; a spike's run, its one burst."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "readme_lr_signals.json"
+    rows = json.loads(fixture.read_text())["lr0.05"]
+    _write(tmp_path / "broken" / "ledger" / "signals.jsonl", SIGNALS.id, rows)
+    text = summary.run_summary(tmp_path / "broken", "ledger").splitlines()
+    assert text[1:3] == ["  episodes: 1", "    episode 1, steps 3-60: the model left its healthy regime at step 3 (no "
+                                          "spike rule fired): the learning rate -- not proven: the model's health "
+                                          "dates it, its signs name a candidate"]
+    assert any("diagnose" in x and "--rerun" in x for x in text[3:6])
+    _tiny_ledger(tmp_path / "spike", spike_at=2)
+    assert summary.run_summary(tmp_path / "spike", "ledger").splitlines()[2].startswith("    episode 1, step 2:")

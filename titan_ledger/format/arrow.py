@@ -262,21 +262,16 @@ def data_tables(ledger: RunLedger | str | os.PathLike, first: int, last: int):
             yield data_table(led, step)
 
 
-#: the columns of :func:`episodes_table`: one row per episode (``format.answers.episodes``)
-EPISODE_COLUMNS = {"onset": "int", "last": "int", "kind": "str", "title": "str", "cause": "str", "cause_text": "str",
-                   "driver": "str", "established": "str", "incidents": "list", "fix": "str", "fix_flags": "list",
-                   "candidates": "list", "command": "str", "start": "str"}
-
-
 def episodes_table(ledger: RunLedger | str | os.PathLike) -> pa.Table:
-    """The run's episodes, one row each, :data:`EPISODE_COLUMNS` (``render.episode_columns``: the
-    same words every view shows): "which episode, which cause, which command" is one query."""
+    """The run's episodes, one row each, ``render.EPISODE_COLUMNS`` (the same words every view
+    shows): "which episode, which cause, which command" is one query."""
     from titan_ledger.format.answers import render
     from titan_ledger.format.answers.of_run import RunAnswers
 
-    rows: dict[str, list] = {k: [] for k in EPISODE_COLUMNS}
+    kinds = render.EPISODE_COLUMNS
+    rows: dict[str, list] = {k: [] for k in kinds}
     for ep in RunAnswers(ledger_of(ledger)).episodes():
         for k, v in render.episode_columns(ep).items():
-            rows[k].append([str(x) for x in v] if EPISODE_COLUMNS[k] == "list" and v is not None else v)
-    return _typed(rows, EPISODE_COLUMNS)
+            rows[k].append([str(x) for x in v] if kinds[k] == "list" and v is not None else v)
+    return _typed(rows, kinds)
 

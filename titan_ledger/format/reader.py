@@ -248,6 +248,16 @@ class RunLedger:
         in order: flags, notes, forced proofs, the response's own events."""
         return self._events(records.SPIKES_FILE, records.SPIKES)
 
+    def event_log(self) -> records.LedgerFile | None:
+        """``spikes.jsonl`` read whole and checked, with its segments (each launch's or rewind's
+        header: where it resumed, the rules it ran); None when the run wrote none."""
+        path = self.folder / records.SPIKES_FILE
+        if not path.exists():
+            return None
+        led = records.read_ledger(path, records.SPIKES)
+        same_run(path, led.segments, self.launch_ids)
+        return led
+
     def spike_events(self) -> list[dict[str, Any]]:
         """Every flagged step of every launch (rows with ``rules``), in order."""
         return [e for e in self._events(records.SPIKES_FILE, records.SPIKES) if "rules" in e]

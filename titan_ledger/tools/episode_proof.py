@@ -10,9 +10,10 @@ the LR schedule stays the run's), and judged against the run itself -- the uncha
 bit for bit on a deterministic machine -- by the run's own acting rules and its loss:
 
 * an incident is *removed* when the relaunch has no acting flag within ``WINDOW`` steps of it;
-* a relaunch *removes* the episode when it removes every incident and ends no higher in loss,
-  *lowers* it when it removes or lowers most of them (fewer flags over the horizon) or ends
-  ``GAIN`` lower in loss (a broken model or a stall, which have few incidents: also healthy);
+* a relaunch *removes* the episode when it removes every incident and ends at most ``GAIN``
+  higher in loss, *lowers* it when it removes at least half of them or flags fewer steps over
+  the horizon (ending at most ``GAIN`` higher), or ends ``GAIN`` lower in loss; a broken
+  model's fix must leave the model healthy, whatever else it does;
 * the fix is the best effect, then the lowest loss at the horizon's end.
 
 The horizon covers the episode: from the relaunch's start to its last incident plus
@@ -26,7 +27,7 @@ not run again.
 from __future__ import annotations
 
 import math
-import shlex
+import shutil
 import statistics
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,7 @@ from titan_ledger.format.answers.causes import CAUSES, derive
 from titan_ledger.format.answers.command import fix_command, start_of
 from titan_ledger.format.answers.episodes import Episode, HorizonProof
 from titan_ledger.format.answers.of_run import RunAnswers
-from titan_ledger.format.answers.records import Context, Fix
+from titan_ledger.format.answers.records import Context
 from titan_ledger.format.reader import RunLedger
 
 WINDOW = 10  # an acting flag within this many steps of an incident is the incident again
@@ -120,11 +121,13 @@ def judge(ep: Episode, orig: RunLedger, trial: RunLedger, first: int, last: int)
     lower = lo is not None and lt is not None and lt < (1 - GAIN) * lo
     not_higher = lo is not None and lt is not None and lt <= (1 + GAIN) * lo
     healthy = _healthy(trial, last) if ep.kind == "broken" else None
-    if incidents and len(removed) == len(incidents) and not_higher:
+    if healthy is False:  # a fix for a broken model leaves it healthy, whatever else it does
+        effect = "not removed"
+    elif incidents and len(removed) == len(incidents) and not_higher:
         effect = "removed"
     elif incidents and (2 * len(removed) >= len(incidents) or len(ft) < len(fo)) and not_higher:
         effect = "lowered"
-    elif lower and healthy is not False:
+    elif lower:
         effect = "lowered"
     else:
         effect = "not removed"
@@ -164,8 +167,7 @@ def prove(led: RunLedger, ep: Episode, ctx: Context, end: int, *, parallel: int 
     last = horizon_of(ep, end)
     plans = []
     for i, t in enumerate(cands):
-        ck, where = start_of(ctx, max(0, ep.onset - 1) if ep.kind == "broken" else
-                              min([ep.onset - 1, *ep.incidents]), t.resumes)
+        ck, where = start_of(ctx, ep.relaunch, t.resumes)  # where the printed command starts
         folder = Path(f"{str(ctx.dump).rstrip('/')}-episode{ep.onset}") / f"{i}-{t.variant}"
         quiet = QUIET if ctx.policy in (None, "observe") else ()
         cmd = fix_command(ctx, (*t.flags, *quiet, "--ledger.rehearsal.rerun", f"stop={last}"), ck, str(folder))
@@ -183,6 +185,7 @@ def prove(led: RunLedger, ep: Episode, ctx: Context, end: int, *, parallel: int 
 
     def run(plan) -> dict[str, Any]:
         t, ck, where, folder, cmd = plan
+        shutil.rmtree(folder, ignore_errors=True)  # (an interrupted proof's: a relaunch starts clean)
         folder.parent.mkdir(parents=True, exist_ok=True)
         rc = _relaunch(cmd, folder.parent / f"{folder.name}.log")
         row = {"variant": t.variant, "cause": t.cause, "flags": list(t.flags), "change": t.change,
@@ -229,8 +232,3 @@ def prove_run(led: RunLedger, *, parallel: int = 1, log=print, max_steps: int | 
     return RunAnswers(RunLedger(led.dump_folder, led.folder.name)).episodes()
 
 
-def shell(cmd: list[str]) -> str:
-    return shlex.join(cmd)
-
-
-__all__ = ["Fix", "HorizonProof", "Trial", "choose", "horizon_of", "judge", "prove", "prove_run", "trials"]

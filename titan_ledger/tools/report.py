@@ -502,15 +502,13 @@ def _main(a) -> int:
         info = write(a.dump_folder, out, a.ledger_folder)
         print(f"wrote {info['out']}: {len(info['episodes'])} episode(s), {len(info['incidents'])} incident(s)")
         return 0
-    steps = [a.step]
-    for s in steps:
-        if led.history_at(s, 0, 0) is None:
-            raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
-        path = out if len(steps) == 1 else out.with_name(f"{out.stem}-step{s}{out.suffix or '.html'}")
-        info = report(a.dump_folder, s, path, a.ledger_folder, a.around, a.back, a.skip)
-        ans = info.get("answer") or {}
-        print(f"wrote {info['out']}: " + (f"{ans.get('title')} at step {s}: {ans.get('cause_text')}" if ans else
-                                          f"step {s}: not flagged by the trainer"))
+    s = a.step
+    if led.history_at(s, 0, 0) is None:
+        raise LedgerError(f"step {s} is in no segment of {led.folder / records.SIGNALS_FILE}")
+    info = report(a.dump_folder, s, out, a.ledger_folder, a.around, a.back, a.skip)
+    ans = info.get("answer") or {}
+    print(f"wrote {info['out']}: " + (f"{ans.get('title')} at step {s}: {ans.get('cause_text')}" if ans else
+                                      f"step {s}: not flagged by the trainer"))
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from titan_ledger.format import records
 from titan_ledger.format.answers import render
-from titan_ledger.format.answers.episodes import ESTABLISHED_EPISODE, episode_of
+from titan_ledger.format.answers.episodes import episode_of
 from titan_ledger.format.answers.of_run import RunAnswers
 from titan_ledger.format.reader import RunLedger
 
@@ -37,18 +37,17 @@ def _e(x: Any) -> str:
 
 
 def episode_box(i: int, ep) -> str:
-    """One episode: the cause in large type, how, the fix, the command."""
-    span = f"steps {ep.onset}-{ep.last}" if ep.last != ep.onset else f"step {ep.onset}"
-    how = ESTABLISHED_EPISODE.get(ep.established, ep.established) if ep.kind != "shift" else "a change of data"
-    parts = [f"<p>Episode {i}, {_e(span)}: {_e(ep.title)}</p>", f"<p class='cause'>{_e(ep.cause_text)}</p>",
-             f"<p><b>How:</b> {_e(how)}" + (f": {_e(ep.how[:400])}" if ep.how else "") + "</p>",
-             f"<p><b>{_e(render.episode_fix_line(ep).split(':', 1)[0].capitalize())}:</b>"
-             f"{_e(render.episode_fix_line(ep).split(':', 1)[1])}</p>"]
-    if ep.command:
-        parts.append(f"<p><b>Run it</b> ({_e(ep.start)}, into a new folder):</p><pre>{_e(ep.command)}</pre>")
-    if ep.incidents:
-        parts.append(f"<p>{len(ep.incidents)} incident(s): steps {_e(', '.join(map(str, ep.incidents[:20])))}"
-                     + (" ..." if len(ep.incidents) > 20 else "") + "</p>")
+    """One episode, in the words every view uses (``render.episode_parts``): the cause in large
+    type, how it was established, the fix, the command, the incidents and notes."""
+    p = render.episode_parts(ep)
+    parts = [f"<p>Episode {i}, {_e(p['span'])}: {_e(p['title'])}</p>", f"<p class='cause'>{_e(p['cause'])}</p>",
+             f"<p><b>How:</b> {_e(p['how'] or 'not established')}" + (f": {_e(p['why'])}" if p["why"] else "") + "</p>",
+             f"<p><b>{_e(p['fix_label'].capitalize())}:</b> {_e(p['fix'])}</p>"]
+    if p["command"]:
+        parts.append(f"<p><b>Run it</b> ({_e(p['start'])}, into a new folder):</p><pre>{_e(p['command'])}</pre>")
+    if p["incidents"]:
+        parts.append(f"<p>Incidents: {_e(p['incidents'])}</p>")
+    parts += [f"<p>Note: {_e(n)}</p>" for n in p["notes"]]
     return "<div class='ep'>" + "".join(parts) + "</div>"
 
 

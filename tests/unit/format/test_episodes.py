@@ -82,7 +82,7 @@ def test_the_console_raises_one_alarm_per_episode():
     burst are one INFO line each; a new burst, a hardware fault and data convicted on a healthy
     model are alarms."""
     live = Live()
-    said = [live.see(answer(s, c, e), None, b)[0] for s, c, e, b in (
+    said = [live.see(answer(s, c, e), b)[0] for s, c, e, b in (
         (10, "", "none", None), (12, "", "none", None), (30, "", "none", None), (200, "", "none", None),
         (205, "hardware", "in_step", None), (300, "", "none", 250), (310, "", "none", 250),
         (320, "bad_data", "in_step", None))]

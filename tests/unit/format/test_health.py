@@ -50,7 +50,7 @@ def test_a_model_whose_damage_clears_recovers_and_a_resumed_reading_is_the_same(
     (span,) = health.read(rows)
     assert span.onset == 4 and span.names == ("logits",) and span.last == 43  # the last damaged step
     live = health.Health()
-    broken = [live.observe(r) is not None or live.broken for r in rows]
+    broken = [live.observe(r) is not None or live.broken_since is not None for r in rows]
     assert broken.index(True) == 5 and broken[43 + health.Bars().recover - 2] and not broken[43 + health.Bars().recover]
     h = health.Health()
     for r in rows[:20]:
@@ -63,10 +63,14 @@ def test_a_model_whose_damage_clears_recovers_and_a_resumed_reading_is_the_same(
 
 
 def test_a_non_finite_or_skipped_row_is_not_read():
-    rows = _rows([8.0, 8.0, 8.0, math.nan, 8.0], [1.0] * 5)
-    rows.append({"step": 6, "skipped": True, "loss": None})
+    """A non-finite loss or a skipped window is no reading: a model broken by its logits stays
+    broken across them, and they do not count as steps of a healthy stretch."""
+    rows = _rows([8.0] * 3 + [8.0, math.nan, 8.0, 8.0, math.nan], [1.0] * 3 + [1000.0] * 5)
+    rows.append({"step": 9, "skipped": True, "loss": None})
     h = health.Health()
-    assert all(h.observe(r) is None for r in rows) and not h.broken and h.broken_since is None
+    opened = [h.observe(r) for r in rows]
+    assert [s is not None for s in opened] == [False] * 6 + [True, False, False]  # steps 4, 6, 7: three readings
+    assert h.broken_since == 4 and [k for k, _ in h.changes()] == ["opened"]
 
 
 def test_a_loss_that_rose_alone_is_new_data_not_a_broken_model():
@@ -81,11 +85,22 @@ def test_a_loss_that_rose_alone_is_new_data_not_a_broken_model():
     assert span.names == ("loss", "update") and span.onset == 397
 
 
-def test_the_spans_a_trainer_recorded_are_read_from_its_events():
-    """The trainer records where a stretch opened and where it closed (``spikes.jsonl``): the
-    views read those, the last word for an onset standing; one never closed runs to the end."""
-    (span,) = health.read(SIGNALS["lr0.05"])
-    closed = health.Span(40, 90, span.signs)
-    events = [{"step": 6, "health": span.to_json()}, {"step": 44, "health": {**closed.to_json(), "last": None}},
-              {"step": 140, "health": closed.to_json(), "recovered": True}]
-    assert health.from_events(events) == [span, closed] and span.last is None
+def test_the_spans_a_trainer_recorded_are_read_from_its_events_on_the_current_timeline():
+    """The trainer records every change -- a stretch opened, a sign joined it, it closed -- and
+    the views read those: the last word for an onset stands, one never closed runs to the end;
+    a launch that resumed after step R (a rollback, a relaunch from a checkpoint) rolled the
+    reading back to R: a stretch that opened after R never happened, one that closed after R
+    is open again."""
+    h = health.Health()
+    events = []
+    for r in SIGNALS["lr0.05"]:
+        h.observe(r)
+        events += [{"step": r["step"], "health": s.to_json(), **({"recovered": True} if k == "recovered" else {})}
+                   for k, s in h.changes()]
+    assert [e["step"] for e in events] == [6, 7]  # opened with the loss and the update; the logits joined
+    assert health.from_segments([(0, events)]) == h.current() and h.current()[0].names == ("loss", "update", "logits")
+    early = health.Span(3, None, h.current()[0].signs)
+    closed = {"step": 140, "health": health.Span(40, 90, early.signs).to_json(), "recovered": True}
+    later = {"step": 300, "health": health.Span(250, None, early.signs).to_json()}
+    assert health.from_segments([(0, events + [closed, later]), (100, [])]) == [early, health.Span(40, None,
+                                                                                                  early.signs)]

@@ -38,8 +38,8 @@ def test_the_candidates_are_the_episodes_own_its_causes_and_the_lrs_each_once():
     adam = trials(episode(kind="burst", cause="optimizer_state", established="in_step"), CTX)
     assert [t.flags for t in adam] == [("--optimizer.eps", "1e-6"), ("--optimizer.lr", "0.06"),
                                        ("--optimizer.lr", "0.02")]
-    assert horizon_of(episode(), 1000) == 1000 and horizon_of(episode(kind="burst", incidents=(25, 31)), 1000) == 81
-    assert episode_proof.MARGIN == 50
+    assert horizon_of(episode(), 1000) == 1000  # a broken model's: the run
+    assert horizon_of(episode(kind="burst", incidents=(25, 31)), 1000) == 31 + episode_proof.MARGIN
 
 
 def _run(root, name: str, flags: list[int], losses: dict[int, float]):

@@ -32,6 +32,10 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from titan_ledger.format.answers.health import Bars as HealthBars
+
+HEALTH = HealthBars()  # the LR's fingerprint's bars are the model's health's (one owner)
+
 
 @dataclass(frozen=True)
 class Bars:
@@ -40,11 +44,11 @@ class Bars:
     early: int = 20  # the run's first trained steps: "early" for log Z and the grad norm
     logz_rise: float = 2.0  # log Z's max before the spike >= 2x its early level ...
     logz_level: float = 20.0  # ... and >= 20 (exp(20): the output logits far from calibrated)
-    rel_update: float = 0.01  # LR: the update moves the parameters >= 1% of their norm a step (pre-spike median)
+    rel_update: float = HEALTH.rel_update  # LR: the update moves the parameters >= 1% of their norm a step (pre-spike median)
     # ... or, without --ledger.update_norm, the param norm itself moves >= 0.2% a step: a lower
     # bound of the update's size (|d||w||| <= ||dw||; the real set's LR runs: 0.27-4.5%, 0.1-0.56x
     # their relative update; LR 3e-3: 0.029%, which is weight decay's lr x wd)
-    rel_norm_change: float = 0.002
+    rel_norm_change: float = HEALTH.rel_norm_change  # (one owner: format.answers.health.Bars)
 
 
 def _fin(xs):

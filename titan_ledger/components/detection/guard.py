@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from titan_ledger.components.detection.spikes import STAT_KEYS, SpikeDetector, describe, is_note
 from titan_ledger.components.signals.topology import Topology
 from titan_ledger.format import answers, records
-from titan_ledger.format.answers import episodes, render
+from titan_ledger.format.answers import episodes, health, render
 from titan_ledger.format.proofs import ProofRecord
 
 _NOTE = STAT_KEYS.index("note")
@@ -58,10 +58,10 @@ class SpikeGuard:
             return
         # event logs, not step histories: no resumed_from, so no event is ever superseded
         extra = {**header.extra, "started_after_step": header.resumed_from}
-        # "health": the ledger records the model's health here (format.answers.health: views read its spans)
+        # the ledger records the model's health here (format.answers.health: the views read its spans)
         hdr = records.Header(schema=records.SPIKES.id, run_id=header.run_id, seq=header.seq,
                              time=header.time, extra={**extra, "rules": _asdict(self.config),
-                                                      "on_spike": self.on_spike, "health": 1})
+                                                      "on_spike": self.on_spike, **health.header()})
         self._spikes = records.RecordWriter(folder / records.SPIKES_FILE, hdr)
         self._rejected = records.RecordWriter(
             folder / records.REJECTED_FILE,
@@ -173,7 +173,7 @@ class SpikeGuard:
         per episode, not one per flagged step."""
         from torchtitan.tools.logging import logger
 
-        opens, onset = self.live.see(answer, ev, broken_since)
+        opens, onset = self.live.see(answer, broken_since)
         if opens:
             logger.warning("titan_ledger: " + render.console(answer, ev))
         else:

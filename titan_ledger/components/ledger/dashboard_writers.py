@@ -187,9 +187,8 @@ class LedgerWandB:
         try:
             self.run.summary["episodes/count"] = len(eps)
             self.run.summary["episodes/text"] = "\n".join(render.episodes_block(eps, detail=False))
-            cols = ["onset", "last", "kind", "cause_text", "established", "incidents", "fix", "command"]
-            rows = [[str(c.get(k)) if k == "incidents" else c.get(k) for k in cols]
-                    for c in (render.episode_columns(e) for e in eps)]
+            cols = list(render.EPISODE_COLUMNS)
+            rows = [[str(v) if isinstance(v, list) else v for v in render.episode_columns(e).values()] for e in eps]
             self.wandb.log({"episodes/table": self.wandb.Table(columns=cols, data=rows)},
                            step=self._advance(self.train_step or 0))
         except Exception:

@@ -136,6 +136,11 @@ def _logger_list(container) -> list | None:
     return getattr(container, "_loggers", None)
 
 
+def writers(metrics_logger) -> list:
+    """The ledger's dashboard writers on ``metrics_logger`` (W&B, TensorBoard); [] when none."""
+    return _ours(metrics_logger) if metrics_logger is not None else []
+
+
 def _ours(metrics_logger) -> list:
     return [x for x in _logger_list(metrics_logger) or [] if isinstance(x, (LedgerWandB, LedgerTensorBoard))]
 

@@ -60,7 +60,7 @@ from titan_ledger.components.signals.topology import Topology
 from titan_ledger.data.content import ContentMemory, window_hashes
 from titan_ledger.data.filters import Quarantine, mask_repetitive
 from titan_ledger.data.layout import parse_skip_steps
-from titan_ledger.errors import ConfigError
+from titan_ledger.errors import ConfigError, python_command
 from titan_ledger.format import answers, records
 from titan_ledger.format.answers.health import Health
 from titan_ledger.rehearsal.faults import parse_inject
@@ -178,6 +178,7 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         self.content: ContentMemory | None = None
         self.stall = StallWatch(config.stall) if config.stall.enable else None
         self.health = Health()  # the model's health from the written rows (format.answers.health)
+        self.checkpoint_folder = "checkpoint"  # (setup: the run's own)
         self.stalls: list[dict] = []  # stall events this process raised (Recovery proves the newest)
         self.global_batch = 0
         self.knobs = answers.Knobs()  # the run's settings a fix changes (setup: from the config)
@@ -407,8 +408,8 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
 
         self.record_event({"step": step, "health": span.to_json()})
         text = (f"the model left its healthy regime at step {span.onset}: {span.words()}; an episode from step "
-                f"{span.onset} (later flags are its symptoms; python -m titan_ledger.diagnose {self.folder.parent} "
-                f"--rerun proves its fix over the run's horizon)")
+                f"{span.onset} (later flags are its symptoms; {python_command()} -m titan_ledger.diagnose "
+                f"{self.folder.parent} --rerun proves its fix over the run's horizon)")
         if self.topo.is_rank0:
             logger.warning(f"titan_ledger: {text}")
         if metrics_logger is not None:
@@ -453,11 +454,13 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
             stall = self.stall.observe(done.row) if self.stall is not None else None
             if stall is not None:
                 self._on_stall(stall, metrics_logger)
-            broke = self.health.observe(done.row)
-            if broke is not None:
-                self._on_broken(int(done.row["step"]), broke, metrics_logger)
-            for span in self.health.recovered():  # where a broken stretch closed: the views read the spans
-                self.record_event({"step": int(done.row["step"]), "health": span.to_json(), "recovered": True})
+            self.health.observe(done.row)
+            for kind, span in self.health.changes():  # every change recorded: the views read the spans
+                if kind == "opened":
+                    self._on_broken(int(done.row["step"]), span, metrics_logger)
+                else:
+                    self.record_event({"step": int(done.row["step"]), "health": span.to_json(),
+                                       **({"recovered": True} if kind == "recovered" else {})})
             proof = done.rec.proof  # (typed: the answer is built from it; the guard writes its JSON)
             stall_ev = None
             if proof is not None and proof.stall:  # a forced proof answering the stall rule's flag
@@ -519,15 +522,16 @@ class Ledger(LedgerStart, LedgerResume, Configurable):
         """The run's episodes at its end (rank 0, read back from what it wrote: one answer in
         every view), logged to the dashboards; None elsewhere, or where they cannot be read (a
         failure here never fails the run)."""
-        if not self.topo.is_rank0 or getattr(self, "folder", None) is None:
-            return None
+        if not self.topo.is_rank0 or getattr(self, "folder", None) is None or self.recorder is None \
+                or not dashboards.writers(metrics_logger):
+            return None  # (no signals, or no dashboard to show them: the end summary reads them itself)
         from torchtitan.tools.logging import logger
 
         from titan_ledger.format.answers.of_run import RunAnswers
         from titan_ledger.format.reader import RunLedger
 
         try:
-            eps = RunAnswers(RunLedger(self.folder.parent, self.folder.name)).episodes()
+            eps = RunAnswers(RunLedger(self.folder.parent, self.folder.name, self.checkpoint_folder)).episodes()
         except Exception as e:  # (the summary says so; the run's own outcome stands)
             logger.warning(f"titan_ledger: the run's episodes could not be read: {type(e).__name__}: {e}")
             return None

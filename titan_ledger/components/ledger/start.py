@@ -81,6 +81,7 @@ class LedgerStart:
         if cfg.proof.scope != "off" and self.loader is not None and self.loader.tagging:
             self.content = ContentMemory(CONTENT_SLOTS, int(cfg.conviction.lookback))
         self.knobs = knobs_of(tcfg)
+        self.checkpoint_folder = tcfg.checkpoint.folder  # (the run's episodes name its checkpoints)
         if self.guard is not None:
             self.guard.answer_context = lambda: self.answer_context(tcfg)
         self._apply_state()

@@ -113,13 +113,30 @@ class Judgment:
             proof.window = {"cause": None, "why": why_not}
         return proof
 
+    def _broken_since(self, agree: bool) -> int | None:
+        """The model's health as the written rows read it: the onset of the broken stretch it is
+        in (None: healthy). ``agree``: one value on every rank (each drains its rows on its own
+        schedule; a conviction held back on one rank and acted on by another would part the
+        replicas): the latest onset any rank knows, one all_reduce, only where data was convicted."""
+        since = self.ledger.history().broken_since
+        if not agree:
+            return since
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return since
+        t = torch.tensor([since if since is not None else -1], dtype=torch.int64, device=self.facts.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return None if int(t.item()) < 0 else int(t.item())
+
     def _act_on(self, rec: StepRecord, proof: ProofRecord) -> tuple[bool, Applied]:
         """What the proof's verdict changes: ``(resolved, variant)`` -- whether the proof
         resolved the step (else the ladder decides it) and the update applied (``original``,
         ``same``, ``masked``, ``control``, ``none``). Under ``observe``, or when a bound
         holds the verdict back (the quarantine's size, the breaker), nothing changes: the proof records ``would_apply`` and ``held_back``."""
         verdict, wants = proof.verdict, proof.applied
-        broken = self.ledger.history().broken_since
+        broken = self._broken_since(agree=verdict == Finding.BAD_DATA)
         if broken is not None:  # the model's health: what a proof measured, it measured on a broken model
             proof.health = {"broken_since": broken}
         if verdict in (Finding.NOT_DATA, Finding.OPTIMIZER_STATE):

@@ -32,17 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from titan_ledger.format.answers.causes import derive, words
+from titan_ledger.format.answers.causes import derive, driver_words, words
 from titan_ledger.format.answers.command import command_of
 from titan_ledger.format.answers.health import Span
 from titan_ledger.format.answers.records import ESTABLISHED, Answer, Context, Fix
+from titan_ledger.format.answers.words import EVIDENCE_RULES, LOSS_CLIMBING, LOSS_SPIKE
 
 #: incidents this many steps apart or less, outside a broken stretch, are one burst
 GAP = 50
 #: how an answer's cause was established, strongest first (an episode takes its best incident's)
 _STRENGTH = ("in_step+window", "rerun", "window", "in_step", "rerun_evidence", "unseparated", "tree", "none")
-#: the rules that single out a DP rank or a document (a shift moves every rank together)
-_EVIDENCE = {"rank_separation", "doc_high", "doc_low", "rank_loss"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +90,7 @@ class Episode:
     new_dump: str | None = None
     proof: HorizonProof | None = None
     notes: tuple[str, ...] = ()
+    relaunch: int = 0  # a fix's relaunch starts at the last checkpoint at or before this step
 
     @property
     def cause_text(self) -> str:
@@ -99,7 +99,7 @@ class Episode:
         if not self.cause:
             return "cause not established"
         said = words(self.cause)
-        return f"LR-driven {said}" if self.driver == "lr" and self.cause != "lr" else said
+        return f"{driver_words(self.driver)} {said}" if self.driver and self.driver != self.cause else said
 
     def to_json(self) -> dict[str, Any]:
         return {"onset": self.onset, "last": self.last, "kind": self.kind, "title": self.title, "cause": self.cause,
@@ -108,7 +108,8 @@ class Episode:
                 "health": self.health.to_json() if self.health else None,
                 "fix": self.fix.to_json() if self.fix else None, "candidates": [c.to_json() for c in self.candidates],
                 "start": self.start, "command": self.command, "new_dump": self.new_dump,
-                "proof": self.proof.to_json() if self.proof else None, "notes": list(self.notes)}
+                "proof": self.proof.to_json() if self.proof else None, "notes": list(self.notes),
+                "relaunch": self.relaunch}
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> Episode:
@@ -119,7 +120,8 @@ class Episode:
                    fix=Fix.of(d["fix"]) if d.get("fix") else None,
                    candidates=tuple(Fix.of(c) for c in d.get("candidates") or ()), start=d.get("start"),
                    command=d.get("command"), new_dump=d.get("new_dump"),
-                   proof=HorizonProof.of(d["proof"]) if d.get("proof") else None, notes=tuple(d.get("notes") or ()))
+                   proof=HorizonProof.of(d["proof"]) if d.get("proof") else None, notes=tuple(d.get("notes") or ()),
+                   relaunch=int(d.get("relaunch") or 0))
 
 
 ESTABLISHED_EPISODE = {**ESTABLISHED, "horizon": "proven by its fix over the episode's horizon",
@@ -162,7 +164,7 @@ def shift_like(a: Answer, event: dict[str, Any] | None) -> bool:
     otherwise)."""
     ev = event or {}
     rules = set(ev.get("rules") or ()) | set(ev.get("notes") or ())
-    return a.kind == "spike" and not (rules & _EVIDENCE) and not a.cause and a.established in (
+    return a.kind == "spike" and not (rules & EVIDENCE_RULES) and not a.cause and a.established in (
         "none", "in_step", "unseparated", "tree")
 
 
@@ -176,7 +178,7 @@ def is_shift(g: _Group, events: dict[int, dict[str, Any]], level: Callable[[int]
     """A burst that is a change of data: no incident with a cause established, most of them
     shift-like, the first a loss that rose, and the loss's level changed at the onset
     (``level``: the median after over the median before)."""
-    if not g.answers or g.answers[0].title not in ("loss spike", "loss climbing back (stall rule)"):
+    if not g.answers or g.answers[0].title not in (LOSS_SPIKE, LOSS_CLIMBING):
         return False
     if any(a.cause for a in g.answers):
         return False
@@ -204,7 +206,7 @@ def group(answers: list[Answer], spans: list[Span], events: dict[int, dict[str, 
                                   f"left its healthy regime at step {home.onset})")
             home.answers.append(a)
             continue
-        if open_ is not None and a.step - open_.last <= GAP and _compatible(open_, a):
+        if open_ is not None and a.step - open_.last <= GAP and compatible({x.cause for x in open_.answers} - {""}, a):
             open_.answers.append(a)
             open_.last = a.step
             continue
@@ -219,8 +221,8 @@ def group(answers: list[Answer], spans: list[Span], events: dict[int, dict[str, 
     return sorted(out, key=lambda g: (g.onset, g.last))
 
 
-def _compatible(g: _Group, a: Answer) -> bool:
-    causes = {x.cause for x in g.answers if x.cause}
+def compatible(causes: set[str], a: Answer) -> bool:
+    """Whether ``a`` may join a burst whose incidents established ``causes``: one of them, or none."""
     return not a.cause or not causes or a.cause in causes
 
 
@@ -291,7 +293,7 @@ def build_episode(g: _Group, ctx: Context, proof: HorizonProof | None = None, ex
     incidents = tuple(a.step for a in g.answers)
     ep = Episode(onset=g.onset, last=g.last, kind=g.kind, title=_title(g), cause="", driver=None,
                  established="none", how="", incidents=incidents, health=g.health, proof=proof,
-                 notes=tuple(g.notes))
+                 notes=tuple(g.notes), relaunch=max(0, g.relaunch))
     if g.kind in ("hardware", "data"):
         a = g.answers[0]
         return replace(ep, cause=a.cause, established=a.established, how=a.how, fix=a.fix, start=a.start,
@@ -317,8 +319,7 @@ def build_episode(g: _Group, ctx: Context, proof: HorizonProof | None = None, ex
                      fix=fix, candidates=(), how="; ".join(x for x in (ep.how, v.get("detail", "")) if x))
     if ep.fix is not None and ep.established in ("health", "none", "tree", "unseparated"):
         ep = replace(ep, candidates=(ep.fix, *ep.candidates), fix=None)  # unproven: no command
-    start, command, new_dump = command_of(g.onset, ep.fix, max(0, g.relaunch), ctx, exists) if ep.fix else \
-        (None, None, None)
+    start, command, new_dump = command_of(g.onset, ep.fix, ep.relaunch, ctx, exists) if ep.fix else (None, None, None)
     return replace(ep, start=start, command=command, new_dump=new_dump)
 
 
@@ -351,7 +352,7 @@ class Live:
             return broken_since
         return self.onset if self.kind == "burst" and step - self.last <= GAP else None
 
-    def see(self, a: Answer, event: dict[str, Any] | None, broken_since: int | None) -> tuple[bool, int]:
+    def see(self, a: Answer, broken_since: int | None) -> tuple[bool, int]:
         """(whether ``a`` opens an episode, the onset of the episode it is in)."""
         broken = broken_since is not None and a.step >= broken_since
         if _own_cause(a, broken):
@@ -359,8 +360,7 @@ class Live:
         if broken:  # the health's own warning opened it (components/ledger: _on_broken)
             self.kind, self.onset, self.last = "broken", broken_since, a.step
             return False, broken_since
-        if self.kind == "burst" and a.step - self.last <= GAP and (not a.cause or not self.causes
-                                                                  or a.cause in self.causes):
+        if self.kind == "burst" and a.step - self.last <= GAP and compatible(self.causes, a):
             self.last = a.step  # (a shift is a burst too: whether the level changed is known only later)
             self.causes |= {a.cause} - {""}
             return False, self.onset

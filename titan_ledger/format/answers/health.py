@@ -27,7 +27,7 @@ it led into it (the LR moved the weights too far before the damage showed), and 
 until every damage sign has cleared for ``recover`` steps (the logits below ``logit_clear`` x
 their bar). The reading streams (one row at a time,
 O(1) state): the trainer keeps one live and records where a stretch opens and where it closes
-(``spikes.jsonl``'s ``health`` events: :func:`from_events`), so a view reads the spans, not the
+(``spikes.jsonl``'s ``health`` events: :func:`from_segments`), so a view reads the spans, not the
 run's rows; a ledger from before them is read in one pass over its rows (:func:`read`).
 """
 
@@ -49,7 +49,7 @@ class Bars:
     loss_rise: float = 0.10  # the loss this much above its first steps' level
     relapse: float = 0.30  # or, later, this much above its best ``window``-step median
     window: int = 20
-    rel_update: float = 0.01  # the update >= 1% of the parameter norm a step (fingerprints.Bars)
+    rel_update: float = 0.01  # the update >= 1% of the parameter norm a step (the LR's fingerprint reads it too)
     rel_norm_change: float = 0.002  # ... or, without update_norm, the param norm moving >= 0.2% a step
     recover: int = 50  # broken until every damage sign has cleared for this many steps
 
@@ -131,19 +131,14 @@ class Health:
     _last_pn: tuple[int, float] | None = None
     _streaks: dict[str, _Streak] = field(default_factory=lambda: {k: _Streak() for k in ("logits", "loss", "update")})
     _open: dict[str, Any] | None = None  # the open span: onset, signs, the last damaged step
-    _closed: list[Span] = field(default_factory=list)  # closed since ``recovered`` was last asked
-    _last_step: int | None = None
-
-    @property
-    def broken(self) -> bool:
-        return self._open is not None
+    _changed: list[tuple[str, Span]] = field(default_factory=list)  # since ``changes`` was last asked
+    _update_what: str = "the update"  # what the update's sign reads: the update, or the param norm
 
     def observe(self, row: dict[str, Any]) -> Span | None:
         """One trained row; returns the span it opened (the model left health at its onset), else None."""
         step, loss = row.get("step"), row.get("loss")
         if row.get("skipped") or not isinstance(step, int) or not _finite(loss):
             return None
-        self._last_step = step
         b = self.bars
         if len(self._early_loss) < b.early:  # the model's own starting levels
             self._early_loss.append(loss)
@@ -167,7 +162,7 @@ class Health:
         self._streaks["logits"].see(step, _finite(ml) and bar is not None and ml >= bar, ml if _finite(ml) else math.nan,
                                     bar if bar is not None else math.nan)
         self._track_update(row)
-        return self._judge(step, ml, bar, loss_med, start)
+        return self._judge(step, ml, bar, start)
 
     def logit_bar(self) -> float | None:
         if not self._early_logit:
@@ -184,7 +179,7 @@ class Health:
             rel, bar, what = math.nan, math.nan, ""
         self._last_pn = (step, p) if _finite(p) else None
         self._streaks["update"].see(step, _finite(rel) and rel >= bar, rel, bar)
-        self._update_what = what or getattr(self, "_update_what", "the update")
+        self._update_what = what or self._update_what
 
     def _signs(self, start: float) -> list[Sign]:
         b, out = self.bars, []
@@ -201,12 +196,12 @@ class Health:
                          if v >= (1 + b.loss_rise) * start - 1e-12 else
                          f"the loss {v:.3g} at step {st.start}, {v / (self._best or v):.2f}x its best window")
             else:
-                words = (f"{getattr(self, '_update_what', 'the update')} moving {v:.1%} of the parameters' norm a step "
+                words = (f"{self._update_what} moving {v:.1%} of the parameters' norm a step "
                          f"from step {st.start} (the LR's fingerprint: >= {bar:.1%})")
             out.append(Sign(name, int(st.start), float(v), float(bar), words))
         return out
 
-    def _judge(self, step: int, ml: Any, bar: float | None, loss_med: float, start: float) -> Span | None:
+    def _judge(self, step: int, ml: Any, bar: float | None, start: float) -> Span | None:
         b = self.bars
         held = {k for k, v in self._streaks.items() if v.count >= b.hold}
         # the model's own signals must show it: a loss that rose alone is also what new data
@@ -216,24 +211,29 @@ class Health:
             if not damaged:
                 return None
             signs = self._signs(start)
-            onset = min(s.step for s in signs)
-            self._open = {"onset": onset, "signs": signs, "damaged": step}
-            return Span(onset, None, tuple(signs))
+            self._open = {"onset": min(s.step for s in signs), "signs": signs, "damaged": step}
+            span = Span(self._open["onset"], None, tuple(signs))
+            self._changed.append(("opened", span))
+            return span
         # broken: clears only when every damage sign is gone (the logits well under their bar) for `recover` steps
         logits_clear = not (_finite(ml) and bar is not None and ml >= b.logit_clear * bar)
         if damaged or not logits_clear or self._streaks["loss"].count:
             self._open["damaged"] = step
             known = {s.name for s in self._open["signs"]}
-            self._open["signs"] += [s for s in self._signs(start) if s.name not in known]
+            grown = [s for s in self._signs(start) if s.name not in known]
+            if grown:  # a sign joined: the open stretch, as it now reads
+                self._open["signs"] += grown
+                self._changed.append(("grew", Span(self._open["onset"], None, tuple(self._open["signs"]))))
         elif step - self._open["damaged"] >= b.recover:
             self.spans.append(Span(self._open["onset"], self._open["damaged"], tuple(self._open["signs"])))
             self._open = None
-            self._closed.append(self.spans[-1])
+            self._changed.append(("recovered", self.spans[-1]))
         return None
 
-    def recovered(self) -> list[Span]:
-        """The broken stretches that closed since the last call (the trainer records each)."""
-        out, self._closed = self._closed, []
+    def changes(self) -> list[tuple[str, Span]]:
+        """What changed since the last call, in order -- ``opened``, ``grew`` (a sign joined the
+        open stretch), ``recovered`` -- for the trainer to record (:func:`from_segments` reads them)."""
+        out, self._changed = self._changed, []
         return out
 
     @property
@@ -281,21 +281,33 @@ def read(rows) -> list[Span]:
     return h.current()
 
 
-def from_events(events) -> list[Span]:
-    """The broken stretches a trainer recorded (``{"step", "health": span}`` where one opened,
-    ``{"step", "health": span, "recovered": true}`` where it closed), the last word for an onset
-    standing; one never closed runs to the end (``last`` None)."""
-    out: dict[int, Span] = {}
-    for e in events:
-        h = e.get("health")
-        if isinstance(h, dict) and "onset" in h:
-            span = Span.of(h)
-            if e.get("recovered") or out.get(span.onset) is None or out[span.onset].last is None:
-                out[span.onset] = span
-    return [out[k] for k in sorted(out)]
+def from_segments(segments: list[tuple[int, list[dict[str, Any]]]]) -> list[Span]:
+    """The broken stretches a trainer recorded, as they stand on the run's current timeline:
+    ``segments`` is each launch's (or rewind's) ``(step it resumed after, its events)`` in
+    order; a ``health`` event is a stretch as it read then (``recovered``: where it closed).
+    A launch that resumed after step R rolled the reading back to R (its checkpoint holds it):
+    a stretch that opened after R never happened, one that closed after R is open again."""
+    out: dict[int, tuple[Span, int | None]] = {}  # onset -> (the stretch, the step its close was recorded at)
+    for resumed, events in segments:
+        out = {k: ((v, at) if at is None or at <= resumed else (Span(v.onset, None, v.signs), None))
+               for k, (v, at) in out.items() if k <= resumed}
+        for e in events:
+            h = e.get("health")
+            if isinstance(h, dict) and "onset" in h:
+                span = Span.of(h)
+                out[span.onset] = (span, int(e["step"])) if e.get("recovered") else \
+                    (Span(span.onset, None, span.signs), None)
+    return [out[k][0] for k in sorted(out)]
 
 
-#: a ``spikes.jsonl`` header that says its writer recorded the model's health (its events are
-#: every span: a view need not read the rows)
+#: the ``spikes.jsonl`` header key that says its writer recorded the model's health (its events
+#: are every span: a view need not read the rows), with the bars it read them by
 HEADER_KEY = "health"
+
+
+def header(bars: Bars | None = None) -> dict[str, Any]:
+    """What a writer of ``health`` events puts in its header: the bars it reads by."""
+    from dataclasses import asdict
+
+    return {HEADER_KEY: asdict(bars or Bars())}
 

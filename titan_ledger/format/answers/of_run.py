@@ -38,23 +38,19 @@ def context(led: RunLedger) -> Context:
     last = next((r for r in reversed(rows) if isinstance(r.get("argv"), list)), rows[-1] if rows else {})
     knobs = next((r.get("knobs") for r in reversed(rows) if r.get("knobs")), None)
     rules = led.spike_rules() or {}
+    argv = last.get("argv") if isinstance(last.get("argv"), list) else []
+    policy = next((argv[i + 1] for i in range(len(argv) - 2, -1, -1) if argv[i] == "--ledger.response.policy"), None)
     return Context(
         knobs=Knobs.of(knobs), dump=str(led.dump_folder),
         argv=tuple(last["argv"]) if isinstance(last.get("argv"), list) else None, cwd=str(last.get("cwd") or ""),
         python=str(last.get("python") or "python"), world_size=int(last.get("world_size") or 1),
         checkpoints=tuple(led.checkpoints()), checkpoint_folder=led.checkpoint_folder,
-        loss_jump=float(rules.get("loss_jump", 0.05)))
+        loss_jump=float(rules.get("loss_jump", 0.05)), policy=policy)
 
 
 def recorded(led: RunLedger) -> dict[int, dict[str, Any]]:
-    """Every answer the trainer recorded, by the incident's step (a stall's answer rides in
-    its forced proof's event); the last recorded for a step wins."""
-    out: dict[int, dict[str, Any]] = {}
-    for e in led.events():
-        a = e.get("answer")
-        if isinstance(a, dict) and "step" in a:
-            out[int(a["step"])] = a
-    return out
+    """Every answer the trainer recorded, by the incident's step (:meth:`RunAnswers.recorded`)."""
+    return RunAnswers(led).recorded()
 
 
 def rerun_summary(led: RunLedger, step: int) -> dict[str, Any] | None:
@@ -104,16 +100,34 @@ class RunAnswers:
 
     def __init__(self, led: RunLedger):
         self.led = led
+        self._log: records.LedgerFile | None | bool = False
         self._events: list[dict[str, Any]] | None = None
         self._ctx: Context | None = None
         self._cols: dict[str, Any] | None = None
         self._health: tuple[list[Span], int] | None = None
+        self._recorded: dict[int, dict[str, Any]] | None = None
+
+    @property
+    def log(self) -> records.LedgerFile | None:
+        """``spikes.jsonl``, read once."""
+        if self._log is False:
+            self._log = self.led.event_log()
+        return self._log
 
     @property
     def events(self) -> list[dict[str, Any]]:
         if self._events is None:
-            self._events = self.led.events()
+            self._events = self.log.history if self.log is not None else []
+            self._by_step: dict[int, list[dict[str, Any]]] = {}
+            for e in self._events:
+                if isinstance(e.get("step"), int):
+                    self._by_step.setdefault(e["step"], []).append(e)
         return self._events
+
+    def at(self, step: int) -> list[dict[str, Any]]:
+        """The events recorded at ``step``, in order."""
+        self.events  # noqa: B018 (indexes them)
+        return self._by_step.get(step, [])
 
     @property
     def context(self) -> Context:
@@ -129,14 +143,14 @@ class RunAnswers:
 
     def incident(self, step: int) -> tuple[str, dict[str, Any], ProofRecord | None, str | None] | None:
         """The incident at ``step`` as recorded: (kind, event, proof, why not proven), or None."""
-        events = self.events
-        flag = next((e for e in reversed(events) if int(e.get("step", -1)) == step and "rules" in e), None)
-        stall = next((e for e in reversed(events) if int(e.get("step", -1)) == step and e.get("stall")), None)
+        here = self.at(step)
+        flag = next((e for e in reversed(here) if "rules" in e), None)
+        stall = next((e for e in reversed(here) if e.get("stall")), None)
         if flag is not None:
             p = flag.get("proof")
             return "spike", flag, ProofRecord.of(p) if p else None, (flag.get("proof_failed") or {}).get("error")
-        if stall is not None:
-            p = next((e["proof"] for e in reversed(events)
+        if stall is not None:  # its proof rides in a forced proof's event a step or so later
+            p = next((e["proof"] for e in reversed(self.events)
                       if (e.get("proof") or {}).get("stall", {}).get("step") == step), None)
             return "stall", stall, ProofRecord.of(p) if p else None, None
         return None
@@ -147,8 +161,7 @@ class RunAnswers:
         summary = rerun_summary(self.led, step)
         if summary is not None and isinstance(summary.get("answer"), dict):
             return Answer.of(summary["answer"])
-        rec = next((e["answer"] for e in reversed(self.events) if isinstance(e.get("answer"), dict)
-                    and int(e["answer"].get("step", -1)) == step), None)
+        rec = self.recorded().get(step)
         if rec is not None and summary is None:
             return Answer.of(rec)
         incident = self.incident(step)
@@ -159,6 +172,13 @@ class RunAnswers:
         if rec is not None and (found is None or rec.get("cause")):  # a rerun adds a cause only where none was
             return Answer.of(rec)
         return build(step, kind, event, proof, self.context, unproven=unproven, rerun=found)
+
+    def recorded(self) -> dict[int, dict[str, Any]]:
+        """Every answer the trainer recorded, by the incident's step (the last for a step wins)."""
+        if self._recorded is None:
+            self._recorded = {int(e["answer"]["step"]): e["answer"] for e in self.events
+                              if isinstance(e.get("answer"), dict) and "step" in e["answer"]}
+        return self._recorded
 
     def rerun_answer(self, step: int, verdict: dict[str, Any]) -> Answer | None:
         """The answer a rerun writes beside its verdict: the step's recorded incident built
@@ -188,7 +208,8 @@ class RunAnswers:
         if self._health is None:
             end = self.led.last_signal_step() or 0
             if self._recorded_health():
-                self._health = (health.from_events(self.events), end)
+                self._health = (health.from_segments([(int(s.header.extra.get("started_after_step") or 0), s.rows)
+                                                      for s in self.log.segments]), end)
             else:
                 cols = self.columns
                 h = Health()
@@ -199,10 +220,8 @@ class RunAnswers:
         return self._health
 
     def _recorded_health(self) -> bool:
-        path = self.led.folder / records.SPIKES_FILE
-        if not path.is_file():
-            return False
-        segs = records.read_ledger(path, records.SPIKES).segments
+        """Whether every launch of the run recorded its model's health (its header says so)."""
+        segs = self.log.segments if self.log is not None else []
         return bool(segs) and all(s.header.extra.get(health.HEADER_KEY) for s in segs)
 
     def level(self, step: int) -> float | None:

@@ -127,13 +127,32 @@ def columns(a: Answer) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- a run's episodes
-def episode_head(ep) -> str:
-    """An episode's first line: its steps, what happened, its cause and how it was established."""
+def episode_parts(ep) -> dict[str, Any]:
+    """An episode's words, part by part (every view of an episode assembles these, none words
+    its own): ``span``, ``title``, ``cause``, ``how`` (how it was established), ``why`` (the
+    readings behind it), ``fix_label`` and ``fix`` (the fix line's two halves), ``incidents``
+    (shown, and how many), ``notes``, ``start`` and ``command``."""
     from titan_ledger.format.answers.episodes import ESTABLISHED_EPISODE
 
-    span = f"steps {ep.onset}-{ep.last}" if ep.last != ep.onset else f"step {ep.onset}"
-    how = "" if ep.established == "none" or ep.kind == "shift" else f" -- {ESTABLISHED_EPISODE[ep.established]}"
-    return f"{span}: {ep.title}: {ep.cause_text}{how}"
+    label, _, fix = episode_fix_line(ep).partition(": ")
+    shown = ", ".join(map(str, ep.incidents[:INCIDENTS_SHOWN])) + (" ..." if len(ep.incidents) > INCIDENTS_SHOWN
+                                                                   else "")
+    return {"span": f"steps {ep.onset}-{ep.last}" if ep.last != ep.onset else f"step {ep.onset}",
+            "title": ep.title, "cause": ep.cause_text,
+            "how": "" if ep.established == "none" or ep.kind == "shift" else ESTABLISHED_EPISODE[ep.established],
+            "why": ep.how, "fix_label": label, "fix": fix,
+            "incidents": f"{len(ep.incidents)} (steps {shown})" if ep.incidents else "", "notes": list(ep.notes[:3]),
+            "start": ep.start, "command": ep.command}
+
+
+#: the incidents an episode's lines list by step (the rest: "...")
+INCIDENTS_SHOWN = 12
+
+
+def episode_head(ep) -> str:
+    """An episode's first line: its steps, what happened, its cause and how it was established."""
+    p = episode_parts(ep)
+    return f"{p['span']}: {p['title']}: {p['cause']}" + (f" -- {p['how']}" if p["how"] else "")
 
 
 def episode_fix_line(ep) -> str:
@@ -145,6 +164,10 @@ def episode_fix_line(ep) -> str:
         return "fix: none in the configuration: a fault, not a setting"
     if ep.cause == "bad_data":
         return "fix: the convicted data (see the incident)"
+    if ep.proof is not None:  # proven once: what it tried, none of which fixed it
+        first, last = ep.proof.horizon
+        return (f"fix: none of the {len(ep.proof.variants)} fix(es) tried over steps {first}-{last} fixed it ("
+                + "; ".join(f"{v.get('change')}: {v.get('effect')}" for v in ep.proof.variants) + ")")
     if ep.candidates:
         return ("fix: none proven; candidates (untested): " + "; ".join(c.change for c in ep.candidates[:4])
                 + " -- diagnose RUN --rerun proves them over the episode's horizon")
@@ -154,15 +177,15 @@ def episode_fix_line(ep) -> str:
 
 def episode_lines(ep, detail: bool = True) -> list[str]:
     """An episode in a few lines: what and why, the fix, the incidents it explains, the command."""
-    out = [episode_head(ep), f"  {episode_fix_line(ep)}"]
-    if detail and ep.how:
-        out.append(f"  how: {ep.how}")
-    if ep.incidents:
-        shown = ", ".join(map(str, ep.incidents[:12])) + (" ..." if len(ep.incidents) > 12 else "")
-        out.append(f"  incidents: {len(ep.incidents)} (steps {shown})")
-    out += [f"  note: {n}" for n in ep.notes[:3]]
-    if ep.command:
-        out.append(f"  run it ({ep.start}, into a new folder): {ep.command}")
+    p = episode_parts(ep)
+    out = [episode_head(ep), f"  {p['fix_label']}: {p['fix']}"]
+    if detail and p["why"]:
+        out.append(f"  how: {p['why']}")
+    if p["incidents"]:
+        out.append(f"  incidents: {p['incidents']}")
+    out += [f"  note: {n}" for n in p["notes"]]
+    if p["command"]:
+        out.append(f"  run it ({p['start']}, into a new folder): {p['command']}")
     return out
 
 
@@ -177,10 +200,17 @@ def episodes_block(eps: list, detail: bool = True) -> list[str]:
     return out
 
 
+#: an episode's flat columns and their kinds (``export``'s episodes table, the W&B table)
+EPISODE_COLUMNS = {"onset": "int", "last": "int", "kind": "str", "title": "str", "cause": "str", "cause_text": "str",
+                   "driver": "str", "established": "str", "incidents": "list", "fix": "str", "fix_flags": "list",
+                   "candidates": "list", "command": "str", "start": "str"}
+
+
 def episode_columns(ep) -> dict[str, Any]:
-    """An episode flattened (``export``'s episodes table, the dashboards' summary)."""
-    return {"onset": ep.onset, "last": ep.last, "kind": ep.kind, "title": ep.title, "cause": ep.cause or None,
-            "cause_text": ep.cause_text, "driver": ep.driver, "established": ep.established,
-            "incidents": list(ep.incidents), "fix": ep.fix.change if ep.fix else None,
-            "fix_flags": list(ep.fix.flags) if ep.fix else None, "candidates": [c.change for c in ep.candidates],
-            "command": ep.command, "start": ep.start}
+    """An episode flattened, :data:`EPISODE_COLUMNS` in order."""
+    out = {"onset": ep.onset, "last": ep.last, "kind": ep.kind, "title": ep.title, "cause": ep.cause or None,
+           "cause_text": ep.cause_text, "driver": ep.driver, "established": ep.established,
+           "incidents": list(ep.incidents), "fix": ep.fix.change if ep.fix else None,
+           "fix_flags": list(ep.fix.flags) if ep.fix else None, "candidates": [c.change for c in ep.candidates],
+           "command": ep.command, "start": ep.start}
+    return {k: out[k] for k in EPISODE_COLUMNS}

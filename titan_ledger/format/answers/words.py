@@ -38,13 +38,19 @@ def times(v: Any) -> str:
     return f"{v:.2g}x" if v < 10 else f"{round(v):,}x"
 
 
+#: the rules that single out a DP rank or a document (a flag of data, not of the whole model)
+EVIDENCE_RULES = frozenset({"rank_separation", "doc_high", "doc_low", "rank_loss"})
+#: the titles of an incident whose loss rose (a flag, the stall rule's climb)
+LOSS_SPIKE, LOSS_CLIMBING = "loss spike", "loss climbing back (stall rule)"
+
+
 def title_of(kind: str, event: dict[str, Any] | None, ctx: Context) -> str:
     """What the incident was, from the rules that fired and the loss's direction: a flag on
     a falling loss is a grad-norm jump, not a loss spike."""
     ev = event or {}
     if kind == "stall":
         st = ev.get("stall") or {}
-        return "loss climbing back (stall rule)" if st.get("kind") == "diverging" else "stall"
+        return LOSS_CLIMBING if st.get("kind") == "diverging" else "stall"
     rules = set(ev.get("rules") or ())
     # the rules' own reference: the recent median (``loss_recent``; older events: the window's)
     loss, med = ev.get("loss"), ev.get("loss_recent", ev.get("loss_median"))
@@ -56,10 +62,10 @@ def title_of(kind: str, event: dict[str, Any] | None, ctx: Context) -> str:
     if ev.get("promoted_by_proof"):
         return "a note its proof convicted"
     if up or "zscore_loss" in rules:
-        return "loss spike"
+        return LOSS_SPIKE
     if grad:
         return "grad-norm jump" + (" (the loss fell)" if down else " (the loss unmoved)")
-    if rules & {"rank_separation", "doc_high", "doc_low", "rank_loss"}:
+    if rules & EVIDENCE_RULES:
         return "data outlier"
     return "flagged step"
 
