@@ -226,3 +226,32 @@ def test_the_responses_own_alert_reaches_every_dashboard(tmp_path):
     assert fake.run.alerts == [("ERROR", "paused", "the response is thrashing")]
     assert texts == [("response/events", "the response is thrashing", 7)]
     dashboards.alert(types.SimpleNamespace(), "paused", "no dashboards on this rank")  # a no-op
+
+
+def test_the_runs_episodes_reach_the_wandb_summary_and_table_and_tensorboard_text(tmp_path):
+    """Issue 77: at the run's end its episodes (the same words every view prints) are in W&B's
+    run summary and an ``episodes/table``, and in TensorBoard's ``episodes`` text."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from titan_ledger.format.answers import render
+    from titan_ledger.format.answers.episodes import Episode
+
+    ep = Episode(onset=3, last=60, kind="broken", title="the model left its healthy regime at step 3", cause="lr",
+                 driver=None, established="health", how="", incidents=(25, 31))
+    w, fake = _wandb(tmp_path)
+    w.log({"ledger/loss": 7.0}, 60)
+    inner = types.SimpleNamespace(writer=SummaryWriter(str(tmp_path / "tb")), tag=None)
+    t = LedgerTensorBoard(inner, log_dir=str(tmp_path / "tb"), ledger_on=True, max_norm=1.0)
+    t.log({"ledger/loss": 7.0}, 60)
+    dashboards.log_episodes(_container(w, t), [ep])
+    t.close()
+    assert fake.run.summary["episodes/count"] == 1
+    assert fake.run.summary["episodes/text"] == "\n".join(render.episodes_block([ep], detail=False))
+    table = fake.rows[-1][1]["episodes/table"]
+    assert table[1] == tuple(render.EPISODE_COLUMNS) and table[2][0][:3] == (3, 60, "broken")
+    ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    ea.Reload()
+    (text,) = ea.Tensors("episodes/text_summary")
+    assert b"the learning rate -- not proven" in text.tensor_proto.string_val[0]
