@@ -102,3 +102,21 @@ def test_a_change_of_data_is_one_episode_with_nothing_to_fix():
     assert burst.kind == "burst"
     pinned = {s: {"rules": ["zscore_loss", "rank_separation"]} for s in range(402, 466)}
     assert episodes.episodes(flags, [], pinned, 800, CTX, level=lambda s: 3.06)[0].kind == "burst"
+
+
+def test_over_the_horizon_a_cause_stands_where_its_own_fix_worked_too_and_the_lrs_cut_drives_it():
+    """Adam's state proven in step; over the horizon both ε 1e-6 and the LR's cut removed it, the
+    cut ending lower: the cause stays Adam's state, the LR its driver, the cut the fix. Where
+    its own fix did not work over the horizon, the fix that did names the cause."""
+    def proof(eps_effect):
+        return HorizonProof(onset=420, horizon=(341, 470), start=340, chosen=1, steps=390, control={}, variants=(
+            {"variant": "eps", "cause": "optimizer_state", "flags": ["--optimizer.eps", "1e-6"],
+             "change": "--optimizer.eps 1e-6 (now 1e-8)", "effect": eps_effect, "final_loss": 0.00585},
+            {"variant": "lr", "cause": "lr", "flags": ["--optimizer.lr", "0.015"],
+             "change": "--optimizer.lr 0.015 (now 0.05)", "effect": "removed", "final_loss": 0.00579}))
+    adam = answer(420, "optimizer_state", "in_step", fix=EPS)
+    (ep,) = episodes.episodes([adam], [], {}, 800, CTX, {420: proof("removed")})
+    assert (ep.cause, ep.driver, ep.fix.variant, ep.established) == ("optimizer_state", "lr", "lr", "horizon")
+    assert ep.cause_text.startswith("LR-driven Adam's state")
+    (ep,) = episodes.episodes([adam], [], {}, 800, CTX, {420: proof("not removed")})
+    assert (ep.cause, ep.driver, ep.fix.variant) == ("lr", None, "lr")

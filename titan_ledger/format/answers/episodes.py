@@ -314,8 +314,14 @@ def build_episode(g: _Group, ctx: Context, proof: HorizonProof | None = None, ex
         v = proof.variants[proof.chosen]
         fix = Fix(v["variant"], v.get("cause") or ep.cause or "", tuple(v["flags"]), v["change"], v["effect"],
                   v.get("detail", ""), resumes=v.get("resumes", True))
-        cause = fix.cause or ep.cause
-        ep = replace(ep, cause=cause, driver=ep.driver if cause == ep.cause else None, established="horizon",
+        # the cause its incidents established stands where its own fix also worked over the horizon
+        # (the better fix, the LR's cut, then names the driver: "LR-driven Adam's state"); else the
+        # horizon's fix names it
+        own = ep.cause and any(x.get("cause") == ep.cause and x.get("effect") in ("removed", "lowered")
+                               for x in proof.variants)
+        cause, driver = (ep.cause, "lr" if fix.cause == "lr" and ep.cause != "lr" else ep.driver) if own else \
+            (fix.cause or ep.cause, None)
+        ep = replace(ep, cause=cause, driver=driver, established="horizon",
                      fix=fix, candidates=(), how="; ".join(x for x in (ep.how, v.get("detail", "")) if x))
     if ep.fix is not None and ep.established in ("health", "none", "tree", "unseparated"):
         ep = replace(ep, candidates=(ep.fix, *ep.candidates), fix=None)  # unproven: no command
