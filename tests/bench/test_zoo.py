@@ -30,8 +30,11 @@ def test_a_real_instability_is_flagged_proven_not_data_and_fingerprinted(tmp_pat
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")][0]
-    assert res["train_rc"] == 0 and res["error"] is None and res["flagged_step"] == 17, res
-    assert res["proof"]["proof_step"] == 17 and res["proof"]["proof_verdict"] == "not_data", res["proof"]
+    # (LR 1.0 is chaotic: the first flag's step moves with the CPU's float rounding -- 17 on the
+    # machine this was written on, 22 on an AMD EPYC host at the same commit, 39a8d72)
+    first = res["flagged_step"]
+    assert res["train_rc"] == 0 and res["error"] is None and first is not None and 15 <= first <= 25, res
+    assert res["proof"]["proof_step"] == first and res["proof"]["proof_verdict"] == "not_data", res["proof"]
     assert res["proof"]["proof_match"], res["proof"]
     # the tree reads the update's size (issue 51: F2): the LR, not the logits it drove up; the
     # rerun starts where that began (step 1: the first step's checkpoint), and the LR the tree
@@ -42,7 +45,7 @@ def test_a_real_instability_is_flagged_proven_not_data_and_fingerprinted(tmp_pat
     assert res["rerun_variants"][0] == "same" and res["rerun_variants"][1].startswith("lr="), res
     assert 0.03 < float(res["rerun_variants"][1][3:]) < 0.2, res
     fp = res["fingerprint"]
-    assert fp["step"] == 17 and fp["max_logit"]["at"] > 1000 and fp["max_logit"]["before_max"] > 1000, fp
+    assert fp["step"] == first and fp["max_logit"]["at"] > 1000 and fp["max_logit"]["before_max"] > 1000, fp
     assert fp["grad_norm"]["at"] > 2 * fp["grad_norm"]["before_median"], fp
     assert fp["update_norm"]["at"] is not None and fp["update_norm"]["at"] > 0, fp  # --ledger.update_norm is on
     zoo = load_bench("zoo")
