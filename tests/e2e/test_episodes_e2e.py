@@ -1,7 +1,7 @@
 """The run's answer end to end (issue 77): the README's first command at an LR that breaks the
 model in its first steps, and no spike rule fires.
 
-One real run (debug_cpu, DP 2, 20 steps, ``--optimizer.lr 0.05``): the trainer warns once that
+One real run (debug_cpu, DP 2, 12 steps, ``--optimizer.lr 0.05``): the trainer warns once that
 the model left its healthy regime (dated step 3: the loss above its first steps', the weights
 moving 0.5% a step), and every view leads with that episode; ``diagnose RUN --rerun`` states
 its budget, relaunches the candidate fixes as their commands would (from scratch: no
@@ -26,7 +26,7 @@ from titan_ledger.format.reader import RunLedger
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 12
 FLAGS = ["--job.config_file", str(CONFIGS / "debug_cpu.toml"), "--training.local_batch_size", "2",
          "--training.seq_len", "128", "--optimizer.lr", "0.05", "--training.steps", str(STEPS)]
 
@@ -47,7 +47,7 @@ def test_the_trainer_warns_once_the_model_left_its_healthy_regime_and_the_views_
     assert len(warned) == 1 and "at step 3:" in warned[0] and "the loss" in warned[0], warned
     assert not any("loss spike" in x and "WARNING" in x for x in out.splitlines())  # no spike rule fired
     rc, text, _ = cli(diagnose.main, [d])
-    assert rc == 0 and text.startswith("episodes: 1\nepisode 1, steps 3-20: the model left its healthy regime "
+    assert rc == 0 and text.startswith(f"episodes: 1\nepisode 1, steps 3-{STEPS}: the model left its healthy regime "
                                        "at step 3 (no spike rule fired): the learning rate"), text[:400]
     assert "--optimizer.lr 0.005 (now 0.05)" in text and "diagnose RUN --rerun proves them" in text
     rc, js, _ = cli(diagnose.main, [d, "--json"])
