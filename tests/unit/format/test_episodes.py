@@ -120,3 +120,22 @@ def test_over_the_horizon_a_cause_stands_where_its_own_fix_worked_too_and_the_lr
     assert ep.cause_text.startswith("LR-driven Adam's state")
     (ep,) = episodes.episodes([adam], [], {}, 800, CTX, {420: proof("not removed")})
     assert (ep.cause, ep.driver, ep.fix.variant) == ("lr", None, "lr")
+
+
+def test_a_burst_nothing_in_the_configuration_removes_is_a_change_of_data():
+    """Docstrings, then Russian, at DP 2 (bench/adversarial.py's shift_language, held out): the
+    loss 5.7 -> 11.5 at the shift and 3-5 fifty steps on (the new text learned fast: no change of
+    level), 8 flags no rule pinned on a rank or a document. Its horizon proof tried the LR's cuts
+    and neither removed it: not the configuration -- one shift episode, nothing to fix. A fix that
+    worked would have named the configuration instead."""
+    flags = [answer(s, title="loss spike") for s in (203, 204, 205, 206, 207, 211, 212, 213)]
+    events = {a.step: {"rules": ["zscore_loss", "ratio"]} for a in flags}
+    tried = ({"variant": "lr", "cause": "lr", "flags": ["--optimizer.lr", "0.0009"],
+              "change": "--optimizer.lr 0.0009 (now 0.003)", "effect": "not removed"},)
+    none = HorizonProof(onset=203, horizon=(201, 263), start=200, variants=tried, control={}, chosen=None, steps=63)
+    (ep,) = episodes.episodes(flags, [], events, 800, CTX, {203: none}, level=lambda s: 0.91)
+    assert ep.kind == "shift" and "not the configuration" in ep.how and ep.fix is None
+    worked = HorizonProof(onset=203, horizon=(201, 263), start=200, control={}, chosen=0, steps=63,
+                          variants=({**tried[0], "effect": "removed"},))
+    (ep,) = episodes.episodes(flags, [], events, 800, CTX, {203: worked}, level=lambda s: 0.91)
+    assert ep.kind == "burst" and ep.established == "horizon" and ep.cause == "lr"

@@ -164,7 +164,8 @@ def shift_like(a: Answer, event: dict[str, Any] | None) -> bool:
     otherwise)."""
     ev = event or {}
     rules = set(ev.get("rules") or ()) | set(ev.get("notes") or ())
-    return a.kind == "spike" and not (rules & EVIDENCE_RULES) and not a.cause and a.established in (
+    rose = a.kind == "spike" or a.title == LOSS_CLIMBING  # (a flag, or the stall rule's loss climbing back)
+    return rose and not (rules & EVIDENCE_RULES) and not a.cause and a.established in (
         "none", "in_step", "unseparated", "tree")
 
 
@@ -174,22 +175,29 @@ def shift_like(a: Answer, event: dict[str, Any] | None) -> bool:
 SHIFT_SHARE = 0.8
 
 
-def is_shift(g: _Group, events: dict[int, dict[str, Any]], level: Callable[[int], float | None] | None) -> bool:
+def is_shift(g: _Group, events: dict[int, dict[str, Any]], level: Callable[[int], float | None] | None,
+             proof: HorizonProof | None = None) -> bool:
     """A burst that is a change of data: no incident with a cause established, most of them
-    shift-like, the first a loss that rose, and the loss's level changed at the onset
-    (``level``: the median after over the median before)."""
+    shift-like, the first a loss that rose, and either the loss's level changed at the onset
+    (``level``: the median after over the median before) or its horizon proof found nothing in
+    the configuration that removes it (``proof``: every fix tried, none worked -- the loss of
+    new data the model learns fast falls back below its old level: docstrings, then Russian,
+    at DP 2 -- 11.5 at the shift, 3-5 fifty steps on)."""
     if not g.answers or g.answers[0].title not in (LOSS_SPIKE, LOSS_CLIMBING):
         return False
     if any(a.cause for a in g.answers):
         return False
     if sum(shift_like(a, events.get(a.step)) for a in g.answers) < SHIFT_SHARE * len(g.answers):
         return False
+    if proof is not None and proof.variants and proof.chosen is None:
+        return True
     ratio = level(g.onset) if level is not None else None
     return ratio is not None and ratio >= 1 + LEVEL_RISE
 
 
 def group(answers: list[Answer], spans: list[Span], events: dict[int, dict[str, Any]], end: int,
-          level: Callable[[int], float | None] | None = None) -> list[_Group]:
+          level: Callable[[int], float | None] | None = None,
+          proofs: dict[int, HorizonProof] | None = None) -> list[_Group]:
     """The incidents (``answers``, any order) and the broken stretches as episode groups, in
     step order (pure); ``level(step)``: the loss's median after the step over its median before."""
     out: list[_Group] = []
@@ -213,7 +221,7 @@ def group(answers: list[Answer], spans: list[Span], events: dict[int, dict[str, 
         open_ = _Group("burst", a.step, a.step, [a])
         out.append(open_)
     for g in out:
-        if g.kind == "burst" and is_shift(g, events, level):
+        if g.kind == "burst" and is_shift(g, events, level, (proofs or {}).get(g.onset)):
             g.kind = "shift"
     for g in broken:
         g.last = max([g.last if g.health.last is not None else end] + [a.step for a in g.answers])
@@ -299,9 +307,11 @@ def build_episode(g: _Group, ctx: Context, proof: HorizonProof | None = None, ex
         return replace(ep, cause=a.cause, established=a.established, how=a.how, fix=a.fix, start=a.start,
                        command=a.command, new_dump=a.new_dump)
     if g.kind == "shift":
+        tried = (f"; no fix tried over its horizon removed it ({'; '.join(v.get('change', '') for v in proof.variants)}"
+                 f"): not the configuration" if proof is not None and proof.variants else "")
         return replace(ep, how=(f"the loss rose on every rank together from step {g.onset} ({len(incidents)} "
-                                f"flag(s) to step {g.last}), no rank or document singled out, the model healthy: "
-                                f"the data changed"))
+                                f"flag(s) to step {g.last}), no rank or document singled out, the model healthy"
+                                f"{tried}: the data changed"))
     if g.kind == "broken":
         ep = _broken(ep, g, ctx)
     elif (best := _best(g.answers)) is not None:
@@ -337,7 +347,8 @@ def episodes(answers: list[Answer], spans: list[Span], events: dict[int, dict[st
     the run's last step, ``proofs`` the horizon proofs recorded, by onset, ``level`` the
     loss's change of level at a step (:func:`is_shift`)."""
     proofs = proofs or {}
-    return [build_episode(g, ctx, proofs.get(g.onset), exists) for g in group(answers, spans, events, end, level)]
+    return [build_episode(g, ctx, proofs.get(g.onset), exists)
+            for g in group(answers, spans, events, end, level, proofs)]
 
 
 @dataclass(slots=True)
